@@ -1,0 +1,211 @@
+"""Per-request KV bookkeeping and the single release path (DESIGN §3, §4).
+
+A request's page table `pages[i]` holds tokens `[i * page_size, (i + 1) * page_size)`:
+
+    | CACHED: tree pages, locked | PRIVATE: committed  | PRIVATE: allocated, not committed |
+    0                 cache_protected_len        kv_committed_len                  kv_allocated_len
+
+    0 <= cache_protected_len <= kv_committed_len <= kv_allocated_len
+    cache_protected_len % page_size == 0                      (the tree holds whole pages only)
+    len(pages) == ceil(kv_allocated_len / page_size)
+
+Pages below `cache_protected_len` belong to the tree; the request only holds a lock on them. Pages
+from `cache_protected_len` on are the request's own and leave only through `free_tail` (shortening)
+or `release` (the end, whatever the reason).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kv_store.page_pool import KVOwnershipError, PagePool, PageState
+from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache, TreeNode
+
+
+class ReleaseReason(enum.Enum):
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    RETRACTED = "retracted"
+    TIMEOUT = "timeout"
+    TRANSFER_FAILED = "transfer_failed"
+
+
+class ReqKVState(enum.Enum):
+    ACTIVE = "active"
+    RELEASED = "released"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(eq=False)
+class ReqKV:
+    """KV owned by one request in one pool. Mutated only by `KVManager`."""
+
+    req_id: object
+    page_size: int
+    locked_node: TreeNode
+    pages: list[int] = field(default_factory=list)
+    kv_committed_len: int = 0
+    kv_allocated_len: int = 0
+    state: ReqKVState = ReqKVState.ACTIVE
+    _cache_protected_len: int = 0
+
+    @property
+    def cache_protected_len(self) -> int:
+        return self._cache_protected_len
+
+    @cache_protected_len.setter
+    def cache_protected_len(self, num_tokens: int) -> None:
+        if num_tokens % self.page_size:
+            raise KVOwnershipError(
+                f"request {self.req_id!r}: cache_protected_len {num_tokens} is not a multiple of page_size "
+                f"{self.page_size}: the tree holds whole pages only (a partial page passed as a prefix hit?)")
+        self._cache_protected_len = num_tokens
+
+    @property
+    def num_protected_pages(self) -> int:
+        return self._cache_protected_len // self.page_size
+
+    def own_pages(self) -> list[int]:
+        """Pages this request owns outright: `pages[cache_protected_len / page_size:]`."""
+        return self.pages[self.num_protected_pages:]
+
+
+class KVManager:
+    """Allocates, shortens and releases request KV in one pool + prefix cache.
+
+    Not thread-safe: owned by one scheduler. `live` maps req_id -> ReqKV for every ACTIVE request.
+    """
+
+    def __init__(self, pool: PagePool, prefix_cache: RadixPrefixCache | NullPrefixCache):
+        assert prefix_cache.pool is pool, "prefix cache built over a different pool"
+        self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.page_size = pool.page_size
+        self.live: dict[object, ReqKV] = {}
+
+    def open(self, req_id: object) -> ReqKV:
+        if req_id in self.live:
+            raise KVOwnershipError(f"request {req_id!r} already holds KV: opened twice without release?")
+        kv = ReqKV(req_id=req_id, page_size=self.page_size, locked_node=self.prefix_cache.root)
+        self.live[req_id] = kv
+        return kv
+
+    def match_prefix(self, kv: ReqKV, token_ids: list[int]) -> int:
+        """Reuse the longest cached prefix of `token_ids`, leaving at least one token to compute
+        (its logits are needed). Locks the matched path. Returns the number of cached tokens."""
+        assert kv.kv_allocated_len == 0, f"request {kv.req_id!r}: prefix match after allocation"
+        match = self.prefix_cache.match(token_ids, len(token_ids) - 1)
+        self.prefix_cache.lock(match.node)
+        kv.locked_node = match.node
+        kv.pages = list(match.pages)
+        kv.cache_protected_len = match.num_tokens
+        kv.kv_committed_len = kv.kv_allocated_len = match.num_tokens
+        return match.num_tokens
+
+    def try_allocate(self, kv: ReqKV, new_allocated_len: int) -> bool:
+        """Grow the reservation to `new_allocated_len` tokens, evicting unlocked cached pages if
+        needed. Returns False (and changes nothing) when the pool cannot supply the pages."""
+        self._expect_active(kv, "allocate")
+        assert new_allocated_len >= kv.kv_allocated_len, "try_allocate cannot shrink: use free_tail"
+        need = ceil_div(new_allocated_len, self.page_size) - len(kv.pages)
+        if need > self.pool.num_free:
+            self.prefix_cache.evict(need - self.pool.num_free)
+            if need > self.pool.num_free:
+                return False
+        kv.pages.extend(self.pool.alloc(need, kv.req_id))
+        kv.kv_allocated_len = new_allocated_len
+        return True
+
+    def commit(self, kv: ReqKV, kv_committed_len: int) -> None:
+        """KV for tokens [0, kv_committed_len) is now valid."""
+        assert kv.cache_protected_len <= kv_committed_len <= kv.kv_allocated_len, (
+            f"request {kv.req_id!r}: commit {kv_committed_len} outside "
+            f"[{kv.cache_protected_len}, {kv.kv_allocated_len}]: wrote KV into unallocated slots?")
+        kv.kv_committed_len = kv_committed_len
+
+    def free_tail(self, kv: ReqKV, new_len: int) -> list[int]:
+        """Shorten the request to `new_len` tokens (spec rejection, retract, session rewind).
+
+        Keeps `ceil(new_len / page_size)` pages, so a page still holding committed tokens is never
+        freed; frees `pages[ceil(new_len / ps):]`. Returns the freed pages.
+        """
+        self._expect_active(kv, "free_tail")
+        if not kv.cache_protected_len <= new_len <= kv.kv_allocated_len:
+            raise KVOwnershipError(
+                f"request {kv.req_id!r}: free_tail to {new_len} outside [{kv.cache_protected_len}, "
+                f"{kv.kv_allocated_len}]: would free tree-protected pages or grow the request")
+        keep = ceil_div(new_len, self.page_size)
+        freed = kv.pages[keep:]
+        self.pool.free(freed, kv.req_id)
+        del kv.pages[keep:]
+        kv.kv_allocated_len = new_len
+        kv.kv_committed_len = min(kv.kv_committed_len, new_len)
+        return freed
+
+    def release(self, kv: ReqKV, reason: ReleaseReason, token_ids: list[int], cache: bool = True) -> None:
+        """The one way a request's KV ends. Idempotent: a second call is a no-op.
+
+        With `cache`, the committed whole pages go into the prefix tree (those already cached
+        there are freed as duplicates); everything else the request owns is freed; the tree lock
+        is dropped. `token_ids` are the request's tokens (at least `kv_committed_len` of them).
+
+            | tree's (unlock) | dup: free | tree takes | partial page + uncommitted: free |
+            0               cpl        existing     aligned                           allocated
+        """
+        if kv.state is ReqKVState.RELEASED:
+            return
+        in_flight = [p for p in kv.own_pages() if self.pool.state(p) is PageState.IN_FLIGHT]
+        if in_flight:
+            raise KVOwnershipError(f"request {kv.req_id!r} released ({reason.value}) while pages {in_flight} are "
+                                   "IN_FLIGHT: retire their transfer handles first")
+        assert len(token_ids) >= kv.kv_committed_len, (
+            f"request {kv.req_id!r}: release with {len(token_ids)} tokens < kv_committed_len {kv.kv_committed_len}")
+        ps, cpl = self.page_size, kv.cache_protected_len
+        aligned = kv.kv_committed_len // ps * ps if cache else cpl
+        existing = self.prefix_cache.insert(list(token_ids[:aligned]), kv.pages[:aligned // ps], kv.req_id)
+        assert cpl <= existing <= aligned, (
+            f"request {kv.req_id!r}: tree had {existing} tokens of its prefix, protected {cpl}: locked path evicted?")
+        self.pool.free(kv.pages[cpl // ps:existing // ps] + kv.pages[aligned // ps:], kv.req_id)
+        self.prefix_cache.unlock(kv.locked_node)
+        kv.pages, kv.locked_node = [], self.prefix_cache.root
+        kv.state = ReqKVState.RELEASED
+        del self.live[kv.req_id]
+
+    def check_integrity(self) -> None:
+        """Pool, tree and every live request agree (DESIGN §3). Raises AssertionError naming the cause."""
+        self.pool.check_integrity()
+        locks: dict[int, int] = {}
+        for kv in self.live.values():
+            locks[kv.locked_node.id] = locks.get(kv.locked_node.id, 0) + 1
+        self.prefix_cache.check_integrity(locks)
+        owned = sum(self._check_request(kv) for kv in self.live.values())
+        usage = self.pool.usage()
+        assert owned == usage.private + usage.in_flight, (
+            f"live requests own {owned} pages but the pool has {usage.private} PRIVATE + {usage.in_flight} IN_FLIGHT: "
+            "pages leaked by a request that ended without release()?")
+
+    def _check_request(self, kv: ReqKV) -> int:
+        rid, ps = kv.req_id, self.page_size
+        assert kv.state is ReqKVState.ACTIVE, f"request {rid!r} RELEASED but still live"
+        assert kv.cache_protected_len % ps == 0, (
+            f"request {rid!r}: cache_protected_len {kv.cache_protected_len} not page-aligned (page_size {ps})")
+        assert 0 <= kv.cache_protected_len <= kv.kv_committed_len <= kv.kv_allocated_len, (
+            f"request {rid!r}: lengths out of order: protected {kv.cache_protected_len}, committed "
+            f"{kv.kv_committed_len}, allocated {kv.kv_allocated_len}")
+        assert len(kv.pages) == ceil_div(kv.kv_allocated_len, ps), (
+            f"request {rid!r}: {len(kv.pages)} pages for {kv.kv_allocated_len} allocated tokens")
+        for i, p in enumerate(kv.pages):
+            st = self.pool.state(p)
+            want = (PageState.CACHED,) if i < kv.num_protected_pages else (PageState.PRIVATE, PageState.IN_FLIGHT)
+            assert st in want, f"request {rid!r} page table slot {i} -> page {p} is {st.value}, expected {want}"
+            if st is not PageState.CACHED:
+                assert self.pool.owner(p) == rid, f"request {rid!r} lists page {p} owned by {self.pool.owner(p)!r}"
+        return len(kv.own_pages())
+
+    def _expect_active(self, kv: ReqKV, action: str) -> None:
+        if kv.state is not ReqKVState.ACTIVE:
+            raise KVOwnershipError(f"request {kv.req_id!r}: {action} after release (finished/aborted/retracted)")

@@ -1,0 +1,237 @@
+"""Page pool, radix prefix cache and the release path, without a model."""
+
+import pytest
+
+from kv_store.page_pool import KVOwnershipError, OutOfPages, PagePool, PageState
+from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
+from kv_store.req_kv import KVManager, ReleaseReason
+
+
+def make_kv(num_pages=11, page_size=4, cache=True) -> KVManager:
+    pool = PagePool(num_pages=num_pages, page_size=page_size)
+    return KVManager(pool, RadixPrefixCache(pool) if cache else NullPrefixCache(pool))
+
+
+@pytest.fixture
+def kvm():
+    m = make_kv()
+    yield m
+    m.check_integrity()
+
+
+def test_alloc_in_order_and_page_zero_never_handed_out(kvm):
+    a = kvm.open("a")
+    assert kvm.try_allocate(a, 9)
+    assert a.pages == [1, 2, 3]
+    b = kvm.open("b")
+    assert kvm.try_allocate(b, 28)  # 7 pages: 3 + 7 = all 10 usable
+    assert 0 not in b.pages and kvm.pool.num_free == 0
+    assert not kvm.try_allocate(b, 29)  # no page left, nothing cached to evict
+    assert len(b.pages) == 7 and b.kv_allocated_len == 28
+    kvm.release(a, ReleaseReason.ABORTED, [], cache=False)
+    kvm.release(b, ReleaseReason.ABORTED, [], cache=False)
+    assert kvm.pool.num_free == 10
+
+
+def test_double_free_names_the_cause():
+    pool = PagePool(num_pages=5, page_size=1)
+    pages = pool.alloc(2, "r")
+    pool.free(pages, "r")
+    with pytest.raises(KVOwnershipError, match=r"page 1 freed twice: released after retract"):
+        pool.free([1], "r")
+    pool.check_integrity()
+
+
+def test_free_in_flight_page_raises_until_retired():
+    pool = PagePool(num_pages=5, page_size=4)
+    pages = pool.alloc(2, "r")
+    handle = pool.hand_off(pages, "r", "xfer-7")
+    assert pool.state(pages[0]) is PageState.IN_FLIGHT
+    with pytest.raises(KVOwnershipError, match=r"IN_FLIGHT.*xfer-7.*completion event"):
+        pool.free(pages, "r")
+    assert pool.retire(handle) == pages
+    with pytest.raises(KVOwnershipError, match="retired twice"):
+        pool.retire(handle)
+    pool.free(pages, "r")
+    assert pool.check_integrity().free == 4
+
+
+def test_page_returns_only_when_every_handle_retired():
+    pool = PagePool(num_pages=4, page_size=2)
+    pages = pool.alloc(2, "r")
+    pool.hand_off(pages, "r", "h1")
+    pool.hand_off(pages[:1], "r", "h2")
+    assert pool.retire("h1") == [pages[1]]
+    assert pool.state(pages[0]) is PageState.IN_FLIGHT
+    assert pool.retire("h2") == [pages[0]]
+    pool.free(pages, "r")
+    pool.check_integrity()
+
+
+def test_release_while_in_flight_raises_and_changes_nothing(kvm):
+    a = kvm.open("a")
+    kvm.try_allocate(a, 8)
+    kvm.pool.hand_off(a.pages[1:], "a", "h")
+    with pytest.raises(KVOwnershipError, match=r"IN_FLIGHT: retire"):
+        kvm.release(a, ReleaseReason.ABORTED, [0] * 8)
+    kvm.check_integrity()
+    kvm.pool.retire("h")
+    kvm.release(a, ReleaseReason.ABORTED, [0] * 8, cache=False)
+
+
+def test_unaligned_protected_length_raises(kvm):
+    a = kvm.open("a")
+    with pytest.raises(KVOwnershipError, match=r"cache_protected_len 6 is not a multiple of page_size 4"):
+        a.cache_protected_len = 6
+    a._cache_protected_len = 6  # bypassing the setter is caught by the integrity check
+    with pytest.raises(AssertionError, match="not page-aligned"):
+        kvm.check_integrity()
+    a._cache_protected_len = 0
+    kvm.release(a, ReleaseReason.ABORTED, [])
+
+
+def test_release_is_idempotent_and_caches_whole_pages(kvm):
+    toks = list(range(100, 110))  # 10 tokens = 2 full pages + 2
+    a = kvm.open("a")
+    kvm.try_allocate(a, 11)
+    kvm.commit(a, 10)
+    assert a.pages == [1, 2, 3]
+    kvm.release(a, ReleaseReason.FINISHED, toks)
+    kvm.release(a, ReleaseReason.FINISHED, toks)  # no-op
+    assert kvm.pool.state(1) is PageState.CACHED and kvm.pool.state(2) is PageState.CACHED
+    assert kvm.pool.state(3) is PageState.FREE  # partial page freed, not cached
+    b = kvm.open("b")
+    assert kvm.match_prefix(b, toks + [7]) == 8
+    assert b.pages == [1, 2] and b.cache_protected_len == 8
+    kvm.check_integrity()
+    kvm.release(b, ReleaseReason.FINISHED, toks[:8])
+
+
+def test_match_leaves_one_token_to_compute(kvm):
+    toks = list(range(8))
+    a = kvm.open("a")
+    kvm.try_allocate(a, 8)
+    kvm.commit(a, 8)
+    kvm.release(a, ReleaseReason.FINISHED, toks)
+    b = kvm.open("b")
+    assert kvm.match_prefix(b, toks) == 4  # 8 cached, but the last token must be recomputed
+    kvm.release(b, ReleaseReason.ABORTED, toks)
+
+
+def test_duplicate_insert_frees_private_copy(kvm):
+    toks = list(range(8))
+    a, b = kvm.open("a"), kvm.open("b")
+    for r in (a, b):
+        kvm.try_allocate(r, 8)
+        kvm.commit(r, 8)
+    kvm.release(a, ReleaseReason.FINISHED, toks)
+    kvm.release(b, ReleaseReason.FINISHED, toks)
+    assert kvm.prefix_cache.cached_pages() == 2
+    assert kvm.pool.usage().free == 8
+
+
+def test_free_tail_keeps_partial_page_and_refuses_protected(kvm):
+    toks = list(range(8))
+    a = kvm.open("a")
+    kvm.try_allocate(a, 8)
+    kvm.commit(a, 8)
+    kvm.release(a, ReleaseReason.FINISHED, toks)
+    b = kvm.open("b")
+    kvm.match_prefix(b, toks + [9, 9])  # protects 8
+    kvm.try_allocate(b, 15)
+    kvm.commit(b, 10)
+    assert kvm.free_tail(b, 13) == []  # ceil(13/4) = 4 pages still needed
+    fourth = b.pages[3]
+    assert kvm.free_tail(b, 9) == [fourth]
+    assert kvm.pool.state(fourth) is PageState.FREE
+    assert len(b.pages) == 3 and b.kv_allocated_len == 9 and b.kv_committed_len == 9
+    with pytest.raises(KVOwnershipError, match="tree-protected"):
+        kvm.free_tail(b, 7)
+    kvm.release(b, ReleaseReason.RETRACTED, toks + [9])
+
+
+def test_lru_eviction_spares_locked_and_recent(kvm):
+    seqs = {name: [i * 10 + k for k in range(8)] for i, name in enumerate("abc")}
+    for name, toks in seqs.items():
+        r = kvm.open(name)
+        kvm.try_allocate(r, 8)
+        kvm.commit(r, 8)
+        kvm.release(r, ReleaseReason.FINISHED, toks)
+    holder = kvm.open("hold")
+    assert kvm.match_prefix(holder, seqs["a"] + [1]) == 8  # locks a, and touches it (most recent)
+    kvm.prefix_cache.match(seqs["b"], 8)  # touch b: c is now least recently used
+    assert kvm.prefix_cache.evict(1) == 1  # the tail page of c, the least recently used leaf
+    assert kvm.prefix_cache.match(seqs["c"], 8).num_tokens == 4
+    assert kvm.prefix_cache.evict(1) == 1
+    assert kvm.prefix_cache.match(seqs["c"], 8).num_tokens == 0
+    assert kvm.prefix_cache.match(seqs["b"], 8).num_tokens == 8
+    assert kvm.prefix_cache.evict(100) == 2  # only b; a is locked
+    assert kvm.prefix_cache.match(seqs["a"], 8).num_tokens == 8
+    kvm.release(holder, ReleaseReason.FINISHED, seqs["a"] + [1])
+    assert kvm.prefix_cache.evict(100) == 2
+    assert kvm.pool.num_free == kvm.pool.num_usable
+
+
+def test_split_keeps_locks_consistent(kvm):
+    long = list(range(12))
+    a = kvm.open("a")
+    kvm.try_allocate(a, 12)
+    kvm.commit(a, 12)
+    kvm.release(a, ReleaseReason.FINISHED, long)
+    b = kvm.open("b")
+    assert kvm.match_prefix(b, long[:4] + [99, 98, 97]) == 4  # splits the 3-page node after page 1
+    kvm.check_integrity()
+    c = kvm.open("c")
+    assert kvm.match_prefix(c, long + [5]) == 12
+    kvm.check_integrity()
+    assert kvm.prefix_cache.evict(100) == 0  # everything locked
+    kvm.release(b, ReleaseReason.ABORTED, long[:4])
+    kvm.release(c, ReleaseReason.ABORTED, long)
+    assert kvm.prefix_cache.evict(100) == 3
+
+
+def test_allocation_evicts_unlocked_cache():
+    kvm = make_kv(num_pages=5, page_size=2)
+    a = kvm.open("a")
+    kvm.try_allocate(a, 8)
+    kvm.commit(a, 8)
+    kvm.release(a, ReleaseReason.FINISHED, list(range(8)))
+    assert kvm.pool.num_free == 0
+    b = kvm.open("b")
+    assert kvm.try_allocate(b, 6)
+    assert kvm.prefix_cache.cached_pages() == 1
+    kvm.check_integrity()
+    kvm.release(b, ReleaseReason.ABORTED, [], cache=False)
+    kvm.check_integrity()
+
+
+def test_null_prefix_cache_frees_everything():
+    kvm = make_kv(cache=False)
+    a = kvm.open("a")
+    kvm.try_allocate(a, 8)
+    kvm.commit(a, 8)
+    kvm.release(a, ReleaseReason.FINISHED, list(range(8)))
+    b = kvm.open("b")
+    assert kvm.match_prefix(b, list(range(9))) == 0
+    assert kvm.pool.num_free == kvm.pool.num_usable
+    kvm.release(b, ReleaseReason.FINISHED, [])
+    kvm.check_integrity()
+
+
+def test_leak_is_detected(kvm):
+    a = kvm.open("a")
+    kvm.try_allocate(a, 4)
+    del kvm.live["a"]  # a request that vanished without release()
+    with pytest.raises(AssertionError, match="leaked"):
+        kvm.check_integrity()
+    kvm.live["a"] = a
+    kvm.release(a, ReleaseReason.ABORTED, [])
+
+
+def test_bad_pool_shapes():
+    with pytest.raises(ValueError, match="power of two"):
+        PagePool(num_pages=8, page_size=3)
+    with pytest.raises(ValueError, match="scratch page"):
+        PagePool(num_pages=1, page_size=4)
+    with pytest.raises(OutOfPages):
+        PagePool(num_pages=3, page_size=1).alloc(3, "r")

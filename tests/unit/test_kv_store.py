@@ -160,8 +160,11 @@ def test_lru_eviction_spares_locked_and_recent(kvm):
     holder = kvm.open("hold")
     assert kvm.match_prefix(holder, seqs["a"] + [1]) == 8  # locks a, and touches it (most recent)
     kvm.prefix_cache.match(seqs["b"], 8)  # touch b: c is now least recently used
-    assert kvm.prefix_cache.evict(1) == 1  # the tail page of c, the least recently used leaf
-    assert kvm.prefix_cache.match(seqs["c"], 8).num_tokens == 4
+    c_pages = kvm.prefix_cache.match(seqs["c"], 8).pages
+    kvm.prefix_cache.match(seqs["b"], 8)  # touch b again: c is the least recently used leaf
+    assert kvm.prefix_cache.evict(1) == 1  # only the tail page of c
+    assert [kvm.pool.state(p) for p in c_pages] == [PageState.CACHED, PageState.FREE]
+    kvm.prefix_cache.match(seqs["b"], 8)
     assert kvm.prefix_cache.evict(1) == 1
     assert kvm.prefix_cache.match(seqs["c"], 8).num_tokens == 0
     assert kvm.prefix_cache.match(seqs["b"], 8).num_tokens == 8

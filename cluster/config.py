@@ -1,0 +1,105 @@
+"""Frozen, validated configuration shared by every package (the bottom of the import graph).
+
+"Auto" values are resolved once into a new config object (`EngineConfig.resolve`); live objects
+(models, pools, streams) are passed beside config, never inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of bounds; the message names the field and the bound."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops."""
+
+    max_tokens: int = 64
+    """Completion tokens to generate at most (>= 1)."""
+    temperature: float = 0.0
+    """0 means greedy; otherwise logits are divided by it (>= 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    seed: int | None = None
+    """Makes sampled output reproducible; without it each request draws its own seed."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the returned text ends before the first one found."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation (in addition to EOS unless `ignore_eos`)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks use it for exact output lengths)."""
+
+    def __post_init__(self):
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _require(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty: {self.stop!r}")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 f"stop_token_ids must be non-negative integers: {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One worker's engine: KV pool shape, batching, prefix cache."""
+
+    model: str = "smollm2"
+    """`smollm2` (the bundled SmolLM2-135M-Instruct) or a local HF directory."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str = "torch"
+    page_size: int = 16
+    """Tokens per KV page; a power of two."""
+    num_pages: int | None = None
+    """KV pages in the device pool including scratch page 0; None: sized from `kv_memory_gib`."""
+    kv_memory_gib: float = 2.0
+    """Memory for the KV pool when `num_pages` is None."""
+    chunk_size: int = 512
+    """Prefill tokens per scheduler step (chunked prefill); decode tokens are not counted."""
+    max_running_requests: int = 64
+    """Requests in the running batch at most."""
+    max_model_len: int | None = None
+    """Prompt + completion tokens at most; None: the model's max_position_embeddings."""
+    enable_prefix_cache: bool = True
+    debug_kv: bool = False
+    """Check KV integrity after every scheduler step (also set by TANDEM_DEBUG_KV=1)."""
+
+    def __post_init__(self):
+        _require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+                 f"page_size must be a power of two >= 1, got {self.page_size}")
+        _require(self.num_pages is None or self.num_pages >= 2,
+                 f"num_pages must be >= 2 (scratch page + one usable), got {self.num_pages}")
+        _require(self.kv_memory_gib > 0, f"kv_memory_gib must be > 0, got {self.kv_memory_gib}")
+        _require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
+        _require(self.max_running_requests >= 1, f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.max_model_len is None or self.max_model_len >= 2,
+                 f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def resolve(self, bytes_per_page: int, max_position_embeddings: int) -> "EngineConfig":
+        """Fill the auto fields from the loaded model; returns a new config."""
+        num_pages = self.num_pages or max(2, int(self.kv_memory_gib * 2**30) // bytes_per_page)
+        max_model_len = self.max_model_len or max_position_embeddings
+        _require(max_model_len <= max_position_embeddings,
+                 f"max_model_len {max_model_len} exceeds the model's {max_position_embeddings} positions")
+        return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len)

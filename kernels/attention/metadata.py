@@ -1,0 +1,112 @@
+"""Attention metadata for one ragged step over paged KV, and the helper that builds it.
+
+Index layout of sequence ``b`` (``q = query_len``, ``s = seq_len`` after this step)::
+
+    positions   | already in the KV cache            | new this step (q tokens)   |
+                0                               s - q                          s
+    rows of T                                   [qsl[b], qsl[b+1])
+
+The new tokens' K/V are written to ``slot_mapping`` before attention reads pages, so every
+query row attends causally over positions ``[0, its own position]`` of its own sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttnMetadata:
+    """A ragged batch of B sequences with T new tokens in total, over paged KV.
+
+    Device tensors are what kernels read; the ``*_cpu`` tuples are host copies of the same
+    lengths so backends can size work without a device->host sync.
+    """
+
+    page_size: int
+    query_start_loc: torch.Tensor  # [B+1] int64; seq b's tokens are rows [qsl[b], qsl[b+1])
+    seq_lens: torch.Tensor  # [B] int64, KV length of seq b after this step's tokens are written
+    page_table: torch.Tensor  # [B, max_pages] int64, page ids in order; unused entries are 0 (scratch)
+    slot_mapping: torch.Tensor  # [T] int64, page_id * page_size + offset of each new token's K/V
+    logits_indices: torch.Tensor  # [num_logits] int64, rows of T whose logits are wanted
+    query_lens_cpu: tuple[int, ...]  # [B] host copy of the new-token counts
+    seq_lens_cpu: tuple[int, ...]  # [B] host copy of seq_lens
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def query_start_loc_cpu(self) -> tuple[int, ...]:
+        """[B+1] host copy of query_start_loc, derived from query_lens_cpu (no sync)."""
+        return (0, *accumulate(self.query_lens_cpu))
+
+
+def _check_lengths(page_size: int, query_lens: list[int], seq_lens: list[int], page_tables: list[list[int]]) -> None:
+    assert page_size >= 1, f"page_size={page_size} must be positive"
+    assert len(query_lens) == len(seq_lens) == len(page_tables), (
+        f"per-sequence lists disagree: {len(query_lens)} query_lens, {len(seq_lens)} seq_lens, "
+        f"{len(page_tables)} page tables"
+    )
+    for b, (q_len, s_len, pages) in enumerate(zip(query_lens, seq_lens, page_tables)):
+        assert 0 <= q_len <= s_len, f"seq {b}: query_len={q_len} > seq_len={s_len}: seq_len must include new tokens"
+        assert len(pages) * page_size >= s_len, (
+            f"seq {b}: {len(pages)} pages of {page_size} cannot hold seq_len={s_len}: pages not allocated?"
+        )
+        assert 0 not in pages[: -(-s_len // page_size)], f"seq {b} maps a live position to scratch page 0: {pages}"
+
+
+def _positions_and_slots(
+    page_size: int, query_lens: list[int], seq_lens: list[int], page_tables: list[list[int]]
+) -> tuple[list[int], list[int]]:
+    positions: list[int] = []
+    slots: list[int] = []
+    for q_len, s_len, pages in zip(query_lens, seq_lens, page_tables):
+        for pos in range(s_len - q_len, s_len):
+            positions.append(pos)
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+    return positions, slots
+
+
+def build_attn_metadata(
+    page_size: int,
+    query_lens: list[int],
+    seq_lens: list[int],
+    page_tables: list[list[int]],
+    logits_rows: list[int],
+    device: torch.device | str,
+) -> tuple[AttnMetadata, torch.Tensor]:
+    """Build metadata and positions ``[T] int64`` for a ragged step, from host lists.
+
+    ``page_tables[b]`` lists seq b's pages in position order and must cover ``seq_lens[b]``
+    tokens; rows are padded with page 0 to the longest table. ``logits_rows`` are indices into
+    the T new tokens (e.g. the last row of each sampling sequence).
+    """
+    _check_lengths(page_size, query_lens, seq_lens, page_tables)
+    num_tokens = sum(query_lens)
+    assert all(0 <= r < num_tokens for r in logits_rows), f"logits_rows {logits_rows} outside [0, {num_tokens})"
+    positions, slots = _positions_and_slots(page_size, query_lens, seq_lens, page_tables)
+    max_pages = max((len(p) for p in page_tables), default=0)
+    padded = [list(p) + [0] * (max_pages - len(p)) for p in page_tables]
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    meta = AttnMetadata(
+        page_size=page_size,
+        query_start_loc=as_tensor([0, *accumulate(query_lens)]),
+        seq_lens=as_tensor(seq_lens),
+        page_table=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(page_tables), max_pages),
+        slot_mapping=as_tensor(slots),
+        logits_indices=as_tensor(logits_rows),
+        query_lens_cpu=tuple(query_lens),
+        seq_lens_cpu=tuple(seq_lens),
+    )
+    return meta, as_tensor(positions)

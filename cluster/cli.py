@@ -1,0 +1,92 @@
+"""The `tandem` command line. Subcommands import their machinery lazily (top of the import graph).
+
+    tandem run    offline generation in one process (colocated engine)
+    tandem bench  benchmarks that measure tandem and a baseline in the same run
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+log = logging.getLogger("tandem")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2' (bundled SmolLM2-135M-Instruct) or a local HF dir")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two)")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill tokens per scheduler step")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: sized from memory)")
+    p.add_argument("--max-running", type=int, default=64, help="requests decoded together at most")
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable radix prefix caching")
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    _add_engine_args(p)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="JSONL: each line a string, or an object with 'prompt' or 'messages'")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line on stdout")
+
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", required=True)
+    off = sub.add_parser("offline", help="tandem vs HF transformers generate on the same requests")
+    _add_engine_args(off)
+    off.add_argument("--num-requests", type=int, default=64)
+    off.add_argument("--max-batch-size", type=int, default=16, help="both systems batch at most this many")
+    off.add_argument("--input-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
+    off.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
+    off.add_argument("--seed", type=int, default=0)
+    off.add_argument("--skip-baseline", action="store_true", help="measure tandem only")
+    off.add_argument("--json", action="store_true", help="print the result as JSON too")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_args(sub.add_parser("run", help="offline generation"))
+    _add_bench_args(sub.add_parser("bench", help="benchmarks"))
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides):
+    from cluster.config import EngineConfig
+
+    fields = dict(model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                  chunk_size=args.chunk_size, num_pages=args.num_pages, max_running_requests=args.max_running,
+                  enable_prefix_cache=not args.no_prefix_cache)
+    return EngineConfig(**{**fields, **overrides})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cluster.config import ConfigError
+
+    try:
+        if args.command == "run":
+            from cluster.run import run_offline
+
+            return run_offline(args)
+        from cluster.bench_offline import bench_offline
+
+        return bench_offline(args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

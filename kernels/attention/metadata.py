@@ -23,7 +23,9 @@ class AttnMetadata:
     """A ragged batch of B sequences with T new tokens in total, over paged KV.
 
     Device tensors are what kernels read; the ``*_cpu`` tuples are host copies of the same
-    lengths so backends can size work without a device->host sync.
+    lengths so backends can size work without a device->host sync. One object describes one
+    step: build a new one per step rather than editing its tensors in place, because backends
+    may memoise per-object plans (the torch backend does, keyed on identity).
     """
 
     page_size: int

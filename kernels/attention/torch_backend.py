@@ -99,7 +99,14 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._memo: tuple[AttnMetadata, _Plan] | None = None
 
-    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         assert k.shape[1:] == k_cache.shape[2:], (
             f"new K {tuple(k.shape)} does not fit cache {tuple(k_cache.shape)}: kv heads / head_dim mismatch?"
@@ -107,7 +114,9 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
-    def attention(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float
+    ) -> torch.Tensor:
         num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
         assert num_heads % num_kv_heads == 0, f"{num_heads} query heads not a multiple of {num_kv_heads} kv heads"
         plan = self._plan_for(meta)

@@ -1,0 +1,1 @@
+"""Llama-family model forward, weights loading and the tiny test model."""

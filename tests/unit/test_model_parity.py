@@ -196,6 +196,19 @@ def test_architecture_variants_match_hf(overrides):
         assert_matches_hf(reference, seq, TINY_ATOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_tracks_hf(dtype):
+    """Model dtype end to end (KV cache too), float32 logits; rounding differs, so a loose bound."""
+    ours, reference = make_tiny_llama(seed=3, dtype=dtype)
+    arch = ours.arch
+    kv = KVCacheTensors.allocate(arch.num_layers, 12, 4, arch.num_kv_heads, arch.head_dim, dtype, "cpu")
+    seq = make_seqs([20], 4, PagePool(12, 3), arch.vocab_size, seed=3)[0]
+    run_step(ours, kv, 4, [seq], [19])
+    run_step(ours, kv, 4, [seq], [1])
+    assert all(logits.dtype == torch.float32 for logits in seq.logits.values())
+    assert_matches_hf(reference, seq, atol=2e-2)
+
+
 def test_qwen2_qkv_bias_matches_hf():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -56,3 +56,34 @@ def assert_pool_at_rest(engine: ColocatedEngine) -> None:
 
 
 greedy = functools.partial(SamplingParams, temperature=0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2():
+    """(LoadedModel, HF reference model) for the bundled SmolLM2-135M-Instruct, fp32, once per process."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels.model.loader import load_model
+
+    loaded = load_model("smollm2")
+    reference = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32).eval()
+    return loaded, reference
+
+
+def make_smollm2_engine(**kw) -> ColocatedEngine:
+    loaded, _ = smollm2()
+    config = EngineConfig(debug_kv=True, **{"num_pages": 1024, **kw})
+    return ColocatedEngine(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids)
+
+
+CHAT_PROMPTS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers greater than 100 and explain how you checked them.",
+    "Explain, step by step, why the sky looks blue during the day but red at sunset. " * 3,
+    "Translate to French: 'The cat sleeps on the warm windowsill while the rain falls outside.'",
+    "Summarize the following text in one sentence: " + "Paged attention stores the key and value cache "
+    "in fixed-size pages so that memory is allocated on demand and shared between requests. " * 6,
+    "Give me a short Python function that reverses a linked list, with a docstring.",
+]

@@ -87,8 +87,10 @@ def _make_plan(meta: AttnMetadata) -> _Plan:
 
 def _gather_pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     """``[..., num_pages]`` page ids -> ``[..., num_pages * page_size, kvh, hd]`` (a copy)."""
-    pages = cache[page_table]  # [..., num_pages, page_size, kvh, hd]
-    return pages.flatten(-4, -3)
+    # index_select, not cache[page_table]: advanced indexing runs ~4x slower on CPU for these
+    # large contiguous slices, and this gather is the biggest cost of a CPU decode step.
+    pages = cache.index_select(0, page_table.reshape(-1))  # [prod(...) * num_pages, page_size, kvh, hd]
+    return pages.view(*page_table.shape[:-1], page_table.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
 class TorchAttentionBackend(AttentionBackend):

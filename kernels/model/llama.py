@@ -14,6 +14,7 @@ from torch import nn
 from kernels.attention import AttentionBackend, AttnMetadata, get_backend
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.arch import LlamaArch
+from kernels.model.packed_linear import PackedLinear
 from kernels.model.rope import RotaryTable, apply_rotary
 
 __all__ = ["LlamaArch", "LlamaForCausalLM"]
@@ -36,12 +37,13 @@ class RMSNorm(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        inter = arch.intermediate_size
+        self.gate_up_proj = PackedLinear(arch.hidden_size, (inter, inter), bias=arch.mlp_bias)
+        self.down_proj = PackedLinear(inter, (arch.hidden_size,), bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, inter] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaAttention(nn.Module):
@@ -51,10 +53,8 @@ class LlamaAttention(nn.Module):
         self.scale = arch.head_dim**-0.5
         self.backend = backend
         q_dim, kv_dim = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        self.q_proj = nn.Linear(arch.hidden_size, q_dim, bias=arch.attention_bias)
-        self.k_proj = nn.Linear(arch.hidden_size, kv_dim, bias=arch.attention_bias)
-        self.v_proj = nn.Linear(arch.hidden_size, kv_dim, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(q_dim, arch.hidden_size, bias=arch.o_proj_bias)
+        self.qkv_proj = PackedLinear(arch.hidden_size, (q_dim, kv_dim, kv_dim), bias=arch.attention_bias)
+        self.o_proj = PackedLinear(q_dim, (arch.hidden_size,), bias=arch.o_proj_bias)
 
     def forward(
         self,
@@ -66,9 +66,10 @@ class LlamaAttention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, hd]
@@ -104,13 +105,10 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.backend = backend if backend is not None else get_backend("torch")
         self.model = LlamaModel(arch, self.backend)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # Tied checkpoints get a transposed copy of the embedding: the two layouts differ.
+        self.lm_head = PackedLinear(arch.hidden_size, (arch.vocab_size,), bias=False)
         self.rotary = RotaryTable(arch)
-        self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
     def forward(
@@ -139,26 +137,61 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load HF ``LlamaForCausalLM`` weights by name, strictly.
+        """Load HF ``LlamaForCausalLM`` weights by name, strictly, packing them (see PackedLinear).
 
         ``lm_head.weight`` may be absent when embeddings are tied (it is ignored if present);
-        ``*.rotary_emb.inv_freq`` buffers of old checkpoints are ignored. Tensors are cast to
-        each parameter's dtype; a parameter on the meta device takes the tensor's device,
-        otherwise the tensor is moved to the parameter's device.
+        ``*.rotary_emb.inv_freq`` buffers of old checkpoints are ignored. Tensors are cast to each
+        parameter's dtype; a parameter on the meta device takes the tensor's device.
         """
-        expected = {name: p for name, p in self.named_parameters(remove_duplicate=True)}
-        if self.arch.tie_word_embeddings:
-            expected.pop("lm_head.weight", None)
         given = {k: v for k, v in state_dict.items() if not _ignored_key(k, self.arch)}
-        _check_keys(set(expected), set(given))
-        for name, param in expected.items():
-            tensor = given[name]
-            if tensor.shape != param.shape:
-                raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-            device = tensor.device if param.is_meta else param.device
-            given[name] = tensor.to(device=device, dtype=param.dtype)
-        self.load_state_dict(given, strict=False, assign=True)
-        self.tie_weights()
+        packing = self._hf_packing()
+        direct = [n for n, _ in self.named_parameters() if not n.endswith((".weight_t", ".bias")) or
+                  n.rsplit(".", 1)[0] not in packing]
+        expected = set(direct)
+        for module_name, parts in packing.items():
+            module = self.get_submodule(module_name)
+            for part in parts:
+                expected.add(part + ".weight")
+                if module.bias is not None:
+                    expected.add(part + ".bias")
+        _check_keys(expected, set(given))
+        loaded = {}
+        for name in direct:
+            loaded[name] = self._cast_like(given[name], self.get_parameter(name), name)
+        for module_name, parts in packing.items():
+            module = self.get_submodule(module_name)
+            device = self._target_device(module.weight_t, given[parts[0] + ".weight"])
+            weights = [given[p + ".weight"] for p in parts]
+            biases = [given[p + ".bias"] for p in parts] if module.bias is not None else None
+            self._check_shape(module_name, torch.Size((sum(w.shape[0] for w in weights), weights[0].shape[1])),
+                              module.weight_t.shape[::-1])
+            for key, tensor in PackedLinear.pack(weights, biases, module, device).items():
+                loaded[f"{module_name}.{key}"] = tensor
+        self.load_state_dict(loaded, strict=True, assign=True)
+
+    def _hf_packing(self) -> dict[str, tuple[str, ...]]:
+        """Our PackedLinear module name -> the HF module names it packs, in order."""
+        packing = {"lm_head": ("model.embed_tokens" if self.arch.tie_word_embeddings else "lm_head",)}
+        for i in range(self.arch.num_layers):
+            pre = f"model.layers.{i}."
+            packing[pre + "self_attn.qkv_proj"] = tuple(pre + f"self_attn.{x}_proj" for x in "qkv")
+            packing[pre + "self_attn.o_proj"] = (pre + "self_attn.o_proj",)
+            packing[pre + "mlp.gate_up_proj"] = (pre + "mlp.gate_proj", pre + "mlp.up_proj")
+            packing[pre + "mlp.down_proj"] = (pre + "mlp.down_proj",)
+        return packing
+
+    @staticmethod
+    def _target_device(param: torch.Tensor, tensor: torch.Tensor) -> torch.device:
+        return tensor.device if param.is_meta else param.device
+
+    def _cast_like(self, tensor: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
+        self._check_shape(name, tensor.shape, param.shape)
+        return tensor.to(device=self._target_device(param, tensor), dtype=param.dtype)
+
+    @staticmethod
+    def _check_shape(name: str, checkpoint: torch.Size, model: torch.Size) -> None:
+        if tuple(checkpoint) != tuple(model):
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(checkpoint)} != model {tuple(model)}")
 
 
 def _ignored_key(key: str, arch: LlamaArch) -> bool:

@@ -1,6 +1,7 @@
 """Llama-family decoder over a ragged batch with paged KV (Llama, SmolLM, Qwen2, Mistral).
 
-Module names mirror transformers' ``LlamaForCausalLM`` so HF checkpoints load by name. The
+Module names follow transformers' ``LlamaForCausalLM`` except that q/k/v and gate/up are packed
+into one transposed matmul each (``PackedLinear``); ``load_hf_state_dict`` maps HF names. The
 forward takes flat tensors (no batch axis): T new tokens of B sequences, described by
 ``AttnMetadata``; per-layer K/V are written to the paged cache before attention reads it.
 """
@@ -98,7 +99,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Ragged-batch Llama forward. Parameter names equal HF's (``model.layers.0.self_attn.q_proj.weight``)."""
+    """Ragged-batch Llama forward over paged KV. Loads HF checkpoints with ``load_hf_state_dict``."""
 
     def __init__(self, arch: LlamaArch, backend: AttentionBackend | None = None) -> None:
         super().__init__()

@@ -12,6 +12,14 @@ def make_kv(num_pages=11, page_size=4, cache=True) -> KVManager:
     return KVManager(pool, RadixPrefixCache(pool) if cache else NullPrefixCache(pool))
 
 
+def finish_cached(kvm: KVManager, req_id: str, toks: list[int]) -> None:
+    """Run a request holding `toks` to the end, caching its KV in the tree."""
+    r = kvm.open(req_id)
+    assert kvm.try_allocate(r, len(toks))
+    kvm.commit(r, len(toks))
+    kvm.release(r, ReleaseReason.FINISHED, toks)
+
+
 @pytest.fixture
 def kvm():
     m = make_kv()
@@ -109,10 +117,7 @@ def test_release_is_idempotent_and_caches_whole_pages(kvm):
 
 def test_match_leaves_one_token_to_compute(kvm):
     toks = list(range(8))
-    a = kvm.open("a")
-    kvm.try_allocate(a, 8)
-    kvm.commit(a, 8)
-    kvm.release(a, ReleaseReason.FINISHED, toks)
+    finish_cached(kvm, "a", toks)
     b = kvm.open("b")
     assert kvm.match_prefix(b, toks) == 4  # 8 cached, but the last token must be recomputed
     kvm.release(b, ReleaseReason.ABORTED, toks)
@@ -132,10 +137,7 @@ def test_duplicate_insert_frees_private_copy(kvm):
 
 def test_free_tail_keeps_partial_page_and_refuses_protected(kvm):
     toks = list(range(8))
-    a = kvm.open("a")
-    kvm.try_allocate(a, 8)
-    kvm.commit(a, 8)
-    kvm.release(a, ReleaseReason.FINISHED, toks)
+    finish_cached(kvm, "a", toks)
     b = kvm.open("b")
     kvm.match_prefix(b, toks + [9, 9])  # protects 8
     kvm.try_allocate(b, 15)
@@ -153,10 +155,7 @@ def test_free_tail_keeps_partial_page_and_refuses_protected(kvm):
 def test_lru_eviction_spares_locked_and_recent(kvm):
     seqs = {name: [i * 10 + k for k in range(8)] for i, name in enumerate("abc")}
     for name, toks in seqs.items():
-        r = kvm.open(name)
-        kvm.try_allocate(r, 8)
-        kvm.commit(r, 8)
-        kvm.release(r, ReleaseReason.FINISHED, toks)
+        finish_cached(kvm, name, toks)
     holder = kvm.open("hold")
     assert kvm.match_prefix(holder, seqs["a"] + [1]) == 8  # locks a, and touches it (most recent)
     kvm.prefix_cache.match(seqs["b"], 8)  # touch b: c is now least recently used
@@ -177,10 +176,7 @@ def test_lru_eviction_spares_locked_and_recent(kvm):
 
 def test_split_keeps_locks_consistent(kvm):
     long = list(range(12))
-    a = kvm.open("a")
-    kvm.try_allocate(a, 12)
-    kvm.commit(a, 12)
-    kvm.release(a, ReleaseReason.FINISHED, long)
+    finish_cached(kvm, "a", long)
     b = kvm.open("b")
     assert kvm.match_prefix(b, long[:4] + [99, 98, 97]) == 4  # splits the 3-page node after page 1
     kvm.check_integrity()

@@ -33,17 +33,18 @@ def _fake_convert(calls: list[int], delay_s: float = 0.0):
 
 
 @pytest.mark.slow
-def test_second_resolve_is_a_fast_cache_hit(smollm2_dir, monkeypatch):
-    from transformers import AutoConfig
+def test_second_resolve_is_a_cache_hit(smollm2_dir, monkeypatch):
+    """A cached load neither reconverts the GGUF nor builds a transformers model (the slow paths);
+    its speed is reported by `tandem run`'s load log, not asserted here."""
+    import transformers
 
-    AutoConfig.from_pretrained(smollm2_dir)  # pay transformers' first-use import cost outside the timing
-    load_tokenizer(smollm2_dir)
+    def refuse_hf_model(*args, **kwargs):
+        raise AssertionError("cached load built a transformers model")
+
     monkeypatch.setattr(convert, "convert_gguf", _refuse_conversion)
-    start = time.perf_counter()
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse_hf_model)
     assert resolve_model_dir("smollm2") == smollm2_dir
     loaded = load_model("smollm2")
-    elapsed_s = time.perf_counter() - start
-    assert elapsed_s < 2.0, f"cached load took {elapsed_s:.2f}s: is it reconverting or building an HF model?"
     assert loaded.arch.num_layers == 30 and loaded.arch.tie_word_embeddings
     assert 2 in loaded.eos_token_ids
 

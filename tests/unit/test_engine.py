@@ -3,7 +3,7 @@
 import pytest
 
 from cluster.config import ConfigError, SamplingParams
-from decode_worker.request import FinishReason
+from prefill_worker.request import FinishReason
 from tests.helpers import TINY_EOS, assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, tiny_models
 
 

@@ -17,16 +17,21 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
-from decode_worker.request import FinishReason, Request, RequestStatus
+from prefill_worker.request import FinishReason, Request, RequestStatus
 from kv_store.req_kv import KVManager, ReleaseReason
 from prefill_worker.runner import ForwardRow
 
 
 @dataclass
 class ScheduledStep:
+    """One prepared batch. `relocation_version` and `loads_in_flight` are what the device pool
+    looked like when it was prepared: the CUDA-graph runner replays only if neither changed."""
+
     requests: list[Request] = field(default_factory=list)  # row order
     rows: list[ForwardRow] = field(default_factory=list)
     retracted: list[Request] = field(default_factory=list)
+    relocation_version: int = 0
+    loads_in_flight: frozenset = frozenset()
 
     def add(self, req: Request, num_new_tokens: int) -> None:
         kv = req.kv

@@ -58,3 +58,33 @@ class Landing:
         """(K address, V address) of the `index`-th landing page in `layer`."""
         offset = self.page_ids[index] * self.layout.page_bytes_per_tensor
         return self.k_base[layer] + offset, self.v_base[layer] + offset
+
+
+# ---- prefill <-> decode messages ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVComplete:
+    """Prefill -> decode: every landing page of the request is written and retired; here is the
+    first sampled token."""
+
+    request_id: str
+    first_token: int
+
+
+@dataclass(frozen=True)
+class TransferAborted:
+    """Prefill -> decode: this request's transfer ended without completing, and no write to its
+    landing is outstanding or will be issued (the landing may be freed). `reason` says why."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AbortTransfer:
+    """Decode -> prefill: stop this request's transfer (deadline hit, client gone). Answered by
+    `TransferAborted` once no write is outstanding."""
+
+    request_id: str
+    reason: str

@@ -151,7 +151,7 @@ class KVManager:
 
         With `cache`, the committed whole pages go into the prefix tree (those already cached
         there are freed as duplicates); everything else the request owns is freed; the tree lock
-        is dropped. `token_ids` are the request's tokens (at least `kv_committed_len` of them).
+        is dropped. `token_ids` are the request's tokens (at least `kv_committed_len` of them when caching).
 
             | tree's (unlock) | dup: free | tree takes | partial page + uncommitted: free |
             0               cpl        existing     aligned                           allocated
@@ -162,7 +162,7 @@ class KVManager:
         if in_flight:
             raise KVOwnershipError(f"request {kv.req_id!r} released ({reason.value}) while pages {in_flight} are "
                                    "IN_FLIGHT: retire their transfer handles first")
-        assert len(token_ids) >= kv.kv_committed_len, (
+        assert not cache or len(token_ids) >= kv.kv_committed_len, (
             f"request {kv.req_id!r}: release with {len(token_ids)} tokens < kv_committed_len {kv.kv_committed_len}")
         ps, cpl = self.page_size, kv.cache_protected_len
         aligned = kv.kv_committed_len // ps * ps if cache else cpl

@@ -39,6 +39,7 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None  # None while the request is still running
+    error: str = ""  # why an ABORT that the client did not ask for happened (e.g. a transfer failed)
 
 
 class EngineCore:
@@ -69,6 +70,14 @@ class EngineCore:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> Request:
         """Queue a request. Raises ValueError (queueing nothing) when it can never fit."""
+        req = self._validated_request(prompt_token_ids, params, request_id)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def _validated_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                           request_id: str | None) -> Request:
+        """A new Request, or ValueError when it can never be served here."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -81,10 +90,7 @@ class EngineCore:
         if len(prompt_token_ids) >= limit:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate: this engine "
                              f"holds at most {limit} tokens per request (context length / KV pool)")
-        req = Request(request_id, list(prompt_token_ids), params)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
-        return req
+        return Request(request_id, list(prompt_token_ids), params)
 
     def abort(self, request_id: str) -> bool:
         """End a request now, releasing its KV. Returns False when it is unknown or already done."""

@@ -53,6 +53,8 @@ class Request:
     num_retractions: int = 0
     text_len: int | None = None
     """Where a stop string cut the output text (chars); None: not cut."""
+    error: str = ""
+    """Why the request ended in ABORT when the client did not ask for it (transfer failure, ...)."""
     arrival: int = field(default_factory=lambda: next(_arrival))
     sample_seed: int = 0
 

@@ -14,6 +14,7 @@ while prefilling — so a step is one ragged forward. Policy per step:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
@@ -50,6 +51,8 @@ class Scheduler:
         self.kvm = kvm
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.retractable: Callable[[Request], bool] = lambda req: True
+        """Which requests may be retracted (a prefill worker keeps those with KV still in flight)."""
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -81,6 +84,21 @@ class Scheduler:
             self.waiting.remove(req)
         req.finish(reason)
 
+    def admit_loaded(self, req: Request, kv) -> None:
+        """Join `req`, whose KV is already on device (loaded from the host tier), to the batch."""
+        req.admit(kv)
+        self.running.append(req)
+
+    def detach(self, req: Request) -> None:
+        """Take a RUNNING request out of the batch but keep its KV (pages still in flight);
+        `release_detached` ends it later."""
+        self.running.remove(req)
+
+    def release_detached(self, req: Request, reason: FinishReason) -> None:
+        assert req not in self.running, f"request {req.request_id} is still in the batch: detach it first"
+        self._release(req, ReleaseReason.ABORTED if reason is FinishReason.ABORT else ReleaseReason.FINISHED)
+        req.finish(reason)
+
     # ---- running ---------------------------------------------------------------------------------
     def _schedule_running(self, req: Request, budget: int, step: ScheduledStep) -> int:
         """Allocate and add `req`'s next tokens; returns the prefill budget used."""
@@ -91,7 +109,10 @@ class Scheduler:
             if n == 0:
                 return 0
         while not self.kvm.try_allocate(req.kv, max(req.kv.kv_allocated_len, req.kv.kv_committed_len + n)):
-            victim = max(self.running, key=lambda r: r.arrival)
+            candidates = [r for r in self.running if r is req or self.retractable(r)]
+            victim = max(candidates, key=lambda r: r.arrival)
+            if victim is req and not self.retractable(req):
+                return 0  # wait for in-flight pages to come back
             self._retract(victim, step)
             if victim is req:
                 return 0

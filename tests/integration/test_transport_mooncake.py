@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -238,3 +239,28 @@ def test_bandwidth_probe_over_tcp(peer):
     assert result.num_ops == 16 and result.bytes_per_s > 0
     ops = [WriteOp(src_addr + i * 256 * KIB, peer.addr + (15 - i) * 256 * KIB, 256 * KIB) for i in range(16)]
     assert torch.equal(after, expected(before, src, src_addr, peer, ops))
+
+
+def test_concurrent_writers_share_one_transport(peer):
+    """Four threads write disjoint ranges through one transport and poll concurrently."""
+    before = peer.snapshot()
+    with sender(4 << 20, seed=3) as (transport, src, src_addr):
+        chunk = 1 << 20
+        ops = [[WriteOp(src_addr + t * chunk + i * 64 * KIB, peer.addr + (3 - t) * chunk + i * 64 * KIB + 32 * KIB,
+                        32 * KIB) for i in range(16)] for t in range(4)]
+        errors: list[BaseException] = []
+
+        def run(thread_ops):
+            try:
+                transport.wait(transport.write(peer.session_id, thread_ops), timeout_s=30)
+            except BaseException as err:  # surfaced by the assert below
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(o,)) for o in ops]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        after = peer.snapshot()
+    assert not errors
+    assert torch.equal(after, expected(before, src, src_addr, peer, [op for o in ops for op in o]))

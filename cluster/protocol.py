@@ -88,3 +88,111 @@ class AbortTransfer:
 
     request_id: str
     reason: str
+
+
+# ---- driver <-> worker process messages ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    total: int
+    free: int
+    private: int
+    cached: int
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's view of itself, sent with every heartbeat."""
+
+    role: str
+    device: PoolStats
+    host: PoolStats | None  # decode workers only
+    num_running: int
+    num_waiting: int
+    num_transfers: int  # requests with a transfer not yet ended
+    integrity_error: str  # "" when check_integrity() passed
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    role: str
+    session: str  # transport session id
+
+
+@dataclass(frozen=True)
+class WorkerCrashed:
+    role: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    stats: WorkerStats
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Driver -> decode: reserve a landing; answered by `Reserved`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: object  # cluster.config.SamplingParams
+    peer: str  # the prefill worker's id
+
+
+@dataclass(frozen=True)
+class Reserved:
+    request_id: str
+    landing: Landing | None  # None: host tier full, retry later
+    error: str  # non-empty: the request can never be served (the caller gets it)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Driver -> prefill: compute the prompt's KV into `landing`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: object
+    landing: Landing
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Driver -> decode: serve the request alone (local prefill; no prefill worker alive)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: object
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PeerDead:
+    peer: str  # prefill worker id, or decode transport session
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None
+    error: str
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Test hook: the worker stops stepping for `seconds` (a slow peer)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass

@@ -45,6 +45,9 @@ class StepOutput:
 class EngineCore:
     """Continuous-batching engine over one paged KV pool. Not thread-safe: one caller drives `step`."""
 
+    speaks_for_client = True
+    """Whether `step`'s outputs are the client's tokens (a prefill worker's are not)."""
+
     def __init__(self, config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None,
                  eos_token_ids: Sequence[int] = ()):
         dtype = TORCH_DTYPES[config.dtype]

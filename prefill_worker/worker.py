@@ -45,6 +45,8 @@ class PrefillWorker(EngineCore):
     """Not thread-safe: one loop calls `submit`, `on_message` and `step`; messages for the decode
     worker accumulate in `outbox` for that loop to deliver."""
 
+    speaks_for_client = False
+
     def __init__(self, config, model, arch, transport: Transport, tokenizer=None, eos_token_ids=(),
                  deadlines: TransferDeadlines = TransferDeadlines(), clock: Callable[[], float] = time.monotonic):
         super().__init__(config, model, arch, tokenizer, eos_token_ids)
@@ -78,7 +80,10 @@ class PrefillWorker(EngineCore):
     def abort_transfer(self, request_id: str, reason: FailureReason, detail: str = "") -> None:
         """Stop shipping `request_id`: no new writes; released once outstanding writes are terminal."""
         sh = self.shipments.get(request_id)
-        if sh is None or sh.abort_reason is not None:
+        if sh is None:  # never got it (aborted before it arrived) or done: nothing will be written
+            self.outbox.append(TransferAborted(request_id, f"no transfer in progress ({reason.value})"))
+            return
+        if sh.abort_reason is not None:
             return
         sh.session.fail(reason, detail) if not sh.session.terminal else None
         sh.abort_reason = f"{reason.value}: {detail}" if detail else reason.value

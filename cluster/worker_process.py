@@ -1,0 +1,158 @@
+"""A prefill or decode worker in its own OS process, driven over a pipe by the driver.
+
+The loop: drain the driver's messages, step the worker while it has work, send its outputs and
+outbox messages, and a heartbeat (with pool stats and an integrity check) every
+`heartbeat_interval_s`. Any exception is reported as `WorkerCrashed` before the process exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+
+from cluster.config import EngineConfig
+from cluster import protocol as p
+
+log = logging.getLogger("tandem.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to build itself (picklable)."""
+
+    role: str  # "prefill" | "decode"
+    engine: EngineConfig
+    host_pages: int = 0  # decode only: host-tier pages for landings
+    hostname: str = "127.0.0.1"
+    transport: str = "mooncake"  # "mooncake" (tcp) | "local" is not possible across processes
+    deadlines: object = None  # kv_store.transfer.session.TransferDeadlines
+    heartbeat_interval_s: float = 0.5
+    torch_threads: int = 1
+
+
+def _pool_stats(pool) -> p.PoolStats:
+    u = pool.usage()
+    return p.PoolStats(u.total, u.free, u.private, u.cached, u.in_flight)
+
+
+def _stats(role: str, worker) -> p.WorkerStats:
+    try:
+        worker.check_integrity()
+        error = ""
+    except AssertionError as exc:
+        error = str(exc) or "integrity check failed"
+    host = getattr(worker, "host", None)
+    transfers = len(getattr(worker, "shipments", {})) + len(getattr(worker, "inbound", {}))
+    return p.WorkerStats(role, _pool_stats(worker.device_pool.pages), _pool_stats(host.pool) if host else None,
+                         len(worker.scheduler.running), len(worker.scheduler.waiting), transfers, error)
+
+
+def _build(spec: WorkerSpec):
+    import torch
+
+    from kernels.model.loader import load_model
+    from kv_store.transfer.mooncake import MooncakeTransport
+    from kv_store.transfer.session import TransferDeadlines
+    from prefill_worker.engine_core import TORCH_DTYPES
+
+    torch.set_num_threads(spec.torch_threads)
+    loaded = load_model(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype])
+    transport = MooncakeTransport(spec.hostname)
+    deadlines = spec.deadlines or TransferDeadlines()
+    args = (spec.engine, loaded.model, loaded.arch, transport)
+    kwargs = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, deadlines=deadlines)
+    if spec.role == "prefill":
+        from prefill_worker.worker import PrefillWorker
+
+        return PrefillWorker(*args, **kwargs), transport
+    from decode_worker.worker import DecodeWorker
+
+    return DecodeWorker(*args, host_pages=spec.host_pages, **kwargs), transport
+
+
+def _handle(worker, msg, conn) -> bool:
+    """Apply one driver message. Returns False on Shutdown."""
+    if isinstance(msg, p.Shutdown):
+        return False
+    if isinstance(msg, p.Stall):
+        time.sleep(msg.seconds)
+    elif isinstance(msg, p.Reserve):
+        try:
+            landing = worker.reserve(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.peer)
+            conn.send(p.Reserved(msg.request_id, landing, ""))
+        except ValueError as exc:
+            conn.send(p.Reserved(msg.request_id, None, str(exc)))
+    elif isinstance(msg, p.Prefill):
+        try:
+            worker.submit(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.landing)
+        except ValueError as exc:
+            worker.outbox.append(p.TransferAborted(msg.request_id, f"rejected: {exc}"))
+    elif isinstance(msg, p.Generate):
+        try:
+            worker.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id)
+        except ValueError as exc:
+            conn.send(p.TokenOutput(msg.request_id, (), "abort", str(exc)))
+    elif isinstance(msg, p.Abort):
+        worker.abort(msg.request_id)
+    elif isinstance(msg, p.PeerDead):
+        worker.peer_dead(msg.peer)
+    else:
+        worker.on_message(msg)  # KVComplete / TransferAborted / AbortTransfer
+    return True
+
+
+def _send_progress(worker, conn, outputs) -> None:
+    """Tokens go to the client only from the decode worker: the prefill worker's one sampled
+    token reaches the decode worker inside `KVComplete`."""
+    for out in outputs if worker.speaks_for_client else ():
+        reason = out.finish_reason.value if out.finish_reason is not None else None
+        conn.send(p.TokenOutput(out.request_id, tuple(out.new_token_ids), reason, out.error))
+    for item in worker.outbox:
+        conn.send(item[1] if isinstance(item, tuple) else item)  # decode's outbox holds (peer, msg)
+    worker.outbox.clear()
+
+
+def worker_main(spec: WorkerSpec, conn) -> None:
+    """Process entry point (spawn). Runs until Shutdown or the pipe closes."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.role}[{os.getpid()}] %(message)s")
+    try:
+        worker, transport = _build(spec)
+        conn.send(p.WorkerReady(spec.role, transport.session_id))
+        _loop(spec, worker, conn)
+        worker.close()
+        transport.close()
+    except (EOFError, BrokenPipeError):
+        pass
+    except Exception:  # report, then die: the driver restarts or fails over
+        try:
+            conn.send(p.WorkerCrashed(spec.role, traceback.format_exc()))
+        except (EOFError, BrokenPipeError, OSError):
+            pass
+        raise
+
+
+def _loop(spec: WorkerSpec, worker, conn) -> None:
+    last_beat = 0.0
+    while True:
+        busy = worker.has_unfinished()
+        timeout = 0.0 if busy else min(0.05, spec.heartbeat_interval_s)
+        while conn.poll(timeout):
+            if not _handle(worker, conn.recv(), conn):
+                return
+            timeout = 0.0
+        if worker.has_unfinished():
+            _send_progress(worker, conn, worker.step())
+        else:
+            _send_progress(worker, conn, [])
+        now = time.monotonic()
+        if now - last_beat >= spec.heartbeat_interval_s:
+            conn.send(p.Heartbeat(_stats(spec.role, worker)))
+            last_beat = now
+
+
+def worker_spec(role: str, engine: EngineConfig, **kw) -> WorkerSpec:
+    return dataclasses.replace(WorkerSpec(role, engine), **kw)

@@ -36,6 +36,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line on stdout")
+    p.add_argument("--mode", choices=["colocated", "disaggregated"], default="colocated",
+                   help="disaggregated: a prefill and a decode process connected over Mooncake TCP")
+    p.add_argument("--host-pages", type=int, default=4096, help="decode host-tier pages (disaggregated)")
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:

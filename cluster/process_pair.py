@@ -45,6 +45,8 @@ class PairRequest:
     error: str = ""
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    cached_tokens: int = 0
+    timings: dict = field(default_factory=dict)  # worker-side monotonic timestamps (same host)
 
     @property
     def done(self) -> bool:
@@ -232,6 +234,7 @@ class ProcessPair:
         req.token_ids += msg.new_token_ids
         if msg.finish_reason is not None:
             req.finish_reason, req.error = msg.finish_reason, msg.error
+            req.cached_tokens, req.timings = msg.cached_tokens, dict(msg.timings)
             if msg.error:
                 req.failure = RequestFailure.TRANSFER
 

@@ -70,6 +70,8 @@ class KVComplete:
 
     request_id: str
     first_token: int
+    cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache served
+    timings: tuple[tuple[str, float], ...] = ()  # prefill-side monotonic timestamps (same host only)
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,8 @@ class TokenOutput:
     new_token_ids: tuple[int, ...]
     finish_reason: str | None
     error: str
+    cached_tokens: int = 0
+    timings: tuple[tuple[str, float], ...] = ()  # on the finishing output: where the request spent time
 
 
 @dataclass(frozen=True)

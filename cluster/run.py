@@ -58,36 +58,94 @@ def tokenize_prompt(tokenizer, item: PromptInput, raw: bool) -> list[int]:
     return encode_prompt(tokenizer, item.prompt) if raw else apply_chat_template(tokenizer, item.prompt)
 
 
-def run_offline(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+@dataclass(frozen=True)
+class RunResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    cached_tokens: int
+    error: str = ""
 
+
+def run_offline(args: argparse.Namespace) -> int:
     from cluster.cli import engine_config_from_args
     from cluster.config import SamplingParams
-    from decode_worker.engine import ColocatedEngine
 
     prompts = read_prompts(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     config = engine_config_from_args(args)
+    run = _run_disaggregated if args.mode == "disaggregated" else _run_colocated
+    results = run(args, config, prompts, params)
+    failed = 0
+    for item, res in zip(prompts, results):
+        failed += bool(res.error)
+        if args.json:
+            print(json.dumps({
+                "prompt": item.prompt, "prompt_token_ids": res.prompt_token_ids, "token_ids": res.token_ids,
+                "text": res.text, "finish_reason": res.finish_reason, "prompt_tokens": len(res.prompt_token_ids),
+                "completion_tokens": len(res.token_ids), "cached_tokens": res.cached_tokens,
+                **({"error": res.error} if res.error else {}),
+            }), flush=True)
+        else:
+            print(f"--- {item.prompt!r}\n{res.text if not res.error else 'ERROR: ' + res.error}\n", flush=True)
+    return 1 if failed else 0
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req", file=sys.stderr, disable=None)
+
+
+def _run_colocated(args, config, prompts, params) -> list[RunResult]:
+    from decode_worker.engine import ColocatedEngine
+
     t0 = time.perf_counter()
     engine = ColocatedEngine.from_config(config)
     log.info("loaded %s in %.2fs (%d KV pages of %d tokens)", config.model, time.perf_counter() - t0,
              engine.config.num_pages, engine.config.page_size)
     token_ids = [tokenize_prompt(engine.tokenizer, p, args.raw) for p in prompts]
     t1 = time.perf_counter()
-    with tqdm(total=len(prompts), desc="generating", unit="req", file=sys.stderr, disable=None) as bar:
+    with _progress(len(prompts)) as bar:
         reqs = engine.generate(token_ids, params, on_finish=lambda _: bar.update(1))
-    elapsed = time.perf_counter() - t1
-    num_out = sum(len(r.output_token_ids) for r in reqs)
-    log.info("%d requests, %d output tokens in %.2fs (%.1f tok/s)", len(reqs), num_out, elapsed, num_out / elapsed)
-    for item, req in zip(prompts, reqs):
-        text = engine.output_text(req)
-        if args.json:
-            print(json.dumps({
-                "prompt": item.prompt, "prompt_token_ids": req.prompt_token_ids, "token_ids": req.output_token_ids,
-                "text": text, "finish_reason": req.finish_reason.value, "prompt_tokens": len(req.prompt_token_ids),
-                "completion_tokens": len(req.output_token_ids), "cached_tokens": req.cached_tokens,
-            }), flush=True)
-        else:
-            print(f"--- {item.prompt!r}\n{text}\n", flush=True)
-    return 0
+    _log_throughput(reqs and [len(r.output_token_ids) for r in reqs], time.perf_counter() - t1)
+    return [RunResult(r.prompt_token_ids, r.output_token_ids, engine.output_text(r), r.finish_reason.value,
+                      r.cached_tokens) for r in reqs]
+
+
+def _run_disaggregated(args, config, prompts, params) -> list[RunResult]:
+    from cluster.process_pair import ProcessPair
+    from kernels.model.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(resolve_model_dir(config.model))
+    token_ids = [tokenize_prompt(tokenizer, p, args.raw) for p in prompts]
+    t0 = time.perf_counter()
+    pair = ProcessPair(config, host_pages=args.host_pages)
+    try:
+        log.info("prefill and decode workers ready in %.2fs", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        reqs = [pair.submit(f"run-{i}", ids, params) for i, ids in enumerate(token_ids)]
+        with _progress(len(prompts)) as bar:
+            while not all(r.done for r in reqs):
+                pair.pump(0.05)
+                bar.update(sum(r.done for r in reqs) - bar.n)
+        _log_throughput([len(r.token_ids) for r in reqs], time.perf_counter() - t1)
+    finally:
+        pair.close()
+    return [RunResult(r.prompt_token_ids, r.token_ids, _text(tokenizer, r.token_ids, params.stop), r.finish_reason,
+                      r.cached_tokens, r.error) for r in reqs]
+
+
+def _text(tokenizer, token_ids: list[int], stop: tuple[str, ...]) -> str:
+    """Output text, cut before the first stop string (as the engine's own `output_text`)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[:min(hits)] if hits else text
+
+
+def _log_throughput(output_lens: list[int], elapsed_s: float) -> None:
+    num_out = sum(output_lens)
+    log.info("%d requests, %d output tokens in %.2fs (%.1f tok/s)", len(output_lens), num_out, elapsed_s,
+             num_out / max(elapsed_s, 1e-9))

@@ -110,7 +110,8 @@ def _send_progress(worker, conn, outputs) -> None:
     token reaches the decode worker inside `KVComplete`."""
     for out in outputs if worker.speaks_for_client else ():
         reason = out.finish_reason.value if out.finish_reason is not None else None
-        conn.send(p.TokenOutput(out.request_id, tuple(out.new_token_ids), reason, out.error))
+        conn.send(p.TokenOutput(out.request_id, tuple(out.new_token_ids), reason, out.error, out.cached_tokens,
+                                out.timings))
     for item in worker.outbox:
         conn.send(item[1] if isinstance(item, tuple) else item)  # decode's outbox holds (peer, msg)
     worker.outbox.clear()

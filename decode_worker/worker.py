@@ -83,6 +83,7 @@ class DecodeWorker(ColocatedEngine):
             return None
         session = TransferSession(request_id, self.deadlines, self.clock())
         session.advance(TransferState.WAITING, self.clock())
+        req.timings["reserved"] = self.clock()
         self.inbound[request_id] = _Inbound(req, landing, peer, session)
         return landing
 
@@ -91,7 +92,7 @@ class DecodeWorker(ColocatedEngine):
         if ib is None:
             return  # a late message for a request already ended
         if isinstance(msg, KVComplete):
-            self._kv_complete(ib, msg.first_token)
+            self._kv_complete(ib, msg.first_token, msg.cached_tokens, dict(msg.timings))
         elif isinstance(msg, TransferAborted):
             self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}")
         else:
@@ -152,7 +153,7 @@ class DecodeWorker(ColocatedEngine):
             self.host.check_integrity()
 
     # ---- inbound transitions -----------------------------------------------------------------------
-    def _kv_complete(self, ib: _Inbound, first_token: int) -> None:
+    def _kv_complete(self, ib: _Inbound, first_token: int, msg_cached: int, timings: dict) -> None:
         if ib.phase is not InboundPhase.LANDING:
             self._landing_free(ib, ib.session.failure or FailureReason.ABORTED, ib.session.failure_detail)
             return
@@ -160,6 +161,9 @@ class DecodeWorker(ColocatedEngine):
         ib.session.advance(TransferState.DONE, self.clock())
         ib.host_kv = self.host.landed(ib.request.request_id)
         req = ib.request
+        req.cached_tokens = msg_cached
+        req.timings.update(timings)
+        req.timings["kv_complete_received"] = self.clock()
         req.output_token_ids.append(first_token)
         reason = self._stop_reason(req, first_token)
         ib.phase = InboundPhase.LOAD_PENDING
@@ -176,10 +180,12 @@ class DecodeWorker(ColocatedEngine):
             return
         ib.device_kv, ib.phase = kv, InboundPhase.LOADING
         ib.residency = move_residency(ib.residency, Residency.LOADING, req.request_id)
+        req.timings["load_start"] = self.clock()
         ib.load = self.loader.start(req.request_id, list(ib.host_kv.pages), list(kv.pages))
 
     def _join_batch(self, ib: _Inbound) -> None:
         req = ib.request
+        req.timings["load_done"] = self.clock()
         ib.residency = move_residency(ib.residency, Residency.BOTH, req.request_id)
         self.kvm.commit(ib.device_kv, len(req.prompt_token_ids))
         self.host.release(ib.host_kv, ReleaseReason.FINISHED)
@@ -218,4 +224,4 @@ class DecodeWorker(ColocatedEngine):
         req.error = error
         req.finish(reason)
         tokens = list(req.output_token_ids) if not error else []
-        self._pending_outputs.append(StepOutput(req.request_id, tokens, reason, error))
+        self._pending_outputs.append(self._output(req, tokens, reason, error))

@@ -9,6 +9,7 @@ ships pages from here) and `_on_finished` (a request produced its last token).
 from __future__ import annotations
 
 import itertools
+import time
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ class StepOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None  # None while the request is still running
     error: str = ""  # why an ABORT that the client did not ask for happened (e.g. a transfer failed)
+    cached_tokens: int = 0  # set on the finishing output
+    timings: tuple[tuple[str, float], ...] = ()  # set on the finishing output
 
 
 class EngineCore:
@@ -157,7 +160,7 @@ class EngineCore:
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self._on_finished(req, reason)
-            outputs.append(StepOutput(req.request_id, [token], reason))
+            outputs.append(self._output(req, [token], reason))
         return outputs
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
@@ -177,6 +180,13 @@ class EngineCore:
     def _loads_in_flight(self) -> frozenset:
         """Hook: host->device loads not yet completed (none without a host tier)."""
         return frozenset()
+
+    @staticmethod
+    def _output(req: Request, tokens: list[int], reason: FinishReason | None, error: str = "") -> StepOutput:
+        if reason is None:
+            return StepOutput(req.request_id, tokens, None)
+        req.timings.setdefault("finished", time.monotonic())
+        return StepOutput(req.request_id, tokens, reason, error, req.cached_tokens, tuple(req.timings.items()))
 
     def _after_commit(self, scheduled: ScheduledStep) -> None:
         """Hook: the KV of `scheduled` is valid now (before sampling)."""

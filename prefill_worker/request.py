@@ -54,6 +54,8 @@ class Request:
     text_len: int | None = None
     """Where a stop string cut the output text (chars); None: not cut."""
     error: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Monotonic timestamps of lifecycle events (submitted, compute_done, transfer_done, ...)."""
     """Why the request ended in ABORT when the client did not ask for it (transfer failure, ...)."""
     arrival: int = field(default_factory=lambda: next(_arrival))
     sample_seed: int = 0

@@ -39,6 +39,7 @@ class _Shipment:
     handed: set = field(default_factory=set)
     first_token: int | None = None  # set when the prompt is done and the token sampled
     abort_reason: str | None = None  # set when the transfer is being abandoned
+    bytes_sent: int = 0
 
 
 class PrefillWorker(EngineCore):
@@ -66,7 +67,8 @@ class PrefillWorker(EngineCore):
         if len(landing.page_ids) != need:
             raise ValueError(f"landing for {request_id} has {len(landing.page_ids)} pages, the prompt needs {need}")
         # Prefill samples only the first token; the decode worker applies the stop rules to it.
-        self.add_request(prompt_token_ids, dataclasses.replace(params, max_tokens=1, stop=()), request_id)
+        req = self.add_request(prompt_token_ids, dataclasses.replace(params, max_tokens=1, stop=()), request_id)
+        req.timings["prefill_submitted"] = self.clock()
         session = TransferSession(request_id, self.deadlines, self.clock())
         session.advance(TransferState.WAITING, self.clock())
         self.shipments[request_id] = _Shipment(landing, session)
@@ -127,6 +129,7 @@ class PrefillWorker(EngineCore):
         sh = self.shipments[req.request_id]
         if sh.abort_reason is None:  # an abort during this step already took it out of the batch
             sh.first_token = req.output_token_ids[-1]
+            req.timings["compute_done"] = self.clock()
             self.scheduler.detach(req)
 
     def _retractable(self, req: Request) -> bool:
@@ -156,6 +159,8 @@ class PrefillWorker(EngineCore):
         sh.pages_sent = upto
         if sh.session.state is TransferState.WAITING:
             sh.session.advance(TransferState.TRANSFERRING, self.clock())
+            req.timings["first_write"] = self.clock()
+        sh.bytes_sent += handle.num_bytes
 
     def _write_ops(self, pages: list[int], landing: Landing, start: int, stop: int) -> list[WriteOp]:
         """Layer-first layout: page i of layer l moves as one contiguous block per K and V;
@@ -195,7 +200,8 @@ class PrefillWorker(EngineCore):
             req = self.requests.get(rid)
             if sh.abort_reason is None:
                 sh.session.advance(TransferState.DONE, self.clock())
-                self.outbox.append(KVComplete(rid, sh.first_token))
+                req.timings["transfer_done"] = self.clock()
+                self.outbox.append(KVComplete(rid, sh.first_token, req.cached_tokens, tuple(req.timings.items())))
                 self.scheduler.release_detached(req, FinishReason.LENGTH)
             else:
                 self.outbox.append(TransferAborted(rid, sh.abort_reason))

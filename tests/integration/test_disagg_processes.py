@@ -1,6 +1,7 @@
 """Disaggregated serving across real processes: prefill and decode workers over Mooncake TCP on
 127.0.0.1, with SmolLM2-135M-Instruct. Workers are started and stopped by the tests."""
 
+import json
 import random
 import time
 
@@ -144,3 +145,15 @@ def test_200_random_requests_with_aborts_leak_nothing(make_pair):
     assert not any(r.failure for r in submitted), [r.error for r in submitted if r.failure][:3]
     for role in ("prefill", "decode"):
         wait_for(pair, role, at_rest, 30, "no page leaked")
+
+
+def test_cli_disaggregated_json_equals_colocated(capsys):
+    from cluster.cli import main
+
+    args = ["run", "--prompt", CHAT_PROMPTS[1], "--prompt", CHAT_PROMPTS[2], "--max-tokens", str(MAX_NEW),
+            "--num-pages", "256", "--host-pages", "256", "--json"]
+    assert main(args) == 0
+    colocated = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(args + ["--mode", "disaggregated"]) == 0
+    disaggregated = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(colocated) == 2 and disaggregated == colocated

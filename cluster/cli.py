@@ -52,6 +52,11 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--skip-baseline", action="store_true", help="measure tandem only")
     off.add_argument("--json", action="store_true", help="print the result as JSON too")
+    xfer = sub.add_parser("transfer", help="raw Mooncake vs KV-through-tandem bandwidth, TTFT breakdown")
+    _add_engine_args(xfer)
+    xfer.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    xfer.add_argument("--seed", type=int, default=0)
+    xfer.add_argument("--json", action="store_true", help="print the result as JSON too")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.run import run_offline
 
             return run_offline(args)
+        if args.bench == "transfer":
+            from cluster.bench_transfer import bench_transfer
+
+            return bench_transfer(args)
         from cluster.bench_offline import bench_offline
 
         return bench_offline(args)

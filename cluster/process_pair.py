@@ -61,6 +61,7 @@ class _Worker:
     conn: object
     session: str = ""
     last_heartbeat: float = field(default_factory=time.monotonic)
+    last_stats: float = 0.0
     stats: p.WorkerStats | None = None
     alive: bool = True
 
@@ -141,7 +142,7 @@ class ProcessPair:
         """The latest heartbeat stats of `role`, waiting for one newer than now."""
         asked = time.monotonic()
         worker = self.workers[role]
-        while worker.last_heartbeat < asked:
+        while worker.last_stats < asked:
             if time.monotonic() - asked > fresh_within_s or not worker.alive:
                 raise TimeoutError(f"no heartbeat from {role} within {fresh_within_s}s")
             self.pump(0.05)
@@ -197,12 +198,14 @@ class ProcessPair:
 
     def _on_message(self, worker: _Worker, msg) -> None:
         if isinstance(msg, p.Heartbeat):
-            worker.last_heartbeat, worker.stats = time.monotonic(), msg.stats
+            worker.last_heartbeat = time.monotonic()
+            if msg.stats is not None:
+                worker.last_stats, worker.stats = worker.last_heartbeat, msg.stats
         elif isinstance(msg, p.TokenOutput):
             self._on_tokens(msg)
         elif isinstance(msg, p.Reserved):
             self._on_reserved(msg)
-        elif isinstance(msg, (p.KVComplete, p.TransferAborted)):
+        elif isinstance(msg, (p.KVProgress, p.KVComplete, p.TransferAborted)):
             self._send("decode", msg)
         elif isinstance(msg, p.AbortTransfer):
             self._send("prefill", msg)

@@ -75,6 +75,15 @@ class KVComplete:
 
 
 @dataclass(frozen=True)
+class KVProgress:
+    """Prefill -> decode: the first `pages_written` landing pages are written (a write retired).
+    Restarts the decode side's transfer deadline: a slow transfer that moves is not a stall."""
+
+    request_id: str
+    pages_written: int
+
+
+@dataclass(frozen=True)
 class TransferAborted:
     """Prefill -> decode: this request's transfer ended without completing, and no write to its
     landing is outstanding or will be issued (the landing may be freed). `reason` says why."""
@@ -131,7 +140,7 @@ class WorkerCrashed:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    stats: WorkerStats
+    stats: WorkerStats | None  # None: a liveness beat from the beat thread, sent even mid-step
 
 
 @dataclass(frozen=True)

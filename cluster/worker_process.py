@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -117,13 +118,43 @@ def _send_progress(worker, conn, outputs) -> None:
     worker.outbox.clear()
 
 
-def worker_main(spec: WorkerSpec, conn) -> None:
+class _LockedConn:
+    """The pipe shared by the loop and the beat thread: sends are serialised."""
+
+    def __init__(self, conn):
+        self._conn, self._lock = conn, threading.Lock()
+
+    def send(self, msg) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+    def poll(self, timeout: float) -> bool:
+        return self._conn.poll(timeout)
+
+    def recv(self):
+        return self._conn.recv()
+
+
+def _beat_forever(conn: _LockedConn, interval_s: float, stop: threading.Event) -> None:
+    """Liveness beats even while a long step runs (a 512-token chunk at 8k context can take
+    many seconds on a CPU); the loop adds stats beats between steps."""
+    while not stop.wait(interval_s):
+        try:
+            conn.send(p.Heartbeat(None))
+        except (BrokenPipeError, OSError):
+            return
+
+
+def worker_main(spec: WorkerSpec, raw_conn) -> None:
     """Process entry point (spawn). Runs until Shutdown or the pipe closes."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.role}[{os.getpid()}] %(message)s")
+    conn, stop = _LockedConn(raw_conn), threading.Event()
     try:
         worker, transport = _build(spec)
         conn.send(p.WorkerReady(spec.role, transport.session_id))
+        threading.Thread(target=_beat_forever, args=(conn, spec.heartbeat_interval_s, stop), daemon=True).start()
         _loop(spec, worker, conn)
+        stop.set()
         worker.close()
         transport.close()
     except (EOFError, BrokenPipeError):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.config import SamplingParams
-from cluster.protocol import AbortTransfer, KVComplete, Landing, TransferAborted
+from cluster.protocol import AbortTransfer, KVComplete, KVProgress, Landing, TransferAborted
 from decode_worker.engine import ColocatedEngine, StepOutput
 from kv_store.host_tier import HostTier, Residency, move_residency
 from kv_store.req_kv import ReleaseReason, ReqKV
@@ -87,11 +87,13 @@ class DecodeWorker(ColocatedEngine):
         self.inbound[request_id] = _Inbound(req, landing, peer, session)
         return landing
 
-    def on_message(self, msg: KVComplete | TransferAborted) -> None:
+    def on_message(self, msg: KVProgress | KVComplete | TransferAborted) -> None:
         ib = self.inbound.get(msg.request_id)
         if ib is None:
             return  # a late message for a request already ended
-        if isinstance(msg, KVComplete):
+        if isinstance(msg, KVProgress):
+            self._kv_progress(ib)
+        elif isinstance(msg, KVComplete):
             self._kv_complete(ib, msg.first_token, msg.cached_tokens, dict(msg.timings))
         elif isinstance(msg, TransferAborted):
             self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}")
@@ -153,11 +155,20 @@ class DecodeWorker(ColocatedEngine):
             self.host.check_integrity()
 
     # ---- inbound transitions -----------------------------------------------------------------------
+    def _kv_progress(self, ib: _Inbound) -> None:
+        if ib.phase is not InboundPhase.LANDING:
+            return
+        if ib.session.state is TransferState.WAITING:
+            ib.session.advance(TransferState.TRANSFERRING, self.clock())
+        else:
+            ib.session.progress(self.clock())
+
     def _kv_complete(self, ib: _Inbound, first_token: int, msg_cached: int, timings: dict) -> None:
         if ib.phase is not InboundPhase.LANDING:
             self._landing_free(ib, ib.session.failure or FailureReason.ABORTED, ib.session.failure_detail)
             return
-        ib.session.advance(TransferState.TRANSFERRING, self.clock())
+        if ib.session.state is TransferState.WAITING:
+            ib.session.advance(TransferState.TRANSFERRING, self.clock())
         ib.session.advance(TransferState.DONE, self.clock())
         ib.host_kv = self.host.landed(ib.request.request_id)
         req = ib.request

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.config import SamplingParams
-from cluster.protocol import AbortTransfer, KVComplete, Landing, TransferAborted
+from cluster.protocol import AbortTransfer, KVComplete, KVProgress, Landing, TransferAborted
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
@@ -40,6 +40,8 @@ class _Shipment:
     first_token: int | None = None  # set when the prompt is done and the token sampled
     abort_reason: str | None = None  # set when the transfer is being abandoned
     bytes_sent: int = 0
+    pages_at_handle: dict = field(default_factory=dict)  # handle -> pages written once it retires
+    pages_done: int = 0
 
 
 class PrefillWorker(EngineCore):
@@ -56,7 +58,7 @@ class PrefillWorker(EngineCore):
         for t in (*self.kv_cache.k, *self.kv_cache.v):
             self._regions.enter_context(transport.register_tensor(t))
         self.shipments: dict[str, _Shipment] = {}
-        self.outbox: list[KVComplete | TransferAborted] = []
+        self.outbox: list[KVComplete | KVProgress | TransferAborted] = []
         self.scheduler.retractable = self._retractable
 
     # ---- inputs ------------------------------------------------------------------------------------
@@ -156,7 +158,7 @@ class PrefillWorker(EngineCore):
             self.device_pool.pages.hand_off(own, req.request_id, handle)
             sh.handed.add(handle)
         sh.handles.add(handle)
-        sh.pages_sent = upto
+        sh.pages_sent = sh.pages_at_handle[handle] = upto
         if sh.session.state is TransferState.WAITING:
             sh.session.advance(TransferState.TRANSFERRING, self.clock())
             req.timings["first_write"] = self.clock()
@@ -191,9 +193,13 @@ class PrefillWorker(EngineCore):
                     self.abort_transfer(rid, FailureReason.TRANSPORT_ERROR, str(error))
                 elif sh.session.state is TransferState.TRANSFERRING:
                     sh.session.progress(now)
+                    sh.pages_done = max(sh.pages_done, sh.pages_at_handle.pop(handle, 0))
+                    if sh.first_token is None:  # once the prompt is done, KVComplete follows shortly
+                        self.outbox.append(KVProgress(rid, sh.pages_done))
 
     def _retire_finished(self) -> None:
         """Release every request whose outstanding writes are all terminal and whose fate is known."""
+        released = False
         for rid, sh in list(self.shipments.items()):
             if sh.handles or (sh.abort_reason is None and sh.first_token is None):
                 continue
@@ -209,4 +215,6 @@ class PrefillWorker(EngineCore):
                     self.scheduler.release_detached(req, FinishReason.ABORT)
             self.requests.pop(rid, None)
             del self.shipments[rid]
-        self._after_step()
+            released = True
+        if released:
+            self._after_step()

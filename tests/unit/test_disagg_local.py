@@ -167,3 +167,19 @@ def test_200_random_requests_with_aborts_leak_nothing():
         [prompts[int(rid[1:])] for rid in done], [greedy(max_tokens=max_tokens[rid]) for rid in done])
     assert [pair.results[rid].token_ids for rid in done] == [r.output_token_ids for r in reference]
     assert_pair_at_rest(pair)
+
+
+def test_slow_but_moving_transfer_outlives_its_deadline(prompts, hf_outputs):
+    """Progress restarts the deadline on both sides: many chunks, each within the deadline, but
+    together far beyond it, still complete."""
+    clock = FakeClock()
+    pair = make_pair(chunk_size=8, clock=clock, deadlines=TransferDeadlines(waiting_s=5, transferring_s=5))
+    pair.submit("slow", prompts[4], greedy(max_tokens=20))
+    steps = 0
+    while pair.busy():
+        clock.now += 3  # every step looks slow
+        pair.step()
+        steps += 1
+    assert steps * 3 > 5 * 3  # the whole transfer took several deadlines
+    assert pair.results["slow"].token_ids == hf_outputs[4] and not pair.results["slow"].error
+    assert_pair_at_rest(pair)

@@ -170,8 +170,12 @@ def worker_main(spec: WorkerSpec, raw_conn) -> None:
 def _loop(spec: WorkerSpec, worker, conn) -> None:
     last_beat = 0.0
     while True:
-        busy = worker.has_unfinished()
-        timeout = 0.0 if busy else min(0.05, spec.heartbeat_interval_s)
+        if worker.scheduler.has_work():
+            timeout = 0.0  # compute to do: only drain what is already there
+        elif worker.has_unfinished():
+            timeout = 0.002  # only transfers/loads in flight: don't spin a core the transport needs
+        else:
+            timeout = min(0.05, spec.heartbeat_interval_s)
         while conn.poll(timeout):
             if not _handle(worker, conn.recv(), conn):
                 return

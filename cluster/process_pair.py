@@ -85,6 +85,7 @@ class ProcessPair:
         self.requests: dict[str, PairRequest] = {}
         self._queue: deque[str] = deque()  # waiting for a landing
         self._reserving: set[str] = set()
+        self._digests: dict[str, p.KVDigest] = {}
         self._wait_ready(start_timeout_s)
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -148,6 +149,17 @@ class ProcessPair:
             self.pump(0.05)
         return worker.stats
 
+    def kv_digest(self, role: str, token_ids: list[int], num_pages: int, timeout_s: float = 30.0) -> p.KVDigest:
+        """Hash of `role`'s cached KV for the first `num_pages` pages of `token_ids` (debug hook)."""
+        self._digests.pop(role, None)
+        self._send(role, p.DigestKV(tuple(token_ids), num_pages))
+        deadline = time.monotonic() + timeout_s
+        while role not in self._digests:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no KV digest from {role} within {timeout_s}s")
+            self.pump(0.05)
+        return self._digests.pop(role)
+
     def kill(self, role: str) -> None:
         """Test hook: SIGKILL a worker process (no goodbye)."""
         self.workers[role].process.kill()
@@ -209,6 +221,8 @@ class ProcessPair:
             self._send("decode", msg)
         elif isinstance(msg, p.AbortTransfer):
             self._send("prefill", msg)
+        elif isinstance(msg, p.KVDigest):
+            self._digests[worker.role] = msg
         elif isinstance(msg, p.WorkerCrashed):
             self._declare_dead(worker, f"crashed:\n{msg.error}")
         else:

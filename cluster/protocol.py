@@ -207,5 +207,20 @@ class Stall:
 
 
 @dataclass(frozen=True)
+class DigestKV:
+    """Test/debug hook: hash the cached KV of the first `num_pages` pages of `token_ids`."""
+
+    token_ids: tuple[int, ...]
+    num_pages: int
+
+
+@dataclass(frozen=True)
+class KVDigest:
+    role: str
+    num_pages: int  # pages of the prefix found in the worker's prefix cache
+    sha256: str  # over K then V of every layer, page by page; "" when fewer pages were found
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass

@@ -69,10 +69,13 @@ def _build(spec: WorkerSpec):
     if spec.role == "prefill":
         from prefill_worker.worker import PrefillWorker
 
-        return PrefillWorker(*args, **kwargs), transport
-    from decode_worker.worker import DecodeWorker
+        worker = PrefillWorker(*args, **kwargs)
+    else:
+        from decode_worker.worker import DecodeWorker
 
-    return DecodeWorker(*args, host_pages=spec.host_pages, **kwargs), transport
+        worker = DecodeWorker(*args, host_pages=spec.host_pages, **kwargs)
+    worker.role_name = spec.role
+    return worker, transport
 
 
 def _handle(worker, msg, conn) -> bool:
@@ -101,9 +104,26 @@ def _handle(worker, msg, conn) -> bool:
         worker.abort(msg.request_id)
     elif isinstance(msg, p.PeerDead):
         worker.peer_dead(msg.peer)
+    elif isinstance(msg, p.DigestKV):
+        conn.send(_kv_digest(worker, msg))
     else:
         worker.on_message(msg)  # KVComplete / TransferAborted / AbortTransfer
     return True
+
+
+def _kv_digest(worker, msg: p.DigestKV) -> p.KVDigest:
+    import hashlib
+
+    import torch
+
+    found = worker.kvm.prefix_cache.match(list(msg.token_ids), len(msg.token_ids)).pages[:msg.num_pages]
+    if len(found) < msg.num_pages:
+        return p.KVDigest(worker.role_name, len(found), "")
+    pages, digest = torch.tensor(found), hashlib.sha256()
+    for tensors in (worker.kv_cache.k, worker.kv_cache.v):
+        for t in tensors:
+            digest.update(t.index_select(0, pages.to(t.device)).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return p.KVDigest(worker.role_name, len(found), digest.hexdigest())
 
 
 def _send_progress(worker, conn, outputs) -> None:

@@ -157,3 +157,17 @@ def test_cli_disaggregated_json_equals_colocated(capsys):
     assert main(args + ["--mode", "disaggregated"]) == 0
     disaggregated = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(colocated) == 2 and disaggregated == colocated
+
+
+def test_decode_kv_is_byte_identical_to_prefill_kv_over_mooncake(make_pair):
+    pair = make_pair(page_size=16, chunk_size=64)
+    prompt = long_prompt(150)
+    [res] = pair.generate([prompt], greedy(max_tokens=4))
+    assert not res.error
+    full_pages = len(prompt) // 16
+    assert full_pages >= 8
+    prefill, decode = pair.kv_digest("prefill", prompt, full_pages), pair.kv_digest("decode", prompt, full_pages)
+    assert prefill.num_pages == decode.num_pages == full_pages
+    assert prefill.sha256 and prefill.sha256 == decode.sha256
+    other = pair.kv_digest("prefill", long_prompt(150)[:16] + [7] * 16 * (full_pages - 1), full_pages)
+    assert other.sha256 == ""  # a prefix nobody computed is not found: the digest is not vacuous

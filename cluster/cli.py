@@ -51,6 +51,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     off.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--skip-baseline", action="store_true", help="measure tandem only")
+    off.add_argument("--repeats", type=int, default=1, help="alternate the systems N times; report each one's best")
     off.add_argument("--json", action="store_true", help="print the result as JSON too")
     xfer = sub.add_parser("transfer", help="raw Mooncake vs KV-through-tandem bandwidth, TTFT breakdown")
     _add_engine_args(xfer)

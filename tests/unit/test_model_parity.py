@@ -47,7 +47,7 @@ class Seq:
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [vocab]
 
 
-class PagePool:
+class PageDealer:
     """Hands out page ids 1..num_pages-1 in a shuffled order, so sequences get scattered pages."""
 
     def __init__(self, num_pages: int, seed: int) -> None:
@@ -66,7 +66,7 @@ def make_kv(arch: LlamaArch, num_pages: int, page_size: int) -> KVCacheTensors:
     )
 
 
-def make_seqs(lengths: list[int], page_size: int, pool: PagePool, vocab: int, seed: int) -> list[Seq]:
+def make_seqs(lengths: list[int], page_size: int, pool: PageDealer, vocab: int, seed: int) -> list[Seq]:
     gen = torch.Generator().manual_seed(seed)
     seqs = []
     for n in lengths:
@@ -118,7 +118,7 @@ def tiny():
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_ragged_prefill_extend_decode_match_hf(tiny, page_size):
     ours, reference = tiny
-    pool = PagePool(num_pages=160, seed=page_size)
+    pool = PageDealer(num_pages=160, seed=page_size)
     kv = make_kv(ours.arch, 160, page_size)
     fresh, extend, dec_a, dec_b = make_seqs([11, 13, 9, 5], page_size, pool, ours.arch.vocab_size, seed=1)
     # Earlier step: the extend's first chunk and the decoders' prompts go in the cache.
@@ -153,7 +153,7 @@ def test_padding_and_scratch_page_do_not_leak(tiny):
             gen = torch.Generator().manual_seed(9)
             for t in kv.k + kv.v:
                 t.copy_(torch.randn(t.shape, generator=gen) * 100)
-        short, long_ = make_seqs([6, 30], page_size, PagePool(40, 3), ours.arch.vocab_size, seed=4)
+        short, long_ = make_seqs([6, 30], page_size, PageDealer(40, 3), ours.arch.vocab_size, seed=4)
         run_step(ours, kv, page_size, [short, long_], [5, 29])
         if dirty:  # the padding row writes K/V to page 0 and attends over it
             pad = Seq(token_ids=[0], pages=[0])
@@ -187,7 +187,7 @@ def test_padding_and_scratch_page_do_not_leak(tiny):
 )
 def test_architecture_variants_match_hf(overrides):
     ours, reference = make_tiny_llama(seed=5, **overrides)
-    pool = PagePool(80, 5)
+    pool = PageDealer(80, 5)
     kv = make_kv(ours.arch, 80, 4)
     seqs = make_seqs([40, 7], 4, pool, ours.arch.vocab_size, seed=6)
     run_step(ours, kv, 4, seqs, [39, 7])
@@ -202,7 +202,7 @@ def test_half_precision_tracks_hf(dtype):
     ours, reference = make_tiny_llama(seed=3, dtype=dtype)
     arch = ours.arch
     kv = KVCacheTensors.allocate(arch.num_layers, 12, 4, arch.num_kv_heads, arch.head_dim, dtype, "cpu")
-    seq = make_seqs([20], 4, PagePool(12, 3), arch.vocab_size, seed=3)[0]
+    seq = make_seqs([20], 4, PageDealer(12, 3), arch.vocab_size, seed=3)[0]
     run_step(ours, kv, 4, [seq], [19])
     run_step(ours, kv, 4, [seq], [1])
     assert all(logits.dtype == torch.float32 for logits in seq.logits.values())
@@ -226,7 +226,7 @@ def test_qwen2_qkv_bias_matches_hf():
     ours = LlamaForCausalLM(LlamaArch.from_hf_config(config)).eval()
     ours.load_hf_state_dict(reference.state_dict())
     kv = make_kv(ours.arch, 20, 4)
-    seq = make_seqs([12], 4, PagePool(20, 8), 128, seed=8)[0]
+    seq = make_seqs([12], 4, PageDealer(20, 8), 128, seed=8)[0]
     run_step(ours, kv, 4, [seq], [11])
     run_step(ours, kv, 4, [seq], [1])
     assert_matches_hf(reference, seq, TINY_ATOL)
@@ -316,7 +316,7 @@ def test_smollm2_batched_greedy_matches_hf_generate(smollm2):
     loaded, reference = smollm2
     num_new, page_size = 16, 8
     prompts = [apply_chat_template(loaded.tokenizer, p) for p in CHAT_PROMPTS]
-    pool = PagePool(40, 12)
+    pool = PageDealer(40, 12)
     kv = make_kv(loaded.arch, 40, page_size)
     seqs = [Seq(token_ids=list(p), pages=pool.take(-(-(len(p) + num_new) // page_size))) for p in prompts]
     run_step(loaded.model, kv, page_size, seqs, [len(p) for p in prompts])

@@ -183,15 +183,16 @@ class PrefillWorker(EngineCore):
                 status = self.transport.poll(handle)
                 if status is TransferStatus.PENDING:
                     continue
+                if status is TransferStatus.FAILED:
+                    self.abort_transfer(rid, FailureReason.TRANSPORT_ERROR, str(self.transport.error(handle)))
+                    if not self.transport.settled(handle):
+                        continue  # abandoned batches may still read these pages and write the landing
                 sh.handles.discard(handle)
-                error = self.transport.error(handle) if status is TransferStatus.FAILED else None
                 self.transport.retire(handle)
                 if handle in sh.handed:
                     sh.handed.discard(handle)
                     self.device_pool.pages.retire(handle)
-                if status is TransferStatus.FAILED:
-                    self.abort_transfer(rid, FailureReason.TRANSPORT_ERROR, str(error))
-                elif sh.session.state is TransferState.TRANSFERRING:
+                if status is TransferStatus.DONE and sh.session.state is TransferState.TRANSFERRING:
                     sh.session.progress(now)
                     sh.pages_done = max(sh.pages_done, sh.pages_at_handle.pop(handle, 0))
                     if sh.first_token is None:  # once the prompt is done, KVComplete follows shortly

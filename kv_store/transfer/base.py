@@ -344,6 +344,13 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def error(self, handle: TransferHandle) -> TransferError | None: ...
 
+    def settled(self, handle: TransferHandle) -> bool:
+        """True when no byte of `handle` can still move: it is terminal and nothing it started is
+        still running underneath (a FAILED handle's abandoned batches may still read its source
+        and write its destination). Until then its source pages stay lent and the receiver must
+        not reuse its destination. Never blocks."""
+        return self.poll(handle).is_terminal
+
     @abc.abstractmethod
     def retire(self, handle: TransferHandle) -> None: ...
 

@@ -151,6 +151,7 @@ class _Zombie:
     peer: str
     batch_id: int
     op: WriteOp
+    handle_id: int
 
 
 class MooncakeTransport(Transport):
@@ -239,6 +240,15 @@ class MooncakeTransport(Transport):
         with self._lock:
             return self._handles.get(handle).error
 
+    def settled(self, handle: TransferHandle) -> bool:
+        with self._lock:
+            if not self._handles.get(handle).status.is_terminal:
+                self._progress()
+                if not self._handles.get(handle).status.is_terminal:
+                    return False
+            self._reap_zombies()
+            return not any(z.handle_id == handle.id for z in self._zombies)
+
     def retire(self, handle: TransferHandle) -> None:
         with self._lock:
             self._handles.retire(handle)
@@ -300,7 +310,7 @@ class MooncakeTransport(Transport):
     def _abandon(self, job: _Job, reason: str) -> None:
         """FAILED now; its in-flight batches become zombies, its unsent ops are dropped."""
         peer = job.record.handle.peer
-        self._zombies.extend(_Zombie(peer, batch_id, op) for batch_id, op in job.in_flight)
+        self._zombies.extend(_Zombie(peer, batch_id, op, job.record.handle.id) for batch_id, op in job.in_flight)
         job.in_flight.clear()
         job.unsent.clear()
         job.record.mark_failed(TransferFailed(f"{job.record.handle}: {reason}"))

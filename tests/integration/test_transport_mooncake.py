@@ -195,7 +195,13 @@ def test_hung_peer_fails_at_adapter_deadline_and_poll_never_blocks():
             assert 1.9 < time.monotonic() - start < 10
             assert slowest_poll_s < 0.5
             assert "transfer_timeout_s" in str(transport.error(handle))
-            transport.close()  # abandoned batches may read src: close before unregistering
+            assert not transport.settled(handle), "FAILED, but its abandoned batches may still write the peer"
+            os.kill(victim.process.pid, signal.SIGCONT)  # the peer wakes: the abandoned batches finish
+            settle_by = time.monotonic() + 40
+            while not transport.settled(handle):
+                assert time.monotonic() < settle_by, "abandoned batches never settled after the peer resumed"
+                time.sleep(0.05)
+            transport.close()
         finally:
             os.kill(victim.process.pid, signal.SIGKILL)
 

@@ -183,3 +183,27 @@ def test_slow_but_moving_transfer_outlives_its_deadline(prompts, hf_outputs):
     assert steps * 3 > 5 * 3  # the whole transfer took several deadlines
     assert pair.results["slow"].token_ids == hf_outputs[4] and not pair.results["slow"].error
     assert_pair_at_rest(pair)
+
+
+def test_failed_write_that_may_still_land_holds_pages_and_landing(prompts, monkeypatch):
+    """A write the transport gave up on can still be moving bytes (a hung peer's abandoned batch):
+    until it settles, the prefill pages stay lent and the decode landing stays reserved."""
+    pair = make_pair()
+    transport = pair.prefill.transport
+    unsettled = {"on": True}
+    real_settled = type(transport).settled
+    monkeypatch.setattr(type(transport), "settled", lambda self, h: not unsettled["on"] and real_settled(self, h))
+    transport.fail_next(1)
+    pair.submit("z", prompts[4], greedy(max_tokens=5))
+    for _ in range(5):
+        pair.step()
+    res = pair.results["z"]
+    assert res.finish_reason is None  # the decode side has no verdict yet: nothing told it
+    assert pair.prefill.device_pool.pages.usage().in_flight > 0, "pages freed while a write may still read them"
+    assert pair.decode.host.pool.usage().in_flight > 0, "landing freed while a write may still land"
+    pair.prefill.check_integrity(), pair.decode.check_integrity()
+    unsettled["on"] = False
+    for _ in range(3):
+        pair.step()
+    assert res.finish_reason is FinishReason.ABORT and "transport_error" in res.error
+    assert_pair_at_rest(pair)

@@ -47,6 +47,7 @@ def test_smollm2_fp32_greedy_on_cuda_matches_hf(page_size):
 
 
 def test_smollm2_bf16_logits_close_to_fp32():
+    from kv_store.req_kv import ReleaseReason
     from prefill_worker.runner import ForwardRow
 
     fp32 = load_model("smollm2", device="cuda")
@@ -55,9 +56,10 @@ def test_smollm2_bf16_logits_close_to_fp32():
     logits = []
     for loaded, dtype in ((fp32, "float32"), (bf16, "bfloat16")):
         engine = ColocatedEngine(EngineConfig(device="cuda", dtype=dtype, num_pages=256), loaded.model, loaded.arch)
-        pages = engine.kvm.pool.alloc(-(-len(ids) // 16), "probe")
-        logits.append(engine.runner.forward([ForwardRow(ids, len(ids), pages, True)])[0])
-        engine.kvm.pool.free(pages, "probe")
+        kv = engine.kvm.open("probe")
+        assert engine.kvm.try_allocate(kv, len(ids))
+        logits.append(engine.runner.forward([ForwardRow(ids, len(ids), list(kv.pages), True)])[0])
+        engine.kvm.release(kv, ReleaseReason.ABORTED, [], cache=False)
         engine.check_integrity()
     assert (logits[0] - logits[1]).abs().max().item() < BF16_LOGIT_ATOL
     assert logits[0].argmax() == logits[1].argmax()

@@ -8,12 +8,11 @@ import torch
 from cluster.config import EngineConfig
 from cluster.local_pair import LocalPair
 from decode_worker.worker import DecodeWorker
-from kv_store.page_pool import PageState
 from kv_store.transfer.local import LocalTransport
 from kv_store.transfer.session import TransferDeadlines
 from prefill_worker.request import FinishReason
 from prefill_worker.worker import PrefillWorker
-from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, tiny_models
+from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
 
 
 class FakeClock:
@@ -45,24 +44,13 @@ def assert_pair_at_rest(pair: LocalPair) -> None:
     pair.prefill.transport.close(), pair.decode.transport.close()
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    return make_prompts(8, min_len=3, max_len=70, seed=1)
-
-
-@pytest.fixture(scope="module")
-def hf_outputs(prompts):
-    _, ref, _ = tiny_models()
-    return [hf_greedy(ref, p, 20) for p in prompts]
-
-
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_disaggregated_greedy_matches_colocated_and_hf(prompts, hf_outputs, page_size):
     chunk = 16
     assert max(map(len, prompts)) >= 3 * chunk  # the longest prompt crosses >= 3 chunks
     pair = make_pair(page_size=page_size, chunk_size=chunk)
-    results = pair.generate(prompts, greedy(max_tokens=20))
-    colocated = make_engine(page_size=page_size, chunk_size=chunk).generate(prompts, greedy(max_tokens=20))
+    results = pair.generate(prompts, greedy(max_tokens=24))
+    colocated = make_engine(page_size=page_size, chunk_size=chunk).generate(prompts, greedy(max_tokens=24))
     assert [r.token_ids for r in results] == [r.output_token_ids for r in colocated] == hf_outputs
     assert all(r.finish_reason is FinishReason.LENGTH and not r.error for r in results)
     assert pair.decode.device_pool.relocation_version == len(prompts)  # one load per request
@@ -112,9 +100,9 @@ def test_stall_trips_deadline_and_both_sides_release(prompts):
 def test_transport_failure_is_typed_and_next_request_succeeds(prompts, hf_outputs):
     pair = make_pair()
     pair.prefill.transport.fail_next(1)
-    [failed] = pair.generate([prompts[5]], greedy(max_tokens=20))
+    [failed] = pair.generate([prompts[5]], greedy(max_tokens=24))
     assert failed.finish_reason is FinishReason.ABORT and "transport_error" in failed.error
-    [ok] = pair.generate([prompts[5]], greedy(max_tokens=20))
+    [ok] = pair.generate([prompts[5]], greedy(max_tokens=24))
     assert ok.token_ids == hf_outputs[5] and not ok.error
     assert_pair_at_rest(pair)
 
@@ -174,7 +162,7 @@ def test_slow_but_moving_transfer_outlives_its_deadline(prompts, hf_outputs):
     together far beyond it, still complete."""
     clock = FakeClock()
     pair = make_pair(chunk_size=8, clock=clock, deadlines=TransferDeadlines(waiting_s=5, transferring_s=5))
-    pair.submit("slow", prompts[4], greedy(max_tokens=20))
+    pair.submit("slow", prompts[4], greedy(max_tokens=24))
     steps = 0
     while pair.busy():
         clock.now += 3  # every step looks slow

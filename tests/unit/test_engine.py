@@ -7,17 +7,6 @@ from prefill_worker.request import FinishReason
 from tests.helpers import TINY_EOS, assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, tiny_models
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    return make_prompts(8, min_len=3, max_len=70, seed=1)
-
-
-@pytest.fixture(scope="module")
-def hf_outputs(prompts):
-    _, ref, _ = tiny_models()
-    return [hf_greedy(ref, p, 24) for p in prompts]
-
-
 @pytest.mark.parametrize("page_size,chunk_size", [(1, 512), (4, 512), (16, 512), (16, 8), (1, 5)])
 def test_batched_greedy_matches_hf(prompts, hf_outputs, page_size, chunk_size):
     engine = make_engine(page_size=page_size, chunk_size=chunk_size, num_pages=4096 // page_size)

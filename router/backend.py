@@ -1,0 +1,86 @@
+"""The contract between the HTTP gateway and whatever serves its requests (the dispatcher over Ray
+workers, or a test double). The gateway owns HTTP, OpenAI schemas, tokenization, detokenization and
+request metrics; a backend owns routing, workers and KV.
+
+A request's life through a backend:
+
+    generate(request_id, prompt_token_ids, params)  ->  async iterator of GenerationChunk
+        ... chunks with new tokens (finish_reason None) ...
+        last chunk: finish_reason set ("stop" | "length" | "abort"); `error` non-empty when the
+        request ended by a failure rather than by its own stop rules or the client.
+    abort(request_id)  : the client went away; the backend releases the request's KV on every worker.
+                         Idempotent; a no-op for unknown or finished requests.
+
+`generate` raises `BackendError` *before yielding anything* when the request cannot start (no
+worker, queue full, rejected); once it has yielded, failures arrive as a final chunk with `error`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cluster.config import SamplingParams
+
+
+class ErrorKind(enum.Enum):
+    """Why a request failed; the gateway maps each to an HTTP status (DESIGN §8)."""
+
+    REJECTED = "rejected"  # 400: the request can never be served (too long, bad token ids)
+    QUEUE_FULL = "queue_full"  # 429: too many requests in flight; retry later
+    UNAVAILABLE = "unavailable"  # 503 + Retry-After: no live worker, or the worker serving it died
+    INTERNAL = "internal"  # 500: a bug; the message says what was seen
+
+
+class BackendError(Exception):
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.kind, self.message, self.retry_after_s = kind, message, retry_after_s
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """New tokens of one request since the previous chunk (possibly several decode steps batched)."""
+
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    error: str = ""  # non-empty: the request ended by a failure (then finish_reason == "abort")
+    error_kind: ErrorKind | None = None  # set exactly when `error` is
+    cached_tokens: int = 0  # on the last chunk: prompt tokens served by a prefix cache
+    kv_transfer_s: float | None = None  # on the last chunk, disaggregated only: prefill-side transfer time
+    kv_transfer_bytes: int = 0  # on the last chunk, disaggregated only: KV bytes moved for the prompt
+    prefill_worker: str = ""  # on the last chunk: the worker that computed the prompt ("" = the decode worker)
+    decode_worker: str = ""  # on the last chunk
+
+
+@dataclass(frozen=True)
+class WorkerGauge:
+    """One worker's load as last reported (exported as per-worker gauges)."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    alive: bool
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # device KV pages in use / usable pages, in [0, 1]
+    host_kv_usage: float | None  # decode workers' host tier, in [0, 1]; None without one
+    restarts: int
+
+
+class Backend(Protocol):
+    model_name: str
+    tokenizer: Any  # a transformers tokenizer (chat template, encode, decode)
+    max_model_len: int  # prompt + completion tokens at most
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[GenerationChunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting) across the backend, for gauges."""
+        ...
+
+    def worker_gauges(self) -> list[WorkerGauge]: ...

@@ -197,6 +197,8 @@ class TokenOutput:
     error: str
     cached_tokens: int = 0
     timings: tuple[tuple[str, float], ...] = ()  # on the finishing output: where the request spent time
+    emitted_unix_s: float = 0.0  # wall clock when the worker sent it (token relay latency)
+    failure: str = ""  # with `error`: "transfer" (the KV transfer failed) | "rejected" (can never be served)
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ log = logging.getLogger("tandem.worker")
 class WorkerSpec:
     """Everything a worker process needs to build itself (picklable)."""
 
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "colocated" (a decode worker that only prefills locally)
     engine: EngineConfig
     host_pages: int = 0  # decode only: host-tier pages for landings
     hostname: str = "127.0.0.1"
-    transport: str = "mooncake"  # "mooncake" (tcp) | "local" is not possible across processes
+    protocol: str = "tcp"  # Mooncake transport protocol: "tcp" | "rdma"
     deadlines: object = None  # kv_store.transfer.session.TransferDeadlines
     heartbeat_interval_s: float = 0.5
     torch_threads: int = 1
@@ -62,7 +62,12 @@ def _build(spec: WorkerSpec):
 
     torch.set_num_threads(spec.torch_threads)
     loaded = load_model(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype])
-    transport = MooncakeTransport(spec.hostname)
+    if spec.role == "colocated":  # no peer ever writes to it: an in-process endpoint, a token host tier
+        from kv_store.transfer.local import LocalTransport
+
+        transport, spec = LocalTransport(), dataclasses.replace(spec, host_pages=2)
+    else:
+        transport = MooncakeTransport(spec.hostname, spec.protocol)
     deadlines = spec.deadlines or TransferDeadlines()
     args = (spec.engine, loaded.model, loaded.arch, transport)
     kwargs = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, deadlines=deadlines)
@@ -99,7 +104,7 @@ def _handle(worker, msg, conn) -> bool:
         try:
             worker.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id)
         except ValueError as exc:
-            conn.send(p.TokenOutput(msg.request_id, (), "abort", str(exc)))
+            conn.send(p.TokenOutput(msg.request_id, (), "abort", str(exc), failure="rejected"))
     elif isinstance(msg, p.Abort):
         worker.abort(msg.request_id)
     elif isinstance(msg, p.PeerDead):
@@ -132,7 +137,7 @@ def _send_progress(worker, conn, outputs) -> None:
     for out in outputs if worker.speaks_for_client else ():
         reason = out.finish_reason.value if out.finish_reason is not None else None
         conn.send(p.TokenOutput(out.request_id, tuple(out.new_token_ids), reason, out.error, out.cached_tokens,
-                                out.timings))
+                                out.timings, time.time(), "transfer" if out.error else ""))
     for item in worker.outbox:
         conn.send(item[1] if isinstance(item, tuple) else item)  # decode's outbox holds (peer, msg)
     worker.outbox.clear()

@@ -1,0 +1,77 @@
+"""Ray shells: the worker actor, and the dispatcher's links to workers and to the controller.
+
+Everything that touches Ray for a worker is here; the worker itself is a `WorkerHost`. The actor
+is threaded (`max_concurrency`): a `collect` long-poll, the controller's `heartbeat` and the
+dispatcher's `deliver` are served concurrently while the loop thread computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from cluster.worker_host import HostBeat, WorkerHost
+from cluster.worker_process import WorkerSpec
+from router.dispatcher import WorkerInfo
+from router.policy import WorkerRole
+
+ACTOR_CONCURRENCY = 8
+
+
+class WorkerActor:
+    """Decorated with `ray.remote` by the controller (resources differ per group)."""
+
+    def __init__(self, spec: WorkerSpec, worker_id: str) -> None:
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker_id}[{os.getpid()}] %(message)s")
+        self.host = WorkerHost(spec, worker_id)
+
+    def ready(self) -> tuple[str, int]:
+        """(transport session id, max_model_len) once the model is loaded and the loop runs."""
+        return self.host.session, self.host.max_model_len
+
+    def deliver(self, msgs: list) -> None:
+        self.host.deliver(msgs)
+
+    def collect(self, timeout_s: float) -> list:
+        return self.host.collect(timeout_s)
+
+    def heartbeat(self) -> HostBeat:
+        return self.host.heartbeat()
+
+    def shutdown(self, timeout_s: float) -> bool:
+        return self.host.shutdown(timeout_s)
+
+
+class RayWorkerLink:
+    """`router.dispatcher.WorkerLink` over an actor handle. A dead actor raises `RayActorError`."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    async def send(self, msgs: list) -> None:
+        await self.handle.deliver.remote(msgs)
+
+    async def collect(self, timeout_s: float) -> list:
+        return await self.handle.collect.remote(timeout_s)
+
+
+class ControllerViews:
+    """`router.dispatcher.ViewSource` over the controller actor."""
+
+    def __init__(self, controller) -> None:
+        self.controller = controller
+        self._links: dict[tuple[str, int], RayWorkerLink] = {}
+
+    async def workers(self) -> list[WorkerInfo]:
+        records = await self.controller.views.remote()
+        return [WorkerInfo(r.worker_id, WorkerRole(r.role), r.incarnation, r.alive, r.session, r.stats, r.restarts,
+                           self._link(r)) for r in records]
+
+    def _link(self, record) -> RayWorkerLink | None:
+        if record.handle is None:
+            return None
+        key = (record.worker_id, record.incarnation)
+        if key not in self._links:
+            self._links = {k: v for k, v in self._links.items() if k[0] != record.worker_id}
+            self._links[key] = RayWorkerLink(record.handle)
+        return self._links[key]

@@ -1,0 +1,142 @@
+"""A worker running its loop on a thread of the current process, fed through in-memory queues.
+
+The Ray actor (`cluster.actors.WorkerActor`) is a thin shell around one `WorkerHost`; tests can use
+a `WorkerHost` directly. The loop is the same as a worker process's (`worker_process._loop`); only
+its connection differs:
+
+    dispatcher --deliver(msgs)--> inbox --> loop thread --> outbox --collect(timeout)--> dispatcher
+                                               |
+                                               +--> latest stats (answered by `heartbeat()`)
+
+`collect` long-polls: it returns as soon as anything is in the outbox, with everything that is
+there, so a decode step's tokens for all requests travel in one call, and the per-call cost is
+paid once per step rather than once per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+
+from cluster import protocol as p
+from cluster.worker_process import WorkerSpec, _build, _loop
+
+log = logging.getLogger("tandem.worker")
+
+
+class WorkerStopped(RuntimeError):
+    pass
+
+
+class QueueConn:
+    """The loop's side (`send`/`poll`/`recv`) and the client's side (`deliver`/`collect`) of one
+    worker's message queues. Thread-safe: one condition guards both directions."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inbox: deque = deque()
+        self._outbox: list = []
+        self.stats: p.WorkerStats | None = None
+        self.stats_unix_s = 0.0
+        self.closed = False
+
+    # ---- the loop's side ---------------------------------------------------------------------------
+    def send(self, msg) -> None:
+        with self._cond:
+            if isinstance(msg, p.Heartbeat):  # stats are pulled by heartbeat(), not queued
+                if msg.stats is not None:
+                    self.stats, self.stats_unix_s = msg.stats, time.time()
+                return
+            self._outbox.append(msg)
+            self._cond.notify_all()
+
+    def poll(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._inbox or self.closed, timeout) and bool(self._inbox)
+
+    def recv(self):
+        with self._cond:
+            return self._inbox.popleft()
+
+    # ---- the client's side -------------------------------------------------------------------------
+    def deliver(self, msgs: list) -> None:
+        with self._cond:
+            self._inbox.extend(msgs)
+            self._cond.notify_all()
+
+    def collect(self, timeout_s: float) -> list:
+        """Everything the loop sent since the last call; waits up to `timeout_s` for the first item.
+        Raises `WorkerStopped` once the loop has ended and everything it sent was collected."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._outbox or self.closed, timeout_s)
+            if self.closed and not self._outbox:
+                raise WorkerStopped("the worker loop has stopped")
+            out, self._outbox = self._outbox, []
+            return out
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class HostBeat:
+    """A worker's answer to the controller's heartbeat call."""
+
+    worker_id: str
+    stats: p.WorkerStats | None  # None until the loop has sent its first stats beat
+    crashed: str  # the loop's traceback when it died; "" while it runs
+
+
+class WorkerHost:
+    """Builds the worker (model, pools, transport) in the constructor and runs its loop on a thread.
+    `shutdown` stops the loop, then closes the worker and its transport."""
+
+    def __init__(self, spec: WorkerSpec, worker_id: str) -> None:
+        self.spec, self.worker_id = spec, worker_id
+        self.conn = QueueConn()
+        self.worker, self.transport = _build(spec)
+        self.session = self.transport.session_id
+        self.crashed = ""
+        self._thread = threading.Thread(target=self._run, name=f"tandem-{worker_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.worker.config.max_model_len
+
+    def deliver(self, msgs: list) -> None:
+        self.conn.deliver(msgs)
+
+    def collect(self, timeout_s: float) -> list:
+        return self.conn.collect(timeout_s)
+
+    def heartbeat(self) -> HostBeat:
+        return HostBeat(self.worker_id, self.conn.stats, self.crashed)
+
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        """Stop the loop and close the transport. Returns False when the loop did not stop in time
+        (then the transport is left open: a step may still be using it)."""
+        self.conn.deliver([p.Shutdown()])
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("%s: loop did not stop within %.1fs", self.worker_id, timeout_s)
+            return False
+        self.worker.close()
+        self.transport.close()
+        self.conn.close()
+        return True
+
+    def _run(self) -> None:
+        try:
+            _loop(self.spec, self.worker, self.conn)
+        except Exception:  # the controller sees `crashed` in the next heartbeat and restarts us
+            self.crashed = traceback.format_exc()
+            log.error("%s crashed:\n%s", self.worker_id, self.crashed)
+            self.conn.send(p.WorkerCrashed(self.spec.role, self.crashed))
+            self.conn.close()

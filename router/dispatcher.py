@@ -1,0 +1,488 @@
+"""The dispatcher: the gateway's backend over a set of workers (DESIGN §2 steps 2-8).
+
+It owns every in-flight request between the gateway and the workers: picks a route with the pure
+policy, asks the decode worker for a landing, hands the prompt to the prefill worker, relays the
+prefill <-> decode messages, and streams tokens back. It never touches KV: each worker releases its
+own, and the dispatcher's job on failure is to tell the survivors (`PeerDead`, `Abort`).
+
+Workers are reached through `WorkerLink`s (a Ray actor handle in a cluster, an in-process
+`WorkerHost` in tests) and described by the controller's views (`ViewSource`). Per worker there is
+one sender task (messages leave in order, batched) and one collector task (long-poll: every message
+a worker produced since the last poll arrives in one call).
+
+One request, disaggregated (wire id = `<request_id>.<attempt>`):
+
+    QUEUED -> RESERVING --Reserved(landing)--> PREFILLING --first token--> STREAMING -> done
+                 | landing None: back to QUEUED after a pause
+                 | error: rejected (400)
+    local prefill (no prefill worker):  LOCAL --tokens--> STREAMING -> done
+
+A transfer failure, or the death of a worker, before any token reached the client re-routes the
+request (at most `max_transfer_retries` times); after that the client gets a clean error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cluster import protocol as p
+from cluster.config import SamplingParams
+from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
+from router.policy import (NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, WorkerRole,
+                           WorkerView, choose)
+
+log = logging.getLogger("tandem.dispatcher")
+
+
+class WorkerLink(Protocol):
+    async def send(self, msgs: list) -> None:
+        """Deliver `msgs` in order. Raises when the worker is gone."""
+
+    async def collect(self, timeout_s: float) -> list:
+        """Messages the worker sent since the last call (waits up to `timeout_s` for one).
+        Raises when the worker is gone."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The controller's view of one worker incarnation."""
+
+    worker_id: str
+    role: WorkerRole
+    incarnation: int  # bumped on every restart: a new process, a new transport session
+    alive: bool
+    session: str  # its transport session id
+    stats: p.WorkerStats | None
+    restarts: int
+    link: Any  # WorkerLink
+
+
+class ViewSource(Protocol):
+    async def workers(self) -> list[WorkerInfo]: ...
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"  # waiting to (re)try a reservation
+    RESERVING = "reserving"
+    PREFILLING = "prefilling"
+    LOCAL = "local"  # the decode worker prefills it itself
+    STREAMING = "streaming"  # tokens are flowing
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class _Live:
+    """One worker incarnation as the dispatcher sees it."""
+
+    info: WorkerInfo
+    outq: list = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list = field(default_factory=list)
+    gone: bool = False
+    pending_prefill_tokens: int = 0
+    num_active: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def peer_id(self) -> str:
+        """How decode workers name this prefill worker: unique per incarnation, so `PeerDead`
+        for a dead incarnation never touches transfers from its successor."""
+        return f"{self.info.worker_id}#{self.info.incarnation}"
+
+
+@dataclass(eq=False)
+class _Flight:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    phase: Phase = Phase.QUEUED
+    attempt: int = 0
+    prefill: _Live | None = None
+    decode: _Live | None = None
+    tokens_sent: int = 0
+    landing_bytes: int = 0
+
+    @property
+    def wire_id(self) -> str:
+        return f"{self.request_id}.{self.attempt}"
+
+
+@dataclass(eq=False)
+class _Transfer:
+    """A reservation's two ends, kept until the prefill side's terminal message has been relayed
+    (or an end died), even when the request itself is already over: the decode worker frees the
+    landing only on that message."""
+
+    prefill: _Live
+    decode: _Live
+    prompt_len: int
+
+
+class Dispatcher:
+    """Implements `router.backend.Backend`. Runs on one asyncio loop; call `start` on it first."""
+
+    def __init__(self, source: ViewSource, *, tokenizer, model_name: str, max_model_len: int,
+                 policy: Policy = Policy.CACHE_AWARE, policy_params: PolicyParams = PolicyParams(),
+                 max_pending: int = 256, max_transfer_retries: int = 1, refresh_interval_s: float = 0.5,
+                 collect_timeout_s: float = 0.5, reserve_retry_s: float = 0.05):
+        self.source, self.tokenizer = source, tokenizer
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.policy, self.policy_params, self.state = policy, policy_params, RouterState()
+        self.max_pending, self.max_transfer_retries = max_pending, max_transfer_retries
+        self.refresh_interval_s, self.collect_timeout_s = refresh_interval_s, collect_timeout_s
+        self.reserve_retry_s = reserve_retry_s
+        self.lives: dict[str, _Live] = {}
+        self.flights: dict[str, _Flight] = {}
+        self._by_wire: dict[str, _Flight] = {}
+        self._transfers: dict[str, _Transfer] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._ids = itertools.count()
+        self.relay = _relay_histogram()
+        self.extra_collectors = [self.relay]
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.refresh()
+        self._tasks.append(asyncio.create_task(self._refresh_forever(), name="dispatcher-refresh"))
+
+    async def close(self) -> None:
+        """Abort everything still in flight, then stop every task."""
+        for rid in list(self.flights):
+            await self.abort(rid)
+        for live in self.lives.values():
+            await self._flush(live)
+        for task in self._tasks + [t for live in self.lives.values() for t in live.tasks]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *(t for live in self.lives.values() for t in live.tasks),
+                             return_exceptions=True)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for in-flight requests to finish; abort the rest. Returns how
+        many were aborted."""
+        deadline = time.monotonic() + timeout_s
+        while self.flights and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.flights)
+        for rid in left:
+            self._finish_error(self.flights[rid], ErrorKind.UNAVAILABLE, "the server is shutting down")
+            await self.abort(rid)
+        return len(left)
+
+    async def refresh(self) -> None:
+        """Pull the controller's views: adopt new incarnations, bury dead ones, update stats."""
+        for info in await self.source.workers():
+            live = self.lives.get(info.worker_id)
+            if live is not None and live.info.incarnation == info.incarnation:
+                live.info = info
+                if not info.alive:
+                    self._worker_gone(live, "the controller declared it dead")
+                continue
+            if live is not None:
+                self._worker_gone(live, f"replaced by incarnation {info.incarnation}")
+            if info.alive:
+                self._adopt(info)
+
+    # ---- Backend -----------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        if request_id in self.flights:
+            raise BackendError(ErrorKind.REJECTED, f"request id {request_id!r} is already in flight")
+        if len(self.flights) >= self.max_pending:
+            raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later",
+                               retry_after_s=1.0)
+        flight = _Flight(request_id, list(prompt_token_ids), params)
+        self._route(flight)  # raises BackendError before anything is registered
+        self.flights[request_id] = flight
+        return self._stream(flight)
+
+    async def abort(self, request_id: str) -> None:
+        flight = self.flights.pop(request_id, None)
+        if flight is None:
+            return
+        if flight.phase in (Phase.RESERVING, Phase.PREFILLING, Phase.LOCAL, Phase.STREAMING):
+            self._send(flight.decode, p.Abort(flight.wire_id))
+        self._end(flight)
+
+    def num_requests(self) -> tuple[int, int]:
+        waiting = sum(f.phase in (Phase.QUEUED, Phase.RESERVING) for f in self.flights.values())
+        return len(self.flights) - waiting, waiting
+
+    def worker_gauges(self) -> list[WorkerGauge]:
+        return [_gauge(live) for live in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
+
+    # ---- routing -----------------------------------------------------------------------------------
+    def _route(self, flight: _Flight) -> None:
+        lives = [lv for lv in self.lives.values() if not lv.gone]
+        view = RequestView(flight.request_id, tuple(flight.prompt), flight.params.max_tokens)
+        try:
+            route = choose(self.policy, view, [_view(lv) for lv in lives], self.state, self.policy_params)
+        except NoWorkerAvailable as exc:
+            raise BackendError(ErrorKind.UNAVAILABLE, f"no worker can serve requests now: {exc}",
+                               retry_after_s=5.0) from None
+        self.state.record(view, route)
+        flight.decode = self.lives[route.decode_id]
+        flight.prefill = self.lives[route.prefill_id] if route.prefill_id else None
+        flight.decode.num_active += 1
+        self._by_wire[flight.wire_id] = flight
+        self._dispatch(flight)
+
+    def _dispatch(self, flight: _Flight) -> None:
+        prompt = tuple(flight.prompt)
+        if flight.prefill is None:
+            flight.phase = Phase.LOCAL
+            self._send(flight.decode, p.Generate(flight.wire_id, prompt, flight.params))
+        else:
+            flight.phase = Phase.RESERVING
+            self._transfers[flight.wire_id] = _Transfer(flight.prefill, flight.decode, len(prompt))
+            flight.prefill.pending_prefill_tokens += len(prompt)
+            self._send(flight.decode, p.Reserve(flight.wire_id, prompt, flight.params, flight.prefill.peer_id))
+
+    def _reroute(self, flight: _Flight, why: str) -> bool:
+        """Try the request again on a fresh route. False when it may not (retries spent, tokens
+        already sent, no worker) — the caller then fails it."""
+        if flight.tokens_sent or flight.attempt >= self.max_transfer_retries:
+            return False
+        self._unroute(flight)
+        flight.attempt += 1
+        log.warning("re-routing %s (attempt %d): %s", flight.request_id, flight.attempt, why)
+        try:
+            self._route(flight)
+        except BackendError:
+            return False
+        return True
+
+    def _unroute(self, flight: _Flight) -> None:
+        self._by_wire.pop(flight.wire_id, None)
+        if flight.decode is not None:
+            flight.decode.num_active -= 1
+            flight.decode = None
+
+    # ---- messages from workers ---------------------------------------------------------------------
+    def _on_message(self, live: _Live, msg) -> None:
+        if isinstance(msg, p.TokenOutput):
+            self._on_tokens(live, msg)
+        elif isinstance(msg, p.Reserved):
+            self._on_reserved(msg)
+        elif isinstance(msg, (p.KVProgress, p.KVComplete, p.TransferAborted)):
+            self._relay_to_decode(msg)
+        elif isinstance(msg, p.AbortTransfer):
+            transfer = self._transfers.get(msg.request_id)
+            if transfer is not None:
+                self._send(transfer.prefill, msg)
+        elif isinstance(msg, p.WorkerCrashed):
+            self._worker_gone(live, f"crashed:\n{msg.error}")
+        else:
+            log.warning("unexpected message from %s: %r", live.worker_id, msg)
+
+    def _on_reserved(self, msg: p.Reserved) -> None:
+        flight = self._by_wire.get(msg.request_id)
+        transfer = self._transfers.get(msg.request_id)
+        if msg.error:
+            self._transfer_over(msg.request_id)
+            if flight is not None:
+                self._finish_error(flight, ErrorKind.REJECTED, msg.error)
+        elif msg.landing is None:  # host tier full: the decode worker holds nothing for it
+            self._transfer_over(msg.request_id)
+            if flight is not None:
+                self._unroute(flight)
+                flight.phase = Phase.QUEUED
+                asyncio.get_running_loop().call_later(self.reserve_retry_s, self._retry_reserve, flight)
+        elif transfer is None or transfer.prefill.gone:
+            if transfer is not None:  # its prefill worker died meanwhile: the decode side frees it
+                self._send(transfer.decode, p.PeerDead(transfer.prefill.peer_id))
+        elif flight is None:  # aborted while reserving: the decode worker's Abort already ends it
+            pass
+        else:
+            flight.phase = Phase.PREFILLING
+            flight.landing_bytes = len(msg.landing.page_ids) * msg.landing.layout.page_bytes
+            self._send(transfer.prefill, p.Prefill(msg.request_id, tuple(flight.prompt), flight.params, msg.landing))
+
+    def _retry_reserve(self, flight: _Flight) -> None:
+        if flight.phase is not Phase.QUEUED or self.flights.get(flight.request_id) is not flight:
+            return
+        try:
+            self._route(flight)
+        except BackendError as exc:
+            self._finish_error(flight, exc.kind, exc.message)
+
+    def _relay_to_decode(self, msg) -> None:
+        transfer = self._transfers.get(msg.request_id)
+        if transfer is None:
+            return
+        if not transfer.decode.gone:
+            self._send(transfer.decode, msg)
+        if isinstance(msg, (p.KVComplete, p.TransferAborted)):
+            self._transfer_over(msg.request_id)
+
+    def _transfer_over(self, wire_id: str) -> None:
+        transfer = self._transfers.pop(wire_id, None)
+        if transfer is not None:
+            transfer.prefill.pending_prefill_tokens -= transfer.prompt_len
+
+    def _on_tokens(self, live: _Live, msg: p.TokenOutput) -> None:
+        flight = self._by_wire.get(msg.request_id)
+        if flight is None or flight.decode is not live or flight.phase is Phase.DONE:
+            return
+        if msg.emitted_unix_s:
+            self.relay.observe(max(0.0, time.time() - msg.emitted_unix_s))
+        if msg.error:
+            if msg.failure == "rejected":
+                self._finish_error(flight, ErrorKind.REJECTED, msg.error)
+            elif not self._reroute(flight, msg.error):
+                self._finish_error(flight, ErrorKind.UNAVAILABLE, msg.error)
+            return
+        flight.phase = Phase.STREAMING
+        flight.tokens_sent += len(msg.new_token_ids)
+        if msg.finish_reason is None:
+            flight.queue.put_nowait(GenerationChunk(tuple(msg.new_token_ids)))
+            return
+        timings = dict(msg.timings)
+        transfer_s = (timings["transfer_done"] - timings["first_write"]
+                      if "transfer_done" in timings and "first_write" in timings else None)
+        flight.queue.put_nowait(GenerationChunk(
+            tuple(msg.new_token_ids), msg.finish_reason, cached_tokens=msg.cached_tokens, kv_transfer_s=transfer_s,
+            kv_transfer_bytes=flight.landing_bytes if flight.prefill else 0,
+            prefill_worker=flight.prefill.worker_id if flight.prefill else "", decode_worker=live.worker_id))
+        self._end(flight)
+
+    # ---- endings -----------------------------------------------------------------------------------
+    def _finish_error(self, flight: _Flight, kind: ErrorKind, error: str) -> None:
+        if flight.phase is Phase.DONE:
+            return
+        flight.queue.put_nowait(GenerationChunk((), "abort", error=error, error_kind=kind))
+        self._end(flight)
+
+    def _end(self, flight: _Flight) -> None:
+        """The request is over for the dispatcher (the workers release their own KV)."""
+        flight.phase = Phase.DONE
+        self._unroute(flight)
+        self.flights.pop(flight.request_id, None)
+
+    async def _stream(self, flight: _Flight) -> AsyncIterator[GenerationChunk]:
+        try:
+            while True:
+                chunk = await flight.queue.get()
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:  # the consumer went away early (client disconnect): release it everywhere
+            if flight.phase is not Phase.DONE:
+                await self.abort(flight.request_id)
+
+    # ---- workers -----------------------------------------------------------------------------------
+    def _adopt(self, info: WorkerInfo) -> None:
+        live = _Live(info)
+        self.lives[info.worker_id] = live
+        live.tasks = [asyncio.create_task(self._sender(live), name=f"send-{info.worker_id}"),
+                      asyncio.create_task(self._collector(live), name=f"collect-{info.worker_id}")]
+        log.info("worker %s (%s, incarnation %d) joined", info.worker_id, info.role.value, info.incarnation)
+
+    def _worker_gone(self, live: _Live, why: str) -> None:
+        """Fail or re-route what it held, tell the survivors, forget its prefix tree."""
+        if live.gone:
+            return
+        live.gone = True
+        log.error("worker %s (incarnation %d) is gone: %s", live.worker_id, live.info.incarnation, why)
+        for task in live.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self.state.forget_worker(live.worker_id)
+        survivors = [lv for lv in self.lives.values() if not lv.gone]
+        if live.info.role is WorkerRole.PREFILL:
+            for lv in survivors:  # they free every landing this incarnation may have been writing
+                self._send(lv, p.PeerDead(live.peer_id))
+        else:
+            for lv in survivors:
+                if lv.info.role is WorkerRole.PREFILL:
+                    self._send(lv, p.PeerDead(live.info.session))
+        for wire, transfer in list(self._transfers.items()):
+            if live in (transfer.prefill, transfer.decode):
+                self._transfer_over(wire)
+        for flight in [f for f in self.flights.values() if f.decode is live]:
+            if not self._reroute(flight, f"worker {live.worker_id} died"):
+                self._finish_error(flight, ErrorKind.UNAVAILABLE, f"worker {live.worker_id} died: {why}")
+
+    def _send(self, live: _Live | None, msg) -> None:
+        if live is None or live.gone:
+            return
+        live.outq.append(msg)
+        live.wake.set()
+
+    async def _flush(self, live: _Live) -> None:
+        if live.outq and not live.gone:
+            msgs, live.outq = live.outq, []
+            try:
+                await live.info.link.send(msgs)
+            except Exception as exc:  # noqa: BLE001 - any failure to reach it means it is gone
+                self._worker_gone(live, f"send failed: {exc}")
+
+    async def _sender(self, live: _Live) -> None:
+        while not live.gone:
+            await live.wake.wait()
+            live.wake.clear()
+            await self._flush(live)
+
+    async def _collector(self, live: _Live) -> None:
+        while not live.gone:
+            try:
+                msgs = await live.info.link.collect(self.collect_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the link failing is how death shows up here
+                self._worker_gone(live, f"collect failed: {type(exc).__name__}: {exc}")
+                return
+            for msg in msgs:
+                self._on_message(live, msg)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - keep serving with stale views; say so
+                log.exception("refreshing worker views failed")
+
+
+def _usage(stats: p.PoolStats | None) -> float | None:
+    if stats is None:
+        return None
+    usable = max(1, stats.total - 1)  # page 0 is the scratch page
+    return min(1.0, (usable - stats.free) / usable)
+
+
+def _view(live: _Live) -> WorkerView:
+    stats = live.info.stats
+    return WorkerView(live.worker_id, live.info.role, not live.gone, num_running=live.num_active,
+                      num_waiting=stats.num_waiting if stats else 0,
+                      kv_usage=_usage(stats.device) if stats else 0.0,
+                      pending_prefill_tokens=live.pending_prefill_tokens)
+
+
+def _gauge(live: _Live) -> WorkerGauge:
+    stats = live.info.stats
+    return WorkerGauge(live.worker_id, live.info.role.value, not live.gone,
+                       num_running=stats.num_running if stats else 0, num_waiting=stats.num_waiting if stats else 0,
+                       kv_usage=_usage(stats.device) if stats else 0.0,
+                       host_kv_usage=_usage(stats.host) if stats else None, restarts=live.info.restarts)
+
+
+def _relay_histogram():
+    from prometheus_client import Histogram
+
+    return Histogram("tandem:token_relay_seconds",
+                     "Worker -> gateway delay of a token message (wall clocks; exact on one host)",
+                     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0), registry=None)
+

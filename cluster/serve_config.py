@@ -1,15 +1,44 @@
 """Frozen, validated configuration of a `tandem serve` cluster (YAML + CLI overrides).
 
 Every field is documented and bounded; a bad value raises `ConfigError` naming the field.
+Precedence, lowest first: dataclass defaults < YAML file < CLI flags < `--set KEY=VALUE`.
+The `engine:` section holds every worker's defaults; a group's own `engine:` overrides them for
+that group only (so `--page-size` changes the default, and a file's `decode.engine.page_size` still wins).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import copy
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
-from cluster.config import ConfigError, _require
+import yaml
 
-__all__ = ["ConfigError", "GatewayConfig"]
+from cluster.config import _DTYPES, ConfigError, EngineConfig, _require
+
+if typing.TYPE_CHECKING:
+    from kv_store.transfer.session import TransferDeadlines
+
+__all__ = [
+    "API_KEY_ENV", "ClusterConfig", "ConfigError", "GatewayConfig", "RouterConfig", "ServeConfig",
+    "TransportConfig", "WorkerGroupConfig", "add_serve_args", "load_serve_config", "serve_config_from_args",
+]
+
+API_KEY_ENV = "TANDEM_API_KEY"
+"""Environment variable read for `gateway.api_key` when neither the file nor an override sets that key."""
+
+_PROTOCOLS = ("tcp", "rdma")
+_POLICIES = ("round_robin", "least_load", "cache_aware", "kv_cost")
+_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_GROUPS = ("prefill", "decode", "colocated")
+_DEFAULT_COUNTS = {"prefill": 1, "decode": 1, "colocated": 0}
 
 
 @dataclass(frozen=True)
@@ -46,3 +75,378 @@ class GatewayConfig:
         _require(self.max_pending_requests >= 1,
                  f"gateway.max_pending_requests must be >= 1, got {self.max_pending_requests}")
         _require(self.ready_timeout_s > 0, f"gateway.ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+
+
+def _require_min(config: Any, prefix: str, bound: float, *names: str, strict: bool = False) -> None:
+    """Each named field must be >= `bound` (> when `strict`); the message names `prefix` + the field."""
+    for name in names:
+        value = getattr(config, name)
+        _require(value > bound if strict else value >= bound,
+                 f"{prefix}{name} must be {'>' if strict else '>='} {bound}, got {value}")
+
+
+@dataclass(frozen=True)
+class WorkerGroupConfig:
+    """One role's workers (prefill, decode or colocated): how many, their Ray resources, their engine.
+
+    Messages name fields relative to the group ("count must be ..."); the loader prefixes the group.
+    """
+
+    count: int
+    """Workers in the group (>= 0)."""
+    num_cpus: float = 1.0
+    """Ray CPUs per worker (>= 0); each worker is one placement-group bundle."""
+    num_gpus: float = 0.0
+    """Ray GPUs per worker (>= 0; fractions share a GPU). Loaded from YAML, it defaults to 1 on a cuda device."""
+    torch_threads: int = 1
+    """torch intra-op threads per worker (>= 1)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The group's engine: the top-level `engine` section merged with the group's own `engine:` overrides."""
+    host_pages: int = 4096
+    """Decode workers' host-tier landing pages (>= 1); ignored by other roles."""
+
+    def __post_init__(self):
+        _require_min(self, "", 0, "count", "num_cpus", "num_gpus")
+        _require_min(self, "", 1, "torch_threads", "host_pages")
+        _require(self.num_cpus > 0 or self.num_gpus > 0,
+                 "num_cpus and num_gpus are both 0: a placement-group bundle needs some resource")
+        _require(self.count == 0 or self.num_gpus > 0 or not self.engine.device.startswith("cuda"),
+                 f"num_gpus must be > 0 when engine.device is {self.engine.device!r} "
+                 "(Ray hides every GPU from a worker that requests none)")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """How KV moves from prefill to decode workers (DESIGN §7)."""
+
+    protocol: str = "tcp"
+    """Transfer-engine protocol: "tcp" (anywhere) or "rdma" (clusters with RDMA NICs)."""
+    hostname: str = "127.0.0.1"
+    """Address each worker's transfer engine binds and advertises to its peers."""
+    bootstrapping_s: float = 30.0
+    """Seconds a transfer may spend pairing peers and reserving the landing (> 0)."""
+    waiting_s: float = 60.0
+    """Seconds a transfer may wait, landing known, before its first KV write (> 0)."""
+    transferring_s: float = 60.0
+    """Seconds a transfer may go without progress while writing KV (> 0)."""
+
+    def __post_init__(self):
+        _require(self.protocol in _PROTOCOLS, f"transport.protocol must be one of {_PROTOCOLS}, got {self.protocol!r}")
+        _require(self.hostname != "", "transport.hostname must be non-empty")
+        _require_min(self, "transport.", 0, "bootstrapping_s", "waiting_s", "transferring_s", strict=True)
+
+    def deadlines(self) -> TransferDeadlines:
+        """The per-state deadlines as the transfer state machine takes them."""
+        from kv_store.transfer.session import TransferDeadlines  # config is the bottom of the import graph
+
+        return TransferDeadlines(bootstrapping_s=self.bootstrapping_s, waiting_s=self.waiting_s,
+                                 transferring_s=self.transferring_s)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Which worker serves a request (DESIGN §8); the policies are pure functions over worker views."""
+
+    policy: str = "cache_aware"
+    """One of round_robin | least_load | cache_aware | kv_cost."""
+    cache_threshold: float = 0.5
+    """cache_aware: route by prefix match when the matched fraction of the prompt is at least this ([0, 1])."""
+    balance_abs_threshold: int = 8
+    """cache_aware: load is imbalanced when max - min load exceeds this (>= 0) ..."""
+    balance_rel_threshold: float = 1.5
+    """... and max load exceeds this times min load (>= 1); then route to the least loaded."""
+    max_tree_tokens: int = 1 << 20
+    """cache_aware: tokens kept in each worker's approximate radix tree before eviction (>= 1)."""
+    max_transfer_retries: int = 1
+    """Re-routes of a request whose KV transfer failed before any token reached the client (>= 0)."""
+
+    def __post_init__(self):
+        _require(self.policy in _POLICIES, f"router.policy must be one of {_POLICIES}, got {self.policy!r}")
+        _require(0 <= self.cache_threshold <= 1, f"router.cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        _require_min(self, "router.", 0, "balance_abs_threshold", "max_transfer_retries")
+        _require_min(self, "router.", 1, "balance_rel_threshold", "max_tree_tokens")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The Ray cluster the workers run in and how the controller watches them."""
+
+    address: str | None = None
+    """None: start a local Ray instance and stop it at shutdown; "auto", "ray://host:port" or "host:port": join one."""
+    namespace: str = "tandem"
+    """Ray namespace of the named actors (non-empty)."""
+    num_cpus: int | None = None
+    """CPUs of a local Ray instance (>= 1); None: Ray's default. Only with `address` null."""
+    heartbeat_interval_s: float = 0.5
+    """Seconds between the controller's worker heartbeats (> 0)."""
+    heartbeat_timeout_s: float = 10.0
+    """A worker silent this long is declared dead (> heartbeat_interval_s)."""
+    worker_start_timeout_s: float = 300.0
+    """Seconds a worker may take to load its model and report ready (> 0)."""
+    max_restarts: int = 5
+    """Restarts per worker (>= 0); after that it stays dead."""
+    drain_timeout_s: float = 30.0
+    """Graceful shutdown: in-flight requests get this long to finish (>= 0)."""
+    placement_strategy: str = "PACK"
+    """Placement-group strategy of the worker bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD."""
+
+    def __post_init__(self):
+        _require(self.address is None or _valid_address(self.address),
+                 f"cluster.address must be null, 'auto', 'ray://host:port' or 'host:port', got {self.address!r}")
+        _require(self.namespace != "", "cluster.namespace must be non-empty")
+        _require(self.num_cpus is None or self.num_cpus >= 1, f"cluster.num_cpus must be >= 1 or null, got {self.num_cpus}")
+        _require(self.num_cpus is None or self.address is None,
+                 f"cluster.num_cpus sizes a local Ray instance; it cannot be set with cluster.address {self.address!r}")
+        _require_min(self, "cluster.", 0, "heartbeat_interval_s", "worker_start_timeout_s", strict=True)
+        _require_min(self, "cluster.", 0, "max_restarts", "drain_timeout_s")
+        _require(self.heartbeat_timeout_s > self.heartbeat_interval_s,
+                 f"cluster.heartbeat_timeout_s must be > cluster.heartbeat_interval_s ({self.heartbeat_interval_s}), "
+                 f"got {self.heartbeat_timeout_s}")
+        _require(self.placement_strategy in _STRATEGIES,
+                 f"cluster.placement_strategy must be one of {_STRATEGIES}, got {self.placement_strategy!r}")
+
+
+def _valid_address(address: str) -> bool:
+    if address == "auto":
+        return True
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    return host != "" and port.isdigit()
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """A whole `tandem serve` cluster. The defaults are the laptop cluster: local Ray, one prefill and
+    one decode worker on the CPU with SmolLM2, the gateway on 127.0.0.1:8000, cache-aware routing."""
+
+    model: str = "smollm2"
+    """`smollm2` (the bundled SmolLM2-135M-Instruct) or a local HF directory; every engine's `model`."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Every worker's engine defaults (its `model` equals `model`); groups override fields in their own `engine`."""
+    prefill: WorkerGroupConfig = field(default_factory=lambda: WorkerGroupConfig(count=1))
+    """Prefill workers: build KV and hand it to a decode worker."""
+    decode: WorkerGroupConfig = field(default_factory=lambda: WorkerGroupConfig(count=1))
+    """Decode workers: receive KV into their host tier and decode."""
+    colocated: WorkerGroupConfig = field(default_factory=lambda: WorkerGroupConfig(count=0))
+    """Colocated workers: prefill and decode in one engine, no KV transfer."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """KV transfer between prefill and decode workers."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """Routing policy."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The HTTP front end."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray and worker supervision."""
+
+    def __post_init__(self):
+        engines = {"engine": self.engine, **{f"{g}.engine": getattr(self, g).engine for g in _GROUPS
+                                             if getattr(self, g).count}}  # an empty group's engine is inert
+        for name, engine in engines.items():
+            _require(engine.model == self.model, f"{name}.model must equal model {self.model!r}, got {engine.model!r}")
+        _require(self.prefill.count == 0 or self.decode.count >= 1,
+                 f"prefill.count={self.prefill.count} needs decode.count >= 1: prefill workers hand their KV to decode workers")
+        # With the check above, this implies at least one worker in total.
+        _require(self.decode.count + self.colocated.count >= 1,
+                 "at least one decode or colocated worker is needed, got decode.count=0 and colocated.count=0")
+        if self.prefill.count and self.decode.count:
+            for name in ("page_size", "dtype"):
+                ours, theirs = getattr(self.prefill.engine, name), getattr(self.decode.engine, name)
+                _require(ours == theirs, f"prefill.engine.{name} ({ours!r}) and decode.engine.{name} ({theirs!r}) "
+                                         "must match: KV pages move between them as they are")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict that `load_serve_config` reads back to an equal config.
+
+        The top-level `engine` leaves out `model` (the top-level `model` sets it); a group's `engine`
+        holds only the fields that differ from the top-level `engine`.
+        """
+        top = dataclasses.asdict(self.engine)
+        out: dict[str, Any] = {"model": self.model, "engine": {k: v for k, v in top.items() if k != "model"}}
+        for name in _GROUPS:
+            group = dataclasses.asdict(getattr(self, name))
+            group["engine"] = {k: v for k, v in group["engine"].items() if v != top[k]}
+            out[name] = group
+        for name in ("transport", "router", "gateway", "cluster"):
+            out[name] = dataclasses.asdict(getattr(self, name))
+        return out
+
+
+# ---- loading: YAML -> nested dict -> dotted overrides -> typed dataclasses ----
+
+_NO_OVERRIDES: Mapping[str, Any] = MappingProxyType({})
+
+
+def load_serve_config(path: str | os.PathLike | None = None,
+                      overrides: Mapping[str, Any] = _NO_OVERRIDES) -> ServeConfig:
+    """Read `path` (YAML; None or an empty file: defaults), apply dotted `overrides` in order
+    ({"gateway.port": 8001, "decode.engine.max_running_requests": 8}), and build a validated config.
+
+    `gateway.api_key` falls back to $TANDEM_API_KEY when neither the file nor an override names it
+    (an explicit null keeps the key off). Raises ConfigError naming the dotted field for unknown keys,
+    wrong types and out-of-bounds values.
+    """
+    raw = _read_yaml(path) if path is not None else {}
+    for key, value in overrides.items():
+        _set_dotted(raw, key, value)
+    env_key = os.environ.get(API_KEY_ENV)
+    gateway = raw.get("gateway")
+    if env_key and (gateway is None or (isinstance(gateway, Mapping) and "api_key" not in gateway)):
+        _set_dotted(raw, "gateway.api_key", env_key)
+    return _build_serve(raw)
+
+
+def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {os.fspath(path)}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {os.fspath(path)}: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{os.fspath(path)}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    _require(isinstance(data, dict),
+             f"{os.fspath(path)}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `a.b.c` in the nested dict, creating sections; a mapping value merges into a mapping there."""
+    parts = dotted.split(".") if isinstance(dotted, str) else [""]
+    _require(all(parts), f"override key must be a dotted field path like 'gateway.port', got {dotted!r}")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        _require(child is None or isinstance(child, Mapping),
+                 f"cannot set {dotted!r}: {'.'.join(parts[:i + 1])} is {child!r}, not a section")
+        node[part] = node = dict(child or {})
+    old, value = node.get(parts[-1]), copy.deepcopy(value)
+    if isinstance(old, Mapping) and isinstance(value, Mapping):
+        merged = dict(old)
+        for key, sub in value.items():
+            _set_dotted(merged, str(key), sub)
+        value = merged
+    node[parts[-1]] = value
+
+
+def _build_serve(raw: Mapping[str, Any]) -> ServeConfig:
+    _reject_unknown(raw, ServeConfig, "")
+    model = _check(str, raw.get("model", "smollm2"), "model")
+    engine = _make(EngineConfig, {"model": model, **_section(raw, "engine", "")}, "engine.")
+    built: dict[str, Any] = {"engine": engine}
+    for name in _GROUPS:
+        built[name] = _build_group(name, _section(raw, name, ""), dataclasses.asdict(engine))
+    for name, cls in (("transport", TransportConfig), ("router", RouterConfig),
+                      ("gateway", GatewayConfig), ("cluster", ClusterConfig)):
+        built[name] = _make(cls, _section(raw, name, ""), f"{name}.")
+    return _make(ServeConfig, {"model": model}, "", built)
+
+
+def _build_group(name: str, raw: Mapping[str, Any], engine_fields: dict[str, Any]) -> WorkerGroupConfig:
+    """The group's engine is the top-level one with the group's own `engine:` fields laid over it."""
+    engine = _make(EngineConfig, {**engine_fields, **_section(raw, "engine", f"{name}.")}, f"{name}.engine.")
+    raw = {"count": _DEFAULT_COUNTS[name], **raw}
+    if "num_gpus" not in raw and engine.device.startswith("cuda"):
+        raw["num_gpus"] = 1.0  # Ray hides every GPU from a worker that requests none
+    return _make(WorkerGroupConfig, raw, f"{name}.", {"engine": engine})
+
+
+def _section(raw: Mapping[str, Any], name: str, prefix: str) -> Mapping[str, Any]:
+    """The mapping under `name` ({} when absent or left empty in YAML)."""
+    value = raw.get(name)
+    if value is None:
+        return {}
+    _require(isinstance(value, Mapping), f"{prefix}{name} must be a mapping, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _reject_unknown(raw: Mapping[str, Any], cls: type, prefix: str) -> None:
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        _require(key in valid, f"unknown key '{prefix}{key}' (valid: {', '.join(valid)})")
+
+
+def _make(cls: type, raw: Mapping[str, Any], prefix: str, built: Mapping[str, Any] = _NO_OVERRIDES):
+    """Build `cls` from `raw`'s scalar fields (type-checked here) and the already-built `built` ones;
+    the dataclass checks bounds, and its message gets the field's dotted `prefix`."""
+    _reject_unknown(raw, cls, prefix)
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _check(hints[k], v, prefix + k) for k, v in raw.items() if k not in built}
+    try:
+        return cls(**kwargs, **built)
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(prefix) else prefix + message) from None
+
+
+def _check(hint: Any, value: Any, name: str) -> Any:
+    """`value` if it has type `hint` (ints pass as floats; bools are not ints); ConfigError otherwise."""
+    optional = type(None) in typing.get_args(hint)
+    if optional and value is None:
+        return None
+    base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, base) and not (base is int and isinstance(value, bool)):
+        return value
+    expected = base.__name__ + (" or null" if optional else "")
+    raise ConfigError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+# ---- the `tandem serve` command line ----
+
+_FLAG_FIELDS = {
+    "address": "cluster.address", "host": "gateway.host", "port": "gateway.port", "api_key": "gateway.api_key",
+    "policy": "router.policy", "num_prefill": "prefill.count", "num_decode": "decode.count",
+    "num_colocated": "colocated.count", "model": "model", "device": "engine.device", "dtype": "engine.dtype",
+    "page_size": "engine.page_size", "num_pages": "engine.num_pages", "max_running": "engine.max_running_requests",
+}
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. gateway.port=8001), got {text!r}")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"{key}: VALUE is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The `tandem serve` flags. Each defaults to None (not given): only given flags override the file."""
+    p = parser  # short lines below
+    p.add_argument("--config", metavar="FILE", help="cluster YAML (see examples/cluster.yaml); default: built-in defaults")
+    p.add_argument("--address", metavar="ADDR", help="join a Ray cluster ('auto', 'ray://host:port', 'host:port'); "
+                                                     "default: start a local one")
+    p.add_argument("--host", help="gateway interface (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gateway port (default 8000)")
+    p.add_argument("--api-key", help=f"require this bearer token on /v1/* (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--policy", choices=_POLICIES, help="routing policy (default cache_aware)")
+    p.add_argument("--num-prefill", type=int, metavar="N", help="prefill workers (default 1)")
+    p.add_argument("--num-decode", type=int, metavar="N", help="decode workers (default 1)")
+    p.add_argument("--num-colocated", type=int, metavar="N", help="colocated workers (default 0)")
+    p.add_argument("--model", help="'smollm2' (bundled SmolLM2-135M-Instruct) or a local HF dir")
+    note = " (every worker's default; a group's own engine: section still wins)"
+    p.add_argument("--device", help="engine device, e.g. cpu or cuda" + note)
+    p.add_argument("--dtype", choices=_DTYPES, help="engine dtype" + note)
+    p.add_argument("--page-size", type=int, help="tokens per KV page (power of two)" + note)
+    p.add_argument("--num-pages", type=int, help="KV pages per worker pool" + note)
+    p.add_argument("--max-running", type=int, help="requests decoded together at most" + note)
+    p.add_argument("--set", action="append", type=_key_value, metavar="KEY=VALUE",
+                   help="set any field by dotted path, VALUE parsed as YAML (repeatable; beats the other flags), "
+                        "e.g. --set decode.engine.max_running_requests=8 --set gateway.api_key=null")
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The config from `--config`, the given flags, then `--set` (later wins)."""
+    overrides = {key: getattr(args, dest) for dest, key in _FLAG_FIELDS.items() if getattr(args, dest) is not None}
+    for key, value in args.set or ():
+        overrides.pop(key, None)  # re-inserted last, so it applies after every flag
+        overrides[key] = value
+    return load_serve_config(args.config, overrides)

@@ -1,5 +1,6 @@
 """The `tandem` command line. Subcommands import their machinery lazily (top of the import graph).
 
+    tandem serve  the cluster: Ray workers, router and the OpenAI-compatible gateway
     tandem run    offline generation in one process (colocated engine)
     tandem bench  benchmarks that measure tandem and a baseline in the same run
 """
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
+    from cluster.serve_config import add_serve_args
+
+    add_serve_args(sub.add_parser("serve", help="serve the OpenAI-compatible API from a Ray cluster"))
     _add_run_args(sub.add_parser("run", help="offline generation"))
     _add_bench_args(sub.add_parser("bench", help="benchmarks"))
     return parser
@@ -85,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.config import ConfigError
 
     try:
+        if args.command == "serve":
+            from cluster.launch import serve
+            from cluster.serve_config import serve_config_from_args
+
+            return serve(serve_config_from_args(args))
         if args.command == "run":
             from cluster.run import run_offline
 

@@ -140,3 +140,18 @@ class WorkerHost:
             log.error("%s crashed:\n%s", self.worker_id, self.crashed)
             self.conn.send(p.WorkerCrashed(self.spec.role, self.crashed))
             self.conn.close()
+
+
+class HostLink:
+    """`router.dispatcher.WorkerLink` to a `WorkerHost` in this process (tests, single-process use)."""
+
+    def __init__(self, host: WorkerHost) -> None:
+        self.host = host
+
+    async def send(self, msgs: list) -> None:
+        self.host.deliver(msgs)
+
+    async def collect(self, timeout_s: float) -> list:
+        import asyncio
+
+        return await asyncio.to_thread(self.host.collect, timeout_s)

@@ -138,7 +138,8 @@ class Dispatcher:
                  collect_timeout_s: float = 0.5, reserve_retry_s: float = 0.05):
         self.source, self.tokenizer = source, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
-        self.policy, self.policy_params, self.state = policy, policy_params, RouterState()
+        self.policy, self.policy_params = policy, policy_params
+        self.state = RouterState(policy_params.max_tree_tokens)
         self.max_pending, self.max_transfer_retries = max_pending, max_transfer_retries
         self.refresh_interval_s, self.collect_timeout_s = refresh_interval_s, collect_timeout_s
         self.reserve_retry_s = reserve_retry_s
@@ -459,8 +460,7 @@ class Dispatcher:
 def _usage(stats: p.PoolStats | None) -> float | None:
     if stats is None:
         return None
-    usable = max(1, stats.total - 1)  # page 0 is the scratch page
-    return min(1.0, (usable - stats.free) / usable)
+    return min(1.0, max(0.0, (stats.total - stats.free) / max(1, stats.total)))
 
 
 def _view(live: _Live) -> WorkerView:

@@ -1,0 +1,212 @@
+"""The controller: a named Ray actor that starts the workers, watches them, and restarts the dead.
+
+Each worker group gets one placement group (one bundle per worker, the group's strategy); a
+worker slot keeps its bundle across restarts. Every `heartbeat_interval_s` the controller calls
+each live worker's `heartbeat()`; a call that raises (the actor died), reports a crashed loop, or
+does not answer within `heartbeat_timeout_s` marks the worker dead: the actor is killed, the
+dispatcher sees `alive=False` in the next `views()`, and a new incarnation is started in the same
+bundle (at most `max_restarts` times per slot).
+
+A slot's life:   STARTING --ready--> ALIVE --beat fails--> DEAD --restart--> STARTING ...
+                                                        `-- restarts spent --> GIVEN_UP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster import protocol as p
+from cluster.actors import ACTOR_CONCURRENCY, WorkerActor
+from cluster.serve_config import ServeConfig, WorkerGroupConfig
+from cluster.worker_process import WorkerSpec
+
+log = logging.getLogger("tandem.controller")
+
+CONTROLLER_NAME = "tandem-controller"
+
+
+class SlotState(enum.Enum):
+    STARTING = "starting"
+    ALIVE = "alive"
+    DEAD = "dead"
+    GIVEN_UP = "given_up"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """What the controller publishes about one worker (picklable; `handle` is a Ray actor handle)."""
+
+    worker_id: str
+    role: str
+    incarnation: int
+    alive: bool
+    session: str
+    stats: p.WorkerStats | None
+    restarts: int
+    handle: object | None
+    max_model_len: int
+
+
+@dataclass(eq=False)
+class _Slot:
+    worker_id: str
+    role: str
+    group: WorkerGroupConfig
+    pg: object
+    bundle_index: int
+    state: SlotState = SlotState.STARTING
+    handle: object | None = None
+    incarnation: int = 0
+    session: str = ""
+    stats: p.WorkerStats | None = None
+    restarts: int = 0
+    max_model_len: int = 0
+    last_beat: float = field(default_factory=time.monotonic)
+    task: asyncio.Task | None = None
+
+
+class Controller:
+    """Wrapped with `ray.remote(num_cpus=0)` by the launcher and created as a named actor."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s controller %(message)s")
+        self.config = config
+        self.slots: dict[str, _Slot] = {}
+        self._pgs: list = []
+        self._stopping = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> list[WorkerRecord]:
+        """Reserve resources and start every worker; raises RuntimeError naming the worker that
+        failed to start (the others are stopped first)."""
+        for role in ("prefill", "decode", "colocated"):
+            group: WorkerGroupConfig = getattr(self.config, role)
+            if group.count == 0:
+                continue
+            bundle = {"CPU": group.num_cpus, **({"GPU": group.num_gpus} if group.num_gpus else {})}
+            pg = placement_group([bundle] * group.count, strategy=self.config.cluster.placement_strategy)
+            self._pgs.append(pg)
+            try:
+                await asyncio.wait_for(pg.ready(), self.config.cluster.worker_start_timeout_s)
+            except asyncio.TimeoutError:
+                await self.shutdown()
+                raise RuntimeError(f"the cluster cannot host {group.count} {role} workers of {bundle} each "
+                                   f"(placement group not ready in {self.config.cluster.worker_start_timeout_s}s): "
+                                   f"available {ray.available_resources()}") from None
+            for i in range(group.count):
+                self.slots[f"{role}-{i}"] = _Slot(f"{role}-{i}", role, group, pg, i)
+        results = await asyncio.gather(*(self._launch(slot) for slot in self.slots.values()), return_exceptions=True)
+        failed = [(slot, err) for slot, err in zip(self.slots.values(), results) if err is not None]
+        if failed:
+            await self.shutdown()
+            slot, err = failed[0]
+            raise RuntimeError(f"worker {slot.worker_id} failed to start: {err}")
+        for slot in self.slots.values():
+            slot.task = asyncio.create_task(self._watch(slot))
+        return await self.views()
+
+    async def views(self) -> list[WorkerRecord]:
+        return [WorkerRecord(s.worker_id, s.role, s.incarnation, s.state is SlotState.ALIVE, s.session, s.stats,
+                             s.restarts, s.handle if s.state is SlotState.ALIVE else None, s.max_model_len)
+                for s in self.slots.values()]
+
+    async def kill_worker(self, worker_id: str) -> None:
+        """Ops/test hook: kill the worker's process now, as a crash would (no goodbye)."""
+        slot = self.slots[worker_id]
+        if slot.handle is not None:
+            ray.kill(slot.handle, no_restart=True)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop every worker (loop, transport, process) and release the placement groups."""
+        self._stopping = True
+        for slot in self.slots.values():
+            if slot.task is not None:
+                slot.task.cancel()
+        await asyncio.gather(*(self._stop(slot, timeout_s) for slot in self.slots.values()), return_exceptions=True)
+        for pg in self._pgs:
+            remove_placement_group(pg)
+        self._pgs.clear()
+
+    # ---- internals ---------------------------------------------------------------------------------
+    async def _launch(self, slot: _Slot) -> None:
+        cfg = self.config
+        spec = WorkerSpec(slot.role, slot.group.engine, host_pages=slot.group.host_pages,
+                          hostname=cfg.transport.hostname, protocol=cfg.transport.protocol,
+                          deadlines=cfg.transport.deadlines(), heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
+                          torch_threads=slot.group.torch_threads)
+        actor = ray.remote(WorkerActor).options(
+            num_cpus=slot.group.num_cpus, num_gpus=slot.group.num_gpus, max_concurrency=ACTOR_CONCURRENCY,
+            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, slot.bundle_index))
+        slot.state, slot.incarnation = SlotState.STARTING, slot.incarnation + 1
+        slot.handle = actor.remote(spec, slot.worker_id)
+        try:
+            slot.session, slot.max_model_len = await asyncio.wait_for(slot.handle.ready.remote(),
+                                                                      cfg.cluster.worker_start_timeout_s)
+        except BaseException:
+            ray.kill(slot.handle, no_restart=True)
+            slot.handle, slot.state = None, SlotState.DEAD
+            raise
+        slot.state, slot.last_beat, slot.stats = SlotState.ALIVE, time.monotonic(), None
+        log.info("%s incarnation %d ready (session %s)", slot.worker_id, slot.incarnation, slot.session)
+
+    async def _watch(self, slot: _Slot) -> None:
+        interval, timeout = self.config.cluster.heartbeat_interval_s, self.config.cluster.heartbeat_timeout_s
+        while not self._stopping:
+            await asyncio.sleep(interval)
+            if slot.state is SlotState.ALIVE:
+                await self._beat(slot, timeout)
+            elif slot.state is SlotState.DEAD:
+                await self._restart(slot)
+
+    async def _beat(self, slot: _Slot, timeout_s: float) -> None:
+        try:
+            beat = await asyncio.wait_for(slot.handle.heartbeat.remote(), timeout_s)
+        except asyncio.TimeoutError:
+            self._declare_dead(slot, f"no heartbeat answer within {timeout_s}s")
+            return
+        except Exception as exc:  # noqa: BLE001 - RayActorError and friends: the process is gone
+            self._declare_dead(slot, f"{type(exc).__name__}: {exc}")
+            return
+        if beat.crashed:
+            self._declare_dead(slot, f"its loop crashed:\n{beat.crashed}")
+            return
+        slot.last_beat = time.monotonic()
+        if beat.stats is not None:
+            slot.stats = beat.stats
+
+    def _declare_dead(self, slot: _Slot, why: str) -> None:
+        if self._stopping:
+            return
+        log.error("%s incarnation %d is dead: %s", slot.worker_id, slot.incarnation, why)
+        ray.kill(slot.handle, no_restart=True)
+        slot.handle, slot.state = None, SlotState.DEAD
+
+    async def _restart(self, slot: _Slot) -> None:
+        if slot.restarts >= self.config.cluster.max_restarts:
+            slot.state = SlotState.GIVEN_UP
+            log.error("%s: %d restarts spent; it stays down", slot.worker_id, slot.restarts)
+            return
+        slot.restarts += 1
+        try:
+            await self._launch(slot)
+        except Exception as exc:  # noqa: BLE001 - try again on the next tick, until restarts are spent
+            log.error("%s restart %d failed: %s", slot.worker_id, slot.restarts, exc)
+
+    async def _stop(self, slot: _Slot, timeout_s: float) -> None:
+        handle, slot.handle, slot.state = slot.handle, None, SlotState.STOPPED
+        if handle is None:
+            return
+        try:
+            await asyncio.wait_for(handle.shutdown.remote(timeout_s), timeout_s + 5)
+        except Exception as exc:  # noqa: BLE001 - it is killed below either way
+            log.warning("%s did not stop cleanly: %s", slot.worker_id, exc)
+        ray.kill(handle, no_restart=True)

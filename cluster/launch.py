@@ -1,0 +1,118 @@
+"""`tandem serve`: bring up Ray, the controller and its workers, the dispatcher and the gateway;
+take them down again on Ctrl-C / SIGTERM.
+
+    ray (local or --address) -> controller actor -> worker actors (placement groups)
+    this process: uvicorn + FastAPI gateway -> dispatcher -> worker actors (deliver / collect)
+
+Shutdown order: uvicorn stops accepting and waits up to `drain_timeout_s` for open requests; what
+is still running then is aborted (its KV released on every worker); the workers are stopped; the
+placement groups removed; and a Ray instance this process started is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from cluster.serve_config import ServeConfig
+
+log = logging.getLogger("tandem.serve")
+
+
+def serve(config: ServeConfig) -> int:
+    import ray
+
+    started_ray = _connect_ray(config)
+    controller = None
+    try:
+        controller = _start_controller(config)
+        records = ray.get(controller.views.remote())
+        log.info("workers ready: %s", ", ".join(f"{r.worker_id} ({r.session})" for r in records))
+        asyncio.run(_serve_gateway(config, controller, records))
+        return 0
+    finally:
+        if controller is not None:
+            _stop_controller(controller, config)
+        if started_ray:
+            ray.shutdown()
+            log.info("stopped the local Ray instance")
+
+
+def _connect_ray(config: ServeConfig) -> bool:
+    """Join `cluster.address`, or start a local instance. Returns whether we started it."""
+    import ray
+
+    address = config.cluster.address
+    if address is not None:
+        ray.init(address=address, namespace=config.cluster.namespace, log_to_driver=True)
+        return False
+    groups = (config.prefill, config.decode, config.colocated)
+    wanted = sum(g.count * g.num_cpus for g in groups)
+    num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(wanted + 0.999))
+    num_gpus = sum(g.count * g.num_gpus for g in groups)
+    ray.init(num_cpus=num_cpus, num_gpus=int(num_gpus + 0.999) or None, namespace=config.cluster.namespace,
+             include_dashboard=False, log_to_driver=True)
+    log.info("started a local Ray instance (%d CPUs)", num_cpus)
+    return True
+
+
+def _start_controller(config: ServeConfig):
+    import ray
+
+    from cluster.controller import CONTROLLER_NAME, Controller
+
+    t0 = time.monotonic()
+    controller = ray.remote(num_cpus=0)(Controller).options(name=CONTROLLER_NAME,
+                                                             namespace=config.cluster.namespace).remote(config)
+    try:
+        ray.get(controller.start.remote(), timeout=config.cluster.worker_start_timeout_s + 60)
+    except BaseException:
+        ray.kill(controller)
+        raise
+    log.info("controller and workers started in %.1fs", time.monotonic() - t0)
+    return controller
+
+
+def _stop_controller(controller, config: ServeConfig) -> None:
+    import ray
+
+    try:
+        ray.get(controller.shutdown.remote(), timeout=60)
+    except Exception as exc:  # noqa: BLE001 - shutting down: report and go on killing
+        log.warning("controller shutdown failed: %s", exc)
+    ray.kill(controller)
+
+
+async def _serve_gateway(config: ServeConfig, controller, records) -> None:
+    import uvicorn
+
+    from cluster.actors import ControllerViews
+    from kernels.model.loader import load_tokenizer, resolve_model_dir
+    from router.dispatcher import Dispatcher
+    from router.gateway.app import build_app
+    from router.policy import Policy, PolicyParams
+
+    rc = config.router
+    dispatcher = Dispatcher(
+        ControllerViews(controller), tokenizer=load_tokenizer(resolve_model_dir(config.model)),
+        model_name=config.model, max_model_len=min(r.max_model_len for r in records if r.role != "prefill"),
+        policy=Policy(rc.policy), policy_params=PolicyParams(
+            cache_threshold=rc.cache_threshold, balance_abs_threshold=rc.balance_abs_threshold,
+            balance_rel_threshold=rc.balance_rel_threshold, max_tree_tokens=rc.max_tree_tokens),
+        max_pending=config.gateway.max_pending_requests, max_transfer_retries=rc.max_transfer_retries,
+        refresh_interval_s=config.cluster.heartbeat_interval_s)
+    await dispatcher.start()
+
+    async def on_shutdown() -> None:
+        aborted = await dispatcher.drain(0.0)  # uvicorn already waited `drain_timeout_s` for them
+        if aborted:
+            log.warning("aborted %d requests still running at shutdown", aborted)
+        await dispatcher.close()
+
+    app = build_app(dispatcher, config.gateway, on_shutdown=on_shutdown)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.gateway.host, port=config.gateway.port,
+                                           timeout_graceful_shutdown=config.cluster.drain_timeout_s,
+                                           log_level="info", access_log=False))
+    await server.serve()

@@ -1,0 +1,369 @@
+"""The routing policy: which worker prefills a request and which one decodes it (DESIGN §8).
+
+Pure: `choose` reads plain views of the request and the workers plus a `RouterState`, and returns a
+`Route`. It never mutates anything and never does I/O; the caller refreshes the worker views from
+worker stats, and after acting on a route calls `state.record(request, route)` so the round-robin
+turns and the approximate prefix trees evolve. A worker that dies or restarts loses its cache; the
+caller then calls `state.forget_worker(worker_id)`.
+
+Route shapes:
+
+    disaggregated   at least one alive PREFILL and one alive DECODE worker:
+                    prefill among PREFILL workers, decode among DECODE workers
+    local prefill   otherwise: one alive DECODE or COLOCATED worker computes the prompt itself
+                    (prefill_id None); COLOCATED workers only ever take this shape
+
+Imports stdlib, `cluster.config` and `router.prefix_tree` only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cluster.config import ConfigError
+from router.prefix_tree import ApproxPrefixTree
+
+DEFAULT_MAX_TREE_TOKENS = 1 << 20
+
+
+class WorkerRole(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"  # decodes transferred KV; prefills locally when no prefill worker is alive
+    COLOCATED = "colocated"  # prefills and decodes every request itself; never part of a disaggregated pair
+
+
+class Policy(enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+    CACHE_AWARE = "cache_aware"
+    KV_COST = "kv_cost"
+
+
+class NoWorkerAvailable(Exception):
+    """No alive worker can serve the request; the message says which role is missing."""
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What routing needs to know about one request."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]  # at least one token: a prefill needs something to compute
+    max_tokens: int  # completion tokens at most (>= 1)
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt: the gateway should reject it")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id!r} has max_tokens {self.max_tokens} < 1")
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as last reported, plus what the caller routed to it since."""
+
+    worker_id: str
+    role: WorkerRole
+    alive: bool
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # device KV pages in use / usable, in [0, 1]
+    pending_prefill_tokens: int = 0  # prompt tokens routed here whose prefill has not completed (caller-tracked)
+
+    def __post_init__(self):
+        if not isinstance(self.role, WorkerRole):
+            raise ValueError(
+                f"worker {self.worker_id!r} role {self.role!r} is not a WorkerRole: passed the wire string?")
+        if min(self.num_running, self.num_waiting, self.pending_prefill_tokens) < 0:
+            raise ValueError(f"worker {self.worker_id!r} reports a negative count: {self}")
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"worker {self.worker_id!r} kv_usage {self.kv_usage} outside [0, 1]")
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes. `prefill_id is None` means local prefill: `decode_id` computes the prompt."""
+
+    prefill_id: str | None
+    decode_id: str
+    matched_prefix_tokens: int  # prompt prefix found in the chosen prefill-capable worker's tree (0: unknown)
+    reason: str  # human-readable: which rule picked these workers (for logs and debugging)
+
+    @property
+    def local_prefill(self) -> bool:
+        return self.prefill_id is None
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    """Knobs of the policies. Loads are counted in requests; prompt work in tokens."""
+
+    cache_threshold: float = 0.5
+    """cache_aware takes the best-matching worker only if matched / prompt_len >= this, in [0, 1]."""
+    balance_abs_threshold: int = 8
+    """Load is imbalanced when max_load - min_load > this (>= 0) AND max_load > rel * min_load;
+    cache_aware then ignores the cache and picks the least loaded worker (as SGLang's router)."""
+    balance_rel_threshold: float = 1.5
+    """The relative half of the imbalance test (>= 1)."""
+    max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS
+    """Token budget of each worker's approximate prefix tree (>= 1); pass it to `RouterState`."""
+    tokens_per_load_unit: int = 1024
+    """Prompt tokens of pending prefill that weigh as much as one running request (>= 1): the exchange
+    rate between token work and request counts in least_load and in kv_cost's local-prefill sum."""
+    decode_waiting_weight: float = 2.0
+    """kv_cost: a waiting request costs this many running ones on a decode worker (>= 0); it is queued
+    behind the batch, usually because KV is short."""
+    decode_kv_usage_weight: float = 8.0
+    """kv_cost: cost, in running requests, of a decode worker's device KV being full (>= 0); scaled by
+    kv_usage, since a full pool means retraction or preemption ahead."""
+
+    def __post_init__(self):
+        _require(0.0 <= self.cache_threshold <= 1.0, f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        _require(isinstance(self.balance_abs_threshold, int) and self.balance_abs_threshold >= 0,
+                 f"balance_abs_threshold must be an integer >= 0, got {self.balance_abs_threshold!r}")
+        _require(self.balance_rel_threshold >= 1.0,
+                 f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
+        _require(isinstance(self.max_tree_tokens, int) and self.max_tree_tokens >= 1,
+                 f"max_tree_tokens must be an integer >= 1, got {self.max_tree_tokens!r}")
+        _require(isinstance(self.tokens_per_load_unit, int) and self.tokens_per_load_unit >= 1,
+                 f"tokens_per_load_unit must be an integer >= 1, got {self.tokens_per_load_unit!r}")
+        _require(self.decode_waiting_weight >= 0,
+                 f"decode_waiting_weight must be >= 0, got {self.decode_waiting_weight}")
+        _require(self.decode_kv_usage_weight >= 0,
+                 f"decode_kv_usage_weight must be >= 0, got {self.decode_kv_usage_weight}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+class _Stage(enum.Enum):
+    """Which choice a round-robin turn counter drives."""
+
+    PREFILL = "prefill"  # the prefill worker of a disaggregated route
+    DECODE = "decode"  # the decode worker (which, on a local-prefill route, also prefills)
+
+
+class RouterState:
+    """What the router remembers between requests: round-robin turns and one approximate prefix tree
+    per prefill-capable worker that has been routed to.
+
+    Mutated only by `record` and `forget_worker`, both called by the one caller that owns the state
+    (not thread-safe: serialize `choose` + `record` per state). Read by `choose`.
+    """
+
+    def __init__(self, max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS):
+        _require(isinstance(max_tree_tokens, int) and max_tree_tokens >= 1,
+                 f"max_tree_tokens must be an integer >= 1, got {max_tree_tokens!r}")
+        self.max_tree_tokens = max_tree_tokens
+        self._turns = {stage: 0 for stage in _Stage}
+        self._trees: dict[str, ApproxPrefixTree] = {}
+
+    def turn(self, stage: _Stage) -> int:
+        """Routes recorded so far that made a `stage` choice."""
+        return self._turns[stage]
+
+    def match_len(self, worker_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """Prompt prefix the router believes `worker_id` has cached; 0 for a worker never routed to."""
+        tree = self._trees.get(worker_id)
+        return tree.match_len(prompt_token_ids) if tree is not None else 0
+
+    def record(self, request: RequestView, route: Route) -> None:
+        """Account for `route` having been taken: advance the turns of the choices it made and insert
+        the prompt into the tree of the worker that prefills it (`prefill_id`, else `decode_id`)."""
+        if route.prefill_id is not None:
+            self._turns[_Stage.PREFILL] += 1
+        self._turns[_Stage.DECODE] += 1
+        prefiller = route.decode_id if route.prefill_id is None else route.prefill_id
+        tree = self._trees.get(prefiller)
+        if tree is None:
+            tree = self._trees[prefiller] = ApproxPrefixTree(self.max_tree_tokens)
+        tree.insert(request.prompt_token_ids)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop the tree of a worker whose cache is gone (died, restarted). No-op for an unknown id."""
+        self._trees.pop(worker_id, None)
+
+    def snapshot(self) -> tuple:
+        """Turns and every tree's contents with recency; equal snapshots mean equal state."""
+        trees = tuple(sorted((wid, tree.snapshot()) for wid, tree in self._trees.items()))
+        return (tuple(sorted((s.value, n) for s, n in self._turns.items())), trees)
+
+    def check_integrity(self) -> None:
+        for tree in self._trees.values():
+            tree.check_integrity()
+
+
+# ---- candidate pools --------------------------------------------------------------------------------
+
+
+class _RouteShape(enum.Enum):
+    DISAGGREGATED = "disaggregated"
+    LOCAL_PREFILL = "local_prefill"
+
+
+@dataclass(frozen=True)
+class _Pools:
+    """Alive candidates, each pool sorted by worker_id (the round-robin order and the last tie-break)."""
+
+    shape: _RouteShape
+    prefill: tuple[WorkerView, ...]  # alive PREFILL workers; empty for LOCAL_PREFILL
+    serving: tuple[WorkerView, ...]  # DISAGGREGATED: alive DECODE; LOCAL_PREFILL: alive DECODE + COLOCATED
+
+
+def _pools(workers: Sequence[WorkerView]) -> _Pools:
+    ids = [w.worker_id for w in workers]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"worker ids listed twice in {sorted(ids)}: stale views merged with fresh ones?")
+    alive = sorted((w for w in workers if w.alive), key=lambda w: w.worker_id)
+    prefill = tuple(w for w in alive if w.role is WorkerRole.PREFILL)
+    decode = tuple(w for w in alive if w.role is WorkerRole.DECODE)
+    if prefill and decode:
+        return _Pools(_RouteShape.DISAGGREGATED, prefill, decode)
+    local = tuple(w for w in alive if w.role is not WorkerRole.PREFILL)
+    if not local:
+        num_dead = len(workers) - len(alive)
+        raise NoWorkerAvailable(
+            f"no alive decode or colocated worker ({len(prefill)} prefill alive, {num_dead} of "
+            f"{len(workers)} workers dead): a prefill worker cannot decode")
+    return _Pools(_RouteShape.LOCAL_PREFILL, (), local)
+
+
+# ---- per-policy pickers -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pick:
+    worker: WorkerView
+    why: str
+
+
+_Pool = tuple[WorkerView, ...]  # alive candidates of one role, sorted by worker_id
+_Picker = Callable[[_Pool, RequestView, RouterState, PolicyParams], _Pick]
+
+
+def _load(w: WorkerView, params: PolicyParams) -> float:
+    """least_load's load, in requests: num_running + num_waiting + pending_prefill_tokens / tokens_per_load_unit.
+
+    The pending term covers work routed since the worker last reported; it may double count a request
+    already visible in num_waiting, which errs toward spreading load."""
+    return w.num_running + w.num_waiting + w.pending_prefill_tokens / params.tokens_per_load_unit
+
+
+def _least_loaded(pool: _Pool, params: PolicyParams) -> WorkerView:
+    return min(pool, key=lambda w: (_load(w, params), w.kv_usage, w.worker_id))
+
+
+def _is_imbalanced(pool: _Pool, params: PolicyParams) -> bool:
+    loads = [_load(w, params) for w in pool]
+    hi, lo = max(loads), min(loads)
+    return hi - lo > params.balance_abs_threshold and hi > params.balance_rel_threshold * lo
+
+
+def _rr_prefill(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
+    return _Pick(pool[state.turn(_Stage.PREFILL) % len(pool)], "round_robin")
+
+
+def _rr_decode(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
+    return _Pick(pool[state.turn(_Stage.DECODE) % len(pool)], "round_robin")
+
+
+def _least_load(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
+    return _Pick(_least_loaded(pool, params), "least_load")
+
+
+def _cache_aware(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
+    """Longest prefix match if it covers >= cache_threshold of the prompt and load is balanced;
+    otherwise least load. Equal matches go to the less loaded worker."""
+    if _is_imbalanced(pool, params):
+        return _Pick(_least_loaded(pool, params), "cache_aware: load imbalanced, least load")
+    prompt = request.prompt_token_ids
+    matched = {w.worker_id: state.match_len(w.worker_id, prompt) for w in pool}
+    best = min(pool, key=lambda w: (-matched[w.worker_id], _load(w, params), w.kv_usage, w.worker_id))
+    hit = f"{matched[best.worker_id]}/{len(prompt)} prompt tokens cached"
+    if matched[best.worker_id] / len(prompt) >= params.cache_threshold:
+        return _Pick(best, f"cache_aware: {hit}")
+    return _Pick(_least_loaded(pool, params), f"cache_aware: best {hit}, below threshold, least load")
+
+
+def _prefill_cost_tokens(w: WorkerView, request: RequestView, state: RouterState) -> int:
+    """kv_cost's prefill cost: (prompt tokens not in w's tree) + w.pending_prefill_tokens."""
+    prompt = request.prompt_token_ids
+    return len(prompt) - state.match_len(w.worker_id, prompt) + w.pending_prefill_tokens
+
+
+def _decode_cost(w: WorkerView, params: PolicyParams) -> float:
+    """kv_cost's decode cost, in running requests:
+    num_running + decode_waiting_weight * num_waiting + decode_kv_usage_weight * kv_usage."""
+    return w.num_running + params.decode_waiting_weight * w.num_waiting + params.decode_kv_usage_weight * w.kv_usage
+
+
+def _kv_cost_prefill(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
+    best = min(pool, key=lambda w: (_prefill_cost_tokens(w, request, state), _load(w, params), w.kv_usage,
+                                    w.worker_id))
+    return _Pick(best, f"kv_cost: prefill cost {_prefill_cost_tokens(best, request, state)} tokens")
+
+
+def _kv_cost_decode(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
+    best = min(pool, key=lambda w: (_decode_cost(w, params), w.worker_id))
+    return _Pick(best, f"kv_cost: decode cost {_decode_cost(best, params):.2f}")
+
+
+def _kv_cost_local(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
+    """One worker does both: prefill cost + tokens_per_load_unit * decode cost, in tokens."""
+    def cost(w: WorkerView) -> float:
+        return _prefill_cost_tokens(w, request, state) + params.tokens_per_load_unit * _decode_cost(w, params)
+    best = min(pool, key=lambda w: (cost(w), w.worker_id))
+    return _Pick(best, f"kv_cost: local cost {cost(best):.1f} tokens")
+
+
+@dataclass(frozen=True)
+class _Strategy:
+    prefill: _Picker  # among alive PREFILL workers (disaggregated route)
+    decode: _Picker  # among alive DECODE workers (disaggregated route)
+    local: _Picker  # among alive DECODE + COLOCATED workers that prefill the prompt themselves
+
+
+_STRATEGIES: dict[Policy, _Strategy] = {
+    Policy.ROUND_ROBIN: _Strategy(prefill=_rr_prefill, decode=_rr_decode, local=_rr_decode),
+    Policy.LEAST_LOAD: _Strategy(prefill=_least_load, decode=_least_load, local=_least_load),
+    Policy.CACHE_AWARE: _Strategy(prefill=_cache_aware, decode=_least_load, local=_cache_aware),
+    Policy.KV_COST: _Strategy(prefill=_kv_cost_prefill, decode=_kv_cost_decode, local=_kv_cost_local),
+}
+
+
+def choose(policy: Policy, request: RequestView, workers: Sequence[WorkerView], state: RouterState,
+           params: PolicyParams) -> Route:
+    """Pick the workers for `request` under `policy`. Pure: reads `state`, mutates nothing.
+
+    Only alive workers count; each pool is ordered by worker_id. Per policy (loads in requests):
+
+      round_robin  prefill: PREFILL pool[prefill turn % n]; decode (or local): pool[decode turn % n]
+      least_load   argmin load = num_running + num_waiting + pending_prefill_tokens / tokens_per_load_unit,
+                   ties by kv_usage, then worker_id
+      cache_aware  prefill-capable worker with the longest match in its tree if matched / prompt_len >=
+                   cache_threshold and load is balanced, else least_load; decode: least_load
+      kv_cost      prefill: argmin (prompt_len - matched) + pending_prefill_tokens  [tokens]
+                   decode:  argmin num_running + decode_waiting_weight * num_waiting
+                                   + decode_kv_usage_weight * kv_usage              [requests]
+                   local:   argmin prefill cost + tokens_per_load_unit * decode cost [tokens]
+
+    Raises NoWorkerAvailable when no alive DECODE or COLOCATED worker exists.
+    """
+    pools = _pools(workers)
+    strategy = _STRATEGIES[policy]
+    prompt = request.prompt_token_ids
+    if pools.shape is _RouteShape.DISAGGREGATED:
+        p = strategy.prefill(pools.prefill, request, state, params)
+        d = strategy.decode(pools.serving, request, state, params)
+        return Route(prefill_id=p.worker.worker_id, decode_id=d.worker.worker_id,
+                     matched_prefix_tokens=state.match_len(p.worker.worker_id, prompt),
+                     reason=f"prefill {p.why}; decode {d.why}")
+    s = strategy.local(pools.serving, request, state, params)
+    return Route(prefill_id=None, decode_id=s.worker.worker_id,
+                 matched_prefix_tokens=state.match_len(s.worker.worker_id, prompt),
+                 reason=f"local prefill {s.why}")

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible HTTP app over one `Backend` (DESIGN §8). All state lives in the app it builds.
+
+    POST /v1/completions, /v1/chat/completions   generation (JSON or SSE)
+    GET  /v1/models                              the served model
+    GET  /health                                 liveness: 200 while the process serves HTTP
+    GET  /health/ready                           a real one-token greedy generation within a deadline
+    GET  /metrics                                Prometheus text exposition of this app's registry
+
+A generation request passes, in order: API key (401) -> draining (503) -> in-flight limit (429) ->
+body size (413) -> JSON and schema (400/404) -> backend start (its error's status) -> response.
+Set `app.state.draining = True` to refuse new /v1 requests with 503 + Retry-After while the ones in
+flight finish; `app.state.gateway.num_in_flight` says how many are left.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from cluster.config import SamplingParams
+from cluster.serve_config import GatewayConfig
+from kernels.model.loader import encode_prompt
+from router.gateway.errors import APIError, install_handlers
+from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from router.gateway.responses import SHAPES
+from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
+    parse_json_object
+from router.gateway.streaming import GenerationRun, SSEResponse, sse_frames, unless_disconnected
+
+log = logging.getLogger(__name__)
+
+DRAINING_RETRY_AFTER_S = 5.0
+CLIENT_CLOSED_STATUS = 499  # nobody reads it: the client is gone; it only shows in access logs
+_PARSERS = {Endpoint.COMPLETION: parse_completion, Endpoint.CHAT: parse_chat}
+
+
+class Gateway:
+    """The request handling of one app: admission, parsing, and runs through the backend."""
+
+    def __init__(self, backend: Any, config: GatewayConfig, state: Any):
+        self.backend, self.config, self._state = backend, config, state
+        self.served_name = config.served_model_name or backend.model_name
+        self.limits = ModelLimits(self.served_name, backend.max_model_len, len(backend.tokenizer),
+                                  config.default_max_tokens, config.max_prompt_tokens)
+        self.metrics = GatewayMetrics(backend, getattr(backend, "extra_collectors", ()))
+        self._probe_metrics = GatewayMetrics(backend)  # readiness probes are not traffic: never scraped
+        self.created = int(time.time())
+        self.num_in_flight = 0
+
+    # ---- admission -----------------------------------------------------------------------------
+    def check_api_key(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.config.api_key.encode()):
+            raise APIError(401, "a valid API key is required: `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+
+    def admit(self, request: Request) -> Callable[[], None]:
+        """Take an in-flight slot; returns its release (call exactly once). Raises 401/503/429."""
+        self.check_api_key(request)
+        if self._state.draining:
+            raise APIError(503, "the server is shutting down", code="draining", retry_after_s=DRAINING_RETRY_AFTER_S)
+        if self.num_in_flight >= self.config.max_pending_requests:
+            raise APIError(429, f"more than {self.config.max_pending_requests} requests in flight; retry later",
+                           code="too_many_pending_requests", retry_after_s=1.0)
+        self.num_in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            assert not released, "in-flight slot released twice"
+            released = True
+            self.num_in_flight -= 1
+        return release
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, or 413 as soon as it is known to exceed `max_body_bytes` (declared or actually read)."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise _too_large(limit)
+            parts.append(part)
+        return b"".join(parts)
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def generate(self, request: Request, endpoint: Endpoint) -> Response:
+        """Serve one generation request. Failures before the run starts are counted here; after that,
+        by the run. The in-flight slot and the run pass to a streaming response when one is returned."""
+        arrival_s = time.monotonic()
+        release, run = None, None
+        try:
+            release = self.admit(request)
+            parsed = _PARSERS[endpoint](parse_json_object(await self.read_body(request)), self.backend.tokenizer,
+                                        self.limits)
+            shape = SHAPES[endpoint](self.served_name)
+            run = GenerationRun(self.backend, shape.id, parsed, self.metrics, arrival_s)
+            started, _ = await unless_disconnected(request.receive, run.start)
+            if not started:
+                return Response(status_code=CLIENT_CLOSED_STATUS)
+            if parsed.stream:
+                response = self._stream(run, shape, parsed, release)
+                release, run = None, None  # owned by the response now
+                return response
+            return await self._complete(request, run, shape)
+        except APIError as err:
+            self.metrics.failure.labels(kind=err.failure_kind).inc()
+            return err.response()
+        finally:
+            await self._finish(run, release)
+
+    def _stream(self, run: GenerationRun, shape: Any, parsed: GenerateRequest, release: Callable[[], None]):
+        async def cleanup() -> None:
+            await self._finish(run, release)
+        return SSEResponse(sse_frames(run, shape, parsed.include_usage), cleanup)
+
+    async def _complete(self, request: Request, run: GenerationRun, shape: Any) -> Response:
+        finished, result = await unless_disconnected(request.receive, run.collect)
+        if not finished:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        text, outcome = result
+        if isinstance(outcome, APIError):
+            return outcome.response()
+        return JSONResponse(shape.full(text, outcome.finish_reason, outcome.usage))
+
+    @staticmethod
+    async def _finish(run: GenerationRun | None, release: Callable[[], None] | None) -> None:
+        with anyio.CancelScope(shield=True):
+            if run is not None:
+                await run.close()
+            if release is not None:
+                release()
+
+    # ---- health --------------------------------------------------------------------------------
+    async def ready(self) -> Response:
+        """200 when a one-token greedy generation completes within `ready_timeout_s`, else 503."""
+        if self._state.draining:
+            return APIError(503, "the server is shutting down", code="draining").response()
+        request_id = f"ready-{uuid.uuid4().hex}"
+        try:
+            with anyio.fail_after(self.config.ready_timeout_s):
+                await self._one_token(request_id)
+        except TimeoutError:
+            return APIError(503, f"no token within {self.config.ready_timeout_s} s", code="unavailable").response()
+        except APIError as err:
+            return APIError(503, f"not ready: {err.message}", code="unavailable").response()
+        return JSONResponse({"status": "ready"})
+
+    async def _one_token(self, request_id: str) -> None:
+        prompt = encode_prompt(self.backend.tokenizer, "ready") or [0]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        request = GenerateRequest(Endpoint.COMPLETION, prompt, params, stream=False, include_usage=False)
+        run = GenerationRun(self.backend, request_id, request, self._probe_metrics, time.monotonic())
+        try:
+            await run.start()
+            _, outcome = await run.collect()
+            if isinstance(outcome, APIError):
+                raise outcome
+        finally:
+            await run.close()
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+def build_app(backend: Any, config: GatewayConfig, *,
+              on_shutdown: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+    """A new app serving `backend` (a `router.backend.Backend`) as configured by `config`.
+
+    Nothing is shared between apps: each has its own Prometheus registry (plus the backend's
+    `extra_collectors`, when it has that attribute). `on_shutdown` is awaited at lifespan shutdown,
+    after the server stopped taking requests. `app.state.draining = True` refuses new /v1 requests.
+    """
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        app.state.draining = True
+        if on_shutdown is not None:
+            await on_shutdown()
+
+    app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.draining = False
+    gateway = app.state.gateway = Gateway(backend, config, app.state)
+    install_handlers(app)
+    _add_routes(app, gateway)
+    return app
+
+
+def _add_routes(app: FastAPI, gateway: Gateway) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.generate(request, Endpoint.COMPLETION)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.generate(request, Endpoint.CHAT)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gateway.check_api_key(request)
+        card = {"id": gateway.served_name, "object": "model", "created": gateway.created, "owned_by": "tandem",
+                "max_model_len": gateway.limits.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        return await gateway.ready()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE)

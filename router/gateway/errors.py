@@ -1,0 +1,121 @@
+"""The gateway's one error policy: every failure becomes `APIError`, every `APIError` one JSON shape.
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
+
+    status  type                       code (examples)
+    400     invalid_request_error      invalid_json, missing_parameter, invalid_value, unsupported_parameter,
+                                       context_length_exceeded, prompt_too_long, rejected
+    401     authentication_error       invalid_api_key
+    404     invalid_request_error      model_not_found, not_found
+    405     invalid_request_error      method_not_allowed
+    413     invalid_request_error      request_too_large
+    429     rate_limit_error           queue_full, too_many_pending_requests
+    500     internal_error             internal_error
+    503     service_unavailable_error  unavailable, draining          (always with Retry-After)
+
+`failure_kind` names the row of `tandem:request_failure_total` an error counts under.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.backend import BackendError, ErrorKind
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETRY_AFTER_S = 1.0
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_error", 503: "service_unavailable_error"}
+
+_BACKEND_STATUS = {ErrorKind.REJECTED: 400, ErrorKind.QUEUE_FULL: 429, ErrorKind.UNAVAILABLE: 503,
+                   ErrorKind.INTERNAL: 500}
+
+_FAILURE_KINDS = {400: "invalid_request", 401: "unauthorized", 404: "invalid_request", 405: "invalid_request",
+                  413: "invalid_request", 429: "queue_full", 500: "internal", 503: "unavailable"}
+
+CLIENT_DISCONNECT = "client_disconnect"
+"""`tandem:request_failure_total{kind}` for a client that went away before its request ended."""
+
+
+class APIError(Exception):
+    """A request ends with HTTP `status` and the error body. `retry_after_s` only for 429/503."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        if status == 503 and retry_after_s is None:
+            retry_after_s = DEFAULT_RETRY_AFTER_S  # a 503 without Retry-After makes clients guess
+        self.retry_after_s = retry_after_s if status in (429, 503) else None  # retrying anything else is futile
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_error")
+
+    @property
+    def failure_kind(self) -> str:
+        return _FAILURE_KINDS.get(self.status, "invalid_request" if self.status < 500 else "internal")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}  # whole seconds (RFC 9110)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+
+def invalid(message: str, *, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def from_backend_error(err: BackendError) -> APIError:
+    return from_error_kind(err.kind, err.message, err.retry_after_s)
+
+
+def from_error_kind(kind: ErrorKind | None, message: str, retry_after_s: float | None = None) -> APIError:
+    """The HTTP error for a request the backend failed (`None` kind: treated as internal)."""
+    kind = kind if kind is not None else ErrorKind.INTERNAL
+    return APIError(_BACKEND_STATUS[kind], message or kind.value, code=kind.value, retry_after_s=retry_after_s)
+
+
+def internal(exc: BaseException) -> APIError:
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Make FastAPI's own errors (422 validation, 404 route, 405 method, uncaught) use the shape above."""
+
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = (exc.errors() or [{}])[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        return invalid(first.get("msg", "invalid request"), param=".".join(loc) or None).response()
+
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = APIError(exc.status_code, str(exc.detail), code=code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers={**(exc.headers or {}), **err.headers()})
+
+    async def on_uncaught(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("uncaught error in the gateway")
+        return internal(exc).response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_uncaught)

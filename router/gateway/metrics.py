@@ -1,0 +1,139 @@
+"""Prometheus metrics of one gateway app (vLLM-style names under `tandem:`), in a registry of its own.
+
+Request metrics are observed by the gateway as chunks pass through it; load gauges are read from the
+backend at scrape time, so they are never stale and cost nothing between scrapes.
+
+Latency accounting of one request (times from `time.monotonic()`):
+
+    arrival ------ first chunk with tokens ------ chunk ------ ... ------ last chunk
+            TTFT                            gap g, k tokens
+                                            -> k inter-token samples of g / k
+
+A chunk can carry several tokens (a batched stream, speculative decoding); spreading its gap evenly
+keeps the histogram's count equal to the number of generated tokens after the first one. Tokens that
+arrive in the same chunk as the first token are not inter-token samples (their gap is not known).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from router.backend import GenerationChunk
+
+# Bucket edges in seconds, following vLLM's choices for the same histograms.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+KV_TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class GatewayMetrics:
+    """Every metric of one app. Not thread-safe beyond what prometheus_client guarantees (it locks)."""
+
+    def __init__(self, backend: Any, extra_collectors: Iterable[Any] = ()):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram("tandem:inter_token_latency_seconds",
+                             "Gap between output tokens (a chunk of k tokens after a gap g counts g/k k times).",
+                             buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=E2E_BUCKETS_S, registry=r)
+        self.success = Counter("tandem:request_success", "Requests finished by their own stop rules.",
+                               ["finished_reason"], registry=r)
+        self.failure = Counter("tandem:request_failure", "Generation requests that ended with an error.",
+                               ["kind"], registry=r)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of started requests.", registry=r)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated.", registry=r)
+        self.cache_queries = Counter("tandem:prefix_cache_queries", "Prompt tokens looked up in a prefix cache.",
+                                     registry=r)
+        self.cache_hits = Counter("tandem:prefix_cache_hits", "Prompt tokens served by a prefix cache.", registry=r)
+        self.kv_bytes = Counter("tandem:kv_transfer_bytes", "Prompt KV bytes moved prefill -> decode.", registry=r)
+        self.kv_seconds = Histogram("tandem:kv_transfer_seconds", "Prefill-side KV transfer time per request.",
+                                    buckets=KV_TRANSFER_BUCKETS_S, registry=r)
+        self.routed = Counter("tandem:requests_routed", "Finished requests by the workers that served them.",
+                              ["prefill_worker", "decode_worker"], registry=r)
+        r.register(BackendGauges(backend))
+        for collector in extra_collectors:
+            r.register(collector)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe_last_chunk(self, prompt_len: int, chunk: GenerationChunk) -> None:
+        """Per-request totals carried by a request's last chunk (finished or failed)."""
+        self.cache_queries.inc(prompt_len)
+        self.cache_hits.inc(chunk.cached_tokens)
+        self.kv_bytes.inc(chunk.kv_transfer_bytes)
+        if chunk.kv_transfer_s is not None:
+            self.kv_seconds.observe(chunk.kv_transfer_s)
+        if chunk.decode_worker or chunk.prefill_worker:
+            self.routed.labels(prefill_worker=chunk.prefill_worker, decode_worker=chunk.decode_worker).inc()
+
+
+class RequestClock:
+    """Latency observations of one request, fed chunk by chunk (see the module docstring)."""
+
+    def __init__(self, metrics: GatewayMetrics, arrival_s: float):
+        self._metrics, self._arrival_s = metrics, arrival_s
+        self._last_token_s: float | None = None
+
+    def on_tokens(self, num_tokens: int, now_s: float) -> None:
+        if num_tokens <= 0:
+            return
+        self._metrics.generation_tokens.inc(num_tokens)
+        if self._last_token_s is None:
+            self._metrics.ttft.observe(now_s - self._arrival_s)
+        else:
+            gap_s = (now_s - self._last_token_s) / num_tokens
+            for _ in range(num_tokens):
+                self._metrics.itl.observe(gap_s)
+        self._last_token_s = now_s
+
+    def on_success(self, finished_reason: str, now_s: float) -> None:
+        self._metrics.e2e.observe(now_s - self._arrival_s)
+        self._metrics.success.labels(finished_reason=finished_reason).inc()
+
+
+class BackendGauges:
+    """A custom collector: the backend's load, read at scrape time."""
+
+    def __init__(self, backend: Any):
+        self._backend = backend
+
+    def describe(self) -> list[Metric]:
+        return []  # names are only known by collecting; describing nothing skips the duplicate check
+
+    def collect(self) -> Iterable[Metric]:
+        running, waiting = self._backend.num_requests()
+        yield _gauge("tandem:num_requests_running", "Requests in a running batch.", running)
+        yield _gauge("tandem:num_requests_waiting", "Requests queued for a batch.", waiting)
+        gauges = list(self._backend.worker_gauges())
+        labels = ["worker", "role"]
+        usage = GaugeMetricFamily("tandem:kv_cache_usage_perc", "Device KV pages in use, fraction.", labels=labels)
+        host = GaugeMetricFamily("tandem:host_kv_cache_usage_perc", "Host-tier KV pages in use, fraction.",
+                                 labels=labels)
+        alive = GaugeMetricFamily("tandem:worker_alive", "1 while the worker is alive.", labels=labels)
+        restarts = GaugeMetricFamily("tandem:worker_restarts", "Times the worker was restarted.", labels=labels)
+        for g in gauges:
+            key = [g.worker_id, g.role]
+            usage.add_metric(key, g.kv_usage)
+            alive.add_metric(key, 1.0 if g.alive else 0.0)
+            restarts.add_metric(key, g.restarts)
+            if g.host_kv_usage is not None:
+                host.add_metric(key, g.host_kv_usage)
+        yield from (usage, host, alive, restarts)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)

@@ -1,0 +1,116 @@
+"""OpenAI response bodies and SSE frames, one class per endpoint (chosen by name, not by flags).
+
+Streamed frames of one request, in order:
+
+    chat:        role chunk {"role": "assistant", "content": ""} | content chunks | finish chunk
+                 (empty delta, finish_reason) | usage chunk (choices == [], only when asked) | [DONE]
+    completion:  text chunks | finish chunk (text "", finish_reason) | usage chunk (when asked) | [DONE]
+
+A failure after the first frame is one `data: {"error": ...}` frame, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from router.gateway.errors import APIError
+from router.gateway.schema import Endpoint
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def sse(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_error(err: APIError) -> bytes:
+    return sse(err.body())
+
+
+class ResponseShape:
+    """The bodies of one request's response; `id`, `created` and `model` are shared by all its frames."""
+
+    id_prefix = ""
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, model: str):
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+
+    def opening_frames(self) -> list[bytes]:
+        """Frames sent before the first token's text."""
+        return []
+
+    def delta_frame(self, text: str) -> bytes:
+        return sse(self._chunk(self._delta_choice(text, None)))
+
+    def finish_frame(self, finish_reason: str) -> bytes:
+        return sse(self._chunk(self._delta_choice("", finish_reason)))
+
+    def usage_frame(self, usage: Usage) -> bytes:
+        return sse({**self._chunk(None), "choices": [], "usage": usage.body()})
+
+    def full(self, text: str, finish_reason: str, usage: Usage) -> dict:
+        """The non-streaming response body."""
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": [self._full_choice(text, finish_reason)], "usage": usage.body()}
+
+    def _chunk(self, choice: dict | None) -> dict:
+        return {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model,
+                "choices": [] if choice is None else [choice]}
+
+    def _delta_choice(self, text: str, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def _full_choice(self, text: str, finish_reason: str) -> dict:
+        raise NotImplementedError
+
+
+class CompletionShape(ResponseShape):
+    id_prefix = "cmpl"
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def _delta_choice(self, text: str, finish_reason: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def _full_choice(self, text: str, finish_reason: str) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+class ChatShape(ResponseShape):
+    id_prefix = "chatcmpl"
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def opening_frames(self) -> list[bytes]:
+        return [sse(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}))]
+
+    def _delta_choice(self, text: str, finish_reason: str | None) -> dict:
+        delta = {"content": text} if finish_reason is None else {}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def _full_choice(self, text: str, finish_reason: str) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+
+SHAPES: dict[Endpoint, type[ResponseShape]] = {Endpoint.COMPLETION: CompletionShape, Endpoint.CHAT: ChatShape}

@@ -1,0 +1,264 @@
+"""OpenAI request bodies -> `GenerateRequest` (prompt token ids + `SamplingParams`), or `APIError`.
+
+Parsing is by hand rather than by pydantic models so that each error names its `param` and has the
+status the OpenAI API gives it. Unknown fields are ignored; known fields that would change what the
+model is asked to do and that tandem cannot honour (n > 1, logprobs, echo, tools, ...) are rejected
+with 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.config import ConfigError, SamplingParams
+from kernels.model.loader import apply_chat_template, encode_prompt
+from router.gateway.errors import APIError, invalid
+
+DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default; ask for 0 to get greedy decoding
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+class Endpoint(enum.Enum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What validation needs to know about the served model."""
+
+    served_name: str
+    max_model_len: int  # prompt + completion tokens at most
+    vocab_size: int  # prompt token ids must lie in [0, vocab_size)
+    default_max_tokens: int  # when the request names none (capped by the context left)
+    max_prompt_tokens: int | None  # None: only max_model_len limits the prompt
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    endpoint: Endpoint
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a final usage chunk when streaming
+
+
+def parse_json_object(body: bytes) -> dict:
+    """The body as a JSON object, or 400 `invalid_json`."""
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise invalid(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise invalid("request body must be a JSON object", code="invalid_json")
+    return payload
+
+
+def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits) -> GenerateRequest:
+    """A /v1/completions body. The prompt is encoded without a chat template or special tokens."""
+    _check_common(payload, limits)
+    for name in ("echo", "suffix"):
+        if payload.get(name):
+            raise _unsupported(name)
+    if (payload.get("best_of") or 1) != 1:
+        raise _unsupported("best_of", "best_of > 1")
+    prompt_ids = _completion_prompt(payload, tokenizer, limits.vocab_size)
+    max_tokens = _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
+    return _request(Endpoint.COMPLETION, payload, prompt_ids, max_tokens)
+
+
+def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits) -> GenerateRequest:
+    """A /v1/chat/completions body. The messages go through the model's chat template."""
+    _check_common(payload, limits)
+    if payload.get("top_logprobs"):
+        raise _unsupported("top_logprobs")
+    for name in ("tools", "functions"):
+        if payload.get(name):
+            raise _unsupported(name)
+    if payload.get("tool_choice") not in (None, "none"):
+        raise _unsupported("tool_choice")
+    fmt = payload.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _unsupported("response_format", "response_format other than {\"type\": \"text\"}")
+    prompt_ids = _chat_prompt(payload, tokenizer)
+    name = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _max_tokens(payload, name, len(prompt_ids), limits)
+    return _request(Endpoint.CHAT, payload, prompt_ids, max_tokens)
+
+
+# ---- shared checks ------------------------------------------------------------------------------
+def _check_common(payload: dict, limits: ModelLimits) -> None:
+    model = payload.get("model")
+    if model is not None and model != limits.served_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {limits.served_name!r}",
+                       code="model_not_found", param="model")
+    if (payload.get("n") if payload.get("n") is not None else 1) != 1:
+        raise _unsupported("n", "n other than 1")
+    if payload.get("logprobs"):
+        raise _unsupported("logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(payload, name) not in (None, 0):
+            raise _unsupported(name, f"a non-zero {name}")
+    if payload.get("logit_bias"):
+        raise _unsupported("logit_bias")
+
+
+def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_tokens: int) -> GenerateRequest:
+    stream = bool(_typed(payload, "stream", bool))
+    options = _typed(payload, "stream_options", dict) or {}
+    include_usage = bool(options.get("include_usage", False))
+    return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens), stream, include_usage)
+
+
+def _sampling_params(payload: dict, max_tokens: int) -> SamplingParams:
+    temperature = _number(payload, "temperature")
+    top_p = _number(payload, "top_p")
+    if temperature is not None and temperature < 0:
+        raise invalid(f"temperature must be >= 0, got {temperature}", param="temperature")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _integer(payload, "top_k")
+    if top_k is not None and top_k < -1:
+        raise invalid(f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k}", param="top_k")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
+            top_p=1.0 if top_p is None else float(top_p),
+            top_k=max(top_k or 0, 0),  # OpenAI-style clients say -1 for "off"; the engine says 0
+            seed=_integer(payload, "seed"),
+            stop=_stop_strings(payload),
+            stop_token_ids=tuple(_int_list(payload, "stop_token_ids")),
+            ignore_eos=bool(_typed(payload, "ignore_eos", bool)))
+    except ConfigError as exc:
+        raise invalid(str(exc)) from None
+
+
+def _max_tokens(payload: dict, name: str, prompt_len: int, limits: ModelLimits) -> int:
+    """The completion budget: as asked, or min(default, context left). Checks every length limit."""
+    if prompt_len == 0:
+        raise invalid("the prompt is empty", param="messages" if "messages" in payload else "prompt")
+    if limits.max_prompt_tokens is not None and prompt_len > limits.max_prompt_tokens:
+        raise invalid(f"the prompt has {prompt_len} tokens; this server accepts at most "
+                      f"{limits.max_prompt_tokens}", code="prompt_too_long")
+    asked = _integer(payload, name)
+    if asked is not None and asked <= 0:
+        raise invalid(f"{name} must be >= 1, got {asked}", param=name)
+    context_left = limits.max_model_len - prompt_len
+    max_tokens = asked if asked is not None else min(limits.default_max_tokens, context_left)
+    if context_left <= 0 or prompt_len + max_tokens > limits.max_model_len:
+        raise invalid(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has "
+                      f"{prompt_len} and {max_tokens} completion tokens were requested",
+                      param=name, code="context_length_exceeded")
+    return max_tokens
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+def _completion_prompt(payload: dict, tokenizer: Any, vocab_size: int) -> list[int]:
+    """`prompt`: a string, a list of exactly one string, or a list of token ids."""
+    prompt = payload.get("prompt")
+    if prompt is None:
+        raise invalid("`prompt` is required", param="prompt", code="missing_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return encode_prompt(tokenizer, prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise invalid(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise _unsupported("prompt", "more than one prompt per request")
+    raise invalid("`prompt` must be a string, a list with one string, or a non-empty list of token ids",
+                  param="prompt")
+
+
+def _chat_prompt(payload: dict, tokenizer: Any) -> list[int]:
+    messages = payload.get("messages")
+    if messages is None:
+        raise invalid("`messages` is required", param="messages", code="missing_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("`messages` must be a non-empty list", param="messages")
+    plain = [_message(m, i) for i, m in enumerate(messages)]
+    try:
+        return apply_chat_template(tokenizer, plain)
+    except Exception as exc:  # the template itself rejects some conversations (jinja raise_exception)
+        raise invalid(f"the chat template rejected these messages: {exc}", param="messages") from None
+
+
+def _message(message: Any, index: int) -> dict[str, str]:
+    """One message as {role, content: str}; text parts are joined by newlines."""
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid(f"{param} must be an object with `role` and `content`", param=param)
+    role = message.get("role")
+    if role == "tool" or message.get("tool_calls"):
+        raise _unsupported(f"{param}.role", "tool messages and tool calls")
+    if role not in CHAT_ROLES:
+        raise invalid(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param=f"{param}.role")
+    content = message.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if isinstance(content, list):
+        return {"role": role, "content": "\n".join(_text_part(p, f"{param}.content[{i}]")
+                                                   for i, p in enumerate(content))}
+    if content is None and role == "assistant":
+        return {"role": role, "content": ""}
+    raise invalid(f"{param}.content must be a string or a list of text parts", param=f"{param}.content")
+
+
+def _text_part(part: Any, param: str) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        raise _unsupported(param, "content parts other than {\"type\": \"text\"}")
+    if not isinstance(part.get("text"), str):
+        raise invalid(f"{param}.text must be a string", param=f"{param}.text")
+    return part["text"]
+
+
+# ---- typed field access ------------------------------------------------------------------------
+def _typed(payload: dict, name: str, kind: type) -> Any:
+    value = payload.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise invalid(f"`{name}` must be a {kind.__name__}", param=name)
+    return value
+
+
+def _number(payload: dict, name: str) -> float | None:
+    value = payload.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise invalid(f"`{name}` must be a number", param=name)
+    return value
+
+
+def _integer(payload: dict, name: str) -> int | None:
+    value = payload.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise invalid(f"`{name}` must be an integer", param=name)
+    return value
+
+
+def _int_list(payload: dict, name: str) -> list[int]:
+    value = payload.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise invalid(f"`{name}` must be a list of integers", param=name)
+    return value
+
+
+def _stop_strings(payload: dict) -> tuple[str, ...]:
+    stop = payload.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise invalid("`stop` must be a non-empty string or a list of non-empty strings", param="stop")
+    return tuple(stop)
+
+
+def _unsupported(param: str, what: str | None = None) -> APIError:
+    return invalid(f"{what or param} is not supported by this server", param=param, code="unsupported_parameter")

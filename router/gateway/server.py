@@ -1,0 +1,125 @@
+"""Running a gateway app under uvicorn, programmatically: bind (port 0 allowed), serve, drain, stop.
+
+    server = GatewayServer(app, config)
+    port = server.start_in_thread()      # or: await server.serve(on_started=...) in your own loop
+    ...
+    server.stop()                        # thread-safe; then server.join()
+
+Shutdown is graceful: `stop()` sets `app.state.draining` (new /v1 requests on open connections get
+503 + Retry-After), uvicorn stops accepting connections, waits up to `graceful_timeout_s` for the
+requests in flight (streams included) and then cancels them, which aborts their backend requests;
+finally the app's lifespan shutdown runs `build_app(on_shutdown=...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+import uvicorn
+from fastapi import FastAPI
+
+from cluster.serve_config import GatewayConfig
+
+log = logging.getLogger(__name__)
+
+STARTUP_POLL_S = 0.01
+
+
+class GatewayServer:
+    """One uvicorn server for one app on `config.host:config.port`. Serve it once."""
+
+    def __init__(self, app: FastAPI, config: GatewayConfig, *, graceful_timeout_s: float = 30.0,
+                 log_level: str = "warning", access_log: bool = False):
+        self.app, self.config = app, config
+        self._uvicorn = uvicorn.Server(uvicorn.Config(
+            app, host=config.host, port=config.port, lifespan="on", log_level=log_level, access_log=access_log,
+            timeout_graceful_shutdown=graceful_timeout_s))
+        self._socket: socket.socket | None = None
+        self._port: int | None = None  # kept: uvicorn closes the socket at shutdown
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (the real one when the config says 0). Binds on first use."""
+        self._bind()
+        return self._port
+
+    @property
+    def started(self) -> bool:
+        return self._uvicorn.started
+
+    async def serve(self, on_started: Callable[[int], None] | None = None) -> None:
+        """Serve until `stop()` (or SIGINT/SIGTERM when run on the main thread). `on_started(port)` is
+        called once the server accepts connections."""
+        sock = self._bind()
+        watcher = asyncio.ensure_future(self._announce(on_started or (lambda _: None)))
+        try:
+            await self._uvicorn.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown. Safe from any thread; returns at once (use `join` to wait)."""
+        self.app.state.draining = True
+        self._uvicorn.should_exit = True
+
+    def start_in_thread(self, timeout_s: float = 30.0) -> int:
+        """Serve from a daemon thread with its own event loop; returns the port once serving."""
+        assert self._thread is None, "this server was already started"
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._thread_main, args=(started,), name="tandem-gateway",
+                                        daemon=True)
+        self._thread.start()
+        if not started.wait(timeout_s):
+            self.stop()
+            raise TimeoutError(f"the gateway did not start within {timeout_s} s")
+        if self._error is not None:
+            raise RuntimeError("the gateway failed to start") from self._error
+        return self.port
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for a threaded server to finish; True when it did."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _bind(self) -> socket.socket:
+        """Bind the listening socket ourselves so the port is known before uvicorn starts."""
+        if self._socket is None:
+            family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.config.host, self.config.port))
+            self._socket, self._port = sock, sock.getsockname()[1]
+        return self._socket
+
+    async def _announce(self, on_started: Callable[[int], None]) -> None:
+        while not self._uvicorn.started:
+            if self._uvicorn.should_exit:
+                return
+            await asyncio.sleep(STARTUP_POLL_S)
+        log.info("gateway serving on http://%s:%d", self.config.host, self.port)
+        on_started(self.port)
+
+    def _thread_main(self, started: threading.Event) -> None:
+        try:
+            asyncio.run(self.serve(on_started=lambda _: started.set()))
+        except BaseException as exc:  # surfaced by start_in_thread; a thread has nobody else to tell
+            self._error = exc
+        finally:
+            started.set()
+
+
+def run_gateway(app: FastAPI, config: GatewayConfig, *, on_started: Callable[[int], None] | None = None,
+                graceful_timeout_s: float = 30.0, log_level: str = "info") -> None:
+    """Serve `app` on the calling thread until SIGINT/SIGTERM (graceful, see the module docstring)."""
+    server = GatewayServer(app, config, graceful_timeout_s=graceful_timeout_s, log_level=log_level,
+                           access_log=True)
+    asyncio.run(server.serve(on_started=on_started))

@@ -1,0 +1,217 @@
+"""One request's trip through the backend: chunks in, text deltas and metrics out, abort on the way out.
+
+`GenerationRun` owns the backend stream of one request. Every way it can end meets in `close()`:
+
+    backend finished (last chunk)    -> no abort; metrics already recorded by `events()`
+    a stop string ended the text     -> abort (the backend may still be generating); success "stop"
+    client gone / handler cancelled  -> abort; failure "client_disconnect"
+    backend failure (error chunk)    -> no abort (the backend ended it); failure by its error kind
+
+`close()` is idempotent and shielded from cancellation, so `backend.abort` runs exactly once, even
+from a stream that the server cancelled because its client disconnected.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from router.backend import BackendError, GenerationChunk
+from router.gateway.detokenize import IncrementalDetokenizer
+from router.gateway.errors import CLIENT_DISCONNECT, APIError, from_backend_error, from_error_kind, internal
+from router.gateway.metrics import GatewayMetrics, RequestClock
+from router.gateway.responses import SSE_DONE, ResponseShape, Usage, sse_error
+from router.gateway.schema import GenerateRequest
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 10.0  # a backend that cannot abort in this long is not waited for
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request ended by its own rules; the remaining text is in the last delta before this."""
+
+    finish_reason: str
+    usage: Usage
+
+
+class GenerationRun:
+    """Drives `backend.generate` for one request. Use: `await start()`, iterate `events()`, `close()`."""
+
+    def __init__(self, backend: Any, request_id: str, request: GenerateRequest, metrics: GatewayMetrics,
+                 arrival_s: float):
+        self._backend, self.request_id, self._request = backend, request_id, request
+        self._metrics = metrics
+        self._clock = RequestClock(metrics, arrival_s)
+        self._detok = IncrementalDetokenizer(backend.tokenizer, request.params.stop)
+        self._chunks: AsyncIterator[GenerationChunk] | None = None
+        self._first: GenerationChunk | None = None
+        self._backend_done = False  # the backend sent its last chunk (or refused to start)
+        self._ended = False  # this run's outcome is decided and counted
+        self._closed = False
+
+    async def start(self) -> None:
+        """Wait for the first chunk. Raises `APIError` when the backend refuses the request; nothing is
+        counted then (the caller counts errors raised before the run started)."""
+        try:
+            self._first = await self._next_chunk()
+        except APIError:
+            self._backend_done = self._ended = True
+            raise
+        if self._first.error and not self._first.new_token_ids:
+            self._backend_done = self._ended = True
+            raise from_error_kind(self._first.error_kind, self._first.error)
+        self._metrics.prompt_tokens.inc(len(self._request.prompt_token_ids))
+
+    async def events(self) -> AsyncIterator[str | Finished | APIError]:
+        """Text deltas (`str`, never empty), then exactly one `Finished` or `APIError`."""
+        assert self._first is not None, "events() before a successful start()"
+        chunk, self._first = self._first, None
+        while True:
+            delta, last = self._take(chunk)
+            if delta:
+                yield delta
+            if last:
+                break
+            try:
+                chunk = await self._next_chunk()
+            except APIError as err:  # outside the contract once started; still reported cleanly
+                self._backend_done = True
+                yield self._fail(err)
+                return
+        yield self._outcome(chunk)
+
+    async def collect(self) -> tuple[str, Finished | APIError]:
+        """The whole text and the outcome (non-streaming)."""
+        parts = []
+        async for event in self.events():
+            if isinstance(event, str):
+                parts.append(event)
+            else:
+                return "".join(parts), event
+        raise AssertionError("events() ended without an outcome")
+
+    async def close(self) -> None:
+        """End the run: abort the backend request unless it finished; count a run that never ended as
+        a client disconnect. Idempotent; shielded, so it completes inside a cancelled task."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._ended:
+            self._ended = True
+            self._metrics.failure.labels(kind=CLIENT_DISCONNECT).inc()
+        with anyio.CancelScope(shield=True):
+            if not self._backend_done:
+                self._backend_done = True
+                with anyio.move_on_after(ABORT_TIMEOUT_S):
+                    await self._backend.abort(self.request_id)
+            if self._chunks is not None and hasattr(self._chunks, "aclose"):
+                await self._chunks.aclose()
+
+    # ---- helpers -------------------------------------------------------------------------------
+    async def _next_chunk(self) -> GenerationChunk:
+        """The backend's next chunk; any way its stream breaks becomes an `APIError`."""
+        try:
+            if self._chunks is None:  # inside the try: a backend may raise from generate() itself
+                self._chunks = aiter(self._backend.generate(self.request_id, self._request.prompt_token_ids,
+                                                            self._request.params))
+            return await anext(self._chunks)
+        except BackendError as exc:
+            raise from_backend_error(exc) from None
+        except StopAsyncIteration:
+            raise internal(RuntimeError("the backend ended the stream without a last chunk")) from None
+        except Exception as exc:
+            log.exception("backend stream of %s failed", self.request_id)
+            raise internal(exc) from None
+
+    def _take(self, chunk: GenerationChunk) -> tuple[str, bool]:
+        """(text delta of `chunk`, whether the run's text is complete after it)."""
+        self._clock.on_tokens(len(chunk.new_token_ids), time.monotonic())
+        delta = self._detok.feed(chunk.new_token_ids)
+        if chunk.finish_reason is not None or chunk.error:
+            self._backend_done = True
+            self._metrics.observe_last_chunk(len(self._request.prompt_token_ids), chunk)
+            return delta + self._detok.finish() if not chunk.error else delta, True
+        if self._detok.stopped:  # the backend missed a stop string the text shows; it is aborted in close()
+            return delta + self._detok.finish(), True
+        return delta, False
+
+    def _outcome(self, last: GenerationChunk) -> Finished | APIError:
+        if last.error:
+            return self._fail(from_error_kind(last.error_kind, last.error))
+        reason = last.finish_reason if last.finish_reason is not None else "stop"
+        self._ended = True
+        self._clock.on_success(reason, time.monotonic())
+        usage = Usage(len(self._request.prompt_token_ids), self._detok.num_tokens, last.cached_tokens)
+        return Finished(reason, usage)
+
+    def _fail(self, err: APIError) -> APIError:
+        self._ended = True
+        self._metrics.failure.labels(kind=err.failure_kind).inc()
+        return err
+
+
+async def sse_frames(run: GenerationRun, shape: ResponseShape, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body of a started run (see `responses` for the frame order)."""
+    for frame in shape.opening_frames():
+        yield frame
+    async for event in run.events():
+        if isinstance(event, str):
+            yield shape.delta_frame(event)
+        elif isinstance(event, APIError):
+            yield sse_error(event)
+        else:
+            yield shape.finish_frame(event.finish_reason)
+            if include_usage:
+                yield shape.usage_frame(event.usage)
+    yield SSE_DONE
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always runs `cleanup` when it ends: finished, failed, or cancelled
+    because the client disconnected (starlette then cancels the body mid-iteration)."""
+
+    def __init__(self, frames: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]]):
+        super().__init__(frames, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self._cleanup()
+
+
+async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+    """Run `work()` while watching the client: (True, result), or (False, None) when the client
+    disconnected first (then `work` was cancelled). The request body must have been read already."""
+    result: list[T] = []
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    errors: list[Exception] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch, group.cancel_scope)
+        try:
+            result.append(await work())
+        except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
+            errors.append(exc)
+        group.cancel_scope.cancel()
+    if errors:
+        raise errors[0]
+    return (True, result[0]) if result else (False, None)

@@ -1,0 +1,175 @@
+"""A `router.backend.Backend` over a real `ColocatedEngine`, for gateway tests.
+
+The engine is not thread-safe, so one background thread owns it: it runs commands (add, abort, any
+test probe) between steps and steps while requests are unfinished. Each request's outputs go to an
+asyncio queue on the loop that called `generate`, so the backend works under any event loop (a test
+client's, a uvicorn thread's). Faults are injected by setting attributes:
+
+    fail_start        BackendError raised by the next generate() calls before they yield anything
+    fail_after_tokens (n, ErrorKind): after n tokens the request ends with an error chunk
+    start_delay_s     sleep before the request reaches the engine (a slow queue)
+    step_delay_s      sleep after every engine step (slow streams)
+    ignore_stop_strings  the engine is not told the stop strings (the gateway must cut the text itself)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from cluster.config import SamplingParams
+from prefill_worker.engine_core import StepOutput
+from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
+
+WORKER_ID = "engine-0"
+IDLE_WAIT_S = 0.05
+
+
+class EngineBackend:
+    model_name = "smollm2"
+
+    def __init__(self, engine: Any, kv_transfer: tuple[int, float] | None = None):
+        """`kv_transfer` = (bytes, seconds) reported on every last chunk, as a disaggregated backend would."""
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.max_model_len = engine.scheduler.max_request_tokens()
+        self.kv_transfer = kv_transfer
+        self.fail_start: BackendError | None = None
+        self.fail_after_tokens: tuple[int, ErrorKind] | None = None
+        self.start_delay_s = 0.0
+        self.step_delay_s = 0.0
+        self.ignore_stop_strings = False
+        self.abort_calls: list[str] = []
+        self.started_ids: list[str] = []
+        self.extra_collectors: list[Any] = []
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="engine-backend", daemon=True)
+        self._thread.start()
+
+    # ---- Backend ---------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        if self.fail_start is not None:
+            raise self.fail_start
+        if self.start_delay_s:
+            await asyncio.sleep(self.start_delay_s)
+        if self.ignore_stop_strings:
+            params = dataclasses.replace(params, stop=())
+        outputs: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wrap_future(self._submit(lambda e: self._add(e, request_id, prompt_token_ids, params,
+                                                                       loop, outputs)))
+        except ValueError as exc:
+            raise BackendError(ErrorKind.REJECTED, str(exc)) from None
+        self.started_ids.append(request_id)
+        num_tokens = 0
+        while True:
+            out: StepOutput = await outputs.get()
+            num_tokens += len(out.new_token_ids)
+            if self.fail_after_tokens is not None and num_tokens >= self.fail_after_tokens[0]:
+                self._submit(lambda e: self._drop(e, request_id))
+                yield GenerationChunk(tuple(out.new_token_ids), "abort", error="the decode worker died",
+                                      error_kind=self.fail_after_tokens[1])
+                return
+            yield self._chunk(out)
+            if out.finish_reason is not None:
+                return
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_calls.append(request_id)
+        await asyncio.wrap_future(self._submit(lambda e: self._drop(e, request_id)))
+
+    def num_requests(self) -> tuple[int, int]:
+        return len(self.engine.scheduler.running), len(self.engine.scheduler.waiting)
+
+    def worker_gauges(self) -> list[WorkerGauge]:
+        usage = self.engine.kvm.pool.usage()
+        running, waiting = self.num_requests()
+        return [WorkerGauge(WORKER_ID, "colocated", True, running, waiting, usage.private / usage.total, None, 0)]
+
+    # ---- test helpers ----------------------------------------------------------------------------
+    def on_engine(self, fn: Callable[[Any], Any], timeout_s: float = 60.0) -> Any:
+        """Run `fn(engine)` on the engine thread between steps; returns its result."""
+        return self._submit(fn).result(timeout_s)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Until no request is in the engine (aborts and finishes have been applied)."""
+        deadline = time.monotonic() + timeout_s
+        while self.on_engine(lambda e: e.has_unfinished() or bool(e.requests)):
+            assert time.monotonic() < deadline, "the engine did not go idle"
+            time.sleep(IDLE_WAIT_S)
+
+    def reset_faults(self) -> None:
+        self.fail_start = self.fail_after_tokens = None
+        self.start_delay_s = self.step_delay_s = 0.0
+        self.ignore_stop_strings = False
+
+    def close(self) -> None:
+        self._stopped = True
+        self._thread.join(10)
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._run_commands(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self._deliver(out)
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # handed to the caller, who asked for it
+                future.set_exception(exc)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, engine, request_id, prompt_token_ids, params, loop, outputs) -> None:
+        engine.add_request(prompt_token_ids, params, request_id)
+        self._streams[request_id] = (loop, outputs)
+
+    def _drop(self, engine, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        engine.abort(request_id)
+
+    def _deliver(self, out: StepOutput) -> None:
+        target = self._streams.get(out.request_id)
+        if target is None:
+            return
+        if out.finish_reason is not None:
+            del self._streams[out.request_id]
+        loop, outputs = target
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        except RuntimeError:  # that loop is closed: its test is over and nobody reads this stream
+            self._streams.pop(out.request_id, None)
+
+    def _chunk(self, out: StepOutput) -> GenerationChunk:
+        if out.finish_reason is None:
+            return GenerationChunk(tuple(out.new_token_ids))
+        transfer_bytes, transfer_s = self.kv_transfer or (0, None)
+        return GenerationChunk(tuple(out.new_token_ids), out.finish_reason.value, cached_tokens=out.cached_tokens,
+                               kv_transfer_s=transfer_s, kv_transfer_bytes=transfer_bytes,
+                               decode_worker=WORKER_ID)

@@ -195,7 +195,7 @@ class Dispatcher:
                 self._adopt(info)
 
     # ---- Backend -----------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
+    def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         if request_id in self.flights:
             raise BackendError(ErrorKind.REJECTED, f"request id {request_id!r} is already in flight")

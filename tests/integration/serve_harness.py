@@ -1,0 +1,114 @@
+"""Start and stop `tandem serve` (and a Ray head) as real processes for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[2]
+NAMESPACE = "tandem"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+@dataclass
+class RayHead:
+    address: str
+
+    @classmethod
+    def start(cls, num_cpus: int) -> "RayHead":
+        port = free_port()
+        subprocess.run([_ray_bin(), "start", "--head", f"--port={port}", f"--num-cpus={num_cpus}",
+                        "--include-dashboard=false", "--disable-usage-stats", "--node-ip-address=127.0.0.1"],
+                       check=True, capture_output=True, timeout=120)
+        return cls(f"127.0.0.1:{port}")
+
+    def stop(self) -> None:
+        subprocess.run([_ray_bin(), "stop", "--force"], capture_output=True, timeout=120)
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    api_key: str | None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, num_chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health/ready", timeout=30).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"tandem serve not ready within {timeout_s}s:\n{self.log_tail()}")
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """Every sample of /metrics keyed by (name, sorted labels)."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=30).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def terminate(self, timeout_s: float = 120) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        return self.proc.returncode
+
+
+def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, ready_timeout_s: float = 300) -> Server:
+    port = free_port()
+    log_path = tmp_path / f"serve-{port}.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TANDEM_API_KEY")}
+    env["PYTHONUNBUFFERED"] = "1"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *args,
+                                 *(["--api-key", api_key] if api_key else [])],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = Server(proc, port, log_path, api_key)
+    try:
+        server.wait_ready(ready_timeout_s)
+    except BaseException:
+        server.terminate(30)
+        raise
+    return server
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    return sum(v for (n, lbls), v in samples.items() if n == name and labels.items() <= dict(lbls).items())

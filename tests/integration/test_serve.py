@@ -1,0 +1,263 @@
+"""`tandem serve` end to end: a Ray head started here, the server as a real process (controller,
+2 prefill + 1 decode worker actors over Mooncake TCP, the gateway), the official `openai` client.
+Worker-side checks go through the controller's views (worker heartbeat stats)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import openai
+import pytest
+
+from cluster.cli import main as tandem_main
+from tests.integration.serve_harness import NAMESPACE, RayHead, metric, start_server
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-tandem-test"
+MAX_PROMPT_TOKENS = 1024
+MAX_BODY_BYTES = 65536
+CONFIG = f"""
+model: smollm2
+engine: {{num_pages: 512, chunk_size: 128, max_model_len: 2048}}
+prefill: {{count: 2, num_cpus: 1}}
+decode: {{count: 1, num_cpus: 1, host_pages: 512}}
+router: {{policy: cache_aware}}
+gateway: {{max_prompt_tokens: {MAX_PROMPT_TOKENS}, max_body_bytes: {MAX_BODY_BYTES}}}
+cluster: {{heartbeat_timeout_s: 10.0, drain_timeout_s: 10.0}}
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    import ray
+
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "cluster.yaml").write_text(CONFIG)
+    head = RayHead.start(num_cpus=4)
+    server = None
+    try:
+        server = start_server(tmp, ["--config", str(tmp / "cluster.yaml"), "--address", head.address], api_key=API_KEY)
+        ray.init(address=head.address, namespace=NAMESPACE, log_to_driver=False)
+        yield server, ray.get_actor("tandem-controller")
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if server is not None:
+            code = server.terminate()
+            assert code == 0, f"tandem serve exited with {code}:\n{server.log_tail()}"
+        head.stop()
+
+
+@pytest.fixture
+def client(cluster):
+    server, _ = cluster
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def tandem_run(capsys, prompt: str, max_tokens: int, raw: bool) -> str:
+    capsys.readouterr()
+    assert tandem_main(["run", "--prompt", prompt, "--max-tokens", str(max_tokens), "--json",
+                        *(["--raw"] if raw else [])]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
+
+
+def wait_workers_at_rest(controller, timeout_s: float = 60.0) -> list:
+    """Until every live worker reports no request, no transfer, no PRIVATE or IN_FLIGHT page and
+    a passing integrity check (device and host tier)."""
+    import ray
+
+    deadline, records = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        records = [r for r in ray.get(controller.views.remote()) if r.alive and r.stats is not None]
+        if records and all(_at_rest(r.stats) for r in records):
+            return records
+        time.sleep(0.5)
+    raise AssertionError(f"workers not at rest after {timeout_s}s: {[(r.worker_id, r.stats) for r in records]}")
+
+
+def _at_rest(stats) -> bool:
+    pools = [stats.device] + ([stats.host] if stats.host else [])
+    return (not stats.integrity_error and stats.num_running == stats.num_waiting == stats.num_transfers == 0
+            and all(pool.private == 0 and pool.in_flight == 0 for pool in pools))
+
+
+QUESTION = "What is a KV cache? Answer in one sentence."
+RAW_PROMPT = "The three primary colors are"
+
+
+def test_openai_client_matches_tandem_run(client, capsys):
+    chat_ref = tandem_run(capsys, QUESTION, 24, raw=False)
+    raw_ref = tandem_run(capsys, RAW_PROMPT, 16, raw=True)
+
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == chat_ref
+    assert chat.usage.completion_tokens <= 24 and chat.usage.prompt_tokens > 0
+
+    stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+    comp = client.completions.create(model="smollm2", prompt=RAW_PROMPT, max_tokens=16, temperature=0)
+    assert comp.choices[0].text == raw_ref
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2", prompt=RAW_PROMPT, max_tokens=16, temperature=0, stream=True) if c.choices)
+    assert streamed == raw_ref
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+
+
+def test_sixteen_concurrent_streams_and_metrics(cluster):
+    server, controller = cluster
+    before = server.metrics()
+    aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+    async def one(i: int) -> tuple[str, str]:
+        stream = await aclient.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": f"Count from {i} to {i + 5}."}],
+            max_tokens=12, temperature=0, stream=True)
+        text, finish = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(16)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(all_of_them())
+    assert all(text and finish in ("stop", "length") for text, finish in results), results
+    after = server.metrics()
+    moved = lambda name: metric(after, name) - metric(before, name)  # noqa: E731
+    assert moved("tandem:request_success_total") == 16
+    assert moved("tandem:time_to_first_token_seconds_count") == 16
+    assert moved("tandem:e2e_request_latency_seconds_count") == 16
+    assert moved("tandem:generation_tokens_total") >= 16
+    assert moved("tandem:kv_transfer_bytes_total") > 0
+    wait_workers_at_rest(controller)
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(cluster):
+    server, _ = cluster
+    url, hdr = f"{server.base_url}/v1/chat/completions", server.headers()
+    good = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    long_text = " ".join(["token"] * (MAX_PROMPT_TOKENS + 200))
+    cases = [
+        ("invalid json", dict(content=b"{not json", headers={**hdr, "content-type": "application/json"}), 400),
+        ("missing messages", dict(json={"model": "smollm2"}, headers=hdr), 400),
+        ("max_tokens 0", dict(json={**good, "max_tokens": 0}, headers=hdr), 400),
+        ("max_tokens beyond context", dict(json={**good, "max_tokens": 5000}, headers=hdr), 400),
+        ("negative temperature", dict(json={**good, "temperature": -0.5}, headers=hdr), 400),
+        ("unknown model", dict(json={**good, "model": "gpt-9"}, headers=hdr), 404),
+        ("over-long prompt", dict(json={**good, "messages": [{"role": "user", "content": long_text}]}, headers=hdr), 400),
+        ("oversized body", dict(json={**good, "messages": [{"role": "user", "content": "x" * (2 * MAX_BODY_BYTES)}]},
+                                headers=hdr), 413),
+        ("no api key", dict(json=good), 401),
+    ]
+    for name, kwargs, status in cases:
+        resp = httpx.post(url, timeout=60, **kwargs)
+        assert resp.status_code == status, (name, resp.status_code, resp.text)
+        err = resp.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"} and err["message"], (name, err)
+    resp = httpx.post(url, json=good, headers=hdr, timeout=120)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"]
+
+
+def test_client_disconnect_aborts_and_releases_kv_everywhere(cluster):
+    server, controller = cluster
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers()) as resp:
+            assert resp.status_code == 200
+            frames = 0
+            for line in resp.iter_lines():
+                frames += line.startswith("data: ")
+                if frames >= 3:
+                    break  # leave mid-stream: closing the response drops the connection
+    t0 = time.monotonic()
+    records = wait_workers_at_rest(controller, timeout_s=30)
+    # 1500 tokens take minutes on this CPU: being at rest this soon means the request was aborted.
+    assert time.monotonic() - t0 < 30
+    assert {r.role for r in records} == {"prefill", "decode"}
+
+
+def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_worker(client, cluster):
+    server, _ = cluster
+    rng = random.Random(5)
+    words = ["cache", "page", "token", "prefill", "decode", "memory", "transfer", "engine", "layer", "batch"]
+    system = "You are a terse assistant. Context: " + " ".join(rng.choice(words) for _ in range(300))
+    routed = []
+    cached = []
+    for i in range(4):
+        before = server.metrics()
+        resp = client.chat.completions.create(
+            model="smollm2", max_tokens=4, temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: why?"}])
+        cached.append(resp.usage.prompt_tokens_details.cached_tokens)
+        after = server.metrics()
+        routed.append([w for w in ("prefill-0", "prefill-1")
+                       if metric(after, "tandem:requests_routed_total", prefill_worker=w)
+                       > metric(before, "tandem:requests_routed_total", prefill_worker=w)])
+    assert all(len(r) == 1 for r in routed), routed
+    assert len({r[0] for r in routed}) == 1, f"a shared prefix was spread over prefill workers: {routed}"
+    assert all(c >= 256 for c in cached[1:]), f"later requests should hit the prefix cache: {cached}"
+
+
+def test_killing_the_decode_worker_under_load(cluster):
+    """In-flight requests end with a clean error or finish after a re-route; once the controller
+    has restarted the worker, new requests succeed; the survivors hold no page."""
+    import ray
+
+    server, controller = cluster
+    aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+    async def one(i: int, started: asyncio.Event) -> str:
+        try:
+            stream = await aclient.completions.create(model="smollm2", prompt=f"List {i} fruits:", max_tokens=200,
+                                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                started.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    return chunk.choices[0].finish_reason
+            return "ended"
+        except openai.APIError as exc:
+            return f"error: {exc}"
+
+    async def under_load():
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(one(i, started)) for i in range(6)]
+        await asyncio.wait_for(started.wait(), 120)
+        await asyncio.to_thread(ray.get, controller.kill_worker.remote("decode-0"))
+        try:
+            return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        finally:
+            await aclient.close()
+
+    outcomes = asyncio.run(under_load())
+    assert outcomes and all(o == "length" or o.startswith("error") for o in outcomes), outcomes
+    assert any(o.startswith("error") for o in outcomes), "killing the decode worker mid-stream failed nothing"
+
+    deadline, resp = time.monotonic() + 180, None
+    while time.monotonic() < deadline:
+        resp = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers(), timeout=120,
+                          json={"model": "smollm2", "prompt": RAW_PROMPT, "max_tokens": 8, "temperature": 0})
+        if resp.status_code == 200:
+            break
+        assert resp.status_code == 503, resp.text
+        time.sleep(2)
+    assert resp is not None and resp.status_code == 200, resp.text
+    records = wait_workers_at_rest(controller)
+    decode = next(r for r in records if r.worker_id == "decode-0")
+    assert decode.incarnation == 2 and decode.restarts == 1
+    assert metric(server.metrics(), "tandem:worker_restarts", worker="decode-0") == 1

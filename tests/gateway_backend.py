@@ -7,6 +7,8 @@ client's, a uvicorn thread's). Faults are injected by setting attributes:
 
     fail_start        BackendError raised by the next generate() calls before they yield anything
     fail_after_tokens (n, ErrorKind): after n tokens the request ends with an error chunk
+    crash_after_tokens  n: after n tokens the stream raises RuntimeError (a backend bug; the engine
+                      request keeps running until someone aborts it)
     start_delay_s     sleep before the request reaches the engine (a slow queue)
     step_delay_s      sleep after every engine step (slow streams)
     ignore_stop_strings  the engine is not told the stop strings (the gateway must cut the text itself)
@@ -41,6 +43,7 @@ class EngineBackend:
         self.kv_transfer = kv_transfer
         self.fail_start: BackendError | None = None
         self.fail_after_tokens: tuple[int, ErrorKind] | None = None
+        self.crash_after_tokens: int | None = None
         self.start_delay_s = 0.0
         self.step_delay_s = 0.0
         self.ignore_stop_strings = False
@@ -79,6 +82,8 @@ class EngineBackend:
                 yield GenerationChunk(tuple(out.new_token_ids), "abort", error="the decode worker died",
                                       error_kind=self.fail_after_tokens[1])
                 return
+            if self.crash_after_tokens is not None and num_tokens >= self.crash_after_tokens:
+                raise RuntimeError("a bug in the backend")
             yield self._chunk(out)
             if out.finish_reason is not None:
                 return
@@ -108,7 +113,7 @@ class EngineBackend:
             time.sleep(IDLE_WAIT_S)
 
     def reset_faults(self) -> None:
-        self.fail_start = self.fail_after_tokens = None
+        self.fail_start = self.fail_after_tokens = self.crash_after_tokens = None
         self.start_delay_s = self.step_delay_s = 0.0
         self.ignore_stop_strings = False
 

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from cluster.config import SamplingParams
 from cluster.serve_config import GatewayConfig
 from kernels.model.loader import encode_prompt
-from router.gateway.errors import APIError, install_handlers
+from router.gateway.errors import APIError, install_handlers, internal
 from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from router.gateway.responses import SHAPES
 from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
@@ -118,8 +118,10 @@ class Gateway:
                 return response
             return await self._complete(request, run, shape)
         except APIError as err:
-            self.metrics.failure.labels(kind=err.failure_kind).inc()
-            return err.response()
+            return self._count(run, err).response()
+        except Exception as exc:  # a bug: answer 500 in the error shape and keep serving
+            log.exception("generation request failed")
+            return self._count(run, internal(exc)).response()
         finally:
             await self._finish(run, release)
 
@@ -136,6 +138,13 @@ class Gateway:
         if isinstance(outcome, APIError):
             return outcome.response()
         return JSONResponse(shape.full(text, outcome.finish_reason, outcome.usage))
+
+    def _count(self, run: GenerationRun | None, err: APIError) -> APIError:
+        """Count a request's failure once: through its run when it has one."""
+        if run is not None:
+            return run.fail(err)
+        self.metrics.failure.labels(kind=err.failure_kind).inc()
+        return err
 
     @staticmethod
     async def _finish(run: GenerationRun | None, release: Callable[[], None] | None) -> None:
@@ -158,6 +167,9 @@ class Gateway:
             return APIError(503, f"no token within {self.config.ready_timeout_s} s", code="unavailable").response()
         except APIError as err:
             return APIError(503, f"not ready: {err.message}", code="unavailable").response()
+        except Exception as exc:  # whatever broke, the answer to "ready?" is no
+            log.exception("readiness probe failed")
+            return APIError(503, f"not ready: {type(exc).__name__}: {exc}", code="unavailable").response()
         return JSONResponse({"status": "ready"})
 
     async def _one_token(self, request_id: str) -> None:

@@ -50,7 +50,7 @@ def parse_json_object(body: bytes) -> dict:
     """The body as a JSON object, or 400 `invalid_json`."""
     try:
         payload = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise invalid(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise invalid("request body must be a JSON object", code="invalid_json")
@@ -95,7 +95,7 @@ def _check_common(payload: dict, limits: ModelLimits) -> None:
     if model is not None and model != limits.served_name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {limits.served_name!r}",
                        code="model_not_found", param="model")
-    if (payload.get("n") if payload.get("n") is not None else 1) != 1:
+    if _integer(payload, "n") not in (None, 1):
         raise _unsupported("n", "n other than 1")
     if payload.get("logprobs"):
         raise _unsupported("logprobs")
@@ -162,8 +162,8 @@ def _completion_prompt(payload: dict, tokenizer: Any, vocab_size: int) -> list[i
     prompt = payload.get("prompt")
     if prompt is None:
         raise invalid("`prompt` is required", param="prompt", code="missing_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one: one string, or one list of token ids
     if isinstance(prompt, str):
         return encode_prompt(tokenizer, prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

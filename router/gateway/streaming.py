@@ -6,6 +6,8 @@
     a stop string ended the text     -> abort (the backend may still be generating); success "stop"
     client gone / handler cancelled  -> abort; failure "client_disconnect"
     backend failure (error chunk)    -> no abort (the backend ended it); failure by its error kind
+    backend broke its contract       -> abort (idempotent, so harmless); failure "internal"
+      (raised after starting, stream ended without a last chunk)
 
 `close()` is idempotent and shielded from cancellation, so `backend.abort` runs exactly once, even
 from a stream that the server cancelled because its client disconnected.
@@ -54,21 +56,18 @@ class GenerationRun:
         self._clock = RequestClock(metrics, arrival_s)
         self._detok = IncrementalDetokenizer(backend.tokenizer, request.params.stop)
         self._chunks: AsyncIterator[GenerationChunk] | None = None
-        self._first: GenerationChunk | None = None
-        self._backend_done = False  # the backend sent its last chunk (or refused to start)
+        self._first: GenerationChunk | None = None  # received by start(), not yet taken by events()
+        self._num_chunks = 0
+        self._backend_done = False  # the backend sent its last chunk or refused to start: no abort needed
         self._ended = False  # this run's outcome is decided and counted
         self._closed = False
 
     async def start(self) -> None:
-        """Wait for the first chunk. Raises `APIError` when the backend refuses the request; nothing is
-        counted then (the caller counts errors raised before the run started)."""
-        try:
-            self._first = await self._next_chunk()
-        except APIError:
-            self._backend_done = self._ended = True
-            raise
+        """Wait for the first chunk. Raises `APIError` when the backend refuses the request; the caller
+        answers with it and counts it through `fail`."""
+        self._first = await self._next_chunk()
         if self._first.error and not self._first.new_token_ids:
-            self._backend_done = self._ended = True
+            self._backend_done = True  # an error chunk is the last one
             raise from_error_kind(self._first.error_kind, self._first.error)
         self._metrics.prompt_tokens.inc(len(self._request.prompt_token_ids))
 
@@ -84,9 +83,8 @@ class GenerationRun:
                 break
             try:
                 chunk = await self._next_chunk()
-            except APIError as err:  # outside the contract once started; still reported cleanly
-                self._backend_done = True
-                yield self._fail(err)
+            except APIError as err:  # outside the contract once started: reported, and aborted in close()
+                yield self.fail(err)
                 return
         yield self._outcome(chunk)
 
@@ -112,20 +110,33 @@ class GenerationRun:
         with anyio.CancelScope(shield=True):
             if not self._backend_done:
                 self._backend_done = True
-                with anyio.move_on_after(ABORT_TIMEOUT_S):
-                    await self._backend.abort(self.request_id)
+                await self._quietly(self._backend.abort(self.request_id), "abort")
             if self._chunks is not None and hasattr(self._chunks, "aclose"):
-                await self._chunks.aclose()
+                await self._quietly(self._chunks.aclose(), "close the stream of")
 
     # ---- helpers -------------------------------------------------------------------------------
+    async def _quietly(self, cleanup: Awaitable[None], what: str) -> None:
+        """Await a cleanup step; a failing or hanging one is logged, never raised to the client."""
+        try:
+            with anyio.move_on_after(ABORT_TIMEOUT_S) as scope:
+                await cleanup
+            if scope.cancelled_caught:
+                log.warning("backend did not %s %s within %s s", what, self.request_id, ABORT_TIMEOUT_S)
+        except Exception:
+            log.exception("backend failed to %s %s", what, self.request_id)
+
     async def _next_chunk(self) -> GenerationChunk:
         """The backend's next chunk; any way its stream breaks becomes an `APIError`."""
         try:
             if self._chunks is None:  # inside the try: a backend may raise from generate() itself
                 self._chunks = aiter(self._backend.generate(self.request_id, self._request.prompt_token_ids,
                                                             self._request.params))
-            return await anext(self._chunks)
+            chunk = await anext(self._chunks)
+            self._num_chunks += 1
+            return chunk
         except BackendError as exc:
+            # raised before the first chunk, it means the request never started: nothing to abort
+            self._backend_done = self._backend_done or self._num_chunks == 0
             raise from_backend_error(exc) from None
         except StopAsyncIteration:
             raise internal(RuntimeError("the backend ended the stream without a last chunk")) from None
@@ -147,16 +158,18 @@ class GenerationRun:
 
     def _outcome(self, last: GenerationChunk) -> Finished | APIError:
         if last.error:
-            return self._fail(from_error_kind(last.error_kind, last.error))
+            return self.fail(from_error_kind(last.error_kind, last.error))
         reason = last.finish_reason if last.finish_reason is not None else "stop"
         self._ended = True
         self._clock.on_success(reason, time.monotonic())
         usage = Usage(len(self._request.prompt_token_ids), self._detok.num_tokens, last.cached_tokens)
         return Finished(reason, usage)
 
-    def _fail(self, err: APIError) -> APIError:
-        self._ended = True
-        self._metrics.failure.labels(kind=err.failure_kind).inc()
+    def fail(self, err: APIError) -> APIError:
+        """Count the run as failed with `err`, unless its outcome was already counted."""
+        if not self._ended:
+            self._ended = True
+            self._metrics.failure.labels(kind=err.failure_kind).inc()
         return err
 
 
@@ -164,15 +177,19 @@ async def sse_frames(run: GenerationRun, shape: ResponseShape, include_usage: bo
     """The SSE body of a started run (see `responses` for the frame order)."""
     for frame in shape.opening_frames():
         yield frame
-    async for event in run.events():
-        if isinstance(event, str):
-            yield shape.delta_frame(event)
-        elif isinstance(event, APIError):
-            yield sse_error(event)
-        else:
-            yield shape.finish_frame(event.finish_reason)
-            if include_usage:
-                yield shape.usage_frame(event.usage)
+    try:
+        async for event in run.events():
+            if isinstance(event, str):
+                yield shape.delta_frame(event)
+            elif isinstance(event, APIError):
+                yield sse_error(event)
+            else:
+                yield shape.finish_frame(event.finish_reason)
+                if include_usage:
+                    yield shape.usage_frame(event.usage)
+    except Exception as exc:  # a bug on our side mid-stream: the client still gets a well-formed end
+        log.exception("stream of %s failed", run.request_id)
+        yield sse_error(run.fail(internal(exc)))
     yield SSE_DONE
 
 

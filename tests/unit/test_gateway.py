@@ -164,7 +164,7 @@ def test_completion_text_matches_offline_engine(client, tok, reference):
     assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == len(req.output_token_ids)
     assert usage["total_tokens"] == len(ids) + len(req.output_token_ids)
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
-    for prompt in (ids, [PROMPT]):  # token ids and a one-string list are the same prompt
+    for prompt in (ids, [PROMPT], [ids]):  # token ids and batches of one are the same prompt
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0})
         assert r.json()["choices"][0]["text"] == text
 
@@ -292,6 +292,7 @@ BAD_REQUESTS = [
     (COMPLETION_PATH, {"prompt": "x", "stop": ""}, 400, None, "stop"),
     (COMPLETION_PATH, {"prompt": "x", "stop_token_ids": [-1]}, 400, None, None),  # SamplingParams' ConfigError
     (COMPLETION_PATH, {"prompt": "x", "n": 2}, 400, "unsupported_parameter", "n"),
+    (COMPLETION_PATH, {"prompt": "x", "n": 0}, 400, "unsupported_parameter", "n"),
     (COMPLETION_PATH, {"prompt": "x", "logprobs": 2}, 400, "unsupported_parameter", "logprobs"),
     (COMPLETION_PATH, {"prompt": "x", "echo": True}, 400, "unsupported_parameter", "echo"),
     (COMPLETION_PATH, {"prompt": "x", "best_of": 3}, 400, "unsupported_parameter", "best_of"),
@@ -319,12 +320,24 @@ def test_body_that_is_not_a_json_object(client):
     assert_error(client.post(COMPLETION_PATH, content=b"{not json"), 400, "invalid_json")
     assert_error(client.post(COMPLETION_PATH, content=b"[1, 2]"), 400, "invalid_json")
     assert_error(client.post(COMPLETION_PATH, content=b"\xff\xfe"), 400, "invalid_json")
+    assert_error(client.post(COMPLETION_PATH, content=b"[" * 100_000), 400, "invalid_json")  # too deep
     good_request_works(client)
 
 
 def test_unknown_route_and_method_keep_the_error_shape(client):
     assert_error(client.get("/v1/nothing"), 404)
     assert_error(client.get(COMPLETION_PATH), 405)
+
+
+def test_framework_validation_errors_are_400_in_the_error_shape(backend):
+    app = build_app(backend, GatewayConfig())
+
+    @app.get("/typed")
+    async def typed(n: int):  # a route with a declared type: FastAPI would answer 422 on its own
+        return {"n": n}
+    client = TestClient(app)
+    assert client.get("/typed?n=3").json() == {"n": 3}
+    assert assert_error(client.get("/typed?n=three"), 400)["param"] == "query.n"
 
 
 def test_body_too_large_declared_or_chunked(backend):
@@ -389,6 +402,18 @@ def test_failure_after_tokens(client, backend):
     assert all(f["choices"][0]["finish_reason"] is None for f in frames[1:-2])
     assert set(frames[-2]) == {"error"} and frames[-2]["error"]["code"] == "unavailable" and frames[-1] == "[DONE]"
     assert len(backend.abort_calls) == aborts, "the backend ended these requests itself; nothing to abort"
+
+
+def test_backend_bug_mid_stream_is_a_500_and_the_request_is_aborted(client, backend):
+    backend.crash_after_tokens = 2
+    aborts, started = len(backend.abort_calls), len(backend.started_ids)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    assert_error(client.post(COMPLETION_PATH, json=body), 500, "internal_error")
+    frames = events(client.post(COMPLETION_PATH, json={**body, "stream": True}))
+    assert frames[-2]["error"]["code"] == "internal_error" and frames[-1] == "[DONE]"
+    assert backend.abort_calls[aborts:] == backend.started_ids[started:] and len(backend.started_ids) == started + 2
+    backend.crash_after_tokens = None
+    good_request_works(client)
 
 
 def test_too_many_requests_in_flight(backend):
@@ -529,6 +554,9 @@ def test_client_disconnect_mid_stream_aborts_once(server, backend):
     assert backend.abort_calls[aborts:] == [backend.started_ids[started]]
     backend.wait_idle()
     assert backend.on_engine(lambda e: (e.check_integrity(), e.kvm.pool.usage().private)[1]) == 0
+    m = scrape(httpx.Client(base_url=f"http://127.0.0.1:{server.port}"))
+    assert m[("tandem:request_failure_total", (("kind", "client_disconnect"),))] == 1
+    assert not any(name == "tandem:request_success_total" for name, _ in m)
 
 
 def test_client_disconnect_while_waiting_non_streaming_aborts_once(server, backend):

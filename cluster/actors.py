@@ -25,9 +25,9 @@ class WorkerActor:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker_id}[{os.getpid()}] %(message)s")
         self.host = WorkerHost(spec, worker_id)
 
-    def ready(self) -> tuple[str, int]:
-        """(transport session id, max_model_len) once the model is loaded and the loop runs."""
-        return self.host.session, self.host.max_model_len
+    def ready(self) -> tuple[str, int, int]:
+        """(transport session id, max_model_len, pid) once the model is loaded and the loop runs."""
+        return self.host.session, self.host.max_model_len, os.getpid()
 
     def deliver(self, msgs: list) -> None:
         self.host.deliver(msgs)
@@ -65,7 +65,7 @@ class ControllerViews:
     async def workers(self) -> list[WorkerInfo]:
         records = await self.controller.views.remote()
         return [WorkerInfo(r.worker_id, WorkerRole(r.role), r.incarnation, r.alive, r.session, r.stats, r.restarts,
-                           self._link(r)) for r in records]
+                           self._link(r), r.pid) for r in records]
 
     def _link(self, record) -> RayWorkerLink | None:
         if record.handle is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 
 from cluster.serve_config import ServeConfig
@@ -24,13 +25,15 @@ log = logging.getLogger("tandem.serve")
 def serve(config: ServeConfig) -> int:
     import ray
 
+    guard = _SignalGuard()
     started_ray = _connect_ray(config)
+    guard.install()  # after ray.init: Ray's driver installs its own SIGTERM handler there
     controller = None
     try:
         controller = _start_controller(config)
         records = ray.get(controller.views.remote())
         log.info("workers ready: %s", ", ".join(f"{r.worker_id} ({r.session})" for r in records))
-        asyncio.run(_serve_gateway(config, controller, records))
+        asyncio.run(_serve_gateway(config, controller, records, guard))
         return 0
     finally:
         if controller is not None:
@@ -52,7 +55,8 @@ def _connect_ray(config: ServeConfig) -> bool:
     wanted = sum(g.count * g.num_cpus for g in groups)
     num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(wanted + 0.999))
     num_gpus = sum(g.count * g.num_gpus for g in groups)
-    ray.init(num_cpus=num_cpus, num_gpus=int(num_gpus + 0.999) or None, namespace=config.cluster.namespace,
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=int(num_gpus + 0.999) or None,
+             namespace=config.cluster.namespace,
              include_dashboard=False, log_to_driver=True)
     log.info("started a local Ray instance (%d CPUs)", num_cpus)
     return True
@@ -85,7 +89,25 @@ def _stop_controller(controller, config: ServeConfig) -> None:
     ray.kill(controller)
 
 
-async def _serve_gateway(config: ServeConfig, controller, records) -> None:
+class _SignalGuard:
+    """SIGINT/SIGTERM before the gateway serves: stop starting (KeyboardInterrupt). While it serves,
+    uvicorn owns the signals (drain, then stop) and re-raises the signal when it is done; that
+    re-raise, and any later signal, must not cut short stopping the workers and Ray."""
+
+    def __init__(self) -> None:
+        self.server = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.server is None:
+            raise KeyboardInterrupt(f"signal {signum} during start-up")
+        log.info("signal %d: already shutting down", signum)
+
+
+async def _serve_gateway(config: ServeConfig, controller, records, guard: _SignalGuard) -> None:
     import uvicorn
 
     from cluster.actors import ControllerViews
@@ -115,4 +137,5 @@ async def _serve_gateway(config: ServeConfig, controller, records) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=config.gateway.host, port=config.gateway.port,
                                            timeout_graceful_shutdown=config.cluster.drain_timeout_s,
                                            log_level="info", access_log=False))
+    guard.server = server
     await server.serve()

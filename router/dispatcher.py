@@ -24,6 +24,7 @@ request (at most `max_transfer_retries` times); after that the client gets a cle
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import itertools
 import logging
@@ -62,6 +63,7 @@ class WorkerInfo:
     stats: p.WorkerStats | None
     restarts: int
     link: Any  # WorkerLink
+    pid: int = 0  # the worker's process id, when known (operators, tests)
 
 
 class ViewSource(Protocol):
@@ -221,6 +223,13 @@ class Dispatcher:
 
     def worker_gauges(self) -> list[WorkerGauge]:
         return [_gauge(live) for live in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
+
+    def worker_details(self) -> list[dict]:
+        """Each worker's identity and last heartbeat stats, as plain JSON-able dicts."""
+        return [{"worker_id": lv.worker_id, "role": lv.info.role.value, "incarnation": lv.info.incarnation,
+                 "alive": not lv.gone, "restarts": lv.info.restarts, "pid": lv.info.pid, "session": lv.info.session,
+                 "stats": dataclasses.asdict(lv.info.stats) if lv.info.stats else None}
+                for lv in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
 
     # ---- routing -----------------------------------------------------------------------------------
     def _route(self, flight: _Flight) -> None:

@@ -5,6 +5,7 @@
     GET  /health                                 liveness: 200 while the process serves HTTP
     GET  /health/ready                           a real one-token greedy generation within a deadline
     GET  /metrics                                Prometheus text exposition of this app's registry
+    GET  /debug/workers                          each worker's last reported state (API key as /v1)
 
 A generation request passes, in order: API key (401) -> draining (503) -> in-flight limit (429) ->
 body size (413) -> JSON and schema (400/404) -> backend start (its error's status) -> response.
@@ -236,6 +237,12 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/health/ready")
     async def ready() -> Response:
         return await gateway.ready()
+
+    @app.get("/debug/workers")
+    async def workers(request: Request) -> Response:
+        gateway.check_api_key(request)
+        details = getattr(gateway.backend, "worker_details", None)
+        return JSONResponse({"workers": details() if details is not None else []})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "tandem"
+# A head started by `ray start` takes drivers from other processes only with token auth on both sides.
+RAY_ENV = {"RAY_AUTH_MODE": "token"}
 
 
 def free_port() -> int:
@@ -37,7 +39,7 @@ class RayHead:
         port = free_port()
         subprocess.run([_ray_bin(), "start", "--head", f"--port={port}", f"--num-cpus={num_cpus}",
                         "--include-dashboard=false", "--disable-usage-stats", "--node-ip-address=127.0.0.1"],
-                       check=True, capture_output=True, timeout=120)
+                       check=True, capture_output=True, timeout=120, env={**os.environ, **RAY_ENV})
         return cls(f"127.0.0.1:{port}")
 
     def stop(self) -> None:
@@ -95,7 +97,7 @@ def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, re
     port = free_port()
     log_path = tmp_path / f"serve-{port}.log"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TANDEM_API_KEY")}
-    env["PYTHONUNBUFFERED"] = "1"
+    env.update(PYTHONUNBUFFERED="1", **RAY_ENV)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *args,
                                  *(["--api-key", api_key] if api_key else [])],

@@ -1,12 +1,14 @@
 """`tandem serve` end to end: a Ray head started here, the server as a real process (controller,
 2 prefill + 1 decode worker actors over Mooncake TCP, the gateway), the official `openai` client.
-Worker-side checks go through the controller's views (worker heartbeat stats)."""
+Worker-side checks read the workers' heartbeat stats through `/debug/workers`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import time
 
 import httpx
@@ -14,7 +16,7 @@ import openai
 import pytest
 
 from cluster.cli import main as tandem_main
-from tests.integration.serve_harness import NAMESPACE, RayHead, metric, start_server
+from tests.integration.serve_harness import RayHead, metric, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,19 +36,15 @@ cluster: {{heartbeat_timeout_s: 10.0, drain_timeout_s: 10.0}}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    import ray
-
+    """The server joins a Ray head started here (`--address`), as on a real cluster."""
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "cluster.yaml").write_text(CONFIG)
     head = RayHead.start(num_cpus=4)
     server = None
     try:
         server = start_server(tmp, ["--config", str(tmp / "cluster.yaml"), "--address", head.address], api_key=API_KEY)
-        ray.init(address=head.address, namespace=NAMESPACE, log_to_driver=False)
-        yield server, ray.get_actor("tandem-controller")
+        yield server
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
         if server is not None:
             code = server.terminate()
             assert code == 0, f"tandem serve exited with {code}:\n{server.log_tail()}"
@@ -55,8 +53,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture
 def client(cluster):
-    server, _ = cluster
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def tandem_run(capsys, prompt: str, max_tokens: int, raw: bool) -> str:
@@ -66,24 +63,28 @@ def tandem_run(capsys, prompt: str, max_tokens: int, raw: bool) -> str:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
 
 
-def wait_workers_at_rest(controller, timeout_s: float = 60.0) -> list:
-    """Until every live worker reports no request, no transfer, no PRIVATE or IN_FLIGHT page and
-    a passing integrity check (device and host tier)."""
-    import ray
+def workers(server) -> list[dict]:
+    resp = httpx.get(f"{server.base_url}/debug/workers", headers=server.headers(), timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["workers"]
 
-    deadline, records = time.monotonic() + timeout_s, []
+
+def wait_workers_at_rest(server, timeout_s: float = 60.0, expect: int = 3) -> list[dict]:
+    """Until all `expect` workers are alive and report (heartbeat stats) no request, no transfer,
+    no PRIVATE or IN_FLIGHT page, and a passing integrity check on device and host tier."""
+    deadline, found = time.monotonic() + timeout_s, []
     while time.monotonic() < deadline:
-        records = [r for r in ray.get(controller.views.remote()) if r.alive and r.stats is not None]
-        if records and all(_at_rest(r.stats) for r in records):
-            return records
+        found = [w for w in workers(server) if w["alive"] and w["stats"] is not None]
+        if len(found) == expect and all(_at_rest(w["stats"]) for w in found):
+            return found
         time.sleep(0.5)
-    raise AssertionError(f"workers not at rest after {timeout_s}s: {[(r.worker_id, r.stats) for r in records]}")
+    raise AssertionError(f"workers not at rest after {timeout_s}s: {found}")
 
 
-def _at_rest(stats) -> bool:
-    pools = [stats.device] + ([stats.host] if stats.host else [])
-    return (not stats.integrity_error and stats.num_running == stats.num_waiting == stats.num_transfers == 0
-            and all(pool.private == 0 and pool.in_flight == 0 for pool in pools))
+def _at_rest(stats: dict) -> bool:
+    pools = [stats["device"]] + ([stats["host"]] if stats["host"] else [])
+    return (not stats["integrity_error"] and stats["num_running"] == stats["num_waiting"] == 0
+            and stats["num_transfers"] == 0 and all(pool["private"] == 0 and pool["in_flight"] == 0 for pool in pools))
 
 
 QUESTION = "What is a KV cache? Answer in one sentence."
@@ -115,7 +116,7 @@ def test_openai_client_matches_tandem_run(client, capsys):
 
 
 def test_sixteen_concurrent_streams_and_metrics(cluster):
-    server, controller = cluster
+    server = cluster
     before = server.metrics()
     aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
@@ -145,11 +146,11 @@ def test_sixteen_concurrent_streams_and_metrics(cluster):
     assert moved("tandem:e2e_request_latency_seconds_count") == 16
     assert moved("tandem:generation_tokens_total") >= 16
     assert moved("tandem:kv_transfer_bytes_total") > 0
-    wait_workers_at_rest(controller)
+    wait_workers_at_rest(server)
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(cluster):
-    server, _ = cluster
+    server = cluster
     url, hdr = f"{server.base_url}/v1/chat/completions", server.headers()
     good = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     long_text = " ".join(["token"] * (MAX_PROMPT_TOKENS + 200))
@@ -175,7 +176,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(cluster):
 
 
 def test_client_disconnect_aborts_and_releases_kv_everywhere(cluster):
-    server, controller = cluster
+    server = cluster
     body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers()) as resp:
@@ -186,14 +187,14 @@ def test_client_disconnect_aborts_and_releases_kv_everywhere(cluster):
                 if frames >= 3:
                     break  # leave mid-stream: closing the response drops the connection
     t0 = time.monotonic()
-    records = wait_workers_at_rest(controller, timeout_s=30)
+    found = wait_workers_at_rest(server, timeout_s=30)
     # 1500 tokens take minutes on this CPU: being at rest this soon means the request was aborted.
     assert time.monotonic() - t0 < 30
-    assert {r.role for r in records} == {"prefill", "decode"}
+    assert {w["role"] for w in found} == {"prefill", "decode"}
 
 
 def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_worker(client, cluster):
-    server, _ = cluster
+    server = cluster
     rng = random.Random(5)
     words = ["cache", "page", "token", "prefill", "decode", "memory", "transfer", "engine", "layer", "batch"]
     system = "You are a terse assistant. Context: " + " ".join(rng.choice(words) for _ in range(300))
@@ -217,9 +218,8 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_worker(client, cluster
 def test_killing_the_decode_worker_under_load(cluster):
     """In-flight requests end with a clean error or finish after a re-route; once the controller
     has restarted the worker, new requests succeed; the survivors hold no page."""
-    import ray
-
-    server, controller = cluster
+    server = cluster
+    decode = next(w for w in workers(server) if w["worker_id"] == "decode-0")
     aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
     async def one(i: int, started: asyncio.Event) -> str:
@@ -238,7 +238,7 @@ def test_killing_the_decode_worker_under_load(cluster):
         started = asyncio.Event()
         tasks = [asyncio.create_task(one(i, started)) for i in range(6)]
         await asyncio.wait_for(started.wait(), 120)
-        await asyncio.to_thread(ray.get, controller.kill_worker.remote("decode-0"))
+        os.kill(decode["pid"], signal.SIGKILL)  # a crash: no goodbye
         try:
             return await asyncio.wait_for(asyncio.gather(*tasks), 120)
         finally:
@@ -257,7 +257,7 @@ def test_killing_the_decode_worker_under_load(cluster):
         assert resp.status_code == 503, resp.text
         time.sleep(2)
     assert resp is not None and resp.status_code == 200, resp.text
-    records = wait_workers_at_rest(controller)
-    decode = next(r for r in records if r.worker_id == "decode-0")
-    assert decode.incarnation == 2 and decode.restarts == 1
+    found = wait_workers_at_rest(server)
+    reborn = next(w for w in found if w["worker_id"] == "decode-0")
+    assert reborn["incarnation"] == 2 and reborn["restarts"] == 1 and reborn["pid"] != decode["pid"]
     assert metric(server.metrics(), "tandem:worker_restarts", worker="decode-0") == 1

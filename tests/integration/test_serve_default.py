@@ -1,0 +1,81 @@
+"""`tandem serve` on its embedded defaults (it starts and stops its own local Ray), with two
+prefill workers and round-robin routing; then a graceful SIGTERM under load."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+
+import httpx
+import pytest
+
+from tests.integration.serve_harness import metric, start_server
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--set", "engine.num_pages=512", "--set", "decode.host_pages=512"]
+
+
+def ray_daemon_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "raylet|gcs_server"], capture_output=True, text=True).stdout
+    return {int(pid) for pid in out.split()}
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    before = ray_daemon_pids()
+    server = start_server(tmp_path_factory.mktemp("serve-default"),
+                          ["--policy", "round_robin", "--num-prefill", "2", *SMALL])
+    try:
+        yield server, before
+    finally:
+        server.terminate()
+
+
+def routed_prefill_worker(server, body: dict) -> str:
+    before = server.metrics()
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    after = server.metrics()
+    moved = [w for w in ("prefill-0", "prefill-1")
+             if metric(after, "tandem:requests_routed_total", prefill_worker=w)
+             > metric(before, "tandem:requests_routed_total", prefill_worker=w)]
+    assert len(moved) == 1, moved
+    return moved[0]
+
+
+def test_round_robin_alternates_prefill_workers_even_for_a_shared_prefix(default_server):
+    server, _ = default_server
+    system = "You are a terse assistant. " + "Remember the following facts about caches. " * 30
+    order = [routed_prefill_worker(server, {
+        "model": "smollm2", "max_tokens": 2, "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Fact {i}?"}]})
+        for i in range(4)]
+    assert set(order) == {"prefill-0", "prefill-1"}
+    assert all(a != b for a, b in zip(order, order[1:])), f"round robin should alternate: {order}"
+
+
+def test_sigterm_drains_in_flight_requests_then_stops_ray(default_server):
+    server, ray_before = default_server
+    started, result = threading.Event(), {}
+
+    def stream() -> None:
+        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
+                "stream": True, "temperature": 0}
+        frames = []
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    frames.append(line[6:])
+                    started.set()
+        result["frames"] = frames
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(120), "the stream never started"
+    code = server.terminate(timeout_s=120)
+    reader.join(60)
+    assert code == 0, server.log_tail()
+    frames = result["frames"]
+    assert frames[-1] == "[DONE]" and '"finish_reason":"length"' in frames[-2].replace(" ", ""), frames[-3:]
+    assert ray_daemon_pids() <= ray_before, "the local Ray instance outlived tandem serve"

@@ -160,9 +160,10 @@ class Dispatcher:
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="dispatcher-refresh"))
 
     async def close(self) -> None:
-        """Abort everything still in flight, then stop every task."""
-        for rid in list(self.flights):
-            await self.abort(rid)
+        """Abort everything still in flight (their streams end with an error), then stop every task."""
+        for flight in list(self.flights.values()):
+            # Not `abort` alone: a consumer still iterating would wait forever for a last chunk.
+            self._shut_down(flight)
         for live in self.lives.values():
             await self._flush(live)
         for task in self._tasks + [t for live in self.lives.values() for t in live.tasks]:
@@ -176,10 +177,9 @@ class Dispatcher:
         deadline = time.monotonic() + timeout_s
         while self.flights and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        left = list(self.flights)
-        for rid in left:
-            self._finish_error(self.flights[rid], ErrorKind.UNAVAILABLE, "the server is shutting down")
-            await self.abort(rid)
+        left = list(self.flights.values())
+        for flight in left:
+            self._shut_down(flight)
         return len(left)
 
     async def refresh(self) -> None:
@@ -213,8 +213,7 @@ class Dispatcher:
         flight = self.flights.pop(request_id, None)
         if flight is None:
             return
-        if flight.phase in (Phase.RESERVING, Phase.PREFILLING, Phase.LOCAL, Phase.STREAMING):
-            self._send(flight.decode, p.Abort(flight.wire_id))
+        self._abort_on_worker(flight)
         self._end(flight)
 
     def num_requests(self) -> tuple[int, int]:
@@ -367,6 +366,18 @@ class Dispatcher:
         self._end(flight)
 
     # ---- endings -----------------------------------------------------------------------------------
+    def _abort_on_worker(self, flight: _Flight) -> None:
+        """Tell the decode worker holding it (if any) to release it; the prefill side follows."""
+        if flight.phase in (Phase.RESERVING, Phase.PREFILLING, Phase.LOCAL, Phase.STREAMING):
+            self._send(flight.decode, p.Abort(flight.wire_id))
+
+    def _shut_down(self, flight: _Flight) -> None:
+        """Shutdown: release it on the workers, then end its stream with an error. In this order:
+        `_finish_error` ends the flight, after which `abort` finds nothing to tell the decode worker,
+        and the request would run there until its own stop rules."""
+        self._abort_on_worker(flight)
+        self._finish_error(flight, ErrorKind.UNAVAILABLE, "the server is shutting down")
+
     def _finish_error(self, flight: _Flight, kind: ErrorKind, error: str) -> None:
         if flight.phase is Phase.DONE:
             return

@@ -1,0 +1,545 @@
+"""The dispatcher over real in-process workers (`WorkerHost`s with SmolLM2, Mooncake TCP on loopback).
+
+One set of hosts serves the whole module (building one costs seconds); each test builds its own
+`Dispatcher` over a `Cluster` (a mutable view source naming the hosts it may use), and ends with the
+workers at rest. Death is simulated by cutting a worker's link (`send`/`collect` raise, as a dead
+actor's would) or by the controller's view; an in-process host keeps running after its "death", so
+a test that kills one also stops the work it was doing and returns it to rest for the next test.
+Request ids are unique across the module: a later dispatcher may still collect a host's stale
+messages, and must find nothing they belong to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from cluster import protocol as p
+from cluster.config import EngineConfig
+from cluster.worker_host import HostLink, WorkerHost
+from cluster.worker_process import WorkerSpec
+from kernels.model.loader import apply_chat_template
+from kv_store.req_kv import ceil_div
+from router.backend import BackendError, ErrorKind
+from router.dispatcher import Dispatcher, Phase, WorkerInfo
+from router.policy import WorkerRole
+from tests.helpers import CHAT_PROMPTS, greedy, make_smollm2_engine
+
+pytestmark = pytest.mark.slow
+
+ENGINE = EngineConfig(num_pages=512, chunk_size=64)  # 64-token chunks: a 400-token prompt prefills for seconds
+PAGE = ENGINE.page_size
+TINY_HOST_PAGES = 3  # usable host-tier pages of "decode-tiny": one 33..48-token prompt at a time
+MAX_NEW = 10
+LONG = 200  # max_tokens of a request that must still be running when the test acts on it
+REST_TIMEOUT_S = 5.0
+
+
+# ---- fixtures ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    built = {"prefill-0": WorkerHost(WorkerSpec("prefill", ENGINE), "prefill-0"),
+             "decode-0": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=256), "decode-0"),
+             # +1: the host pool's page 0 is the scratch page
+             "decode-tiny": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=TINY_HOST_PAGES + 1), "decode-tiny")}
+    yield built
+    for host in built.values():
+        assert host.shutdown(), f"{host.worker_id}: loop did not stop"
+        assert not host.crashed, host.crashed
+
+
+@pytest.fixture(scope="module")
+def tok(hosts):
+    return hosts["decode-0"].worker.tokenizer
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy token ids of the colocated engine (same pool shape and chunking), memoised per prompt."""
+    engine = make_smollm2_engine(num_pages=ENGINE.num_pages, chunk_size=ENGINE.chunk_size)
+    done: dict[tuple, list[int]] = {}
+
+    def run(prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[list[int]]:
+        todo = [pr for pr in prompts if (tuple(pr), max_tokens) not in done]
+        for pr, req in zip(todo, engine.generate(todo, greedy(max_tokens=max_tokens))):
+            done[tuple(pr), max_tokens] = list(req.output_token_ids)
+        return [done[tuple(pr), max_tokens] for pr in prompts]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tok):
+    text = "Summarize the following text in one sentence: " + "Paged attention stores the key and value " \
+        "cache in fixed-size pages so that memory is allocated on demand and shared between requests. " * 13
+    ids = apply_chat_template(tok, text)
+    assert 350 <= len(ids) <= 500 and len(ids) > 4 * ENGINE.chunk_size, len(ids)
+    return ids
+
+
+def chat(tok, i: int) -> list[int]:
+    return apply_chat_template(tok, CHAT_PROMPTS[i])
+
+
+# ---- a controller's view of the hosts, with links that can be cut ---------------------------------
+
+
+class Link:
+    """`HostLink` that can be cut: `send` and `collect` raise from then on, and what a collect in
+    progress brings back is lost, as with a dead process. Records every message it collected."""
+
+    def __init__(self, host: WorkerHost):
+        self.inner, self.worker_id = HostLink(host), host.worker_id
+        self.cut = False
+        self.seen: list = []
+
+    def _check(self) -> None:
+        if self.cut:
+            raise ConnectionError(f"{self.worker_id} is unreachable")
+
+    async def send(self, msgs: list) -> None:
+        self._check()
+        await self.inner.send(msgs)
+
+    async def collect(self, timeout_s: float) -> list:
+        self._check()
+        msgs = await self.inner.collect(timeout_s)
+        self._check()
+        self.seen += msgs
+        return msgs
+
+
+@dataclasses.dataclass
+class _Entry:
+    host: WorkerHost
+    link: Link
+    incarnation: int = 1
+    alive: bool = True
+
+
+class Cluster:
+    """A `ViewSource` over some of the module's hosts; tests kill, restart and add workers."""
+
+    def __init__(self, hosts: dict[str, WorkerHost], *worker_ids: str):
+        self.hosts = hosts
+        self.entries = {wid: _Entry(hosts[wid], Link(hosts[wid])) for wid in worker_ids}
+
+    async def workers(self) -> list[WorkerInfo]:
+        return [WorkerInfo(wid, WorkerRole(e.host.spec.role), e.incarnation, e.alive, e.host.session,
+                           e.host.conn.stats, e.incarnation - 1, e.link) for wid, e in self.entries.items()]
+
+    def link(self, wid: str) -> Link:
+        return self.entries[wid].link
+
+    def add(self, wid: str) -> None:
+        self.entries[wid] = _Entry(self.hosts[wid], Link(self.hosts[wid]))
+
+    def cut(self, wid: str) -> None:
+        self.entries[wid].link.cut = True
+
+    def mark_dead(self, wid: str) -> None:
+        self.entries[wid].alive = False
+
+    def restart(self, wid: str) -> None:
+        """A new incarnation on the same host (the host's state must be at rest first)."""
+        e = self.entries[wid]
+        e.incarnation, e.alive, e.link = e.incarnation + 1, True, Link(e.host)
+
+
+def serve(cluster: Cluster, tok, scenario, **kw):
+    """Run `await scenario(dispatcher)` on a fresh event loop; the dispatcher is closed afterwards."""
+    async def main():
+        d = Dispatcher(cluster, tokenizer=tok, model_name="smollm2", max_model_len=2048,
+                       **{"refresh_interval_s": 0.05, "collect_timeout_s": 0.05, **kw})
+        await d.start()
+        try:
+            return await scenario(d)
+        finally:
+            await d.close()
+    return asyncio.run(main())
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+
+
+STREAM_TIMEOUT_S = 60.0  # no await in this file may hang the suite: pytest-timeout is not installed
+
+
+async def collect(stream, timeout_s: float = STREAM_TIMEOUT_S) -> list:
+    async def drain():
+        return [chunk async for chunk in stream]
+    return await asyncio.wait_for(drain(), timeout_s)
+
+
+async def next_chunk(stream, timeout_s: float = STREAM_TIMEOUT_S):
+    return await asyncio.wait_for(stream.__anext__(), timeout_s)
+
+
+def tokens(chunks) -> list[int]:
+    return [t for c in chunks for t in c.new_token_ids]
+
+
+def assert_finished_cleanly(chunks) -> None:
+    assert chunks, "the stream ended without a chunk"
+    assert all(c.finish_reason is None for c in chunks[:-1]), "a chunk before the last one has a finish_reason"
+    last = chunks[-1]
+    assert last.finish_reason in ("stop", "length") and not last.error and last.error_kind is None, last
+
+
+async def wait_for(cond, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _why_busy(host: WorkerHost) -> str:
+    """"" when the worker holds nothing for any request, else what it still holds."""
+    w = host.worker
+    if w.has_unfinished():
+        return f"unfinished work (running {len(w.scheduler.running)}, waiting {len(w.scheduler.waiting)}, " \
+               f"transfers {list(getattr(w, 'shipments', {})) + list(getattr(w, 'inbound', {}))})"
+    usage = w.device_pool.pages.usage()
+    if usage.private or usage.in_flight or w.kvm.live:
+        return f"device pages still owned: {usage}, requests {list(w.kvm.live)}"
+    tier = getattr(w, "host", None)
+    if tier is not None and tier.pool.usage().free != tier.pool.usage().total:
+        return f"host-tier pages still held: {tier.pool.usage()}"
+    return ""
+
+
+async def wait_at_rest(*hosts: WorkerHost, timeout_s: float = REST_TIMEOUT_S) -> None:
+    """Every worker idle, no PRIVATE or IN_FLIGHT page, host tier all free, no locked tree node,
+    integrity OK. Async: the dispatcher must keep relaying (a landing returns on a relayed message)."""
+    deadline = time.monotonic() + timeout_s
+    for host in hosts:
+        while why := _why_busy(host):
+            assert time.monotonic() < deadline, f"{host.worker_id} not at rest after {timeout_s}s: {why}"
+            await asyncio.sleep(0.02)
+    for host in hosts:
+        assert not host.crashed, host.crashed
+        host.worker.check_integrity()
+        cache = host.worker.kvm.prefix_cache
+        assert cache.evictable_pages() == cache.cached_pages(), f"{host.worker_id}: a tree node is still locked"
+
+
+# ---- tests ------------------------------------------------------------------------------------------
+
+
+def test_disaggregated_greedy_matches_colocated_engine(hosts, tok, reference):
+    prompts = [chat(tok, i) for i in range(5)]
+    expected = reference(prompts)
+    page_bytes = hosts["decode-0"].worker.host.layout.page_bytes
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+
+    async def scenario(d):
+        streams = [d.generate(f"t1-{i}", pr, greedy(max_tokens=MAX_NEW)) for i, pr in enumerate(prompts)]
+        results = await asyncio.gather(*map(collect, streams))
+        assert not d.flights and d.num_requests() == (0, 0)
+        await wait_at_rest(hosts["prefill-0"], hosts["decode-0"])
+        return results
+
+    results = serve(cluster, tok, scenario)
+    assert [tokens(chunks) for chunks in results] == expected
+    for chunks, prompt in zip(results, prompts):
+        assert_finished_cleanly(chunks)
+        last = chunks[-1]
+        assert (last.prefill_worker, last.decode_worker) == ("prefill-0", "decode-0")
+        assert last.kv_transfer_bytes == ceil_div(len(prompt), PAGE) * page_bytes  # the whole landing
+        assert last.kv_transfer_s is not None and last.kv_transfer_s >= 0
+
+
+def test_abort_mid_stream_and_mid_prefill_releases_everything(hosts, tok, long_prompt):
+    prefill, decode = hosts["prefill-0"], hosts["decode-0"]
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+
+    async def scenario(d):
+        # The client walks away after two chunks: closing the stream aborts it on the decode worker.
+        stream = d.generate("t2-a", chat(tok, 1), greedy(max_tokens=LONG, ignore_eos=True))
+        got = [await next_chunk(stream) for _ in range(2)]
+        assert all(c.new_token_ids and c.finish_reason is None for c in got)
+        await stream.aclose()
+        assert not d.flights and d.num_requests() == (0, 0)
+        # Without the abort the decode worker would run LONG tokens (~16 s here).
+        await wait_at_rest(prefill, decode, timeout_s=3.0)
+
+        # The gateway's order on a disconnect: abort first, then close the stream.
+        stream = d.generate("t2-c", chat(tok, 2), greedy(max_tokens=LONG, ignore_eos=True))
+        await next_chunk(stream), await next_chunk(stream)
+        await d.abort("t2-c")
+        assert not d.flights and d.num_requests() == (0, 0)
+        await stream.aclose()
+        await wait_at_rest(prefill, decode, timeout_s=3.0)
+
+        # Aborted while its prompt is prefilling: the decode side gives up the landing, the
+        # prefill side stops shipping, and the landing returns once the prefill side confirms.
+        stream = d.generate("t2-b", long_prompt, greedy(max_tokens=LONG))
+        await wait_for(lambda: (sh := prefill.worker.shipments.get("t2-b.0")) is not None and sh.pages_sent > 0,
+                       "the prefill worker to ship its first pages")
+        assert d.flights["t2-b"].phase is Phase.PREFILLING
+        assert decode.worker.host.pool.usage().in_flight == ceil_div(len(long_prompt), PAGE)  # the landing is lent
+        await d.abort("t2-b")
+        await d.abort("t2-b")  # idempotent
+        await d.abort("never-started")
+        assert not d.flights and d.num_requests() == (0, 0)
+        await wait_at_rest(prefill, decode, timeout_s=3.0)
+        await stream.aclose()
+        assert d.lives["prefill-0"].pending_prefill_tokens == 0  # the routing load went with the transfer
+
+    serve(cluster, tok, scenario)
+
+
+def test_prefill_death_mid_transfer_reroutes_to_local_prefill(hosts, tok, reference, long_prompt):
+    prefill, decode = hosts["prefill-0"], hosts["decode-0"]
+    [expected] = reference([long_prompt])
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+
+    async def scenario(d):
+        task = asyncio.create_task(collect(d.generate("t3", long_prompt, greedy(max_tokens=MAX_NEW))))
+        await wait_for(lambda: (sh := prefill.worker.shipments.get("t3.0")) is not None and sh.pages_sent > 0,
+                       "the prefill worker to ship its first pages")
+        assert decode.worker.host.pool.usage().in_flight > 0  # the landing is being written
+        cluster.cut("prefill-0")
+        # The in-process host outlives its link; a dead process would compute nothing more.
+        prefill.deliver([p.AbortTransfer("t3.0", "test: this worker is dead")])
+        chunks = await asyncio.wait_for(task, 60)
+        assert d.lives["prefill-0"].gone and not d.flights
+        # Only the dispatcher's PeerDead could have returned the landing: the prefill side's
+        # TransferAborted never got through the cut link.
+        await wait_at_rest(decode)
+        await wait_at_rest(prefill)
+
+        # The controller restarts it: the new incarnation is adopted and serves disaggregated again.
+        cluster.restart("prefill-0")
+        await wait_for(lambda: not d.lives["prefill-0"].gone, "the new incarnation to be adopted")
+        again = await collect(d.generate("t3-again", chat(tok, 0), greedy(max_tokens=2)))
+        await wait_at_rest(prefill, decode)
+        return chunks, again
+
+    chunks, again = serve(cluster, tok, scenario)
+    assert_finished_cleanly(chunks)
+    assert tokens(chunks) == expected
+    last = chunks[-1]
+    assert (last.prefill_worker, last.decode_worker, last.kv_transfer_bytes) == ("", "decode-0", 0)
+    assert_finished_cleanly(again)
+    assert again[-1].prefill_worker == "prefill-0"
+
+
+def test_decode_death_mid_stream_fails_the_request(hosts, tok):
+    prefill, decode = hosts["prefill-0"], hosts["decode-0"]
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+
+    async def scenario(d):
+        stream = d.generate("t4", chat(tok, 2), greedy(max_tokens=LONG, ignore_eos=True))
+        got = [await next_chunk(stream) for _ in range(2)]
+        cluster.cut("decode-0")
+        rest = await collect(stream, 5)
+        assert not d.flights and d.num_requests() == (0, 0)
+        gauges = {g.worker_id: g for g in d.worker_gauges()}
+        assert not gauges["decode-0"].alive and gauges["prefill-0"].alive
+        # Nothing left that can decode: refused up front, nothing registered.
+        with pytest.raises(BackendError) as refused:
+            d.generate("t4-refused", chat(tok, 0), greedy(max_tokens=2))
+        assert refused.value.kind is ErrorKind.UNAVAILABLE and refused.value.retry_after_s
+        assert not d.flights
+        await wait_at_rest(prefill)
+        decode.deliver([p.Abort("t4.0")])  # the "dead" host still runs it
+        await wait_at_rest(decode)
+        return got, rest
+
+    got, rest = serve(cluster, tok, scenario)
+    assert all(c.new_token_ids and c.finish_reason is None for c in got)
+    last = rest[-1]
+    assert last.finish_reason == "abort" and last.error_kind is ErrorKind.UNAVAILABLE and "decode-0" in last.error
+    assert all(c.finish_reason is None for c in rest[:-1]) and last.new_token_ids == ()
+
+
+def test_decode_death_before_the_first_token_reroutes_to_another_decode_worker(hosts, tok, reference):
+    prefill, decode, tiny = hosts["prefill-0"], hosts["decode-0"], hosts["decode-tiny"]
+    prompt = chat(tok, 1)
+    [expected] = reference([prompt])
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+
+    async def scenario(d):
+        prefill.deliver([p.Stall(2.0)])  # the transfer cannot finish before decode-0 dies
+        task = asyncio.create_task(collect(d.generate("t4b", prompt, greedy(max_tokens=MAX_NEW))))
+        await wait_for(lambda: d.flights["t4b"].phase is Phase.PREFILLING, "the landing on decode-0")
+        assert d.flights["t4b"].decode.worker_id == "decode-0"
+        cluster.add("decode-tiny")
+        await wait_for(lambda: "decode-tiny" in d.lives, "decode-tiny to join")
+        cluster.cut("decode-0")
+        chunks = await asyncio.wait_for(task, 30)
+        await wait_at_rest(prefill, tiny)
+        # decode-0 still holds the landing for a prefill worker that will never write it again.
+        decode.deliver([p.PeerDead(d.lives["prefill-0"].peer_id)])
+        await wait_at_rest(decode)
+        return chunks
+
+    chunks = serve(cluster, tok, scenario)
+    assert_finished_cleanly(chunks)
+    assert tokens(chunks) == expected
+    assert (chunks[-1].prefill_worker, chunks[-1].decode_worker) == ("prefill-0", "decode-tiny")
+
+
+def test_controller_views_bury_and_adopt_incarnations(hosts, tok):
+    prefill, decode = hosts["prefill-0"], hosts["decode-0"]
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+
+    async def one(d, rid):
+        chunks = await collect(d.generate(rid, chat(tok, 0), greedy(max_tokens=2)))
+        assert_finished_cleanly(chunks)
+        return chunks[-1].prefill_worker
+
+    async def scenario(d):
+        assert await one(d, "t9-a") == "prefill-0"
+        cluster.mark_dead("prefill-0")  # the controller's heartbeat lost it; its link still works
+        await wait_for(lambda: d.lives["prefill-0"].gone, "the dispatcher to bury prefill-0")
+        assert {x["worker_id"]: x["alive"] for x in d.worker_details()} == {"decode-0": True, "prefill-0": False}
+        assert await one(d, "t9-b") == ""  # the decode worker prefills it
+        cluster.restart("prefill-0")
+        await wait_for(lambda: not d.lives["prefill-0"].gone, "the new incarnation to be adopted")
+        [x] = [x for x in d.worker_details() if x["worker_id"] == "prefill-0"]
+        assert (x["incarnation"], x["restarts"], x["alive"]) == (2, 1, True)
+        assert await one(d, "t9-c") == "prefill-0"
+        await wait_at_rest(prefill, decode)
+
+    serve(cluster, tok, scenario)
+
+
+def test_refusals_queue_full_unavailable_rejected(hosts, tok):
+    prefill, decode = hosts["prefill-0"], hosts["decode-0"]
+    limit = decode.worker.scheduler.max_request_tokens()
+    vocab = decode.worker.arch.vocab_size
+
+    async def disaggregated(d):
+        a = d.generate("t5-a", chat(tok, 0), greedy(max_tokens=2))
+        b = d.generate("t5-b", chat(tok, 1), greedy(max_tokens=2))
+        with pytest.raises(BackendError) as full:
+            d.generate("t5-c", chat(tok, 2), greedy(max_tokens=2))
+        assert full.value.kind is ErrorKind.QUEUE_FULL and full.value.retry_after_s
+        assert set(d.flights) == {"t5-a", "t5-b"}
+        for done in await asyncio.gather(collect(a), collect(b)):
+            assert_finished_cleanly(done)
+        first = d.generate("t5-d", chat(tok, 0), greedy(max_tokens=LONG))
+        with pytest.raises(BackendError) as dup:  # an id in flight is refused, not merged into it
+            d.generate("t5-d", chat(tok, 0), greedy())
+        assert dup.value.kind is ErrorKind.REJECTED
+        await d.abort("t5-d")
+        await first.aclose()
+        # Never fits the decode worker's context / pool, or names tokens outside the vocabulary.
+        refused = [await collect(d.generate("t5-long", [5] * limit, greedy(max_tokens=2))),
+                   await collect(d.generate("t5-vocab", [1, vocab], greedy(max_tokens=2)))]
+        await wait_at_rest(prefill, decode)
+        return refused
+
+    async def local(d):  # no prefill worker: the decode worker refuses it itself
+        return [await collect(d.generate("t5-local-long", [5] * limit, greedy(max_tokens=2)))]
+
+    async def no_decoder(d):
+        with pytest.raises(BackendError) as unavailable:
+            d.generate("t5-none", chat(tok, 0), greedy(max_tokens=2))
+        assert unavailable.value.kind is ErrorKind.UNAVAILABLE and unavailable.value.retry_after_s
+        assert not d.flights and d.num_requests() == (0, 0)
+
+    refused = serve(Cluster(hosts, "prefill-0", "decode-0"), tok, disaggregated, max_pending=2)
+    refused += serve(Cluster(hosts, "decode-0"), tok, local)
+    dead = Cluster(hosts, "prefill-0", "decode-0")
+    dead.mark_dead("decode-0")
+    serve(dead, tok, no_decoder)
+    serve(Cluster(hosts, "prefill-0"), tok, no_decoder)
+    for chunks in refused:
+        assert len(chunks) == 1, chunks
+        [only] = chunks
+        assert only.finish_reason == "abort" and only.new_token_ids == ()
+        assert only.error_kind is ErrorKind.REJECTED and only.error
+
+
+def test_host_tier_full_requests_wait_for_a_landing(hosts, tok, reference):
+    prefill, tiny = hosts["prefill-0"], hosts["decode-tiny"]
+    prompts = [chat(tok, i) for i in (1, 2, 3, 7)]
+    need = [ceil_div(len(pr), PAGE) for pr in prompts]
+    assert all(TINY_HOST_PAGES // 2 < n <= TINY_HOST_PAGES for n in need), need  # one landing at a time
+    expected = reference(prompts)
+    cluster = Cluster(hosts, "prefill-0", "decode-tiny")
+    waiting_seen = []
+
+    async def scenario(d):
+        streams = [d.generate(f"t6-{i}", pr, greedy(max_tokens=MAX_NEW)) for i, pr in enumerate(prompts)]
+        gather = asyncio.ensure_future(asyncio.gather(*map(collect, streams)))
+        while not gather.done():  # collect() bounds it
+            waiting_seen.append(d.num_requests()[1])
+            await asyncio.sleep(0.01)
+        await wait_at_rest(prefill, tiny)
+        return gather.result()
+
+    results = serve(cluster, tok, scenario)
+    assert [tokens(chunks) for chunks in results] == expected
+    for chunks in results:
+        assert_finished_cleanly(chunks)
+        assert (chunks[-1].prefill_worker, chunks[-1].decode_worker) == ("prefill-0", "decode-tiny")
+    full = [m for m in cluster.link("decode-tiny").seen if isinstance(m, p.Reserved) and m.landing is None]
+    assert full and all(not m.error for m in full), "the host tier never filled: the retry path was not taken"
+    assert max(waiting_seen) >= 1
+
+
+def test_gauges_and_details_follow_the_requests(hosts, tok):
+    prefill, decode = hosts["prefill-0"], hosts["decode-0"]
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+
+    def gauge(d, wid):
+        return {g.worker_id: g for g in d.worker_gauges()}[wid]
+
+    async def scenario(d):
+        details = {x["worker_id"]: x for x in d.worker_details()}
+        assert list(details) == ["decode-0", "prefill-0"]
+        for wid, host in (("prefill-0", prefill), ("decode-0", decode)):
+            x = details[wid]
+            assert (x["role"], x["incarnation"], x["alive"], x["session"]) == (host.spec.role, 1, True, host.session)
+            assert x["stats"] is None or x["stats"]["integrity_error"] == ""
+        streams = [d.generate(f"t7-{i}", chat(tok, i), greedy(max_tokens=LONG, ignore_eos=True)) for i in range(2)]
+        assert d.num_requests() == (0, 2)  # reserving: waiting
+        for stream in streams:
+            await next_chunk(stream)
+        assert d.num_requests() == (2, 0)
+        await wait_for(lambda: gauge(d, "decode-0").num_running == 2, "the decode worker's stats to show 2 running")
+        g_dec, g_pre = gauge(d, "decode-0"), gauge(d, "prefill-0")
+        assert (g_dec.role, g_dec.alive, g_pre.role, g_pre.alive) == ("decode", True, "prefill", True)
+        assert 0 < g_dec.kv_usage <= 1 and g_dec.host_kv_usage is not None and g_pre.host_kv_usage is None
+        assert g_dec.restarts == 0
+        for stream in streams:
+            await stream.aclose()
+        assert d.num_requests() == (0, 0)
+        await wait_for(lambda: gauge(d, "decode-0").num_running == 0, "the decode worker's stats to show 0 running")
+        await wait_at_rest(prefill, decode)
+
+    serve(cluster, tok, scenario)
+
+
+def test_drain_and_close_end_open_streams_and_abort_them_on_the_workers(hosts, tok):
+    prefill, decode = hosts["prefill-0"], hosts["decode-0"]
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+
+    async def scenario(d):
+        stream = d.generate("t8-drain", chat(tok, 3), greedy(max_tokens=LONG, ignore_eos=True))
+        await next_chunk(stream)
+        assert await d.drain(0.0) == 1
+        rest = await collect(stream, 2)
+        assert rest[-1].error_kind is ErrorKind.UNAVAILABLE and rest[-1].finish_reason == "abort"
+        await wait_at_rest(prefill, decode, timeout_s=3.0)  # aborted there too, not left to run LONG tokens
+
+        stream = d.generate("t8-close", chat(tok, 3), greedy(max_tokens=LONG, ignore_eos=True))
+        await next_chunk(stream)
+        task = asyncio.create_task(collect(stream))
+        await asyncio.sleep(0.1)
+        await d.close()
+        rest = await asyncio.wait_for(task, 2)  # the consumer is told, not left waiting forever
+        assert rest[-1].error_kind is ErrorKind.UNAVAILABLE and rest[-1].finish_reason == "abort"
+        assert not d.flights
+
+    serve(cluster, tok, scenario)
+    asyncio.run(wait_at_rest(prefill, decode, timeout_s=3.0))

@@ -83,7 +83,11 @@ class HostTier:
 
     def reserve(self, request_id: str, num_tokens: int, session: str, timeout_s: float) -> Landing | None:
         """Landing pages for `num_tokens` prompt tokens, lent to the remote writer; None when the
-        tier is full (nothing is held then)."""
+        tier is full (nothing is held then). Raises ValueError when it could never fit, even empty."""
+        need = -(-num_tokens // self.pool.page_size)
+        if need > self.pool.num_usable:
+            raise ValueError(f"a prompt of {num_tokens} tokens needs {need} host-tier pages; this decode worker "
+                             f"has {self.pool.num_usable} (raise decode.host_pages)")
         kv = self.kvm.open(request_id)
         if not self.kvm.try_allocate(kv, num_tokens):
             self.kvm.release(kv, ReleaseReason.ABORTED, [], cache=False)

@@ -191,10 +191,10 @@ class Dispatcher:
                 if not info.alive:
                     self._worker_gone(live, "the controller declared it dead")
                 continue
+            if info.alive:  # first, so requests of the old incarnation can be re-routed to the new one
+                self._adopt(info)
             if live is not None:
                 self._worker_gone(live, f"replaced by incarnation {info.incarnation}")
-            if info.alive:
-                self._adopt(info)
 
     # ---- Backend -----------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int],

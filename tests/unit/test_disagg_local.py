@@ -195,3 +195,16 @@ def test_failed_write_that_may_still_land_holds_pages_and_landing(prompts, monke
         pair.step()
     assert res.finish_reason is FinishReason.ABORT and "transport_error" in res.error
     assert_pair_at_rest(pair)
+
+
+def test_a_prompt_larger_than_the_whole_host_tier_is_rejected_not_retried_forever():
+    pair = make_pair(page_size=4, host_pages=1 + 3)  # 3 usable landing pages: 12 tokens
+    with pytest.raises(ValueError, match="needs 4 host-tier pages.*has 3"):
+        pair.decode.reserve("big", list(range(3, 16)), greedy(max_tokens=2), "prefill-0")
+    assert pair.decode.reserve("fits", list(range(3, 15)), greedy(max_tokens=2), "prefill-0") is not None
+    assert pair.decode.reserve("later", list(range(3, 7)), greedy(max_tokens=2), "prefill-0") is None  # full now
+    pair.decode.abort("fits")
+    pair.decode.peer_dead("prefill-0")  # the landing was never written: the writer's end frees it
+    assert [out.finish_reason for out in pair.decode.step()] == [FinishReason.ABORT]
+    pair.decode.outbox.clear()  # the AbortTransfer nobody is there to read
+    assert_pair_at_rest(pair)

@@ -5,7 +5,8 @@ worker slot keeps its bundle across restarts. Every `heartbeat_interval_s` the c
 each live worker's `heartbeat()`; a call that raises (the actor died), reports a crashed loop, or
 does not answer within `heartbeat_timeout_s` marks the worker dead: the actor is killed, the
 dispatcher sees `alive=False` in the next `views()`, and a new incarnation is started in the same
-bundle (at most `max_restarts` times per slot).
+bundle (at most `max_restarts` times per slot). The heartbeat is answered off the loop thread, so
+a long step does not look like death; a loop stuck in one step past `step_timeout_s` does.
 
 A slot's life:   STARTING --ready--> ALIVE --beat fails--> DEAD --restart--> STARTING ...
                                                         `-- restarts spent --> GIVEN_UP
@@ -181,6 +182,9 @@ class Controller:
             return
         if beat.crashed:
             self._declare_dead(slot, f"its loop crashed:\n{beat.crashed}")
+            return
+        if beat.loop_silent_s > self.config.cluster.step_timeout_s:
+            self._declare_dead(slot, f"its loop has not finished a step for {beat.loop_silent_s:.0f}s (hung)")
             return
         slot.last_beat = time.monotonic()
         if beat.stats is not None:

@@ -183,6 +183,9 @@ class ClusterConfig:
     """A worker silent this long is declared dead (> heartbeat_interval_s)."""
     worker_start_timeout_s: float = 300.0
     """Seconds a worker may take to load its model and report ready (> 0)."""
+    step_timeout_s: float = 300.0
+    """A worker whose loop has not come back from a step this long is hung: it is killed and
+    restarted (> heartbeat_interval_s). Size it above the longest prefill chunk."""
     max_restarts: int = 5
     """Restarts per worker (>= 0); after that it stays dead."""
     drain_timeout_s: float = 30.0
@@ -202,6 +205,9 @@ class ClusterConfig:
         _require(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                  f"cluster.heartbeat_timeout_s must be > cluster.heartbeat_interval_s ({self.heartbeat_interval_s}), "
                  f"got {self.heartbeat_timeout_s}")
+        _require(self.step_timeout_s > self.heartbeat_interval_s,
+                 f"cluster.step_timeout_s must be > cluster.heartbeat_interval_s ({self.heartbeat_interval_s}), "
+                 f"got {self.step_timeout_s}")
         _require(self.placement_strategy in _STRATEGIES,
                  f"cluster.placement_strategy must be one of {_STRATEGIES}, got {self.placement_strategy!r}")
 

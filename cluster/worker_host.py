@@ -41,7 +41,7 @@ class QueueConn:
         self._inbox: deque = deque()
         self._outbox: list = []
         self.stats: p.WorkerStats | None = None
-        self.stats_unix_s = 0.0
+        self.stats_unix_s = time.time()  # the loop refreshes it between steps, every heartbeat interval
         self.closed = False
 
     # ---- the loop's side ---------------------------------------------------------------------------
@@ -91,6 +91,7 @@ class HostBeat:
     worker_id: str
     stats: p.WorkerStats | None  # None until the loop has sent its first stats beat
     crashed: str  # the loop's traceback when it died; "" while it runs
+    loop_silent_s: float  # since the loop last passed between steps (a hung step grows it)
 
 
 class WorkerHost:
@@ -117,7 +118,7 @@ class WorkerHost:
         return self.conn.collect(timeout_s)
 
     def heartbeat(self) -> HostBeat:
-        return HostBeat(self.worker_id, self.conn.stats, self.crashed)
+        return HostBeat(self.worker_id, self.conn.stats, self.crashed, max(0.0, time.time() - self.conn.stats_unix_s))
 
     def shutdown(self, timeout_s: float = 10.0) -> bool:
         """Stop the loop and close the transport. Returns False when the loop did not stop in time

@@ -1,0 +1,91 @@
+"""A worker on a thread (`WorkerHost`) and the controller's verdict on its heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from cluster import controller as controller_mod
+from cluster import protocol as p
+from cluster.config import EngineConfig, SamplingParams
+from cluster.controller import Controller, SlotState, _Slot
+from cluster.serve_config import load_serve_config
+from cluster.worker_host import HostBeat, WorkerHost, WorkerStopped
+from cluster.worker_process import WorkerSpec
+from tests.helpers import CHAT_PROMPTS, make_smollm2_engine, smollm2
+
+
+@pytest.mark.slow
+def test_host_serves_reports_a_long_step_and_stops():
+    from kernels.model.loader import apply_chat_template
+
+    host = WorkerHost(WorkerSpec("colocated", EngineConfig(num_pages=256), heartbeat_interval_s=0.1), "colocated-0")
+    try:
+        ids = apply_chat_template(smollm2()[0].tokenizer, CHAT_PROMPTS[0])
+        host.deliver([p.Generate("r0", tuple(ids), SamplingParams(max_tokens=8))])
+        tokens, finish = [], None
+        deadline = time.monotonic() + 60
+        while finish is None and time.monotonic() < deadline:
+            for msg in host.collect(0.5):
+                assert isinstance(msg, p.TokenOutput) and msg.request_id == "r0" and not msg.error
+                tokens += msg.new_token_ids
+                finish = msg.finish_reason
+        reference = make_smollm2_engine().generate([ids], SamplingParams(max_tokens=8))[0]
+        assert tokens == reference.output_token_ids and finish == reference.finish_reason.value
+
+        host.deliver([p.Stall(2.0)])  # one step that takes 2 s
+        time.sleep(1.5)
+        assert host.heartbeat().loop_silent_s >= 1.0  # answered off the loop thread, mid-step
+        time.sleep(1.5)
+        beat = host.heartbeat()
+        assert beat.loop_silent_s < 1.0 and beat.stats is not None and not beat.crashed
+        assert beat.stats.device.private == 0 and beat.stats.integrity_error == ""
+    finally:
+        assert host.shutdown(10.0)
+    with pytest.raises(WorkerStopped):
+        host.collect(0.1)
+
+
+class _FakeActor:
+    """Stands in for a worker actor handle: `heartbeat.remote()` gives an awaitable."""
+
+    def __init__(self, beat=None, error: Exception | None = None, hang: bool = False):
+        async def answer():
+            if hang:
+                await asyncio.sleep(3600)
+            if error is not None:
+                raise error
+            return beat
+
+        self.heartbeat = SimpleNamespace(remote=answer)
+
+
+@pytest.fixture
+def killed(monkeypatch):
+    out = []
+    monkeypatch.setattr(controller_mod.ray, "kill", lambda handle, no_restart=True: out.append(handle))
+    return out
+
+
+def _verdict(handle, step_timeout_s=5.0, heartbeat_timeout_s=1.0) -> SlotState:
+    config = load_serve_config(overrides={"cluster.step_timeout_s": step_timeout_s,
+                                          "cluster.heartbeat_timeout_s": heartbeat_timeout_s})
+    slot = _Slot("decode-0", "decode", config.decode, pg=None, bundle_index=0, state=SlotState.ALIVE, handle=handle)
+    asyncio.run(Controller(config)._beat(slot, heartbeat_timeout_s))
+    return slot.state
+
+
+@pytest.mark.parametrize("handle, alive", [
+    (_FakeActor(HostBeat("decode-0", None, "", loop_silent_s=4.0)), True),  # a long step, still in bounds
+    (_FakeActor(HostBeat("decode-0", None, "", loop_silent_s=6.0)), False),  # stuck in one step: hung
+    (_FakeActor(HostBeat("decode-0", None, "Traceback ...", loop_silent_s=0.1)), False),  # its loop crashed
+    (_FakeActor(error=RuntimeError("actor died")), False),  # the process is gone
+    (_FakeActor(hang=True), False),  # no answer within heartbeat_timeout_s
+])
+def test_controller_declares_dead_exactly_the_failed_hung_and_silent(killed, handle, alive):
+    state = _verdict(handle)
+    assert state is (SlotState.ALIVE if alive else SlotState.DEAD)
+    assert killed == ([] if alive else [handle])

@@ -59,6 +59,18 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     xfer.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
     xfer.add_argument("--seed", type=int, default=0)
     xfer.add_argument("--json", action="store_true", help="print the result as JSON too")
+    srv = sub.add_parser("serve", help="HTTP load test of `tandem serve` vs the offline engine on the same requests")
+    srv.add_argument("--url", help="load an already running server (http://host:port); default: start one here")
+    srv.add_argument("--config", metavar="FILE", help="cluster YAML of the server (and the baseline's engine)")
+    srv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to `tandem serve`")
+    srv.add_argument("--num-requests", type=int, default=32)
+    srv.add_argument("--concurrency", type=int, default=8, help="requests in flight; the baseline's max running")
+    srv.add_argument("--input-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
+    srv.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--skip-baseline", action="store_true", help="measure the server only")
+    srv.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for /health/ready")
+    srv.add_argument("--json", action="store_true", help="print the result as JSON too")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench_transfer import bench_transfer
 
             return bench_transfer(args)
+        if args.bench == "serve":
+            from cluster.bench_serve import bench_serve
+
+            return bench_serve(args)
         from cluster.bench_offline import bench_offline
 
         return bench_offline(args)

@@ -1,0 +1,36 @@
+"""`tandem bench serve` end to end on a tiny workload: the offline baseline, then a `tandem serve` it
+starts on its own (embedded defaults, local Ray), the HTTP load, the relay histogram, a clean stop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.cli import main as tandem_main
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_serve_measures_both_systems_and_the_relay(capsys):
+    code = tandem_main(["bench", "serve", "--num-requests", "6", "--concurrency", "3", "--input-len", "8", "24",
+                        "--output-len", "3", "6", "--seed", "1", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    by_system = {r["system"]: r for r in summary["results"]}
+    served, offline = by_system["served"], by_system["offline"]
+    assert served["output_tokens_per_s"] > 0 and offline["output_tokens_per_s"] > 0
+    assert summary["ratio_served_over_offline"] == pytest.approx(
+        served["output_tokens_per_s"] / offline["output_tokens_per_s"])
+    requested = summary["workload"]["output_tokens"]
+    assert 6 * 3 <= requested <= 6 * 6
+    assert served["output_tokens"] == offline["output_tokens"] == requested
+    relay = summary["relay"]
+    assert relay["num_tokens"] == requested, "the diff of /metrics should cover exactly the measured requests"
+    assert 0 < relay["num_messages"] <= relay["num_tokens"]
+    assert relay["p50_s"] is not None and 0 <= relay["p50_s"] <= relay["p99_s"]
+    latency = summary["latency_s"]
+    assert 0 < latency["ttft_p50"] <= latency["e2e_p50"]
+    assert summary["server_exit_code"] == 0
+    assert "ratio served / offline" in out and "bucket resolution" in out

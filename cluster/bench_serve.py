@@ -38,6 +38,7 @@ log = logging.getLogger("tandem.bench")
 
 LAPTOP_SETS = ["engine.num_pages=512", "decode.host_pages=512"]  # small pools; later --set wins
 RELAY = "tandem:token_relay_seconds"
+POLLS = "tandem:worker_polls_total"
 GENERATION_TOKENS = "tandem:generation_tokens_total"
 STOP_TIMEOUT_S = 120.0
 
@@ -57,10 +58,12 @@ class RelaySnapshot:
     buckets: dict[float, float]
     num_messages: float
     num_tokens: float
+    num_polls: float  # collect calls to decode workers that returned messages
 
     def minus(self, before: RelaySnapshot) -> RelaySnapshot:
         return RelaySnapshot({le: n - before.buckets.get(le, 0.0) for le, n in self.buckets.items()},
-                             self.num_messages - before.num_messages, self.num_tokens - before.num_tokens)
+                             self.num_messages - before.num_messages, self.num_tokens - before.num_tokens,
+                             self.num_polls - before.num_polls)
 
 
 # ---- the server --------------------------------------------------------------------------------
@@ -187,8 +190,9 @@ def scrape_relay(url: str, headers: dict) -> RelaySnapshot:
     text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
     samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
     value = {s.name: s.value for s in samples if not s.labels}
+    polls = sum(s.value for s in samples if s.name == POLLS and s.labels.get("role") == "decode")
     return RelaySnapshot({float(s.labels["le"]): s.value for s in samples if s.name == RELAY + "_bucket"},
-                         value.get(RELAY + "_count", 0.0), value.get(GENERATION_TOKENS, 0.0))
+                         value.get(RELAY + "_count", 0.0), value.get(GENERATION_TOKENS, 0.0), polls)
 
 
 def bucket_quantile(q: float, buckets: dict[float, float]) -> float | None:
@@ -291,6 +295,7 @@ def summarize(work: Workload, concurrency: int, served: Throughput, offline: Thr
             for q in (50, 99)},
         "relay": {"p50_s": bucket_quantile(0.5, relay.buckets), "p99_s": bucket_quantile(0.99, relay.buckets),
                   "num_messages": int(relay.num_messages), "num_tokens": int(relay.num_tokens),
+                  "num_decode_polls": int(relay.num_polls),
                   "resolution": "histogram buckets"},
         "server_exit_code": exit_code,
     }
@@ -318,7 +323,9 @@ def print_summary(summary: dict, as_json: bool) -> None:
     print(f"  {'token relay worker -> gateway *':<38}{_ms(relay['p50_s']):>9}{_ms(relay['p99_s']):>9}")
     per_message = relay["num_tokens"] / relay["num_messages"] if relay["num_messages"] else float("nan")
     print(f"  * estimated from bucket counts of {RELAY} (bucket resolution)")
-    print(f"relay messages: {relay['num_messages']} for {relay['num_tokens']} tokens "
-          f"({per_message:.2f} tokens per message)")
+    per_poll = relay["num_messages"] / relay["num_decode_polls"] if relay["num_decode_polls"] else float("nan")
+    print(f"relay: {relay['num_messages']} token messages for {relay['num_tokens']} tokens "
+          f"({per_message:.2f} tokens per message), carried by {relay['num_decode_polls']} decode-worker calls "
+          f"({per_poll:.1f} messages per call)")
     if as_json:
         print(json.dumps(summary))

@@ -151,8 +151,8 @@ class Dispatcher:
         self._transfers: dict[str, _Transfer] = {}
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count()
-        self.relay = _relay_histogram()
-        self.extra_collectors = [self.relay]
+        self.relay, self.polls = _relay_metrics()
+        self.extra_collectors = [self.relay, self.polls]
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -463,6 +463,8 @@ class Dispatcher:
             except Exception as exc:  # noqa: BLE001 - the link failing is how death shows up here
                 self._worker_gone(live, f"collect failed: {type(exc).__name__}: {exc}")
                 return
+            if msgs:
+                self.polls.labels(role=live.info.role.value).inc()
             for msg in msgs:
                 self._on_message(live, msg)
 
@@ -499,10 +501,14 @@ def _gauge(live: _Live) -> WorkerGauge:
                        host_kv_usage=_usage(stats.host) if stats else None, restarts=live.info.restarts)
 
 
-def _relay_histogram():
-    from prometheus_client import Histogram
+def _relay_metrics():
+    """The worker -> gateway hop: per-message delay, and how many calls carried the messages."""
+    from prometheus_client import Counter, Histogram
 
-    return Histogram("tandem:token_relay_seconds",
-                     "Worker -> gateway delay of a token message (wall clocks; exact on one host)",
-                     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0), registry=None)
+    delay = Histogram("tandem:token_relay_seconds",
+                      "Worker -> gateway delay of a token message (wall clocks; exact on one host)",
+                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0), registry=None)
+    polls = Counter("tandem:worker_polls_total", "Collect calls to a worker that returned messages (one call each)",
+                    ["role"], registry=None)
+    return delay, polls
 

@@ -29,6 +29,7 @@ def test_bench_serve_measures_both_systems_and_the_relay(capsys):
     relay = summary["relay"]
     assert relay["num_tokens"] == requested, "the diff of /metrics should cover exactly the measured requests"
     assert 0 < relay["num_messages"] <= relay["num_tokens"]
+    assert 0 < relay["num_decode_polls"] <= relay["num_messages"]  # one call carries one or more messages
     assert relay["p50_s"] is not None and 0 <= relay["p50_s"] <= relay["p99_s"]
     latency = summary["latency_s"]
     assert 0 < latency["ttft_p50"] <= latency["e2e_p50"]

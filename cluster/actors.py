@@ -12,7 +12,7 @@ import os
 
 from cluster.worker_host import HostBeat, WorkerHost
 from cluster.worker_process import WorkerSpec
-from router.dispatcher import WorkerInfo
+from router.workers import WorkerInfo
 from router.policy import WorkerRole
 
 ACTOR_CONCURRENCY = 8

@@ -24,50 +24,21 @@ request (at most `max_transfer_retries` times); after that the client gets a cle
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from cluster import protocol as p
 from cluster.config import SamplingParams
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
-from router.policy import (NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, WorkerRole,
-                           WorkerView, choose)
+from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, WorkerRole, choose
+from router.workers import LiveWorker, ViewSource, WorkerInfo, WorkerLink, relay_metrics
+
+__all__ = ["Dispatcher", "Phase", "ViewSource", "WorkerInfo", "WorkerLink"]
 
 log = logging.getLogger("tandem.dispatcher")
-
-
-class WorkerLink(Protocol):
-    async def send(self, msgs: list) -> None:
-        """Deliver `msgs` in order. Raises when the worker is gone."""
-
-    async def collect(self, timeout_s: float) -> list:
-        """Messages the worker sent since the last call (waits up to `timeout_s` for one).
-        Raises when the worker is gone."""
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """The controller's view of one worker incarnation."""
-
-    worker_id: str
-    role: WorkerRole
-    incarnation: int  # bumped on every restart: a new process, a new transport session
-    alive: bool
-    session: str  # its transport session id
-    stats: p.WorkerStats | None
-    restarts: int
-    link: Any  # WorkerLink
-    pid: int = 0  # the worker's process id, when known (operators, tests)
-
-
-class ViewSource(Protocol):
-    async def workers(self) -> list[WorkerInfo]: ...
 
 
 class Phase(enum.Enum):
@@ -80,29 +51,6 @@ class Phase(enum.Enum):
 
 
 @dataclass(eq=False)
-class _Live:
-    """One worker incarnation as the dispatcher sees it."""
-
-    info: WorkerInfo
-    outq: list = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: list = field(default_factory=list)
-    gone: bool = False
-    pending_prefill_tokens: int = 0
-    num_active: int = 0
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
-
-    @property
-    def peer_id(self) -> str:
-        """How decode workers name this prefill worker: unique per incarnation, so `PeerDead`
-        for a dead incarnation never touches transfers from its successor."""
-        return f"{self.info.worker_id}#{self.info.incarnation}"
-
-
-@dataclass(eq=False)
 class _Flight:
     request_id: str
     prompt: list[int]
@@ -110,8 +58,8 @@ class _Flight:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     phase: Phase = Phase.QUEUED
     attempt: int = 0
-    prefill: _Live | None = None
-    decode: _Live | None = None
+    prefill: LiveWorker | None = None
+    decode: LiveWorker | None = None
     tokens_sent: int = 0
     landing_bytes: int = 0
 
@@ -126,8 +74,8 @@ class _Transfer:
     (or an end died), even when the request itself is already over: the decode worker frees the
     landing only on that message."""
 
-    prefill: _Live
-    decode: _Live
+    prefill: LiveWorker
+    decode: LiveWorker
     prompt_len: int
 
 
@@ -145,13 +93,12 @@ class Dispatcher:
         self.max_pending, self.max_transfer_retries = max_pending, max_transfer_retries
         self.refresh_interval_s, self.collect_timeout_s = refresh_interval_s, collect_timeout_s
         self.reserve_retry_s = reserve_retry_s
-        self.lives: dict[str, _Live] = {}
+        self.lives: dict[str, LiveWorker] = {}
         self.flights: dict[str, _Flight] = {}
         self._by_wire: dict[str, _Flight] = {}
         self._transfers: dict[str, _Transfer] = {}
         self._tasks: list[asyncio.Task] = []
-        self._ids = itertools.count()
-        self.relay, self.polls = _relay_metrics()
+        self.relay, self.polls = relay_metrics()
         self.extra_collectors = [self.relay, self.polls]
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -221,21 +168,18 @@ class Dispatcher:
         return len(self.flights) - waiting, waiting
 
     def worker_gauges(self) -> list[WorkerGauge]:
-        return [_gauge(live) for live in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
+        return [live.gauge() for live in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
 
     def worker_details(self) -> list[dict]:
         """Each worker's identity and last heartbeat stats, as plain JSON-able dicts."""
-        return [{"worker_id": lv.worker_id, "role": lv.info.role.value, "incarnation": lv.info.incarnation,
-                 "alive": not lv.gone, "restarts": lv.info.restarts, "pid": lv.info.pid, "session": lv.info.session,
-                 "stats": dataclasses.asdict(lv.info.stats) if lv.info.stats else None}
-                for lv in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
+        return [live.details() for live in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
 
     # ---- routing -----------------------------------------------------------------------------------
     def _route(self, flight: _Flight) -> None:
         lives = [lv for lv in self.lives.values() if not lv.gone]
         view = RequestView(flight.request_id, tuple(flight.prompt), flight.params.max_tokens)
         try:
-            route = choose(self.policy, view, [_view(lv) for lv in lives], self.state, self.policy_params)
+            route = choose(self.policy, view, [lv.view() for lv in lives], self.state, self.policy_params)
         except NoWorkerAvailable as exc:
             raise BackendError(ErrorKind.UNAVAILABLE, f"no worker can serve requests now: {exc}",
                                retry_after_s=5.0) from None
@@ -278,7 +222,7 @@ class Dispatcher:
             flight.decode = None
 
     # ---- messages from workers ---------------------------------------------------------------------
-    def _on_message(self, live: _Live, msg) -> None:
+    def _on_message(self, live: LiveWorker, msg) -> None:
         if isinstance(msg, p.TokenOutput):
             self._on_tokens(live, msg)
         elif isinstance(msg, p.Reserved):
@@ -339,7 +283,7 @@ class Dispatcher:
         if transfer is not None:
             transfer.prefill.pending_prefill_tokens -= transfer.prompt_len
 
-    def _on_tokens(self, live: _Live, msg: p.TokenOutput) -> None:
+    def _on_tokens(self, live: LiveWorker, msg: p.TokenOutput) -> None:
         flight = self._by_wire.get(msg.request_id)
         if flight is None or flight.decode is not live or flight.phase is Phase.DONE:
             return
@@ -403,13 +347,13 @@ class Dispatcher:
 
     # ---- workers -----------------------------------------------------------------------------------
     def _adopt(self, info: WorkerInfo) -> None:
-        live = _Live(info)
+        live = LiveWorker(info)
         self.lives[info.worker_id] = live
         live.tasks = [asyncio.create_task(self._sender(live), name=f"send-{info.worker_id}"),
                       asyncio.create_task(self._collector(live), name=f"collect-{info.worker_id}")]
         log.info("worker %s (%s, incarnation %d) joined", info.worker_id, info.role.value, info.incarnation)
 
-    def _worker_gone(self, live: _Live, why: str) -> None:
+    def _worker_gone(self, live: LiveWorker, why: str) -> None:
         """Fail or re-route what it held, tell the survivors, forget its prefix tree."""
         if live.gone:
             return
@@ -434,13 +378,13 @@ class Dispatcher:
             if not self._reroute(flight, f"worker {live.worker_id} died"):
                 self._finish_error(flight, ErrorKind.UNAVAILABLE, f"worker {live.worker_id} died: {why}")
 
-    def _send(self, live: _Live | None, msg) -> None:
+    def _send(self, live: LiveWorker | None, msg) -> None:
         if live is None or live.gone:
             return
         live.outq.append(msg)
         live.wake.set()
 
-    async def _flush(self, live: _Live) -> None:
+    async def _flush(self, live: LiveWorker) -> None:
         if live.outq and not live.gone:
             msgs, live.outq = live.outq, []
             try:
@@ -448,13 +392,13 @@ class Dispatcher:
             except Exception as exc:  # noqa: BLE001 - any failure to reach it means it is gone
                 self._worker_gone(live, f"send failed: {exc}")
 
-    async def _sender(self, live: _Live) -> None:
+    async def _sender(self, live: LiveWorker) -> None:
         while not live.gone:
             await live.wake.wait()
             live.wake.clear()
             await self._flush(live)
 
-    async def _collector(self, live: _Live) -> None:
+    async def _collector(self, live: LiveWorker) -> None:
         while not live.gone:
             try:
                 msgs = await live.info.link.collect(self.collect_timeout_s)
@@ -477,38 +421,3 @@ class Dispatcher:
                 raise
             except Exception:  # noqa: BLE001 - keep serving with stale views; say so
                 log.exception("refreshing worker views failed")
-
-
-def _usage(stats: p.PoolStats | None) -> float | None:
-    if stats is None:
-        return None
-    return min(1.0, max(0.0, (stats.total - stats.free) / max(1, stats.total)))
-
-
-def _view(live: _Live) -> WorkerView:
-    stats = live.info.stats
-    return WorkerView(live.worker_id, live.info.role, not live.gone, num_running=live.num_active,
-                      num_waiting=stats.num_waiting if stats else 0,
-                      kv_usage=_usage(stats.device) if stats else 0.0,
-                      pending_prefill_tokens=live.pending_prefill_tokens)
-
-
-def _gauge(live: _Live) -> WorkerGauge:
-    stats = live.info.stats
-    return WorkerGauge(live.worker_id, live.info.role.value, not live.gone,
-                       num_running=stats.num_running if stats else 0, num_waiting=stats.num_waiting if stats else 0,
-                       kv_usage=_usage(stats.device) if stats else 0.0,
-                       host_kv_usage=_usage(stats.host) if stats else None, restarts=live.info.restarts)
-
-
-def _relay_metrics():
-    """The worker -> gateway hop: per-message delay, and how many calls carried the messages."""
-    from prometheus_client import Counter, Histogram
-
-    delay = Histogram("tandem:token_relay_seconds",
-                      "Worker -> gateway delay of a token message (wall clocks; exact on one host)",
-                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0), registry=None)
-    polls = Counter("tandem:worker_polls_total", "Collect calls to a worker that returned messages (one call each)",
-                    ["role"], registry=None)
-    return delay, polls
-

@@ -1,0 +1,106 @@
+"""Workers as the dispatcher sees them: how it reaches one (`WorkerLink`), what the controller says
+about one (`WorkerInfo`, from a `ViewSource`), and its per-incarnation state (`LiveWorker`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cluster import protocol as p
+from router.backend import WorkerGauge
+from router.policy import WorkerRole, WorkerView
+
+
+class WorkerLink(Protocol):
+    async def send(self, msgs: list) -> None:
+        """Deliver `msgs` in order. Raises when the worker is gone."""
+
+    async def collect(self, timeout_s: float) -> list:
+        """Messages the worker sent since the last call (waits up to `timeout_s` for one).
+        Raises when the worker is gone."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The controller's view of one worker incarnation."""
+
+    worker_id: str
+    role: WorkerRole
+    incarnation: int  # bumped on every restart: a new process, a new transport session
+    alive: bool
+    session: str  # its transport session id
+    stats: p.WorkerStats | None
+    restarts: int
+    link: Any  # WorkerLink
+    pid: int = 0  # the worker's process id, when known (operators, tests)
+
+
+class ViewSource(Protocol):
+    async def workers(self) -> list[WorkerInfo]: ...
+
+
+@dataclass(eq=False)
+class LiveWorker:
+    """One worker incarnation as the dispatcher sees it: its outbound queue, its tasks, its load."""
+
+    info: WorkerInfo
+    outq: list = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list = field(default_factory=list)
+    gone: bool = False
+    pending_prefill_tokens: int = 0
+    num_active: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def peer_id(self) -> str:
+        """How decode workers name this prefill worker: unique per incarnation, so `PeerDead`
+        for a dead incarnation never touches transfers from its successor."""
+        return f"{self.info.worker_id}#{self.info.incarnation}"
+
+    def view(self) -> WorkerView:
+        """What the routing policy sees."""
+        stats = self.info.stats
+        return WorkerView(self.worker_id, self.info.role, not self.gone, num_running=self.num_active,
+                          num_waiting=stats.num_waiting if stats else 0,
+                          kv_usage=_usage(stats.device) if stats else 0.0,
+                          pending_prefill_tokens=self.pending_prefill_tokens)
+
+    def gauge(self) -> WorkerGauge:
+        """What the gateway exports per worker."""
+        stats = self.info.stats
+        return WorkerGauge(self.worker_id, self.info.role.value, not self.gone,
+                           num_running=stats.num_running if stats else 0,
+                           num_waiting=stats.num_waiting if stats else 0,
+                           kv_usage=_usage(stats.device) if stats else 0.0,
+                           host_kv_usage=_usage(stats.host) if stats else None, restarts=self.info.restarts)
+
+    def details(self) -> dict:
+        """Identity and last heartbeat stats, as plain JSON-able values."""
+        return {"worker_id": self.worker_id, "role": self.info.role.value, "incarnation": self.info.incarnation,
+                "alive": not self.gone, "restarts": self.info.restarts, "pid": self.info.pid,
+                "session": self.info.session, "stats": dataclasses.asdict(self.info.stats) if self.info.stats else None}
+
+
+def _usage(stats: p.PoolStats | None) -> float | None:
+    if stats is None:
+        return None
+    return min(1.0, max(0.0, (stats.total - stats.free) / max(1, stats.total)))
+
+
+def relay_metrics():
+    """The worker -> gateway hop: per-message delay, and how many calls carried the messages."""
+    from prometheus_client import Counter, Histogram
+
+    delay = Histogram("tandem:token_relay_seconds",
+                      "Worker -> gateway delay of a token message (wall clocks; exact on one host)",
+                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0), registry=None)
+    polls = Counter("tandem:worker_polls_total", "Collect calls to a worker that returned messages (one call each)",
+                    ["role"], registry=None)
+    return delay, polls
+

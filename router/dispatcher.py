@@ -30,6 +30,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from prometheus_client import Counter
+
 from cluster import protocol as p
 from cluster.config import SamplingParams
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
@@ -99,7 +101,10 @@ class Dispatcher:
         self._transfers: dict[str, _Transfer] = {}
         self._tasks: list[asyncio.Task] = []
         self.relay, self.polls = relay_metrics()
-        self.extra_collectors = [self.relay, self.polls]
+        self.reroutes = Counter("tandem:request_reroutes_total",
+                                "Requests re-routed after a transfer failure or a worker death, before any token",
+                                registry=None)
+        self.extra_collectors = [self.relay, self.polls, self.reroutes]
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -209,6 +214,7 @@ class Dispatcher:
         self._unroute(flight)
         flight.attempt += 1
         log.warning("re-routing %s (attempt %d): %s", flight.request_id, flight.attempt, why)
+        self.reroutes.inc()
         try:
             self._route(flight)
         except BackendError:

@@ -215,6 +215,44 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_worker(client, cluster
     assert all(c >= 256 for c in cached[1:]), f"later requests should hit the prefix cache: {cached}"
 
 
+def test_killing_a_prefill_worker_mid_transfer_reroutes_its_requests(cluster):
+    """Requests whose KV was being computed or shipped by the killed prefill worker have sent no
+    token yet: they are re-routed and finish with the same greedy text as after the recovery."""
+    server = cluster
+    rng = random.Random(11)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+    prompts = [f"Story {i}: " + " ".join(rng.choice(words) for _ in range(500)) for i in range(4)]
+    body = lambda prompt: {"model": "smollm2", "prompt": prompt, "max_tokens": 6, "temperature": 0}  # noqa: E731
+    victim = next(w for w in workers(server) if w["worker_id"] == "prefill-0")
+    before = server.metrics()
+
+    async def under_kill() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300, headers=server.headers()) as http:
+            tasks = [asyncio.create_task(http.post(f"{server.base_url}/v1/completions", json=body(p)))
+                     for p in prompts]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # wait until the victim is busy with some of them
+                stats = next(w for w in workers(server) if w["worker_id"] == "prefill-0")["stats"]
+                if stats and (stats["num_running"] or stats["num_transfers"]):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("prefill-0 never got busy")
+            os.kill(victim["pid"], signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(under_kill())
+    assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+    texts = [r.json()["choices"][0]["text"] for r in responses]
+    assert metric(server.metrics(), "tandem:request_reroutes_total") > metric(before, "tandem:request_reroutes_total")
+    found = wait_workers_at_rest(server, timeout_s=180)
+    assert next(w for w in found if w["worker_id"] == "prefill-0")["incarnation"] == victim["incarnation"] + 1
+    again = [httpx.post(f"{server.base_url}/v1/completions", json=body(p), headers=server.headers(), timeout=300)
+             for p in prompts]
+    assert [r.json()["choices"][0]["text"] for r in again] == texts
+    wait_workers_at_rest(server)
+
+
 def test_killing_the_decode_worker_under_load(cluster):
     """In-flight requests end with a clean error or finish after a re-route; once the controller
     has restarted the worker, new requests succeed; the survivors hold no page."""

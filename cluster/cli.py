@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cluster.config import ConfigError
+    from cluster.launch import ServeStartError
 
     try:
         if args.command == "serve":
@@ -124,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
+    except ServeStartError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -77,6 +77,13 @@ class _Slot:
     task: asyncio.Task | None = None
 
 
+def last_line(exc: BaseException) -> str:
+    """The last line of an error's text: for a Ray-wrapped worker error, the worker's own
+    `Type: message` rather than Ray's traceback around it."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 class Controller:
     """Wrapped with `ray.remote(num_cpus=0)` by the launcher and created as a named actor."""
 
@@ -112,7 +119,7 @@ class Controller:
         if failed:
             await self.shutdown()
             slot, err = failed[0]
-            raise RuntimeError(f"worker {slot.worker_id} failed to start: {err}")
+            raise RuntimeError(f"worker {slot.worker_id} failed to start: {last_line(err)}")
         for slot in self.slots.values():
             slot.task = asyncio.create_task(self._watch(slot))
         return await self.views()

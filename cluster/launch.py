@@ -22,9 +22,17 @@ from cluster.serve_config import ServeConfig
 log = logging.getLogger("tandem.serve")
 
 
+class ServeStartError(RuntimeError):
+    """The cluster could not be brought up (a worker failed to load, resources missing)."""
+
+
 def serve(config: ServeConfig) -> int:
     import ray
 
+    from kernels.model.loader import load_tokenizer, resolve_model_dir
+
+    # Before Ray starts: a bad model spec fails here, fast and with a plain message.
+    tokenizer = load_tokenizer(resolve_model_dir(config.model))
     guard = _SignalGuard()
     started_ray = _connect_ray(config)
     guard.install()  # after ray.init: Ray's driver installs its own SIGTERM handler there
@@ -33,7 +41,7 @@ def serve(config: ServeConfig) -> int:
         controller = _start_controller(config)
         records = ray.get(controller.views.remote())
         log.info("workers ready: %s", ", ".join(f"{r.worker_id} ({r.session})" for r in records))
-        asyncio.run(_serve_gateway(config, controller, records, guard))
+        asyncio.run(_serve_gateway(config, controller, records, tokenizer, guard))
         return 0
     finally:
         if controller is not None:
@@ -72,8 +80,12 @@ def _start_controller(config: ServeConfig):
                                                              namespace=config.cluster.namespace).remote(config)
     try:
         ray.get(controller.start.remote(), timeout=config.cluster.worker_start_timeout_s + 60)
-    except BaseException:
+    except BaseException as exc:
         ray.kill(controller)
+        if isinstance(exc, (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)):
+            from cluster.controller import last_line
+
+            raise ServeStartError(f"the workers did not start: {last_line(exc)}") from exc
         raise
     log.info("controller and workers started in %.1fs", time.monotonic() - t0)
     return controller
@@ -107,18 +119,17 @@ class _SignalGuard:
         log.info("signal %d: already shutting down", signum)
 
 
-async def _serve_gateway(config: ServeConfig, controller, records, guard: _SignalGuard) -> None:
+async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, guard: _SignalGuard) -> None:
     import uvicorn
 
     from cluster.actors import ControllerViews
-    from kernels.model.loader import load_tokenizer, resolve_model_dir
     from router.dispatcher import Dispatcher
     from router.gateway.app import build_app
     from router.policy import Policy, PolicyParams
 
     rc = config.router
     dispatcher = Dispatcher(
-        ControllerViews(controller), tokenizer=load_tokenizer(resolve_model_dir(config.model)),
+        ControllerViews(controller), tokenizer=tokenizer,
         model_name=config.model, max_model_len=min(r.max_model_len for r in records if r.role != "prefill"),
         policy=Policy(rc.policy), policy_params=PolicyParams(
             cache_threshold=rc.cache_threshold, balance_abs_threshold=rc.balance_abs_threshold,

@@ -79,3 +79,22 @@ def test_sigterm_drains_in_flight_requests_then_stops_ray(default_server):
     frames = result["frames"]
     assert frames[-1] == "[DONE]" and '"finish_reason":"length"' in frames[-2].replace(" ", ""), frames[-3:]
     assert ray_daemon_pids() <= ray_before, "the local Ray instance outlived tandem serve"
+
+
+def test_start_up_failures_are_one_clear_line_and_leave_nothing_running():
+    import sys
+
+    from tests.integration.serve_harness import REPO, free_port
+
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--port", str(free_port()), *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    before = ray_daemon_pids()
+    bad_model = serve("--model", "/no/such/model")  # caught before Ray starts
+    assert bad_model.returncode == 2 and "tandem: error: model '/no/such/model'" in bad_model.stderr
+    too_long = serve("--set", "engine.max_model_len=100000", *SMALL)  # caught by the workers
+    assert too_long.returncode == 1, too_long.stderr[-3000:]
+    error = [line for line in too_long.stderr.splitlines() if line.startswith("tandem: error:")]
+    assert len(error) == 1 and "max_model_len 100000 exceeds the model's" in error[0], too_long.stderr[-3000:]
+    assert ray_daemon_pids() <= before, "a failed start left Ray running"

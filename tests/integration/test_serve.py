@@ -193,6 +193,39 @@ def test_client_disconnect_aborts_and_releases_kv_everywhere(cluster):
     assert {w["role"] for w in found} == {"prefill", "decode"}
 
 
+def test_random_traffic_with_disconnects_leaks_nothing(cluster):
+    """40 requests at once: streaming or not, random lengths, a third of the streams dropped by
+    the client at a random point; afterwards every worker is at rest with integrity intact."""
+    server = cluster
+    rng = random.Random(21)
+    plans = [dict(stream=rng.random() < 0.7, max_tokens=rng.randrange(1, 40), leave_after=rng.randrange(1, 6),
+                  drop=rng.random() < 0.35, words=rng.randrange(1, 120)) for _ in range(40)]
+
+    async def one(http: httpx.AsyncClient, i: int, plan: dict) -> str:
+        body = {"model": "smollm2", "prompt": f"{i}: " + "memory page " * plan["words"], "ignore_eos": True,
+                "max_tokens": plan["max_tokens"], "temperature": 0.7, "seed": i, "stream": plan["stream"]}
+        url = f"{server.base_url}/v1/completions"
+        if not plan["stream"]:
+            resp = await http.post(url, json=body)
+            return "ok" if resp.status_code == 200 else f"status {resp.status_code}"
+        async with http.stream("POST", url, json=body) as resp:
+            frames = 0
+            async for line in resp.aiter_lines():
+                frames += line.startswith("data: ")
+                if plan["drop"] and frames >= plan["leave_after"]:
+                    return "dropped"
+            return "ok" if resp.status_code == 200 else f"status {resp.status_code}"
+
+    async def traffic() -> list[str]:
+        async with httpx.AsyncClient(timeout=300, headers=server.headers()) as http:
+            return await asyncio.gather(*(one(http, i, plan) for i, plan in enumerate(plans)))
+
+    outcomes = asyncio.run(traffic())
+    assert set(outcomes) <= {"ok", "dropped"}, outcomes
+    assert outcomes.count("dropped") >= 5
+    wait_workers_at_rest(server, timeout_s=60)
+
+
 def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_worker(client, cluster):
     server = cluster
     rng = random.Random(5)

@@ -7,6 +7,7 @@ dispatcher's `deliver` are served concurrently while the loop thread computes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -23,6 +24,10 @@ class WorkerActor:
 
     def __init__(self, spec: WorkerSpec, worker_id: str) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker_id}[{os.getpid()}] %(message)s")
+        if spec.hostname == "auto":  # one config for every node: each worker advertises its own address
+            import ray
+
+            spec = dataclasses.replace(spec, hostname=ray.util.get_node_ip_address())
         self.host = WorkerHost(spec, worker_id)
 
     def ready(self) -> tuple[str, int, int]:

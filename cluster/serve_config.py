@@ -122,7 +122,8 @@ class TransportConfig:
     protocol: str = "tcp"
     """Transfer-engine protocol: "tcp" (anywhere) or "rdma" (clusters with RDMA NICs)."""
     hostname: str = "127.0.0.1"
-    """Address each worker's transfer engine binds and advertises to its peers."""
+    """Address each worker's transfer engine binds and advertises to its peers; "auto": each worker
+    takes its own Ray node's address (multi-node clusters)."""
     bootstrapping_s: float = 30.0
     """Seconds a transfer may spend pairing peers and reserving the landing (> 0)."""
     waiting_s: float = 60.0

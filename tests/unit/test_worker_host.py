@@ -89,3 +89,19 @@ def test_controller_declares_dead_exactly_the_failed_hung_and_silent(killed, han
     state = _verdict(handle)
     assert state is (SlotState.ALIVE if alive else SlotState.DEAD)
     assert killed == ([] if alive else [handle])
+
+
+@pytest.mark.slow
+def test_actor_with_hostname_auto_advertises_its_node_address(monkeypatch):
+    import ray
+
+    from cluster.actors import WorkerActor
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")  # this node, loopback only
+    actor = WorkerActor(WorkerSpec("prefill", EngineConfig(num_pages=64), hostname="auto"), "prefill-0")
+    try:
+        session, max_model_len, pid = actor.ready()
+        assert session.startswith("127.0.0.1:") and int(session.rsplit(":", 1)[1]) > 0
+        assert max_model_len > 0 and pid > 0
+    finally:
+        assert actor.shutdown(10.0)

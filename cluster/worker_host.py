@@ -109,7 +109,13 @@ class WorkerHost:
 
     @property
     def max_model_len(self) -> int:
-        return self.worker.config.max_model_len
+        """Tokens one request may hold here: the context limit, the device pool, and for a decode
+        worker the host tier its prompt lands in."""
+        limit = self.worker.scheduler.max_request_tokens()
+        host = getattr(self.worker, "host", None)
+        if host is not None and self.spec.role == "decode":
+            limit = min(limit, host.pool.num_usable * host.pool.page_size)
+        return limit
 
     def deliver(self, msgs: list) -> None:
         self.conn.deliver(msgs)

@@ -98,3 +98,33 @@ def test_start_up_failures_are_one_clear_line_and_leave_nothing_running():
     error = [line for line in too_long.stderr.splitlines() if line.startswith("tandem: error:")]
     assert len(error) == 1 and "max_model_len 100000 exceeds the model's" in error[0], too_long.stderr[-3000:]
     assert ray_daemon_pids() <= before, "a failed start left Ray running"
+
+
+def test_colocated_shape_serves_on_every_worker(tmp_path, capsys):
+    """No prefill or decode group: two colocated workers, each prefilling its own requests."""
+    import json
+
+    from cluster.cli import main as tandem_main
+
+    server = start_server(tmp_path, ["--num-prefill", "0", "--num-decode", "0", "--num-colocated", "2",
+                                     "--policy", "round_robin", *SMALL])
+    try:
+        question = "Name a primary color."
+        capsys.readouterr()
+        assert tandem_main(["run", "--prompt", question, "--max-tokens", "8", "--json"]) == 0
+        reference = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
+        before = server.metrics()
+        for _ in range(4):
+            resp = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+                "model": "smollm2", "messages": [{"role": "user", "content": question}], "max_tokens": 8,
+                "temperature": 0})
+            assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == reference
+        after = server.metrics()
+        for worker in ("colocated-0", "colocated-1"):
+            moved = (metric(after, "tandem:requests_routed_total", prefill_worker="", decode_worker=worker)
+                     - metric(before, "tandem:requests_routed_total", prefill_worker="", decode_worker=worker))
+            assert moved == 2, (worker, moved)
+        workers = httpx.get(f"{server.base_url}/debug/workers", timeout=30).json()["workers"]
+        assert sorted(w["role"] for w in workers) == ["colocated", "colocated"]
+    finally:
+        assert server.terminate() == 0, server.log_tail()

@@ -13,7 +13,7 @@ a worker produced since the last poll arrives in one call).
 One request, disaggregated (wire id = `<request_id>.<attempt>`):
 
     QUEUED -> RESERVING --Reserved(landing)--> PREFILLING --first token--> STREAMING -> done
-                 | landing None: back to QUEUED after a pause
+                 | landing None: back to QUEUED after a pause (failed after `landing_timeout_s`)
                  | error: rejected (400)
     local prefill (no prefill worker):  LOCAL --tokens--> STREAMING -> done
 
@@ -64,6 +64,7 @@ class _Flight:
     decode: LiveWorker | None = None
     tokens_sent: int = 0
     landing_bytes: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
 
     @property
     def wire_id(self) -> str:
@@ -87,14 +88,14 @@ class Dispatcher:
     def __init__(self, source: ViewSource, *, tokenizer, model_name: str, max_model_len: int,
                  policy: Policy = Policy.CACHE_AWARE, policy_params: PolicyParams = PolicyParams(),
                  max_pending: int = 256, max_transfer_retries: int = 1, refresh_interval_s: float = 0.5,
-                 collect_timeout_s: float = 0.5, reserve_retry_s: float = 0.05):
+                 collect_timeout_s: float = 0.5, reserve_retry_s: float = 0.05, landing_timeout_s: float = 30.0):
         self.source, self.tokenizer = source, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.policy, self.policy_params = policy, policy_params
         self.state = RouterState(policy_params.max_tree_tokens)
         self.max_pending, self.max_transfer_retries = max_pending, max_transfer_retries
         self.refresh_interval_s, self.collect_timeout_s = refresh_interval_s, collect_timeout_s
-        self.reserve_retry_s = reserve_retry_s
+        self.reserve_retry_s, self.landing_timeout_s = reserve_retry_s, landing_timeout_s
         self.lives: dict[str, LiveWorker] = {}
         self.flights: dict[str, _Flight] = {}
         self._by_wire: dict[str, _Flight] = {}
@@ -269,6 +270,10 @@ class Dispatcher:
 
     def _retry_reserve(self, flight: _Flight) -> None:
         if flight.phase is not Phase.QUEUED or self.flights.get(flight.request_id) is not flight:
+            return
+        if time.monotonic() - flight.submitted_at > self.landing_timeout_s:  # host tiers stay full
+            self._finish_error(flight, ErrorKind.UNAVAILABLE,
+                               f"no decode worker had room to land the prompt within {self.landing_timeout_s}s")
             return
         try:
             self._route(flight)

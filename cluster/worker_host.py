@@ -15,6 +15,7 @@ paid once per step rather than once per token.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -159,6 +160,4 @@ class HostLink:
         self.host.deliver(msgs)
 
     async def collect(self, timeout_s: float) -> list:
-        import asyncio
-
         return await asyncio.to_thread(self.host.collect, timeout_s)

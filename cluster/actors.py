@@ -31,8 +31,8 @@ class WorkerActor:
         self.host = WorkerHost(spec, worker_id)
 
     def ready(self) -> tuple[str, int, int]:
-        """(transport session id, max_model_len, pid) once the model is loaded and the loop runs."""
-        return self.host.session, self.host.max_model_len, os.getpid()
+        """(transport session id, max_request_tokens, pid) once the model is loaded and the loop runs."""
+        return self.host.session, self.host.max_request_tokens, os.getpid()
 
     def deliver(self, msgs: list) -> None:
         self.host.deliver(msgs)

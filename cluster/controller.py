@@ -54,7 +54,7 @@ class WorkerRecord:
     stats: p.WorkerStats | None
     restarts: int
     handle: object | None
-    max_model_len: int
+    max_request_tokens: int
     pid: int  # the worker process (0 before it first started)
 
 
@@ -71,7 +71,7 @@ class _Slot:
     session: str = ""
     stats: p.WorkerStats | None = None
     restarts: int = 0
-    max_model_len: int = 0
+    max_request_tokens: int = 0
     pid: int = 0
     last_beat: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None
@@ -126,7 +126,7 @@ class Controller:
 
     async def views(self) -> list[WorkerRecord]:
         return [WorkerRecord(s.worker_id, s.role, s.incarnation, s.state is SlotState.ALIVE, s.session, s.stats,
-                             s.restarts, s.handle if s.state is SlotState.ALIVE else None, s.max_model_len, s.pid)
+                             s.restarts, s.handle if s.state is SlotState.ALIVE else None, s.max_request_tokens, s.pid)
                 for s in self.slots.values()]
 
     async def kill_worker(self, worker_id: str) -> None:
@@ -160,7 +160,7 @@ class Controller:
         slot.state, slot.incarnation = SlotState.STARTING, slot.incarnation + 1
         slot.handle = actor.remote(spec, slot.worker_id)
         try:
-            slot.session, slot.max_model_len, slot.pid = await asyncio.wait_for(slot.handle.ready.remote(),
+            slot.session, slot.max_request_tokens, slot.pid = await asyncio.wait_for(slot.handle.ready.remote(),
                                                                       cfg.cluster.worker_start_timeout_s)
         except BaseException:
             ray.kill(slot.handle, no_restart=True)

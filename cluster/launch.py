@@ -130,7 +130,7 @@ async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, gu
     rc = config.router
     dispatcher = Dispatcher(
         ControllerViews(controller), tokenizer=tokenizer,
-        model_name=config.model, max_model_len=min(r.max_model_len for r in records),
+        model_name=config.model, max_model_len=min(r.max_request_tokens for r in records),
         policy=Policy(rc.policy), policy_params=PolicyParams(
             cache_threshold=rc.cache_threshold, balance_abs_threshold=rc.balance_abs_threshold,
             balance_rel_threshold=rc.balance_rel_threshold, max_tree_tokens=rc.max_tree_tokens),

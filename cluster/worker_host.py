@@ -109,7 +109,7 @@ class WorkerHost:
         self._thread.start()
 
     @property
-    def max_model_len(self) -> int:
+    def max_request_tokens(self) -> int:
         """Tokens one request may hold here: the context limit, the device pool, and for a decode
         worker the host tier its prompt lands in."""
         limit = self.worker.scheduler.max_request_tokens()

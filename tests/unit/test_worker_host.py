@@ -100,8 +100,8 @@ def test_actor_with_hostname_auto_advertises_its_node_address(monkeypatch):
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")  # this node, loopback only
     actor = WorkerActor(WorkerSpec("prefill", EngineConfig(num_pages=64), hostname="auto"), "prefill-0")
     try:
-        session, max_model_len, pid = actor.ready()
+        session, max_request_tokens, pid = actor.ready()
         assert session.startswith("127.0.0.1:") and int(session.rsplit(":", 1)[1]) > 0
-        assert max_model_len > 0 and pid > 0
+        assert max_request_tokens > 0 and pid > 0
     finally:
         assert actor.shutdown(10.0)

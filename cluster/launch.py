@@ -76,8 +76,13 @@ def _start_controller(config: ServeConfig):
     from cluster.controller import CONTROLLER_NAME, Controller
 
     t0 = time.monotonic()
-    controller = ray.remote(num_cpus=0)(Controller).options(name=CONTROLLER_NAME,
-                                                             namespace=config.cluster.namespace).remote(config)
+    namespace = config.cluster.namespace
+    try:
+        controller = ray.remote(num_cpus=0)(Controller).options(name=CONTROLLER_NAME,
+                                                                 namespace=namespace).remote(config)
+    except ValueError:  # the name is taken
+        raise ServeStartError(f"another tandem serve is running in Ray namespace {namespace!r} on this cluster "
+                              "(give this one its own cluster.namespace)") from None
     try:
         ray.get(controller.start.remote(), timeout=config.cluster.worker_start_timeout_s + 60)
     except BaseException as exc:

@@ -52,6 +52,7 @@ class Server:
     port: int
     log_path: Path
     api_key: str | None
+    ray_address: str | None = None  # set when it joined a cluster started by the test
 
     @property
     def base_url(self) -> str:

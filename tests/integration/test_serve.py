@@ -43,6 +43,7 @@ def cluster(tmp_path_factory):
     server = None
     try:
         server = start_server(tmp, ["--config", str(tmp / "cluster.yaml"), "--address", head.address], api_key=API_KEY)
+        server.ray_address = head.address
         yield server
     finally:
         if server is not None:
@@ -147,6 +148,20 @@ def test_sixteen_concurrent_streams_and_metrics(cluster):
     assert moved("tandem:generation_tokens_total") >= 16
     assert moved("tandem:kv_transfer_bytes_total") > 0
     wait_workers_at_rest(server)
+
+
+def test_a_second_server_in_the_same_namespace_is_refused(cluster, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.integration.serve_harness import RAY_ENV, REPO, free_port
+
+    second = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--port", str(free_port()),
+                             "--address", cluster.ray_address], cwd=REPO, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, **RAY_ENV})
+    assert second.returncode == 1, second.stderr[-3000:]
+    assert "tandem: error: another tandem serve is running in Ray namespace 'tandem'" in second.stderr
+    assert httpx.get(f"{cluster.base_url}/health/ready", timeout=60).status_code == 200  # the first one is fine
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(cluster):

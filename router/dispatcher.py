@@ -151,7 +151,8 @@ class Dispatcher:
 
     # ---- Backend -----------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+                 params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        """Route the request now (raising `BackendError` when it cannot start) and return its stream."""
         if request_id in self.flights:
             raise BackendError(ErrorKind.REJECTED, f"request id {request_id!r} is already in flight")
         if len(self.flights) >= self.max_pending:

@@ -12,7 +12,11 @@ A request's life through a backend:
                          Idempotent; a no-op for unknown or finished requests.
 
 `generate` raises `BackendError` *before yielding anything* when the request cannot start (no
-worker, queue full, rejected); once it has yielded, failures arrive as a final chunk with `error`.
+worker, queue full, rejected): either at once (a plain function returning the iterator, as the
+dispatcher does) or from the first `__anext__`; the gateway handles both. Once it has yielded,
+failures arrive as a final chunk with `error`. A final chunk with finish_reason "abort" and no
+`error` only follows the client's own abort. `abort` may also be called after a stream broke this
+contract, so it must stay idempotent.
 """
 
 from __future__ import annotations

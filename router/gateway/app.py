@@ -26,11 +26,12 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from cluster.config import SamplingParams
 from cluster.serve_config import GatewayConfig
 from kernels.model.loader import encode_prompt
-from router.gateway.errors import APIError, install_handlers, internal
+from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
 from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from router.gateway.responses import SHAPES
 from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
@@ -120,8 +121,11 @@ class Gateway:
             return await self._complete(request, run, shape)
         except APIError as err:
             return self._count(run, err).response()
-        except Exception as exc:  # a bug: answer 500 in the error shape and keep serving
-            log.exception("generation request failed")
+        except ClientDisconnect:  # gone mid-upload: nobody to answer, and nothing went wrong here
+            log.info("client disconnected before its request body was complete")
+            self.metrics.failure.labels(kind=CLIENT_DISCONNECT).inc()
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        except Exception as exc:  # a bug: answer 500 in the error shape (logged with its id) and keep serving
             return self._count(run, internal(exc)).response()
         finally:
             await self._finish(run, release)
@@ -167,10 +171,10 @@ class Gateway:
         except TimeoutError:
             return APIError(503, f"no token within {self.config.ready_timeout_s} s", code="unavailable").response()
         except APIError as err:
-            return APIError(503, f"not ready: {err.message}", code="unavailable").response()
+            return APIError(503, f"not ready: {err.detail}", code="unavailable").response()
         except Exception as exc:  # whatever broke, the answer to "ready?" is no
-            log.exception("readiness probe failed")
-            return APIError(503, f"not ready: {type(exc).__name__}: {exc}", code="unavailable").response()
+            return APIError(503, "not ready: the probe failed", code="unavailable",
+                            detail=f"readiness probe failed: {type(exc).__name__}: {exc}", exc=exc).response()
         return JSONResponse({"status": "ready"})
 
     async def _one_token(self, request_id: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,14 +48,41 @@ class GenerateRequest:
 
 
 def parse_json_object(body: bytes) -> dict:
-    """The body as a JSON object, or 400 `invalid_json`."""
+    """The body as a JSON object whose every string is valid Unicode, or 400."""
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise invalid(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise invalid("request body must be a JSON object", code="invalid_json")
+    where = _lone_surrogate_at(payload)
+    if where is not None:
+        raise invalid(f"`{where or 'a key'}` is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff "
+                      "escape without its pair)", param=where or None)
     return payload
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate_at(payload: dict) -> str | None:
+    """The param path (`messages[0].content`) of a string, or key, holding a lone surrogate;
+    None when there is none. JSON's `\\ud800` escape yields such strings, which no tokenizer or
+    UTF-8 encoder accepts. Iterative: the payload may be as deep as the JSON parser allows."""
+    stack: list[tuple[str, Any]] = [("", payload)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    return path  # the object holding the bad key ("" at the top level)
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
 
 
 def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits) -> GenerateRequest:
@@ -197,7 +225,7 @@ def _message(message: Any, index: int) -> dict[str, str]:
     role = message.get("role")
     if role == "tool" or message.get("tool_calls"):
         raise _unsupported(f"{param}.role", "tool messages and tool calls")
-    if role not in CHAT_ROLES:
+    if not isinstance(role, str) or role not in CHAT_ROLES:  # a dict or list is unhashable: test the type first
         raise invalid(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param=f"{param}.role")
     content = message.get("content")
     if isinstance(content, str):

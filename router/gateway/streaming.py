@@ -140,8 +140,7 @@ class GenerationRun:
             raise from_backend_error(exc) from None
         except StopAsyncIteration:
             raise internal(RuntimeError("the backend ended the stream without a last chunk")) from None
-        except Exception as exc:
-            log.exception("backend stream of %s failed", self.request_id)
+        except Exception as exc:  # logged with its traceback by internal()
             raise internal(exc) from None
 
     def _take(self, chunk: GenerationChunk) -> tuple[str, bool]:
@@ -188,7 +187,6 @@ async def sse_frames(run: GenerationRun, shape: ResponseShape, include_usage: bo
                 if include_usage:
                     yield shape.usage_frame(event.usage)
     except Exception as exc:  # a bug on our side mid-stream: the client still gets a well-formed end
-        log.exception("stream of %s failed", run.request_id)
         yield sse_error(run.fail(internal(exc)))
     yield SSE_DONE
 

@@ -1,0 +1,181 @@
+"""The gateway under hostile or careless clients (issue 8): every bad request is a 4xx naming what is
+wrong, server errors show no internals, slow clients cannot hold what others need, readiness is
+cheap, and only same-host JSON requests are served."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from cluster.serve_config import GatewayConfig
+from router.backend import BackendError, ErrorKind
+from router.gateway import GatewayServer, build_app
+from tests.gateway_backend import EngineBackend
+from tests.helpers import assert_pool_at_rest, make_smollm2_engine
+
+try:
+    import httpx
+except ImportError:  # the successor package keeps httpx's API under a new name
+    import httpx2 as httpx
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TRACEBACK = ('Traceback (most recent call last):\n  File "/home/ops/tandem/decode_worker/worker.py", line 88, in step\n'
+             '    logits = self.model(x)\nRuntimeError: CUDA error: an illegal memory access was encountered')
+
+
+@pytest.fixture(scope="module")
+def backend():
+    backend = EngineBackend(make_smollm2_engine(num_pages=64))
+    yield backend
+    backend.reset_faults()
+    backend.wait_idle()
+    backend.on_engine(assert_pool_at_rest)
+    backend.close()
+
+
+@pytest.fixture(autouse=True)
+def engine_at_rest(request):
+    yield
+    if "backend" in request.fixturenames:
+        backend = request.getfixturevalue("backend")
+        backend.reset_faults()
+        backend.wait_idle()
+        assert backend.on_engine(lambda e: (e.check_integrity(), e.kvm.pool.usage().private)[1]) == 0
+
+
+def app_client(backend, **config) -> TestClient:
+    return TestClient(build_app(backend, GatewayConfig(**config)), raise_server_exceptions=False,
+                      base_url="http://127.0.0.1:8000")
+
+
+@pytest.fixture(scope="module")
+def client(backend):
+    return app_client(backend)
+
+
+def assert_error(response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+def scrape(client) -> dict:
+    text = client.get("/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def good_request_works(client) -> None:
+    r = client.post(COMPLETION, json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+
+
+def raw_body(payload_text: str) -> bytes:
+    """A JSON text sent as is: `json=` in the clients would escape or refuse what the test needs."""
+    return payload_text.encode()
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+# ---- defect 9: mislabelled errors ---------------------------------------------------------------
+@pytest.mark.parametrize("role", [{"x": 1}, ["user"], 3, None, True])
+def test_non_string_role_is_400(client, role):
+    body = {"model": MODEL, "messages": [{"role": role, "content": "hi"}], "max_tokens": 1}
+    assert_error(client.post(CHAT, json=body), 400, "invalid_value", "messages[0].role")
+    good_request_works(client)
+
+
+LONE_SURROGATES = [
+    (COMPLETION, '{"prompt": "\\ud800", "max_tokens": 1}', "prompt"),
+    (COMPLETION, '{"prompt": ["ab\\udfffc"], "max_tokens": 1}', "prompt[0]"),
+    (COMPLETION, '{"prompt": "hi", "max_tokens": 1, "stop": ["ok", "\\ud800"]}', "stop[1]"),
+    (CHAT, '{"messages": [{"role": "user", "content": "x\\ud83d"}], "max_tokens": 1}', "messages[0].content"),
+    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages[0].content[0].text"),
+    (CHAT, '{"messages": [{"role": "user\\ud800", "content": "x"}]}', "messages[0].role"),
+    (COMPLETION, '{"prompt": "hi", "user": "\\ud800"}', "user"),  # even a field the server ignores
+]
+
+
+@pytest.mark.parametrize("path,text,param", LONE_SURROGATES)
+def test_lone_surrogate_is_400_naming_the_field(client, path, text, param):
+    error = assert_error(client.post(path, content=raw_body(text), headers=JSON), 400, "invalid_value", param)
+    assert "surrogate" in error["message"]
+    good_request_works(client)
+
+
+def test_a_valid_surrogate_pair_is_a_character(client):
+    r = client.post(COMPLETION, content=raw_body('{"prompt": "smile \\ud83d\\ude00", "max_tokens": 1}'), headers=JSON)
+    assert r.status_code == 200, r.text
+
+
+def test_server_errors_show_an_error_id_and_no_internals(client, backend, caplog):
+    caplog.set_level(logging.WARNING, logger="router.gateway")
+    backend.fail_start = BackendError(ErrorKind.INTERNAL, TRACEBACK)
+    error = assert_error(client.post(CHAT, json={"messages": QUESTION, "max_tokens": 2}), 500, "internal")
+    assert error["message"].startswith("internal server error (error id err-"), error
+    error_id = error["message"].rsplit(" ", 1)[-1].rstrip(")")
+    logged = [r for r in caplog.records if error_id in r.getMessage()]
+    assert len(logged) == 1 and "CUDA error" in logged[0].getMessage() and logged[0].levelno == logging.ERROR
+
+    backend.fail_start = BackendError(ErrorKind.UNAVAILABLE, f"decode-0 died: {TRACEBACK}")
+    error = assert_error(client.post(CHAT, json={"messages": QUESTION, "max_tokens": 2}), 503, "unavailable")
+    message = error["message"]
+    assert message.startswith("decode-0 died: Traceback") and "\n" not in message and "err-" in message
+    assert "/home" not in message and "CUDA" not in message
+
+
+def test_a_gateway_bug_is_a_bare_500_with_the_traceback_in_the_log(client, backend, caplog):
+    caplog.set_level(logging.WARNING, logger="router.gateway")
+    backend.crash_after_tokens = 2  # the backend's stream raises RuntimeError("a bug in the backend")
+    body = {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
+    error = assert_error(client.post(COMPLETION, json=body), 500, "internal_error")
+    assert "a bug" not in error["message"] and "RuntimeError" not in error["message"] and "err-" in error["message"]
+    frames = [f for f in client.post(COMPLETION, json={**body, "stream": True}).text.split("\n\n") if f]
+    streamed = json.loads(frames[-2][6:])["error"]
+    assert frames[-1] == "data: [DONE]" and "a bug" not in streamed["message"] and "err-" in streamed["message"]
+    traced = [r for r in caplog.records if r.exc_info and "a bug in the backend" in str(r.exc_info[1])]
+    assert len(traced) == 2 and all(r.getMessage().startswith("err-") for r in traced)
+
+
+def test_client_gone_mid_upload_is_a_disconnect_not_an_internal_error(backend, caplog):
+    caplog.set_level(logging.INFO)
+    app = build_app(backend, GatewayConfig(port=0))
+    server = GatewayServer(app, GatewayConfig(port=0))
+    port = server.start_in_thread()
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": \"Hi" % port)
+            time.sleep(0.3)  # the gateway is reading the body now
+        m = {}
+        deadline = time.monotonic() + 10
+        while ("tandem:request_failure_total", (("kind", "client_disconnect"),)) not in m:
+            assert time.monotonic() < deadline, m
+            time.sleep(0.05)
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                 for family in text_string_to_metric_families(text) for s in family.samples}
+        assert m[("tandem:request_failure_total", (("kind", "client_disconnect"),))] == 1
+        assert not any(name == "tandem:request_failure_total" and labels != (("kind", "client_disconnect"),)
+                       for name, labels in m), m
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    finally:
+        server.stop()
+        assert server.join(15)

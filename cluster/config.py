@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -21,6 +22,31 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _is_real(x) -> bool:
+    """A finite int or float (not a bool): NaN and infinities compare in ways no bound expects."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+GREEDY_TEMPERATURE_BELOW = 1e-5
+"""Temperatures below this sample greedily (vLLM's `_SAMPLING_EPS`). Dividing logits by less can
+overflow float32 (a temperature of 1e-45 turns every positive logit into inf and the softmax into
+NaN), and sampling there differs from argmax only between logits closer than ~1e-3, which is
+forward-pass noise: exp(-1e-3 / 1e-5) is below float32's smallest normal number."""
+MAX_STOP_STRINGS = 64
+"""Stop strings one request may give at most (every new token is checked against each)."""
+MAX_STOP_CHARS = 4096
+"""Characters of all one request's stop strings together at most (the longest sets the overlap
+re-searched per token)."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Stop token ids one request may give at most."""
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+"""Seeds are 64-bit signed integers (as OpenAI-style clients and vLLM accept)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops."""
@@ -28,35 +54,52 @@ class SamplingParams:
     max_tokens: int = 64
     """Completion tokens to generate at most (>= 1)."""
     temperature: float = 0.0
-    """0 means greedy; otherwise logits are divided by it (>= 0)."""
+    """Finite, >= 0. Below `GREEDY_TEMPERATURE_BELOW` (0 included) greedy; otherwise logits are divided by it."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = 0
-    """Keep the k most likely tokens; 0 disables."""
+    """Keep the k most likely tokens (>= 0); 0 disables, and so does any k >= the vocabulary."""
     seed: int | None = None
-    """Makes sampled output reproducible; without it each request draws its own seed."""
+    """Makes sampled output reproducible (in [-2^63, 2^63)); without it each request draws its own seed."""
     stop: tuple[str, ...] = ()
-    """Stop strings; the returned text ends before the first one found."""
+    """Stop strings; the returned text ends before the first one found. At most `MAX_STOP_STRINGS`
+    non-empty strings of `MAX_STOP_CHARS` characters together."""
     stop_token_ids: tuple[int, ...] = ()
-    """Token ids that end generation (in addition to EOS unless `ignore_eos`)."""
+    """Token ids that end generation (in addition to EOS unless `ignore_eos`); at most `MAX_STOP_TOKEN_IDS`."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks use it for exact output lengths)."""
 
     def __post_init__(self):
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
                  f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _require(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
-        _require(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty: {self.stop!r}")
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                 f"stop_token_ids must be non-negative integers: {self.stop_token_ids!r}")
+        _require(_is_real(self.temperature) and self.temperature >= 0,
+                 f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _require(_is_real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _require(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+                 f"seed must be an integer in [-2^63, 2^63), got {self.seed!r}")
+        _require(isinstance(self.stop, (tuple, list)) and isinstance(self.stop_token_ids, (tuple, list)),
+                 "stop and stop_token_ids must be sequences")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._check_stop_rules()
+
+    def _check_stop_rules(self) -> None:
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _require(len(self.stop) <= MAX_STOP_STRINGS,
+                 f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        total_chars = sum(map(len, self.stop))
+        _require(total_chars <= MAX_STOP_CHARS,
+                 f"stop strings may have {MAX_STOP_CHARS} characters together at most, got {total_chars}")
+        _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether this request takes the argmax (the sampler decides by the same threshold)."""
+        return self.temperature < GREEDY_TEMPERATURE_BELOW
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from cluster.config import GREEDY_TEMPERATURE_BELOW
+
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive steps over the seed space
 
 
@@ -39,17 +41,19 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], t
            seeds: list[int], steps: list[int]) -> torch.Tensor:
     """One token per row. logits [B, V] float32 -> token ids [B] int64 (on logits.device).
 
-    Row b is greedy when temperatures[b] == 0. Otherwise it samples with the exponential-race
-    trick (argmax of p / Exp(1) noise), whose noise comes from (seeds[b], steps[b]) alone.
+    Row b is greedy when temperatures[b] < GREEDY_TEMPERATURE_BELOW (see there why). Otherwise it
+    samples with the exponential-race trick (argmax of p / Exp(1) noise), whose noise comes from
+    (seeds[b], steps[b]) alone. A top_k of 0 or of at least the vocabulary keeps every token.
     """
     tokens = logits.argmax(dim=-1)
-    rows = [b for b, t in enumerate(temperatures) if t > 0]
+    rows = [b for b, t in enumerate(temperatures) if t >= GREEDY_TEMPERATURE_BELOW]
     if not rows:
         return tokens
-    dev = logits.device
+    dev, vocab = logits.device, logits.shape[-1]
     idx = torch.tensor(rows, device=dev)
     temp = torch.tensor([temperatures[b] for b in rows], dtype=torch.float32, device=dev).unsqueeze(1)
-    top_k = torch.tensor([top_ks[b] for b in rows], dtype=torch.int64, device=dev)
+    # clamped in Python: a k past the vocabulary means "off", and one >= 2^63 would not fit int64
+    top_k = torch.tensor([min(top_ks[b], vocab) for b in rows], dtype=torch.int64, device=dev)
     top_p = torch.tensor([top_ps[b] for b in rows], dtype=torch.float32, device=dev)
     probs = _filter_top_k_top_p(logits[idx].float() / temp, top_k, top_p).softmax(dim=-1)  # [R, V]
     noise = torch.stack([torch.empty(logits.shape[-1], device=dev).exponential_(

@@ -125,11 +125,9 @@ class _SignalGuard:
 
 
 async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, guard: _SignalGuard) -> None:
-    import uvicorn
-
     from cluster.actors import ControllerViews
     from router.dispatcher import Dispatcher
-    from router.gateway.app import build_app
+    from router.gateway import GatewayServer, build_app
     from router.policy import Policy, PolicyParams
 
     rc = config.router
@@ -141,7 +139,6 @@ async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, gu
             balance_rel_threshold=rc.balance_rel_threshold, max_tree_tokens=rc.max_tree_tokens),
         max_pending=config.gateway.max_pending_requests, max_transfer_retries=rc.max_transfer_retries,
         refresh_interval_s=config.cluster.heartbeat_interval_s, landing_timeout_s=config.transport.bootstrapping_s)
-    await dispatcher.start()
 
     async def on_shutdown() -> None:
         aborted = await dispatcher.drain(0.0)  # uvicorn already waited `drain_timeout_s` for them
@@ -150,8 +147,14 @@ async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, gu
         await dispatcher.close()
 
     app = build_app(dispatcher, config.gateway, on_shutdown=on_shutdown)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.gateway.host, port=config.gateway.port,
-                                           timeout_graceful_shutdown=config.cluster.drain_timeout_s,
-                                           log_level="info", access_log=False))
-    guard.server = server
+    # The gateway's own server: the connection bounds of `config.gateway` apply as in every other use.
+    server = GatewayServer(app, config.gateway, graceful_timeout_s=config.cluster.drain_timeout_s,
+                           log_level="info", access_log=False)
+    try:
+        server.bind()
+    except OSError as exc:
+        raise ServeStartError(f"the gateway cannot listen on {config.gateway.host}:{config.gateway.port}: "
+                              f"{exc.strerror or exc}") from None
+    await dispatcher.start()
+    guard.server = server.uvicorn_server  # uvicorn owns SIGINT/SIGTERM while it serves (drain, then stop)
     await server.serve()

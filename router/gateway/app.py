@@ -7,8 +7,10 @@
     GET  /metrics                                Prometheus text exposition of this app's registry
     GET  /debug/workers                          each worker's last reported state (API key as /v1)
 
-A generation request passes, in order: API key (401) -> draining (503) -> in-flight limit (429) ->
-body size (413) -> JSON and schema (400/404) -> backend start (its error's status) -> response.
+A generation request passes, in order: API key (401) -> draining (503) -> body within
+`body_timeout_s` (408) and `max_body_bytes` (413) -> JSON and schema (400/404) -> in-flight limit
+(429) -> backend start (its error's status) -> response. The in-flight slot is taken only once the
+body is read and valid, so slow or broken uploads never hold what served requests need.
 Set `app.state.draining = True` to refuse new /v1 requests with 503 + Retry-After while the ones in
 flight finish; `app.state.gateway.num_in_flight` says how many are left.
 """
@@ -67,11 +69,13 @@ class Gateway:
             raise APIError(401, "a valid API key is required: `Authorization: Bearer <key>`",
                            code="invalid_api_key")
 
-    def admit(self, request: Request) -> Callable[[], None]:
-        """Take an in-flight slot; returns its release (call exactly once). Raises 401/503/429."""
-        self.check_api_key(request)
+    def check_not_draining(self) -> None:
         if self._state.draining:
             raise APIError(503, "the server is shutting down", code="draining", retry_after_s=DRAINING_RETRY_AFTER_S)
+
+    def admit(self) -> Callable[[], None]:
+        """Take an in-flight slot; returns its release (call exactly once). Raises 503/429."""
+        self.check_not_draining()
         if self.num_in_flight >= self.config.max_pending_requests:
             raise APIError(429, f"more than {self.config.max_pending_requests} requests in flight; retry later",
                            code="too_many_pending_requests", retry_after_s=1.0)
@@ -86,29 +90,36 @@ class Gateway:
         return release
 
     async def read_body(self, request: Request) -> bytes:
-        """The body, or 413 as soon as it is known to exceed `max_body_bytes` (declared or actually read)."""
+        """The body; 413 as soon as it is known to exceed `max_body_bytes` (declared or actually read),
+        408 when it is not complete within `body_timeout_s`. `ClientDisconnect` when the client left."""
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:
             raise _too_large(limit)
         parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise _too_large(limit)
-            parts.append(part)
+        with anyio.move_on_after(self.config.body_timeout_s) as deadline:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise _too_large(limit)
+                parts.append(part)
+        if deadline.cancelled_caught:
+            raise APIError(408, f"the request body did not arrive within {self.config.body_timeout_s} s",
+                           code="request_timeout", close_connection=True)
         return b"".join(parts)
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, request: Request, endpoint: Endpoint) -> Response:
         """Serve one generation request. Failures before the run starts are counted here; after that,
         by the run. The in-flight slot and the run pass to a streaming response when one is returned."""
-        arrival_s = time.monotonic()
         release, run = None, None
         try:
-            release = self.admit(request)
-            parsed = _PARSERS[endpoint](parse_json_object(await self.read_body(request)), self.backend.tokenizer,
-                                        self.limits)
+            self.check_api_key(request)
+            self.check_not_draining()
+            body = await self.read_body(request)
+            arrival_s = time.monotonic()  # latency is the server's: from the whole request, not its upload
+            parsed = _PARSERS[endpoint](parse_json_object(body), self.backend.tokenizer, self.limits)
+            release = self.admit()
             shape = SHAPES[endpoint](self.served_name)
             run = GenerationRun(self.backend, shape.id, parsed, self.metrics, arrival_s)
             started, _ = await unless_disconnected(request.receive, run.start)
@@ -192,7 +203,8 @@ class Gateway:
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
+                    close_connection=True)  # the rest of the body is never read
 
 
 def build_app(backend: Any, config: GatewayConfig, *,

@@ -70,7 +70,8 @@ class APIError(Exception):
     """
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 retry_after_s: float | None = None, detail: str | None = None, exc: BaseException | None = None):
+                 retry_after_s: float | None = None, detail: str | None = None, exc: BaseException | None = None,
+                 close_connection: bool = False):
         self.detail = detail if detail is not None else message
         self.error_id: str | None = None
         if status >= 500:
@@ -83,6 +84,7 @@ class APIError(Exception):
         if status == 503 and retry_after_s is None:
             retry_after_s = DEFAULT_RETRY_AFTER_S  # a 503 without Retry-After makes clients guess
         self.retry_after_s = retry_after_s if status in (429, 503) else None  # retrying anything else is futile
+        self.close_connection = close_connection  # the request was not read to its end: the connection is unusable
 
     @property
     def type(self) -> str:
@@ -96,9 +98,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}  # whole seconds (RFC 9110)
+        headers = {"Connection": "close"} if self.close_connection else {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))  # whole seconds (RFC 9110)
+        return headers
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers())

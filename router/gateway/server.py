@@ -9,6 +9,11 @@ Shutdown is graceful: `stop()` sets `app.state.draining` (new /v1 requests on op
 503 + Retry-After), uvicorn stops accepting connections, waits up to `graceful_timeout_s` for the
 requests in flight (streams included) and then cancels them, which aborts their backend requests;
 finally the app's lifespan shutdown runs `build_app(on_shutdown=...)`.
+
+Connections are bounded by the config: `max_connections` open at most (uvicorn's
+`limit_concurrency`: beyond it a request gets 503), a request head must arrive within
+`header_timeout_s` (uvicorn has no such deadline; this module's protocol adds it), an idle keep-alive
+connection closes after `keep_alive_timeout_s`; the body's deadline is the app's (`body_timeout_s`).
 """
 
 from __future__ import annotations
@@ -21,12 +26,63 @@ from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cluster.serve_config import GatewayConfig
 
 log = logging.getLogger(__name__)
 
 STARTUP_POLL_S = 0.01
+
+
+class HeadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head (request line and headers).
+
+    A connection that opened, or finished its previous response, and has not sent a whole head within
+    `head_timeout_s` is closed. Without it an idle or slow-header connection (slowloris) would hold,
+    forever, a place that `limit_concurrency` counts. Subclass with the deadline set, see `_protocol`.
+    """
+
+    head_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:  # noqa: ANN001 - uvicorn's signature
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._cycle_awaited_after = None  # the request cycle before the head being awaited
+        self._arm_head_timer()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._head_timer is not None and self.cycle is not self._cycle_awaited_after:
+            self._cancel_head_timer()  # a new request's head arrived: its body has a deadline of its own
+
+    def on_response_complete(self) -> None:
+        self._arm_head_timer()  # before super(): it may start a pipelined request, which disarms it
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._cycle_awaited_after = self.cycle
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._on_head_timeout)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _on_head_timeout(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            log.info("closing a connection that sent no complete request head within %s s", self.head_timeout_s)
+            self.transport.close()
+
+
+def _protocol(head_timeout_s: float) -> type[HeadTimeoutH11Protocol]:
+    return type("HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,), {"head_timeout_s": head_timeout_s})
 
 
 class GatewayServer:
@@ -37,7 +93,8 @@ class GatewayServer:
         self.app, self.config = app, config
         self._uvicorn = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, lifespan="on", log_level=log_level, access_log=access_log,
-            timeout_graceful_shutdown=graceful_timeout_s))
+            timeout_graceful_shutdown=graceful_timeout_s, http=_protocol(config.header_timeout_s),
+            limit_concurrency=config.max_connections, timeout_keep_alive=config.keep_alive_timeout_s))
         self._socket: socket.socket | None = None
         self._port: int | None = None  # kept: uvicorn closes the socket at shutdown
         self._thread: threading.Thread | None = None
@@ -46,12 +103,22 @@ class GatewayServer:
     @property
     def port(self) -> int:
         """The bound TCP port (the real one when the config says 0). Binds on first use."""
+        return self.bind()
+
+    def bind(self) -> int:
+        """Bind the listening socket now (idempotent); returns the port. Raises OSError (port in use)."""
         self._bind()
         return self._port
 
     @property
     def started(self) -> bool:
         return self._uvicorn.started
+
+    @property
+    def uvicorn_server(self) -> uvicorn.Server:
+        """The uvicorn server underneath, for code that drives uvicorn's own shutdown flags
+        (`should_exit`, `force_exit`) as its signal handlers do."""
+        return self._uvicorn
 
     async def serve(self, on_started: Callable[[int], None] | None = None) -> None:
         """Serve until `stop()` (or SIGINT/SIGTERM when run on the main thread). `on_started(port)` is
@@ -96,7 +163,11 @@ class GatewayServer:
             family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.config.host, self.config.port))
+            try:
+                sock.bind((self.config.host, self.config.port))
+            except OSError:
+                sock.close()
+                raise
             self._socket, self._port = sock, sock.getsockname()[1]
         return self._socket
 

@@ -179,3 +179,160 @@ def test_client_gone_mid_upload_is_a_disconnect_not_an_internal_error(backend, c
     finally:
         server.stop()
         assert server.join(15)
+
+
+# ---- defect 4: slow clients hold no in-flight slot; connections are bounded ----------------------
+class Serving:
+    """A real gateway server on a free loopback port, for tests that need sockets."""
+
+    def __init__(self, backend, **config):
+        self.config = GatewayConfig(port=0, **config)
+        self.server = GatewayServer(build_app(backend, self.config), self.config)
+        self.port = self.server.start_in_thread()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def connect(self, head: bytes = b"") -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port))
+        sock.settimeout(10)
+        if head:
+            sock.sendall(head)
+        return sock
+
+    def slow_body(self, sent: bytes = b'{"prompt": "Hi') -> socket.socket:
+        """A request whose headers promise 1000 body bytes, of which only `sent` ever come."""
+        return self.connect(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 1000\r\n\r\n%s" % (self.port, sent))
+
+    def close(self) -> None:
+        self.server.stop()
+        assert self.server.join(15)
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response with a Content-Length body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_slow_bodies_take_no_in_flight_slot_and_time_out_with_408(backend):
+    serving = Serving(backend, max_pending_requests=1, body_timeout_s=1.5)
+    try:
+        slow = [serving.slow_body() for _ in range(4)]
+        time.sleep(0.3)  # every slow request is in the app, reading its body
+        t0 = time.monotonic()
+        for _ in range(2):
+            r = httpx.post(serving.url + COMPLETION, json={"prompt": "Hi", "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200, r.text
+        assert time.monotonic() - t0 < 1.5, "the good requests waited for the slow ones"
+        for sock in slow:
+            answer = read_until_closed(sock)  # the server answers, then closes the half-read connection
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), answer
+            assert json.loads(body)["error"]["code"] == "request_timeout"
+            sock.close()
+        assert time.monotonic() - t0 < 10
+    finally:
+        serving.close()
+
+
+def test_a_connection_without_a_whole_request_head_is_closed(backend):
+    serving = Serving(backend, header_timeout_s=0.5)
+    try:
+        idle, slow_head = serving.connect(), serving.connect(b"POST /v1/completions HTTP/1.1\r\nHost: 127")
+        t0 = time.monotonic()
+        assert read_until_closed(idle) == b"" and read_until_closed(slow_head) == b""
+        assert 0.4 < time.monotonic() - t0 < 5
+        # a keep-alive connection gets a new head deadline after each response
+        with serving.connect() as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % serving.port)
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+            t1 = time.monotonic()
+            assert read_until_closed(sock) == b"" and time.monotonic() - t1 < 5
+    finally:
+        serving.close()
+
+
+def test_open_connections_are_bounded(backend):
+    serving = Serving(backend, max_connections=3, max_pending_requests=1, header_timeout_s=60)
+    try:
+        idle = [serving.connect() for _ in range(3)]
+        time.sleep(0.2)
+        r = httpx.get(serving.url + "/health", timeout=10)
+        assert r.status_code == 503, r.text
+        for sock in idle:
+            sock.close()
+        time.sleep(0.2)
+        assert httpx.get(serving.url + "/health", timeout=10).status_code == 200
+    finally:
+        serving.close()
+
+
+def test_tandem_serve_runs_the_gateway_through_gateway_server(monkeypatch):
+    """`tandem serve` uses GatewayServer (so the connection bounds apply), hands uvicorn's server to the
+    signal guard, and a port in use is a start-up error rather than a traceback."""
+    from cluster import actors, launch
+    from router import dispatcher, gateway
+
+    served = []
+
+    class FakeDispatcher:
+        def __init__(self, *args, **kwargs):
+            self.tokenizer, self.model_name, self.max_model_len = kwargs["tokenizer"], "m", 64
+
+        async def start(self):
+            served.append("dispatcher started")
+
+    class RecordingServer(gateway.GatewayServer):
+        async def serve(self, on_started=None):
+            served.append(self)
+
+    class Record:
+        max_request_tokens = 64
+
+    monkeypatch.setattr(dispatcher, "Dispatcher", FakeDispatcher)
+    monkeypatch.setattr(actors, "ControllerViews", lambda controller: controller)
+    monkeypatch.setattr(gateway, "GatewayServer", RecordingServer)
+    monkeypatch.setattr(gateway.app, "Gateway", _NoModelGateway)
+    guard = launch._SignalGuard()
+    config = _serve_config(port=0, header_timeout_s=2.0, max_connections=300)
+    asyncio.run(launch._serve_gateway(config, object(), [Record()], None, guard))
+    server = served[-1]
+    assert served[0] == "dispatcher started" and isinstance(server, RecordingServer)
+    assert server.config is config.gateway and guard.server is server.uvicorn_server
+    assert server.uvicorn_server.config.limit_concurrency == 300
+    assert server.uvicorn_server.config.http.head_timeout_s == 2.0
+    server._socket.close()
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = _serve_config(port=taken.getsockname()[1])
+        with pytest.raises(launch.ServeStartError, match="cannot listen on 127.0.0.1"):
+            asyncio.run(launch._serve_gateway(config, object(), [Record()], None, launch._SignalGuard()))
+
+
+def _serve_config(**gateway_fields):
+    from cluster.serve_config import load_serve_config
+
+    return load_serve_config(None, {f"gateway.{k}": v for k, v in gateway_fields.items()})
+
+
+class _NoModelGateway:
+    """Stands in for the app's Gateway when no model is loaded (the launch test builds only the app)."""
+
+    def __init__(self, backend, config, state):
+        self.config = config

@@ -60,9 +60,18 @@ class GatewayConfig:
     default_max_tokens: int = 256
     """Completion tokens when the request names no max_tokens (capped by the context left)."""
     max_pending_requests: int = 256
-    """Requests in flight at most; more get 429."""
+    """Requests in flight at most (counted once their body is read and valid); more get 429."""
     ready_timeout_s: float = 30.0
     """/health/ready: deadline for its one-token generation."""
+    body_timeout_s: float = 30.0
+    """A request's whole body must arrive within this many seconds of its headers; 408 otherwise."""
+    header_timeout_s: float = 10.0
+    """A connection must send a whole request head (line + headers) within this many seconds of
+    opening or of its previous response; it is closed otherwise (slow-header clients)."""
+    keep_alive_timeout_s: float = 5.0
+    """An idle keep-alive connection is closed after this many seconds."""
+    max_connections: int = 1024
+    """Open connections at most (idle ones included); a request beyond them gets 503."""
 
     def __post_init__(self):
         _require(isinstance(self.port, int) and 0 <= self.port <= 65535, f"gateway.port must be in [0, 65535], got {self.port!r}")
@@ -75,6 +84,11 @@ class GatewayConfig:
         _require(self.max_pending_requests >= 1,
                  f"gateway.max_pending_requests must be >= 1, got {self.max_pending_requests}")
         _require(self.ready_timeout_s > 0, f"gateway.ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        for name in ("body_timeout_s", "header_timeout_s", "keep_alive_timeout_s"):
+            _require(0 < getattr(self, name) <= 3600, f"gateway.{name} must be in (0, 3600], got {getattr(self, name)}")
+        _require(self.max_connections >= self.max_pending_requests,
+                 f"gateway.max_connections must be >= gateway.max_pending_requests ({self.max_pending_requests}): "
+                 f"every request in flight holds a connection; got {self.max_connections}")
 
 
 def _require_min(config: Any, prefix: str, bound: float, *names: str, strict: bool = False) -> None:

@@ -34,16 +34,28 @@ land at the peer — the receiver must not trust a landing buffer whose transfer
 
 Progress beyond the window is driven by `poll`/`wait`: call them regularly (each call is
 non-blocking; it checks finished batches and submits more ops).
+
+Listening: `initialize` opens two ports, the handshake RPC port and the TCP transport's acceptor
+(RDMA: the RPC port only), and 0.3.x binds both to every interface whatever `hostname` says;
+MC_TCP_BIND_ADDRESS does not change that. Mooncake has no authentication: whoever reaches those
+ports can read and write registered memory (live KV pages). So `initialize` runs inside
+`redirect_wildcard_binds`, which makes those binds use `hostname`'s address, and `_Engine` then
+checks what the process actually listens on and logs a warning for any port beyond that address.
+Either way, multi-node deployments must keep the transfer network on a private segment.
 """
 
 from __future__ import annotations
 
 import enum
+import ipaddress
+import logging
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kv_store.transfer.base import (
     HandleRecord,
@@ -63,6 +75,10 @@ from kv_store.transfer.base import (
     coalesce,
     validate_src,
 )
+from kv_store.transfer.bind_redirect import redirect_wildcard_binds, resolve_bind_address
+from kv_store.transfer.listeners import Listener, listening_sockets
+
+log = logging.getLogger("tandem.transfer")
 
 MOONCAKE_QUEUE_PER_PEER = 1024  # mooncake's default MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER
 
@@ -88,17 +104,25 @@ class _Engine:
 
     def __init__(self, hostname: str, protocol: str, device_name: str) -> None:
         try:
-            from mooncake.engine import TransferEngine
+            import mooncake.engine as binding
         except ImportError as err:
             raise TransferError("mooncake is not installed: pip install 'tandem-serve[cpu]' "
                                 "(mooncake-transfer-engine-non-cuda) or use LocalTransport") from err
-        self._te = TransferEngine()
-        code = self._te.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        try:
+            address = resolve_bind_address(hostname)
+        except OSError as err:
+            raise TransferError(f"mooncake hostname {hostname!r}: {err}") from None
+        self._te = binding.TransferEngine()
+        before = {listener.inode for listener in listening_sockets(os.getpid())}
+        with redirect_wildcard_binds(address, _loaded_libraries(Path(binding.__file__).parent)):
+            code = self._te.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if code != 0:
             raise TransferError(f"mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}, "
                                 f"{device_name!r}) returned {code}: unknown protocol or device, or "
                                 "no free RPC port?")
         self.rpc_port = int(self._te.get_rpc_port())
+        self.listeners = [lst for lst in listening_sockets(os.getpid()) if lst.inode not in before]
+        _warn_beyond(hostname, address, self.listeners)
 
     def register(self, addr: int, length: int) -> None:
         code = self._te.register_memory(addr, length)
@@ -132,6 +156,30 @@ class _Engine:
 
     def close(self) -> None:
         self._te = None  # the C++ destructor stops the lanes and the RPC listener
+
+
+def _loaded_libraries(package_dir: Path) -> list[Path]:
+    """Shared objects of the mooncake wheel mapped into this process: engine.so, its bundled libasio
+    (the TCP acceptor binds there), and anything auditwheel put in the sibling `mooncake*.libs`."""
+    def ours(path: Path) -> bool:
+        folder = path.parent
+        return folder == package_dir or (folder.parent == package_dir.parent and folder.name.startswith("mooncake")
+                                         and folder.name.endswith(".libs"))
+
+    with open("/proc/self/maps") as maps:
+        mapped = {Path(fields[5].strip()) for fields in (line.split(maxsplit=5) for line in maps) if len(fields) == 6}
+    return sorted(path for path in mapped if ".so" in path.name and ours(path))
+
+
+def _warn_beyond(hostname: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address,
+                 listeners: list[Listener]) -> None:
+    """Log a warning naming every port the engine opened on an address other than `address`."""
+    beyond = [str(listener) for listener in listeners if listener.host != address]
+    if beyond:
+        log.warning("mooncake transfer engine listens on %s, not only on transport.hostname %s (%s): it has "
+                    "no authentication, so anyone who reaches these ports can read and write KV memory. "
+                    "Keep the transfer network on a private segment or firewall these ports.",
+                    ", ".join(beyond), hostname, address)
 
 
 @dataclass(eq=False)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import ipaddress
+import logging
 import multiprocessing
 import os
 import signal
@@ -30,6 +32,8 @@ from kv_store.transfer import (
     WriteOp,
     measure_write_bandwidth,
 )
+from kv_store.transfer import mooncake as mooncake_adapter
+from kv_store.transfer.listeners import listening_sockets
 from kv_store.transfer.mooncake import _Engine
 from tests.integration import mooncake_peer
 
@@ -270,3 +274,35 @@ def test_concurrent_writers_share_one_transport(peer):
         after = peer.snapshot()
     assert not errors
     assert torch.equal(after, expected(before, src, src_addr, peer, [op for o in ops for op in o]))
+
+
+def _new_listeners(before: set[int]) -> list:
+    return [lst for lst in listening_sockets(os.getpid()) if lst.inode not in before]
+
+
+def test_engine_listens_only_on_its_configured_address(peer):
+    """Mooncake 0.3 binds its RPC and TCP ports to every interface; the adapter makes them bind the
+    configured 127.0.0.1 (and transfers over them still land: the module's peer is bound the same way)."""
+    before = {lst.inode for lst in listening_sockets(os.getpid())}
+    with sender(64 * KIB, seed=4) as (transport, src, src_addr):
+        opened = _new_listeners(before)
+        assert len(opened) == 2, [str(lst) for lst in opened]  # the handshake RPC port, the TCP acceptor
+        assert all(lst.host == ipaddress.ip_address("127.0.0.1") for lst in opened), [str(lst) for lst in opened]
+        assert transport.session_id == f"127.0.0.1:{transport._engine.rpc_port}"
+        transport.wait(transport.write(peer.session_id, [WriteOp(src_addr, peer.addr, KIB)]), timeout_s=30)
+        assert torch.equal(peer.snapshot()[:KIB], src[:KIB])
+    assert _new_listeners(before) == [], "closing the transport must close its ports"
+
+
+def test_a_port_left_on_every_interface_is_reported_at_start_up(monkeypatch, caplog):
+    """Where the redirection cannot act (here: no library to patch), the engine's wildcard ports are
+    named in a warning at start-up instead of passing silently."""
+    monkeypatch.setattr(mooncake_adapter, "_loaded_libraries", lambda package_dir: [])
+    before = {lst.inode for lst in listening_sockets(os.getpid())}
+    with caplog.at_level(logging.WARNING, logger="tandem.transfer"):
+        with MooncakeTransport("127.0.0.1"):
+            wildcard = [lst for lst in _new_listeners(before) if not lst.is_loopback]
+    assert len(wildcard) == 2, "mooncake no longer binds every interface: the redirection may be unneeded"
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "no authentication" in warning and "transport.hostname 127.0.0.1" in warning, warning
+    assert all(f":{lst.port} " in warning for lst in wildcard), warning

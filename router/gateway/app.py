@@ -2,9 +2,9 @@
 
     POST /v1/completions, /v1/chat/completions   generation (JSON or SSE)
     GET  /v1/models                              the served model
-    GET  /health                                 liveness: 200 while the process serves HTTP
-    GET  /health/ready                           a real one-token greedy generation within a deadline
-    GET  /metrics                                Prometheus text exposition of this app's registry
+    GET  /health                                 200 while a decode or colocated worker is alive (readiness.py)
+    GET  /health/ready                           a real one-token generation, cached (readiness.py)
+    GET  /metrics                                Prometheus text exposition of this app's registry (API key as /v1)
     GET  /debug/workers                          each worker's last reported state (API key as /v1)
 
 A generation request passes, in order: API key (401) -> draining (503) -> body within
@@ -35,6 +35,7 @@ from cluster.serve_config import GatewayConfig
 from kernels.model.loader import encode_prompt
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
 from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from router.gateway.readiness import ReadinessProbe, serving_workers_alive
 from router.gateway.responses import SHAPES
 from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
     parse_json_object
@@ -59,6 +60,7 @@ class Gateway:
         self._probe_metrics = GatewayMetrics(backend)  # readiness probes are not traffic: never scraped
         self.created = int(time.time())
         self.num_in_flight = 0
+        self.readiness = ReadinessProbe(self._one_token, config.ready_interval_s, config.ready_timeout_s)
 
     # ---- admission -----------------------------------------------------------------------------
     def check_api_key(self, request: Request) -> None:
@@ -171,24 +173,24 @@ class Gateway:
                 release()
 
     # ---- health --------------------------------------------------------------------------------
+    def health(self) -> Response:
+        if not serving_workers_alive(self.backend.worker_gauges()):
+            return APIError(503, "no decode or colocated worker is alive", code="unavailable").response()
+        return JSONResponse({"status": "ok"})
+
     async def ready(self) -> Response:
-        """200 when a one-token greedy generation completes within `ready_timeout_s`, else 503."""
+        """200 when the (cached) one-token probe succeeded; 503 while draining, unhealthy or not ready."""
         if self._state.draining:
             return APIError(503, "the server is shutting down", code="draining").response()
-        request_id = f"ready-{uuid.uuid4().hex}"
-        try:
-            with anyio.fail_after(self.config.ready_timeout_s):
-                await self._one_token(request_id)
-        except TimeoutError:
-            return APIError(503, f"no token within {self.config.ready_timeout_s} s", code="unavailable").response()
-        except APIError as err:
-            return APIError(503, f"not ready: {err.detail}", code="unavailable").response()
-        except Exception as exc:  # whatever broke, the answer to "ready?" is no
-            return APIError(503, "not ready: the probe failed", code="unavailable",
-                            detail=f"readiness probe failed: {type(exc).__name__}: {exc}", exc=exc).response()
+        if not serving_workers_alive(self.backend.worker_gauges()):
+            return APIError(503, "not ready: no decode or colocated worker is alive", code="unavailable").response()
+        readiness = await self.readiness.check()
+        if not readiness.ready:
+            return APIError(503, f"not ready: {readiness.reason}", code="unavailable").response()
         return JSONResponse({"status": "ready"})
 
-    async def _one_token(self, request_id: str) -> None:
+    async def _one_token(self) -> None:
+        request_id = f"ready-{uuid.uuid4().hex}"
         prompt = encode_prompt(self.backend.tokenizer, "ready") or [0]
         params = SamplingParams(max_tokens=1, temperature=0.0)
         request = GenerateRequest(Endpoint.COMPLETION, prompt, params, stream=False, include_usage=False)
@@ -248,7 +250,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok"})
+        return gateway.health()
 
     @app.get("/health/ready")
     async def ready() -> Response:
@@ -261,5 +263,6 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
         return JSONResponse({"workers": details() if details is not None else []})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        gateway.check_api_key(request)  # load, worker names and traffic are the operator's business
         return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE)

@@ -373,7 +373,9 @@ def test_api_key(backend):
     ok = {"Authorization": "Bearer sekret"}
     assert client.post(COMPLETION_PATH, json=body, headers=ok).status_code == 200
     assert client.get("/v1/models", headers=ok).status_code == 200
-    assert [client.get(p).status_code for p in ("/health", "/health/ready", "/metrics")] == [200, 200, 200]
+    assert [client.get(p).status_code for p in ("/health", "/health/ready")] == [200, 200]  # probes carry no key
+    assert_error(client.get("/metrics"), 401, "invalid_api_key")
+    assert client.get("/metrics", headers=ok).status_code == 200
 
 
 # ---- backend errors ------------------------------------------------------------------------------
@@ -453,9 +455,11 @@ def test_draining_refuses_new_requests(client):
 
 
 # ---- health and metrics --------------------------------------------------------------------------
-def test_health_and_ready(client, backend):
+def test_health_and_ready(backend):
+    client = app_client(backend, ready_interval_s=0.05)  # probes cached for 50 ms (test_gateway_hardening)
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/health/ready").json() == {"status": "ready"}
+    time.sleep(0.06)
     backend.fail_start = BackendError(ErrorKind.UNAVAILABLE, "no decode worker")
     assert "no decode worker" in assert_error(client.get("/health/ready"), 503)["message"]
     backend.fail_start = None

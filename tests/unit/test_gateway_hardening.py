@@ -336,3 +336,84 @@ class _NoModelGateway:
 
     def __init__(self, backend, config, state):
         self.config = config
+
+
+# ---- defect 5: readiness is cheap and shared; /metrics and /health -------------------------------
+def test_concurrent_readiness_probes_share_one_generation(backend):
+    app = build_app(backend, GatewayConfig(ready_interval_s=1.0))
+    backend.start_delay_s = 0.3  # the probe's generation is still running when the others arrive
+
+    def probes() -> list[str]:
+        return [r for r in backend.started_ids if r.startswith("ready-")]
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            before = len(probes())
+            first = await asyncio.gather(*[client.get("/health/ready") for _ in range(40)])
+            assert len(probes()) == before + 1, "concurrent callers must await the probe in flight"
+            cached = await asyncio.gather(*[client.get("/health/ready") for _ in range(40)])
+            assert len(probes()) == before + 1, "within ready_interval_s the cached answer is served"
+            await asyncio.sleep(1.0)
+            later = await client.get("/health/ready")
+            assert len(probes()) == before + 2
+            return first + cached + [later]
+
+    t0 = time.monotonic()
+    responses = asyncio.run(scenario())
+    assert all(r.status_code == 200 and r.json() == {"status": "ready"} for r in responses)
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_failed_probe_is_cached_too(backend):
+    client = app_client(backend, ready_interval_s=60)
+    backend.fail_start = BackendError(ErrorKind.UNAVAILABLE, "no decode worker")
+    started = len(backend.abort_calls), len(backend.started_ids)
+    for _ in range(5):
+        assert "no decode worker" in assert_error(client.get("/health/ready"), 503, "unavailable")["message"]
+    assert (len(backend.abort_calls), len(backend.started_ids)) == started  # refused: nothing ran, nothing to abort
+    backend.fail_start = None
+    assert_error(client.get("/health/ready"), 503)  # still the cached answer within the interval
+
+
+def test_metrics_follow_the_api_key(backend):
+    client = app_client(backend, api_key="sekret")
+    assert_error(client.get("/metrics"), 401, "invalid_api_key")
+    r = client.get("/metrics", headers={"Authorization": "Bearer sekret"})
+    assert r.status_code == 200 and "tandem:num_requests_running" in r.text
+
+
+class _Gauged:
+    """`backend` reporting the given workers as (role, alive)."""
+
+    def __init__(self, backend, workers):
+        self._backend, self._workers = backend, workers
+
+    def worker_gauges(self):
+        from router.backend import WorkerGauge
+        return [WorkerGauge(f"{role}-{i}", role, alive, 0, 0, 0.0, None, 0)
+                for i, (role, alive) in enumerate(self._workers)]
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+@pytest.mark.parametrize("workers,healthy", [
+    ([], True),  # a backend without workers to report (a test double)
+    ([("decode", True)], True),
+    ([("prefill", False), ("decode", True)], True),  # prefill is optional: decode prefills locally
+    ([("colocated", True)], True),
+    ([("prefill", True), ("decode", False)], False),
+    ([("prefill", True)], False),
+    ([("decode", False), ("colocated", False)], False),
+])
+def test_health_needs_a_live_token_producing_worker(backend, workers, healthy):
+    client = app_client(_Gauged(backend, workers))
+    r = client.get("/health")
+    if healthy:
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert client.get("/health/ready").status_code == 200
+    else:
+        assert "no decode or colocated worker is alive" in assert_error(r, 503, "unavailable")["message"]
+        started = len(backend.started_ids)
+        assert_error(client.get("/health/ready"), 503, "unavailable")
+        assert len(backend.started_ids) == started, "no probe generation when no worker can answer it"

@@ -63,6 +63,9 @@ class GatewayConfig:
     """Requests in flight at most (counted once their body is read and valid); more get 429."""
     ready_timeout_s: float = 30.0
     """/health/ready: deadline for its one-token generation."""
+    ready_interval_s: float = 5.0
+    """/health/ready generates at most once per this many seconds; callers in between get the cached
+    answer (it is open to anyone, so it must stay cheap)."""
     body_timeout_s: float = 30.0
     """A request's whole body must arrive within this many seconds of its headers; 408 otherwise."""
     header_timeout_s: float = 10.0
@@ -84,7 +87,7 @@ class GatewayConfig:
         _require(self.max_pending_requests >= 1,
                  f"gateway.max_pending_requests must be >= 1, got {self.max_pending_requests}")
         _require(self.ready_timeout_s > 0, f"gateway.ready_timeout_s must be > 0, got {self.ready_timeout_s}")
-        for name in ("body_timeout_s", "header_timeout_s", "keep_alive_timeout_s"):
+        for name in ("ready_interval_s", "body_timeout_s", "header_timeout_s", "keep_alive_timeout_s"):
             _require(0 < getattr(self, name) <= 3600, f"gateway.{name} must be in (0, 3600], got {getattr(self, name)}")
         _require(self.max_connections >= self.max_pending_requests,
                  f"gateway.max_connections must be >= gateway.max_pending_requests ({self.max_pending_requests}): "

@@ -75,6 +75,10 @@ class GatewayConfig:
     """An idle keep-alive connection is closed after this many seconds."""
     max_connections: int = 1024
     """Open connections at most (idle ones included); a request beyond them gets 503."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host names a request's Host (and Origin, when sent) may name, else 403 (DNS rebinding, cross-site
+    browser requests); "*" allows any. None: derived from `host`, loopback names for a loopback bind,
+    any host for a wildcard bind (0.0.0.0, ::), else `host` itself."""
 
     def __post_init__(self):
         _require(isinstance(self.port, int) and 0 <= self.port <= 65535, f"gateway.port must be in [0, 65535], got {self.port!r}")
@@ -89,6 +93,12 @@ class GatewayConfig:
         _require(self.ready_timeout_s > 0, f"gateway.ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         for name in ("ready_interval_s", "body_timeout_s", "header_timeout_s", "keep_alive_timeout_s"):
             _require(0 < getattr(self, name) <= 3600, f"gateway.{name} must be in (0, 3600], got {getattr(self, name)}")
+        if self.allowed_hosts is not None:
+            _require(isinstance(self.allowed_hosts, (tuple, list)) and self.allowed_hosts
+                     and all(isinstance(h, str) and h.strip() for h in self.allowed_hosts),
+                     f"gateway.allowed_hosts must be a non-empty list of host names (or [\"*\"]) or null, "
+                     f"got {self.allowed_hosts!r}")
+            object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
         _require(self.max_connections >= self.max_pending_requests,
                  f"gateway.max_connections must be >= gateway.max_pending_requests ({self.max_pending_requests}): "
                  f"every request in flight holds a connection; got {self.max_connections}")
@@ -414,6 +424,13 @@ def _check(hint: Any, value: Any, name: str) -> Any:
     if optional and value is None:
         return None
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+    if typing.get_origin(base) is tuple:  # tuple[X, ...]: a YAML list of X (one X alone is a list of one)
+        item = typing.get_args(base)[0]
+        items = [value] if isinstance(value, item) else value
+        if isinstance(items, (list, tuple)) and all(isinstance(v, item) for v in items):
+            return tuple(items)
+        raise ConfigError(f"{name} must be a list of {item.__name__}{' or null' if optional else ''}, "
+                          f"got {value!r} ({type(value).__name__})")
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, base) and not (base is int and isinstance(value, bool)):

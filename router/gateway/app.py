@@ -7,7 +7,8 @@
     GET  /metrics                                Prometheus text exposition of this app's registry (API key as /v1)
     GET  /debug/workers                          each worker's last reported state (API key as /v1)
 
-A generation request passes, in order: API key (401) -> draining (503) -> body within
+Every request first passes the Host/Origin check (403, hosts.py). A generation request then passes,
+in order: API key (401) -> draining (503) -> a JSON Content-Type (415) -> body within
 `body_timeout_s` (408) and `max_body_bytes` (413) -> JSON and schema (400/404) -> in-flight limit
 (429) -> backend start (its error's status) -> response. The in-flight slot is taken only once the
 body is read and valid, so slow or broken uploads never hold what served requests need.
@@ -34,6 +35,7 @@ from cluster.config import SamplingParams
 from cluster.serve_config import GatewayConfig
 from kernels.model.loader import encode_prompt
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
+from router.gateway.hosts import HostGuard, HostPolicy
 from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from router.gateway.readiness import ReadinessProbe, serving_workers_alive
 from router.gateway.responses import SHAPES
@@ -118,6 +120,7 @@ class Gateway:
         try:
             self.check_api_key(request)
             self.check_not_draining()
+            check_json_content_type(request)
             body = await self.read_body(request)
             arrival_s = time.monotonic()  # latency is the server's: from the whole request, not its upload
             parsed = _PARSERS[endpoint](parse_json_object(body), self.backend.tokenizer, self.limits)
@@ -204,6 +207,18 @@ class Gateway:
             await run.close()
 
 
+def check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON: `application/json` or `application/<anything>+json`,
+    parameters (charset) allowed. Browsers send other types (text/plain, forms) cross-site without
+    asking the server first; JSON they cannot send without a CORS preflight, which this server fails."""
+    declared = request.headers.get("content-type", "")
+    media_type = declared.partition(";")[0].strip().lower()
+    kind, _, subtype = media_type.partition("/")
+    if kind != "application" or not (subtype == "json" or (subtype.endswith("+json") and len(subtype) > 5)):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got "
+                            f"{declared or 'no Content-Type'!r}", code="unsupported_media_type", param="Content-Type")
+
+
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
                     close_connection=True)  # the rest of the body is never read
@@ -227,6 +242,7 @@ def build_app(backend: Any, config: GatewayConfig, *,
     app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
     gateway = app.state.gateway = Gateway(backend, config, app.state)
+    app.add_middleware(HostGuard, policy=HostPolicy.for_bind(config.host, config.allowed_hosts))
     install_handlers(app)
     _add_routes(app, gateway)
     return app

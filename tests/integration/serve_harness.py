@@ -79,7 +79,7 @@ class Server:
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """Every sample of /metrics keyed by (name, sorted labels)."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=30).text
+        text = httpx.get(f"{self.base_url}/metrics", headers=self.headers(), timeout=30).text  # key-guarded
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 

@@ -33,6 +33,8 @@ MODEL = "smollm2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
 TRANSFER = (4096, 0.002)  # (bytes, seconds) the test backend reports per request
+BASE_URL = "http://127.0.0.1:8000"  # a Host the gateway answers (it refuses others: test_gateway_hardening)
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def tok(backend):
 
 @pytest.fixture(scope="module")
 def client(backend):
-    return TestClient(build_app(backend, GatewayConfig()), raise_server_exceptions=False)
+    return TestClient(build_app(backend, GatewayConfig()), raise_server_exceptions=False, base_url=BASE_URL)
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +81,7 @@ def engine_at_rest(request):
 
 
 def app_client(backend, **config) -> TestClient:
-    return TestClient(build_app(backend, GatewayConfig(**config)), raise_server_exceptions=False)
+    return TestClient(build_app(backend, GatewayConfig(**config)), raise_server_exceptions=False, base_url=BASE_URL)
 
 
 def events(response) -> list:
@@ -317,10 +319,10 @@ def test_bad_request_gets_status_and_error_shape(client, path, body, status, cod
 
 
 def test_body_that_is_not_a_json_object(client):
-    assert_error(client.post(COMPLETION_PATH, content=b"{not json"), 400, "invalid_json")
-    assert_error(client.post(COMPLETION_PATH, content=b"[1, 2]"), 400, "invalid_json")
-    assert_error(client.post(COMPLETION_PATH, content=b"\xff\xfe"), 400, "invalid_json")
-    assert_error(client.post(COMPLETION_PATH, content=b"[" * 100_000), 400, "invalid_json")  # too deep
+    assert_error(client.post(COMPLETION_PATH, content=b"{not json", headers=JSON), 400, "invalid_json")
+    assert_error(client.post(COMPLETION_PATH, content=b"[1, 2]", headers=JSON), 400, "invalid_json")
+    assert_error(client.post(COMPLETION_PATH, content=b"\xff\xfe", headers=JSON), 400, "invalid_json")
+    assert_error(client.post(COMPLETION_PATH, content=b"[" * 100_000, headers=JSON), 400, "invalid_json")  # too deep
     good_request_works(client)
 
 
@@ -335,7 +337,7 @@ def test_framework_validation_errors_are_400_in_the_error_shape(backend):
     @app.get("/typed")
     async def typed(n: int):  # a route with a declared type: FastAPI would answer 422 on its own
         return {"n": n}
-    client = TestClient(app)
+    client = TestClient(app, base_url=BASE_URL)
     assert client.get("/typed?n=3").json() == {"n": 3}
     assert assert_error(client.get("/typed?n=three"), 400)["param"] == "query.n"
 
@@ -343,8 +345,9 @@ def test_framework_validation_errors_are_400_in_the_error_shape(backend):
 def test_body_too_large_declared_or_chunked(backend):
     client = app_client(backend, max_body_bytes=1024)
     big = json.dumps({"model": MODEL, "prompt": "x" * 2000}).encode()
-    assert_error(client.post(COMPLETION_PATH, content=big), 413, "request_too_large")
-    assert_error(client.post(COMPLETION_PATH, content=iter([big[:1000], big[1000:]])), 413, "request_too_large")
+    assert_error(client.post(COMPLETION_PATH, content=big, headers=JSON), 413, "request_too_large")
+    assert_error(client.post(COMPLETION_PATH, content=iter([big[:1000], big[1000:]]), headers=JSON), 413,
+                 "request_too_large")
     good_request_works(client)
 
 
@@ -428,7 +431,7 @@ def test_too_many_requests_in_flight(backend):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
 
     async def scenario():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE_URL) as client:
             started = len(backend.started_ids)
             first = asyncio.ensure_future(client.post(COMPLETION_PATH, json=body))
             while len(backend.started_ids) == started:
@@ -572,8 +575,8 @@ def test_client_disconnect_while_waiting_non_streaming_aborts_once(server, backe
     aborts, started = len(backend.abort_calls), len(backend.started_ids)
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (server.port, len(body), body))
         wait_for(lambda: len(backend.started_ids) > started)
     wait_for(lambda: len(backend.abort_calls) > aborts)
     time.sleep(0.2)

@@ -417,3 +417,99 @@ def test_health_needs_a_live_token_producing_worker(backend, workers, healthy):
         started = len(backend.started_ids)
         assert_error(client.get("/health/ready"), 503, "unavailable")
         assert len(backend.started_ids) == started, "no probe generation when no worker can answer it"
+
+
+# ---- defect 10: JSON bodies only; Host and Origin name this server -------------------------------
+@pytest.mark.parametrize("content_type,status", [
+    ("application/json", 200), ("application/json; charset=utf-8", 200), ("Application/JSON", 200),
+    ("application/vnd.api+json", 200),
+    ("text/plain", 415), ("text/plain; charset=utf-8", 415), ("application/x-www-form-urlencoded", 415),
+    ("multipart/form-data; boundary=x", 415), (None, 415), ("application/jsonx", 415), ("application/+json", 415),
+    ("text/json", 415),
+])
+def test_post_bodies_must_be_declared_json(client, content_type, status):
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+    headers = {"Content-Type": content_type} if content_type is not None else {}
+    r = client.post(COMPLETION, content=body, headers=headers)
+    if status == 200:
+        assert r.status_code == 200, r.text
+    else:
+        assert_error(r, 415, "unsupported_media_type", "Content-Type")
+    r = client.post(CHAT, content=json.dumps({"messages": QUESTION, "max_tokens": 1}).encode(), headers=headers)
+    assert r.status_code == status
+
+
+@pytest.fixture(scope="module")
+def serving(backend):
+    serving = Serving(backend)
+    yield serving
+    serving.close()
+
+
+def test_host_header_must_name_this_server(serving):
+    port = serving.port
+    ok = [f"127.0.0.1:{port}", f"localhost:{port}", "localhost", "127.0.0.1", f"[::1]:{port}", f"LOCALHOST.:{port}"]
+    refused = [f"127.0.0.1:{port + 1}", f"evil.example:{port}", "evil.example", f"127.0.0.1.nip.io:{port}",
+               f"localhost:{port}x", f"[::1]x:{port}", "[::1", "127.0.0.2"]
+    with httpx.Client(base_url=serving.url) as http:
+        for host in ok:
+            assert http.get("/health", headers={"Host": host}).status_code == 200, host
+        for host in refused:
+            for r in (http.get("/health", headers={"Host": host}),
+                      http.post(COMPLETION, json={"prompt": "Hi", "max_tokens": 1}, headers={"Host": host})):
+                assert_error(r, 403, "forbidden_host", "Host")
+
+
+def test_cross_site_origins_are_refused(serving):
+    port = serving.port
+    ok = [f"http://127.0.0.1:{port}", f"http://localhost:{port}", f"https://[::1]:{port}", "http://localhost"]
+    refused = ["https://evil.example", f"http://evil.example:{port}", "null", "http://localhost:3000",
+               f"file://127.0.0.1:{port}", "http://localhost:99999999"]
+    body = {"prompt": "Hi", "max_tokens": 1}
+    with httpx.Client(base_url=serving.url) as http:
+        for origin in ok:
+            assert http.post(COMPLETION, json=body, headers={"Origin": origin}).status_code == 200, origin
+        for origin in refused:
+            assert_error(http.post(COMPLETION, json=body, headers={"Origin": origin}), 403, "forbidden_origin")
+
+
+def test_allowed_hosts_configured(backend):
+    named = Serving(backend, allowed_hosts=("api.example", "gw.internal"))
+    anyone = Serving(backend, allowed_hosts=("*",))
+    try:
+        with httpx.Client() as http:
+            assert http.get(named.url + "/health", headers={"Host": "api.example"}).status_code == 200
+            assert http.get(named.url + "/health", headers={"Host": f"gw.internal:{named.port}"}).status_code == 200
+            assert_error(http.get(named.url + "/health"), 403, "forbidden_host")  # 127.0.0.1 is not in the list
+            r = http.get(named.url + "/health", headers={"Host": "api.example", "Origin": "https://api.example"})
+            assert r.status_code == 200
+            for host in ("evil.example", f"127.0.0.1:{anyone.port}"):
+                r = http.get(anyone.url + "/health", headers={"Host": host, "Origin": "https://evil.example"})
+                assert r.status_code == 200
+    finally:
+        named.close()
+        anyone.close()
+
+
+def test_default_allowed_hosts_follow_the_bind_address():
+    from router.gateway.hosts import LOOPBACK_NAMES, HostPolicy
+
+    assert HostPolicy.for_bind("127.0.0.1", None).names == LOOPBACK_NAMES
+    assert HostPolicy.for_bind("::1", None).names == LOOPBACK_NAMES
+    assert HostPolicy.for_bind("127.0.0.2", None).names == LOOPBACK_NAMES | {"127.0.0.2"}
+    assert HostPolicy.for_bind("10.1.2.3", None).names == {"10.1.2.3"}
+    assert HostPolicy.for_bind("0.0.0.0", None).names is None and HostPolicy.for_bind("::", None).names is None
+    assert HostPolicy.for_bind("127.0.0.1", ["*"]).names is None
+    assert HostPolicy.for_bind("0.0.0.0", ["API.example."]).names == {"api.example"}
+
+
+def test_the_official_openai_client_works(serving):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=serving.url + "/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 3
+    text = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0)
+    assert text.usage.completion_tokens == 3
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+    assert [m.id for m in client.models.list()] == [MODEL]

@@ -6,7 +6,9 @@ take them down again on Ctrl-C / SIGTERM.
 
 Shutdown order: uvicorn stops accepting and waits up to `drain_timeout_s` for open requests; what
 is still running then is aborted (its KV released on every worker); the workers are stopped; the
-placement groups removed; and a Ray instance this process started is stopped.
+placement groups removed; and a Ray instance this process started is stopped (`cluster.local_ray`:
+loopback only, token auth, its processes in their own OS session, so a SIGTERM to this process's
+group drains like one to this process).
 """
 
 from __future__ import annotations
@@ -27,15 +29,29 @@ class ServeStartError(RuntimeError):
 
 
 def serve(config: ServeConfig) -> int:
-    import ray
-
     from kernels.model.loader import load_tokenizer, resolve_model_dir
 
     # Before Ray starts: a bad model spec fails here, fast and with a plain message.
     tokenizer = load_tokenizer(resolve_model_dir(config.model))
     guard = _SignalGuard()
-    started_ray = _connect_ray(config)
-    guard.install()  # after ray.init: Ray's driver installs its own SIGTERM handler there
+    guard.install()  # a signal while Ray starts: KeyboardInterrupt, and LocalRay.start stops what it started
+    local_ray = _start_local_ray(config) if config.cluster.address is None else None
+    try:
+        _connect_ray(config, local_ray)
+        guard.install()  # again: Ray's driver installs its own SIGTERM handler in ray.init
+        return _serve_on_ray(config, tokenizer, guard)
+    finally:
+        guard.stopping = True
+        if local_ray is not None:
+            import ray
+
+            ray.shutdown()
+            local_ray.stop()
+
+
+def _serve_on_ray(config: ServeConfig, tokenizer, guard: _SignalGuard) -> int:
+    import ray
+
     controller = None
     try:
         controller = _start_controller(config)
@@ -46,28 +62,28 @@ def serve(config: ServeConfig) -> int:
     finally:
         if controller is not None:
             _stop_controller(controller, config)
-        if started_ray:
-            ray.shutdown()
-            log.info("stopped the local Ray instance")
 
 
-def _connect_ray(config: ServeConfig) -> bool:
-    """Join `cluster.address`, or start a local instance. Returns whether we started it."""
-    import ray
+def _start_local_ray(config: ServeConfig):
+    """A loopback-only, token-authenticated Ray instance in its own OS session (`cluster.local_ray`)."""
+    from cluster.local_ray import LocalRay, LocalRayError
 
-    address = config.cluster.address
-    if address is not None:
-        ray.init(address=address, namespace=config.cluster.namespace, log_to_driver=True)
-        return False
     groups = (config.prefill, config.decode, config.colocated)
     wanted = sum(g.count * g.num_cpus for g in groups)
     num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(wanted + 0.999))
     num_gpus = sum(g.count * g.num_gpus for g in groups)
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=int(num_gpus + 0.999) or None,
-             namespace=config.cluster.namespace,
-             include_dashboard=False, log_to_driver=True)
-    log.info("started a local Ray instance (%d CPUs)", num_cpus)
-    return True
+    try:
+        return LocalRay.start(num_cpus, int(num_gpus + 0.999) or None)
+    except LocalRayError as exc:
+        raise ServeStartError(f"could not start a local Ray instance: {exc}") from exc
+
+
+def _connect_ray(config: ServeConfig, local_ray) -> None:
+    """Join `cluster.address`, or the local instance this process started."""
+    import ray
+
+    address = config.cluster.address if local_ray is None else local_ray.address
+    ray.init(address=address, namespace=config.cluster.namespace, log_to_driver=True)
 
 
 def _start_controller(config: ServeConfig):
@@ -109,17 +125,19 @@ def _stop_controller(controller, config: ServeConfig) -> None:
 class _SignalGuard:
     """SIGINT/SIGTERM before the gateway serves: stop starting (KeyboardInterrupt). While it serves,
     uvicorn owns the signals (drain, then stop) and re-raises the signal when it is done; that
-    re-raise, and any later signal, must not cut short stopping the workers and Ray."""
+    re-raise, and any later signal, must not cut short stopping the workers and Ray (nor does a
+    signal once `stopping` is set, after a failed start)."""
 
     def __init__(self) -> None:
         self.server = None
+        self.stopping = False
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if self.server is None:
+        if self.server is None and not self.stopping:
             raise KeyboardInterrupt(f"signal {signum} during start-up")
         log.info("signal %d: already shutting down", signum)
 

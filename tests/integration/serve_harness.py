@@ -83,9 +83,22 @@ class Server:
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 
-    def terminate(self, timeout_s: float = 120) -> int:
+    def workers(self) -> list[dict]:
+        return httpx.get(f"{self.base_url}/debug/workers", headers=self.headers(), timeout=30).json()["workers"]
+
+    def sessions(self) -> set[int]:
+        """OS sessions of every process this server started: its own (the harness starts it as a session
+        leader), and that of its Ray workers (where the Ray instance it started runs, if it started one)."""
+        return {os.getsid(self.proc.pid), *(os.getsid(w["pid"]) for w in self.workers())}
+
+    def terminate(self, timeout_s: float = 120, whole_group: bool = False) -> int:
+        """SIGTERM to the server (or, `whole_group`, to its process group, as systemd does); SIGKILL to the
+        group if it has not exited within `timeout_s`. Returns the exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if whole_group:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            else:
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

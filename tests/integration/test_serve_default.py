@@ -1,14 +1,19 @@
 """`tandem serve` on its embedded defaults (it starts and stops its own local Ray), with two
-prefill workers and round-robin routing; then a graceful SIGTERM under load."""
+prefill workers and round-robin routing: nothing it starts listens beyond loopback; then a graceful
+SIGTERM to its whole process group under load."""
 
 from __future__ import annotations
 
 import subprocess
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from cluster.local_ray import session_members
+from kv_store.transfer.listeners import listening_sockets
 from tests.integration.serve_harness import metric, start_server
 
 pytestmark = pytest.mark.slow
@@ -23,11 +28,10 @@ def ray_daemon_pids() -> set[int]:
 
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
-    before = ray_daemon_pids()
     server = start_server(tmp_path_factory.mktemp("serve-default"),
                           ["--policy", "round_robin", "--num-prefill", "2", *SMALL])
     try:
-        yield server, before
+        yield server
     finally:
         server.terminate()
 
@@ -45,7 +49,7 @@ def routed_prefill_worker(server, body: dict) -> str:
 
 
 def test_round_robin_alternates_prefill_workers_even_for_a_shared_prefix(default_server):
-    server, _ = default_server
+    server = default_server
     system = "You are a terse assistant. " + "Remember the following facts about caches. " * 30
     order = [routed_prefill_worker(server, {
         "model": "smollm2", "max_tokens": 2, "temperature": 0,
@@ -55,8 +59,25 @@ def test_round_robin_alternates_prefill_workers_even_for_a_shared_prefix(default
     assert all(a != b for a, b in zip(order, order[1:])), f"round robin should alternate: {order}"
 
 
-def test_sigterm_drains_in_flight_requests_then_stops_ray(default_server):
-    server, ray_before = default_server
+def test_nothing_tandem_started_listens_beyond_loopback(default_server):
+    """Every listening socket of every process of the server's sessions (the gateway, the Ray driver, the
+    local Ray's GCS, raylet, agents and workers, the workers' Mooncake ports) is on loopback."""
+    server = default_server
+    processes = {pid for session in server.sessions() for pid in session_members(session)}
+    listeners = [lst for pid in processes for lst in listening_sockets(pid)]
+    names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in processes if Path(f"/proc/{pid}/comm").exists()}
+    assert {"gcs_server", "raylet"} <= names, f"the local Ray's daemons were not found: {names}"
+    ports = {lst.port for lst in listeners}
+    transfer_ports = {int(w["session"].rpartition(":")[2]) for w in server.workers()}
+    assert {server.port, *transfer_ports} <= ports, "the gateway or a worker's transfer port was not seen"
+    beyond = [str(lst) for lst in listeners if not lst.is_loopback]
+    assert beyond == [], f"listening beyond loopback: {beyond}"
+
+
+def test_sigterm_to_the_process_group_drains_in_flight_requests_then_stops_ray(default_server):
+    """systemd and shell entrypoints signal the whole group: Ray's processes must not die with it."""
+    server = default_server
+    ray_sessions = server.sessions() - {server.proc.pid}
     started, result = threading.Event(), {}
 
     def stream() -> None:
@@ -73,12 +94,17 @@ def test_sigterm_drains_in_flight_requests_then_stops_ray(default_server):
     reader = threading.Thread(target=stream)
     reader.start()
     assert started.wait(120), "the stream never started"
-    code = server.terminate(timeout_s=120)
+    t0 = time.monotonic()
+    code = server.terminate(timeout_s=120, whole_group=True)
+    exit_s = time.monotonic() - t0
     reader.join(60)
     assert code == 0, server.log_tail()
     frames = result["frames"]
     assert frames[-1] == "[DONE]" and '"finish_reason":"length"' in frames[-2].replace(" ", ""), frames[-3:]
-    assert ray_daemon_pids() <= ray_before, "the local Ray instance outlived tandem serve"
+    assert exit_s < 30, f"exit took {exit_s:.0f}s"
+    assert ray_sessions, "the Ray instance ran in the server's own session: a group SIGTERM reached it"
+    left = {session: session_members(session) for session in ray_sessions}
+    assert not any(left.values()), f"Ray processes outlived tandem serve: {left}"
 
 
 def test_start_up_failures_are_one_clear_line_and_leave_nothing_running():

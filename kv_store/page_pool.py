@@ -96,6 +96,12 @@ class PagePool:
             return self._in_flight[page].owner
         return self._owner[page]
 
+    def handles(self, page: int) -> frozenset:
+        """The handles `page` is lent to (empty unless IN_FLIGHT)."""
+        self._check_id(page)
+        entry = self._in_flight.get(page)
+        return frozenset(entry.handles) if entry is not None else frozenset()
+
     def usage(self) -> PoolUsage:
         counts = {s: 0 for s in PageState}  # SCRATCH counted nowhere: total excludes page 0
         for s in self._state[1:]:

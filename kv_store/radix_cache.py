@@ -6,7 +6,9 @@ construction. Children are keyed by their first page of tokens, so two children 
 first page.
 
 Locking: `lock(node)` adds one reference to the node and each ancestor; a node with `lock_ref > 0`
-is never evicted. Eviction removes unlocked leaves in LRU order and frees their pages.
+is never evicted. Eviction removes unlocked leaves in LRU order and frees their pages. Two kinds of
+holder lock a path: a live request (its cached prefix) and a transfer handle that reads cached pages
+(`KVManager.pin_for_transfer`: the pin outlives the request if the request is retracted first).
 `NullPrefixCache` is the same interface with nothing cached (prefix caching disabled).
 """
 
@@ -86,6 +88,23 @@ class RadixPrefixCache:
             node.lock_ref -= 1
             node = node.parent
 
+    def holds(self, node: TreeNode) -> bool:
+        """Whether `node` is still in the tree (not evicted, not dropped)."""
+        ps = self.page_size
+        while node is not self.root:
+            if node.parent is None or node.parent.children.get(node.key[:ps]) is not node:
+                return False
+            node = node.parent
+        return True
+
+    def path_pages(self, node: TreeNode) -> list[int]:
+        """The pages on the path root -> `node`, in token order: what locking `node` protects."""
+        chunks = []
+        while node is not self.root:
+            chunks.append(node.pages)
+            node = node.parent
+        return [p for chunk in reversed(chunks) for p in chunk]
+
     # ---- insert --------------------------------------------------------------------------------
     def insert(self, token_ids: list[int], pages: list[int], owner: object) -> int:
         """Cache `pages` (holding `token_ids`, a whole number of pages) for the future.
@@ -142,8 +161,8 @@ class RadixPrefixCache:
     def check_integrity(self, expected_locks: dict[int, int] | None = None) -> None:
         """Tree shape, page ownership, and (given per-node lock counts) lock references.
 
-        `expected_locks` maps node id -> number of live requests holding that node locked; each
-        node's lock_ref must equal the sum over its subtree.
+        `expected_locks` maps node id -> number of holders (live requests, transfer pins) locking
+        that node; each node's lock_ref must equal the sum over its subtree.
         """
         ps = self.page_size
         seen_pages: set[int] = set()
@@ -169,8 +188,8 @@ class RadixPrefixCache:
         total = expected.get(node.id, 0) + sum(self._check_locks(c, expected) for c in node.children.values())
         if node is not self.root:
             assert node.lock_ref == total, (
-                f"tree node {node.id} lock_ref {node.lock_ref} but {total} live requests lock it or a descendant: "
-                "a release skipped unlock, or unlocked twice?")
+                f"tree node {node.id} lock_ref {node.lock_ref} but {total} holders (requests, transfer pins) lock it "
+                "or a descendant: a release or unpin skipped unlock, or unlocked twice?")
         return total
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -221,6 +240,12 @@ class NullPrefixCache:
 
     def unlock(self, node: TreeNode) -> None:
         assert node is self.root, "NullPrefixCache only ever hands out its root"
+
+    def holds(self, node: TreeNode) -> bool:
+        return node is self.root
+
+    def path_pages(self, node: TreeNode) -> list[int]:
+        return []
 
     def insert(self, token_ids, pages, owner) -> int:
         """Takes nothing: returns len(token_ids) so the caller frees all its pages itself."""

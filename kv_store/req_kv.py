@@ -12,6 +12,10 @@ A request's page table `pages[i]` holds tokens `[i * page_size, (i + 1) * page_s
 Pages below `cache_protected_len` belong to the tree; the request only holds a lock on them. Pages
 from `cache_protected_len` on are the request's own and leave only through `free_tail` (shortening)
 or `release` (the end, whatever the reason).
+
+A transfer that reads a request's pages pins every one of them, whoever owns it, until its handle
+retires (DESIGN §4 rule 2): `pin_for_transfer` ... `unpin_transfer`, exactly once per handle. The
+request's lock alone is not enough: a retracted request drops it while its writes may still read.
 """
 
 from __future__ import annotations
@@ -38,6 +42,20 @@ class ReqKVState(enum.Enum):
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True, eq=False)
+class TransferPin:
+    """What one transfer handle holds until it retires.
+
+    `own_pages` are the request's pages lent to the handle (IN_FLIGHT); `tree_node` is locked for
+    the handle (the cache's root when the transfer reads no cached page), which keeps every page on
+    the path root -> `tree_node` CACHED and unevictable, whether or not the request still lives.
+    """
+
+    req_id: object
+    own_pages: tuple[int, ...]
+    tree_node: TreeNode
 
 
 @dataclass(eq=False)
@@ -86,6 +104,8 @@ class KVManager:
         self.prefix_cache = prefix_cache
         self.page_size = pool.page_size
         self.live: dict[object, ReqKV] = {}
+        self.transfer_pins: dict[object, TransferPin] = {}
+        """handle -> what it pins, for every transfer handle not yet retired."""
 
     def open(self, req_id: object) -> ReqKV:
         if req_id in self.live:
@@ -158,7 +178,7 @@ class KVManager:
         """
         if kv.state is ReqKVState.RELEASED:
             return
-        in_flight = [p for p in kv.own_pages() if self.pool.state(p) is PageState.IN_FLIGHT]
+        in_flight = self.lent_pages(kv)
         if in_flight:
             raise KVOwnershipError(f"request {kv.req_id!r} released ({reason.value}) while pages {in_flight} are "
                                    "IN_FLIGHT: retire their transfer handles first")
@@ -175,12 +195,63 @@ class KVManager:
         kv.state = ReqKVState.RELEASED
         del self.live[kv.req_id]
 
+    # ---- transfers -----------------------------------------------------------------------------------
+    def pin_for_transfer(self, kv: ReqKV, first_page: int, end_page: int, handle: object) -> object:
+        """Pin every page a transfer `handle` reads, `kv.pages[first_page:end_page]`, until
+        `unpin_transfer(handle)`. Returns `handle`: it owns the pins now.
+
+            | cached: tree path locked for the handle | own: lent to the handle (IN_FLIGHT) |
+            first_page                      num_protected_pages                       end_page
+
+        The lock covers the whole cached prefix `[0, num_protected_pages)` (a lock protects a path,
+        and a caller ships pages in order, so `end_page >= num_protected_pages` whenever it reads
+        cached pages). Unlike the request's own lock it survives the request's release.
+        """
+        self._expect_active(kv, "pin for a transfer")
+        if handle in self.transfer_pins:
+            raise KVOwnershipError(f"transfer handle {handle!r} pinned twice: one handle reused for two writes?")
+        if not 0 <= first_page < end_page <= len(kv.pages):
+            raise KVOwnershipError(f"request {kv.req_id!r}: transfer of pages [{first_page}, {end_page}) outside "
+                                   f"its page table of {len(kv.pages)}")
+        own = kv.pages[max(first_page, kv.num_protected_pages):end_page]
+        if own:
+            self.pool.hand_off(own, kv.req_id, handle)
+        node = kv.locked_node if first_page < kv.num_protected_pages else self.prefix_cache.root
+        self.prefix_cache.lock(node)
+        self.transfer_pins[handle] = TransferPin(kv.req_id, tuple(own), node)
+        return handle
+
+    def unpin_transfer(self, handle: object) -> list[int]:
+        """`handle` is retired (terminal, and no longer reading): drop its tree lock and take back its
+        own pages. Returns the pages that came back PRIVATE to their request (none still lent elsewhere)."""
+        pin = self.transfer_pins.pop(handle, None)
+        if pin is None:
+            raise KVOwnershipError(f"transfer handle {handle!r} unpinned but holds no pin: retired twice (a "
+                                   "FAILED write retired again once settled?), or never pinned?")
+        self.prefix_cache.unlock(pin.tree_node)
+        return self.pool.retire(handle) if pin.own_pages else []
+
+    def pinned_pages(self, handle: object) -> list[int]:
+        """Every page `handle` keeps from moving: its cached path, then its own lent pages."""
+        pin = self.transfer_pins[handle]
+        return self.prefix_cache.path_pages(pin.tree_node) + list(pin.own_pages)
+
+    def lent_pages(self, kv: ReqKV) -> list[int]:
+        """`kv`'s own pages still lent to a transfer or loader (IN_FLIGHT): it cannot be released yet."""
+        return [p for p in kv.own_pages() if self.pool.state(p) is PageState.IN_FLIGHT]
+
+    # ---- checks ------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Pool, tree and every live request agree (DESIGN §3). Raises AssertionError naming the cause."""
+        """Pool, tree, transfer pins and every live request agree (DESIGN §3). Raises AssertionError
+        naming the cause."""
         self.pool.check_integrity()
         locks: dict[int, int] = {}
-        for kv in self.live.values():
-            locks[kv.locked_node.id] = locks.get(kv.locked_node.id, 0) + 1
+        holders = [kv.locked_node for kv in self.live.values()]
+        holders += [pin.tree_node for pin in self.transfer_pins.values()]
+        for node in holders:
+            locks[node.id] = locks.get(node.id, 0) + 1
+        for handle, pin in self.transfer_pins.items():
+            self._check_pin(handle, pin)
         self.prefix_cache.check_integrity(locks)
         owned = sum(self._check_request(kv) for kv in self.live.values())
         usage = self.pool.usage()
@@ -205,6 +276,15 @@ class KVManager:
             if st is not PageState.CACHED:
                 assert self.pool.owner(p) == rid, f"request {rid!r} lists page {p} owned by {self.pool.owner(p)!r}"
         return len(kv.own_pages())
+
+    def _check_pin(self, handle: object, pin: TransferPin) -> None:
+        assert self.prefix_cache.holds(pin.tree_node), (
+            f"tree node {pin.tree_node.id} pinned by transfer {handle!r} is no longer in the tree: evicted while "
+            "a transfer still reads it?")
+        for p in pin.own_pages:
+            assert handle in self.pool.handles(p) and self.pool.owner(p) == pin.req_id, (
+                f"page {p} pinned by transfer {handle!r} of request {pin.req_id!r} is {self.pool.state(p).value} "
+                f"owned by {self.pool.owner(p)!r}: returned before the handle retired?")
 
     def _expect_active(self, kv: ReqKV, action: str) -> None:
         if kv.state is not ReqKVState.ACTIVE:

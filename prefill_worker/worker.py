@@ -30,13 +30,13 @@ from prefill_worker.request import FinishReason, Request, RequestStatus
 
 @dataclass(eq=False)
 class _Shipment:
-    """One request's KV on its way out. `handed` are the handles that own some of its pages."""
+    """One request's KV on its way out. `handles`: its writes not yet retired, each pinning the
+    pages it reads (`KVManager.pin_for_transfer`)."""
 
     landing: Landing
     session: TransferSession
     pages_sent: int = 0
     handles: set = field(default_factory=set)
-    handed: set = field(default_factory=set)
     first_token: int | None = None  # set when the prompt is done and the token sampled
     abort_reason: str | None = None  # set when the transfer is being abandoned
     bytes_sent: int = 0
@@ -135,8 +135,9 @@ class PrefillWorker(EngineCore):
             self.scheduler.detach(req)
 
     def _retractable(self, req: Request) -> bool:
-        sh = self.shipments.get(req.request_id)
-        return sh is None or not sh.handed
+        """A request whose own pages are lent to a write cannot be released yet. Its cached pages
+        never stop a retract: every write reading them pins them by its own handle."""
+        return not self.kvm.lent_pages(req.kv)
 
     # ---- shipping ----------------------------------------------------------------------------------
     def _ship(self, req: Request, sh: _Shipment) -> None:
@@ -153,11 +154,9 @@ class PrefillWorker(EngineCore):
         except TransferError as exc:
             self.abort_transfer(req.request_id, FailureReason.TRANSPORT_ERROR, str(exc))
             return
-        own = [kv.pages[i] for i in range(max(sh.pages_sent, kv.num_protected_pages), upto)]
-        if own:
-            self.device_pool.pages.hand_off(own, req.request_id, handle)
-            sh.handed.add(handle)
-        sh.handles.add(handle)
+        # The write reads cached pages too: a retract or abort may drop the request's tree lock
+        # long before this handle retires, so the handle pins all it reads, whoever owns it.
+        sh.handles.add(self.kvm.pin_for_transfer(kv, sh.pages_sent, upto, handle))
         sh.pages_sent = sh.pages_at_handle[handle] = upto
         if sh.session.state is TransferState.WAITING:
             sh.session.advance(TransferState.TRANSFERRING, self.clock())
@@ -189,9 +188,7 @@ class PrefillWorker(EngineCore):
                         continue  # abandoned batches may still read these pages and write the landing
                 sh.handles.discard(handle)
                 self.transport.retire(handle)
-                if handle in sh.handed:
-                    sh.handed.discard(handle)
-                    self.device_pool.pages.retire(handle)
+                self.kvm.unpin_transfer(handle)  # terminal and settled: nothing reads its pages now
                 if status is TransferStatus.DONE and sh.session.state is TransferState.TRANSFERRING:
                     sh.session.progress(now)
                     sh.pages_done = max(sh.pages_done, sh.pages_at_handle.pop(handle, 0))

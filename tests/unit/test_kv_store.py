@@ -234,3 +234,54 @@ def test_bad_pool_shapes():
         PagePool(num_pages=1, page_size=4)
     with pytest.raises(OutOfPages):
         PagePool(num_pages=3, page_size=1).alloc(3, "r")
+
+
+def test_transfer_pin_keeps_cached_pages_after_the_request_is_released(kvm):
+    toks = list(range(100, 108))
+    finish_cached(kvm, "a", toks)  # pages 1, 2 cached
+    b = kvm.open("b")
+    assert kvm.match_prefix(b, toks + [7, 7, 7]) == 8
+    assert kvm.try_allocate(b, 11) and b.pages == [1, 2, 3]
+    kvm.commit(b, 11)
+    assert kvm.pin_for_transfer(b, 0, 2, "w-cached") == "w-cached"  # reads cached pages only
+    kvm.pin_for_transfer(b, 2, 3, "w-own")
+    assert kvm.pinned_pages("w-cached") == [1, 2] and kvm.pinned_pages("w-own") == [3]
+    assert kvm.pool.state(3) is PageState.IN_FLIGHT and kvm.lent_pages(b) == [3]
+    kvm.check_integrity()
+    assert kvm.unpin_transfer("w-own") == [3]
+    kvm.release(b, ReleaseReason.RETRACTED, toks + [7, 7, 7])  # b's own lock is gone; the pin is not
+    kvm.check_integrity()
+    assert [kvm.pool.state(p) for p in (1, 2)] == [PageState.CACHED, PageState.CACHED]
+    assert kvm.prefix_cache.evict(100) == 0
+    c = kvm.open("c")
+    assert not kvm.try_allocate(c, 4 * 9)  # 9 pages: only 8 free, the pinned 2 cannot be evicted
+    assert kvm.try_allocate(c, 4 * 8) and not {1, 2} & set(c.pages)
+    kvm.release(c, ReleaseReason.ABORTED, [], cache=False)
+    assert kvm.unpin_transfer("w-cached") == []
+    with pytest.raises(KVOwnershipError, match=r"transfer handle 'w-cached' unpinned but holds no pin: retired twice"):
+        kvm.unpin_transfer("w-cached")
+    assert kvm.prefix_cache.evict(100) == 2 and kvm.pool.num_free == kvm.pool.num_usable
+
+
+def test_transfer_pin_bookkeeping_errors_name_the_cause(kvm):
+    toks = list(range(8))
+    finish_cached(kvm, "a", toks)
+    b = kvm.open("b")
+    kvm.match_prefix(b, toks + [5])
+    kvm.try_allocate(b, 9)
+    kvm.pin_for_transfer(b, 0, 2, "w")
+    with pytest.raises(KVOwnershipError, match="pinned twice: one handle reused"):
+        kvm.pin_for_transfer(b, 2, 3, "w")
+    with pytest.raises(KVOwnershipError, match=r"pages \[2, 4\) outside its page table of 3"):
+        kvm.pin_for_transfer(b, 2, 4, "w2")
+    pin = kvm.transfer_pins.pop("w")  # a handle forgotten without unpin: its lock would leak
+    with pytest.raises(AssertionError, match="transfer pins.*skipped unlock"):
+        kvm.check_integrity()
+    kvm.transfer_pins["w"] = pin
+    kvm.check_integrity()
+    kvm.release(b, ReleaseReason.ABORTED, toks + [5])
+    kvm.prefix_cache.unlock(pin.tree_node)  # a pinned node evicted behind the pin's back
+    kvm.prefix_cache.evict(100)
+    with pytest.raises(AssertionError, match=r"pinned by transfer 'w' is no longer in the tree: evicted while"):
+        kvm.check_integrity()
+    kvm.transfer_pins.pop("w")

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.config import ConfigError, SamplingParams
+from cluster.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, ConfigError, \
+    SamplingParams
 from kernels.model.loader import apply_chat_template, encode_prompt
 from router.gateway.errors import APIError, invalid
 
@@ -95,7 +97,7 @@ def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits) -> Gene
         raise _unsupported("best_of", "best_of > 1")
     prompt_ids = _completion_prompt(payload, tokenizer, limits.vocab_size)
     max_tokens = _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
-    return _request(Endpoint.COMPLETION, payload, prompt_ids, max_tokens)
+    return _request(Endpoint.COMPLETION, payload, prompt_ids, max_tokens, limits.vocab_size)
 
 
 def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits) -> GenerateRequest:
@@ -114,7 +116,7 @@ def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits) -> GenerateRe
     prompt_ids = _chat_prompt(payload, tokenizer)
     name = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(payload, name, len(prompt_ids), limits)
-    return _request(Endpoint.CHAT, payload, prompt_ids, max_tokens)
+    return _request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits.vocab_size)
 
 
 # ---- shared checks ------------------------------------------------------------------------------
@@ -134,35 +136,69 @@ def _check_common(payload: dict, limits: ModelLimits) -> None:
         raise _unsupported("logit_bias")
 
 
-def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_tokens: int) -> GenerateRequest:
+def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_tokens: int,
+             vocab_size: int) -> GenerateRequest:
     stream = bool(_typed(payload, "stream", bool))
     options = _typed(payload, "stream_options", dict) or {}
     include_usage = bool(options.get("include_usage", False))
-    return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens), stream, include_usage)
+    return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens, vocab_size), stream,
+                           include_usage)
 
 
-def _sampling_params(payload: dict, max_tokens: int) -> SamplingParams:
-    temperature = _number(payload, "temperature")
-    top_p = _number(payload, "top_p")
-    if temperature is not None and temperature < 0:
-        raise invalid(f"temperature must be >= 0, got {temperature}", param="temperature")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    top_k = _integer(payload, "top_k")
-    if top_k is not None and top_k < -1:
-        raise invalid(f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k}", param="top_k")
+def _sampling_params(payload: dict, max_tokens: int, vocab_size: int) -> SamplingParams:
+    """Every sampling field checked here, each error naming its param; SamplingParams re-checks."""
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=DEFAULT_TEMPERATURE if temperature is None else float(temperature),
-            top_p=1.0 if top_p is None else float(top_p),
-            top_k=max(top_k or 0, 0),  # OpenAI-style clients say -1 for "off"; the engine says 0
-            seed=_integer(payload, "seed"),
+            temperature=_temperature(payload),
+            top_p=_top_p(payload),
+            top_k=_top_k(payload, vocab_size),
+            seed=_bounded_integer(payload, "seed", SEED_MIN, SEED_MAX),
             stop=_stop_strings(payload),
-            stop_token_ids=tuple(_int_list(payload, "stop_token_ids")),
+            stop_token_ids=_stop_token_ids(payload, vocab_size),
             ignore_eos=bool(_typed(payload, "ignore_eos", bool)))
     except ConfigError as exc:
         raise invalid(str(exc)) from None
+
+
+def _temperature(payload: dict) -> float:
+    temperature = _number(payload, "temperature")
+    if temperature is not None and temperature < 0:
+        raise invalid(f"temperature must be >= 0, got {temperature}", param="temperature")
+    return DEFAULT_TEMPERATURE if temperature is None else float(temperature)
+
+
+def _top_p(payload: dict) -> float:
+    top_p = _number(payload, "top_p")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    return 1.0 if top_p is None else float(top_p)
+
+
+def _top_k(payload: dict, vocab_size: int) -> int:
+    """The engine's top_k: 0 is off. OpenAI-style clients say -1 for off; a top_k of the vocabulary
+    or more keeps every token, which is off too (and never reaches a tensor as a huge integer)."""
+    top_k = _integer(payload, "top_k")
+    if top_k is not None and top_k < -1:
+        raise invalid(f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k}", param="top_k")
+    return 0 if top_k is None or top_k <= 0 or top_k >= vocab_size else top_k
+
+
+def _bounded_integer(payload: dict, name: str, low: int, high: int) -> int | None:
+    value = _integer(payload, name)
+    if value is not None and not low <= value <= high:
+        raise invalid(f"`{name}` must be an integer in [{low}, {high}], got {value}", param=name)
+    return value
+
+
+def _stop_token_ids(payload: dict, vocab_size: int) -> tuple[int, ...]:
+    ids = _int_list(payload, "stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(ids)}",
+                      param="stop_token_ids")
+    if not all(0 <= t < vocab_size for t in ids):
+        raise invalid(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    return tuple(ids)
 
 
 def _max_tokens(payload: dict, name: str, prompt_len: int, limits: ModelLimits) -> int:
@@ -255,9 +291,12 @@ def _typed(payload: dict, name: str, kind: type) -> Any:
 
 
 def _number(payload: dict, name: str) -> float | None:
+    """A finite number (JSON's 1e999 parses as infinity, and Python's JSON accepts NaN)."""
     value = payload.get(name)
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise invalid(f"`{name}` must be a number", param=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise invalid(f"`{name}` must be a finite number, got {value}", param=name)
     return value
 
 
@@ -285,6 +324,12 @@ def _stop_strings(payload: dict) -> tuple[str, ...]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise invalid("`stop` must be a non-empty string or a list of non-empty strings", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:  # every new token is checked against each of them
+        raise invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}", param="stop")
+    total_chars = sum(map(len, stop))
+    if total_chars > MAX_STOP_CHARS:
+        raise invalid(f"the stop strings may have {MAX_STOP_CHARS} characters together at most, got {total_chars}",
+                      param="stop")
     return tuple(stop)
 
 

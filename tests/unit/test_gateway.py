@@ -292,7 +292,7 @@ BAD_REQUESTS = [
     (COMPLETION_PATH, {"prompt": "x", "top_p": 1.5}, 400, None, "top_p"),
     (COMPLETION_PATH, {"prompt": "x", "top_k": -3}, 400, None, "top_k"),
     (COMPLETION_PATH, {"prompt": "x", "stop": ""}, 400, None, "stop"),
-    (COMPLETION_PATH, {"prompt": "x", "stop_token_ids": [-1]}, 400, None, None),  # SamplingParams' ConfigError
+    (COMPLETION_PATH, {"prompt": "x", "stop_token_ids": [-1]}, 400, None, "stop_token_ids"),
     (COMPLETION_PATH, {"prompt": "x", "n": 2}, 400, "unsupported_parameter", "n"),
     (COMPLETION_PATH, {"prompt": "x", "n": 0}, 400, "unsupported_parameter", "n"),
     (COMPLETION_PATH, {"prompt": "x", "logprobs": 2}, 400, "unsupported_parameter", "logprobs"),

@@ -513,3 +513,66 @@ def test_the_official_openai_client_works(serving):
     stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+# ---- defects 1 and 8 (gateway side): every integer is bounded, stop lists are bounded ------------
+class _Recording:
+    """`backend` that records the SamplingParams each request reached it with."""
+
+    def __init__(self, backend):
+        self._backend, self.params = backend, []
+
+    def generate(self, request_id, prompt_token_ids, params):
+        self.params.append(params)
+        return self._backend.generate(request_id, prompt_token_ids, params)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+@pytest.mark.parametrize("top_k,engine_top_k", [(2**63, 0), (2**64 + 5, 0), (10**40, 0), (-1, 0), (0, 0), (40, 40)])
+def test_top_k_beyond_the_vocabulary_is_off(backend, top_k, engine_top_k):
+    recording = _Recording(backend)
+    client = app_client(recording)
+    r = client.post(COMPLETION, json={"prompt": "Hi", "max_tokens": 2, "top_k": top_k, "seed": 3})
+    assert r.status_code == 200, r.text
+    assert recording.params[-1].top_k == engine_top_k
+    vocab = len(backend.tokenizer)
+    for k in (vocab, vocab + 1):
+        assert client.post(COMPLETION, json={"prompt": "Hi", "max_tokens": 1, "top_k": k}).status_code == 200
+        assert recording.params[-1].top_k == 0
+
+
+BOUNDS = [
+    ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"seed": 10**30}, "seed"),
+    ({"stop": ["x"] * 65}, "stop"), ({"stop": ["y" * 4097]}, "stop"), ({"stop": ["z" * 2049, "w" * 2048]}, "stop"),
+    ({"stop_token_ids": [1] * 1025}, "stop_token_ids"), ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids"), ({"max_tokens": 2**63}, "max_tokens"),
+    ({"max_tokens": 10**400 // 10**300}, "max_tokens"), ({"n": 2**64}, "n"), ({"best_of": 2**63}, "best_of"),
+    ({"prompt": [2**63]}, "prompt"), ({"prompt": [-1]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BOUNDS)
+def test_out_of_range_values_are_400_naming_the_field(client, fields, param):
+    body = {"prompt": "Hi", "max_tokens": 1, **fields}
+    assert_error(client.post(COMPLETION, json=body), 400, param=param)
+    if param not in ("prompt", "best_of"):  # completion-only fields: chat ignores them
+        assert_error(client.post(CHAT, json={"messages": QUESTION, **body}), 400, param=param)
+    good_request_works(client)
+
+
+def test_values_at_the_bounds_are_served(client):
+    body = {"prompt": "Hi", "max_tokens": 1, "seed": 2**63 - 1, "stop": ["x"] * 63 + ["y" * (4096 - 63)],
+            "stop_token_ids": list(range(1024))}
+    assert client.post(COMPLETION, json=body).status_code == 200
+    assert client.post(COMPLETION, json={**body, "seed": -2**63}).status_code == 200
+
+
+@pytest.mark.parametrize("text,param", [
+    ('{"prompt": "Hi", "temperature": NaN}', "temperature"), ('{"prompt": "Hi", "temperature": Infinity}', "temperature"),
+    ('{"prompt": "Hi", "top_p": -Infinity}', "top_p"), ('{"prompt": "Hi", "temperature": 1e999}', "temperature"),
+    ('{"prompt": "Hi", "presence_penalty": NaN}', "presence_penalty"), ('{"prompt": NaN}', "prompt"),
+])
+def test_non_finite_numbers_are_400_naming_the_field(client, text, param):
+    assert_error(client.post(COMPLETION, content=raw_body(text), headers=JSON), 400, param=param)

@@ -92,7 +92,7 @@ class LocalRay:
 
 def _clean_up(session_id: int | None, workdir: Path, saved_env: dict[str, str | None], grace_s: float = 0.0) -> None:
     if session_id is not None:
-        _end_session(session_id, grace_s)
+        end_session(session_id, grace_s)
     shutil.rmtree(workdir, ignore_errors=True)
     _apply_env(saved_env)
 
@@ -121,17 +121,17 @@ def _start_head(workdir: Path, num_cpus: int, num_gpus: int | None, timeout_s: f
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _end_session(proc.pid, 0.0)
+        end_session(proc.pid, 0.0)
         proc.wait()
         raise LocalRayError(f"`ray start --head` did not finish within {timeout_s:.0f}s") from None
     except BaseException:  # a signal during start-up: the caller stops the session
         proc.kill()
         proc.wait()
-        _end_session(proc.pid, 0.0)
+        end_session(proc.pid, 0.0)
         raise
     address_file = temp_dir / "ray_current_cluster"
     if proc.returncode != 0 or not address_file.exists():
-        _end_session(proc.pid, 0.0)
+        end_session(proc.pid, 0.0)
         tail = "\n".join(output.strip().splitlines()[-15:])
         raise LocalRayError(f"`ray start --head` failed (exit {proc.returncode}):\n{tail}")
     return proc.pid, address_file.read_text().strip()
@@ -162,7 +162,7 @@ def session_members(session_id: int) -> list[int]:
     return members
 
 
-def _end_session(session_id: int, grace_s: float) -> None:
+def end_session(session_id: int, grace_s: float) -> None:
     """SIGTERM every process of the session, SIGKILL what is left after `grace_s`, wait for them."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         pids = session_members(session_id)

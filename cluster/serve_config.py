@@ -150,7 +150,8 @@ class TransportConfig:
     """Transfer-engine protocol: "tcp" (anywhere) or "rdma" (clusters with RDMA NICs)."""
     hostname: str = "127.0.0.1"
     """Address each worker's transfer engine binds and advertises to its peers; "auto": each worker
-    takes its own Ray node's address (multi-node clusters)."""
+    takes its own Ray node's address (multi-node clusters). The engine has no authentication: anyone
+    who reaches its ports can read and write KV memory, so use loopback or a private network."""
     bootstrapping_s: float = 30.0
     """Seconds a transfer may spend pairing peers and reserving the landing (> 0)."""
     waiting_s: float = 60.0
@@ -200,7 +201,8 @@ class ClusterConfig:
     """The Ray cluster the workers run in and how the controller watches them."""
 
     address: str | None = None
-    """None: start a local Ray instance and stop it at shutdown; "auto", "ray://host:port" or "host:port": join one."""
+    """None: start a local, single-node Ray instance (loopback only, a private auth token, its own OS session)
+    and stop it at shutdown; "auto", "ray://host:port" or "host:port": join one."""
     namespace: str = "tandem"
     """Ray namespace of the named actors (non-empty)."""
     num_cpus: int | None = None

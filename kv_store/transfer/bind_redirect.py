@@ -63,6 +63,9 @@ def redirect_wildcard_binds(address: ipaddress.IPv4Address | ipaddress.IPv6Addre
     Yields how many table entries were redirected (0: nothing could be, e.g. not an ELF64 x86-64/
     aarch64 Linux library, or a read-only table); the caller decides whether to warn.
     """
+    if address.is_unspecified:  # configured to listen everywhere: nothing to redirect
+        yield 0
+        return
     libc = ctypes.CDLL(None, use_errno=True)
     real_bind = libc.bind
     real_bind.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32]

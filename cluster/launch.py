@@ -156,7 +156,9 @@ async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, gu
             cache_threshold=rc.cache_threshold, balance_abs_threshold=rc.balance_abs_threshold,
             balance_rel_threshold=rc.balance_rel_threshold, max_tree_tokens=rc.max_tree_tokens),
         max_pending=config.gateway.max_pending_requests, max_transfer_retries=rc.max_transfer_retries,
-        refresh_interval_s=config.cluster.heartbeat_interval_s, landing_timeout_s=config.transport.bootstrapping_s)
+        refresh_interval_s=config.cluster.heartbeat_interval_s, landing_timeout_s=config.transport.bootstrapping_s,
+        admission=rc.admission(config.prefill.engine.chunk_size, min(
+            g.engine.max_running_requests for g in (config.decode, config.colocated) if g.count)))
 
     async def on_shutdown() -> None:
         aborted = await dispatcher.drain(0.0)  # uvicorn already waited `drain_timeout_s` for them

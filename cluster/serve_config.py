@@ -25,6 +25,7 @@ from cluster.config import _DTYPES, ConfigError, EngineConfig, _require
 
 if typing.TYPE_CHECKING:
     from kv_store.transfer.session import TransferDeadlines
+    from router.admission import AdmissionParams
 
 __all__ = [
     "API_KEY_ENV", "ClusterConfig", "ConfigError", "GatewayConfig", "RouterConfig", "ServeConfig",
@@ -188,12 +189,40 @@ class RouterConfig:
     """cache_aware: tokens kept in each worker's approximate radix tree before eviction (>= 1)."""
     max_transfer_retries: int = 1
     """Re-routes of a request whose KV transfer failed before any token reached the client (>= 0)."""
+    max_queue_delay_s: float | None = None
+    """Admission: a new request is refused (429 + Retry-After) when its predicted wait for a prefill
+    worker (prompt tokens ahead / measured rate) exceeds this (> 0). None: the time to first token
+    measured for requests that found the worker idle, so admitted requests' TTFT stays within ~2x
+    the unloaded one."""
+    max_queued_requests: int = 8
+    """Admission: requests waiting in the router per prefill worker at most (>= 0); the only bound
+    until the worker's first prefill completes (no rate measured yet)."""
+    prefill_window_tokens: int | None = None
+    """Prompt tokens handed to one prefill worker and not yet delivered (>= 1); the rest wait in the
+    router, holding no landing, so queue time never counts against a transfer deadline.
+    None: twice prefill.engine.chunk_size."""
+    max_requests_per_worker: int | None = None
+    """Admission: requests one decode (or colocated) worker holds at once, from arrival (>= 1); more
+    get 429. None: the group's engine.max_running_requests, so none waits for a decode slot."""
 
     def __post_init__(self):
         _require(self.policy in _POLICIES, f"router.policy must be one of {_POLICIES}, got {self.policy!r}")
         _require(0 <= self.cache_threshold <= 1, f"router.cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        _require_min(self, "router.", 0, "balance_abs_threshold", "max_transfer_retries")
+        _require_min(self, "router.", 0, "balance_abs_threshold", "max_transfer_retries", "max_queued_requests")
         _require_min(self, "router.", 1, "balance_rel_threshold", "max_tree_tokens")
+        _require(self.max_queue_delay_s is None or self.max_queue_delay_s > 0,
+                 f"router.max_queue_delay_s must be > 0 or null, got {self.max_queue_delay_s}")
+        for name in ("prefill_window_tokens", "max_requests_per_worker"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"router.{name} must be >= 1 or null, got {value}")
+
+    def admission(self, prefill_chunk_size: int, decode_max_running: int) -> AdmissionParams:
+        """The admission knobs with the automatic ones resolved from the worker groups' engines."""
+        from router.admission import AdmissionParams  # config is the bottom of the import graph
+
+        return AdmissionParams(max_queue_delay_s=self.max_queue_delay_s, max_queued_requests=self.max_queued_requests,
+                               prefill_window_tokens=self.prefill_window_tokens or 2 * prefill_chunk_size,
+                               max_requests_per_worker=self.max_requests_per_worker or decode_max_running)
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,17 @@ a worker produced since the last poll arrives in one call).
 
 One request, disaggregated (wire id = `<request_id>.<attempt>`):
 
-    QUEUED -> RESERVING --Reserved(landing)--> PREFILLING --first token--> STREAMING -> done
-                 | landing None: back to QUEUED after a pause (failed after `landing_timeout_s`)
-                 | error: rejected (400)
+    arrival --admission (router.admission): refused at once, 429--> (never registered)
+       v
+    QUEUED --prefill window has room--> RESERVING --Reserved(landing)--> PREFILLING --first token--> STREAMING -> done
+    (the dispatcher's queue:             | landing None: BACKOFF, then QUEUED again at the front
+     nothing held on any worker)         |   (failed after `landing_timeout_s` without a landing)
+                                         | error: rejected (400)
     local prefill (no prefill worker):  LOCAL --tokens--> STREAMING -> done
+
+The landing is reserved only when the prefill worker has room for the prompt (`PrefillLane`), so a
+transfer's deadlines never count time the request spent queued, and no request is re-prefilled
+because it waited.
 
 A transfer failure, or the death of a worker, before any token reached the client re-routes the
 request (at most `max_transfer_retries` times); after that the client gets a clean error.
@@ -27,13 +34,14 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
 from cluster import protocol as p
 from cluster.config import SamplingParams
+from router.admission import AdmissionParams, Overloaded, PrefillLane, admissible, decode_refusal
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, WorkerRole, choose
 from router.workers import LiveWorker, ViewSource, WorkerInfo, WorkerLink, relay_metrics
@@ -44,8 +52,9 @@ log = logging.getLogger("tandem.dispatcher")
 
 
 class Phase(enum.Enum):
-    QUEUED = "queued"  # waiting to (re)try a reservation
+    QUEUED = "queued"  # admitted, in its prefill worker's lane queue: nothing held on any worker yet
     RESERVING = "reserving"
+    BACKOFF = "backoff"  # the decode worker's host tier was full: queued again after a pause
     PREFILLING = "prefilling"
     LOCAL = "local"  # the decode worker prefills it itself
     STREAMING = "streaming"  # tokens are flowing
@@ -64,7 +73,9 @@ class _Flight:
     decode: LiveWorker | None = None
     tokens_sent: int = 0
     landing_bytes: int = 0
-    submitted_at: float = field(default_factory=time.monotonic)
+    submitted_at: float = 0.0  # dispatcher clock
+    reserve_started_at: float | None = None  # first Reserve sent (the landing timeout counts from there)
+    unloaded_sample: bool = False  # found its prefill lane empty: its TTFT is the unloaded figure
 
     @property
     def wire_id(self) -> str:
@@ -79,7 +90,8 @@ class _Transfer:
 
     prefill: LiveWorker
     decode: LiveWorker
-    prompt_len: int
+    prompt_len: int  # tokens it holds in the prefill worker's window
+    prefill_sent: bool = False  # the prompt is at the prefill worker (its service time counts)
 
 
 class Dispatcher:
@@ -88,7 +100,8 @@ class Dispatcher:
     def __init__(self, source: ViewSource, *, tokenizer, model_name: str, max_model_len: int,
                  policy: Policy = Policy.CACHE_AWARE, policy_params: PolicyParams = PolicyParams(),
                  max_pending: int = 256, max_transfer_retries: int = 1, refresh_interval_s: float = 0.5,
-                 collect_timeout_s: float = 0.5, reserve_retry_s: float = 0.05, landing_timeout_s: float = 30.0):
+                 collect_timeout_s: float = 0.5, reserve_retry_s: float = 0.05, landing_timeout_s: float = 30.0,
+                 admission: AdmissionParams = AdmissionParams(), clock: Callable[[], float] = time.monotonic):
         self.source, self.tokenizer = source, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.policy, self.policy_params = policy, policy_params
@@ -96,6 +109,7 @@ class Dispatcher:
         self.max_pending, self.max_transfer_retries = max_pending, max_transfer_retries
         self.refresh_interval_s, self.collect_timeout_s = refresh_interval_s, collect_timeout_s
         self.reserve_retry_s, self.landing_timeout_s = reserve_retry_s, landing_timeout_s
+        self.admission, self.clock = admission, clock
         self.lives: dict[str, LiveWorker] = {}
         self.flights: dict[str, _Flight] = {}
         self._by_wire: dict[str, _Flight] = {}
@@ -105,7 +119,10 @@ class Dispatcher:
         self.reroutes = Counter("tandem:request_reroutes_total",
                                 "Requests re-routed after a transfer failure or a worker death, before any token",
                                 registry=None)
-        self.extra_collectors = [self.relay, self.polls, self.reroutes]
+        self.refusals = Counter("tandem:requests_refused_total",
+                                "Requests refused at arrival because the workers could not serve them promptly (429)",
+                                ["role"], registry=None)
+        self.extra_collectors = [self.relay, self.polls, self.reroutes, self.refusals]
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -158,8 +175,8 @@ class Dispatcher:
         if len(self.flights) >= self.max_pending:
             raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later",
                                retry_after_s=1.0)
-        flight = _Flight(request_id, list(prompt_token_ids), params)
-        self._route(flight)  # raises BackendError before anything is registered
+        flight = _Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock())
+        self._route(flight, admit=True)  # raises BackendError before anything is registered
         self.flights[request_id] = flight
         return self._stream(flight)
 
@@ -171,7 +188,7 @@ class Dispatcher:
         self._end(flight)
 
     def num_requests(self) -> tuple[int, int]:
-        waiting = sum(f.phase in (Phase.QUEUED, Phase.RESERVING) for f in self.flights.values())
+        waiting = sum(f.phase in (Phase.QUEUED, Phase.RESERVING, Phase.BACKOFF) for f in self.flights.values())
         return len(self.flights) - waiting, waiting
 
     def worker_gauges(self) -> list[WorkerGauge]:
@@ -182,31 +199,63 @@ class Dispatcher:
         return [live.details() for live in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
 
     # ---- routing -----------------------------------------------------------------------------------
-    def _route(self, flight: _Flight) -> None:
+    def _route(self, flight: _Flight, *, admit: bool) -> None:
+        """Pick its workers and queue it on its prefill worker's lane (or send it to its decode worker
+        to prefill locally). `admit`: a new arrival, refused (429) when no worker can take it promptly;
+        a request admitted before (re-routed, back from a full host tier) goes to the front instead."""
         lives = [lv for lv in self.lives.values() if not lv.gone]
-        view = RequestView(flight.request_id, tuple(flight.prompt), flight.params.max_tokens)
+        views = [lv.view() for lv in lives]
+        if admit:
+            views = self._admissible(lives, views)
+        request = RequestView(flight.request_id, tuple(flight.prompt), flight.params.max_tokens)
         try:
-            route = choose(self.policy, view, [lv.view() for lv in lives], self.state, self.policy_params)
+            route = choose(self.policy, request, views, self.state, self.policy_params)
         except NoWorkerAvailable as exc:
             raise BackendError(ErrorKind.UNAVAILABLE, f"no worker can serve requests now: {exc}",
                                retry_after_s=5.0) from None
-        self.state.record(view, route)
+        self.state.record(request, route)
+        flight.unloaded_sample = False
         flight.decode = self.lives[route.decode_id]
         flight.prefill = self.lives[route.prefill_id] if route.prefill_id else None
         flight.decode.num_active += 1
         self._by_wire[flight.wire_id] = flight
-        self._dispatch(flight)
-
-    def _dispatch(self, flight: _Flight) -> None:
-        prompt = tuple(flight.prompt)
         if flight.prefill is None:
             flight.phase = Phase.LOCAL
-            self._send(flight.decode, p.Generate(flight.wire_id, prompt, flight.params))
-        else:
+            self._send(flight.decode, p.Generate(flight.wire_id, request.prompt_token_ids, flight.params))
+            return
+        lane = flight.prefill.lane
+        flight.unloaded_sample = admit and lane.ahead_tokens == 0
+        flight.phase = Phase.QUEUED
+        lane.enqueue(flight, len(flight.prompt), front=not admit)
+        self._pump(flight.prefill)
+
+    def _admissible(self, lives: list[LiveWorker], views: list) -> list:
+        """The views of the workers that can take a new request now; raises QUEUE_FULL (429) when a
+        needed role has none."""
+        now = self.clock()
+        refusals = {}
+        for live in lives:
+            refusal = (live.lane.refusal(self.admission, now) if live.info.role is WorkerRole.PREFILL
+                       else decode_refusal(live.num_active, self.admission))
+            if refusal is not None:
+                refusals[live.worker_id] = refusal
+        try:
+            return admissible(views, refusals)
+        except Overloaded as exc:
+            self.refusals.labels(role=exc.role).inc()
+            raise BackendError(ErrorKind.QUEUE_FULL, f"the server is at capacity ({exc}); retry later",
+                               retry_after_s=exc.refusal.retry_after_s) from None
+
+    def _pump(self, prefill: LiveWorker) -> None:
+        """Reserve landings for the queued requests that fit the prefill worker's window now."""
+        if prefill.gone:
+            return
+        for flight, num_tokens in prefill.lane.take_ready():
             flight.phase = Phase.RESERVING
-            self._transfers[flight.wire_id] = _Transfer(flight.prefill, flight.decode, len(prompt))
-            flight.prefill.pending_prefill_tokens += len(prompt)
-            self._send(flight.decode, p.Reserve(flight.wire_id, prompt, flight.params, flight.prefill.peer_id))
+            if flight.reserve_started_at is None:
+                flight.reserve_started_at = self.clock()
+            self._transfers[flight.wire_id] = _Transfer(prefill, flight.decode, num_tokens)
+            self._send(flight.decode, p.Reserve(flight.wire_id, tuple(flight.prompt), flight.params, prefill.peer_id))
 
     def _reroute(self, flight: _Flight, why: str) -> bool:
         """Try the request again on a fresh route. False when it may not (retries spent, tokens
@@ -218,13 +267,16 @@ class Dispatcher:
         log.warning("re-routing %s (attempt %d): %s", flight.request_id, flight.attempt, why)
         self.reroutes.inc()
         try:
-            self._route(flight)
+            self._route(flight, admit=False)
         except BackendError:
             return False
         return True
 
     def _unroute(self, flight: _Flight) -> None:
+        """Undo `_route`'s bookkeeping (the transfer, if any, ends on its own messages)."""
         self._by_wire.pop(flight.wire_id, None)
+        if flight.prefill is not None:
+            flight.prefill.lane.discard(flight)
         if flight.decode is not None:
             flight.decode.num_active -= 1
             flight.decode = None
@@ -257,7 +309,7 @@ class Dispatcher:
             self._transfer_over(msg.request_id)
             if flight is not None:
                 self._unroute(flight)
-                flight.phase = Phase.QUEUED
+                flight.phase = Phase.BACKOFF
                 asyncio.get_running_loop().call_later(self.reserve_retry_s, self._retry_reserve, flight)
         elif transfer is None or transfer.prefill.gone:
             if transfer is not None:  # its prefill worker died meanwhile: the decode side frees it
@@ -267,17 +319,19 @@ class Dispatcher:
         else:
             flight.phase = Phase.PREFILLING
             flight.landing_bytes = len(msg.landing.page_ids) * msg.landing.layout.page_bytes
+            transfer.prefill_sent = True
+            transfer.prefill.lane.rate.started(self.clock())
             self._send(transfer.prefill, p.Prefill(msg.request_id, tuple(flight.prompt), flight.params, msg.landing))
 
     def _retry_reserve(self, flight: _Flight) -> None:
-        if flight.phase is not Phase.QUEUED or self.flights.get(flight.request_id) is not flight:
+        if flight.phase is not Phase.BACKOFF or self.flights.get(flight.request_id) is not flight:
             return
-        if time.monotonic() - flight.submitted_at > self.landing_timeout_s:  # host tiers stay full
+        if self.clock() - flight.reserve_started_at > self.landing_timeout_s:  # host tiers stay full
             self._finish_error(flight, ErrorKind.UNAVAILABLE,
                                f"no decode worker had room to land the prompt within {self.landing_timeout_s}s")
             return
         try:
-            self._route(flight)
+            self._route(flight, admit=False)
         except BackendError as exc:
             self._finish_error(flight, exc.kind, exc.message)
 
@@ -287,13 +341,21 @@ class Dispatcher:
             return
         if not transfer.decode.gone:
             self._send(transfer.decode, msg)
-        if isinstance(msg, (p.KVComplete, p.TransferAborted)):
+        if isinstance(msg, p.KVComplete):
+            self._transfer_over(msg.request_id, delivered=True)
+        elif isinstance(msg, p.TransferAborted):
             self._transfer_over(msg.request_id)
 
-    def _transfer_over(self, wire_id: str) -> None:
+    def _transfer_over(self, wire_id: str, delivered: bool = False) -> None:
+        """The prefill worker is done with it (or gone): its window share goes to the next in queue."""
         transfer = self._transfers.pop(wire_id, None)
-        if transfer is not None:
-            transfer.prefill.pending_prefill_tokens -= transfer.prompt_len
+        if transfer is None:
+            return
+        lane = transfer.prefill.lane
+        lane.leave_window(transfer.prompt_len)
+        if transfer.prefill_sent:
+            lane.rate.finished(self.clock(), transfer.prompt_len if delivered else None)
+        self._pump(transfer.prefill)
 
     def _on_tokens(self, live: LiveWorker, msg: p.TokenOutput) -> None:
         flight = self._by_wire.get(msg.request_id)
@@ -307,6 +369,8 @@ class Dispatcher:
             elif not self._reroute(flight, msg.error):
                 self._finish_error(flight, ErrorKind.UNAVAILABLE, msg.error)
             return
+        if flight.unloaded_sample and flight.tokens_sent == 0 and not flight.prefill.gone:
+            flight.prefill.lane.observe_idle_ttft(self.clock() - flight.submitted_at)
         flight.phase = Phase.STREAMING
         flight.tokens_sent += len(msg.new_token_ids)
         if msg.finish_reason is None:
@@ -359,7 +423,7 @@ class Dispatcher:
 
     # ---- workers -----------------------------------------------------------------------------------
     def _adopt(self, info: WorkerInfo) -> None:
-        live = LiveWorker(info)
+        live = LiveWorker(info, PrefillLane(self.admission.prefill_window_tokens, self.admission.rate_smoothing))
         self.lives[info.worker_id] = live
         live.tasks = [asyncio.create_task(self._sender(live), name=f"send-{info.worker_id}"),
                       asyncio.create_task(self._collector(live), name=f"collect-{info.worker_id}")]
@@ -383,6 +447,14 @@ class Dispatcher:
             for lv in survivors:
                 if lv.info.role is WorkerRole.PREFILL:
                     self._send(lv, p.PeerDead(live.info.session))
+        # Queued ones first, so that a window freed below is never handed to a request bound for `live`.
+        queued = live.lane.drain() + [f for f in self.flights.values() if f.decode is live and f.phase is Phase.QUEUED]
+        for flight in queued:  # never handed to a worker: routed afresh, not a re-route
+            self._unroute(flight)
+            try:
+                self._route(flight, admit=False)
+            except BackendError as exc:
+                self._finish_error(flight, exc.kind, exc.message)
         for wire, transfer in list(self._transfers.items()):
             if live in (transfer.prefill, transfer.decode):
                 self._transfer_over(wire)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster import protocol as p
+from router.admission import PrefillLane
 from router.backend import WorkerGauge
 from router.policy import WorkerRole, WorkerView
 
@@ -46,12 +47,17 @@ class LiveWorker:
     """One worker incarnation as the dispatcher sees it: its outbound queue, its tasks, its load."""
 
     info: WorkerInfo
+    lane: PrefillLane  # prefill workers: admitted prompts queued for it and in its window
     outq: list = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list = field(default_factory=list)
     gone: bool = False
-    pending_prefill_tokens: int = 0
-    num_active: int = 0
+    num_active: int = 0  # requests routed here to decode (or prefill locally), from arrival to end
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens routed here whose prefill has not completed (queued or in the window)."""
+        return self.lane.ahead_tokens
 
     @property
     def worker_id(self) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 
 import pytest
@@ -22,7 +23,10 @@ from cluster.config import EngineConfig
 from cluster.worker_host import HostLink, WorkerHost
 from cluster.worker_process import WorkerSpec
 from kernels.model.loader import apply_chat_template
+from decode_worker.worker import InboundPhase
 from kv_store.req_kv import ceil_div
+from kv_store.transfer.session import TransferDeadlines
+from router.admission import AdmissionParams
 from router.backend import BackendError, ErrorKind
 from router.dispatcher import Dispatcher, Phase, WorkerInfo
 from router.policy import WorkerRole
@@ -36,6 +40,8 @@ TINY_HOST_PAGES = 3  # usable host-tier pages of "decode-tiny": one 33..48-token
 MAX_NEW = 10
 LONG = 200  # max_tokens of a request that must still be running when the test acts on it
 REST_TIMEOUT_S = 5.0
+# The "-short" pair: a transfer that waits this long for its prefill to start is abandoned.
+SHORT_DEADLINES = TransferDeadlines(bootstrapping_s=30.0, waiting_s=5.0, transferring_s=5.0)
 
 
 # ---- fixtures ---------------------------------------------------------------------------------------
@@ -46,7 +52,10 @@ def hosts():
     built = {"prefill-0": WorkerHost(WorkerSpec("prefill", ENGINE), "prefill-0"),
              "decode-0": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=256), "decode-0"),
              # +1: the host pool's page 0 is the scratch page
-             "decode-tiny": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=TINY_HOST_PAGES + 1), "decode-tiny")}
+             "decode-tiny": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=TINY_HOST_PAGES + 1), "decode-tiny"),
+             "prefill-short": WorkerHost(WorkerSpec("prefill", ENGINE, deadlines=SHORT_DEADLINES), "prefill-short"),
+             "decode-short": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=256, deadlines=SHORT_DEADLINES),
+                                        "decode-short")}
     yield built
     for host in built.values():
         assert host.shutdown(), f"{host.worker_id}: loop did not stop"
@@ -543,3 +552,56 @@ def test_drain_and_close_end_open_streams_and_abort_them_on_the_workers(hosts, t
 
     serve(cluster, tok, scenario)
     asyncio.run(wait_at_rest(prefill, decode, timeout_s=3.0))
+
+
+def test_overload_is_refused_at_arrival_and_queued_requests_keep_their_transfer_deadlines(hosts, tok, reference):
+    """24 requests at once, far more than the prefill worker serves within the transfer deadlines
+    (5 s): the excess is refused at arrival (429 kind, Retry-After), the admitted ones wait in the
+    dispatcher, not on a landing, so no deadline fires and none is re-prefilled; every admitted one
+    gets the colocated engine's greedy tokens, and the workers end at rest."""
+    prefill, decode = hosts["prefill-short"], hosts["decode-short"]
+    rng = random.Random(10)  # distinct random prompts: no prefix-cache hit shortens a prefill
+    prompts = [[rng.randrange(100, 20000) for _ in range(rng.randrange(33, 49))] for _ in range(24)]
+    window_tokens = 2 * ENGINE.chunk_size
+    assert all(len(pr) > window_tokens // 4 for pr in prompts)  # at most 3 fit the window at once
+    expected = reference(prompts)
+    cluster = Cluster(hosts, "prefill-short", "decode-short")
+    landings = []  # landings reserved on the decode worker and not yet written, sampled
+
+    def num_landings() -> int:
+        while True:
+            try:  # the worker's thread may change the dict while we copy it
+                return sum(ib.phase is InboundPhase.LANDING for ib in list(decode.worker.inbound.values()))
+            except RuntimeError:
+                continue
+
+    async def scenario(d):
+        assert_finished_cleanly(await collect(d.generate("t10-warm", chat(tok, 0), greedy(max_tokens=2))))
+        assert d.lives["prefill-short"].lane.rate.tokens_per_s, "the warm-up measured no prefill rate"
+        streams, refused = {}, []
+        start_s = time.monotonic()
+        for i, prompt in enumerate(prompts):
+            try:
+                streams[i] = d.generate(f"t10-{i}", prompt, greedy(max_tokens=MAX_NEW))
+            except BackendError as exc:
+                refused.append(exc)
+        arrival_s = time.monotonic() - start_s
+        gather = asyncio.ensure_future(asyncio.gather(*map(collect, streams.values())))
+        while not gather.done():  # collect() bounds it
+            landings.append(num_landings())
+            await asyncio.sleep(0.01)
+        await wait_at_rest(prefill, decode)
+        return dict(zip(streams, gather.result())), refused, arrival_s, d.reroutes._value.get()
+
+    results, refused, arrival_s, reroutes = serve(
+        cluster, tok, scenario, admission=AdmissionParams(max_queue_delay_s=2.0, prefill_window_tokens=window_tokens))
+    assert refused, "nothing was refused: the flood was admitted whole"
+    assert results, "nothing was admitted"
+    assert arrival_s < 1.0, f"refusing took {arrival_s:.2f}s: it must be decided at arrival"
+    for exc in refused:
+        assert exc.kind is ErrorKind.QUEUE_FULL and exc.retry_after_s > 0 and "capacity" in exc.message
+    for i, chunks in results.items():
+        assert_finished_cleanly(chunks)
+        assert tokens(chunks) == expected[i], f"request {i}"
+    assert reroutes == 0, "a request was re-prefilled: a transfer deadline fired while it waited"
+    assert 0 < max(landings) <= 3, f"{max(landings)} landings at once: landings reserved while queued"

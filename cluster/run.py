@@ -139,10 +139,10 @@ def _run_disaggregated(args, config, prompts, params) -> list[RunResult]:
 
 
 def _text(tokenizer, token_ids: list[int], stop: tuple[str, ...]) -> str:
-    """Output text, cut before the first stop string (as the engine's own `output_text`)."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return text[:min(hits)] if hits else text
+    """Output text, cut before the first stop string (the engine's stop rule, `prefill_worker.stop`)."""
+    from prefill_worker.stop import cut_at_stop, decode
+
+    return cut_at_stop(decode(tokenizer, token_ids), stop)
 
 
 def _log_throughput(output_lens: list[int], elapsed_s: float) -> None:

@@ -25,6 +25,7 @@ from kv_store.req_kv import KVManager
 from prefill_worker.request import FinishReason, Request, RequestStatus
 from prefill_worker.runner import ModelRunner
 from prefill_worker.scheduler import ScheduledStep, Scheduler
+from prefill_worker.stop import StopRules
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,7 +97,8 @@ class EngineCore:
         if len(prompt_token_ids) >= limit:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate: this engine "
                              f"holds at most {limit} tokens per request (context length / KV pool)")
-        return Request(request_id, list(prompt_token_ids), params)
+        rules = StopRules(params, self.eos_token_ids, self.tokenizer, limit)
+        return Request(request_id, list(prompt_token_ids), params, stop_rules=rules)
 
     def abort(self, request_id: str) -> bool:
         """End a request now, releasing its KV. Returns False when it is unknown or already done."""
@@ -164,18 +166,9 @@ class EngineCore:
         return outputs
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        p = req.params
-        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
-            return FinishReason.STOP
-        if p.stop:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                req.text_len = min(hits)
-                return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.scheduler.max_request_tokens():
-            return FinishReason.LENGTH
-        return None
+        """The stop rules after `token` (just appended to `req.output_token_ids`); see `prefill_worker.stop`."""
+        assert req.output_token_ids[-1] == token, f"request {req.request_id}: check the token just appended"
+        return req.stop_rules.check(req.output_token_ids, req.num_tokens)
 
     def _loads_in_flight(self) -> frozenset:
         """Hook: host->device loads not yet completed (none without a host tier)."""

@@ -13,9 +13,13 @@ import enum
 import itertools
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.config import SamplingParams
 from kv_store.req_kv import ReqKV
+
+if TYPE_CHECKING:
+    from prefill_worker.stop import StopRules
 
 
 class RequestStatus(enum.Enum):
@@ -51,20 +55,25 @@ class Request:
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at first admission."""
     num_retractions: int = 0
-    text_len: int | None = None
-    """Where a stop string cut the output text (chars); None: not cut."""
     error: str = ""
+    """Why the request ended in ABORT when the client did not ask for it (transfer failure, ...)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Monotonic timestamps of lifecycle events (submitted, compute_done, transfer_done, ...)."""
-    """Why the request ended in ABORT when the client did not ask for it (transfer failure, ...)."""
     arrival: int = field(default_factory=lambda: next(_arrival))
     sample_seed: int = 0
+    stop_rules: StopRules | None = None
+    """Its stop rules with their incremental state; set by the engine that admits it."""
 
     def __post_init__(self):
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: empty prompt")
         seed = self.params.seed
         self.sample_seed = seed if seed is not None else random.getrandbits(62)
+
+    @property
+    def text_len(self) -> int | None:
+        """Where a stop string cut the output text (chars); None: not cut."""
+        return self.stop_rules.text_len if self.stop_rules is not None else None
 
     @property
     def all_token_ids(self) -> list[int]:

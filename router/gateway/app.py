@@ -6,6 +6,7 @@
     GET  /health/ready                           a real one-token generation, cached (readiness.py)
     GET  /metrics                                Prometheus text exposition of this app's registry (API key as /v1)
     GET  /debug/workers                          each worker's last reported state (API key as /v1)
+    GET  /openapi.json                           the OpenAPI document of all of these (openapi.py)
 
 Every request first passes the Host/Origin check (403, hosts.py). A generation request then passes,
 in order: API key (401) -> draining (503) -> a JSON Content-Type (415) -> body within
@@ -28,7 +29,7 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
 from cluster.config import SamplingParams
@@ -37,6 +38,8 @@ from kernels.model.loader import encode_prompt
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
 from router.gateway.hosts import HostGuard, HostPolicy
 from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from router.gateway.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
+    HealthStatus, ModelList, ReadyStatus, WorkerList, errors, generation_responses, openapi_document, request_models
 from router.gateway.readiness import ReadinessProbe, serving_workers_alive
 from router.gateway.responses import SHAPES
 from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
@@ -245,40 +248,63 @@ def build_app(backend: Any, config: GatewayConfig, *,
     app.add_middleware(HostGuard, policy=HostPolicy.for_bind(config.host, config.allowed_hosts))
     install_handlers(app)
     _add_routes(app, gateway)
+    _add_openapi(app, gateway)
     return app
 
 
 def _add_routes(app: FastAPI, gateway: Gateway) -> None:
-    @app.post("/v1/completions")
+    """The routes, each documented by `openapi` (responses here, request bodies in `_add_openapi`)."""
+    @app.post("/v1/completions", responses=generation_responses(CompletionResponse, CompletionChunk))
     async def completions(request: Request) -> Response:
         return await gateway.generate(request, Endpoint.COMPLETION)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await gateway.generate(request, Endpoint.CHAT)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(401, 403)})
     async def models(request: Request) -> Response:
         gateway.check_api_key(request)
         card = {"id": gateway.served_name, "object": "model", "created": gateway.created, "owned_by": "tandem",
                 "max_model_len": gateway.limits.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthStatus}, **errors(403, 503)})
     async def health() -> Response:
         return gateway.health()
 
-    @app.get("/health/ready")
+    @app.get("/health/ready", responses={200: {"model": ReadyStatus}, **errors(403, 503)})
     async def ready() -> Response:
         return await gateway.ready()
 
-    @app.get("/debug/workers")
+    @app.get("/debug/workers", responses={200: {"model": WorkerList}, **errors(401, 403)})
     async def workers(request: Request) -> Response:
         gateway.check_api_key(request)
         details = getattr(gateway.backend, "worker_details", None)
         return JSONResponse({"workers": details() if details is not None else []})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition.", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **errors(401, 403)})
     async def metrics(request: Request) -> Response:
         gateway.check_api_key(request)  # load, worker names and traffic are the operator's business
         return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+def _add_openapi(app: FastAPI, gateway: Gateway) -> None:
+    """`GET /openapi.json`. Open like /health when no API key is set (clients and fuzzers read it, as
+    vLLM's); with a key it needs the key like /v1/models: it names the served model and its limits."""
+    completion, chat = request_models(gateway.limits)
+    bodies = {"/v1/completions": completion, "/v1/chat/completions": chat}
+
+    def document() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, gateway.limits, gateway.config.api_key is not None, bodies)
+        return app.openapi_schema
+
+    app.openapi = document  # what FastAPI's own tooling calls
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        gateway.check_api_key(request)
+        return JSONResponse(document())

@@ -90,11 +90,10 @@ def _lone_surrogate_at(payload: dict) -> str | None:
 def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits) -> GenerateRequest:
     """A /v1/completions body. The prompt is encoded without a chat template or special tokens."""
     _check_common(payload, limits)
-    for name in ("echo", "suffix"):
-        if payload.get(name):
-            raise _unsupported(name)
-    if (payload.get("best_of") or 1) != 1:
-        raise _unsupported("best_of", "best_of > 1")
+    _check_off(payload, "echo", False)
+    _check_off(payload, "suffix", "")
+    _check_off(payload, "best_of", 1, "best_of > 1")
+    _check_off(payload, "logprobs", 0)
     prompt_ids = _completion_prompt(payload, tokenizer, limits.vocab_size)
     max_tokens = _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
     return _request(Endpoint.COMPLETION, payload, prompt_ids, max_tokens, limits.vocab_size)
@@ -103,19 +102,20 @@ def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits) -> Gene
 def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits) -> GenerateRequest:
     """A /v1/chat/completions body. The messages go through the model's chat template."""
     _check_common(payload, limits)
-    if payload.get("top_logprobs"):
-        raise _unsupported("top_logprobs")
-    for name in ("tools", "functions"):
-        if payload.get(name):
-            raise _unsupported(name)
-    if payload.get("tool_choice") not in (None, "none"):
-        raise _unsupported("tool_choice")
+    _check_off(payload, "logprobs", False)
+    _check_off(payload, "top_logprobs", 0)
+    _check_off(payload, "tools", [])
+    _check_off(payload, "functions", [])
+    _check_off(payload, "tool_choice", "none")
     fmt = payload.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _unsupported("response_format", "response_format other than {\"type\": \"text\"}")
     prompt_ids = _chat_prompt(payload, tokenizer)
-    name = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _max_tokens(payload, name, len(prompt_ids), limits)
+    if payload.get("max_completion_tokens") is not None:  # it wins; max_tokens must still be well-formed
+        _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
+        max_tokens = _max_tokens(payload, "max_completion_tokens", len(prompt_ids), limits)
+    else:
+        max_tokens = _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
     return _request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits.vocab_size)
 
 
@@ -125,24 +125,39 @@ def _check_common(payload: dict, limits: ModelLimits) -> None:
     if model is not None and model != limits.served_name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {limits.served_name!r}",
                        code="model_not_found", param="model")
-    if _integer(payload, "n") not in (None, 1):
-        raise _unsupported("n", "n other than 1")
-    if payload.get("logprobs"):
-        raise _unsupported("logprobs")
+    _check_off(payload, "n", 1, "n other than 1")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(payload, name) not in (None, 0):
             raise _unsupported(name, f"a non-zero {name}")
-    if payload.get("logit_bias"):
-        raise _unsupported("logit_bias")
+    _check_off(payload, "logit_bias", {})
+    _typed(payload, "user", str)  # ignored, but documented as a string
+
+
+def _check_off(payload: dict, name: str, off: Any, what: str | None = None) -> None:
+    """A field tandem cannot honour is accepted only absent, null, or at the one value meaning "off"
+    (of that value's JSON type: `0` is not `false`, `""` is not `[]`); 400 otherwise."""
+    value = payload.get(name)
+    if value is None:
+        return
+    if isinstance(off, bool):
+        is_off = value is off
+    elif isinstance(off, int):
+        is_off = _as_int(value) == off  # JSON Schema's integers: 1 and 1.0
+    else:
+        is_off = type(value) is type(off) and value == off
+    if not is_off:
+        raise _unsupported(name, what)
 
 
 def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_tokens: int,
              vocab_size: int) -> GenerateRequest:
     stream = bool(_typed(payload, "stream", bool))
     options = _typed(payload, "stream_options", dict) or {}
-    include_usage = bool(options.get("include_usage", False))
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise invalid("`stream_options.include_usage` must be a boolean", param="stream_options.include_usage")
     return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens, vocab_size), stream,
-                           include_usage)
+                           bool(include_usage))
 
 
 def _sampling_params(payload: dict, max_tokens: int, vocab_size: int) -> SamplingParams:
@@ -212,8 +227,12 @@ def _max_tokens(payload: dict, name: str, prompt_len: int, limits: ModelLimits) 
     if asked is not None and asked <= 0:
         raise invalid(f"{name} must be >= 1, got {asked}", param=name)
     context_left = limits.max_model_len - prompt_len
+    if context_left <= 0:
+        raise invalid(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt alone "
+                      f"has {prompt_len}", param="messages" if "messages" in payload else "prompt",
+                      code="context_length_exceeded")
     max_tokens = asked if asked is not None else min(limits.default_max_tokens, context_left)
-    if context_left <= 0 or prompt_len + max_tokens > limits.max_model_len:
+    if prompt_len + max_tokens > limits.max_model_len:
         raise invalid(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has "
                       f"{prompt_len} and {max_tokens} completion tokens were requested",
                       param=name, code="context_length_exceeded")
@@ -230,10 +249,11 @@ def _completion_prompt(payload: dict, tokenizer: Any, vocab_size: int) -> list[i
         prompt = prompt[0]  # a batch of one: one string, or one list of token ids
     if isinstance(prompt, str):
         return encode_prompt(tokenizer, prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t < vocab_size for t in prompt):
+    token_ids = _as_ints(prompt) if isinstance(prompt, list) and prompt else None
+    if token_ids is not None:
+        if not all(0 <= t < vocab_size for t in token_ids):
             raise invalid(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-        return list(prompt)
+        return token_ids
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise _unsupported("prompt", "more than one prompt per request")
     raise invalid("`prompt` must be a string, a list with one string, or a non-empty list of token ids",
@@ -300,20 +320,39 @@ def _number(payload: dict, name: str) -> float | None:
     return value
 
 
+def _as_int(value: Any) -> int | None:
+    """`value` as an int when JSON Schema calls it an integer (2, and 2.0: a number with no fraction);
+    None for anything else (booleans included)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _as_ints(values: list) -> list[int] | None:
+    ints = [_as_int(v) for v in values]
+    return None if None in ints else ints
+
+
 def _integer(payload: dict, name: str) -> int | None:
     value = payload.get(name)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+    if value is None:
+        return None
+    as_int = _as_int(value)
+    if as_int is None:
         raise invalid(f"`{name}` must be an integer", param=name)
-    return value
+    return as_int
 
 
 def _int_list(payload: dict, name: str) -> list[int]:
     value = payload.get(name)
     if value is None:
         return []
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    ints = _as_ints(value) if isinstance(value, list) else None
+    if ints is None:
         raise invalid(f"`{name}` must be a list of integers", param=name)
-    return value
+    return ints
 
 
 def _stop_strings(payload: dict) -> tuple[str, ...]:

@@ -306,10 +306,9 @@ def test_tandem_serve_runs_the_gateway_through_gateway_server(monkeypatch):
     monkeypatch.setattr(dispatcher, "Dispatcher", FakeDispatcher)
     monkeypatch.setattr(actors, "ControllerViews", lambda controller: controller)
     monkeypatch.setattr(gateway, "GatewayServer", RecordingServer)
-    monkeypatch.setattr(gateway.app, "Gateway", _NoModelGateway)
     guard = launch._SignalGuard()
     config = _serve_config(port=0, header_timeout_s=2.0, max_connections=300)
-    asyncio.run(launch._serve_gateway(config, object(), [Record()], None, guard))
+    asyncio.run(launch._serve_gateway(config, object(), [Record()], _Vocabulary(), guard))
     server = served[-1]
     assert served[0] == "dispatcher started" and isinstance(server, RecordingServer)
     assert server.config is config.gateway and guard.server is server.uvicorn_server
@@ -322,7 +321,7 @@ def test_tandem_serve_runs_the_gateway_through_gateway_server(monkeypatch):
         taken.listen()
         config = _serve_config(port=taken.getsockname()[1])
         with pytest.raises(launch.ServeStartError, match="cannot listen on 127.0.0.1"):
-            asyncio.run(launch._serve_gateway(config, object(), [Record()], None, launch._SignalGuard()))
+            asyncio.run(launch._serve_gateway(config, object(), [Record()], _Vocabulary(), launch._SignalGuard()))
 
 
 def _serve_config(**gateway_fields):
@@ -331,11 +330,11 @@ def _serve_config(**gateway_fields):
     return load_serve_config(None, {f"gateway.{k}": v for k, v in gateway_fields.items()})
 
 
-class _NoModelGateway:
-    """Stands in for the app's Gateway when no model is loaded (the launch test builds only the app)."""
+class _Vocabulary:
+    """All the launch test's app needs of a tokenizer: its size."""
 
-    def __init__(self, backend, config, state):
-        self.config = config
+    def __len__(self):
+        return 256
 
 
 # ---- defect 5: readiness is cheap and shared; /metrics and /health -------------------------------
@@ -576,3 +575,53 @@ def test_values_at_the_bounds_are_served(client):
 ])
 def test_non_finite_numbers_are_400_naming_the_field(client, text, param):
     assert_error(client.post(COMPLETION, content=raw_body(text), headers=JSON), 400, param=param)
+
+
+# ---- defect 12: the OpenAPI document -------------------------------------------------------------
+def test_openapi_document_describes_every_endpoint(client, backend):
+    doc = client.get("/openapi.json").json()
+    assert doc["openapi"].startswith("3.1") and "securitySchemes" not in doc.get("components", {})
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/health/ready",
+                                 "/debug/workers", "/metrics"}
+    schemas = doc["components"]["schemas"]
+    for path, request, response in (("/v1/completions", "CompletionRequest", "CompletionResponse"),
+                                    ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse")):
+        post = doc["paths"][path]["post"]
+        assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + request)
+        assert set(post["requestBody"]["content"]) == {"application/json"}
+        ok = post["responses"]["200"]["content"]
+        assert ok["application/json"]["schema"]["$ref"].endswith("/" + response) and "text/event-stream" in ok
+        for status in ("400", "401", "403", "404", "408", "413", "415", "429", "500", "503"):
+            assert post["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith(
+                "/ErrorResponse"), (path, status)
+    props = schemas["CompletionRequest"]["properties"]
+    assert {"const": MODEL, "type": "string"} in props["model"]["anyOf"]  # this app's model, by name
+    assert {"maximum": backend.max_model_len, "minimum": 1, "type": "integer"} in props["max_tokens"]["anyOf"]
+    assert schemas["ErrorResponse"]["required"] == ["error"]
+    assert set(schemas["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
+    assert {"CompletionChunk", "ChatCompletionChunk"} <= set(schemas)
+
+
+def test_openapi_document_follows_the_api_key(backend):
+    client = app_client(backend, api_key="sekret")
+    assert_error(client.get("/openapi.json"), 401, "invalid_api_key")
+    doc = client.get("/openapi.json", headers={"Authorization": "Bearer sekret"}).json()
+    assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    guarded = {path for path, ops in doc["paths"].items() for op in ops.values() if "security" in op}
+    assert guarded == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/debug/workers", "/metrics"}
+
+
+def test_real_answers_match_the_documented_models(client):
+    from router.gateway.openapi import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ErrorResponse,
+                                        ModelList)
+
+    CompletionResponse.model_validate(client.post(COMPLETION, json={"prompt": "Hi", "max_tokens": 2}).json())
+    ChatCompletionResponse.model_validate(client.post(CHAT, json={"messages": QUESTION, "max_tokens": 2}).json())
+    ModelList.model_validate(client.get("/v1/models").json())
+    ErrorResponse.model_validate(client.post(CHAT, json={"messages": []}).json())
+    text = client.post(CHAT, json={"messages": QUESTION, "max_tokens": 3, "stream": True,
+                                   "stream_options": {"include_usage": True}}).text
+    frames = [f[6:] for f in text.split("\n\n") if f]
+    assert frames[-1] == "[DONE]"
+    for frame in frames[:-1]:
+        ChatCompletionChunk.model_validate_json(frame)

@@ -1,0 +1,311 @@
+"""The gateway's OpenAPI document (`GET /openapi.json`): every endpoint's request body, responses and
+error shape, as pydantic models.
+
+The models describe; they do not validate. Requests are still parsed by hand (`schema.py`) so that
+each error names its `param`; a test fuzzes the server from this document (schemathesis), so the two
+must agree. Request models are built per app (`request_models`): the served model's name, its
+context length and vocabulary bound fields that a static schema could not.
+
+What the document does not capture: a prompt's token count against the context (400
+`context_length_exceeded`), and completion-only values that mean "off" (n, best_of, echo, logprobs...
+are accepted only at their default).
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.config import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
+from router.gateway.schema import CHAT_ROLES, ModelLimits
+
+SECURITY_SCHEME = "bearer"
+_STATUS_WORDS = {400: "Invalid request", 401: "Missing or wrong API key", 403: "Host or Origin not served here",
+                 404: "Unknown model", 408: "Body not received in time", 413: "Body too large",
+                 415: "Body not declared JSON", 429: "Too many requests; see Retry-After",
+                 500: "Internal error (the message carries an error id)",
+                 503: "Unavailable or draining; see Retry-After"}
+
+
+# ---- responses ----------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, whatever its status (errors.py)."""
+
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(ge=0)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    prompt_tokens_details: PromptTokensDetails
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: Literal[0]
+    text: str
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice] = Field(min_length=1, max_length=1)
+    usage: Usage
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: Literal[0]
+    message: ChatMessage
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice] = Field(min_length=1, max_length=1)
+    usage: Usage
+
+
+class CompletionChunkChoice(BaseModel):
+    index: Literal[0]
+    text: str
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` frame of a streamed completion (the usage frame has no choices)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice] = Field(max_length=1)
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: Literal[0]
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` frame of a streamed chat completion (the usage frame has no choices)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice] = Field(max_length=1)
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok"]
+
+
+class ReadyStatus(BaseModel):
+    status: Literal["ready"]
+
+
+class WorkerList(BaseModel):
+    workers: list[dict[str, Any]]
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` entries for error statuses, all in the one error shape."""
+    return {status: {"model": ErrorResponse, "description": _STATUS_WORDS[status]} for status in statuses}
+
+
+GENERATION_ERRORS = errors(400, 401, 403, 404, 408, 413, 415, 429, 500, 503)
+
+
+def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    sse = (f"With `stream: true`: server-sent events, each `data: <{chunk.__name__}>` (see the "
+           f"component), an `ErrorResponse` frame if the request fails after its first frame, then "
+           "`data: [DONE]`.")
+    return {200: {"model": body, "description": f"The whole answer ({body.__name__}). {sse}",
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}},
+            **GENERATION_ERRORS}
+
+
+SSE_EVENT = {  # one event (Open API 3.1: an event-stream's schema describes each event)
+    "type": "object", "required": ["data"],
+    "properties": {"event": {"const": "message"},
+                   "data": {"type": "string", "contentMediaType": "application/json",
+                            "description": "A chunk, an ErrorResponse, or the final `[DONE]`."}}}
+
+
+# ---- requests -----------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+
+
+StopString = NonEmptyString = Annotated[str, Field(min_length=1)]
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal[tuple(sorted(CHAT_ROLES - {"assistant"}))]  # type: ignore[valid-type]
+    content: str | list[TextPart] = Field(description="Text, or text parts joined by newlines.")
+
+
+class AssistantInputMessage(BaseModel):
+    """An earlier answer of the assistant; its content may be null (an empty turn)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None
+
+
+def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(CompletionRequest, ChatCompletionRequest) bounded by this app's model. Unknown fields are
+    allowed (and ignored), as by the parser; fields left out take the defaults in their descriptions."""
+    ModelName = Literal[limits.served_name]  # type: ignore[valid-type]  # noqa: N806 - one value, known at run time
+    TokenId = Annotated[int, Field(ge=0, lt=limits.vocab_size)]  # noqa: N806
+    MaxTokens = Annotated[int, Field(ge=1, le=limits.max_model_len)]  # noqa: N806
+
+    class SamplingFields(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        model: ModelName | None = Field(None, description="The served model; other names get 404.")
+        max_tokens: MaxTokens | None = Field(None, description="Completion tokens at most; default: "
+                                              "gateway.default_max_tokens, capped by the context left.")
+        temperature: float | None = Field(None, ge=0, description="Default 1; 0 is greedy.")
+        top_p: float | None = Field(None, gt=0, le=1)
+        top_k: int | None = Field(None, ge=-1, description="-1 or 0: off; the vocabulary size or more: off.")
+        seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+        stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+            None, description="Stop strings (4096 characters together at most); the text ends before the first.")
+        stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+        ignore_eos: bool | None = None
+        stream: bool | None = None
+        stream_options: StreamOptions | None = None
+        n: Literal[1] | None = None
+        presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+        frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+        logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+        user: str | None = None
+
+    class CompletionRequest(SamplingFields):
+        prompt: (NonEmptyString | Annotated[list[TokenId], Field(min_length=1)]
+                 | Annotated[list[NonEmptyString], Field(min_length=1, max_length=1)]
+                 | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+                 ) = Field(
+            description="One prompt: a string, or token ids, alone or as a batch of one.")
+        echo: Literal[False] | None = None
+        suffix: Literal[""] | None = None
+        best_of: Literal[1] | None = None
+        logprobs: Literal[0] | None = None
+
+    class ChatCompletionRequest(SamplingFields):
+        messages: list[Annotated[InputMessage | AssistantInputMessage, Field(discriminator="role")]] = Field(
+            min_length=1)
+        max_completion_tokens: MaxTokens | None = Field(None, description="Wins over max_tokens.")
+        logprobs: Literal[False] | None = None
+        top_logprobs: Literal[0] | None = None
+        tool_choice: Literal["none"] | None = None
+        tools: Annotated[list[Any], Field(max_length=0)] | None = None
+        functions: Annotated[list[Any], Field(max_length=0)] | None = None
+        response_format: ResponseFormat | None = None
+
+    CompletionRequest.__name__ = CompletionRequest.__qualname__ = "CompletionRequest"
+    ChatCompletionRequest.__name__ = ChatCompletionRequest.__qualname__ = "ChatCompletionRequest"
+    return CompletionRequest, ChatCompletionRequest
+
+
+# ---- the document -------------------------------------------------------------------------------
+def openapi_document(app: FastAPI, limits: ModelLimits, api_key_required: bool,
+                     request_bodies: dict[str, type[BaseModel]]) -> dict[str, Any]:
+    """The document for `app`: FastAPI's (paths, responses) plus the request bodies of the POST
+    paths in `request_bodies` and, when a key is required, the bearer scheme on the guarded paths."""
+    doc = get_openapi(title="tandem", version=_version(), routes=app.routes,
+                      description="OpenAI-compatible LLM serving. Generation bodies must be JSON "
+                                  "(Content-Type: application/json); the Host header must name this server.")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in request_bodies.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(body.pop("$defs", {}))
+        schemas[model.__name__] = body
+        doc["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/"
+                                                                                  f"{model.__name__}"}}}}
+    for chunk in (CompletionChunk, ChatCompletionChunk):  # named by the SSE descriptions
+        schema = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[chunk.__name__] = schema
+    if api_key_required:
+        doc["components"]["securitySchemes"] = {SECURITY_SCHEME: {"type": "http", "scheme": "bearer"}}
+        for path, operations in doc["paths"].items():
+            for operation in operations.values():
+                if "401" in operation.get("responses", {}):
+                    operation["security"] = [{SECURITY_SCHEME: []}]
+    return doc
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tandem-serve")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"

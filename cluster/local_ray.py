@@ -79,10 +79,6 @@ class LocalRay:
                  address, num_cpus, session_id)
         return cls(address, session_id, workdir, saved_env)
 
-    def processes(self) -> list[int]:
-        """Pids of the live (not zombie) processes of the instance's session."""
-        return session_members(self.session_id)
-
     def stop(self, grace_s: float = 2.0) -> None:
         """End every process of the session, remove the token and Ray's files, restore the environment.
         Disconnect the driver (`ray.shutdown()`) first. Idempotent."""
@@ -143,7 +139,8 @@ def _check_driver_on_loopback() -> None:
     node_ip = ray.util.get_node_ip_address()  # before ray.init: what this driver would advertise
     if node_ip != LOOPBACK:
         raise LocalRayError(f"this process's Ray driver would use {node_ip}, not {LOOPBACK}: ray was imported "
-                            f"before tandem set {_SINGLE_NODE_ENV}=0 (set it in the environment to run here)")
+                            f"before tandem set {_SINGLE_NODE_ENV}=0 (start tandem serve in a fresh process, or "
+                            "set that variable in its environment)")
 
 
 def session_members(session_id: int) -> list[int]:

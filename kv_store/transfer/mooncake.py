@@ -97,7 +97,8 @@ class _BatchState(enum.Enum):
 
 
 class _Engine:
-    """Thin adapter over `mooncake.engine.TransferEngine`; one error policy, no state of ours.
+    """Thin adapter over `mooncake.engine.TransferEngine`; one error policy, no state of ours beyond
+    what mooncake reports (`rpc_port`, and the `listeners` its `initialize` opened).
 
     Not locked: `MooncakeTransport` serialises every call under its own lock.
     """

@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster import protocol as p
@@ -97,12 +98,13 @@ class HostBeat:
 
 class WorkerHost:
     """Builds the worker (model, pools, transport) in the constructor and runs its loop on a thread.
-    `shutdown` stops the loop, then closes the worker and its transport."""
+    `shutdown` stops the loop, then closes the worker and its transport. `build` makes (worker,
+    transport) from the spec; tests pass their own (a tiny model, a model that fails on cue)."""
 
-    def __init__(self, spec: WorkerSpec, worker_id: str) -> None:
+    def __init__(self, spec: WorkerSpec, worker_id: str, build: Callable[[WorkerSpec], tuple] = _build) -> None:
         self.spec, self.worker_id = spec, worker_id
         self.conn = QueueConn()
-        self.worker, self.transport = _build(spec)
+        self.worker, self.transport = build(spec)
         self.session = self.transport.session_id
         self.crashed = ""
         self._thread = threading.Thread(target=self._run, name=f"tandem-{worker_id}", daemon=True)

@@ -2,7 +2,12 @@
 
 The loop: drain the driver's messages, step the worker while it has work, send its outputs and
 outbox messages, and a heartbeat (with pool stats and an integrity check) every
-`heartbeat_interval_s`. Any exception is reported as `WorkerCrashed` before the process exits.
+`heartbeat_interval_s`.
+
+A fault while handling a message about one request fails that request (its client gets an
+"internal" error, what it held is released) and the loop goes on; the engine confines a fault in
+a step to its request the same way. Any other exception ends the loop and is reported as
+`WorkerCrashed` before the process exits.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 
 from cluster.config import EngineConfig
 from cluster import protocol as p
+from cluster.faults import FAILURE_INTERNAL, internal_error
 
 log = logging.getLogger("tandem.worker")
 
@@ -116,6 +122,29 @@ def _handle(worker, msg, conn) -> bool:
     return True
 
 
+def _handle_confined(worker, msg, conn) -> bool:
+    """`_handle`, with a fault confined to the request the message is about. Returns False on Shutdown."""
+    try:
+        return _handle(worker, msg, conn)
+    except Exception as exc:  # noqa: BLE001 - one request's fault; anything else is re-raised below
+        request_id = getattr(msg, "request_id", None)
+        if request_id is None:
+            raise  # not about one request: the worker's own fault
+        _fail_message(worker, msg, conn, request_id, internal_error(request_id, exc, type(msg).__name__))
+        return True
+
+
+def _fail_message(worker, msg, conn, request_id: str, error: str) -> None:
+    """Release what the request holds, check the pools are consistent again (else the loop ends),
+    and tell its client. A prefill worker's client hears it through the decode worker (`TransferAborted`)."""
+    worker.fail_request(request_id, error)
+    worker.check_integrity()
+    if worker.speaks_for_client:
+        conn.send(p.TokenOutput(request_id, (), "abort", error, failure=FAILURE_INTERNAL))
+    if isinstance(msg, p.Reserve):  # the dispatcher also waits for the answer to a reservation
+        conn.send(p.Reserved(request_id, None, error))
+
+
 def _kv_digest(worker, msg: p.DigestKV) -> p.KVDigest:
     import hashlib
 
@@ -136,8 +165,9 @@ def _send_progress(worker, conn, outputs) -> None:
     token reaches the decode worker inside `KVComplete`."""
     for out in outputs if worker.speaks_for_client else ():
         reason = out.finish_reason.value if out.finish_reason is not None else None
+        failure = out.failure or ("transfer" if out.error else "")
         conn.send(p.TokenOutput(out.request_id, tuple(out.new_token_ids), reason, out.error, out.cached_tokens,
-                                out.timings, time.time(), "transfer" if out.error else ""))
+                                out.timings, time.time(), failure))
     for item in worker.outbox:
         conn.send(item[1] if isinstance(item, tuple) else item)  # decode's outbox holds (peer, msg)
     worker.outbox.clear()
@@ -202,7 +232,7 @@ def _loop(spec: WorkerSpec, worker, conn) -> None:
         else:
             timeout = min(0.05, spec.heartbeat_interval_s)
         while conn.poll(timeout):
-            if not _handle(worker, conn.recv(), conn):
+            if not _handle_confined(worker, conn.recv(), conn):
                 return
             timeout = 0.0
         if worker.has_unfinished():

@@ -2,8 +2,15 @@
 
 One KV pool: the scheduler picks the step, the runner runs it, sampling and stop checks end
 requests, and every end goes through `Scheduler.finish` -> `KVManager.release`. Workers
-specialise it through two hooks: `_after_commit` (a step's KV became valid: the prefill worker
-ships pages from here) and `_on_finished` (a request produced its last token).
+specialise it through three hooks: `_after_commit` (a step's KV became valid: the prefill worker
+ships pages from here), `_on_finished` (a request produced its last token) and `_fail_request`.
+
+A fault is confined to the request that caused it: a forward pass that raises is retried row by
+row, a batched sample that raises is retried row by row, and a request whose own row (or stop
+check) still raises ends in ABORT with an "internal" error through the release path, while the
+rest of the step goes on. Only a fault no request can be blamed for reaches the caller: a KV
+integrity failure after failing requests, or a step whose every row failed while the model cannot
+run even a probe token (the model or device is broken, not a request).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.config import EngineConfig, SamplingParams
+from cluster.faults import FAILURE_INTERNAL, internal_error
 from kernels.kv_layout import KVCacheTensors
 from kernels.sampling import sample
 from kv_store.device_pool import DevicePool, page_bytes
@@ -42,6 +50,7 @@ class StepOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None  # None while the request is still running
     error: str = ""  # why an ABORT that the client did not ask for happened (e.g. a transfer failed)
+    failure: str = ""  # with `error`: FAILURE_INTERNAL, or "" (a transfer failure)
     cached_tokens: int = 0  # set on the finishing output
     timings: tuple[tuple[str, float], ...] = ()  # set on the finishing output
 
@@ -110,6 +119,11 @@ class EngineCore:
         self._after_step()
         return True
 
+    def fail_request(self, request_id: str, error: str) -> None:
+        """End `request_id` after a fault while handling a message about it: release what it holds,
+        as `abort` does. The caller tells its client (`error`)."""
+        self.abort(request_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -122,10 +136,11 @@ class EngineCore:
         self.num_retractions += len(scheduled.retracted)
         outputs = []
         if scheduled.rows:
-            logits = self.runner.forward(scheduled.rows)
-            self.scheduler.commit(scheduled)
-            self._after_commit(scheduled)
-            outputs = self._sample_and_stop(scheduled, logits)
+            scheduled, logits, outputs = self._forward(scheduled)
+            if scheduled.rows:
+                self.scheduler.commit(scheduled)
+                self._after_commit(scheduled)
+                outputs += self._sample_and_stop(scheduled, logits)
         self._after_step()
         return outputs
 
@@ -150,20 +165,72 @@ class EngineCore:
         self.kvm.check_integrity()
 
     # ---- helpers -----------------------------------------------------------------------------------
+    def _forward(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, torch.Tensor, list[StepOutput]]:
+        """(the step without the rows that failed, its logits, outputs of the requests failed)."""
+        try:
+            logits = self.runner.forward(scheduled.rows)
+        except Exception:  # noqa: BLE001 - blame the row(s) that raise alone
+            return self._forward_row_by_row(scheduled)
+        return scheduled, logits, []
+
+    def _forward_row_by_row(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, torch.Tensor, list[StepOutput]]:
+        """Each row alone: a row writes only its own request's uncommitted KV slots, so running the rows
+        one by one computes what the batch would have. Rows that raise alone fail their request."""
+        kept = ScheduledStep(relocation_version=scheduled.relocation_version,
+                             loads_in_flight=scheduled.loads_in_flight)
+        logits, outputs = [], []
+        for req, row in zip(scheduled.requests, scheduled.rows):
+            try:
+                row_logits = self.runner.forward([row])  # [1 or 0, vocab]
+            except Exception as exc:  # noqa: BLE001
+                outputs += self._fail_request(req, internal_error(req.request_id, exc, "the forward pass"))
+                continue
+            kept.requests.append(req)
+            kept.rows.append(row)
+            logits.append(row_logits)
+        if not kept.rows:
+            self.runner.probe()  # raises (ending the worker's loop) when no forward pass can run at all
+        self.check_integrity()  # the failed requests' KV went back cleanly, or the worker must stop
+        return kept, torch.cat(logits) if logits else torch.empty(0), outputs
+
     def _sample_and_stop(self, scheduled: ScheduledStep, logits: torch.Tensor) -> list[StepOutput]:
-        sampling = [(req, row) for req, row in zip(scheduled.requests, scheduled.rows) if row.wants_logits]
-        reqs = [req for req, _ in sampling]
-        tokens = sample(logits, [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
-                        [r.params.top_p for r in reqs], [r.sample_seed for r in reqs],
-                        [len(r.output_token_ids) for r in reqs]).tolist()
+        reqs = [req for req, row in zip(scheduled.requests, scheduled.rows) if row.wants_logits]
         outputs = []
-        for req, token in zip(reqs, tokens):
-            req.output_token_ids.append(token)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self._on_finished(req, reason)
-            outputs.append(self._output(req, [token], reason))
+        for req, token in zip(reqs, self._sample_rows(reqs, logits)):
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                outputs.append(self._advance(req, token))
+            except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going
+                outputs += self._fail_request(req, internal_error(req.request_id, exc, "sampling and stop rules"))
         return outputs
+
+    def _sample_rows(self, reqs: list[Request], logits: torch.Tensor) -> list[int | Exception]:
+        """One token per request, or the exception its row raised. The batch is sampled at once; only
+        when that raises is each row sampled alone (the sampler's draws do not depend on the batch)."""
+        try:
+            return self._sample(reqs, logits)
+        except Exception:  # noqa: BLE001 - some request's values broke the batch: find which
+            return [self._sample_alone(req, logits[i:i + 1]) for i, req in enumerate(reqs)]
+
+    def _sample_alone(self, req: Request, logits: torch.Tensor) -> int | Exception:
+        try:
+            return self._sample([req], logits)[0]
+        except Exception as exc:  # noqa: BLE001 - returned: the caller fails this request alone
+            return exc
+
+    @staticmethod
+    def _sample(reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        return sample(logits, [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
+                      [r.params.top_p for r in reqs], [r.sample_seed for r in reqs],
+                      [len(r.output_token_ids) for r in reqs]).tolist()
+
+    def _advance(self, req: Request, token: int) -> StepOutput:
+        req.output_token_ids.append(token)
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            self._on_finished(req, reason)
+        return self._output(req, [token], reason)
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         """The stop rules after `token` (just appended to `req.output_token_ids`); see `prefill_worker.stop`."""
@@ -175,11 +242,13 @@ class EngineCore:
         return frozenset()
 
     @staticmethod
-    def _output(req: Request, tokens: list[int], reason: FinishReason | None, error: str = "") -> StepOutput:
+    def _output(req: Request, tokens: list[int], reason: FinishReason | None, error: str = "",
+                failure: str = "") -> StepOutput:
         if reason is None:
             return StepOutput(req.request_id, tokens, None)
         req.timings.setdefault("finished", time.monotonic())
-        return StepOutput(req.request_id, tokens, reason, error, req.cached_tokens, tuple(req.timings.items()))
+        return StepOutput(req.request_id, tokens, reason, error, failure, req.cached_tokens,
+                          tuple(req.timings.items()))
 
     def _after_commit(self, scheduled: ScheduledStep) -> None:
         """Hook: the KV of `scheduled` is valid now (before sampling)."""
@@ -188,6 +257,15 @@ class EngineCore:
         """Hook: `req` produced its last token. Default: end it through the release path."""
         self.scheduler.finish(req, reason)
         del self.requests[req.request_id]
+
+    def _fail_request(self, req: Request, error: str) -> list[StepOutput]:
+        """Hook: a fault of `req`'s own ended it (`error` for its client). Default: ABORT through the
+        release path; its client gets an "internal" error."""
+        if req.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(req, FinishReason.ABORT)
+        self.requests.pop(req.request_id, None)
+        req.error = error
+        return [self._output(req, [], FinishReason.ABORT, error, FAILURE_INTERNAL)]
 
     def _after_step(self) -> None:
         if self.debug_kv or not self.scheduler.has_work():

@@ -48,3 +48,11 @@ class ModelRunner:
         input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64, device=self.device)
         _, logits = self.model(input_ids, positions, meta, self.kv_cache)
         return logits
+
+    @torch.inference_mode()
+    def probe(self) -> None:
+        """One token through the model on scratch page 0 (which holds no request's KV). Raises when the
+        model or device cannot run a forward pass at all: then no request is to blame for a failed step."""
+        meta, positions = build_attn_metadata(self.page_size, [1], [1], [[0]], [0], self.device,
+                                              allow_scratch_page=True)
+        self.model(torch.zeros(1, dtype=torch.int64, device=self.device), positions, meta, self.kv_cache)

@@ -103,6 +103,11 @@ class PrefillWorker(EngineCore):
             if sh.landing.session == session:
                 self.abort_transfer(rid, FailureReason.PEER_DEAD, f"decode worker {session} stopped responding")
 
+    def fail_request(self, request_id: str, error: str) -> None:
+        """A fault of its own ends the transfer: the decode worker hears `TransferAborted`, and the KV
+        is released once no write reads it."""
+        self.abort_transfer(request_id, FailureReason.ABORTED, error)
+
     def has_unfinished(self) -> bool:
         return bool(self.shipments) or super().has_unfinished()
 
@@ -133,6 +138,10 @@ class PrefillWorker(EngineCore):
             sh.first_token = req.output_token_ids[-1]
             req.timings["compute_done"] = self.clock()
             self.scheduler.detach(req)
+
+    def _fail_request(self, req: Request, error: str) -> list:
+        self.fail_request(req.request_id, error)
+        return []
 
     def _retractable(self, req: Request) -> bool:
         """A request whose own pages are lent to a write cannot be released yet. Its cached pages

@@ -366,6 +366,8 @@ class Dispatcher:
         if msg.error:
             if msg.failure == "rejected":
                 self._finish_error(flight, ErrorKind.REJECTED, msg.error)
+            elif msg.failure == "internal":  # the worker's fault serving this request: a retry meets it again
+                self._finish_error(flight, ErrorKind.INTERNAL, msg.error)
             elif not self._reroute(flight, msg.error):
                 self._finish_error(flight, ErrorKind.UNAVAILABLE, msg.error)
             return

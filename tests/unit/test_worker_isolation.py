@@ -1,0 +1,216 @@
+"""A fault caused by one request fails that request, never its batch or the worker loop.
+
+Faults are injected explicitly: a model that raises on a poison token (passed in as the model), a
+temperature value that raises when the sampler looks at it, a malformed message."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from cluster import protocol as p
+from cluster.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams
+from cluster.local_pair import LocalPair
+from cluster.worker_host import HostLink, WorkerHost
+from cluster.worker_process import WorkerSpec
+from decode_worker.engine import ColocatedEngine
+from decode_worker.worker import DecodeWorker
+from kv_store.transfer.local import LocalTransport
+from prefill_worker.request import FinishReason
+from prefill_worker.worker import PrefillWorker
+from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
+
+POISON = 253  # no prompt of make_prompts(vocab=250) holds it, and no clean output below does
+CONFIG = EngineConfig(page_size=4, num_pages=256, chunk_size=64, debug_kv=True)
+
+
+class PoisonModel(torch.nn.Module):
+    """The tiny Llama, except that a forward pass over POISON raises (or every one, when `broken`)."""
+
+    def __init__(self, broken: bool = False):
+        super().__init__()
+        self.inner, self.broken = tiny_models()[0], broken
+
+    def forward(self, input_ids, positions, meta, kv_cache):
+        if self.broken or bool((input_ids == POISON).any()):
+            raise RuntimeError("injected forward fault")
+        return self.inner(input_ids, positions, meta, kv_cache)
+
+
+class FailingTemperature(float):
+    """Greedy (0.0) until the sampler's `fail_from`-th look at it, which raises, and so does every
+    later one: a stand-in for any value of one request that breaks the sampler mid-generation."""
+
+    def __new__(cls, fail_from: int):
+        value = super().__new__(cls, 0.0)
+        value.fail_from, value.looks = fail_from, 0
+        return value
+
+    def _look(self) -> None:
+        self.looks += 1
+        if self.looks >= self.fail_from:
+            raise RuntimeError("injected sampler fault")
+
+    def __ge__(self, other):
+        if other == GREEDY_TEMPERATURE_BELOW:  # the sampler's greedy test (validation compares with 0)
+            self._look()
+        return float(self) >= other
+
+    def __gt__(self, other):
+        if other == 0:
+            self._look()
+        return float(self) > other
+
+
+def good_prompts(n: int = 4) -> list[list[int]]:
+    return make_prompts(n, seed=31, vocab=250)
+
+
+@pytest.fixture(scope="module")
+def clean():
+    """Greedy outputs of the good prompts alone in a clean engine."""
+    out = [r.output_token_ids for r in make_engine().generate(good_prompts(), greedy(max_tokens=12))]
+    assert all(POISON not in ids for ids in out)
+    return out
+
+
+def assert_internal_error(error: str) -> None:
+    assert error.startswith("internal error in the worker") and "error id" in error
+    assert "/" not in error and "Traceback" not in error, "the client must not see source paths"
+
+
+def test_a_request_that_breaks_the_sampler_fails_alone(clean):
+    engine = make_engine()
+    good = [engine.add_request(ids, greedy(max_tokens=12)) for ids in good_prompts()]
+    bad = engine.add_request(good_prompts(5)[4], SamplingParams(max_tokens=12, temperature=FailingTemperature(4)))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [r.output_token_ids for r in good] == clean
+    assert bad.finish_reason is FinishReason.ABORT and len(bad.output_token_ids) == 3
+    [last] = [o for o in outputs if o.request_id == bad.request_id and o.finish_reason is not None]
+    assert last.failure == "internal" and last.new_token_ids == []
+    assert_internal_error(last.error)
+    assert_pool_at_rest(engine)
+
+
+def test_a_request_whose_forward_pass_raises_fails_alone(clean):
+    engine = ColocatedEngine(CONFIG, PoisonModel(), tiny_models()[2])
+    good = [engine.add_request(ids, greedy(max_tokens=12)) for ids in good_prompts()[:2]]
+    engine.step()  # the good ones are decoding when the poison arrives
+    bad = engine.add_request([5, 6, POISON, 7], greedy(max_tokens=12))
+    good += [engine.add_request(ids, greedy(max_tokens=12)) for ids in good_prompts()[2:]]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_token_ids for r in good] == clean
+    assert bad.finish_reason is FinishReason.ABORT and bad.output_token_ids == []
+    assert_internal_error(bad.error)
+    assert_pool_at_rest(engine)
+
+
+def test_a_model_that_cannot_run_at_all_ends_the_loop():
+    engine = ColocatedEngine(CONFIG, PoisonModel(broken=True), tiny_models()[2])
+    req = engine.add_request(good_prompts()[0], greedy(max_tokens=4))
+    with pytest.raises(RuntimeError, match="injected forward fault"):
+        engine.step()  # no request is to blame: the worker must stop and be restarted
+    assert req.finish_reason is FinishReason.ABORT
+    assert_pool_at_rest(engine)
+
+
+def test_a_fault_on_the_prefill_worker_fails_only_its_transfer(clean):
+    _, _, arch = tiny_models()
+    prefill = PrefillWorker(CONFIG, PoisonModel(), arch, LocalTransport())
+    decode = DecodeWorker(CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256)
+    pair = LocalPair(prefill, decode)
+    results = pair.generate(good_prompts() + [[5, 6, POISON, 7]], greedy(max_tokens=12))
+    assert [r.token_ids for r in results[:4]] == clean
+    assert results[4].finish_reason is FinishReason.ABORT and "internal error in the worker" in results[4].error
+    assert_pool_at_rest(prefill)
+    assert_pool_at_rest(decode)
+    assert decode.host.pool.usage().free == decode.host.pool.usage().total
+    for worker in (prefill, decode):
+        worker.close(), worker.transport.close()
+
+
+def build_tiny(spec: WorkerSpec):
+    """`WorkerHost`'s build for a colocated worker on the tiny Llama, whose model fails on POISON."""
+    transport = LocalTransport()
+    worker = DecodeWorker(spec.engine, PoisonModel(), tiny_models()[2], transport, host_pages=2)
+    worker.role_name = spec.role
+    return worker, transport
+
+
+def collect_until_done(host: WorkerHost, request_ids: set[str], timeout_s: float = 60.0) -> dict[str, list]:
+    by_id: dict[str, list] = {rid: [] for rid in request_ids}
+    deadline = time.monotonic() + timeout_s
+    while any(not msgs or msgs[-1].finish_reason is None for msgs in by_id.values()):
+        assert time.monotonic() < deadline, f"unfinished: {[r for r, m in by_id.items() if not m]}"
+        for msg in host.collect(0.2):
+            if isinstance(msg, p.TokenOutput) and msg.request_id in by_id:
+                by_id[msg.request_id].append(msg)
+    return by_id
+
+
+def test_worker_host_loop_survives_faulty_requests_and_messages(clean):
+    spec = WorkerSpec("colocated", CONFIG, heartbeat_interval_s=0.05)
+    host = WorkerHost(spec, "colocated-0", build=build_tiny)
+    try:
+        prompts = good_prompts()
+        host.deliver([p.Generate(f"good-{i}", tuple(ids), greedy(max_tokens=12)) for i, ids in enumerate(prompts[:2])]
+                     + [p.Generate("bad-sampler", tuple(prompts[0]),
+                                   SamplingParams(max_tokens=12, temperature=FailingTemperature(3))),
+                        p.Generate("bad-forward", (5, 6, POISON, 7), greedy(max_tokens=12)),
+                        p.Generate("bad-message", ("not a token id",), greedy(max_tokens=12))]
+                     + [p.Generate(f"good-{i}", tuple(ids), greedy(max_tokens=12)) for i, ids in enumerate(prompts[2:], 2)])
+        by_id = collect_until_done(host, {f"good-{i}" for i in range(4)} | {"bad-sampler", "bad-forward", "bad-message"})
+        for i in range(4):
+            msgs = by_id[f"good-{i}"]
+            assert [t for m in msgs for t in m.new_token_ids] == clean[i] and not msgs[-1].error
+        for rid in ("bad-sampler", "bad-forward", "bad-message"):
+            last = by_id[rid][-1]
+            assert last.finish_reason == "abort" and last.failure == "internal", (rid, last)
+            assert_internal_error(last.error)
+        host.deliver([p.Generate("after", tuple(prompts[1]), greedy(max_tokens=12))])  # the loop still serves
+        assert [t for m in collect_until_done(host, {"after"})["after"] for t in m.new_token_ids] == clean[1]
+        time.sleep(0.3)  # a stats beat taken at rest
+        beat = host.heartbeat()
+        assert beat.crashed == "" and beat.stats is not None and beat.stats.integrity_error == ""
+        assert beat.stats.device.private == 0 and beat.stats.num_running == 0
+        host.worker.check_integrity()
+    finally:
+        assert host.shutdown(10.0)
+
+
+def test_the_client_of_a_faulty_request_gets_an_internal_error_and_no_retry(clean):
+    from router.backend import ErrorKind
+    from router.dispatcher import Dispatcher, WorkerInfo
+    from router.policy import WorkerRole
+
+    host = WorkerHost(WorkerSpec("colocated", CONFIG, heartbeat_interval_s=0.05), "colocated-0", build=build_tiny)
+    link = HostLink(host)
+
+    class OneWorker:
+        async def workers(self) -> list[WorkerInfo]:
+            return [WorkerInfo("colocated-0", WorkerRole.COLOCATED, 1, True, host.session, host.conn.stats, 0, link)]
+
+    async def run(dispatcher: Dispatcher):
+        await dispatcher.start()
+        try:
+            bad = [c async for c in dispatcher.generate("bad", [5, 6, POISON, 7], greedy(max_tokens=8))]
+            good = [c async for c in dispatcher.generate("good", good_prompts()[0], greedy(max_tokens=12))]
+        finally:
+            await dispatcher.close()
+        return bad, good
+
+    dispatcher = Dispatcher(OneWorker(), tokenizer=None, model_name="tiny", max_model_len=1024)
+    try:
+        bad, good = asyncio.run(run(dispatcher))
+    finally:
+        assert host.shutdown(10.0)
+    assert bad[-1].error_kind is ErrorKind.INTERNAL and bad[-1].finish_reason == "abort"
+    assert_internal_error(bad[-1].error)
+    assert dispatcher.reroutes._value.get() == 0, "a request that fails the worker itself is not retried"
+    assert [t for c in good for t in c.new_token_ids] == clean[0] and good[-1].error == ""

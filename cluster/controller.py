@@ -5,11 +5,12 @@ worker slot keeps its bundle across restarts. Every `heartbeat_interval_s` the c
 each live worker's `heartbeat()`; a call that raises (the actor died), reports a crashed loop, or
 does not answer within `heartbeat_timeout_s` marks the worker dead: the actor is killed, the
 dispatcher sees `alive=False` in the next `views()`, and a new incarnation is started in the same
-bundle (at most `max_restarts` times per slot). The heartbeat is answered off the loop thread, so
-a long step does not look like death; a loop stuck in one step past `step_timeout_s` does.
+bundle (at most `max_restarts` times in any `restart_window_s`: a slot whose budget is spent waits,
+DEAD, until its oldest restart ages out). The heartbeat is answered off the loop thread, so a long
+step does not look like death; a loop stuck in one step past `step_timeout_s` does.
 
-A slot's life:   STARTING --ready--> ALIVE --beat fails--> DEAD --restart--> STARTING ...
-                                                        `-- restarts spent --> GIVEN_UP
+A slot's life:   STARTING --ready--> ALIVE --beat fails--> DEAD --restart (budget left)--> STARTING ...
+                                                        `-- max_restarts 0 --> GIVEN_UP
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import asyncio
 import enum
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -40,6 +43,35 @@ class SlotState(enum.Enum):
     DEAD = "dead"
     GIVEN_UP = "given_up"
     STOPPED = "stopped"
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts in any `window_s` seconds. Restarts older than the window no
+    longer count, so the budget refills: a worker that crashes now and then is always restarted, and
+    one that crash-loops is restarted `max_restarts` times per window rather than never again."""
+
+    def __init__(self, max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic):
+        assert max_restarts >= 0 and window_s > 0, f"bad restart budget {max_restarts} per {window_s}s"
+        self.max_restarts, self.window_s, self._clock = max_restarts, window_s, clock
+        self._times: deque[float] = deque()  # monotonic times of the restarts still in the window
+
+    def try_spend(self) -> bool:
+        """Take one restart if the window has one left; False (nothing taken) otherwise."""
+        if self.wait_s() > 0 or self.max_restarts == 0:
+            return False
+        self._times.append(self._clock())
+        return True
+
+    def wait_s(self) -> float:
+        """Seconds until a restart may be taken (0: now). With max_restarts 0: forever (inf)."""
+        if self.max_restarts == 0:
+            return float("inf")
+        now = self._clock()
+        while self._times and self._times[0] <= now - self.window_s:
+            self._times.popleft()
+        if len(self._times) < self.max_restarts:
+            return 0.0
+        return self._times[0] + self.window_s - now
 
 
 @dataclass(frozen=True)
@@ -70,11 +102,13 @@ class _Slot:
     incarnation: int = 0
     session: str = ""
     stats: p.WorkerStats | None = None
-    restarts: int = 0
+    restarts: int = 0  # in all; the budget counts those in its window
+    budget: RestartBudget = field(kw_only=True)
     max_request_tokens: int = 0
     pid: int = 0
     last_beat: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None
+    waiting_logged: bool = False  # said once per wait that the budget is spent
 
 
 def last_line(exc: BaseException) -> str:
@@ -113,7 +147,8 @@ class Controller:
                                    f"(placement group not ready in {self.config.cluster.worker_start_timeout_s}s): "
                                    f"available {ray.available_resources()}") from None
             for i in range(group.count):
-                self.slots[f"{role}-{i}"] = _Slot(f"{role}-{i}", role, group, pg, i)
+                budget = RestartBudget(self.config.cluster.max_restarts, self.config.cluster.restart_window_s)
+                self.slots[f"{role}-{i}"] = _Slot(f"{role}-{i}", role, group, pg, i, budget=budget)
         results = await asyncio.gather(*(self._launch(slot) for slot in self.slots.values()), return_exceptions=True)
         failed = [(slot, err) for slot, err in zip(self.slots.values(), results) if err is not None]
         if failed:
@@ -205,10 +240,17 @@ class Controller:
         slot.handle, slot.state = None, SlotState.DEAD
 
     async def _restart(self, slot: _Slot) -> None:
-        if slot.restarts >= self.config.cluster.max_restarts:
+        if slot.budget.max_restarts == 0:
             slot.state = SlotState.GIVEN_UP
-            log.error("%s: %d restarts spent; it stays down", slot.worker_id, slot.restarts)
+            log.error("%s: restarts are off (cluster.max_restarts 0); it stays down", slot.worker_id)
             return
+        if not slot.budget.try_spend():  # try again on a later tick, once the oldest restart aged out
+            if not slot.waiting_logged:
+                log.error("%s: %d restarts within %.0fs spent; it stays down for %.0fs more", slot.worker_id,
+                          slot.budget.max_restarts, slot.budget.window_s, slot.budget.wait_s())
+            slot.waiting_logged = True
+            return
+        slot.waiting_logged = False
         slot.restarts += 1
         try:
             await self._launch(slot)

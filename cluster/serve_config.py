@@ -246,7 +246,11 @@ class ClusterConfig:
     """A worker whose loop has not come back from a step this long is hung: it is killed and
     restarted (> heartbeat_interval_s). Size it above the longest prefill chunk."""
     max_restarts: int = 5
-    """Restarts per worker (>= 0); after that it stays dead."""
+    """Restarts of one worker within any `restart_window_s` (>= 0). Past that it stays down until the
+    oldest of them ages out of the window, so a worker that crashes now and then is always restarted
+    and one that crash-loops is retried at that pace. 0: never restarted."""
+    restart_window_s: float = 600.0
+    """The sliding window `max_restarts` counts in, seconds (in (0, 86400])."""
     drain_timeout_s: float = 30.0
     """Graceful shutdown: in-flight requests get this long to finish (>= 0)."""
     placement_strategy: str = "PACK"
@@ -261,6 +265,8 @@ class ClusterConfig:
                  f"cluster.num_cpus sizes a local Ray instance; it cannot be set with cluster.address {self.address!r}")
         _require_min(self, "cluster.", 0, "heartbeat_interval_s", "worker_start_timeout_s", strict=True)
         _require_min(self, "cluster.", 0, "max_restarts", "drain_timeout_s")
+        _require(0 < self.restart_window_s <= 86400,
+                 f"cluster.restart_window_s must be in (0, 86400], got {self.restart_window_s}")
         _require(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                  f"cluster.heartbeat_timeout_s must be > cluster.heartbeat_interval_s ({self.heartbeat_interval_s}), "
                  f"got {self.heartbeat_timeout_s}")

@@ -10,8 +10,8 @@ import pytest
 
 from cluster import controller as controller_mod
 from cluster import protocol as p
-from cluster.config import EngineConfig, SamplingParams
-from cluster.controller import Controller, SlotState, _Slot
+from cluster.config import ConfigError, EngineConfig, SamplingParams
+from cluster.controller import Controller, RestartBudget, SlotState, _Slot
 from cluster.serve_config import load_serve_config
 from cluster.worker_host import HostBeat, WorkerHost, WorkerStopped
 from cluster.worker_process import WorkerSpec
@@ -73,7 +73,8 @@ def killed(monkeypatch):
 def _verdict(handle, step_timeout_s=5.0, heartbeat_timeout_s=1.0) -> SlotState:
     config = load_serve_config(overrides={"cluster.step_timeout_s": step_timeout_s,
                                           "cluster.heartbeat_timeout_s": heartbeat_timeout_s})
-    slot = _Slot("decode-0", "decode", config.decode, pg=None, bundle_index=0, state=SlotState.ALIVE, handle=handle)
+    slot = _Slot("decode-0", "decode", config.decode, pg=None, bundle_index=0, state=SlotState.ALIVE, handle=handle,
+                 budget=RestartBudget(5, 600.0))
     asyncio.run(Controller(config)._beat(slot, heartbeat_timeout_s))
     return slot.state
 
@@ -105,3 +106,66 @@ def test_actor_with_hostname_auto_advertises_its_node_address(monkeypatch):
         assert max_request_tokens > 0 and pid > 0
     finally:
         assert actor.shutdown(10.0)
+
+
+def test_restart_budget_refills_as_restarts_age_out():
+    now = [0.0]
+    budget = RestartBudget(max_restarts=2, window_s=60.0, clock=lambda: now[0])
+    assert budget.try_spend()
+    now[0] = 10.0
+    assert budget.try_spend()
+    assert not budget.try_spend() and budget.wait_s() == 50.0
+    now[0] = 59.0
+    assert not budget.try_spend() and budget.wait_s() == 1.0
+    now[0] = 60.0  # the restart at 0 left the window; the one at 10 has not
+    assert budget.try_spend() and not budget.try_spend() and budget.wait_s() == 10.0
+    now[0] = 1000.0
+    assert budget.try_spend() and budget.try_spend() and not budget.try_spend()
+    never = RestartBudget(max_restarts=0, window_s=60.0)
+    assert not never.try_spend() and never.wait_s() == float("inf")
+
+
+class _LaunchCounter(Controller):
+    """The controller's restart policy, with launches that succeed at once (no Ray)."""
+
+    launches = 0
+
+    async def _launch(self, slot: _Slot) -> None:
+        self.launches += 1
+        slot.incarnation += 1
+        slot.state = SlotState.ALIVE
+
+
+def _crash_and_tick(controller: Controller, slot: _Slot) -> SlotState:
+    if slot.state is SlotState.ALIVE:
+        slot.state = SlotState.DEAD  # what `_declare_dead` leaves
+    asyncio.run(controller._restart(slot))
+    return slot.state
+
+
+def test_a_crash_loop_waits_for_the_budget_instead_of_staying_dead_forever():
+    # the issue's numbers: six crashes in 75 s with max_restarts 5
+    now = [0.0]
+    config = load_serve_config(overrides={"cluster.max_restarts": 5, "cluster.restart_window_s": 600.0})
+    controller = _LaunchCounter(config)
+    slot = _Slot("decode-0", "decode", config.decode, pg=None, bundle_index=0, state=SlotState.DEAD,
+                 budget=RestartBudget(5, 600.0, clock=lambda: now[0]))
+    states = []
+    for i in range(6):
+        now[0] = 15.0 * i
+        states.append(_crash_and_tick(controller, slot))
+    assert states == [SlotState.ALIVE] * 5 + [SlotState.DEAD] and controller.launches == 5
+    now[0] = 599.0
+    assert _crash_and_tick(controller, slot) is SlotState.DEAD and controller.launches == 5
+    now[0] = 600.0  # the first restart aged out: the worker comes back
+    assert _crash_and_tick(controller, slot) is SlotState.ALIVE and controller.launches == 6 and slot.restarts == 6
+    off = _LaunchCounter(load_serve_config(overrides={"cluster.max_restarts": 0}))
+    dead = _Slot("decode-0", "decode", config.decode, pg=None, bundle_index=0, state=SlotState.DEAD,
+                 budget=RestartBudget(0, 600.0))
+    assert _crash_and_tick(off, dead) is SlotState.GIVEN_UP and off.launches == 0
+
+
+@pytest.mark.parametrize("window", [0, -1, 86401])
+def test_restart_window_is_bounded(window):
+    with pytest.raises(ConfigError, match=r"cluster.restart_window_s must be in \(0, 86400\]"):
+        load_serve_config(overrides={"cluster.restart_window_s": window})

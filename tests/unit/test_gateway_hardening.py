@@ -625,3 +625,32 @@ def test_real_answers_match_the_documented_models(client):
     assert frames[-1] == "[DONE]"
     for frame in frames[:-1]:
         ChatCompletionChunk.model_validate_json(frame)
+
+
+# The parser agrees with the document (found by the schemathesis fuzz, test_openapi_fuzz.py):
+# "off" values are type-exact, JSON Schema integers include 2.0, and every documented field is checked.
+@pytest.mark.parametrize("path,fields,param", [
+    (CHAT, {"functions": ""}, "functions"), (CHAT, {"tools": {}}, "tools"), (CHAT, {"logprobs": 0}, "logprobs"),
+    (CHAT, {"top_logprobs": False}, "top_logprobs"), (COMPLETION, {"echo": 0}, "echo"),
+    (COMPLETION, {"suffix": 0}, "suffix"), (COMPLETION, {"logprobs": False}, "logprobs"),
+    (COMPLETION, {"logit_bias": []}, "logit_bias"), (COMPLETION, {"logit_bias": ""}, "logit_bias"),
+    (COMPLETION, {"user": 5}, "user"), (COMPLETION, {"stream_options": {"include_usage": "yes"}},
+                                        "stream_options.include_usage"),
+    (CHAT, {"max_completion_tokens": 2, "max_tokens": "x"}, "max_tokens"), (COMPLETION, {"max_tokens": 2.5}, "max_tokens"),
+])
+def test_documented_fields_are_checked_even_when_off_or_unused(client, path, fields, param):
+    body = {"prompt": "Hi"} if path == COMPLETION else {"messages": QUESTION}
+    assert_error(client.post(path, json={**body, "max_tokens": 1, **fields}), 400, param=param)
+
+
+def test_integral_floats_are_integers(client):
+    body = {"prompt": [9906.0, 2.0], "max_tokens": 2.0, "n": 1.0, "best_of": 1.0, "logprobs": 0.0, "top_k": 5.0,
+            "seed": 3.0, "stop_token_ids": [7.0]}
+    r = client.post(COMPLETION, json=body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2, r.text
+
+
+def test_a_prompt_longer_than_the_context_names_no_negative_budget(backend, client):
+    long_ids = [9906] * (backend.max_model_len + 5)
+    error = assert_error(client.post(COMPLETION, json={"prompt": long_ids}), 400, "context_length_exceeded", "prompt")
+    assert "-" not in error["message"]

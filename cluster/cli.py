@@ -2,7 +2,7 @@
 
     tandem serve  the cluster: Ray workers, router and the OpenAI-compatible gateway
     tandem run    offline generation in one process (colocated engine)
-    tandem bench  benchmarks that measure tandem and a baseline in the same run
+    tandem bench  benchmarks that measure tandem and a baseline in the same run, and its overload behaviour
 """
 
 from __future__ import annotations
@@ -71,6 +71,26 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     srv.add_argument("--skip-baseline", action="store_true", help="measure the server only")
     srv.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for /health/ready")
     srv.add_argument("--json", action="store_true", help="print the result as JSON too")
+    _add_overload_args(sub.add_parser("overload", help="`tandem serve` at a multiple of its capacity: "
+                                                       "fast 429s, and the TTFT of what it admits"))
+
+
+def _add_overload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="load an already running server (http://host:port); default: start one here")
+    p.add_argument("--config", metavar="FILE", help="cluster YAML of the server")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to `tandem serve`")
+    p.add_argument("--input-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 32], metavar=("MIN", "MAX"))
+    p.add_argument("--unloaded-requests", type=int, default=20, help="sent one at a time: the unloaded TTFT")
+    p.add_argument("--capacity-rps", type=float, help="the server's sustainable requests/s (default: measured)")
+    p.add_argument("--capacity-clients", type=int, default=8, help="closed-loop clients of the capacity run")
+    p.add_argument("--capacity-s", type=float, default=30.0, help="length of the capacity run")
+    p.add_argument("--factor", type=float, default=4.0, help="overload arrival rate / capacity")
+    p.add_argument("--duration-s", type=float, default=60.0, help="length of the overload run (arrivals)")
+    p.add_argument("--answer-within-s", type=float, default=2.0, help="first token or 429 this soon after arrival")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for /health/ready")
+    p.add_argument("--json", action="store_true", help="print the result as JSON too")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench_serve import bench_serve
 
             return bench_serve(args)
+        if args.bench == "overload":
+            from cluster.bench_overload import bench_overload
+
+            return bench_overload(args)
         from cluster.bench_offline import bench_offline
 
         return bench_offline(args)

@@ -190,9 +190,11 @@ class RouterConfig:
     max_transfer_retries: int = 1
     """Re-routes of a request whose KV transfer failed before any token reached the client (>= 0)."""
     max_queue_delay_s: float | None = None
-    """Admission: a new request is refused (429 + Retry-After) when its predicted wait for a prefill
-    worker (prompt tokens ahead / measured rate) exceeds this (> 0). None: the time to first token
-    measured for requests that found the worker idle, so admitted requests' TTFT stays within ~2x
+    """Admission: how much later than unloaded an admitted request may get its first token (> 0).
+    A new request is refused at once (429 + Retry-After) when its predicted wait for a prefill worker
+    (prompt tokens ahead / measured rate) exceeds it, or when its decode worker is at a limit that
+    shrinks while first tokens come later than unloaded + half of it. None: the TTFT measured for
+    requests that arrived with nothing else in flight, so admitted requests' TTFT stays within ~2x
     the unloaded one."""
     max_queued_requests: int = 8
     """Admission: requests waiting in the router per prefill worker at most (>= 0); the only bound
@@ -202,8 +204,9 @@ class RouterConfig:
     router, holding no landing, so queue time never counts against a transfer deadline.
     None: twice prefill.engine.chunk_size."""
     max_requests_per_worker: int | None = None
-    """Admission: requests one decode (or colocated) worker holds at once, from arrival (>= 1); more
-    get 429. None: the group's engine.max_running_requests, so none waits for a decode slot."""
+    """Admission: requests one decode (or colocated) worker holds at once, from arrival (>= 1), at
+    most; more get 429. None: the group's engine.max_running_requests, so none waits for a decode
+    slot. The worker's adaptive limit (see max_queue_delay_s) starts at 8 and stays below this."""
 
     def __post_init__(self):
         _require(self.policy in _POLICIES, f"router.policy must be one of {_POLICIES}, got {self.policy!r}")

@@ -12,11 +12,15 @@ the window leave room for it (`prefill_window_tokens`; one request larger than t
 So the transfer deadlines start when its prefill can start: queue time is the dispatcher's,
 bounded by admission, and never spent from a transfer deadline.
 
-A lane admits while the predicted wait of a new request, the prompt tokens ahead of it (queued +
-in the window) over the lane's measured rate, is within the bound. Before its first measurement,
-only the queue depth bounds it. A decode (or colocated) worker admits while it holds fewer than
-`max_requests_per_worker` requests, counted from arrival, so no admitted request waits for a
-batch slot.
+The promise to an admitted request: its first token within twice the unloaded TTFT (by default;
+`max_queue_delay_s` sets the margin). Two checks keep it:
+
+  prefill  a lane admits while the predicted wait of a new request, the prompt tokens ahead of it
+           (queued + in the window) over the lane's measured rate, is within the margin. Before
+           its first measurement, only the queue depth bounds it.
+  decode   a decode (or colocated) worker admits while it holds fewer requests, counted from
+           arrival, than its `DecodeLimit`: at most `max_requests_per_worker` (so none waits for a
+           batch slot), lowered while its first tokens come later than promised.
 
 Pure: no I/O, no asyncio; time is passed in (`now`, monotonic seconds) so tests drive the clock.
 """
@@ -30,7 +34,8 @@ from dataclasses import dataclass
 from cluster.config import ConfigError
 from router.policy import WorkerRole, WorkerView
 
-FALLBACK_RETRY_AFTER_S = 1.0  # no measurement to estimate from: the smallest Retry-After HTTP can say
+FALLBACK_RETRY_AFTER_S = 1.0
+TARGET_SHARE = 0.5  # of the queue-delay bound, that the decode limits aim admitted TTFTs at  # no measurement to estimate from: the smallest Retry-After HTTP can say
 
 
 @dataclass(frozen=True)
@@ -38,9 +43,10 @@ class AdmissionParams:
     """When the dispatcher refuses a request at arrival instead of queueing it."""
 
     max_queue_delay_s: float | None = None
-    """Predicted wait (prompt tokens ahead / measured rate) a new request may face on a prefill
-    worker (> 0). None: that worker's measured time to first token of requests that found it idle
-    (before any, its mean prefill time), so admitted requests' TTFT stays within ~2x the unloaded one."""
+    """How much later than unloaded an admitted request may get its first token (> 0): the bound on
+    its predicted prefill wait (prompt tokens ahead / measured rate), and with the unloaded TTFT the
+    target the decode workers' limits adapt to. None: the measured unloaded TTFT, so admitted
+    requests' TTFT stays within ~2x the unloaded one."""
     max_queued_requests: int = 8
     """Admitted requests waiting in the dispatcher per prefill worker, at most (>= 0); before the
     worker's first completed prefill it is the only bound."""
@@ -48,8 +54,8 @@ class AdmissionParams:
     """Prompt tokens handed to one prefill worker and not yet delivered, at most (>= 1). Size it
     above the prefill chunk size so the worker's batches stay full."""
     max_requests_per_worker: int = 64
-    """Requests one decode or colocated worker holds at once, from arrival to end (>= 1): its
-    batch size, so no admitted request waits for a decode slot."""
+    """Requests one decode or colocated worker holds at once, from arrival to end (>= 1), at most:
+    its batch size, so no admitted request waits for a decode slot. The adaptive limit stays below."""
     rate_smoothing: float = 0.2
     """Weight of the newest completion in the measured prefill rate, in (0, 1]."""
 
@@ -133,6 +139,56 @@ class PrefillRate:
         return max(0.0, now - self._mark_s) if self.in_service else 0.0
 
 
+class UnloadedTtft:
+    """Smoothed time to first token of requests that arrived with nothing else in flight: the
+    unloaded figure that admission keeps the TTFT of admitted requests within twice of."""
+
+    def __init__(self, smoothing: float):
+        self.smoothing = smoothing
+        self.value_s: float | None = None
+
+    def observe(self, ttft_s: float) -> None:
+        old = self.value_s
+        self.value_s = ttft_s if old is None else old + self.smoothing * (ttft_s - old)
+
+
+class DecodeLimit:
+    """How many requests one decode (or colocated) worker may hold, adapted to the TTFT they get.
+
+    Additive increase, multiplicative decrease on each admitted request's first token: a token later
+    than the target cuts the limit by `BACKOFF`, at most once per epoch (the requests admitted under
+    the limit it cut were admitted too generously already, so their late tokens say nothing new);
+    an early one grows it by one per limit's worth of tokens (by one per token until the first cut,
+    the slow start). Between 1 and `max_limit`. It catches what the prefill rate cannot show: a
+    decode batch that delays first tokens, or slows a prefill worker sharing its CPU.
+    """
+
+    BACKOFF = 0.75
+    INITIAL = 8  # before any first token: bursts this large pass; the slow start grows it from there
+
+    def __init__(self, max_limit: int):
+        self.max_limit = max_limit
+        self.limit = float(min(max_limit, self.INITIAL))
+        self.epoch = 0  # cuts so far
+        self._slow_start = True
+
+    def observe(self, ttft_s: float, target_s: float, admitted_epoch: int) -> None:
+        if ttft_s <= target_s:
+            self.limit = min(float(self.max_limit), self.limit + (1.0 if self._slow_start else 1.0 / self.limit))
+        elif admitted_epoch == self.epoch:
+            self.limit = max(1.0, self.limit * self.BACKOFF)
+            self.epoch += 1
+            self._slow_start = False
+
+    def refusal(self, num_active: int) -> Refusal | None:
+        """Why a worker holding `num_active` requests cannot take one more."""
+        if num_active < int(self.limit):
+            return None
+        why = ("router.max_requests_per_worker" if int(self.limit) >= self.max_limit
+               else "its limit adapts to keep first tokens within twice the unloaded TTFT")
+        return Refusal(f"{num_active} requests already on this worker ({why})", FALLBACK_RETRY_AFTER_S)
+
+
 class PrefillLane:
     """One prefill worker's queue and window (see the module docstring). Items are the caller's
     (the dispatcher's flights); each carries a token count fixed when it is queued."""
@@ -143,7 +199,6 @@ class PrefillLane:
         self._queue: deque[tuple[object, int]] = deque()
         self.queued_tokens = 0
         self.window_tokens = 0
-        self.idle_ttft_s: float | None = None  # smoothed; see observe_idle_ttft
 
     @property
     def num_queued(self) -> int:
@@ -193,12 +248,6 @@ class PrefillLane:
         self.queued_tokens = 0
         return items
 
-    def observe_idle_ttft(self, ttft_s: float) -> None:
-        """Time to first token of a request that found this lane empty: the unloaded figure that
-        the automatic queue-delay bound keeps admitted requests within twice of."""
-        old = self.idle_ttft_s
-        self.idle_ttft_s = ttft_s if old is None else old + self.rate.smoothing * (ttft_s - old)
-
     def predicted_wait_s(self, now: float) -> float | None:
         """Seconds until a request arriving now would start: queued tokens at the measured rate, plus
         what is left of the window's (its service started at the rate's last mark). None: no rate yet."""
@@ -210,7 +259,7 @@ class PrefillLane:
             in_window_s = max(0.0, in_window_s - self.rate.busy_for_s(now))
         return self.queued_tokens / rate + in_window_s
 
-    def refusal(self, params: AdmissionParams, now: float) -> Refusal | None:
+    def refusal(self, params: AdmissionParams, now: float, unloaded_ttft_s: float | None) -> Refusal | None:
         """Why this lane cannot admit one more request now; None when it can."""
         if self.num_queued >= params.max_queued_requests and not self._has_room_now():
             return Refusal(f"{self.num_queued} requests already queued for this prefill worker",
@@ -218,22 +267,27 @@ class PrefillLane:
         wait_s = self.predicted_wait_s(now)
         if wait_s is None:
             return None
-        bound_s = params.max_queue_delay_s or self.idle_ttft_s or self.rate.mean_service_s
+        bound_s = queue_delay_bound_s(params, unloaded_ttft_s) or self.rate.mean_service_s
         if wait_s <= bound_s:
             return None
-        return Refusal(f"predicted prefill queue wait {wait_s:.2f}s exceeds {bound_s:.2f}s "
+        return Refusal(f"predicted prefill wait {wait_s:.2f}s exceeds {bound_s:.2f}s "
                        f"({self.ahead_tokens} prompt tokens ahead)", wait_s - bound_s)
 
     def _has_room_now(self) -> bool:
         return not self._queue and self.window_tokens < self.max_window_tokens
 
 
-def decode_refusal(num_active: int, params: AdmissionParams) -> Refusal | None:
-    """Why a decode or colocated worker holding `num_active` requests cannot take one more."""
-    if num_active < params.max_requests_per_worker:
-        return None
-    return Refusal(f"{num_active} requests already on this worker (router.max_requests_per_worker)",
-                   FALLBACK_RETRY_AFTER_S)
+def queue_delay_bound_s(params: AdmissionParams, unloaded_ttft_s: float | None) -> float | None:
+    """How long an admitted request may wait beyond the unloaded TTFT; None: nothing measured yet."""
+    return params.max_queue_delay_s or unloaded_ttft_s
+
+
+def ttft_target_s(params: AdmissionParams, unloaded_ttft_s: float | None) -> float | None:
+    """The TTFT the decode limits steer admitted requests to: unloaded + half the queue-delay bound
+    (1.5x unloaded by default). Half, because a limit that reacts only to late tokens overshoots
+    what it aims at; aiming inside the promise (unloaded + the bound) keeps the tail within it."""
+    bound_s = queue_delay_bound_s(params, unloaded_ttft_s)
+    return None if unloaded_ttft_s is None or bound_s is None else unloaded_ttft_s + TARGET_SHARE * bound_s
 
 
 _NEEDED_ROLES = (("prefill", (WorkerRole.PREFILL,)), ("decode", (WorkerRole.DECODE, WorkerRole.COLOCATED)))

@@ -41,7 +41,8 @@ from prometheus_client import Counter
 
 from cluster import protocol as p
 from cluster.config import SamplingParams
-from router.admission import AdmissionParams, Overloaded, PrefillLane, admissible, decode_refusal
+from router.admission import (AdmissionParams, DecodeLimit, Overloaded, PrefillLane, UnloadedTtft, admissible,
+                              ttft_target_s)
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, WorkerRole, choose
 from router.workers import LiveWorker, ViewSource, WorkerInfo, WorkerLink, relay_metrics
@@ -75,7 +76,8 @@ class _Flight:
     landing_bytes: int = 0
     submitted_at: float = 0.0  # dispatcher clock
     reserve_started_at: float | None = None  # first Reserve sent (the landing timeout counts from there)
-    unloaded_sample: bool = False  # found its prefill lane empty: its TTFT is the unloaded figure
+    found_idle: bool = False  # admitted with nothing else in flight: its TTFT is the unloaded figure
+    limit_epoch: int | None = None  # its decode worker's `DecodeLimit.epoch` at admission (None: no sample)
 
     @property
     def wire_id(self) -> str:
@@ -110,6 +112,7 @@ class Dispatcher:
         self.refresh_interval_s, self.collect_timeout_s = refresh_interval_s, collect_timeout_s
         self.reserve_retry_s, self.landing_timeout_s = reserve_retry_s, landing_timeout_s
         self.admission, self.clock = admission, clock
+        self.unloaded_ttft = UnloadedTtft(admission.rate_smoothing)
         self.lives: dict[str, LiveWorker] = {}
         self.flights: dict[str, _Flight] = {}
         self._by_wire: dict[str, _Flight] = {}
@@ -175,7 +178,8 @@ class Dispatcher:
         if len(self.flights) >= self.max_pending:
             raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later",
                                retry_after_s=1.0)
-        flight = _Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock())
+        flight = _Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
+                         found_idle=not self.flights)
         self._route(flight, admit=True)  # raises BackendError before anything is registered
         self.flights[request_id] = flight
         return self._stream(flight)
@@ -214,29 +218,28 @@ class Dispatcher:
             raise BackendError(ErrorKind.UNAVAILABLE, f"no worker can serve requests now: {exc}",
                                retry_after_s=5.0) from None
         self.state.record(request, route)
-        flight.unloaded_sample = False
         flight.decode = self.lives[route.decode_id]
         flight.prefill = self.lives[route.prefill_id] if route.prefill_id else None
         flight.decode.num_active += 1
+        if admit:  # its first token will be a sample for its decode worker's limit
+            flight.limit_epoch = flight.decode.limit.epoch
         self._by_wire[flight.wire_id] = flight
         if flight.prefill is None:
             flight.phase = Phase.LOCAL
             self._send(flight.decode, p.Generate(flight.wire_id, request.prompt_token_ids, flight.params))
             return
-        lane = flight.prefill.lane
-        flight.unloaded_sample = admit and lane.ahead_tokens == 0
         flight.phase = Phase.QUEUED
-        lane.enqueue(flight, len(flight.prompt), front=not admit)
+        flight.prefill.lane.enqueue(flight, len(flight.prompt), front=not admit)
         self._pump(flight.prefill)
 
     def _admissible(self, lives: list[LiveWorker], views: list) -> list:
         """The views of the workers that can take a new request now; raises QUEUE_FULL (429) when a
         needed role has none."""
-        now = self.clock()
+        now, unloaded_s = self.clock(), self.unloaded_ttft.value_s
         refusals = {}
         for live in lives:
-            refusal = (live.lane.refusal(self.admission, now) if live.info.role is WorkerRole.PREFILL
-                       else decode_refusal(live.num_active, self.admission))
+            refusal = (live.lane.refusal(self.admission, now, unloaded_s) if live.info.role is WorkerRole.PREFILL
+                       else live.limit.refusal(live.num_active))
             if refusal is not None:
                 refusals[live.worker_id] = refusal
         try:
@@ -275,6 +278,7 @@ class Dispatcher:
     def _unroute(self, flight: _Flight) -> None:
         """Undo `_route`'s bookkeeping (the transfer, if any, ends on its own messages)."""
         self._by_wire.pop(flight.wire_id, None)
+        flight.found_idle, flight.limit_epoch = False, None  # a later route's TTFT is no admission sample
         if flight.prefill is not None:
             flight.prefill.lane.discard(flight)
         if flight.decode is not None:
@@ -371,8 +375,8 @@ class Dispatcher:
             elif not self._reroute(flight, msg.error):
                 self._finish_error(flight, ErrorKind.UNAVAILABLE, msg.error)
             return
-        if flight.unloaded_sample and flight.tokens_sent == 0 and not flight.prefill.gone:
-            flight.prefill.lane.observe_idle_ttft(self.clock() - flight.submitted_at)
+        if flight.tokens_sent == 0:
+            self._observe_ttft(flight, self.clock() - flight.submitted_at)
         flight.phase = Phase.STREAMING
         flight.tokens_sent += len(msg.new_token_ids)
         if msg.finish_reason is None:
@@ -386,6 +390,15 @@ class Dispatcher:
             kv_transfer_bytes=flight.landing_bytes if flight.prefill else 0,
             prefill_worker=flight.prefill.worker_id if flight.prefill else "", decode_worker=live.worker_id))
         self._end(flight)
+
+    def _observe_ttft(self, flight: _Flight, ttft_s: float) -> None:
+        """Admission learns from each first token: the unloaded figure, and whether the decode
+        worker's limit kept its promise."""
+        if flight.found_idle:
+            self.unloaded_ttft.observe(ttft_s)
+        target_s = ttft_target_s(self.admission, self.unloaded_ttft.value_s)
+        if flight.limit_epoch is not None and target_s is not None:
+            flight.decode.limit.observe(ttft_s, target_s, flight.limit_epoch)
 
     # ---- endings -----------------------------------------------------------------------------------
     def _abort_on_worker(self, flight: _Flight) -> None:
@@ -425,7 +438,8 @@ class Dispatcher:
 
     # ---- workers -----------------------------------------------------------------------------------
     def _adopt(self, info: WorkerInfo) -> None:
-        live = LiveWorker(info, PrefillLane(self.admission.prefill_window_tokens, self.admission.rate_smoothing))
+        live = LiveWorker(info, PrefillLane(self.admission.prefill_window_tokens, self.admission.rate_smoothing),
+                          DecodeLimit(self.admission.max_requests_per_worker))
         self.lives[info.worker_id] = live
         live.tasks = [asyncio.create_task(self._sender(live), name=f"send-{info.worker_id}"),
                       asyncio.create_task(self._collector(live), name=f"collect-{info.worker_id}")]

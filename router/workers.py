@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster import protocol as p
-from router.admission import PrefillLane
+from router.admission import DecodeLimit, PrefillLane
 from router.backend import WorkerGauge
 from router.policy import WorkerRole, WorkerView
 
@@ -48,6 +48,7 @@ class LiveWorker:
 
     info: WorkerInfo
     lane: PrefillLane  # prefill workers: admitted prompts queued for it and in its window
+    limit: DecodeLimit  # decode and colocated workers: how many requests it may hold now
     outq: list = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list = field(default_factory=list)
@@ -87,10 +88,18 @@ class LiveWorker:
                            host_kv_usage=_usage(stats.host) if stats else None, restarts=self.info.restarts)
 
     def details(self) -> dict:
-        """Identity and last heartbeat stats, as plain JSON-able values."""
-        return {"worker_id": self.worker_id, "role": self.info.role.value, "incarnation": self.info.incarnation,
-                "alive": not self.gone, "restarts": self.info.restarts, "pid": self.info.pid,
-                "session": self.info.session, "stats": dataclasses.asdict(self.info.stats) if self.info.stats else None}
+        """Identity, last heartbeat stats and (prefill workers) what admission measured, as plain
+        JSON-able values."""
+        out = {"worker_id": self.worker_id, "role": self.info.role.value, "incarnation": self.info.incarnation,
+               "alive": not self.gone, "restarts": self.info.restarts, "pid": self.info.pid,
+               "session": self.info.session, "stats": dataclasses.asdict(self.info.stats) if self.info.stats else None,
+               "num_active": self.num_active}
+        lane = self.lane
+        out["admission"] = ({"queued_requests": lane.num_queued, "queued_tokens": lane.queued_tokens,
+                             "window_tokens": lane.window_tokens, "tokens_per_s": lane.rate.tokens_per_s}
+                            if self.info.role is WorkerRole.PREFILL else
+                            {"limit": int(self.limit.limit), "cuts": self.limit.epoch})
+        return out
 
 
 def _usage(stats: p.PoolStats | None) -> float | None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import ConfigError
-from router.admission import (FALLBACK_RETRY_AFTER_S, AdmissionParams, Overloaded, PrefillLane, PrefillRate,
-                              Refusal, admissible, decode_refusal)
+from router.admission import (FALLBACK_RETRY_AFTER_S, AdmissionParams, DecodeLimit, Overloaded, PrefillLane,
+                              PrefillRate, Refusal, UnloadedTtft, admissible, ttft_target_s)
 from router.policy import WorkerRole, WorkerView
 
 
@@ -72,49 +72,76 @@ def test_lane_moves_queued_requests_into_the_window_in_order_while_they_fit():
 def test_lane_without_a_measurement_bounds_the_queue_depth_only():
     params = AdmissionParams(max_queued_requests=2)
     ln = lane(window_tokens=10)
-    assert ln.refusal(params, 0.0) is None
+    assert ln.refusal(params, 0.0, None) is None
     ln.enqueue("a", 10)
     ln.take_ready()
     ln.enqueue("b", 10)
-    assert ln.refusal(params, 0.0) is None
+    assert ln.refusal(params, 0.0, None) is None
     ln.enqueue("c", 10)
-    refusal = ln.refusal(params, 0.0)
+    refusal = ln.refusal(params, 0.0, None)
     assert refusal == Refusal("2 requests already queued for this prefill worker", FALLBACK_RETRY_AFTER_S)
     # A queue bound of 0 still lets a request straight into an open window.
-    assert lane(window_tokens=10).refusal(AdmissionParams(max_queued_requests=0), 0.0) is None
+    assert lane(window_tokens=10).refusal(AdmissionParams(max_queued_requests=0), 0.0, None) is None
 
 
 def test_lane_refuses_when_the_predicted_wait_exceeds_the_bound():
     params = AdmissionParams(max_queue_delay_s=1.0)
     ln = measured(100.0)  # 100 tokens/s
-    assert ln.refusal(params, 5.0) is None  # idle
+    assert ln.refusal(params, 5.0, None) is None  # idle
     ln.enqueue("a", 80)
     ln.take_ready()
     ln.rate.started(5.0)
     assert ln.predicted_wait_s(5.0) == pytest.approx(0.8)
     ln.enqueue("b", 80)  # queued behind a: 1.6 s
-    refusal = ln.refusal(params, 5.0)
+    refusal = ln.refusal(params, 5.0, None)
     assert refusal is not None and refusal.retry_after_s == pytest.approx(0.6)
-    assert "1.60s exceeds 1.00s" in refusal.reason and "160 prompt tokens ahead" in refusal.reason
+    assert "wait 1.60s exceeds 1.00s" in refusal.reason
+    assert "160 prompt tokens ahead" in refusal.reason
     # a has been served for 0.7 s: 0.1 s of it is left, plus b's 0.8 s.
-    assert ln.predicted_wait_s(5.7) == pytest.approx(0.9) and ln.refusal(params, 5.7) is None
+    assert ln.predicted_wait_s(5.7) == pytest.approx(0.9) and ln.refusal(params, 5.7, None) is None
 
 
 def test_lane_bound_defaults_to_the_unloaded_ttft_then_the_mean_service_time():
     params = AdmissionParams()  # max_queue_delay_s None: measured
     ln = measured(100.0)  # mean service 1 s
     ln.enqueue("a", 150)
-    assert ln.refusal(params, 2.0).reason.endswith("exceeds 1.00s (150 prompt tokens ahead)")
-    ln.observe_idle_ttft(2.0)
-    assert ln.refusal(params, 2.0) is None  # 1.5 s <= the unloaded TTFT
-    ln.observe_idle_ttft(1.0)  # smoothing 1.0 in this lane: the newest sample
-    assert ln.refusal(params, 2.0) is not None
+    assert ln.refusal(params, 2.0, None).reason.endswith("exceeds 1.00s (150 prompt tokens ahead)")
+    assert ln.refusal(params, 2.0, 2.0) is None  # 1.5 s <= the unloaded TTFT
+    assert ln.refusal(params, 2.0, 1.0) is not None
+    assert ln.refusal(AdmissionParams(max_queue_delay_s=1.6), 2.0, 1.0) is None  # the explicit bound wins
+    assert ttft_target_s(params, None) is None and ttft_target_s(params, 1.5) == 2.25
+    assert ttft_target_s(AdmissionParams(max_queue_delay_s=0.5), 1.5) == 1.75
 
 
-def test_decode_refusal_counts_requests_from_arrival():
-    params = AdmissionParams(max_requests_per_worker=3)
-    assert decode_refusal(2, params) is None
-    assert "3 requests already" in decode_refusal(3, params).reason
+def test_unloaded_ttft_is_smoothed():
+    unloaded = UnloadedTtft(smoothing=0.25)
+    unloaded.observe(2.0)
+    unloaded.observe(4.0)
+    assert unloaded.value_s == pytest.approx(2.5)
+
+
+def test_decode_limit_slow_starts_then_backs_off_once_per_epoch_and_grows_back_additively():
+    limit = DecodeLimit(max_limit=64)
+    assert limit.limit == DecodeLimit.INITIAL == 8 and limit.refusal(7) is None
+    refusal = limit.refusal(8)
+    assert refusal is not None and "adapts" in refusal.reason and refusal.retry_after_s == FALLBACK_RETRY_AFTER_S
+    for _ in range(2):  # in time: slow start, one per first token
+        limit.observe(1.0, target_s=2.0, admitted_epoch=0)
+    assert limit.limit == 10
+    limit.observe(3.0, 2.0, admitted_epoch=0)  # late: cut
+    assert (limit.limit, limit.epoch) == (7.5, 1)
+    limit.observe(3.0, 2.0, admitted_epoch=0)  # admitted before the cut: no second cut for the same excess
+    assert (limit.limit, limit.epoch) == (7.5, 1)
+    limit.observe(1.0, 2.0, admitted_epoch=1)  # in time after a cut: one per limit's worth of tokens
+    assert limit.limit == pytest.approx(7.5 + 1 / 7.5)
+    for epoch in range(1, 20):  # late again and again: never below one
+        limit.observe(9.0, 2.0, admitted_epoch=epoch)
+    assert limit.limit == 1.0 and limit.refusal(0) is None and limit.refusal(1) is not None
+    small = DecodeLimit(max_limit=2)
+    assert small.limit == 2 and "router.max_requests_per_worker" in small.refusal(2).reason
+    for _ in range(5):
+        small.observe(1.0, 2.0, 0)
+    assert small.limit == 2  # never above the maximum
 
 
 def view(wid: str, role: WorkerRole, alive: bool = True) -> WorkerView:

@@ -218,7 +218,7 @@ def test_admission_refuses_by_the_predicted_wait_at_the_measured_rate():
         with pytest.raises(BackendError) as full:
             d.generate("w3", prompt, SamplingParams(max_tokens=4))
         assert full.value.kind is ErrorKind.QUEUE_FULL and full.value.retry_after_s == pytest.approx(1.0)
-        assert "predicted prefill queue wait 2.00s exceeds 1.00s" in full.value.message
+        assert "predicted prefill wait 2.00s exceeds 1.00s" in full.value.message
         clock.now_s = 1.5  # w1 and w2 have had 0.5 s of service
         with pytest.raises(BackendError) as full:
             d.generate("w4", prompt, SamplingParams(max_tokens=4))
@@ -270,3 +270,41 @@ def test_queued_requests_of_a_dead_prefill_worker_are_routed_afresh_not_re_prefi
                                      decode=ScriptedLink(decode_reply))
     assert all(chunks[-1].finish_reason == "length" and chunks[-1].new_token_ids == (FIRST_TOKEN,) for chunks in results)
     assert reroutes == 1  # q0 alone
+
+
+def test_a_decode_worker_whose_first_tokens_come_late_admits_fewer():
+    """The unloaded TTFT is learnt from a request alone in flight; requests whose first token then
+    comes later than aimed at (unloaded + max_queue_delay_s / 2) cut their decode worker's limit."""
+    clock = FakeClock()
+
+    async def scenario(d, decode, prefill):
+        async def complete(rid: str, stream) -> None:
+            prefill.emit(p.KVComplete(f"{rid}.0", FIRST_TOKEN))
+            await drain(stream)
+
+        alone = d.generate("a0", [5, 6, 7], SamplingParams(max_tokens=4))
+        await prefilled(prefill, "a0.0")
+        clock.now_s = 1.0
+        await complete("a0", alone)
+        assert d.unloaded_ttft.value_s == 1.0 and d.lives["decode-0"].limit.limit == 9  # in time: slow start
+        streams = {f"b{i}": d.generate(f"b{i}", [5, 6, 7], SamplingParams(max_tokens=4)) for i in range(9)}
+        with pytest.raises(BackendError) as full:
+            d.generate("b9", [5, 6, 7], SamplingParams(max_tokens=4))
+        assert full.value.kind is ErrorKind.QUEUE_FULL
+        clock.now_s = 20.0  # 19 s to the first token: later than 1 + 10 / 2 s
+        for rid in ("b0", "b1", "b2"):
+            await prefilled(prefill, f"{rid}.0")
+            await complete(rid, streams.pop(rid))
+        limit = d.lives["decode-0"].limit
+        assert (limit.limit, limit.epoch) == (6.75, 1)  # one cut: b1, b2 were admitted under the same limit
+        with pytest.raises(BackendError) as full:  # 6 still in flight, the limit is 6
+            d.generate("c0", [5, 6, 7], SamplingParams(max_tokens=4))
+        assert "adapts" in full.value.message
+        for rid in list(streams):
+            await prefilled(prefill, f"{rid}.0")
+            await complete(rid, streams.pop(rid))
+        d.generate("c1", [5, 6, 7], SamplingParams(max_tokens=4))  # room again
+        await d.abort("c1")
+        return d.refusals.labels(role="decode")._value.get()
+
+    assert run_scenario(scenario, AdmissionParams(max_queue_delay_s=10.0), clock) == 2

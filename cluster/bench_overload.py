@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ class Outcome:
     lag_s: float  # how late the client sent it (its own scheduling delay)
     retry_after_s: float | None = None  # 429 / 503: the Retry-After header
     error: str = ""  # a 200 that failed mid-stream or came short; or the body of another status
+    at_s: float = 0.0  # its scheduled arrival, seconds into the open-loop run
 
     @property
     def admitted(self) -> bool:
@@ -163,7 +165,8 @@ async def run_open_loop(url: str, work: Workload, headers: dict, arrivals_s: lis
             j = i % len(work.prompts)
             tasks.append(asyncio.create_task(
                 send_one(client, work.prompts[j], work.output_lens[j], headers, start_s + at_s)))
-        return list(await asyncio.gather(*tasks))
+        outcomes = await asyncio.gather(*tasks)
+    return [dataclasses.replace(o, at_s=at_s) for o, at_s in zip(outcomes, arrivals_s)]
 
 
 def scrape_admission(url: str, headers: dict) -> dict:
@@ -251,8 +254,10 @@ def summarize(args: argparse.Namespace, unloaded: list[Outcome], capacity_rps: f
             "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
             "refusal_p99_s": _pct([o.answer_s for o in loaded if o.refused], 99),
             "retry_after_s": sorted({o.retry_after_s for o in loaded if o.refused and o.retry_after_s is not None}),
-            "e2e_p50_s": _pct([o.end_s for o in admitted], 50), "client_lag_max_s": max((o.lag_s for o in loaded),
-                                                                                          default=0.0)},
+            "e2e_p50_s": _pct([o.end_s for o in admitted], 50),
+            "client_lag_max_s": max((o.lag_s for o in loaded), default=0.0),
+            "slowest_admitted": [[round(o.at_s, 2), round(o.answer_s, 3)]  # [arrival s into the run, TTFT s]
+                                 for o in sorted(admitted, key=lambda o: -o.answer_s)[:5]]},
         "server_exit_code": exit_code,
     }
     over, base = summary["overload"], summary["unloaded"]

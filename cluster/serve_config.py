@@ -206,7 +206,7 @@ class RouterConfig:
     max_requests_per_worker: int | None = None
     """Admission: requests one decode (or colocated) worker holds at once, from arrival (>= 1), at
     most; more get 429. None: the group's engine.max_running_requests, so none waits for a decode
-    slot. The worker's adaptive limit (see max_queue_delay_s) starts at 8 and stays below this."""
+    slot. The worker's adaptive limit (see max_queue_delay_s) starts here and never exceeds it."""
 
     def __post_init__(self):
         _require(self.policy in _POLICIES, f"router.policy must be one of {_POLICIES}, got {self.policy!r}")

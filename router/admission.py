@@ -12,15 +12,17 @@ the window leave room for it (`prefill_window_tokens`; one request larger than t
 So the transfer deadlines start when its prefill can start: queue time is the dispatcher's,
 bounded by admission, and never spent from a transfer deadline.
 
-The promise to an admitted request: its first token within twice the unloaded TTFT (by default;
-`max_queue_delay_s` sets the margin). Two checks keep it:
+The promise to an admitted request: its first token within the unloaded TTFT (measured by the
+router from requests that arrived with nothing else in flight) plus a margin, by default that TTFT
+again (2x unloaded; `max_queue_delay_s` sets it). Admission plans for half the margin, the wait
+budget, and two checks keep to it:
 
   prefill  a lane admits while the predicted wait of a new request, the prompt tokens ahead of it
-           (queued + in the window) over the lane's measured rate, is within the margin. Before
-           its first measurement, only the queue depth bounds it.
+           (queued + in the window) over the lane's measured rate, is within the wait budget.
+           Before its first measurement, only the queue depth bounds it.
   decode   a decode (or colocated) worker admits while it holds fewer requests, counted from
            arrival, than its `DecodeLimit`: at most `max_requests_per_worker` (so none waits for a
-           batch slot), lowered while its first tokens come later than promised.
+           batch slot), lowered while its first tokens come later than unloaded + the wait budget.
 
 Pure: no I/O, no asyncio; time is passed in (`now`, monotonic seconds) so tests drive the clock.
 """
@@ -34,8 +36,8 @@ from dataclasses import dataclass
 from cluster.config import ConfigError
 from router.policy import WorkerRole, WorkerView
 
-FALLBACK_RETRY_AFTER_S = 1.0
-TARGET_SHARE = 0.5  # of the queue-delay bound, that the decode limits aim admitted TTFTs at  # no measurement to estimate from: the smallest Retry-After HTTP can say
+FALLBACK_RETRY_AFTER_S = 1.0  # no measurement to estimate from: the smallest Retry-After HTTP can say
+AIM_SHARE = 0.5  # of the promised margin that admission plans to use; the rest absorbs what it cannot foresee
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,11 @@ class AdmissionParams:
     """When the dispatcher refuses a request at arrival instead of queueing it."""
 
     max_queue_delay_s: float | None = None
-    """How much later than unloaded an admitted request may get its first token (> 0): the bound on
-    its predicted prefill wait (prompt tokens ahead / measured rate), and with the unloaded TTFT the
-    target the decode workers' limits adapt to. None: the measured unloaded TTFT, so admitted
-    requests' TTFT stays within ~2x the unloaded one."""
+    """How much later than unloaded an admitted request may get its first token (> 0). Admission
+    plans for half of it (`wait_budget_s`): the bound on a new request's predicted prefill wait
+    (prompt tokens ahead / measured rate), and with the unloaded TTFT the target the decode workers'
+    limits adapt to. None: the measured unloaded TTFT, so admitted requests' TTFT stays within ~2x
+    the unloaded one."""
     max_queued_requests: int = 8
     """Admitted requests waiting in the dispatcher per prefill worker, at most (>= 0); before the
     worker's first completed prefill it is the only bound."""
@@ -57,7 +60,8 @@ class AdmissionParams:
     """Requests one decode or colocated worker holds at once, from arrival to end (>= 1), at most:
     its batch size, so no admitted request waits for a decode slot. The adaptive limit stays below."""
     rate_smoothing: float = 0.2
-    """Weight of the newest completion in the measured prefill rate, in (0, 1]."""
+    """Weight of the newest sample in every smoothed measurement (prefill rate, unloaded and recent
+    TTFT), in (0, 1]."""
 
     def __post_init__(self):
         _require(self.max_queue_delay_s is None or self.max_queue_delay_s > 0,
@@ -103,21 +107,25 @@ class PrefillRate:
 
     def __init__(self, smoothing: float):
         self.smoothing = smoothing
-        self.in_service = 0
+        self.in_service = 0  # prefills at the worker
+        self.in_service_tokens = 0  # their prompt tokens
         self._mark_s = 0.0
         self._tokens = self._busy_s = self._completions = 0.0
 
-    def started(self, now: float) -> None:
+    def started(self, now: float, num_tokens: int) -> None:
+        """A prompt of `num_tokens` reached the worker."""
         if self.in_service == 0:  # idle time between busy periods is not service time
             self._mark_s = now
         self.in_service += 1
+        self.in_service_tokens += num_tokens
 
-    def finished(self, now: float, num_tokens: int | None) -> None:
-        """A prefill left the worker: delivered `num_tokens` prompt tokens, or None when it ended
-        without delivering (aborted: no sample; its time falls to the next completion)."""
+    def finished(self, now: float, num_tokens: int, delivered: bool) -> None:
+        """A prefill left the worker, its KV delivered, or not (aborted: no sample; its time falls
+        to the next completion)."""
         assert self.in_service > 0, "prefill finished that never started: finished() called twice?"
         self.in_service -= 1
-        if num_tokens is None:
+        self.in_service_tokens -= num_tokens
+        if not delivered:
             return
         keep = 1.0 - self.smoothing
         self._tokens = keep * self._tokens + num_tokens
@@ -155,30 +163,42 @@ class UnloadedTtft:
 class DecodeLimit:
     """How many requests one decode (or colocated) worker may hold, adapted to the TTFT they get.
 
-    Additive increase, multiplicative decrease on each admitted request's first token: a token later
-    than the target cuts the limit by `BACKOFF`, at most once per epoch (the requests admitted under
-    the limit it cut were admitted too generously already, so their late tokens say nothing new);
-    an early one grows it by one per limit's worth of tokens (by one per token until the first cut,
-    the slow start). Between 1 and `max_limit`. It catches what the prefill rate cannot show: a
-    decode batch that delays first tokens, or slows a prefill worker sharing its CPU.
+    It starts at `max_limit` (nothing measured, no reason to refuse a burst) and moves on each
+    admitted request's first token, against the aimed TTFT (`ttft_aim_s`), like a congestion
+    window:
+
+        within the aim, the limit in use        grow by one per limit's worth of tokens
+        past the aim, and so is the smoothed    cut to `BACKOFF` x the requests it holds,
+          recent TTFT                             at most once per epoch
+        otherwise                               hold
+
+    Growth only while the limit binds (a worker below its limit says nothing about more); a cut
+    from what the worker holds, not from a limit it never reached. Once per epoch: requests admitted
+    under the limit a cut replaced were admitted too generously already; their late tokens say
+    nothing new. The smoothing keeps one noisy token from cutting. Between 1 and `max_limit`. It
+    catches what the prefill rate cannot show: a decode batch that delays first tokens, or slows
+    a prefill worker sharing its CPU.
     """
 
     BACKOFF = 0.75
-    INITIAL = 8  # before any first token: bursts this large pass; the slow start grows it from there
 
-    def __init__(self, max_limit: int):
-        self.max_limit = max_limit
-        self.limit = float(min(max_limit, self.INITIAL))
+    def __init__(self, max_limit: int, smoothing: float):
+        self.max_limit, self.smoothing = max_limit, smoothing
+        self.limit = float(max_limit)
         self.epoch = 0  # cuts so far
-        self._slow_start = True
+        self.recent_ttft_s: float | None = None
 
-    def observe(self, ttft_s: float, target_s: float, admitted_epoch: int) -> None:
-        if ttft_s <= target_s:
-            self.limit = min(float(self.max_limit), self.limit + (1.0 if self._slow_start else 1.0 / self.limit))
-        elif admitted_epoch == self.epoch:
-            self.limit = max(1.0, self.limit * self.BACKOFF)
+    def observe(self, ttft_s: float, aim_s: float, admitted_epoch: int, num_active: int) -> None:
+        """A first token came `ttft_s` after arrival, to a request admitted in `admitted_epoch`,
+        while the worker holds `num_active` requests (that one included)."""
+        old = self.recent_ttft_s
+        self.recent_ttft_s = ttft_s if old is None else old + self.smoothing * (ttft_s - old)
+        if ttft_s <= aim_s:
+            if num_active >= self.limit - 1:
+                self.limit = min(float(self.max_limit), self.limit + 1.0 / self.limit)
+        elif admitted_epoch == self.epoch and self.recent_ttft_s > aim_s:
+            self.limit = max(1.0, min(self.limit, num_active) * self.BACKOFF)
             self.epoch += 1
-            self._slow_start = False
 
     def refusal(self, num_active: int) -> Refusal | None:
         """Why a worker holding `num_active` requests cannot take one more."""
@@ -249,15 +269,14 @@ class PrefillLane:
         return items
 
     def predicted_wait_s(self, now: float) -> float | None:
-        """Seconds until a request arriving now would start: queued tokens at the measured rate, plus
-        what is left of the window's (its service started at the rate's last mark). None: no rate yet."""
+        """Seconds until a request arriving now would start, at the measured rate: the prompts at the
+        worker less the service they had since the rate's last mark, then every prompt not yet there
+        (in the window, landing being reserved; or queued). None: no rate yet."""
         rate = self.rate.tokens_per_s
         if rate is None:
             return None
-        in_window_s = self.window_tokens / rate
-        if self.rate.in_service:
-            in_window_s = max(0.0, in_window_s - self.rate.busy_for_s(now))
-        return self.queued_tokens / rate + in_window_s
+        at_worker_s = max(0.0, self.rate.in_service_tokens / rate - self.rate.busy_for_s(now))
+        return at_worker_s + (self.ahead_tokens - self.rate.in_service_tokens) / rate
 
     def refusal(self, params: AdmissionParams, now: float, unloaded_ttft_s: float | None) -> Refusal | None:
         """Why this lane cannot admit one more request now; None when it can."""
@@ -267,7 +286,7 @@ class PrefillLane:
         wait_s = self.predicted_wait_s(now)
         if wait_s is None:
             return None
-        bound_s = queue_delay_bound_s(params, unloaded_ttft_s) or self.rate.mean_service_s
+        bound_s = wait_budget_s(params, unloaded_ttft_s) or self.rate.mean_service_s
         if wait_s <= bound_s:
             return None
         return Refusal(f"predicted prefill wait {wait_s:.2f}s exceeds {bound_s:.2f}s "
@@ -277,17 +296,20 @@ class PrefillLane:
         return not self._queue and self.window_tokens < self.max_window_tokens
 
 
-def queue_delay_bound_s(params: AdmissionParams, unloaded_ttft_s: float | None) -> float | None:
-    """How long an admitted request may wait beyond the unloaded TTFT; None: nothing measured yet."""
-    return params.max_queue_delay_s or unloaded_ttft_s
+def wait_budget_s(params: AdmissionParams, unloaded_ttft_s: float | None) -> float | None:
+    """The wait admission plans for: `AIM_SHARE` of the promised margin (`max_queue_delay_s`, by
+    default the unloaded TTFT). Only a share, because what it cannot foresee (a prompt's real cost,
+    a decode step in the way, a limit that learns from late tokens only after them) comes on top,
+    and the promise is about the tail. None: nothing measured yet."""
+    margin_s = params.max_queue_delay_s or unloaded_ttft_s
+    return None if margin_s is None else AIM_SHARE * margin_s
 
 
-def ttft_target_s(params: AdmissionParams, unloaded_ttft_s: float | None) -> float | None:
-    """The TTFT the decode limits steer admitted requests to: unloaded + half the queue-delay bound
-    (1.5x unloaded by default). Half, because a limit that reacts only to late tokens overshoots
-    what it aims at; aiming inside the promise (unloaded + the bound) keeps the tail within it."""
-    bound_s = queue_delay_bound_s(params, unloaded_ttft_s)
-    return None if unloaded_ttft_s is None or bound_s is None else unloaded_ttft_s + TARGET_SHARE * bound_s
+def ttft_aim_s(params: AdmissionParams, unloaded_ttft_s: float | None) -> float | None:
+    """The TTFT the decode limits steer admitted requests to: unloaded + the wait budget (1.5x
+    unloaded by default, inside the promised 2x). None until the unloaded TTFT is measured."""
+    budget_s = wait_budget_s(params, unloaded_ttft_s)
+    return None if unloaded_ttft_s is None or budget_s is None else unloaded_ttft_s + budget_s
 
 
 _NEEDED_ROLES = (("prefill", (WorkerRole.PREFILL,)), ("decode", (WorkerRole.DECODE, WorkerRole.COLOCATED)))

@@ -42,7 +42,7 @@ from prometheus_client import Counter
 from cluster import protocol as p
 from cluster.config import SamplingParams
 from router.admission import (AdmissionParams, DecodeLimit, Overloaded, PrefillLane, UnloadedTtft, admissible,
-                              ttft_target_s)
+                              ttft_aim_s)
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, WorkerRole, choose
 from router.workers import LiveWorker, ViewSource, WorkerInfo, WorkerLink, relay_metrics
@@ -324,7 +324,7 @@ class Dispatcher:
             flight.phase = Phase.PREFILLING
             flight.landing_bytes = len(msg.landing.page_ids) * msg.landing.layout.page_bytes
             transfer.prefill_sent = True
-            transfer.prefill.lane.rate.started(self.clock())
+            transfer.prefill.lane.rate.started(self.clock(), transfer.prompt_len)
             self._send(transfer.prefill, p.Prefill(msg.request_id, tuple(flight.prompt), flight.params, msg.landing))
 
     def _retry_reserve(self, flight: _Flight) -> None:
@@ -358,7 +358,7 @@ class Dispatcher:
         lane = transfer.prefill.lane
         lane.leave_window(transfer.prompt_len)
         if transfer.prefill_sent:
-            lane.rate.finished(self.clock(), transfer.prompt_len if delivered else None)
+            lane.rate.finished(self.clock(), transfer.prompt_len, delivered)
         self._pump(transfer.prefill)
 
     def _on_tokens(self, live: LiveWorker, msg: p.TokenOutput) -> None:
@@ -396,9 +396,9 @@ class Dispatcher:
         worker's limit kept its promise."""
         if flight.found_idle:
             self.unloaded_ttft.observe(ttft_s)
-        target_s = ttft_target_s(self.admission, self.unloaded_ttft.value_s)
-        if flight.limit_epoch is not None and target_s is not None:
-            flight.decode.limit.observe(ttft_s, target_s, flight.limit_epoch)
+        aim_s = ttft_aim_s(self.admission, self.unloaded_ttft.value_s)
+        if flight.limit_epoch is not None and aim_s is not None:
+            flight.decode.limit.observe(ttft_s, aim_s, flight.limit_epoch, flight.decode.num_active)
 
     # ---- endings -----------------------------------------------------------------------------------
     def _abort_on_worker(self, flight: _Flight) -> None:
@@ -439,7 +439,7 @@ class Dispatcher:
     # ---- workers -----------------------------------------------------------------------------------
     def _adopt(self, info: WorkerInfo) -> None:
         live = LiveWorker(info, PrefillLane(self.admission.prefill_window_tokens, self.admission.rate_smoothing),
-                          DecodeLimit(self.admission.max_requests_per_worker))
+                          DecodeLimit(self.admission.max_requests_per_worker, self.admission.rate_smoothing))
         self.lives[info.worker_id] = live
         live.tasks = [asyncio.create_task(self._sender(live), name=f"send-{info.worker_id}"),
                       asyncio.create_task(self._collector(live), name=f"collect-{info.worker_id}")]

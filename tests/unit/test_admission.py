@@ -6,7 +6,7 @@ import pytest
 
 from cluster.config import ConfigError
 from router.admission import (FALLBACK_RETRY_AFTER_S, AdmissionParams, DecodeLimit, Overloaded, PrefillLane,
-                              PrefillRate, Refusal, UnloadedTtft, admissible, ttft_target_s)
+                              PrefillRate, Refusal, UnloadedTtft, admissible, ttft_aim_s, wait_budget_s)
 from router.policy import WorkerRole, WorkerView
 
 
@@ -17,36 +17,37 @@ def lane(window_tokens: int = 100, smoothing: float = 1.0) -> PrefillLane:
 def measured(rate_tokens_per_s: float, window_tokens: int = 1000) -> PrefillLane:
     """A lane whose rate has one completion: `rate_tokens_per_s` * 1 s of service."""
     ln = lane(window_tokens)
-    ln.rate.started(0.0)
-    ln.rate.finished(1.0, int(rate_tokens_per_s))
+    ln.rate.started(0.0, int(rate_tokens_per_s))
+    ln.rate.finished(1.0, int(rate_tokens_per_s), delivered=True)
     return ln
 
 
 def test_rate_counts_busy_time_only_and_shares_a_step_between_batched_completions():
     rate = PrefillRate(smoothing=0.5)
     assert rate.tokens_per_s is None and rate.mean_service_s is None
-    rate.started(10.0)
-    rate.started(10.0)  # batched with the first
-    rate.finished(12.0, 100)  # 100 tokens in 2 s
-    rate.finished(12.0, 100)  # +100 tokens in 0 s: decayed sums 150 tokens / 1 s
+    rate.started(10.0, 100)
+    rate.started(10.0, 100)  # batched with the first
+    assert (rate.in_service, rate.in_service_tokens) == (2, 200)
+    rate.finished(12.0, 100, delivered=True)  # 100 tokens in 2 s
+    rate.finished(12.0, 100, delivered=True)  # +100 tokens in 0 s: decayed sums 150 tokens / 1 s
     assert rate.tokens_per_s == pytest.approx(150.0)
-    rate.started(100.0)  # idle from 12 to 100 s: not service time
-    rate.finished(101.0, 50)
+    rate.started(100.0, 50)  # idle from 12 to 100 s: not service time
+    rate.finished(101.0, 50, delivered=True)
     assert rate.tokens_per_s == pytest.approx((75 + 50) / (0.5 + 1.0))
     assert rate.in_service == 0
 
 
 def test_rate_ignores_aborted_prefills_and_rejects_a_double_finish():
     rate = PrefillRate(smoothing=1.0)
-    rate.started(0.0)
-    rate.started(0.0)
-    rate.finished(1.0, None)  # aborted: no sample
+    rate.started(0.0, 40)
+    rate.started(0.0, 30)
+    rate.finished(1.0, 30, delivered=False)  # aborted: no sample
     assert rate.tokens_per_s is None and rate.busy_for_s(1.5) == 1.5
-    rate.finished(2.0, 40)  # the aborted one's time falls to this completion
+    rate.finished(2.0, 40, delivered=True)  # the aborted one's time falls to this completion
     assert rate.tokens_per_s == pytest.approx(20.0) and rate.mean_service_s == pytest.approx(2.0)
     assert rate.busy_for_s(3.0) == 0.0  # idle
     with pytest.raises(AssertionError, match="twice"):
-        rate.finished(3.0, 1)
+        rate.finished(3.0, 1, delivered=True)
 
 
 def test_lane_moves_queued_requests_into_the_window_in_order_while_they_fit():
@@ -85,12 +86,12 @@ def test_lane_without_a_measurement_bounds_the_queue_depth_only():
 
 
 def test_lane_refuses_when_the_predicted_wait_exceeds_the_bound():
-    params = AdmissionParams(max_queue_delay_s=1.0)
+    params = AdmissionParams(max_queue_delay_s=2.0)  # a wait budget of 1 s
     ln = measured(100.0)  # 100 tokens/s
     assert ln.refusal(params, 5.0, None) is None  # idle
     ln.enqueue("a", 80)
     ln.take_ready()
-    ln.rate.started(5.0)
+    ln.rate.started(5.0, 80)
     assert ln.predicted_wait_s(5.0) == pytest.approx(0.8)
     ln.enqueue("b", 80)  # queued behind a: 1.6 s
     refusal = ln.refusal(params, 5.0, None)
@@ -99,18 +100,23 @@ def test_lane_refuses_when_the_predicted_wait_exceeds_the_bound():
     assert "160 prompt tokens ahead" in refusal.reason
     # a has been served for 0.7 s: 0.1 s of it is left, plus b's 0.8 s.
     assert ln.predicted_wait_s(5.7) == pytest.approx(0.9) and ln.refusal(params, 5.7, None) is None
+    assert [item for item, _ in ln.take_ready()] == ["b"]  # in the window, its landing being reserved
+    # a takes longer than the rate says: b, not yet at the worker, still counts in full.
+    assert ln.predicted_wait_s(6.5) == pytest.approx(0.8)
 
 
-def test_lane_bound_defaults_to_the_unloaded_ttft_then_the_mean_service_time():
-    params = AdmissionParams()  # max_queue_delay_s None: measured
+def test_lane_waits_at_most_half_the_margin_by_default_the_unloaded_ttft():
+    params = AdmissionParams()  # max_queue_delay_s None: the measured unloaded TTFT
     ln = measured(100.0)  # mean service 1 s
     ln.enqueue("a", 150)
     assert ln.refusal(params, 2.0, None).reason.endswith("exceeds 1.00s (150 prompt tokens ahead)")
-    assert ln.refusal(params, 2.0, 2.0) is None  # 1.5 s <= the unloaded TTFT
-    assert ln.refusal(params, 2.0, 1.0) is not None
-    assert ln.refusal(AdmissionParams(max_queue_delay_s=1.6), 2.0, 1.0) is None  # the explicit bound wins
-    assert ttft_target_s(params, None) is None and ttft_target_s(params, 1.5) == 2.25
-    assert ttft_target_s(AdmissionParams(max_queue_delay_s=0.5), 1.5) == 1.75
+    assert ln.refusal(params, 2.0, 3.0) is None  # 1.5 s <= half the unloaded TTFT
+    refusal = ln.refusal(params, 2.0, 2.0)
+    assert refusal is not None and refusal.retry_after_s == pytest.approx(0.5)
+    assert ln.refusal(AdmissionParams(max_queue_delay_s=3.2), 2.0, 1.0) is None  # the explicit margin wins
+    assert wait_budget_s(params, None) is None and wait_budget_s(params, 1.5) == 0.75
+    assert ttft_aim_s(params, None) is None and ttft_aim_s(params, 1.5) == 2.25
+    assert ttft_aim_s(AdmissionParams(max_queue_delay_s=0.5), 1.5) == 1.75
 
 
 def test_unloaded_ttft_is_smoothed():
@@ -120,28 +126,29 @@ def test_unloaded_ttft_is_smoothed():
     assert unloaded.value_s == pytest.approx(2.5)
 
 
-def test_decode_limit_slow_starts_then_backs_off_once_per_epoch_and_grows_back_additively():
-    limit = DecodeLimit(max_limit=64)
-    assert limit.limit == DecodeLimit.INITIAL == 8 and limit.refusal(7) is None
-    refusal = limit.refusal(8)
-    assert refusal is not None and "adapts" in refusal.reason and refusal.retry_after_s == FALLBACK_RETRY_AFTER_S
-    for _ in range(2):  # in time: slow start, one per first token
-        limit.observe(1.0, target_s=2.0, admitted_epoch=0)
-    assert limit.limit == 10
-    limit.observe(3.0, 2.0, admitted_epoch=0)  # late: cut
-    assert (limit.limit, limit.epoch) == (7.5, 1)
-    limit.observe(3.0, 2.0, admitted_epoch=0)  # admitted before the cut: no second cut for the same excess
-    assert (limit.limit, limit.epoch) == (7.5, 1)
-    limit.observe(1.0, 2.0, admitted_epoch=1)  # in time after a cut: one per limit's worth of tokens
-    assert limit.limit == pytest.approx(7.5 + 1 / 7.5)
-    for epoch in range(1, 20):  # late again and again: never below one
-        limit.observe(9.0, 2.0, admitted_epoch=epoch)
+def test_decode_limit_backs_off_from_what_it_holds_once_per_epoch_and_grows_only_in_use():
+    limit = DecodeLimit(max_limit=16, smoothing=0.5)
+    assert limit.limit == 16 and limit.refusal(15) is None  # a burst passes before anything is measured
+    assert "router.max_requests_per_worker" in limit.refusal(16).reason
+    limit.observe(1.0, aim_s=1.5, admitted_epoch=0, num_active=8)
+    assert limit.limit == 16  # never above the maximum
+    limit.observe(2.0, 1.5, admitted_epoch=0, num_active=8)  # one token past the aim, recent 1.5 s: noise, hold
+    assert (limit.limit, limit.epoch, limit.recent_ttft_s) == (16, 0, 1.5)
+    limit.observe(2.5, 1.5, admitted_epoch=0, num_active=8)  # the recent TTFT (2 s) is past the aim too: cut
+    assert (limit.limit, limit.epoch) == (6.0, 1)  # from the 8 it held, not from 16 it never reached
+    refusal = limit.refusal(6)
+    assert "adapts" in refusal.reason and refusal.retry_after_s == FALLBACK_RETRY_AFTER_S
+    limit.observe(3.0, 1.5, admitted_epoch=0, num_active=7)  # admitted before the cut: no second cut
+    assert (limit.limit, limit.epoch) == (6.0, 1)
+    limit.observe(3.0, 1.5, admitted_epoch=1, num_active=6)  # admitted under the cut limit, still late: cut
+    assert (limit.limit, limit.epoch) == (4.5, 2)
+    limit.observe(1.0, 1.5, admitted_epoch=2, num_active=1)  # in time, but the limit was not in use: hold
+    assert limit.limit == 4.5
+    limit.observe(0.1, 1.5, admitted_epoch=2, num_active=4)  # in time at the limit: one per limit's worth
+    assert limit.limit == pytest.approx(4.5 + 1 / 4.5)
+    for epoch in range(2, 20):  # late again and again: never below one
+        limit.observe(9.0, 1.5, admitted_epoch=epoch, num_active=1)
     assert limit.limit == 1.0 and limit.refusal(0) is None and limit.refusal(1) is not None
-    small = DecodeLimit(max_limit=2)
-    assert small.limit == 2 and "router.max_requests_per_worker" in small.refusal(2).reason
-    for _ in range(5):
-        small.observe(1.0, 2.0, 0)
-    assert small.limit == 2  # never above the maximum
 
 
 def view(wid: str, role: WorkerRole, alive: bool = True) -> WorkerView:

@@ -234,7 +234,7 @@ def test_admission_refuses_by_the_predicted_wait_at_the_measured_rate():
         assert not d.flights
         return d.lives["prefill-0"].lane.rate.tokens_per_s
 
-    rate = run_scenario(scenario, AdmissionParams(max_queue_delay_s=1.0), clock)
+    rate = run_scenario(scenario, AdmissionParams(max_queue_delay_s=2.0), clock)  # a 1 s wait budget
     assert rate == pytest.approx(100.0)
 
 
@@ -273,38 +273,43 @@ def test_queued_requests_of_a_dead_prefill_worker_are_routed_afresh_not_re_prefi
 
 
 def test_a_decode_worker_whose_first_tokens_come_late_admits_fewer():
-    """The unloaded TTFT is learnt from a request alone in flight; requests whose first token then
-    comes later than aimed at (unloaded + max_queue_delay_s / 2) cut their decode worker's limit."""
+    """The unloaded TTFT is learnt from a request alone in flight; once first tokens come later than
+    aimed at (unloaded + the wait budget, max_queue_delay_s / 2), their decode worker's limit is
+    cut below what it holds, and the next arrival beyond it is refused."""
     clock = FakeClock()
+    prompt = [5, 6, 7]
 
     async def scenario(d, decode, prefill):
         async def complete(rid: str, stream) -> None:
+            await prefilled(prefill, f"{rid}.0")
             prefill.emit(p.KVComplete(f"{rid}.0", FIRST_TOKEN))
             await drain(stream)
 
-        alone = d.generate("a0", [5, 6, 7], SamplingParams(max_tokens=4))
-        await prefilled(prefill, "a0.0")
+        alone = d.generate("a0", prompt, SamplingParams(max_tokens=4))
         clock.now_s = 1.0
         await complete("a0", alone)
-        assert d.unloaded_ttft.value_s == 1.0 and d.lives["decode-0"].limit.limit == 9  # in time: slow start
-        streams = {f"b{i}": d.generate(f"b{i}", [5, 6, 7], SamplingParams(max_tokens=4)) for i in range(9)}
+        assert d.unloaded_ttft.value_s == 1.0  # the aim is now 1 + 30 / 2 = 16 s
+        streams = {rid: d.generate(rid, prompt, SamplingParams(max_tokens=4)) for rid in
+                   ["z", *(f"b{i}" for i in range(7))]}  # z stays in flight: none of the b's is alone
         with pytest.raises(BackendError) as full:
-            d.generate("b9", [5, 6, 7], SamplingParams(max_tokens=4))
-        assert full.value.kind is ErrorKind.QUEUE_FULL
-        clock.now_s = 20.0  # 19 s to the first token: later than 1 + 10 / 2 s
-        for rid in ("b0", "b1", "b2"):
-            await prefilled(prefill, f"{rid}.0")
-            await complete(rid, streams.pop(rid))
+            d.generate("b7", prompt, SamplingParams(max_tokens=4))
+        assert "router.max_requests_per_worker" in full.value.message
+        clock.now_s = 40.0  # 39 s to the first token
         limit = d.lives["decode-0"].limit
-        assert (limit.limit, limit.epoch) == (6.75, 1)  # one cut: b1, b2 were admitted under the same limit
-        with pytest.raises(BackendError) as full:  # 6 still in flight, the limit is 6
-            d.generate("c0", [5, 6, 7], SamplingParams(max_tokens=4))
+        await complete("b0", streams.pop("b0"))
+        await complete("b1", streams.pop("b1"))
+        assert (limit.limit, limit.epoch) == (8.0, 0)  # late, but the smoothed TTFT (14.7 s) is within the aim
+        await complete("b2", streams.pop("b2"))  # smoothed 19.5 s: cut, from the 6 it holds (z, b2..b6)
+        assert (limit.limit, limit.epoch) == (4.5, 1)
+        await complete("b3", streams.pop("b3"))  # admitted under the old limit: no second cut
+        assert (limit.limit, limit.epoch) == (4.5, 1)
+        with pytest.raises(BackendError) as full:  # 4 in flight (z, b4..b6), the limit is 4
+            d.generate("c0", prompt, SamplingParams(max_tokens=4))
         assert "adapts" in full.value.message
         for rid in list(streams):
-            await prefilled(prefill, f"{rid}.0")
             await complete(rid, streams.pop(rid))
-        d.generate("c1", [5, 6, 7], SamplingParams(max_tokens=4))  # room again
+        d.generate("c1", prompt, SamplingParams(max_tokens=4))  # room again
         await d.abort("c1")
         return d.refusals.labels(role="decode")._value.get()
 
-    assert run_scenario(scenario, AdmissionParams(max_queue_delay_s=10.0), clock) == 2
+    assert run_scenario(scenario, AdmissionParams(max_queue_delay_s=30.0, max_requests_per_worker=8), clock) == 2

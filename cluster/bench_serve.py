@@ -37,6 +37,9 @@ from cluster.bench_offline import Throughput, Workload, make_workload, run_tande
 log = logging.getLogger("tandem.bench")
 
 LAPTOP_SETS = ["engine.num_pages=512", "decode.host_pages=512"]  # small pools; later --set wins
+# A throughput run at a fixed concurrency, not an overload test (that is `tandem bench overload`):
+# the server it starts queues what it is sent instead of refusing it to keep TTFT near unloaded.
+QUEUE_ALL_SETS = ["router.max_queue_delay_s=3600", "router.max_queued_requests=100000"]
 RELAY = "tandem:token_relay_seconds"
 POLLS = "tandem:worker_polls_total"
 GENERATION_TOKENS = "tandem:generation_tokens_total"
@@ -146,6 +149,9 @@ async def stream_one(client, prompt: list[int], output_len: int, headers: dict) 
     frame_times_s, output_tokens = [], None
     start_s = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+        if resp.status_code == 429:
+            raise RuntimeError(f"the server refused a request (429): {(await resp.aread())[:300]!r}; "
+                               "lower --concurrency, or serve with a larger router.max_queue_delay_s")
         if resp.status_code != 200:
             raise RuntimeError(f"/v1/completions answered {resp.status_code}: {(await resp.aread())[:500]!r}")
         async for line in resp.aiter_lines():
@@ -223,8 +229,9 @@ def run_offline(engine_config, work: Workload) -> Throughput:
     return dataclasses.replace(run_tandem(engine, work), system="offline")
 
 
-def serve_flags(args: argparse.Namespace) -> list[str]:
-    sets = [*LAPTOP_SETS, *args.set] if args.url is None else list(args.set)
+def serve_flags(args: argparse.Namespace, defaults: tuple[str, ...] = ()) -> list[str]:
+    """`tandem serve` flags of a server started here: small pools, `defaults`, then the user's --set."""
+    sets = [*LAPTOP_SETS, *defaults, *args.set] if args.url is None else list(args.set)
     return [*(["--config", args.config] if args.config else []), *(f for s in sets for f in ("--set", s))]
 
 
@@ -256,7 +263,7 @@ def bench_serve(args: argparse.Namespace) -> int:
     if not 1 <= args.input_len[0] <= args.input_len[1] or not 1 <= args.output_len[0] <= args.output_len[1]:
         raise ValueError("--input-len and --output-len take MIN MAX with 1 <= MIN <= MAX")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    flags = serve_flags(args)
+    flags = serve_flags(args, tuple(QUEUE_ALL_SETS))
     config = load_config(flags)
     work = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
                          len(load_tokenizer(resolve_model_dir(config.model))), args.seed)

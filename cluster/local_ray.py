@@ -13,7 +13,7 @@ it before importing ray, and refuses to go on if ray was imported earlier withou
 
 Auth: a fresh 256-bit token in a 0600 file in a 0700 directory (RAY_AUTH_MODE=token,
 RAY_AUTH_TOKEN_PATH); the directory, which also holds Ray's temp dir (sessions, logs, sockets), is
-removed by `stop`. Nothing is written to ~/.ray or the shared /tmp/ray, so other Ray users on the
+removed by `stop`. Nothing is written to ~/.ray or Ray's shared default temp dir, so other Ray users on the
 host neither see this instance nor find it with address "auto".
 
 Signals: a SIGTERM sent to tandem's process group (systemd, a shell entrypoint) does not reach

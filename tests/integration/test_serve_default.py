@@ -22,8 +22,18 @@ SMALL = ["--set", "engine.num_pages=512", "--set", "decode.host_pages=512"]
 
 
 def ray_daemon_pids() -> set[int]:
+    """Live Ray daemons on this host. A daemon that exited but is not yet reaped (a zombie: Ray's
+    daemons are re-parented to init once `ray start` exits) holds nothing and does not count."""
     out = subprocess.run(["pgrep", "-f", "raylet|gcs_server"], capture_output=True, text=True).stdout
-    return {int(pid) for pid in out.split()}
+    return {int(pid) for pid in out.split() if _alive(int(pid))}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:  # gone since the listing
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 @pytest.fixture(scope="module")

@@ -178,3 +178,15 @@ class EngineBackend:
         return GenerationChunk(tuple(out.new_token_ids), out.finish_reason.value, cached_tokens=out.cached_tokens,
                                kv_transfer_s=transfer_s, kv_transfer_bytes=transfer_bytes,
                                decode_worker=WORKER_ID)
+
+
+def settle_backend(request) -> None:
+    """Teardown of a test that used the `backend` fixture: faults cleared, idle, pool consistent and
+    no request holding KV (private pages)."""
+    if "backend" not in request.fixturenames:
+        return
+    backend = request.getfixturevalue("backend")
+    backend.reset_faults()
+    backend.wait_idle()
+    private = backend.on_engine(lambda e: (e.check_integrity(), e.kvm.pool.usage().private)[1])
+    assert private == 0, f"{private} private pages left after the test: a request was not released"

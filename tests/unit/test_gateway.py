@@ -20,7 +20,7 @@ from kernels.model.loader import apply_chat_template, encode_prompt
 from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
 from router.gateway.detokenize import IncrementalDetokenizer, final_text
-from tests.gateway_backend import WORKER_ID, EngineBackend
+from tests.gateway_backend import WORKER_ID, EngineBackend, settle_backend
 from tests.helpers import assert_pool_at_rest, greedy, make_smollm2_engine
 
 try:
@@ -72,12 +72,7 @@ def client(backend):
 def engine_at_rest(request):
     """After each test: no request holds KV; faults cleared."""
     yield
-    if "backend" in request.fixturenames:
-        backend = request.getfixturevalue("backend")
-        backend.reset_faults()
-        backend.wait_idle()
-        backend.on_engine(lambda e: (e.check_integrity(), e.kvm.pool.usage().private))[1] == 0 or pytest.fail(
-            "private pages left after the test")
+    settle_backend(request)
 
 
 def app_client(backend, **config) -> TestClient:

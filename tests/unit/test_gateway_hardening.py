@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 from cluster.serve_config import GatewayConfig
 from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
-from tests.gateway_backend import EngineBackend
+from tests.gateway_backend import EngineBackend, settle_backend
 from tests.helpers import assert_pool_at_rest, make_smollm2_engine
 
 try:
@@ -46,11 +46,7 @@ def backend():
 @pytest.fixture(autouse=True)
 def engine_at_rest(request):
     yield
-    if "backend" in request.fixturenames:
-        backend = request.getfixturevalue("backend")
-        backend.reset_faults()
-        backend.wait_idle()
-        assert backend.on_engine(lambda e: (e.check_integrity(), e.kvm.pool.usage().private)[1]) == 0
+    settle_backend(request)
 
 
 def app_client(backend, **config) -> TestClient:

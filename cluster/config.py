@@ -10,16 +10,25 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
     """A configuration value is out of bounds; the message names the field and the bound."""
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """Every config's bound check: ConfigError(`message`) unless `ok`."""
     if not ok:
         raise ConfigError(message)
+
+
+def require_min(config: object, prefix: str, bound: float, *names: str, strict: bool = False) -> None:
+    """Each named field of `config` must be >= `bound` (> when `strict`); the message names `prefix` + the field."""
+    for name in names:
+        value = getattr(config, name)
+        require(value > bound if strict else value >= bound,
+                f"{prefix}{name} must be {'>' if strict else '>='} {bound}, got {value}")
 
 
 def _is_real(x) -> bool:
@@ -70,30 +79,30 @@ class SamplingParams:
     """Keep generating past EOS (benchmarks use it for exact output lengths)."""
 
     def __post_init__(self):
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
+        require(_is_int(self.max_tokens) and self.max_tokens >= 1,
                  f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _require(_is_real(self.temperature) and self.temperature >= 0,
+        require(_is_real(self.temperature) and self.temperature >= 0,
                  f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        _require(_is_real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _require(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
-        _require(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+        require(_is_real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        require(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        require(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
                  f"seed must be an integer in [-2^63, 2^63), got {self.seed!r}")
-        _require(isinstance(self.stop, (tuple, list)) and isinstance(self.stop_token_ids, (tuple, list)),
+        require(isinstance(self.stop, (tuple, list)) and isinstance(self.stop_token_ids, (tuple, list)),
                  "stop and stop_token_ids must be sequences")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._check_stop_rules()
 
     def _check_stop_rules(self) -> None:
-        _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        _require(len(self.stop) <= MAX_STOP_STRINGS,
+        require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        require(len(self.stop) <= MAX_STOP_STRINGS,
                  f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         total_chars = sum(map(len, self.stop))
-        _require(total_chars <= MAX_STOP_CHARS,
+        require(total_chars <= MAX_STOP_CHARS,
                  f"stop strings may have {MAX_STOP_CHARS} characters together at most, got {total_chars}")
-        _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+        require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
                  f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
-        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids must be non-negative integers")
 
     @property
@@ -128,21 +137,21 @@ class EngineConfig:
     """Check KV integrity after every scheduler step (also set by TANDEM_DEBUG_KV=1)."""
 
     def __post_init__(self):
-        _require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+        require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
                  f"page_size must be a power of two >= 1, got {self.page_size}")
-        _require(self.num_pages is None or self.num_pages >= 2,
+        require(self.num_pages is None or self.num_pages >= 2,
                  f"num_pages must be >= 2 (scratch page + one usable), got {self.num_pages}")
-        _require(self.kv_memory_gib > 0, f"kv_memory_gib must be > 0, got {self.kv_memory_gib}")
-        _require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
-        _require(self.max_running_requests >= 1, f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        _require(self.max_model_len is None or self.max_model_len >= 2,
+        require(self.kv_memory_gib > 0, f"kv_memory_gib must be > 0, got {self.kv_memory_gib}")
+        require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
+        require(self.max_running_requests >= 1, f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len}")
 
     def resolve(self, bytes_per_page: int, max_position_embeddings: int) -> "EngineConfig":
         """Fill the auto fields from the loaded model; returns a new config."""
         num_pages = self.num_pages or max(2, int(self.kv_memory_gib * 2**30) // bytes_per_page)
         max_model_len = self.max_model_len or max_position_embeddings
-        _require(max_model_len <= max_position_embeddings,
+        require(max_model_len <= max_position_embeddings,
                  f"max_model_len {max_model_len} exceeds the model's {max_position_embeddings} positions")
         return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len)

@@ -6,7 +6,18 @@ host-tier pages reserved for the request, and the memory layout to compute byte 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+from cluster.config import SamplingParams
+
+
+class WorkerRole(enum.Enum):
+    """What a worker does; travels on the wire as its value (`WorkerStats.role`, `WorkerReady.role`)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"  # decodes transferred KV; prefills locally when no prefill worker is alive
+    COLOCATED = "colocated"  # prefills and decodes every request itself; never part of a disaggregated pair
 
 
 @dataclass(frozen=True)
@@ -149,7 +160,7 @@ class Reserve:
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    params: object  # cluster.config.SamplingParams
+    params: SamplingParams
     peer: str  # the prefill worker's id
 
 
@@ -166,7 +177,7 @@ class Prefill:
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    params: object
+    params: SamplingParams
     landing: Landing
 
 
@@ -176,7 +187,7 @@ class Generate:
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    params: object
+    params: SamplingParams
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from cluster.config import ConfigError
-from router.policy import WorkerRole, WorkerView
+from cluster.config import require
+from router.policy import WorkerView
+from cluster.protocol import WorkerRole
 
 FALLBACK_RETRY_AFTER_S = 1.0  # no measurement to estimate from: the smallest Retry-After HTTP can say
 AIM_SHARE = 0.5  # of the promised margin that admission plans to use; the rest absorbs what it cannot foresee
@@ -64,19 +65,15 @@ class AdmissionParams:
     TTFT), in (0, 1]."""
 
     def __post_init__(self):
-        _require(self.max_queue_delay_s is None or self.max_queue_delay_s > 0,
+        require(self.max_queue_delay_s is None or self.max_queue_delay_s > 0,
                  f"max_queue_delay_s must be > 0 or None, got {self.max_queue_delay_s}")
-        _require(self.max_queued_requests >= 0, f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        _require(self.prefill_window_tokens >= 1,
+        require(self.max_queued_requests >= 0, f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        require(self.prefill_window_tokens >= 1,
                  f"prefill_window_tokens must be >= 1, got {self.prefill_window_tokens}")
-        _require(self.max_requests_per_worker >= 1,
+        require(self.max_requests_per_worker >= 1,
                  f"max_requests_per_worker must be >= 1, got {self.max_requests_per_worker}")
-        _require(0 < self.rate_smoothing <= 1, f"rate_smoothing must be in (0, 1], got {self.rate_smoothing}")
+        require(0 < self.rate_smoothing <= 1, f"rate_smoothing must be in (0, 1], got {self.rate_smoothing}")
 
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True)

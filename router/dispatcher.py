@@ -44,7 +44,8 @@ from cluster.config import SamplingParams
 from router.admission import (AdmissionParams, DecodeLimit, Overloaded, PrefillLane, UnloadedTtft, admissible,
                               ttft_aim_s)
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
-from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, WorkerRole, choose
+from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, choose
+from cluster.protocol import WorkerRole
 from router.workers import LiveWorker, ViewSource, WorkerInfo, WorkerLink, relay_metrics
 
 __all__ = ["Dispatcher", "Phase", "ViewSource", "WorkerInfo", "WorkerLink"]

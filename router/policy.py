@@ -22,16 +22,11 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cluster.config import ConfigError
+from cluster.config import require
+from cluster.protocol import WorkerRole
 from router.prefix_tree import ApproxPrefixTree
 
 DEFAULT_MAX_TREE_TOKENS = 1 << 20
-
-
-class WorkerRole(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"  # decodes transferred KV; prefills locally when no prefill worker is alive
-    COLOCATED = "colocated"  # prefills and decodes every request itself; never part of a disaggregated pair
 
 
 class Policy(enum.Enum):
@@ -121,24 +116,20 @@ class PolicyParams:
     kv_usage, since a full pool means retraction or preemption ahead."""
 
     def __post_init__(self):
-        _require(0.0 <= self.cache_threshold <= 1.0, f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        _require(isinstance(self.balance_abs_threshold, int) and self.balance_abs_threshold >= 0,
+        require(0.0 <= self.cache_threshold <= 1.0, f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        require(isinstance(self.balance_abs_threshold, int) and self.balance_abs_threshold >= 0,
                  f"balance_abs_threshold must be an integer >= 0, got {self.balance_abs_threshold!r}")
-        _require(self.balance_rel_threshold >= 1.0,
+        require(self.balance_rel_threshold >= 1.0,
                  f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
-        _require(isinstance(self.max_tree_tokens, int) and self.max_tree_tokens >= 1,
+        require(isinstance(self.max_tree_tokens, int) and self.max_tree_tokens >= 1,
                  f"max_tree_tokens must be an integer >= 1, got {self.max_tree_tokens!r}")
-        _require(isinstance(self.tokens_per_load_unit, int) and self.tokens_per_load_unit >= 1,
+        require(isinstance(self.tokens_per_load_unit, int) and self.tokens_per_load_unit >= 1,
                  f"tokens_per_load_unit must be an integer >= 1, got {self.tokens_per_load_unit!r}")
-        _require(self.decode_waiting_weight >= 0,
+        require(self.decode_waiting_weight >= 0,
                  f"decode_waiting_weight must be >= 0, got {self.decode_waiting_weight}")
-        _require(self.decode_kv_usage_weight >= 0,
+        require(self.decode_kv_usage_weight >= 0,
                  f"decode_kv_usage_weight must be >= 0, got {self.decode_kv_usage_weight}")
 
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 class _Stage(enum.Enum):
@@ -157,7 +148,7 @@ class RouterState:
     """
 
     def __init__(self, max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS):
-        _require(isinstance(max_tree_tokens, int) and max_tree_tokens >= 1,
+        require(isinstance(max_tree_tokens, int) and max_tree_tokens >= 1,
                  f"max_tree_tokens must be an integer >= 1, got {max_tree_tokens!r}")
         self.max_tree_tokens = max_tree_tokens
         self._turns = {stage: 0 for stage in _Stage}

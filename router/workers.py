@@ -11,7 +11,8 @@ from typing import Any, Protocol
 from cluster import protocol as p
 from router.admission import DecodeLimit, PrefillLane
 from router.backend import WorkerGauge
-from router.policy import WorkerRole, WorkerView
+from router.policy import WorkerView
+from cluster.protocol import WorkerRole
 
 
 class WorkerLink(Protocol):

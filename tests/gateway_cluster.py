@@ -22,15 +22,15 @@ from pathlib import Path
 from unittest import mock
 
 from cluster.config import EngineConfig
-from cluster.serve_config import GatewayConfig
-from cluster.worker_host import HostLink, WorkerHost
-from cluster.worker_process import WorkerSpec
+from cluster.serve.config import GatewayConfig
+from cluster.worker_host.thread import HostLink, WorkerHost
+from cluster.worker_host.build import WorkerSpec
 from kernels.model import loader
 from kernels.model.loader import LoadedModel
 from kernels.model.tiny import make_tiny_llama, tiny_llama_config
 from router.dispatcher import Dispatcher
 from router.gateway import GatewayServer, build_app
-from router.policy import WorkerRole
+from cluster.protocol import WorkerRole
 from router.workers import WorkerInfo
 from tests.helpers import TINY_EOS
 

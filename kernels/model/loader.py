@@ -20,14 +20,12 @@ from kernels.model.arch import LlamaArch
 from kernels.model.convert import SMOLLM2_SPEC, ensure_smollm2
 from kernels.model.llama import LlamaForCausalLM
 from kernels.model.tiny import make_tiny_llama, tiny_llama_config
+from kernels.model.tokenizer import load_tokenizer
 
 __all__ = [
     "LoadedModel",
     "resolve_model_dir",
     "load_model",
-    "load_tokenizer",
-    "apply_chat_template",
-    "encode_prompt",
     "eos_token_ids",
     "tiny_llama_config",
     "make_tiny_llama",
@@ -111,27 +109,6 @@ def load_model(
         model_dir=model_dir,
         eos_token_ids=eos_token_ids(hf_config, tokenizer, model_dir),
     )
-
-
-def load_tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]] | str) -> list[int]:
-    """Token ids of ``messages`` (or one user message ``str``) with the assistant prompt appended."""
-    if isinstance(messages, str):
-        messages = [{"role": "user", "content": messages}]
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this tokenizer has no chat template; use encode_prompt() for raw completions")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return encode_prompt(tokenizer, text)
-
-
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Plain encoding without adding special tokens (templates already contain them)."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _as_id_list(value: Any) -> list[int]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from cluster.config import require_min
+
 
 class TransferState(enum.Enum):
     BOOTSTRAPPING = "bootstrapping"  # peers being paired, landing being reserved
@@ -48,13 +50,14 @@ class TransferDeadlines:
     """Seconds a transfer may stay in each non-terminal state (TRANSFERRING: without progress)."""
 
     bootstrapping_s: float = 30.0
+    """Seconds a transfer may spend pairing peers and reserving the landing (> 0)."""
     waiting_s: float = 60.0
+    """Seconds a transfer may wait, landing known, before its first KV write (> 0)."""
     transferring_s: float = 60.0
+    """Seconds a transfer may go without progress while writing KV (> 0)."""
 
     def __post_init__(self):
-        for name in ("bootstrapping_s", "waiting_s", "transferring_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        require_min(self, "", 0, "bootstrapping_s", "waiting_s", "transferring_s", strict=True)
 
     def for_state(self, state: TransferState) -> float:
         return {TransferState.BOOTSTRAPPING: self.bootstrapping_s, TransferState.WAITING: self.waiting_s,

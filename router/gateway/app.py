@@ -33,8 +33,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
 from cluster.config import SamplingParams
-from cluster.serve_config import GatewayConfig
-from kernels.model.loader import encode_prompt
+from router.gateway.config import GatewayConfig
+from kernels.model.tokenizer import encode_prompt
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
 from router.gateway.hosts import HostGuard, HostPolicy
 from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics

@@ -17,7 +17,7 @@ from typing import Any
 
 from cluster.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, ConfigError, \
     SamplingParams
-from kernels.model.loader import apply_chat_template, encode_prompt
+from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from router.gateway.errors import APIError, invalid
 
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default; ask for 0 to get greedy decoding

@@ -28,7 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from cluster.serve_config import GatewayConfig
+from router.gateway.config import GatewayConfig
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ import torch
 
 from cluster.config import EngineConfig
 from decode_worker.engine import ColocatedEngine
-from kernels.model.loader import apply_chat_template, load_model
+from kernels.model.loader import load_model
+from kernels.model.tokenizer import apply_chat_template
 from tests.helpers import CHAT_PROMPTS, assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from cluster.cli import main as tandem_main
+from cluster.cli.main import main as tandem_main
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from cluster.config import EngineConfig, SamplingParams
-from cluster.process_pair import ProcessPair, RequestFailure
+from cluster.worker_host.pair import ProcessPair, RequestFailure
 from kv_store.transfer.session import TransferDeadlines
 from tests.helpers import CHAT_PROMPTS, greedy, hf_greedy, make_smollm2_engine, smollm2
 
@@ -17,7 +17,7 @@ MAX_NEW = 16
 
 
 def apply_chat(prompt):
-    from kernels.model.loader import apply_chat_template
+    from kernels.model.tokenizer import apply_chat_template
 
     return apply_chat_template(smollm2()[0].tokenizer, prompt)
 
@@ -148,7 +148,7 @@ def test_200_random_requests_with_aborts_leak_nothing(make_pair):
 
 
 def test_cli_disaggregated_json_equals_colocated(capsys):
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     args = ["run", "--prompt", CHAT_PROMPTS[1], "--prompt", CHAT_PROMPTS[2], "--max-tokens", str(MAX_NEW),
             "--num-pages", "256", "--host-pages", "256", "--json"]

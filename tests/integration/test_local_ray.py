@@ -1,4 +1,4 @@
-"""`cluster.local_ray.LocalRay`: the Ray instance `tandem serve` starts for itself is private (a 0600
+"""`cluster.serve.local_ray.LocalRay`: the Ray instance `tandem serve` starts for itself is private (a 0600
 token it alone holds, enforced by the GCS), listens on loopback only, and leaves nothing behind.
 
 `LocalRay.start` must run before `ray` is imported, so it runs in a child process (`child`)."""
@@ -13,14 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.local_ray import end_session, session_members
+from cluster.serve.local_ray import end_session, session_members
 from kv_store.transfer.listeners import listening_sockets
 from tests.integration.serve_harness import REPO
 
 
 def child() -> None:
     """Start a LocalRay, report it on stdout, stop it when stdin says so, report what is left."""
-    from cluster.local_ray import LocalRay
+    from cluster.serve.local_ray import LocalRay
 
     env_before = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     ray = LocalRay.start(num_cpus=1, num_gpus=None)

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from cluster.cli import main as tandem_main
+from cluster.cli.main import main as tandem_main
 from tests.integration.serve_harness import RayHead, metric, start_server
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.local_ray import session_members
+from cluster.serve.local_ray import session_members
 from kv_store.transfer.listeners import listening_sockets
 from tests.integration.serve_harness import metric, start_server
 
@@ -140,7 +140,7 @@ def test_colocated_shape_serves_on_every_worker(tmp_path, capsys):
     """No prefill or decode group: two colocated workers, each prefilling its own requests."""
     import json
 
-    from cluster.cli import main as tandem_main
+    from cluster.cli.main import main as tandem_main
 
     server = start_server(tmp_path, ["--num-prefill", "0", "--num-decode", "0", "--num-colocated", "2",
                                      "--policy", "round_robin", *SMALL])

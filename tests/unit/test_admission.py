@@ -7,7 +7,8 @@ import pytest
 from cluster.config import ConfigError
 from router.admission import (FALLBACK_RETRY_AFTER_S, AdmissionParams, DecodeLimit, Overloaded, PrefillLane,
                               PrefillRate, Refusal, UnloadedTtft, admissible, ttft_aim_s, wait_budget_s)
-from router.policy import WorkerRole, WorkerView
+from router.policy import WorkerView
+from cluster.protocol import WorkerRole
 
 
 def lane(window_tokens: int = 100, smoothing: float = 1.0) -> PrefillLane:
@@ -181,7 +182,7 @@ def test_params_are_bounded(bad):
 
 
 def test_router_config_resolves_the_automatic_admission_knobs():
-    from cluster.serve_config import RouterConfig, load_serve_config
+    from cluster.serve.config import RouterConfig, load_serve_config
 
     auto = RouterConfig().admission(prefill_chunk_size=512, decode_max_running=64)
     assert auto == AdmissionParams(max_queue_delay_s=None, max_queued_requests=8, prefill_window_tokens=1024,

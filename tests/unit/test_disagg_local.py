@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from cluster.local_pair import LocalPair
+from cluster.worker_host.local_pair import LocalPair
 from decode_worker.worker import DecodeWorker
 from kv_store.transfer.local import LocalTransport
 from kv_store.transfer.session import TransferDeadlines

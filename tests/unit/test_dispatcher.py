@@ -20,16 +20,16 @@ import pytest
 
 from cluster import protocol as p
 from cluster.config import EngineConfig
-from cluster.worker_host import HostLink, WorkerHost
-from cluster.worker_process import WorkerSpec
-from kernels.model.loader import apply_chat_template
+from cluster.worker_host.thread import HostLink, WorkerHost
+from cluster.worker_host.build import WorkerSpec
+from kernels.model.tokenizer import apply_chat_template
 from decode_worker.worker import InboundPhase
 from kv_store.req_kv import ceil_div
-from kv_store.transfer.session import TransferDeadlines
+from kv_store.transfer.config import TransportConfig
 from router.admission import AdmissionParams
 from router.backend import BackendError, ErrorKind
 from router.dispatcher import Dispatcher, Phase, WorkerInfo
-from router.policy import WorkerRole
+from cluster.protocol import WorkerRole
 from tests.helpers import CHAT_PROMPTS, greedy, make_smollm2_engine
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ MAX_NEW = 10
 LONG = 200  # max_tokens of a request that must still be running when the test acts on it
 REST_TIMEOUT_S = 5.0
 # The "-short" pair: a transfer that waits this long for its prefill to start is abandoned.
-SHORT_DEADLINES = TransferDeadlines(bootstrapping_s=30.0, waiting_s=5.0, transferring_s=5.0)
+SHORT_DEADLINES = TransportConfig(bootstrapping_s=30.0, waiting_s=5.0, transferring_s=5.0)
 
 
 # ---- fixtures ---------------------------------------------------------------------------------------
@@ -53,8 +53,8 @@ def hosts():
              "decode-0": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=256), "decode-0"),
              # +1: the host pool's page 0 is the scratch page
              "decode-tiny": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=TINY_HOST_PAGES + 1), "decode-tiny"),
-             "prefill-short": WorkerHost(WorkerSpec("prefill", ENGINE, deadlines=SHORT_DEADLINES), "prefill-short"),
-             "decode-short": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=256, deadlines=SHORT_DEADLINES),
+             "prefill-short": WorkerHost(WorkerSpec("prefill", ENGINE, transport=SHORT_DEADLINES), "prefill-short"),
+             "decode-short": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=256, transport=SHORT_DEADLINES),
                                         "decode-short")}
     yield built
     for host in built.values():

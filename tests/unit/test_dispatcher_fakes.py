@@ -11,7 +11,7 @@ from cluster.config import SamplingParams
 from router.admission import AdmissionParams
 from router.backend import BackendError, ErrorKind
 from router.dispatcher import Dispatcher, Phase, WorkerInfo
-from router.policy import WorkerRole
+from cluster.protocol import WorkerRole
 
 
 class ScriptedLink:

@@ -15,8 +15,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from cluster.serve_config import GatewayConfig
-from kernels.model.loader import apply_chat_template, encode_prompt
+from cluster.serve.config import GatewayConfig
+from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
 from router.gateway.detokenize import IncrementalDetokenizer, final_text

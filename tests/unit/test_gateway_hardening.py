@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from cluster.serve_config import GatewayConfig
+from cluster.serve.config import GatewayConfig
 from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
 from tests.gateway_backend import EngineBackend, settle_backend
@@ -280,7 +280,7 @@ def test_open_connections_are_bounded(backend):
 def test_tandem_serve_runs_the_gateway_through_gateway_server(monkeypatch):
     """`tandem serve` uses GatewayServer (so the connection bounds apply), hands uvicorn's server to the
     signal guard, and a port in use is a start-up error rather than a traceback."""
-    from cluster import actors, launch
+    from cluster.serve import actors, launch
     from router import dispatcher, gateway
 
     served = []
@@ -321,7 +321,7 @@ def test_tandem_serve_runs_the_gateway_through_gateway_server(monkeypatch):
 
 
 def _serve_config(**gateway_fields):
-    from cluster.serve_config import load_serve_config
+    from cluster.serve.config import load_serve_config
 
     return load_serve_config(None, {f"gateway.{k}": v for k, v in gateway_fields.items()})
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kernels.model import convert
-from kernels.model.loader import apply_chat_template, load_model, load_tokenizer, resolve_model_dir
+from kernels.model.loader import load_model, resolve_model_dir
+from kernels.model.tokenizer import apply_chat_template, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -297,7 +297,7 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
 
 @pytest.mark.slow
 def test_smollm2_prefill_and_decode_match_hf(smollm2):
-    from kernels.model.loader import apply_chat_template
+    from kernels.model.tokenizer import apply_chat_template
 
     loaded, reference = smollm2
     ids = apply_chat_template(loaded.tokenizer, CHAT_PROMPTS[0])
@@ -311,7 +311,7 @@ def test_smollm2_prefill_and_decode_match_hf(smollm2):
 
 @pytest.mark.slow
 def test_smollm2_batched_greedy_matches_hf_generate(smollm2):
-    from kernels.model.loader import apply_chat_template
+    from kernels.model.tokenizer import apply_chat_template
 
     loaded, reference = smollm2
     num_new, page_size = 16, 8

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from cluster.config import EngineConfig
-from cluster.serve_config import (
+from kv_store.transfer.session import TransferDeadlines, TransferState
+from cluster.serve.config import (
     API_KEY_ENV,
     ClusterConfig,
     ConfigError,
@@ -212,7 +213,7 @@ def test_direct_construction_checks_bounds_too():
         WorkerGroupConfig(count=-1)
     with pytest.raises(ConfigError, match=r"^prefill\.engine\.page_size \(16\) and decode\.engine\.page_size \(8\)"):
         ServeConfig(decode=WorkerGroupConfig(count=1, engine=EngineConfig(page_size=8)))
-    with pytest.raises(ConfigError, match=r"^router\.max_transfer_retries must be >= 0"):
+    with pytest.raises(ConfigError, match=r"^max_transfer_retries must be >= 0"):  # a section names its own fields
         RouterConfig(max_transfer_retries=-1)
     with pytest.raises(ConfigError, match=r"^num_cpus and num_gpus are both 0"):
         WorkerGroupConfig(count=1, num_cpus=0)
@@ -258,9 +259,12 @@ def test_api_key_from_env_only_when_not_set(monkeypatch, tmp_path):
     assert load_serve_config().gateway.api_key is None
 
 
-def test_transport_deadlines():
-    deadlines = TransportConfig(waiting_s=5, transferring_s=7.5).deadlines()
+def test_transport_config_is_the_transfer_deadlines():
+    """The deadlines are declared once (TransferDeadlines); the transport section adds its address."""
+    deadlines = TransportConfig(waiting_s=5, transferring_s=7.5)
+    assert isinstance(deadlines, TransferDeadlines)
     assert (deadlines.bootstrapping_s, deadlines.waiting_s, deadlines.transferring_s) == (30.0, 5, 7.5)
+    assert deadlines.for_state(TransferState.WAITING) == 5
 
 
 def test_overrides_are_not_mutated():

@@ -25,7 +25,8 @@ TEXTS = ["The capital of France is Paris. It is lovely in spring!",
 
 @functools.lru_cache(maxsize=None)
 def tokenizer():
-    from kernels.model.loader import load_tokenizer, resolve_model_dir
+    from kernels.model.loader import resolve_model_dir
+    from kernels.model.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_dir("smollm2"))
 

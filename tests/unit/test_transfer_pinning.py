@@ -8,7 +8,7 @@ aborted meanwhile (which drops the request's own tree lock).
 import torch
 
 from cluster.config import EngineConfig
-from cluster.local_pair import LocalPair
+from cluster.worker_host.local_pair import LocalPair
 from decode_worker.worker import DecodeWorker
 from kv_store.page_pool import PageState
 from kv_store.transfer.local import LocalTransport

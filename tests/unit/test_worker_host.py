@@ -8,19 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster import controller as controller_mod
+from cluster.serve import controller as controller_mod
 from cluster import protocol as p
 from cluster.config import ConfigError, EngineConfig, SamplingParams
-from cluster.controller import Controller, RestartBudget, SlotState, _Slot
-from cluster.serve_config import load_serve_config
-from cluster.worker_host import HostBeat, WorkerHost, WorkerStopped
-from cluster.worker_process import WorkerSpec
+from cluster.serve.controller import Controller, RestartBudget, SlotState, _Slot
+from cluster.serve.config import load_serve_config
+from cluster.worker_host.thread import HostBeat, WorkerHost, WorkerStopped
+from cluster.worker_host.build import WorkerSpec
+from kv_store.transfer.config import TransportConfig
 from tests.helpers import CHAT_PROMPTS, make_smollm2_engine, smollm2
 
 
 @pytest.mark.slow
 def test_host_serves_reports_a_long_step_and_stops():
-    from kernels.model.loader import apply_chat_template
+    from kernels.model.tokenizer import apply_chat_template
 
     host = WorkerHost(WorkerSpec("colocated", EngineConfig(num_pages=256), heartbeat_interval_s=0.1), "colocated-0")
     try:
@@ -96,10 +97,10 @@ def test_controller_declares_dead_exactly_the_failed_hung_and_silent(killed, han
 def test_actor_with_hostname_auto_advertises_its_node_address(monkeypatch):
     import ray
 
-    from cluster.actors import WorkerActor
+    from cluster.serve.actors import WorkerActor
 
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")  # this node, loopback only
-    actor = WorkerActor(WorkerSpec("prefill", EngineConfig(num_pages=64), hostname="auto"), "prefill-0")
+    actor = WorkerActor(WorkerSpec("prefill", EngineConfig(num_pages=64), transport=TransportConfig(hostname="auto")), "prefill-0")
     try:
         session, max_request_tokens, pid = actor.ready()
         assert session.startswith("127.0.0.1:") and int(session.rsplit(":", 1)[1]) > 0

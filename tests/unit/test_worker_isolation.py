@@ -13,9 +13,9 @@ import torch
 
 from cluster import protocol as p
 from cluster.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams
-from cluster.local_pair import LocalPair
-from cluster.worker_host import HostLink, WorkerHost
-from cluster.worker_process import WorkerSpec
+from cluster.worker_host.local_pair import LocalPair
+from cluster.worker_host.thread import HostLink, WorkerHost
+from cluster.worker_host.build import WorkerSpec
 from decode_worker.engine import ColocatedEngine
 from decode_worker.worker import DecodeWorker
 from kv_store.transfer.local import LocalTransport
@@ -187,7 +187,7 @@ def test_worker_host_loop_survives_faulty_requests_and_messages(clean):
 def test_the_client_of_a_faulty_request_gets_an_internal_error_and_no_retry(clean):
     from router.backend import ErrorKind
     from router.dispatcher import Dispatcher, WorkerInfo
-    from router.policy import WorkerRole
+    from cluster.protocol import WorkerRole
 
     host = WorkerHost(WorkerSpec("colocated", CONFIG, heartbeat_interval_s=0.05), "colocated-0", build=build_tiny)
     link = HostLink(host)

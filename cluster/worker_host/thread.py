@@ -1,7 +1,7 @@
 """A worker running its loop on a thread of the current process, fed through in-memory queues.
 
-The Ray actor (`cluster.actors.WorkerActor`) is a thin shell around one `WorkerHost`; tests can use
-a `WorkerHost` directly. The loop is the same as a worker process's (`worker_process._loop`); only
+The Ray actor (`cluster.serve.actors.WorkerActor`) is a thin shell around one `WorkerHost`; tests can use
+a `WorkerHost` directly. The loop is the same as a worker process's (`loop.run_loop`); only
 its connection differs:
 
     dispatcher --deliver(msgs)--> inbox --> loop thread --> outbox --collect(timeout)--> dispatcher
@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster import protocol as p
-from cluster.worker_process import WorkerSpec, _build, _loop
+from cluster.worker_host.build import WorkerSpec, build_worker
+from cluster.worker_host.loop import run_loop
 
 log = logging.getLogger("tandem.worker")
 
@@ -101,7 +102,7 @@ class WorkerHost:
     `shutdown` stops the loop, then closes the worker and its transport. `build` makes (worker,
     transport) from the spec; tests pass their own (a tiny model, a model that fails on cue)."""
 
-    def __init__(self, spec: WorkerSpec, worker_id: str, build: Callable[[WorkerSpec], tuple] = _build) -> None:
+    def __init__(self, spec: WorkerSpec, worker_id: str, build: Callable[[WorkerSpec], tuple] = build_worker) -> None:
         self.spec, self.worker_id = spec, worker_id
         self.conn = QueueConn()
         self.worker, self.transport = build(spec)
@@ -144,7 +145,7 @@ class WorkerHost:
 
     def _run(self) -> None:
         try:
-            _loop(self.spec, self.worker, self.conn)
+            run_loop(self.spec, self.worker, self.conn)
         except Exception:  # the controller sees `crashed` in the next heartbeat and restarts us
             self.crashed = traceback.format_exc()
             log.error("%s crashed:\n%s", self.worker_id, self.crashed)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.bench_offline import Workload, make_workload
-from cluster.bench_serve import ExistingServer, SpawnedServer, load_config, serve_flags, wait_ready
+from cluster.bench.offline import Workload, make_workload
+from cluster.bench.serve import ExistingServer, SpawnedServer, load_config, serve_flags, wait_ready
 
 log = logging.getLogger("tandem.bench")
 
@@ -179,7 +179,8 @@ def scrape_admission(url: str, headers: dict) -> dict:
 
 # ---- the whole run ---------------------------------------------------------------------------------
 def bench_overload(args: argparse.Namespace) -> int:
-    from kernels.model.loader import load_tokenizer, resolve_model_dir
+    from kernels.model.loader import resolve_model_dir
+    from kernels.model.tokenizer import load_tokenizer
 
     _check_args(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise

@@ -11,22 +11,13 @@ import argparse
 import logging
 import sys
 
+from cluster.cli.args import add_engine_args
+
 log = logging.getLogger("tandem")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="'smollm2' (bundled SmolLM2-135M-Instruct) or a local HF dir")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two)")
-    p.add_argument("--chunk-size", type=int, default=512, help="prefill tokens per scheduler step")
-    p.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: sized from memory)")
-    p.add_argument("--max-running", type=int, default=64, help="requests decoded together at most")
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable radix prefix caching")
-
-
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    _add_engine_args(p)
+    add_engine_args(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="JSONL: each line a string, or an object with 'prompt' or 'messages'")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -45,7 +36,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
     off = sub.add_parser("offline", help="tandem vs HF transformers generate on the same requests")
-    _add_engine_args(off)
+    add_engine_args(off)
     off.add_argument("--num-requests", type=int, default=64)
     off.add_argument("--max-batch-size", type=int, default=16, help="both systems batch at most this many")
     off.add_argument("--input-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
@@ -55,7 +46,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     off.add_argument("--repeats", type=int, default=1, help="alternate the systems N times; report each one's best")
     off.add_argument("--json", action="store_true", help="print the result as JSON too")
     xfer = sub.add_parser("transfer", help="raw Mooncake vs KV-through-tandem bandwidth, TTFT breakdown")
-    _add_engine_args(xfer)
+    add_engine_args(xfer)
     xfer.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
     xfer.add_argument("--seed", type=int, default=0)
     xfer.add_argument("--json", action="store_true", help="print the result as JSON too")
@@ -97,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    from cluster.serve_config import add_serve_args
+    from cluster.serve.config import add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="serve the OpenAI-compatible API from a Ray cluster"))
     _add_run_args(sub.add_parser("run", help="offline generation"))
@@ -105,45 +96,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_config_from_args(args: argparse.Namespace, **overrides):
-    from cluster.config import EngineConfig
-
-    fields = dict(model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                  chunk_size=args.chunk_size, num_pages=args.num_pages, max_running_requests=args.max_running,
-                  enable_prefix_cache=not args.no_prefix_cache)
-    return EngineConfig(**{**fields, **overrides})
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cluster.config import ConfigError
-    from cluster.launch import ServeStartError
+    from cluster.serve.launch import ServeStartError
 
     try:
         if args.command == "serve":
-            from cluster.launch import serve
-            from cluster.serve_config import serve_config_from_args
+            from cluster.serve.launch import serve
+            from cluster.serve.config import serve_config_from_args
 
             return serve(serve_config_from_args(args))
         if args.command == "run":
-            from cluster.run import run_offline
+            from cluster.cli.run import run_offline
 
             return run_offline(args)
         if args.bench == "transfer":
-            from cluster.bench_transfer import bench_transfer
+            from cluster.bench.transfer import bench_transfer
 
             return bench_transfer(args)
         if args.bench == "serve":
-            from cluster.bench_serve import bench_serve
+            from cluster.bench.serve import bench_serve
 
             return bench_serve(args)
         if args.bench == "overload":
-            from cluster.bench_overload import bench_overload
+            from cluster.bench.overload import bench_overload
 
             return bench_overload(args)
-        from cluster.bench_offline import bench_offline
+        from cluster.bench.offline import bench_offline
 
         return bench_offline(args)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
@@ -153,6 +135,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -104,8 +104,8 @@ def measure_through_tandem(pair, length: int, vocab: int, seed: int) -> tuple[di
 
 
 def bench_transfer(args: argparse.Namespace) -> int:
-    from cluster.cli import engine_config_from_args
-    from cluster.process_pair import ProcessPair
+    from cluster.cli.args import engine_config_from_args
+    from cluster.worker_host.pair import ProcessPair
     from kv_store.device_pool import page_bytes
     from prefill_worker.engine_core import TORCH_DTYPES
 

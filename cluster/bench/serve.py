@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cluster.bench_offline import Throughput, Workload, make_workload, run_tandem
+from cluster.bench.offline import Throughput, Workload, make_workload, run_tandem
 
 log = logging.getLogger("tandem.bench")
 
@@ -237,7 +237,7 @@ def serve_flags(args: argparse.Namespace, defaults: tuple[str, ...] = ()) -> lis
 
 def load_config(flags: list[str]):
     """The server's config as `tandem serve` would build it from the same flags (the baseline's engine)."""
-    from cluster.serve_config import add_serve_args, serve_config_from_args
+    from cluster.serve.config import add_serve_args, serve_config_from_args
 
     parser = argparse.ArgumentParser(prog="tandem bench serve")
     add_serve_args(parser)
@@ -256,7 +256,8 @@ def measure_served(server, work: Workload, concurrency: int, ready_timeout_s: fl
 
 
 def bench_serve(args: argparse.Namespace) -> int:
-    from kernels.model.loader import load_tokenizer, resolve_model_dir
+    from kernels.model.loader import resolve_model_dir
+    from kernels.model.tokenizer import load_tokenizer
 
     if args.num_requests < 1 or args.concurrency < 1:
         raise ValueError("--num-requests and --concurrency must be >= 1")

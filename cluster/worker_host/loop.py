@@ -1,4 +1,4 @@
-"""A prefill or decode worker in its own OS process, driven over a pipe by the driver.
+"""The loop that hosts one worker, whatever carries its messages (a pipe or in-memory queues).
 
 The loop: drain the driver's messages, step the worker while it has work, send its outputs and
 outbox messages, and a heartbeat (with pool stats and an integrity check) every
@@ -6,39 +6,17 @@ outbox messages, and a heartbeat (with pool stats and an integrity check) every
 
 A fault while handling a message about one request fails that request (its client gets an
 "internal" error, what it held is released) and the loop goes on; the engine confines a fault in
-a step to its request the same way. Any other exception ends the loop and is reported as
-`WorkerCrashed` before the process exits.
+a step to its request the same way. Any other exception ends the loop (the host reports it as
+`WorkerCrashed`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import os
-import threading
 import time
-import traceback
-from dataclasses import dataclass
 
-from cluster.config import EngineConfig
 from cluster import protocol as p
 from cluster.faults import FAILURE_INTERNAL, internal_error
-
-log = logging.getLogger("tandem.worker")
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs to build itself (picklable)."""
-
-    role: str  # "prefill" | "decode" | "colocated" (a decode worker that only prefills locally)
-    engine: EngineConfig
-    host_pages: int = 0  # decode only: host-tier pages for landings
-    hostname: str = "127.0.0.1"
-    protocol: str = "tcp"  # Mooncake transport protocol: "tcp" | "rdma"
-    deadlines: object = None  # kv_store.transfer.session.TransferDeadlines
-    heartbeat_interval_s: float = 0.5
-    torch_threads: int = 1
+from cluster.worker_host.build import WorkerSpec
 
 
 def _pool_stats(pool) -> p.PoolStats:
@@ -56,37 +34,6 @@ def _stats(role: str, worker) -> p.WorkerStats:
     transfers = len(getattr(worker, "shipments", {})) + len(getattr(worker, "inbound", {}))
     return p.WorkerStats(role, _pool_stats(worker.device_pool.pages), _pool_stats(host.pool) if host else None,
                          len(worker.scheduler.running), len(worker.scheduler.waiting), transfers, error)
-
-
-def _build(spec: WorkerSpec):
-    import torch
-
-    from kernels.model.loader import load_model
-    from kv_store.transfer.mooncake import MooncakeTransport
-    from kv_store.transfer.session import TransferDeadlines
-    from prefill_worker.engine_core import TORCH_DTYPES
-
-    torch.set_num_threads(spec.torch_threads)
-    loaded = load_model(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype])
-    if spec.role == "colocated":  # no peer ever writes to it: an in-process endpoint, a token host tier
-        from kv_store.transfer.local import LocalTransport
-
-        transport, spec = LocalTransport(), dataclasses.replace(spec, host_pages=2)
-    else:
-        transport = MooncakeTransport(spec.hostname, spec.protocol)
-    deadlines = spec.deadlines or TransferDeadlines()
-    args = (spec.engine, loaded.model, loaded.arch, transport)
-    kwargs = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, deadlines=deadlines)
-    if spec.role == "prefill":
-        from prefill_worker.worker import PrefillWorker
-
-        worker = PrefillWorker(*args, **kwargs)
-    else:
-        from decode_worker.worker import DecodeWorker
-
-        worker = DecodeWorker(*args, host_pages=spec.host_pages, **kwargs)
-    worker.role_name = spec.role
-    return worker, transport
 
 
 def _handle(worker, msg, conn) -> bool:
@@ -173,56 +120,8 @@ def _send_progress(worker, conn, outputs) -> None:
     worker.outbox.clear()
 
 
-class _LockedConn:
-    """The pipe shared by the loop and the beat thread: sends are serialised."""
-
-    def __init__(self, conn):
-        self._conn, self._lock = conn, threading.Lock()
-
-    def send(self, msg) -> None:
-        with self._lock:
-            self._conn.send(msg)
-
-    def poll(self, timeout: float) -> bool:
-        return self._conn.poll(timeout)
-
-    def recv(self):
-        return self._conn.recv()
-
-
-def _beat_forever(conn: _LockedConn, interval_s: float, stop: threading.Event) -> None:
-    """Liveness beats even while a long step runs (a 512-token chunk at 8k context can take
-    many seconds on a CPU); the loop adds stats beats between steps."""
-    while not stop.wait(interval_s):
-        try:
-            conn.send(p.Heartbeat(None))
-        except (BrokenPipeError, OSError):
-            return
-
-
-def worker_main(spec: WorkerSpec, raw_conn) -> None:
-    """Process entry point (spawn). Runs until Shutdown or the pipe closes."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.role}[{os.getpid()}] %(message)s")
-    conn, stop = _LockedConn(raw_conn), threading.Event()
-    try:
-        worker, transport = _build(spec)
-        conn.send(p.WorkerReady(spec.role, transport.session_id))
-        threading.Thread(target=_beat_forever, args=(conn, spec.heartbeat_interval_s, stop), daemon=True).start()
-        _loop(spec, worker, conn)
-        stop.set()
-        worker.close()
-        transport.close()
-    except (EOFError, BrokenPipeError):
-        pass
-    except Exception:  # report, then die: the driver restarts or fails over
-        try:
-            conn.send(p.WorkerCrashed(spec.role, traceback.format_exc()))
-        except (EOFError, BrokenPipeError, OSError):
-            pass
-        raise
-
-
-def _loop(spec: WorkerSpec, worker, conn) -> None:
+def run_loop(spec: WorkerSpec, worker, conn) -> None:
+    """Serve `worker` over `conn` until Shutdown; an exception that is no one request's fault ends it."""
     last_beat = 0.0
     while True:
         if worker.scheduler.has_work():
@@ -243,7 +142,3 @@ def _loop(spec: WorkerSpec, worker, conn) -> None:
         if now - last_beat >= spec.heartbeat_interval_s:
             conn.send(p.Heartbeat(_stats(spec.role, worker)))
             last_beat = now
-
-
-def worker_spec(role: str, engine: EngineConfig, **kw) -> WorkerSpec:
-    return dataclasses.replace(WorkerSpec(role, engine), **kw)

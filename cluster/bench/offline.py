@@ -82,7 +82,7 @@ def load_hf_model(model_dir, dtype: torch.dtype):
 
 
 def bench_offline(args: argparse.Namespace) -> int:
-    from cluster.cli import engine_config_from_args
+    from cluster.cli.args import engine_config_from_args
     from cluster.config import SamplingParams
     from decode_worker.engine import ColocatedEngine
     from kernels.model.loader import resolve_model_dir

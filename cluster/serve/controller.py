@@ -28,9 +28,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster import protocol as p
-from cluster.actors import ACTOR_CONCURRENCY, WorkerActor
-from cluster.serve_config import ServeConfig, WorkerGroupConfig
-from cluster.worker_process import WorkerSpec
+from cluster.serve.actors import ACTOR_CONCURRENCY, WorkerActor
+from cluster.serve.config import ServeConfig, WorkerGroupConfig
+from cluster.worker_host.build import WorkerSpec
 
 log = logging.getLogger("tandem.controller")
 
@@ -185,8 +185,7 @@ class Controller:
     async def _launch(self, slot: _Slot) -> None:
         cfg = self.config
         spec = WorkerSpec(slot.role, slot.group.engine, host_pages=slot.group.host_pages,
-                          hostname=cfg.transport.hostname, protocol=cfg.transport.protocol,
-                          deadlines=cfg.transport.deadlines(), heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
+                          transport=cfg.transport, heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
                           torch_threads=slot.group.torch_threads)
         actor = ray.remote(WorkerActor).options(
             num_cpus=slot.group.num_cpus, num_gpus=slot.group.num_gpus, max_concurrency=ACTOR_CONCURRENCY,

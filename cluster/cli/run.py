@@ -51,7 +51,7 @@ def read_prompts_file(path: Path) -> list[PromptInput]:
 
 
 def tokenize_prompt(tokenizer, item: PromptInput, raw: bool) -> list[int]:
-    from kernels.model.loader import apply_chat_template, encode_prompt
+    from kernels.model.tokenizer import apply_chat_template, encode_prompt
 
     if isinstance(item.prompt, list):
         return apply_chat_template(tokenizer, item.prompt)
@@ -69,7 +69,7 @@ class RunResult:
 
 
 def run_offline(args: argparse.Namespace) -> int:
-    from cluster.cli import engine_config_from_args
+    from cluster.cli.args import engine_config_from_args
     from cluster.config import SamplingParams
 
     prompts = read_prompts(args)
@@ -116,8 +116,9 @@ def _run_colocated(args, config, prompts, params) -> list[RunResult]:
 
 
 def _run_disaggregated(args, config, prompts, params) -> list[RunResult]:
-    from cluster.process_pair import ProcessPair
-    from kernels.model.loader import load_tokenizer, resolve_model_dir
+    from cluster.worker_host.pair import ProcessPair
+    from kernels.model.loader import resolve_model_dir
+    from kernels.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_dir(config.model))
     token_ids = [tokenize_prompt(tokenizer, p, args.raw) for p in prompts]

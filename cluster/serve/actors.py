@@ -11,10 +11,10 @@ import dataclasses
 import logging
 import os
 
-from cluster.worker_host import HostBeat, WorkerHost
-from cluster.worker_process import WorkerSpec
+from cluster.worker_host.thread import HostBeat, WorkerHost
+from cluster.worker_host.build import WorkerSpec
 from router.workers import WorkerInfo
-from router.policy import WorkerRole
+from cluster.protocol import WorkerRole
 
 ACTOR_CONCURRENCY = 8
 
@@ -24,10 +24,11 @@ class WorkerActor:
 
     def __init__(self, spec: WorkerSpec, worker_id: str) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {worker_id}[{os.getpid()}] %(message)s")
-        if spec.hostname == "auto":  # one config for every node: each worker advertises its own address
+        if spec.transport.hostname == "auto":  # one config for every node: each worker advertises its own address
             import ray
 
-            spec = dataclasses.replace(spec, hostname=ray.util.get_node_ip_address())
+            spec = dataclasses.replace(spec, transport=dataclasses.replace(
+                spec.transport, hostname=ray.util.get_node_ip_address()))
         self.host = WorkerHost(spec, worker_id)
 
     def ready(self) -> tuple[str, int, int]:

@@ -6,7 +6,7 @@ take them down again on Ctrl-C / SIGTERM.
 
 Shutdown order: uvicorn stops accepting and waits up to `drain_timeout_s` for open requests; what
 is still running then is aborted (its KV released on every worker); the workers are stopped; the
-placement groups removed; and a Ray instance this process started is stopped (`cluster.local_ray`:
+placement groups removed; and a Ray instance this process started is stopped (`cluster.serve.local_ray`:
 loopback only, token auth, its processes in their own OS session, so a SIGTERM to this process's
 group drains like one to this process).
 """
@@ -19,7 +19,7 @@ import os
 import signal
 import time
 
-from cluster.serve_config import ServeConfig
+from cluster.serve.config import ServeConfig
 
 log = logging.getLogger("tandem.serve")
 
@@ -29,7 +29,8 @@ class ServeStartError(RuntimeError):
 
 
 def serve(config: ServeConfig) -> int:
-    from kernels.model.loader import load_tokenizer, resolve_model_dir
+    from kernels.model.loader import resolve_model_dir
+    from kernels.model.tokenizer import load_tokenizer
 
     # Before Ray starts: a bad model spec fails here, fast and with a plain message.
     tokenizer = load_tokenizer(resolve_model_dir(config.model))
@@ -65,8 +66,8 @@ def _serve_on_ray(config: ServeConfig, tokenizer, guard: _SignalGuard) -> int:
 
 
 def _start_local_ray(config: ServeConfig):
-    """A loopback-only, token-authenticated Ray instance in its own OS session (`cluster.local_ray`)."""
-    from cluster.local_ray import LocalRay, LocalRayError
+    """A loopback-only, token-authenticated Ray instance in its own OS session (`cluster.serve.local_ray`)."""
+    from cluster.serve.local_ray import LocalRay, LocalRayError
 
     groups = (config.prefill, config.decode, config.colocated)
     wanted = sum(g.count * g.num_cpus for g in groups)
@@ -89,7 +90,7 @@ def _connect_ray(config: ServeConfig, local_ray) -> None:
 def _start_controller(config: ServeConfig):
     import ray
 
-    from cluster.controller import CONTROLLER_NAME, Controller
+    from cluster.serve.controller import CONTROLLER_NAME, Controller
 
     t0 = time.monotonic()
     namespace = config.cluster.namespace
@@ -104,7 +105,7 @@ def _start_controller(config: ServeConfig):
     except BaseException as exc:
         ray.kill(controller)
         if isinstance(exc, (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)):
-            from cluster.controller import last_line
+            from cluster.serve.controller import last_line
 
             raise ServeStartError(f"the workers did not start: {last_line(exc)}") from exc
         raise
@@ -143,18 +144,16 @@ class _SignalGuard:
 
 
 async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, guard: _SignalGuard) -> None:
-    from cluster.actors import ControllerViews
+    from cluster.serve.actors import ControllerViews
     from router.dispatcher import Dispatcher
     from router.gateway import GatewayServer, build_app
-    from router.policy import Policy, PolicyParams
+    from router.policy import Policy
 
     rc = config.router
     dispatcher = Dispatcher(
         ControllerViews(controller), tokenizer=tokenizer,
         model_name=config.model, max_model_len=min(r.max_request_tokens for r in records),
-        policy=Policy(rc.policy), policy_params=PolicyParams(
-            cache_threshold=rc.cache_threshold, balance_abs_threshold=rc.balance_abs_threshold,
-            balance_rel_threshold=rc.balance_rel_threshold, max_tree_tokens=rc.max_tree_tokens),
+        policy=Policy(rc.policy), policy_params=rc,
         max_pending=config.gateway.max_pending_requests, max_transfer_retries=rc.max_transfer_retries,
         refresh_interval_s=config.cluster.heartbeat_interval_s, landing_timeout_s=config.transport.bootstrapping_s,
         admission=rc.admission(config.prefill.engine.chunk_size, min(

@@ -10,6 +10,7 @@ alone (local prefill).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import multiprocessing as mp
@@ -19,7 +20,9 @@ from dataclasses import dataclass, field
 
 from cluster import protocol as p
 from cluster.config import EngineConfig, SamplingParams
-from cluster.worker_process import WorkerSpec, worker_main
+from cluster.worker_host.build import WorkerSpec
+from cluster.worker_host.process import worker_main
+from kv_store.transfer.config import TransportConfig
 
 log = logging.getLogger("tandem.pair")
 
@@ -75,7 +78,8 @@ class ProcessPair:
         ctx = mp.get_context("spawn")
         self.workers: dict[str, _Worker] = {}
         for role in ("prefill", "decode"):
-            spec = WorkerSpec(role, engine, host_pages=host_pages if role == "decode" else 0, deadlines=deadlines,
+            transport = TransportConfig(**dataclasses.asdict(deadlines)) if deadlines else TransportConfig()
+            spec = WorkerSpec(role, engine, host_pages=host_pages if role == "decode" else 0, transport=transport,
                               heartbeat_interval_s=heartbeat_interval_s)
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(spec, child), name=f"tandem-{role}", daemon=True)

@@ -21,96 +21,19 @@ from typing import Any
 
 import yaml
 
-from cluster.config import _DTYPES, ConfigError, EngineConfig, _require
-
-if typing.TYPE_CHECKING:
-    from kv_store.transfer.session import TransferDeadlines
-    from router.admission import AdmissionParams
+from cluster.config import DTYPES, ConfigError, EngineConfig, require, require_min
+from kv_store.transfer.config import TransportConfig
+from router.config import POLICIES, RouterConfig
+from router.gateway.config import API_KEY_ENV, GatewayConfig
 
 __all__ = [
     "API_KEY_ENV", "ClusterConfig", "ConfigError", "GatewayConfig", "RouterConfig", "ServeConfig",
     "TransportConfig", "WorkerGroupConfig", "add_serve_args", "load_serve_config", "serve_config_from_args",
 ]
 
-API_KEY_ENV = "TANDEM_API_KEY"
-"""Environment variable read for `gateway.api_key` when neither the file nor an override sets that key."""
-
-_PROTOCOLS = ("tcp", "rdma")
-_POLICIES = ("round_robin", "least_load", "cache_aware", "kv_cost")
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _GROUPS = ("prefill", "decode", "colocated")
 _DEFAULT_COUNTS = {"prefill": 1, "decode": 1, "colocated": 0}
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    """The OpenAI-compatible HTTP front end."""
-
-    host: str = "127.0.0.1"
-    """Interface to bind; loopback unless told otherwise."""
-    port: int = 8000
-    """TCP port; 0 picks a free one (tests)."""
-    api_key: str | None = None
-    """When set, /v1/* requires `Authorization: Bearer <api_key>` (401 otherwise)."""
-    served_model_name: str | None = None
-    """The model id clients must name; None: the model spec (e.g. "smollm2")."""
-    max_body_bytes: int = 1 << 20
-    """Request bodies larger than this get 413."""
-    max_prompt_tokens: int | None = None
-    """Prompts longer than this get 400; None: only the model's context limits them."""
-    default_max_tokens: int = 256
-    """Completion tokens when the request names no max_tokens (capped by the context left)."""
-    max_pending_requests: int = 256
-    """Requests in flight at most (counted once their body is read and valid); more get 429."""
-    ready_timeout_s: float = 30.0
-    """/health/ready: deadline for its one-token generation."""
-    ready_interval_s: float = 5.0
-    """/health/ready generates at most once per this many seconds; callers in between get the cached
-    answer (it is open to anyone, so it must stay cheap)."""
-    body_timeout_s: float = 30.0
-    """A request's whole body must arrive within this many seconds of its headers; 408 otherwise."""
-    header_timeout_s: float = 10.0
-    """A connection must send a whole request head (line + headers) within this many seconds of
-    opening or of its previous response; it is closed otherwise (slow-header clients)."""
-    keep_alive_timeout_s: float = 5.0
-    """An idle keep-alive connection is closed after this many seconds."""
-    max_connections: int = 1024
-    """Open connections at most (idle ones included); a request beyond them gets 503."""
-    allowed_hosts: tuple[str, ...] | None = None
-    """Host names a request's Host (and Origin, when sent) may name, else 403 (DNS rebinding, cross-site
-    browser requests); "*" allows any. None: derived from `host`, loopback names for a loopback bind,
-    any host for a wildcard bind (0.0.0.0, ::), else `host` itself."""
-
-    def __post_init__(self):
-        _require(isinstance(self.port, int) and 0 <= self.port <= 65535, f"gateway.port must be in [0, 65535], got {self.port!r}")
-        _require(self.api_key is None or (isinstance(self.api_key, str) and self.api_key != ""),
-                 "gateway.api_key must be a non-empty string or null")
-        _require(self.max_body_bytes >= 1024, f"gateway.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        _require(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
-                 f"gateway.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
-        _require(self.default_max_tokens >= 1, f"gateway.default_max_tokens must be >= 1, got {self.default_max_tokens}")
-        _require(self.max_pending_requests >= 1,
-                 f"gateway.max_pending_requests must be >= 1, got {self.max_pending_requests}")
-        _require(self.ready_timeout_s > 0, f"gateway.ready_timeout_s must be > 0, got {self.ready_timeout_s}")
-        for name in ("ready_interval_s", "body_timeout_s", "header_timeout_s", "keep_alive_timeout_s"):
-            _require(0 < getattr(self, name) <= 3600, f"gateway.{name} must be in (0, 3600], got {getattr(self, name)}")
-        if self.allowed_hosts is not None:
-            _require(isinstance(self.allowed_hosts, (tuple, list)) and self.allowed_hosts
-                     and all(isinstance(h, str) and h.strip() for h in self.allowed_hosts),
-                     f"gateway.allowed_hosts must be a non-empty list of host names (or [\"*\"]) or null, "
-                     f"got {self.allowed_hosts!r}")
-            object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
-        _require(self.max_connections >= self.max_pending_requests,
-                 f"gateway.max_connections must be >= gateway.max_pending_requests ({self.max_pending_requests}): "
-                 f"every request in flight holds a connection; got {self.max_connections}")
-
-
-def _require_min(config: Any, prefix: str, bound: float, *names: str, strict: bool = False) -> None:
-    """Each named field must be >= `bound` (> when `strict`); the message names `prefix` + the field."""
-    for name in names:
-        value = getattr(config, name)
-        _require(value > bound if strict else value >= bound,
-                 f"{prefix}{name} must be {'>' if strict else '>='} {bound}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -134,98 +57,13 @@ class WorkerGroupConfig:
     """Decode workers' host-tier landing pages (>= 1); ignored by other roles."""
 
     def __post_init__(self):
-        _require_min(self, "", 0, "count", "num_cpus", "num_gpus")
-        _require_min(self, "", 1, "torch_threads", "host_pages")
-        _require(self.num_cpus > 0 or self.num_gpus > 0,
+        require_min(self, "", 0, "count", "num_cpus", "num_gpus")
+        require_min(self, "", 1, "torch_threads", "host_pages")
+        require(self.num_cpus > 0 or self.num_gpus > 0,
                  "num_cpus and num_gpus are both 0: a placement-group bundle needs some resource")
-        _require(self.count == 0 or self.num_gpus > 0 or not self.engine.device.startswith("cuda"),
+        require(self.count == 0 or self.num_gpus > 0 or not self.engine.device.startswith("cuda"),
                  f"num_gpus must be > 0 when engine.device is {self.engine.device!r} "
                  "(Ray hides every GPU from a worker that requests none)")
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    """How KV moves from prefill to decode workers (DESIGN §7)."""
-
-    protocol: str = "tcp"
-    """Transfer-engine protocol: "tcp" (anywhere) or "rdma" (clusters with RDMA NICs)."""
-    hostname: str = "127.0.0.1"
-    """Address each worker's transfer engine binds and advertises to its peers; "auto": each worker
-    takes its own Ray node's address (multi-node clusters). The engine has no authentication: anyone
-    who reaches its ports can read and write KV memory, so use loopback or a private network."""
-    bootstrapping_s: float = 30.0
-    """Seconds a transfer may spend pairing peers and reserving the landing (> 0)."""
-    waiting_s: float = 60.0
-    """Seconds a transfer may wait, landing known, before its first KV write (> 0)."""
-    transferring_s: float = 60.0
-    """Seconds a transfer may go without progress while writing KV (> 0)."""
-
-    def __post_init__(self):
-        _require(self.protocol in _PROTOCOLS, f"transport.protocol must be one of {_PROTOCOLS}, got {self.protocol!r}")
-        _require(self.hostname != "", "transport.hostname must be non-empty")
-        _require_min(self, "transport.", 0, "bootstrapping_s", "waiting_s", "transferring_s", strict=True)
-
-    def deadlines(self) -> TransferDeadlines:
-        """The per-state deadlines as the transfer state machine takes them."""
-        from kv_store.transfer.session import TransferDeadlines  # config is the bottom of the import graph
-
-        return TransferDeadlines(bootstrapping_s=self.bootstrapping_s, waiting_s=self.waiting_s,
-                                 transferring_s=self.transferring_s)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """Which worker serves a request (DESIGN §8); the policies are pure functions over worker views."""
-
-    policy: str = "cache_aware"
-    """One of round_robin | least_load | cache_aware | kv_cost."""
-    cache_threshold: float = 0.5
-    """cache_aware: route by prefix match when the matched fraction of the prompt is at least this ([0, 1])."""
-    balance_abs_threshold: int = 8
-    """cache_aware: load is imbalanced when max - min load exceeds this (>= 0) ..."""
-    balance_rel_threshold: float = 1.5
-    """... and max load exceeds this times min load (>= 1); then route to the least loaded."""
-    max_tree_tokens: int = 1 << 20
-    """cache_aware: tokens kept in each worker's approximate radix tree before eviction (>= 1)."""
-    max_transfer_retries: int = 1
-    """Re-routes of a request whose KV transfer failed before any token reached the client (>= 0)."""
-    max_queue_delay_s: float | None = None
-    """Admission: how much later than unloaded an admitted request may get its first token (> 0).
-    A new request is refused at once (429 + Retry-After) when its predicted wait for a prefill worker
-    (prompt tokens ahead / measured rate) exceeds it, or when its decode worker is at a limit that
-    shrinks while first tokens come later than unloaded + half of it. None: the TTFT measured for
-    requests that arrived with nothing else in flight, so admitted requests' TTFT stays within ~2x
-    the unloaded one."""
-    max_queued_requests: int = 8
-    """Admission: requests waiting in the router per prefill worker at most (>= 0); the only bound
-    until the worker's first prefill completes (no rate measured yet)."""
-    prefill_window_tokens: int | None = None
-    """Prompt tokens handed to one prefill worker and not yet delivered (>= 1); the rest wait in the
-    router, holding no landing, so queue time never counts against a transfer deadline.
-    None: twice prefill.engine.chunk_size."""
-    max_requests_per_worker: int | None = None
-    """Admission: requests one decode (or colocated) worker holds at once, from arrival (>= 1), at
-    most; more get 429. None: the group's engine.max_running_requests, so none waits for a decode
-    slot. The worker's adaptive limit (see max_queue_delay_s) starts here and never exceeds it."""
-
-    def __post_init__(self):
-        _require(self.policy in _POLICIES, f"router.policy must be one of {_POLICIES}, got {self.policy!r}")
-        _require(0 <= self.cache_threshold <= 1, f"router.cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        _require_min(self, "router.", 0, "balance_abs_threshold", "max_transfer_retries", "max_queued_requests")
-        _require_min(self, "router.", 1, "balance_rel_threshold", "max_tree_tokens")
-        _require(self.max_queue_delay_s is None or self.max_queue_delay_s > 0,
-                 f"router.max_queue_delay_s must be > 0 or null, got {self.max_queue_delay_s}")
-        for name in ("prefill_window_tokens", "max_requests_per_worker"):
-            value = getattr(self, name)
-            _require(value is None or value >= 1, f"router.{name} must be >= 1 or null, got {value}")
-
-    def admission(self, prefill_chunk_size: int, decode_max_running: int) -> AdmissionParams:
-        """The admission knobs with the automatic ones resolved from the worker groups' engines."""
-        from router.admission import AdmissionParams  # config is the bottom of the import graph
-
-        return AdmissionParams(max_queue_delay_s=self.max_queue_delay_s, max_queued_requests=self.max_queued_requests,
-                               prefill_window_tokens=self.prefill_window_tokens or 2 * prefill_chunk_size,
-                               max_requests_per_worker=self.max_requests_per_worker or decode_max_running)
 
 
 @dataclass(frozen=True)
@@ -260,23 +98,23 @@ class ClusterConfig:
     """Placement-group strategy of the worker bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD."""
 
     def __post_init__(self):
-        _require(self.address is None or _valid_address(self.address),
+        require(self.address is None or _valid_address(self.address),
                  f"cluster.address must be null, 'auto', 'ray://host:port' or 'host:port', got {self.address!r}")
-        _require(self.namespace != "", "cluster.namespace must be non-empty")
-        _require(self.num_cpus is None or self.num_cpus >= 1, f"cluster.num_cpus must be >= 1 or null, got {self.num_cpus}")
-        _require(self.num_cpus is None or self.address is None,
+        require(self.namespace != "", "cluster.namespace must be non-empty")
+        require(self.num_cpus is None or self.num_cpus >= 1, f"cluster.num_cpus must be >= 1 or null, got {self.num_cpus}")
+        require(self.num_cpus is None or self.address is None,
                  f"cluster.num_cpus sizes a local Ray instance; it cannot be set with cluster.address {self.address!r}")
-        _require_min(self, "cluster.", 0, "heartbeat_interval_s", "worker_start_timeout_s", strict=True)
-        _require_min(self, "cluster.", 0, "max_restarts", "drain_timeout_s")
-        _require(0 < self.restart_window_s <= 86400,
+        require_min(self, "cluster.", 0, "heartbeat_interval_s", "worker_start_timeout_s", strict=True)
+        require_min(self, "cluster.", 0, "max_restarts", "drain_timeout_s")
+        require(0 < self.restart_window_s <= 86400,
                  f"cluster.restart_window_s must be in (0, 86400], got {self.restart_window_s}")
-        _require(self.heartbeat_timeout_s > self.heartbeat_interval_s,
+        require(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                  f"cluster.heartbeat_timeout_s must be > cluster.heartbeat_interval_s ({self.heartbeat_interval_s}), "
                  f"got {self.heartbeat_timeout_s}")
-        _require(self.step_timeout_s > self.heartbeat_interval_s,
+        require(self.step_timeout_s > self.heartbeat_interval_s,
                  f"cluster.step_timeout_s must be > cluster.heartbeat_interval_s ({self.heartbeat_interval_s}), "
                  f"got {self.step_timeout_s}")
-        _require(self.placement_strategy in _STRATEGIES,
+        require(self.placement_strategy in _STRATEGIES,
                  f"cluster.placement_strategy must be one of {_STRATEGIES}, got {self.placement_strategy!r}")
 
 
@@ -315,16 +153,16 @@ class ServeConfig:
         engines = {"engine": self.engine, **{f"{g}.engine": getattr(self, g).engine for g in _GROUPS
                                              if getattr(self, g).count}}  # an empty group's engine is inert
         for name, engine in engines.items():
-            _require(engine.model == self.model, f"{name}.model must equal model {self.model!r}, got {engine.model!r}")
-        _require(self.prefill.count == 0 or self.decode.count >= 1,
+            require(engine.model == self.model, f"{name}.model must equal model {self.model!r}, got {engine.model!r}")
+        require(self.prefill.count == 0 or self.decode.count >= 1,
                  f"prefill.count={self.prefill.count} needs decode.count >= 1: prefill workers hand their KV to decode workers")
         # With the check above, this implies at least one worker in total.
-        _require(self.decode.count + self.colocated.count >= 1,
+        require(self.decode.count + self.colocated.count >= 1,
                  "at least one decode or colocated worker is needed, got decode.count=0 and colocated.count=0")
         if self.prefill.count and self.decode.count:
             for name in ("page_size", "dtype"):
                 ours, theirs = getattr(self.prefill.engine, name), getattr(self.decode.engine, name)
-                _require(ours == theirs, f"prefill.engine.{name} ({ours!r}) and decode.engine.{name} ({theirs!r}) "
+                require(ours == theirs, f"prefill.engine.{name} ({ours!r}) and decode.engine.{name} ({theirs!r}) "
                                          "must match: KV pages move between them as they are")
 
     def to_dict(self) -> dict[str, Any]:
@@ -384,7 +222,7 @@ def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{os.fspath(path)}: invalid YAML{where}: {problem}") from None
     if data is None:
         return {}
-    _require(isinstance(data, dict),
+    require(isinstance(data, dict),
              f"{os.fspath(path)}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data
 
@@ -392,11 +230,11 @@ def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
 def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     """Set `a.b.c` in the nested dict, creating sections; a mapping value merges into a mapping there."""
     parts = dotted.split(".") if isinstance(dotted, str) else [""]
-    _require(all(parts), f"override key must be a dotted field path like 'gateway.port', got {dotted!r}")
+    require(all(parts), f"override key must be a dotted field path like 'gateway.port', got {dotted!r}")
     node = raw
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)
-        _require(child is None or isinstance(child, Mapping),
+        require(child is None or isinstance(child, Mapping),
                  f"cannot set {dotted!r}: {'.'.join(parts[:i + 1])} is {child!r}, not a section")
         node[part] = node = dict(child or {})
     old, value = node.get(parts[-1]), copy.deepcopy(value)
@@ -435,14 +273,14 @@ def _section(raw: Mapping[str, Any], name: str, prefix: str) -> Mapping[str, Any
     value = raw.get(name)
     if value is None:
         return {}
-    _require(isinstance(value, Mapping), f"{prefix}{name} must be a mapping, got {value!r} ({type(value).__name__})")
+    require(isinstance(value, Mapping), f"{prefix}{name} must be a mapping, got {value!r} ({type(value).__name__})")
     return value
 
 
 def _reject_unknown(raw: Mapping[str, Any], cls: type, prefix: str) -> None:
     valid = [f.name for f in dataclasses.fields(cls)]
     for key in raw:
-        _require(key in valid, f"unknown key '{prefix}{key}' (valid: {', '.join(valid)})")
+        require(key in valid, f"unknown key '{prefix}{key}' (valid: {', '.join(valid)})")
 
 
 def _make(cls: type, raw: Mapping[str, Any], prefix: str, built: Mapping[str, Any] = _NO_OVERRIDES):
@@ -508,14 +346,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="gateway interface (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gateway port (default 8000)")
     p.add_argument("--api-key", help=f"require this bearer token on /v1/* (default: ${API_KEY_ENV}, else none)")
-    p.add_argument("--policy", choices=_POLICIES, help="routing policy (default cache_aware)")
+    p.add_argument("--policy", choices=POLICIES, help="routing policy (default cache_aware)")
     p.add_argument("--num-prefill", type=int, metavar="N", help="prefill workers (default 1)")
     p.add_argument("--num-decode", type=int, metavar="N", help="decode workers (default 1)")
     p.add_argument("--num-colocated", type=int, metavar="N", help="colocated workers (default 0)")
     p.add_argument("--model", help="'smollm2' (bundled SmolLM2-135M-Instruct) or a local HF dir")
     note = " (every worker's default; a group's own engine: section still wins)"
     p.add_argument("--device", help="engine device, e.g. cpu or cuda" + note)
-    p.add_argument("--dtype", choices=_DTYPES, help="engine dtype" + note)
+    p.add_argument("--dtype", choices=DTYPES, help="engine dtype" + note)
     p.add_argument("--page-size", type=int, help="tokens per KV page (power of two)" + note)
     p.add_argument("--num-pages", type=int, help="KV pages per worker pool" + note)
     p.add_argument("--max-running", type=int, help="requests decoded together at most" + note)

@@ -1,0 +1,1 @@
+"""The `tandem` command line: `main` dispatches, `args` holds the shared flags, `run` is offline generation."""

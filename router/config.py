@@ -1,0 +1,57 @@
+"""The router's configuration (the `router:` section of a cluster YAML): the policy's knobs
+(`PolicyParams`, declared once there), re-routing, and admission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.config import require, require_min
+from router.admission import AdmissionParams
+from router.policy import Policy, PolicyParams
+
+POLICIES = tuple(p.value for p in Policy)
+
+
+@dataclass(frozen=True)
+class RouterConfig(PolicyParams):
+    """Which worker serves a request (docs/design.md §8), and which requests are taken at all. The
+    policy knobs are `PolicyParams`' fields; this adds the policy's name, re-routing and admission."""
+
+    policy: str = "cache_aware"
+    """One of round_robin | least_load | cache_aware | kv_cost."""
+    max_transfer_retries: int = 1
+    """Re-routes of a request whose KV transfer failed before any token reached the client (>= 0)."""
+    max_queue_delay_s: float | None = None
+    """Admission: how much later than unloaded an admitted request may get its first token (> 0).
+    A new request is refused at once (429 + Retry-After) when its predicted wait for a prefill worker
+    (prompt tokens ahead / measured rate) exceeds it, or when its decode worker is at a limit that
+    shrinks while first tokens come later than unloaded + half of it. None: the TTFT measured for
+    requests that arrived with nothing else in flight, so admitted requests' TTFT stays within ~2x
+    the unloaded one."""
+    max_queued_requests: int = 8
+    """Admission: requests waiting in the router per prefill worker at most (>= 0); the only bound
+    until the worker's first prefill completes (no rate measured yet)."""
+    prefill_window_tokens: int | None = None
+    """Prompt tokens handed to one prefill worker and not yet delivered (>= 1); the rest wait in the
+    router, holding no landing, so queue time never counts against a transfer deadline.
+    None: twice prefill.engine.chunk_size."""
+    max_requests_per_worker: int | None = None
+    """Admission: requests one decode (or colocated) worker holds at once, from arrival (>= 1), at
+    most; more get 429. None: the group's engine.max_running_requests, so none waits for a decode
+    slot. The worker's adaptive limit (see max_queue_delay_s) starts here and never exceeds it."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        require_min(self, "", 0, "max_transfer_retries", "max_queued_requests")
+        require(self.max_queue_delay_s is None or self.max_queue_delay_s > 0,
+                f"max_queue_delay_s must be > 0 or null, got {self.max_queue_delay_s}")
+        for name in ("prefill_window_tokens", "max_requests_per_worker"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"{name} must be >= 1 or null, got {value}")
+
+    def admission(self, prefill_chunk_size: int, decode_max_running: int) -> AdmissionParams:
+        """The admission knobs with the automatic ones resolved from the worker groups' engines."""
+        return AdmissionParams(max_queue_delay_s=self.max_queue_delay_s, max_queued_requests=self.max_queued_requests,
+                               prefill_window_tokens=self.prefill_window_tokens or 2 * prefill_chunk_size,
+                               max_requests_per_worker=self.max_requests_per_worker or decode_max_running)

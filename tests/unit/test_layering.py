@@ -1,0 +1,153 @@
+"""The one-way import rule of docs/design.md §1, checked on every import (function-level ones too).
+
+Layers, bottom to top; each may import only what its line allows (third-party code is not checked):
+
+    cluster (root)   -> nothing in tandem            (cluster/*.py: the shared vocabulary)
+    kernels          -> cluster root
+    kv_store         -> kernels, cluster root
+    prefill_worker   -> kv_store, kernels, cluster root
+    decode_worker    -> prefill_worker, kv_store, kernels, cluster root
+    router           -> kernels.model.tokenizer, cluster root, kv_store.transfer.config
+    cluster.*        -> anything                     (cluster/<sub-package>/: the top layer)
+
+Nothing below the top layer imports a `cluster.*` sub-package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("kernels", "cluster", "kv_store", "prefill_worker", "decode_worker", "router")
+CLUSTER_ROOT = "cluster (root)"
+TOP = "cluster.*"
+
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "kernels": ("kernels", CLUSTER_ROOT),
+    CLUSTER_ROOT: (CLUSTER_ROOT,),
+    "kv_store": ("kv_store", "kernels", CLUSTER_ROOT),
+    "prefill_worker": ("prefill_worker", "kv_store", "kernels", CLUSTER_ROOT),
+    "decode_worker": ("decode_worker", "prefill_worker", "kv_store", "kernels", CLUSTER_ROOT),
+    # the router runs in the gateway process: text helpers without torch, the wire vocabulary, and
+    # the transport's config (no engine, no torch)
+    "router": ("router", "kernels.model.tokenizer", CLUSTER_ROOT, "kv_store.transfer.config"),
+    TOP: PACKAGES + (TOP, CLUSTER_ROOT),
+}
+
+
+def layer_of_module(dotted: str) -> str | None:
+    """The layer a module name belongs to, or None when it is not tandem's."""
+    head, _, rest = dotted.partition(".")
+    if head not in PACKAGES:
+        return None
+    if head != "cluster":
+        return head
+    return TOP if (ROOT / "cluster" / rest.split(".")[0]).is_dir() and rest else CLUSTER_ROOT
+
+
+def allowed(importer: str, imported: str) -> bool:
+    """May module `importer` (dotted) import module `imported` (dotted)?"""
+    target_layer = layer_of_module(imported)
+    if target_layer is None:
+        return True
+    for entry in ALLOWED[layer_of_module(importer)]:
+        if entry in (CLUSTER_ROOT, TOP) or "." not in entry:
+            if entry == target_layer:
+                return True
+        elif imported == entry or imported.startswith(entry + "."):
+            return True
+    return False
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) for every import in the file, wherever it sits; relative ones resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = _module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else _module_name(path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import sub` may name a sub-module: check the most specific name
+            found += [(node.lineno, f"{base}.{alias.name}" if _is_module(f"{base}.{alias.name}") else base)
+                      for alias in node.names]
+    return sorted(set(found))
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def violations() -> list[str]:
+    out = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            importer = _module_name(path)
+            for line, imported in imports_of(path):
+                if not allowed(importer, imported):
+                    out.append(f"{path.relative_to(ROOT)}:{line}: {layer_of_module(importer)} may not import "
+                               f"{imported} ({layer_of_module(imported)})")
+    return out
+
+
+def test_every_import_follows_the_one_way_rule():
+    found = violations()
+    assert not found, "upward imports (docs/design.md §1):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("importer, imported, ok", [
+    ("kv_store.page_pool", "kernels.kv_layout", True),
+    ("kernels.sampling", "kv_store.page_pool", False),
+    ("kernels.sampling", "cluster.config", True),
+    ("cluster.protocol", "cluster.config", True),
+    ("cluster.config", "kv_store.transfer.session", False),
+    ("prefill_worker.worker", "cluster.serve.config", False),  # a sub-package is the top layer
+    ("cluster.serve.launch", "router.dispatcher", True),
+    ("router.gateway.app", "kernels.model.tokenizer", True),
+    ("router.gateway.app", "kernels.model.loader", False),  # torch and the model stay out of the gateway
+    ("decode_worker.worker", "prefill_worker.engine", True),
+    ("prefill_worker.worker", "decode_worker.worker", False),
+])
+def test_the_rule_itself(importer, imported, ok):
+    assert allowed(importer, imported) is ok
+
+
+def test_an_injected_upward_import_is_named_with_its_line(tmp_path, monkeypatch):
+    """The walker finds a function-level upward import and names file:line."""
+    module = ROOT / "kernels" / "_layering_probe.py"
+    module.write_text("def f():\n    import os\n    from router import dispatcher\n", encoding="utf-8")
+    try:
+        found = violations()
+    finally:
+        module.unlink()
+    assert "kernels/_layering_probe.py:3: kernels may not import router.dispatcher (router)" in found
+
+
+# third-party packages that one place alone may import (docs/design.md §1)
+CONFINED = {"ray": ("cluster/serve/",), "fastapi": ("router/gateway/",), "uvicorn": ("router/gateway/",),
+            "mooncake": ("kv_store/transfer/mooncake.py",)}
+
+
+def test_confined_packages_are_imported_in_their_one_place():
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            for line, imported in imports_of(path):
+                owners = CONFINED.get(imported.split(".")[0])
+                if owners and not where.startswith(owners):
+                    found.append(f"{where}:{line}: imports {imported} (only {', '.join(owners)} may)")
+    assert not found, "\n".join(found)

@@ -22,8 +22,10 @@ class WorkerSpec:
     torch_threads: int = 1
 
 
-def build_worker(spec: WorkerSpec):
-    """Load the model and make the role's worker and its transport (a process's or a thread's)."""
+def build_worker(spec: WorkerSpec, transport=None):
+    """Load the model and make the role's worker and its transport (a process's or a thread's).
+    `transport`: the one to use (tests: an in-process `LocalTransport`); None: Mooncake on
+    `spec.transport`'s address (a colocated worker, which no peer writes to, gets a local one)."""
     import torch
 
     from kernels.model.loader import load_model
@@ -35,8 +37,8 @@ def build_worker(spec: WorkerSpec):
     if spec.role == "colocated":  # no peer ever writes to it: an in-process endpoint, a token host tier
         from kv_store.transfer.local import LocalTransport
 
-        transport, spec = LocalTransport(), dataclasses.replace(spec, host_pages=2)
-    else:
+        transport, spec = transport or LocalTransport(), dataclasses.replace(spec, host_pages=2)
+    elif transport is None:
         transport = MooncakeTransport(spec.transport.hostname, spec.transport.protocol)
     args = (spec.engine, loaded.model, loaded.arch, transport)
     kwargs = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, deadlines=spec.transport)

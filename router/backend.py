@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster.config import SamplingParams
@@ -57,6 +57,11 @@ class GenerationChunk:
     kv_transfer_bytes: int = 0  # on the last chunk, disaggregated only: KV bytes moved for the prompt
     prefill_worker: str = ""  # on the last chunk: the worker that computed the prompt ("" = the decode worker)
     decode_worker: str = ""  # on the last chunk
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
+    """On the last chunk: the finishing worker's monotonic timestamps by event ("reserved",
+    "prefill_submitted", "compute_done", "first_write", "transfer_done", "load_start", "load_done",
+    ... as the workers record them); comparable with this host's `time.monotonic()` only when the
+    workers run on the same host (`tandem bench transfer`)."""
 
 
 @dataclass(frozen=True)

@@ -5,24 +5,13 @@ policy, asks the decode worker for a landing, hands the prompt to the prefill wo
 prefill <-> decode messages, and streams tokens back. It never touches KV: each worker releases its
 own, and the dispatcher's job on failure is to tell the survivors (`PeerDead`, `Abort`).
 
-Workers are reached through `WorkerLink`s (a Ray actor handle in a cluster, an in-process
-`WorkerHost` in tests) and described by the controller's views (`ViewSource`). Per worker there is
-one sender task (messages leave in order, batched) and one collector task (long-poll: every message
-a worker produced since the last poll arrives in one call).
+Workers are reached through `WorkerLink`s (a Ray actor handle under `tandem serve`, the pipe of a
+spawned process under `tandem run --mode disaggregated` and `tandem bench transfer`, an in-process
+`WorkerHost` in tests) and described by a `ViewSource` (the controller's views, or
+`ProcessViews`). Each `LiveWorker` runs one sender task (messages leave in order, batched) and one
+collector task (long-poll: every message a worker produced since the last poll arrives in one call).
 
-One request, disaggregated (wire id = `<request_id>.<attempt>`):
-
-    arrival --admission (router.admission): refused at once, 429--> (never registered)
-       v
-    QUEUED --prefill window has room--> RESERVING --Reserved(landing)--> PREFILLING --first token--> STREAMING -> done
-    (the dispatcher's queue:             | landing None: BACKOFF, then QUEUED again at the front
-     nothing held on any worker)         |   (failed after `landing_timeout_s` without a landing)
-                                         | error: rejected (400)
-    local prefill (no prefill worker):  LOCAL --tokens--> STREAMING -> done
-
-The landing is reserved only when the prefill worker has room for the prompt (`PrefillLane`), so a
-transfer's deadlines never count time the request spent queued, and no request is re-prefilled
-because it waited.
+A request's phases and the transfer record it leaves behind: `router.flights`.
 
 A transfer failure, or the death of a worker, before any token reached the client re-routes the
 request (at most `max_transfer_retries` times); after that the client gets a clean error.
@@ -31,70 +20,21 @@ request (at most `max_transfer_retries` times); after that the client gets a cle
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-
-from prometheus_client import Counter
 
 from cluster import protocol as p
 from cluster.config import SamplingParams
-from router.admission import (AdmissionParams, DecodeLimit, Overloaded, PrefillLane, UnloadedTtft, admissible,
-                              ttft_aim_s)
+from router.admission import AdmissionParams, Overloaded, UnloadedTtft, admissible
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
+from router.flights import Flight, Phase, Transfer, observe_first_token, request_counters
 from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, choose
-from cluster.protocol import WorkerRole
 from router.workers import LiveWorker, ViewSource, WorkerInfo, WorkerLink, relay_metrics
 
 __all__ = ["Dispatcher", "Phase", "ViewSource", "WorkerInfo", "WorkerLink"]
 
 log = logging.getLogger("tandem.dispatcher")
-
-
-class Phase(enum.Enum):
-    QUEUED = "queued"  # admitted, in its prefill worker's lane queue: nothing held on any worker yet
-    RESERVING = "reserving"
-    BACKOFF = "backoff"  # the decode worker's host tier was full: queued again after a pause
-    PREFILLING = "prefilling"
-    LOCAL = "local"  # the decode worker prefills it itself
-    STREAMING = "streaming"  # tokens are flowing
-    DONE = "done"
-
-
-@dataclass(eq=False)
-class _Flight:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    phase: Phase = Phase.QUEUED
-    attempt: int = 0
-    prefill: LiveWorker | None = None
-    decode: LiveWorker | None = None
-    tokens_sent: int = 0
-    landing_bytes: int = 0
-    submitted_at: float = 0.0  # dispatcher clock
-    reserve_started_at: float | None = None  # first Reserve sent (the landing timeout counts from there)
-    found_idle: bool = False  # admitted with nothing else in flight: its TTFT is the unloaded figure
-    limit_epoch: int | None = None  # its decode worker's `DecodeLimit.epoch` at admission (None: no sample)
-
-    @property
-    def wire_id(self) -> str:
-        return f"{self.request_id}.{self.attempt}"
-
-
-@dataclass(eq=False)
-class _Transfer:
-    """A reservation's two ends, kept until the prefill side's terminal message has been relayed
-    (or an end died), even when the request itself is already over: the decode worker frees the
-    landing only on that message."""
-
-    prefill: LiveWorker
-    decode: LiveWorker
-    prompt_len: int  # tokens it holds in the prefill worker's window
-    prefill_sent: bool = False  # the prompt is at the prefill worker (its service time counts)
 
 
 class Dispatcher:
@@ -115,17 +55,12 @@ class Dispatcher:
         self.admission, self.clock = admission, clock
         self.unloaded_ttft = UnloadedTtft(admission.rate_smoothing)
         self.lives: dict[str, LiveWorker] = {}
-        self.flights: dict[str, _Flight] = {}
-        self._by_wire: dict[str, _Flight] = {}
-        self._transfers: dict[str, _Transfer] = {}
+        self.flights: dict[str, Flight] = {}
+        self._by_wire: dict[str, Flight] = {}
+        self._transfers: dict[str, Transfer] = {}
         self._tasks: list[asyncio.Task] = []
         self.relay, self.polls = relay_metrics()
-        self.reroutes = Counter("tandem:request_reroutes_total",
-                                "Requests re-routed after a transfer failure or a worker death, before any token",
-                                registry=None)
-        self.refusals = Counter("tandem:requests_refused_total",
-                                "Requests refused at arrival because the workers could not serve them promptly (429)",
-                                ["role"], registry=None)
+        self.reroutes, self.refusals = request_counters()
         self.extra_collectors = [self.relay, self.polls, self.reroutes, self.refusals]
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -139,11 +74,11 @@ class Dispatcher:
             # Not `abort` alone: a consumer still iterating would wait forever for a last chunk.
             self._shut_down(flight)
         for live in self.lives.values():
-            await self._flush(live)
-        for task in self._tasks + [t for live in self.lives.values() for t in live.tasks]:
+            await live.flush()
+        tasks = self._tasks + [t for live in self.lives.values() for t in live.tasks]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *(t for live in self.lives.values() for t in live.tasks),
-                             return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def drain(self, timeout_s: float) -> int:
         """Wait up to `timeout_s` for in-flight requests to finish; abort the rest. Returns how
@@ -179,7 +114,7 @@ class Dispatcher:
         if len(self.flights) >= self.max_pending:
             raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later",
                                retry_after_s=1.0)
-        flight = _Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
+        flight = Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
                          found_idle=not self.flights)
         self._route(flight, admit=True)  # raises BackendError before anything is registered
         self.flights[request_id] = flight
@@ -204,7 +139,7 @@ class Dispatcher:
         return [live.details() for live in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
 
     # ---- routing -----------------------------------------------------------------------------------
-    def _route(self, flight: _Flight, *, admit: bool) -> None:
+    def _route(self, flight: Flight, *, admit: bool) -> None:
         """Pick its workers and queue it on its prefill worker's lane (or send it to its decode worker
         to prefill locally). `admit`: a new arrival, refused (429) when no worker can take it promptly;
         a request admitted before (re-routed, back from a full host tier) goes to the front instead."""
@@ -227,7 +162,7 @@ class Dispatcher:
         self._by_wire[flight.wire_id] = flight
         if flight.prefill is None:
             flight.phase = Phase.LOCAL
-            self._send(flight.decode, p.Generate(flight.wire_id, request.prompt_token_ids, flight.params))
+            flight.decode.send(p.Generate(flight.wire_id, request.prompt_token_ids, flight.params))
             return
         flight.phase = Phase.QUEUED
         flight.prefill.lane.enqueue(flight, len(flight.prompt), front=not admit)
@@ -237,12 +172,7 @@ class Dispatcher:
         """The views of the workers that can take a new request now; raises QUEUE_FULL (429) when a
         needed role has none."""
         now, unloaded_s = self.clock(), self.unloaded_ttft.value_s
-        refusals = {}
-        for live in lives:
-            refusal = (live.lane.refusal(self.admission, now, unloaded_s) if live.info.role is WorkerRole.PREFILL
-                       else live.limit.refusal(live.num_active))
-            if refusal is not None:
-                refusals[live.worker_id] = refusal
+        refusals = {live.worker_id: r for live in lives if (r := live.refusal(self.admission, now, unloaded_s))}
         try:
             return admissible(views, refusals)
         except Overloaded as exc:
@@ -258,10 +188,10 @@ class Dispatcher:
             flight.phase = Phase.RESERVING
             if flight.reserve_started_at is None:
                 flight.reserve_started_at = self.clock()
-            self._transfers[flight.wire_id] = _Transfer(prefill, flight.decode, num_tokens)
-            self._send(flight.decode, p.Reserve(flight.wire_id, tuple(flight.prompt), flight.params, prefill.peer_id))
+            self._transfers[flight.wire_id] = Transfer(prefill, flight.decode, num_tokens)
+            flight.decode.send(p.Reserve(flight.wire_id, tuple(flight.prompt), flight.params, prefill.peer_id))
 
-    def _reroute(self, flight: _Flight, why: str) -> bool:
+    def _reroute(self, flight: Flight, why: str) -> bool:
         """Try the request again on a fresh route. False when it may not (retries spent, tokens
         already sent, no worker) — the caller then fails it."""
         if flight.tokens_sent or flight.attempt >= self.max_transfer_retries:
@@ -276,7 +206,7 @@ class Dispatcher:
             return False
         return True
 
-    def _unroute(self, flight: _Flight) -> None:
+    def _unroute(self, flight: Flight) -> None:
         """Undo `_route`'s bookkeeping (the transfer, if any, ends on its own messages)."""
         self._by_wire.pop(flight.wire_id, None)
         flight.found_idle, flight.limit_epoch = False, None  # a later route's TTFT is no admission sample
@@ -297,7 +227,7 @@ class Dispatcher:
         elif isinstance(msg, p.AbortTransfer):
             transfer = self._transfers.get(msg.request_id)
             if transfer is not None:
-                self._send(transfer.prefill, msg)
+                transfer.prefill.send(msg)
         elif isinstance(msg, p.WorkerCrashed):
             self._worker_gone(live, f"crashed:\n{msg.error}")
         else:
@@ -318,7 +248,7 @@ class Dispatcher:
                 asyncio.get_running_loop().call_later(self.reserve_retry_s, self._retry_reserve, flight)
         elif transfer is None or transfer.prefill.gone:
             if transfer is not None:  # its prefill worker died meanwhile: the decode side frees it
-                self._send(transfer.decode, p.PeerDead(transfer.prefill.peer_id))
+                transfer.decode.send(p.PeerDead(transfer.prefill.peer_id))
         elif flight is None:  # aborted while reserving: the decode worker's Abort already ends it
             pass
         else:
@@ -326,9 +256,9 @@ class Dispatcher:
             flight.landing_bytes = len(msg.landing.page_ids) * msg.landing.layout.page_bytes
             transfer.prefill_sent = True
             transfer.prefill.lane.rate.started(self.clock(), transfer.prompt_len)
-            self._send(transfer.prefill, p.Prefill(msg.request_id, tuple(flight.prompt), flight.params, msg.landing))
+            transfer.prefill.send(p.Prefill(msg.request_id, tuple(flight.prompt), flight.params, msg.landing))
 
-    def _retry_reserve(self, flight: _Flight) -> None:
+    def _retry_reserve(self, flight: Flight) -> None:
         if flight.phase is not Phase.BACKOFF or self.flights.get(flight.request_id) is not flight:
             return
         if self.clock() - flight.reserve_started_at > self.landing_timeout_s:  # host tiers stay full
@@ -345,7 +275,7 @@ class Dispatcher:
         if transfer is None:
             return
         if not transfer.decode.gone:
-            self._send(transfer.decode, msg)
+            transfer.decode.send(msg)
         if isinstance(msg, p.KVComplete):
             self._transfer_over(msg.request_id, delivered=True)
         elif isinstance(msg, p.TransferAborted):
@@ -377,56 +307,41 @@ class Dispatcher:
                 self._finish_error(flight, ErrorKind.UNAVAILABLE, msg.error)
             return
         if flight.tokens_sent == 0:
-            self._observe_ttft(flight, self.clock() - flight.submitted_at)
+            observe_first_token(flight, self.clock() - flight.submitted_at, self.unloaded_ttft, self.admission)
         flight.phase = Phase.STREAMING
         flight.tokens_sent += len(msg.new_token_ids)
         if msg.finish_reason is None:
             flight.queue.put_nowait(GenerationChunk(tuple(msg.new_token_ids)))
             return
-        timings = dict(msg.timings)
-        transfer_s = (timings["transfer_done"] - timings["first_write"]
-                      if "transfer_done" in timings and "first_write" in timings else None)
-        flight.queue.put_nowait(GenerationChunk(
-            tuple(msg.new_token_ids), msg.finish_reason, cached_tokens=msg.cached_tokens, kv_transfer_s=transfer_s,
-            kv_transfer_bytes=flight.landing_bytes if flight.prefill else 0,
-            prefill_worker=flight.prefill.worker_id if flight.prefill else "", decode_worker=live.worker_id))
+        flight.queue.put_nowait(flight.last_chunk(msg, live.worker_id))
         self._end(flight)
 
-    def _observe_ttft(self, flight: _Flight, ttft_s: float) -> None:
-        """Admission learns from each first token: the unloaded figure, and whether the decode
-        worker's limit kept its promise."""
-        if flight.found_idle:
-            self.unloaded_ttft.observe(ttft_s)
-        aim_s = ttft_aim_s(self.admission, self.unloaded_ttft.value_s)
-        if flight.limit_epoch is not None and aim_s is not None:
-            flight.decode.limit.observe(ttft_s, aim_s, flight.limit_epoch, flight.decode.num_active)
-
     # ---- endings -----------------------------------------------------------------------------------
-    def _abort_on_worker(self, flight: _Flight) -> None:
+    def _abort_on_worker(self, flight: Flight) -> None:
         """Tell the decode worker holding it (if any) to release it; the prefill side follows."""
         if flight.phase in (Phase.RESERVING, Phase.PREFILLING, Phase.LOCAL, Phase.STREAMING):
-            self._send(flight.decode, p.Abort(flight.wire_id))
+            flight.decode.send(p.Abort(flight.wire_id))
 
-    def _shut_down(self, flight: _Flight) -> None:
+    def _shut_down(self, flight: Flight) -> None:
         """Shutdown: release it on the workers, then end its stream with an error. In this order:
         `_finish_error` ends the flight, after which `abort` finds nothing to tell the decode worker,
         and the request would run there until its own stop rules."""
         self._abort_on_worker(flight)
         self._finish_error(flight, ErrorKind.UNAVAILABLE, "the server is shutting down")
 
-    def _finish_error(self, flight: _Flight, kind: ErrorKind, error: str) -> None:
+    def _finish_error(self, flight: Flight, kind: ErrorKind, error: str) -> None:
         if flight.phase is Phase.DONE:
             return
         flight.queue.put_nowait(GenerationChunk((), "abort", error=error, error_kind=kind))
         self._end(flight)
 
-    def _end(self, flight: _Flight) -> None:
+    def _end(self, flight: Flight) -> None:
         """The request is over for the dispatcher (the workers release their own KV)."""
         flight.phase = Phase.DONE
         self._unroute(flight)
         self.flights.pop(flight.request_id, None)
 
-    async def _stream(self, flight: _Flight) -> AsyncIterator[GenerationChunk]:
+    async def _stream(self, flight: Flight) -> AsyncIterator[GenerationChunk]:
         try:
             while True:
                 chunk = await flight.queue.get()
@@ -439,11 +354,9 @@ class Dispatcher:
 
     # ---- workers -----------------------------------------------------------------------------------
     def _adopt(self, info: WorkerInfo) -> None:
-        live = LiveWorker(info, PrefillLane(self.admission.prefill_window_tokens, self.admission.rate_smoothing),
-                          DecodeLimit(self.admission.max_requests_per_worker, self.admission.rate_smoothing))
+        live = LiveWorker.admitting(info, self.admission)
         self.lives[info.worker_id] = live
-        live.tasks = [asyncio.create_task(self._sender(live), name=f"send-{info.worker_id}"),
-                      asyncio.create_task(self._collector(live), name=f"collect-{info.worker_id}")]
+        live.start(self._on_message, self._worker_gone, self.collect_timeout_s, self.polls)
         log.info("worker %s (%s, incarnation %d) joined", info.worker_id, info.role.value, info.incarnation)
 
     def _worker_gone(self, live: LiveWorker, why: str) -> None:
@@ -452,18 +365,12 @@ class Dispatcher:
             return
         live.gone = True
         log.error("worker %s (incarnation %d) is gone: %s", live.worker_id, live.info.incarnation, why)
-        for task in live.tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
+        live.stop()
         self.state.forget_worker(live.worker_id)
-        survivors = [lv for lv in self.lives.values() if not lv.gone]
-        if live.info.role is WorkerRole.PREFILL:
-            for lv in survivors:  # they free every landing this incarnation may have been writing
-                self._send(lv, p.PeerDead(live.peer_id))
-        else:
-            for lv in survivors:
-                if lv.info.role is WorkerRole.PREFILL:
-                    self._send(lv, p.PeerDead(live.info.session))
+        notice, roles = live.death_notice()
+        for lv in self.lives.values():
+            if not lv.gone and lv.info.role in roles:
+                lv.send(notice)
         # Queued ones first, so that a window freed below is never handed to a request bound for `live`.
         queued = live.lane.drain() + [f for f in self.flights.values() if f.decode is live and f.phase is Phase.QUEUED]
         for flight in queued:  # never handed to a worker: routed afresh, not a re-route
@@ -478,40 +385,6 @@ class Dispatcher:
         for flight in [f for f in self.flights.values() if f.decode is live]:
             if not self._reroute(flight, f"worker {live.worker_id} died"):
                 self._finish_error(flight, ErrorKind.UNAVAILABLE, f"worker {live.worker_id} died: {why}")
-
-    def _send(self, live: LiveWorker | None, msg) -> None:
-        if live is None or live.gone:
-            return
-        live.outq.append(msg)
-        live.wake.set()
-
-    async def _flush(self, live: LiveWorker) -> None:
-        if live.outq and not live.gone:
-            msgs, live.outq = live.outq, []
-            try:
-                await live.info.link.send(msgs)
-            except Exception as exc:  # noqa: BLE001 - any failure to reach it means it is gone
-                self._worker_gone(live, f"send failed: {exc}")
-
-    async def _sender(self, live: LiveWorker) -> None:
-        while not live.gone:
-            await live.wake.wait()
-            live.wake.clear()
-            await self._flush(live)
-
-    async def _collector(self, live: LiveWorker) -> None:
-        while not live.gone:
-            try:
-                msgs = await live.info.link.collect(self.collect_timeout_s)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the link failing is how death shows up here
-                self._worker_gone(live, f"collect failed: {type(exc).__name__}: {exc}")
-                return
-            if msgs:
-                self.polls.labels(role=live.info.role.value).inc()
-            for msg in msgs:
-                self._on_message(live, msg)
 
     async def _refresh_forever(self) -> None:
         while True:

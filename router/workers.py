@@ -1,15 +1,25 @@
 """Workers as the dispatcher sees them: how it reaches one (`WorkerLink`), what the controller says
-about one (`WorkerInfo`, from a `ViewSource`), and its per-incarnation state (`LiveWorker`)."""
+about one (`WorkerInfo`, from a `ViewSource`), and its per-incarnation state (`LiveWorker`).
+
+Per worker incarnation, `LiveWorker` runs two tasks on the dispatcher's loop:
+
+    dispatcher --send(msg)--> outq --sender: link.send(batch), in order--> worker
+    dispatcher <--on_message(live, msg)-- collector: link.collect(timeout) (long-poll) <-- worker
+
+A link that raises (send or collect) means the worker is gone: the dispatcher hears it through
+`on_gone` and the tasks end.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster import protocol as p
-from router.admission import DecodeLimit, PrefillLane
+from router.admission import AdmissionParams, DecodeLimit, PrefillLane, Refusal
 from router.backend import WorkerGauge
 from router.policy import WorkerView
 from cluster.protocol import WorkerRole
@@ -55,6 +65,27 @@ class LiveWorker:
     tasks: list = field(default_factory=list)
     gone: bool = False
     num_active: int = 0  # requests routed here to decode (or prefill locally), from arrival to end
+    _on_gone: Callable[[LiveWorker, str], None] | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def admitting(cls, info: WorkerInfo, admission: AdmissionParams) -> LiveWorker:
+        """A new incarnation, with a fresh lane and limit sized by `admission`."""
+        return cls(info, PrefillLane(admission.prefill_window_tokens, admission.rate_smoothing),
+                   DecodeLimit(admission.max_requests_per_worker, admission.rate_smoothing))
+
+    def refusal(self, admission: AdmissionParams, now: float, unloaded_ttft_s: float | None) -> Refusal | None:
+        """Why it cannot take one more new request now (its lane's or its limit's verdict)."""
+        if self.info.role is WorkerRole.PREFILL:
+            return self.lane.refusal(admission, now, unloaded_ttft_s)
+        return self.limit.refusal(self.num_active)
+
+    def death_notice(self) -> tuple[p.PeerDead, tuple[WorkerRole, ...]]:
+        """What the survivors are told when this incarnation dies, and which roles: every worker
+        frees the landings a dead prefill worker may have been writing; prefill workers stop
+        writing to a dead decode worker (named by its transport session)."""
+        if self.info.role is WorkerRole.PREFILL:
+            return p.PeerDead(self.peer_id), tuple(WorkerRole)
+        return p.PeerDead(self.info.session), (WorkerRole.PREFILL,)
 
     @property
     def pending_prefill_tokens(self) -> int:
@@ -71,6 +102,60 @@ class LiveWorker:
         for a dead incarnation never touches transfers from its successor."""
         return f"{self.info.worker_id}#{self.info.incarnation}"
 
+    # ---- its sender and collector ------------------------------------------------------------------
+    def start(self, on_message: Callable[[LiveWorker, object], None], on_gone: Callable[[LiveWorker, str], None],
+              collect_timeout_s: float, polls) -> None:
+        """Start its two tasks on the running loop. `on_message` gets every message it sends, in
+        order; `on_gone` (called at most once per failure, from either task) when its link fails.
+        `polls`: the counter of collect calls that returned messages (`relay_metrics`)."""
+        self._on_gone = on_gone
+        self.tasks = [asyncio.create_task(self._sender(), name=f"send-{self.worker_id}"),
+                      asyncio.create_task(self._collector(on_message, collect_timeout_s, polls),
+                                          name=f"collect-{self.worker_id}")]
+
+    def send(self, msg) -> None:
+        """Queue `msg` for the sender; dropped once the worker is gone."""
+        if self.gone:
+            return
+        self.outq.append(msg)
+        self.wake.set()
+
+    async def flush(self) -> None:
+        """Send what is queued now (the sender does this on its own; `close` calls it last)."""
+        if self.outq and not self.gone:
+            msgs, self.outq = self.outq, []
+            try:
+                await self.info.link.send(msgs)
+            except Exception as exc:  # noqa: BLE001 - any failure to reach it means it is gone
+                self._on_gone(self, f"send failed: {exc}")
+
+    def stop(self) -> None:
+        """Cancel its tasks (not the one calling, which ends on its own: `gone` is set first)."""
+        for task in self.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    async def _sender(self) -> None:
+        while not self.gone:
+            await self.wake.wait()
+            self.wake.clear()
+            await self.flush()
+
+    async def _collector(self, on_message, timeout_s: float, polls) -> None:
+        while not self.gone:
+            try:
+                msgs = await self.info.link.collect(timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the link failing is how death shows up here
+                self._on_gone(self, f"collect failed: {type(exc).__name__}: {exc}")
+                return
+            if msgs:
+                polls.labels(role=self.info.role.value).inc()
+            for msg in msgs:
+                on_message(self, msg)
+
+    # ---- what others see ---------------------------------------------------------------------------
     def view(self) -> WorkerView:
         """What the routing policy sees."""
         stats = self.info.stats

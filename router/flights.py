@@ -1,0 +1,107 @@
+"""A request as the dispatcher tracks it (`Flight`, its `Phase`), and the record a landing
+reservation leaves behind (`Transfer`). State only; `router.dispatcher` moves them.
+
+One request, disaggregated (wire id = `<request_id>.<attempt>`):
+
+    arrival --admission (router.admission): refused at once, 429--> (never registered)
+       v
+    QUEUED --prefill window has room--> RESERVING --Reserved(landing)--> PREFILLING --first token--> STREAMING -> done
+    (the dispatcher's queue:             | landing None: BACKOFF, then QUEUED again at the front
+     nothing held on any worker)         |   (failed after `landing_timeout_s` without a landing)
+                                         | error: rejected (400)
+    local prefill (no prefill worker):  LOCAL --tokens--> STREAMING -> done
+
+The landing is reserved only when the prefill worker has room for the prompt (`PrefillLane`), so a
+transfer's deadlines never count time the request spent queued, and no request is re-prefilled
+because it waited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from cluster import protocol as p
+from cluster.config import SamplingParams
+from router.admission import AdmissionParams, UnloadedTtft, ttft_aim_s
+from router.backend import GenerationChunk
+from router.workers import LiveWorker
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"  # admitted, in its prefill worker's lane queue: nothing held on any worker yet
+    RESERVING = "reserving"
+    BACKOFF = "backoff"  # the decode worker's host tier was full: queued again after a pause
+    PREFILLING = "prefilling"
+    LOCAL = "local"  # the decode worker prefills it itself
+    STREAMING = "streaming"  # tokens are flowing
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class Flight:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    phase: Phase = Phase.QUEUED
+    attempt: int = 0
+    prefill: LiveWorker | None = None
+    decode: LiveWorker | None = None
+    tokens_sent: int = 0
+    landing_bytes: int = 0
+    submitted_at: float = 0.0  # dispatcher clock
+    reserve_started_at: float | None = None  # first Reserve sent (the landing timeout counts from there)
+    found_idle: bool = False  # admitted with nothing else in flight: its TTFT is the unloaded figure
+    limit_epoch: int | None = None  # its decode worker's `DecodeLimit.epoch` at admission (None: no sample)
+
+    @property
+    def wire_id(self) -> str:
+        return f"{self.request_id}.{self.attempt}"
+
+    def last_chunk(self, msg: p.TokenOutput, decode_worker: str) -> GenerationChunk:
+        """The chunk that ends it, from its decode worker's finishing output."""
+        timings = dict(msg.timings)
+        transfer_s = (timings["transfer_done"] - timings["first_write"]
+                      if "transfer_done" in timings and "first_write" in timings else None)
+        return GenerationChunk(
+            tuple(msg.new_token_ids), msg.finish_reason, cached_tokens=msg.cached_tokens, kv_transfer_s=transfer_s,
+            kv_transfer_bytes=self.landing_bytes if self.prefill else 0,
+            prefill_worker=self.prefill.worker_id if self.prefill else "", decode_worker=decode_worker,
+            timings=timings)
+
+
+@dataclass(eq=False)
+class Transfer:
+    """A reservation's two ends, kept until the prefill side's terminal message has been relayed
+    (or an end died), even when the request itself is already over: the decode worker frees the
+    landing only on that message."""
+
+    prefill: LiveWorker
+    decode: LiveWorker
+    prompt_len: int  # tokens it holds in the prefill worker's window
+    prefill_sent: bool = False  # the prompt is at the prefill worker (its service time counts)
+
+
+def observe_first_token(flight: Flight, ttft_s: float, unloaded: UnloadedTtft, admission: AdmissionParams) -> None:
+    """Admission learns from each first token: the unloaded figure, and whether the decode
+    worker's limit kept its promise."""
+    if flight.found_idle:
+        unloaded.observe(ttft_s)
+    aim_s = ttft_aim_s(admission, unloaded.value_s)
+    if flight.limit_epoch is not None and aim_s is not None:
+        flight.decode.limit.observe(ttft_s, aim_s, flight.limit_epoch, flight.decode.num_active)
+
+
+def request_counters():
+    """(re-routes, refusals at arrival by role): what happened to requests on their way to a worker."""
+    from prometheus_client import Counter
+
+    reroutes = Counter("tandem:request_reroutes_total",
+                       "Requests re-routed after a transfer failure or a worker death, before any token",
+                       registry=None)
+    refusals = Counter("tandem:requests_refused_total",
+                       "Requests refused at arrival because the workers could not serve them promptly (429)",
+                       ["role"], registry=None)
+    return reroutes, refusals

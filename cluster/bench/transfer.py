@@ -88,24 +88,28 @@ def _prompt(length: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(length)]
 
 
-def measure_through_tandem(pair, length: int, vocab: int, seed: int) -> tuple[dict, dict]:
-    """(cold timings, warm timings) of one prompt of `length` tokens through the pair."""
+def measure_through_tandem(views, length: int, vocab: int, seed: int) -> tuple[dict, dict]:
+    """(cold timings, warm timings) of one prompt of `length` tokens through the dispatcher over
+    the worker processes (worker timestamps and the client's, all `time.monotonic()` of this host)."""
+    import asyncio
+
     from cluster.config import SamplingParams
+    from cluster.worker_host.process import serve_prompts
 
     params = SamplingParams(max_tokens=2, ignore_eos=True)  # 2: the second token needs the host->device load
     prompt = _prompt(length, vocab, seed)
     runs = []
-    for _ in range(2):
-        [req] = pair.generate([prompt], params)
+    for attempt in ("cold", "warm"):
+        [req] = asyncio.run(serve_prompts(views, [prompt], params, id_prefix=f"bench-{length}-{seed}-{attempt}"))
         if req.error:
             raise RuntimeError(f"benchmark request failed: {req.error}")
-        runs.append({**req.timings, "submitted": req.submitted_at, "first_token": req.first_token_at})
+        runs.append({**req.timings, "submitted": req.submitted_s, "first_token": req.first_token_s})
     return runs[0], runs[1]
 
 
 def bench_transfer(args: argparse.Namespace) -> int:
     from cluster.cli.args import engine_config_from_args
-    from cluster.worker_host.pair import ProcessPair
+    from cluster.worker_host.process import ProcessViews, pair_specs
     from kv_store.device_pool import page_bytes
     from prefill_worker.engine_core import TORCH_DTYPES
 
@@ -121,19 +125,16 @@ def bench_transfer(args: argparse.Namespace) -> int:
     per_page = page_bytes(arch.num_layers, config.page_size, arch.num_kv_heads, arch.head_dim, dtype)
     tensor_page = per_page // (2 * arch.num_layers)
     max_pages = -(-max(lengths) // config.page_size)
-    pair = ProcessPair(config, host_pages=max_pages * 2 + 8)
     rows = []
-    try:
+    with ProcessViews(pair_specs(config, host_pages=max_pages * 2 + 8)) as views:
         for i, length in enumerate(lengths):
             pages = -(-length // config.page_size)
             kv_bytes = pages * per_page
             chunk_pages = min(pages, max(1, config.chunk_size // config.page_size))
             raw_lf, raw_pf = measure_raw(kv_bytes, [chunk_pages * tensor_page, per_page])
-            cold, warm = measure_through_tandem(pair, length, arch.vocab_size, seed=args.seed + i)
+            cold, warm = measure_through_tandem(views, length, arch.vocab_size, seed=args.seed + i)
             rows.append(_row(length, kv_bytes, raw_lf, raw_pf, cold, warm))
             log.info("done %d tokens", length)
-    finally:
-        pair.close()
     print_table(rows, args.json)
     return 0
 

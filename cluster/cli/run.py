@@ -1,4 +1,5 @@
-"""`tandem run`: offline generation through the colocated engine, with a progress bar on stderr."""
+"""`tandem run`: offline generation, with a progress bar on stderr: through the colocated engine, or
+(`--mode disaggregated`) through the dispatcher over a prefill and a decode worker process."""
 
 from __future__ import annotations
 
@@ -116,25 +117,25 @@ def _run_colocated(args, config, prompts, params) -> list[RunResult]:
 
 
 def _run_disaggregated(args, config, prompts, params) -> list[RunResult]:
-    from cluster.worker_host.pair import ProcessPair
+    """A prefill and a decode worker process behind the dispatcher `tandem serve` runs: a failed
+    transfer is re-routed (to local prefill when the prefill worker is gone), a landing that never
+    comes times out, as in a cluster."""
+    import asyncio
+
+    from cluster.worker_host.process import ProcessViews, pair_specs, serve_prompts
     from kernels.model.loader import resolve_model_dir
     from kernels.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_dir(config.model))
     token_ids = [tokenize_prompt(tokenizer, p, args.raw) for p in prompts]
     t0 = time.perf_counter()
-    pair = ProcessPair(config, host_pages=args.host_pages)
-    try:
+    with ProcessViews(pair_specs(config, args.host_pages)) as views:
         log.info("prefill and decode workers ready in %.2fs", time.perf_counter() - t0)
         t1 = time.perf_counter()
-        reqs = [pair.submit(f"run-{i}", ids, params) for i, ids in enumerate(token_ids)]
         with _progress(len(prompts)) as bar:
-            while not all(r.done for r in reqs):
-                pair.pump(0.05)
-                bar.update(sum(r.done for r in reqs) - bar.n)
+            reqs = asyncio.run(serve_prompts(views, token_ids, params, id_prefix="run",
+                                             on_finish=lambda _: bar.update(1)))
         _log_throughput([len(r.token_ids) for r in reqs], time.perf_counter() - t1)
-    finally:
-        pair.close()
     return [RunResult(r.prompt_token_ids, r.token_ids, _text(tokenizer, r.token_ids, params.stop), r.finish_reason,
                       r.cached_tokens, r.error) for r in reqs]
 

@@ -1,16 +1,59 @@
-"""A worker in its own OS process (spawned), driven over a pipe: the entry point and its heartbeat
-thread. Any exception that ends the loop is reported as `WorkerCrashed` before the process exits."""
+"""Workers in their own OS processes (spawned), driven over a pipe, without Ray.
+
+The child's side: `worker_main` (the entry point) and its heartbeat thread; any exception that
+ends the loop is reported as `WorkerCrashed` before the process exits.
+
+The parent's side: `ProcessViews` spawns the workers and is the dispatcher's `ViewSource`; each
+worker is reached through a `PipeLink` (the dispatcher's `WorkerLink`). The relay itself is
+`router.dispatcher.Dispatcher`, the same one `tandem serve` runs:
+
+    Dispatcher --PipeLink.send--> pipe --> worker_main: run_loop
+    Dispatcher <--PipeLink.collect-- inbox <-- reader thread <-- pipe
+                                                  |
+                                                  +--> heartbeats (liveness, stats), KV digests
+
+`death_cause` is the one rule that declares a worker dead, here and in the Ray controller.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import multiprocessing as mp
 import os
 import threading
+import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from cluster import protocol as p
 from cluster.worker_host.build import WorkerSpec, build_worker
 from cluster.worker_host.loop import run_loop
+
+log = logging.getLogger("tandem.process")
+
+
+def death_cause(*, crashed: str = "", exit_code: int | None = None, beat_age_s: float = 0.0,
+                beat_timeout_s: float = math.inf, step_age_s: float = 0.0, step_timeout_s: float = math.inf) -> str:
+    """Why a worker incarnation counts as dead; "" while it lives. Its loop crashed, its process
+    exited, no heartbeat for longer than `beat_timeout_s` (the beat thread answers even mid-step,
+    so silence means the process is stuck or gone), or no step finished for longer than
+    `step_timeout_s` (a hung step). A host passes what it can observe; the rest stays at its
+    never-dead default."""
+    if crashed:
+        return f"its loop crashed:\n{crashed}"
+    if exit_code is not None:
+        return f"its process exited (code {exit_code})"
+    if beat_age_s > beat_timeout_s:
+        return f"no heartbeat for {beat_age_s:.1f}s"
+    if step_age_s > step_timeout_s:
+        return f"its loop has not finished a step for {step_age_s:.0f}s (hung)"
+    return ""
+
+
+# ---- the child's side ------------------------------------------------------------------------------
 
 
 class _LockedConn:
@@ -40,12 +83,13 @@ def _beat_forever(conn: _LockedConn, interval_s: float, stop: threading.Event) -
             return
 
 
-def worker_main(spec: WorkerSpec, raw_conn) -> None:
-    """Process entry point (spawn). Runs until Shutdown or the pipe closes."""
+def worker_main(spec: WorkerSpec, raw_conn, build: Callable[[WorkerSpec], tuple] = build_worker) -> None:
+    """Process entry point (spawn). Runs until Shutdown or the pipe closes. `build` makes
+    (worker, transport) from the spec; it must be a picklable top-level function."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.role}[{os.getpid()}] %(message)s")
     conn, stop = _LockedConn(raw_conn), threading.Event()
     try:
-        worker, transport = build_worker(spec)
+        worker, transport = build(spec)
         conn.send(p.WorkerReady(spec.role, transport.session_id))
         threading.Thread(target=_beat_forever, args=(conn, spec.heartbeat_interval_s, stop), daemon=True).start()
         run_loop(spec, worker, conn)
@@ -54,9 +98,286 @@ def worker_main(spec: WorkerSpec, raw_conn) -> None:
         transport.close()
     except (EOFError, BrokenPipeError):
         pass
-    except Exception:  # report, then die: the driver restarts or fails over
+    except Exception:  # report, then die: the driver fails over
         try:
             conn.send(p.WorkerCrashed(spec.role, traceback.format_exc()))
         except (EOFError, BrokenPipeError, OSError):
             pass
         raise
+
+
+# ---- the parent's side -----------------------------------------------------------------------------
+
+
+class PipeLink:
+    """`router.workers.WorkerLink` over the parent's end of a worker's spawn pipe.
+
+    A reader thread receives everything the worker sends: heartbeats update `last_beat_s` and
+    `stats`, KV digests (a test hook) wait for `kv_digest`, everything else waits for `collect`.
+    Sends are serialised by a lock (the dispatcher's sender and the test hooks share the pipe).
+    """
+
+    def __init__(self, conn, name: str) -> None:
+        self._conn, self._send_lock, self._cond = conn, threading.Lock(), threading.Condition()
+        self._inbox: list = []
+        self._digests: list[p.KVDigest] = []
+        self.closed = False  # the pipe ended: the process is gone
+        self.crashed = ""  # the traceback of its WorkerCrashed, if it sent one
+        self.last_beat_s = self.last_step_s = time.monotonic()
+        self.stats: p.WorkerStats | None = None
+        threading.Thread(target=self._read_forever, name=f"pipe-{name}", daemon=True).start()
+
+    async def send(self, msgs: list) -> None:
+        await asyncio.to_thread(self.send_now, msgs)
+
+    def send_now(self, msgs: list) -> None:
+        """Blocking send (raises BrokenPipeError/OSError once the process is gone)."""
+        with self._send_lock:
+            for msg in msgs:
+                self._conn.send(msg)
+
+    async def collect(self, timeout_s: float) -> list:
+        return await asyncio.to_thread(self._collect, timeout_s)
+
+    async def kv_digest(self, token_ids: list[int], num_pages: int, timeout_s: float = 30.0) -> p.KVDigest:
+        """Test hook: the hash of the worker's cached KV for the first `num_pages` pages of `token_ids`."""
+        with self._cond:
+            self._digests.clear()
+        await self.send([p.DigestKV(tuple(token_ids), num_pages)])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                if self._digests:
+                    return self._digests.pop(0)
+            if time.monotonic() > deadline or self.closed:
+                raise TimeoutError(f"no KV digest within {timeout_s}s")
+            await asyncio.sleep(0.02)
+
+    def _collect(self, timeout_s: float) -> list:
+        with self._cond:
+            self._cond.wait_for(lambda: self._inbox or self.closed, timeout_s)
+            if self.closed and not self._inbox:
+                raise ConnectionError("the worker's pipe closed")
+            out, self._inbox = self._inbox, []
+            return out
+
+    def _read_forever(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._cond:
+                self._take(msg, time.monotonic())
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def _take(self, msg, now: float) -> None:
+        """Sort one message from the worker (under the condition's lock)."""
+        if isinstance(msg, p.Heartbeat):
+            self.last_beat_s = now
+            if msg.stats is not None:  # sent by the loop between steps
+                self.stats, self.last_step_s = msg.stats, now
+            return
+        if isinstance(msg, p.KVDigest):
+            self._digests.append(msg)
+            return
+        if isinstance(msg, p.WorkerCrashed):
+            self.crashed = msg.error
+        self._inbox.append(msg)
+        self._cond.notify_all()
+
+
+@dataclass(eq=False)
+class _Proc:
+    worker_id: str
+    spec: WorkerSpec
+    process: mp.Process
+    conn: object  # the parent's end of the pipe
+    link: PipeLink | None = None  # set once it is ready
+    session: str = ""  # its transport session, from WorkerReady
+    dead: str = ""  # why it was declared dead; "" while alive
+
+
+class ProcessViews:
+    """`router.workers.ViewSource` over worker processes it spawns (`specs`: worker id -> spec),
+    each one incarnation: nothing restarts them. The constructor returns once every worker sent
+    `WorkerReady` (or raises, with every process stopped). `workers()` applies `death_cause` and
+    kills a worker it finds dead; the dispatcher then fails over as under `tandem serve`. Close
+    with `close()` (or use it as a context manager)."""
+
+    def __init__(self, specs: dict[str, WorkerSpec], *, build: Callable[[WorkerSpec], tuple] = build_worker,
+                 heartbeat_timeout_s: float = 10.0, step_timeout_s: float = math.inf, start_timeout_s: float = 300.0):
+        self.heartbeat_timeout_s, self.step_timeout_s = heartbeat_timeout_s, step_timeout_s
+        ctx = mp.get_context("spawn")
+        self.procs: dict[str, _Proc] = {}
+        for worker_id, spec in specs.items():
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(spec, child, build), name=f"tandem-{worker_id}", daemon=True)
+            proc.start()
+            child.close()
+            self.procs[worker_id] = _Proc(worker_id, spec, proc, parent)
+        try:
+            self._wait_ready(start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> ProcessViews:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def workers(self) -> list:
+        from router.workers import WorkerInfo
+
+        return [WorkerInfo(w.worker_id, p.WorkerRole(w.spec.role), 1, not self._check(w), w.session, w.link.stats, 0,
+                           w.link, pid=w.process.pid) for w in self.procs.values()]
+
+    def link(self, worker_id: str) -> PipeLink:
+        return self.procs[worker_id].link
+
+    def kill(self, worker_id: str) -> None:
+        """Test hook: SIGKILL the worker's process (no goodbye)."""
+        self.procs[worker_id].process.kill()
+
+    async def stall(self, worker_id: str, seconds: float) -> None:
+        """Test hook: the worker stops stepping (and writing) for `seconds`."""
+        await self.link(worker_id).send([p.Stall(seconds)])
+
+    async def stats(self, worker_id: str, fresh_within_s: float = 5.0) -> p.WorkerStats:
+        """Its first stats heartbeat sent after this call (pool usage, integrity)."""
+        asked, link = time.monotonic(), self.link(worker_id)
+        while link.last_step_s < asked:
+            if time.monotonic() - asked > fresh_within_s or link.closed:
+                raise TimeoutError(f"no stats heartbeat from {worker_id} within {fresh_within_s}s")
+            await asyncio.sleep(0.02)
+        return link.stats
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask every live worker to stop, then kill what has not stopped within `timeout_s`."""
+        for w in self.procs.values():
+            if w.link is not None and w.process.is_alive():
+                try:
+                    w.link.send_now([p.Shutdown()])
+                except OSError:
+                    pass
+        for w in self.procs.values():
+            w.process.join(timeout_s)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(5)
+            w.conn.close()
+
+    def _check(self, w: _Proc) -> str:
+        """Why `w` is dead ("" while alive); a worker found dead is killed, once."""
+        if not w.dead:
+            now = time.monotonic()
+            w.dead = death_cause(crashed=w.link.crashed, exit_code=w.process.exitcode,
+                                 beat_age_s=now - w.link.last_beat_s, beat_timeout_s=self.heartbeat_timeout_s,
+                                 step_age_s=now - w.link.last_step_s, step_timeout_s=self.step_timeout_s)
+            if w.dead:
+                log.error("%s is dead: %s", w.worker_id, w.dead)
+                w.process.kill()
+        return w.dead
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(w.link is None for w in self.procs.values()):
+            for w in self.procs.values():
+                if w.link is None and w.conn.poll(0.1):
+                    self._on_start_message(w)
+                if w.link is None and not w.process.is_alive() and not w.conn.poll(0):
+                    raise RuntimeError(f"{w.worker_id} exited during start (code {w.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not ready within {timeout_s}s")
+
+    def _on_start_message(self, w: _Proc) -> None:
+        try:
+            msg = w.conn.recv()
+        except EOFError:
+            msg = p.WorkerCrashed(w.spec.role, f"exited during start (code {w.process.exitcode})")
+        if isinstance(msg, p.WorkerCrashed):
+            raise RuntimeError(f"{w.worker_id} failed to start:\n{msg.error}")
+        if isinstance(msg, p.WorkerReady):
+            w.session, w.link = msg.session, PipeLink(w.conn, w.worker_id)
+
+
+# ---- offline use: one prefill and one decode process, the dispatcher in front -----------------------
+
+
+def pair_specs(engine, host_pages: int, transport=None, heartbeat_interval_s: float = 0.5) -> dict[str, WorkerSpec]:
+    """"prefill-0" and "decode-0" on `engine` (`transport`: a `TransportConfig`, default loopback TCP)."""
+    from kv_store.transfer.config import TransportConfig
+
+    transport = transport or TransportConfig()
+    return {"prefill-0": WorkerSpec("prefill", engine, transport=transport, heartbeat_interval_s=heartbeat_interval_s),
+            "decode-0": WorkerSpec("decode", engine, host_pages=host_pages, transport=transport,
+                                   heartbeat_interval_s=heartbeat_interval_s)}
+
+
+@dataclass
+class Completion:
+    """One request served to its end, as an offline caller sees it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    error: str = ""  # non-empty: it failed (then finish_reason is "abort")
+    cached_tokens: int = 0
+    timings: dict = field(default_factory=dict)  # the finishing worker's monotonic timestamps (same host)
+    submitted_s: float = 0.0  # time.monotonic() when it was handed to the dispatcher
+    first_token_s: float | None = None  # time.monotonic() when its first token arrived
+
+
+async def complete(dispatcher, request_id: str, prompt: list[int], params) -> Completion:
+    """Serve one request through `dispatcher` to its last chunk; a refusal is a failed Completion."""
+    from router.backend import BackendError
+
+    done = Completion(request_id, list(prompt), submitted_s=time.monotonic())
+    try:
+        stream = dispatcher.generate(request_id, prompt, params)
+    except BackendError as exc:
+        done.finish_reason, done.error = "abort", exc.message
+        return done
+    async for chunk in stream:
+        if chunk.new_token_ids and done.first_token_s is None:
+            done.first_token_s = time.monotonic()
+        done.token_ids += chunk.new_token_ids
+        if chunk.finish_reason is not None:
+            done.finish_reason, done.error = chunk.finish_reason, chunk.error
+            done.cached_tokens, done.timings = chunk.cached_tokens, dict(chunk.timings)
+    return done
+
+
+def offline_dispatcher(views, num_requests: int, max_model_len: int, **kw):
+    """A dispatcher for an offline run of `num_requests`: it has no client to refuse, so admission
+    queues everything (the prefill window still paces the reservations, as under `tandem serve`)."""
+    from router.admission import AdmissionParams
+    from router.dispatcher import Dispatcher
+
+    n = max(1, num_requests)
+    admission = AdmissionParams(max_queue_delay_s=1e9, max_queued_requests=n, max_requests_per_worker=n)
+    return Dispatcher(views, tokenizer=None, model_name="offline", max_model_len=max_model_len, max_pending=n,
+                      admission=admission, **kw)
+
+
+async def serve_prompts(views, prompts: list[list[int]], params, *, id_prefix: str = "req", max_model_len: int = 0,
+                        on_finish: Callable[[Completion], None] | None = None, **kw) -> list[Completion]:
+    """Serve every prompt through a fresh dispatcher over `views`, all at once; results in order."""
+    dispatcher = offline_dispatcher(views, len(prompts), max_model_len, **kw)
+    await dispatcher.start()
+
+    async def one(i: int, prompt: list[int]) -> Completion:
+        done = await complete(dispatcher, f"{id_prefix}-{i}", prompt, params)
+        if on_finish is not None:
+            on_finish(done)
+        return done
+
+    try:
+        return list(await asyncio.gather(*(one(i, prompt) for i, prompt in enumerate(prompts))))
+    finally:
+        await dispatcher.close()

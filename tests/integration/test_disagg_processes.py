@@ -1,6 +1,8 @@
-"""Disaggregated serving across real processes: prefill and decode workers over Mooncake TCP on
-127.0.0.1, with SmolLM2-135M-Instruct. Workers are started and stopped by the tests."""
+"""Disaggregated serving across real processes: the dispatcher `tandem serve` runs, over a prefill
+and a decode worker process (`ProcessViews`, Mooncake TCP on 127.0.0.1), with SmolLM2-135M-Instruct.
+Workers are started and stopped by the tests."""
 
+import asyncio
 import json
 import random
 import time
@@ -8,8 +10,8 @@ import time
 import pytest
 
 from cluster.config import EngineConfig, SamplingParams
-from cluster.worker_host.pair import ProcessPair, RequestFailure
-from kv_store.transfer.session import TransferDeadlines
+from cluster.worker_host.process import ProcessViews, complete, offline_dispatcher, pair_specs
+from kv_store.transfer.config import TransportConfig
 from tests.helpers import CHAT_PROMPTS, greedy, hf_greedy, make_smollm2_engine, smollm2
 
 pytestmark = pytest.mark.slow
@@ -39,112 +41,185 @@ def long_prompt(num_words=900):
     return apply_chat("Summarize: " + " ".join(rng.choice(words) for _ in range(num_words)))
 
 
-def wait_for(pair, role, predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = pair.stats(role)
-        if predicate(stats):
-            return stats
-    raise AssertionError(f"{role}: {what} not reached within {timeout_s}s; last stats {stats}")
-
-
 def at_rest(stats) -> bool:
     host_ok = stats.host is None or stats.host.free == stats.host.total
     return (stats.device.private == 0 and stats.device.in_flight == 0 and stats.num_transfers == 0
             and host_ok and not stats.integrity_error)
 
 
-@pytest.fixture
-def make_pair():
-    pairs = []
+async def wait_for(views, worker_id, predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    stats = None
+    while time.monotonic() < deadline:
+        stats = await views.stats(worker_id)
+        if predicate(stats):
+            return stats
+    raise AssertionError(f"{worker_id}: {what} not reached within {timeout_s}s; last stats {stats}")
 
-    def make(page_size=16, chunk_size=32, deadlines=None, num_pages=1024, host_pages=1024, heartbeat_timeout_s=5.0):
+
+async def both_at_rest(views, what="pools at rest", timeout_s=30):
+    for wid in ("prefill-0", "decode-0"):
+        await wait_for(views, wid, at_rest, timeout_s, what)
+
+
+@pytest.fixture
+def make_views():
+    made = []
+
+    def make(page_size=16, chunk_size=32, transport=None, num_pages=1024, host_pages=1024, heartbeat_timeout_s=5.0):
         config = EngineConfig(page_size=page_size, chunk_size=chunk_size, num_pages=num_pages, debug_kv=True)
-        pair = ProcessPair(config, host_pages=host_pages, deadlines=deadlines, heartbeat_timeout_s=heartbeat_timeout_s)
-        pairs.append(pair)
-        return pair
+        views = ProcessViews(pair_specs(config, host_pages, transport), heartbeat_timeout_s=heartbeat_timeout_s)
+        made.append(views)
+        return views
 
     yield make
-    for pair in pairs:
-        pair.close()
+    for views in made:
+        views.close()
+
+
+def serve(views, scenario, **kw):
+    """`await scenario(dispatcher)` on a fresh loop, with a dispatcher over `views` closed afterwards."""
+    async def main():
+        d = offline_dispatcher(views, 256, 8192, **{"refresh_interval_s": 0.1, "collect_timeout_s": 0.1, **kw})
+        await d.start()
+        try:
+            return await asyncio.wait_for(scenario(d), 300)
+        finally:
+            await d.close()
+    return asyncio.run(main())
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_disaggregated_equals_colocated_equals_hf(make_pair, chat_ids, hf_outputs, page_size):
+def test_disaggregated_equals_colocated_equals_hf(make_views, chat_ids, hf_outputs, page_size):
     chunk = 32
     assert max(map(len, chat_ids)) >= 3 * chunk  # the longest prompt takes >= 3 chunks
-    pair = make_pair(page_size=page_size, chunk_size=chunk)
-    results = pair.generate(chat_ids, greedy(max_tokens=MAX_NEW))
+    views = make_views(page_size=page_size, chunk_size=chunk)
+
+    async def scenario(d):
+        done = await asyncio.gather(*(complete(d, f"eq-{i}", ids, greedy(max_tokens=MAX_NEW))
+                                      for i, ids in enumerate(chat_ids)))
+        await both_at_rest(views)
+        return done
+
+    results = serve(views, scenario)
     colocated = make_smollm2_engine(page_size=page_size, chunk_size=chunk).generate(chat_ids, greedy(max_tokens=MAX_NEW))
     assert [r.token_ids for r in results] == [r.output_token_ids for r in colocated] == hf_outputs
     assert all(not r.error for r in results)
-    for role in ("prefill", "decode"):
-        wait_for(pair, role, at_rest, 10, "pools at rest")
+    # `tandem bench transfer` builds its TTFT breakdown from these, carried on the last chunk
+    needed = {"prefill_submitted", "compute_done", "first_write", "transfer_done", "load_start", "load_done"}
+    assert all(needed <= set(r.timings) for r in results), results[0].timings
 
 
-def test_kill_decode_mid_transfer_prefill_releases_everything(make_pair):
-    pair = make_pair(chunk_size=32, deadlines=TransferDeadlines(transferring_s=10), heartbeat_timeout_s=3)
-    req = pair.submit("long", long_prompt(), greedy(max_tokens=4))
-    wait_for(pair, "prefill", lambda s: s.num_transfers == 1 and s.device.private + s.device.in_flight > 0, 60,
-             "a transfer in progress")
-    pair.kill("decode")
-    stats = wait_for(pair, "prefill", at_rest, 30, "all pages FREE or CACHED after the decode worker died")
-    assert stats.device.free + stats.device.cached == stats.device.total
-    assert req.done and req.failure is RequestFailure.WORKER_DIED
+def test_kill_decode_mid_transfer_prefill_releases_everything(make_views):
+    views = make_views(chunk_size=32, transport=TransportConfig(transferring_s=10), heartbeat_timeout_s=3)
+
+    async def scenario(d):
+        task = asyncio.create_task(complete(d, "long", long_prompt(), greedy(max_tokens=4)))
+        await wait_for(views, "prefill-0", lambda s: s.num_transfers == 1 and s.device.private + s.device.in_flight > 0,
+                       60, "a transfer in progress")
+        views.kill("decode-0")
+        req = await asyncio.wait_for(task, 30)
+        stats = await wait_for(views, "prefill-0", at_rest, 30, "all pages FREE or CACHED after the decode worker died")
+        assert stats.device.free + stats.device.cached == stats.device.total
+        assert d.lives["decode-0"].gone
+        return req
+
+    req = serve(views, scenario)
+    assert req.finish_reason == "abort" and "decode-0 died" in req.error
 
 
-def test_kill_prefill_mid_transfer_decode_frees_landing_and_keeps_serving(make_pair, chat_ids, hf_outputs):
-    pair = make_pair(chunk_size=32, deadlines=TransferDeadlines(transferring_s=10), heartbeat_timeout_s=3)
-    req = pair.submit("long", long_prompt(), greedy(max_tokens=4))
-    wait_for(pair, "decode", lambda s: s.num_transfers == 1 and s.host.in_flight > 0, 60, "a landing being written")
-    pair.kill("prefill")
-    deadline = time.monotonic() + 30
-    while not req.done and time.monotonic() < deadline:
-        pair.pump(0.1)
-    assert req.done and req.failure is RequestFailure.TRANSFER and "peer_dead" in req.error
-    wait_for(pair, "decode", at_rest, 30, "landing pages freed")
-    [after] = pair.generate([chat_ids[1]], greedy(max_tokens=MAX_NEW))  # served by the decode worker alone
+def test_kill_prefill_mid_transfer_reroutes_to_local_prefill(make_views, chat_ids, hf_outputs):
+    """As under `tandem serve`: the failed transfer is re-routed, and with no prefill worker left the
+    decode worker prefills it itself; the client sees only the right tokens."""
+    views = make_views(chunk_size=32, transport=TransportConfig(transferring_s=10), heartbeat_timeout_s=3)
+    prompt = long_prompt()
+
+    async def scenario(d):
+        task = asyncio.create_task(complete(d, "long", prompt, greedy(max_tokens=4)))
+        await wait_for(views, "decode-0", lambda s: s.num_transfers == 1 and s.host.in_flight > 0, 60,
+                       "a landing being written")
+        views.kill("prefill-0")
+        req = await asyncio.wait_for(task, 120)
+        assert d.reroutes._value.get() == 1 and d.lives["prefill-0"].gone
+        await wait_for(views, "decode-0", at_rest, 30, "landing pages freed")
+        after = await complete(d, "after", chat_ids[1], greedy(max_tokens=MAX_NEW))  # the decode worker alone
+        await wait_for(views, "decode-0", at_rest, 10, "pools at rest")
+        return req, after
+
+    req, after = serve(views, scenario)
+    [expected] = make_smollm2_engine(chunk_size=32).generate([prompt], greedy(max_tokens=4))
+    assert not req.error and req.token_ids == expected.output_token_ids
     assert after.token_ids == hf_outputs[1] and not after.error
-    wait_for(pair, "decode", at_rest, 10, "pools at rest")
 
 
-def test_stall_trips_deadline_and_both_sides_end_clean(make_pair, chat_ids, hf_outputs):
-    deadlines = TransferDeadlines(waiting_s=1.5, transferring_s=1.5)
-    pair = make_pair(chunk_size=32, deadlines=deadlines, heartbeat_timeout_s=10)
-    pair.stall("prefill", 4.0)  # a slow peer: stops stepping (and writing) for longer than the deadline
-    req = pair.submit("stalled", chat_ids[4], greedy(max_tokens=4))
-    deadline = time.monotonic() + 30
-    while not req.done and time.monotonic() < deadline:
-        pair.pump(0.1)
-    assert req.done and req.failure is RequestFailure.TRANSFER and "timeout" in req.error
-    for role in ("prefill", "decode"):
-        wait_for(pair, role, at_rest, 30, "pools at rest after the timeout")
-    [after] = pair.generate([chat_ids[1]], greedy(max_tokens=MAX_NEW))
+def test_stall_trips_deadline_and_both_sides_end_clean(make_views, chat_ids, hf_outputs):
+    views = make_views(chunk_size=32, transport=TransportConfig(waiting_s=1.5, transferring_s=1.5),
+                       heartbeat_timeout_s=10)
+
+    async def scenario(d):
+        await views.stall("prefill-0", 4.0)  # a slow peer: stops stepping (and writing) for longer than the deadline
+        req = await complete(d, "stalled", chat_ids[4], greedy(max_tokens=4))
+        await both_at_rest(views, "pools at rest after the timeout")
+        after = await complete(d, "after", chat_ids[1], greedy(max_tokens=MAX_NEW))
+        return req, after
+
+    req, after = serve(views, scenario, max_transfer_retries=0)  # no retry: the timeout reaches the client
+    assert req.finish_reason == "abort" and "timeout" in req.error
     assert after.token_ids == hf_outputs[1]
 
 
-def test_200_random_requests_with_aborts_leak_nothing(make_pair):
+def test_a_landing_that_never_comes_times_out_while_the_holder_finishes(make_views, chat_ids, hf_outputs):
+    """The decode worker's host tier holds one prompt: while the first request holds it (its
+    prefill worker stalled), the second waits for a landing and fails after `landing_timeout_s`,
+    as under `tandem serve`; the first then completes."""
+    page = 16
+    first, second = chat_ids[4], chat_ids[1]
+    assert len(second) <= len(first)
+    views = make_views(page_size=page, host_pages=1 + -(-len(first) // page))  # +1: page 0 is the scratch page
+
+    async def scenario(d):
+        await views.stall("prefill-0", 3.0)
+        holder = asyncio.create_task(complete(d, "holder", first, greedy(max_tokens=MAX_NEW)))
+        await asyncio.sleep(0.3)  # its landing is reserved first
+        started = time.monotonic()
+        waiter = await complete(d, "waiter", second, greedy(max_tokens=MAX_NEW))
+        waited_s = time.monotonic() - started
+        holder = await holder
+        await both_at_rest(views)
+        return holder, waiter, waited_s
+
+    holder, waiter, waited_s = serve(views, scenario, landing_timeout_s=1.0, reserve_retry_s=0.05)
+    assert waiter.finish_reason == "abort" and "room to land" in waiter.error and 1.0 <= waited_s < 3.0
+    assert holder.token_ids == hf_outputs[4] and not holder.error
+
+
+def test_200_random_requests_with_aborts_leak_nothing(make_views):
     rng = random.Random(11)
-    pair = make_pair(page_size=16, chunk_size=256, num_pages=1 + 4096 // 16, host_pages=1 + 2048 // 16)
+    views = make_views(page_size=16, chunk_size=256, num_pages=1 + 4096 // 16, host_pages=1 + 2048 // 16)
     vocab = smollm2()[0].arch.vocab_size
-    submitted = []
-    for i in range(200):
-        prompt = [rng.randrange(10, vocab) for _ in range(rng.randrange(4, 48))]
-        submitted.append(pair.submit(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True)))
-        if rng.random() < 0.3:
-            pair.pump(0.0)
-        live = [r for r in submitted if not r.done]
-        if live and rng.random() < 0.2:
-            pair.abort(rng.choice(live).request_id)
-    deadline = time.monotonic() + 300
-    while pair.busy() and time.monotonic() < deadline:
-        pair.pump(0.05)
-    assert not pair.busy()
-    assert sum(r.finish_reason == "abort" for r in submitted) >= 20
-    assert all(len(r.token_ids) == r.params.max_tokens for r in submitted if r.finish_reason != "abort")
-    assert not any(r.failure for r in submitted), [r.error for r in submitted if r.failure][:3]
-    for role in ("prefill", "decode"):
-        wait_for(pair, role, at_rest, 30, "no page leaked")
+
+    async def scenario(d):
+        tasks, params, aborted = {}, {}, set()
+        for i in range(200):
+            prompt = [rng.randrange(10, vocab) for _ in range(rng.randrange(4, 48))]
+            params[f"r{i}"] = SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True)
+            tasks[f"r{i}"] = asyncio.create_task(complete(d, f"r{i}", prompt, params[f"r{i}"]))
+            if rng.random() < 0.3:
+                await asyncio.sleep(0)
+            live = [rid for rid, t in tasks.items() if not t.done()]
+            if live and rng.random() < 0.2:
+                rid = rng.choice(live)
+                aborted.add(rid)
+                await d.abort(rid)
+        done = {rid: await asyncio.wait_for(t, 300) for rid, t in tasks.items()}
+        await both_at_rest(views, "no page leaked")
+        return done, params, aborted
+
+    done, params, aborted = serve(views, scenario)
+    assert len(aborted) >= 20
+    served = [r for rid, r in done.items() if rid not in aborted]
+    assert not any(r.error for r in served), [r.error for r in served if r.error][:3]
+    assert all(len(r.token_ids) == params[r.request_id].max_tokens for r in served)
 
 
 def test_cli_disaggregated_json_equals_colocated(capsys):
@@ -159,15 +234,21 @@ def test_cli_disaggregated_json_equals_colocated(capsys):
     assert len(colocated) == 2 and disaggregated == colocated
 
 
-def test_decode_kv_is_byte_identical_to_prefill_kv_over_mooncake(make_pair):
-    pair = make_pair(page_size=16, chunk_size=64)
+def test_decode_kv_is_byte_identical_to_prefill_kv_over_mooncake(make_views):
+    views = make_views(page_size=16, chunk_size=64)
     prompt = long_prompt(150)
-    [res] = pair.generate([prompt], greedy(max_tokens=4))
-    assert not res.error
     full_pages = len(prompt) // 16
     assert full_pages >= 8
-    prefill, decode = pair.kv_digest("prefill", prompt, full_pages), pair.kv_digest("decode", prompt, full_pages)
+
+    async def scenario(d):
+        res = await complete(d, "kv", prompt, greedy(max_tokens=4))
+        assert not res.error
+        prefill = await views.link("prefill-0").kv_digest(prompt, full_pages)
+        decode = await views.link("decode-0").kv_digest(prompt, full_pages)
+        other = await views.link("prefill-0").kv_digest(long_prompt(150)[:16] + [7] * 16 * (full_pages - 1), full_pages)
+        return prefill, decode, other
+
+    prefill, decode, other = serve(views, scenario)
     assert prefill.num_pages == decode.num_pages == full_pages
     assert prefill.sha256 and prefill.sha256 == decode.sha256
-    other = pair.kv_digest("prefill", long_prompt(150)[:16] + [7] * 16 * (full_pages - 1), full_pages)
     assert other.sha256 == ""  # a prefix nobody computed is not found: the digest is not vacuous

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
 from cluster.config import SamplingParams
 
@@ -237,3 +238,41 @@ class KVDigest:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+class Worker(Protocol):
+    """What a worker host (`cluster/worker_host/loop.py`) knows of the worker it runs, whatever its role.
+
+    `handle` answers a driver message at once (Reserved, a rejection) and may queue work; `step`
+    does one unit of that work and returns what it produced (TokenOutput, KVProgress, KVComplete,
+    TransferAborted, AbortTransfer). Neither blocks on a peer.
+    """
+
+    role: WorkerRole
+
+    def handle(self, msg) -> list:
+        """Apply one driver message; its immediate replies. ValueError-type rejections are replies, not raises."""
+
+    def fail(self, msg, error: str) -> list:
+        """`handle(msg)` raised: end the request `msg` is about (release what it holds); its replies."""
+
+    def step(self) -> list:
+        """One scheduler step (and the transfers' housekeeping); the messages it produced."""
+
+    def busy(self) -> bool:
+        """Whether `step` has anything to do (requests, transfers or loads in flight, messages to hand over)."""
+
+    def has_compute(self) -> bool:
+        """Whether `step` would run a forward pass (else it only polls transfers and loads)."""
+
+    def stats(self) -> WorkerStats:
+        """The heartbeat's view; runs the integrity check (a failure is reported in `error`)."""
+
+    def max_request_tokens(self) -> int:
+        """Tokens one request may hold here (context, device pool, landing)."""
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError when the worker's KV pools are inconsistent."""
+
+    def close(self) -> None:
+        """Release the transport registrations (after the loop stopped)."""

@@ -1,238 +1,130 @@
-"""Decode worker (disaggregated mode): landings in the host tier, loads to device, then decode.
+"""The workers that speak for clients, behind the worker contract (`cluster.protocol.Worker`).
 
-Per inbound request (DESIGN §2 steps 3-6):
+    ColocatedWorker  the engine alone (NullConnector): `Generate` (prefill and decode here), `Abort`
+    DecodeWorker     the engine with a `KVReceiver`: also `Reserve` a landing, then `KVProgress` /
+                     `KVComplete` / `TransferAborted` from its prefill worker (relayed by the dispatcher);
+                     without inbound traffic it prefills locally, as a colocated worker does
 
-    reserve() -> LANDING --KVComplete--> LOAD_PENDING --device pages--> LOADING --event--> batch
-                    |  deadline / abort: send AbortTransfer, end the request now
-                    v
-                 ABANDONING --TransferAborted or peer dead--> landing released
-
-Landing pages stay IN_FLIGHT (a remote writer may still write them) until the prefill worker
-reports the transfer ended or is declared dead; only then do they go through the release path.
-Without inbound traffic it is the colocated engine: it prefills locally when asked to.
+Their step's outputs become `TokenOutput`s for the dispatcher.
 """
 
 from __future__ import annotations
 
-import contextlib
-import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from cluster.config import SamplingParams
-from cluster.protocol import AbortTransfer, KVComplete, KVProgress, Landing, TransferAborted
-from decode_worker.engine import ColocatedEngine, StepOutput
-from kv_store.host_tier import HostTier, Residency, move_residency
-from kv_store.req_kv import ReleaseReason, ReqKV
-from kv_store.tier_loader import HostToDeviceLoader, LoadHandle
+from cluster import protocol as p
+from cluster.faults import FAILURE_INTERNAL
+from cluster.protocol import WorkerRole
+from decode_worker.receiver import InboundPhase, KVReceiver
 from kv_store.transfer.base import Transport
-from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
-from prefill_worker.request import FinishReason, Request
+from kv_store.transfer.session import TransferDeadlines
+from prefill_worker.engine.core import EngineCore, StepOutput
+
+__all__ = ["ColocatedWorker", "DecodeWorker", "InboundPhase"]
 
 
-class InboundPhase(enum.Enum):
-    LANDING = "landing"  # the prefill worker may be writing the landing
-    ABANDONING = "abandoning"  # we gave up; waiting until no write can arrive
-    LOAD_PENDING = "load_pending"  # KV complete on the host; waiting for device pages
-    LOADING = "loading"  # host -> device copy in flight
+def token_output(out: StepOutput) -> p.TokenOutput:
+    reason = out.finish_reason.value if out.finish_reason is not None else None
+    failure = out.failure or ("transfer" if out.error else "")
+    return p.TokenOutput(out.request_id, tuple(out.new_token_ids), reason, out.error, out.cached_tokens,
+                         out.timings, time.time(), failure)
 
 
-@dataclass(eq=False)
-class _Inbound:
-    request: Request
-    landing: Landing
-    peer: str
-    session: TransferSession
-    phase: InboundPhase = InboundPhase.LANDING
-    residency: Residency = Residency.HOST
-    host_kv: ReqKV | None = None  # set once the landing is back in our hands
-    device_kv: ReqKV | None = None
-    load: LoadHandle | None = None
-    abort_requested: bool = False  # a load cannot be cancelled: the request ends when it lands
+class ColocatedWorker:
+    """Not thread-safe: one loop calls `handle` and `step`."""
+
+    role = WorkerRole.COLOCATED
+
+    def __init__(self, engine: EngineCore):
+        self.engine = engine
+
+    # ---- the worker contract -----------------------------------------------------------------------
+    def handle(self, msg) -> list:
+        if isinstance(msg, p.Generate):
+            try:
+                self.engine.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id)
+            except ValueError as exc:
+                return [p.TokenOutput(msg.request_id, (), "abort", str(exc), failure="rejected")]
+        elif isinstance(msg, p.Abort):
+            self.abort(msg.request_id)
+        elif not isinstance(msg, p.PeerDead):  # no peers: nothing to do
+            raise TypeError(f"a {self.role.value} worker cannot handle {type(msg).__name__}")
+        return []
+
+    def fail(self, msg, error: str) -> list:
+        """A fault while handling `msg` (about one request): release what it holds, tell its client."""
+        self.abort(msg.request_id)
+        return [p.TokenOutput(msg.request_id, (), "abort", error, failure=FAILURE_INTERNAL)]
+
+    def step(self) -> list:
+        return [token_output(out) for out in self.engine.step()]
+
+    def busy(self) -> bool:
+        return self.engine.busy()
+
+    def has_compute(self) -> bool:
+        return self.engine.scheduler.has_work()
+
+    def stats(self) -> p.WorkerStats:
+        return self.engine.stats(self.role.value)
+
+    def max_request_tokens(self) -> int:
+        return self.engine.max_request_tokens()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
 
 
-class DecodeWorker(ColocatedEngine):
-    """Not thread-safe: one loop calls `reserve`, `on_message`, `abort`, `step`; messages for
-    prefill workers accumulate in `outbox` as (peer, message)."""
+class DecodeWorker(ColocatedWorker):
+    role = WorkerRole.DECODE
 
     def __init__(self, config, model, arch, transport: Transport, host_pages: int, tokenizer=None,
                  eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
                  clock: Callable[[], float] = time.monotonic):
-        super().__init__(config, model, arch, tokenizer, eos_token_ids)
-        self.transport, self.deadlines, self.clock = transport, deadlines, clock
-        self.host = HostTier(self.kv_cache, host_pages)
-        self.loader = HostToDeviceLoader(self.host, self.device_pool)
-        self._regions = contextlib.ExitStack()
-        for t in (*self.host.kv.k, *self.host.kv.v):
-            self._regions.enter_context(transport.register_tensor(t))
-        self.inbound: dict[str, _Inbound] = {}
-        self.outbox: list[tuple[str, AbortTransfer]] = []
-        self._pending_outputs: list[StepOutput] = []
+        self.receiver = KVReceiver(transport, host_pages, deadlines, clock)
+        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.receiver))
 
-    # ---- inputs ------------------------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, peer: str) -> Landing | None:
-        """Reserve host pages for the prompt's KV; None when the host tier is full (try later).
-        Raises ValueError for a request that can never fit, like `add_request`."""
-        if request_id in self.requests or request_id in self.inbound:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        req = self._validated_request(prompt_token_ids, params, request_id)
-        landing = self.host.reserve(request_id, len(prompt_token_ids), self.transport.session_id,
-                                    self.deadlines.waiting_s + self.deadlines.transferring_s)
-        if landing is None:
-            return None
-        session = TransferSession(request_id, self.deadlines, self.clock())
-        session.advance(TransferState.WAITING, self.clock())
-        req.timings["reserved"] = self.clock()
-        self.inbound[request_id] = _Inbound(req, landing, peer, session)
-        return landing
+    def handle(self, msg) -> list:
+        if isinstance(msg, p.Reserve):
+            try:
+                landing = self.receiver.reserve(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.peer)
+            except ValueError as exc:
+                return [p.Reserved(msg.request_id, None, str(exc))]
+            return [p.Reserved(msg.request_id, landing, "")]
+        if isinstance(msg, (p.KVProgress, p.KVComplete, p.TransferAborted)):
+            self.receiver.on_message(msg)
+            return []
+        if isinstance(msg, p.PeerDead):
+            self.receiver.peer_dead(msg.peer)
+            return []
+        return super().handle(msg)
 
-    def on_message(self, msg: KVProgress | KVComplete | TransferAborted) -> None:
-        ib = self.inbound.get(msg.request_id)
-        if ib is None:
-            return  # a late message for a request already ended
-        if isinstance(msg, KVProgress):
-            self._kv_progress(ib)
-        elif isinstance(msg, KVComplete):
-            self._kv_complete(ib, msg.first_token, msg.cached_tokens, dict(msg.timings))
-        elif isinstance(msg, TransferAborted):
-            self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}")
-        else:
-            raise TypeError(f"decode worker cannot handle {type(msg).__name__}")
+    def fail(self, msg, error: str) -> list:
+        replies = super().fail(msg, error)
+        if isinstance(msg, p.Reserve):  # the dispatcher also waits for the answer to a reservation
+            replies.append(p.Reserved(msg.request_id, None, error))
+        return replies
 
-    def peer_dead(self, peer: str) -> None:
-        """Nothing more can arrive from `peer`: its landings are ours again."""
-        for ib in list(self.inbound.values()):
-            if ib.peer == peer and ib.phase in (InboundPhase.LANDING, InboundPhase.ABANDONING):
-                self._landing_free(ib, FailureReason.PEER_DEAD, f"prefill worker {peer} stopped responding")
+    def step(self) -> list:
+        out = super().step()
+        out += [msg for _, msg in self.receiver.outbox]  # the dispatcher knows each transfer's peer
+        self.receiver.outbox.clear()
+        return out
+
+    def stats(self) -> p.WorkerStats:
+        return self.engine.stats(self.role.value, self.receiver.host.pool, len(self.receiver.inbound))
+
+    def max_request_tokens(self) -> int:
+        """The context limit, the device pool, and the host tier its prompt lands in."""
+        host = self.receiver.host.pool
+        return min(self.engine.max_request_tokens(), host.num_usable * host.page_size)
 
     def abort(self, request_id: str) -> bool:
-        ib = self.inbound.get(request_id)
-        if ib is None:
-            return super().abort(request_id)
-        if ib.phase is InboundPhase.LANDING:
-            self._give_up(ib, FailureReason.ABORTED, "aborted by the client")
-        elif ib.phase is InboundPhase.LOAD_PENDING:
-            self._end_inbound(ib, FinishReason.ABORT)
-        elif ib.phase is InboundPhase.LOADING:
-            ib.abort_requested = True
-        return True
-
-    def has_unfinished(self) -> bool:
-        return bool(self.inbound) or bool(self._pending_outputs) or super().has_unfinished()
-
-    # ---- the loop ----------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
-        now = self.clock()
-        for ib in list(self.inbound.values()):
-            if ib.phase is InboundPhase.LANDING and ib.session.check_deadline(now):
-                self._give_up(ib, FailureReason.TIMEOUT, ib.session.failure_detail)
-        for ib in [ib for ib in self.inbound.values() if ib.phase is InboundPhase.LOAD_PENDING]:
-            self._start_load(ib)
-        for handle in self.loader.poll_completed():
-            self._join_batch(self.inbound[handle.request_id])
-        outputs, self._pending_outputs = self._pending_outputs, []
-        if self.scheduler.has_work():
-            outputs += super().step()
-        else:
-            self._after_step()
-        return outputs
-
-    def close(self) -> None:
-        self._regions.close()
-
-    def check_integrity(self) -> None:
-        super().check_integrity()
-        self.host.check_integrity()
-
-    # ---- hooks -------------------------------------------------------------------------------------
-    def _loads_in_flight(self) -> frozenset:
-        return self.loader.handles()
-
-    def _after_step(self) -> None:
-        super()._after_step()
-        if self.debug_kv or not self.has_unfinished():
-            self.host.check_integrity()
-
-    # ---- inbound transitions -----------------------------------------------------------------------
-    def _kv_progress(self, ib: _Inbound) -> None:
-        if ib.phase is not InboundPhase.LANDING:
-            return
-        if ib.session.state is TransferState.WAITING:
-            ib.session.advance(TransferState.TRANSFERRING, self.clock())
-        else:
-            ib.session.progress(self.clock())
-
-    def _kv_complete(self, ib: _Inbound, first_token: int, msg_cached: int, timings: dict) -> None:
-        if ib.phase is not InboundPhase.LANDING:
-            self._landing_free(ib, ib.session.failure or FailureReason.ABORTED, ib.session.failure_detail)
-            return
-        if ib.session.state is TransferState.WAITING:
-            ib.session.advance(TransferState.TRANSFERRING, self.clock())
-        ib.session.advance(TransferState.DONE, self.clock())
-        ib.host_kv = self.host.landed(ib.request.request_id)
-        req = ib.request
-        req.cached_tokens = msg_cached
-        req.timings.update(timings)
-        req.timings["kv_complete_received"] = self.clock()
-        req.output_token_ids.append(first_token)
-        reason = self._stop_reason(req, first_token)
-        ib.phase = InboundPhase.LOAD_PENDING
-        if reason is not None:
-            self._end_inbound(ib, reason)
-        else:
-            self._pending_outputs.append(StepOutput(req.request_id, [first_token], None))
-
-    def _start_load(self, ib: _Inbound) -> None:
-        req = ib.request
-        kv = self.kvm.open(req.request_id)
-        if not self.kvm.try_allocate(kv, len(req.prompt_token_ids)):
-            self.kvm.release(kv, ReleaseReason.ABORTED, [], cache=False)  # no room yet: retry next step
-            return
-        ib.device_kv, ib.phase = kv, InboundPhase.LOADING
-        ib.residency = move_residency(ib.residency, Residency.LOADING, req.request_id)
-        req.timings["load_start"] = self.clock()
-        ib.load = self.loader.start(req.request_id, list(ib.host_kv.pages), list(kv.pages))
-
-    def _join_batch(self, ib: _Inbound) -> None:
-        req = ib.request
-        req.timings["load_done"] = self.clock()
-        ib.residency = move_residency(ib.residency, Residency.BOTH, req.request_id)
-        self.kvm.commit(ib.device_kv, len(req.prompt_token_ids))
-        self.host.release(ib.host_kv, ReleaseReason.FINISHED)
-        ib.residency = move_residency(ib.residency, Residency.DEVICE, req.request_id)
-        del self.inbound[req.request_id]
-        self.requests[req.request_id] = req
-        self.scheduler.admit_loaded(req, ib.device_kv)
-        if ib.abort_requested:
-            self.abort(req.request_id)
-
-    def _give_up(self, ib: _Inbound, reason: FailureReason, detail: str) -> None:
-        """Stop waiting for the transfer: tell the peer, end the request now; the landing stays
-        IN_FLIGHT until the peer confirms or is declared dead."""
-        ib.session.fail(reason, detail)
-        ib.phase = InboundPhase.ABANDONING
-        self.outbox.append((ib.peer, AbortTransfer(ib.request.request_id, detail or reason.value)))
-        self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}")
-
-    def _landing_free(self, ib: _Inbound, reason: FailureReason, detail: str) -> None:
-        """No write to the landing is outstanding any more: release it; end the request if still open."""
-        if ib.phase is InboundPhase.LANDING:
-            ib.session.fail(reason, detail)
-            self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}")
-        self.host.release(self.host.abandon(ib.request.request_id), ReleaseReason.TRANSFER_FAILED)
-        del self.inbound[ib.request.request_id]
-
-    def _end_inbound(self, ib: _Inbound, reason: FinishReason) -> None:
-        """End a request whose KV is on the host only (first token finished it, or aborted)."""
-        self.host.release(ib.host_kv, ReleaseReason.FINISHED if reason is not FinishReason.ABORT
-                          else ReleaseReason.ABORTED)
-        del self.inbound[ib.request.request_id]
-        self._report(ib.request, reason, "")
-
-    def _report(self, req: Request, reason: FinishReason, error: str) -> None:
-        """End a request that never joined the batch. Its only token (if any) is the first one."""
-        req.error = error
-        req.finish(reason)
-        tokens = list(req.output_token_ids) if not error else []
-        self._pending_outputs.append(self._output(req, tokens, reason, error))
+        return self.receiver.abort(request_id) or self.engine.abort(request_id)

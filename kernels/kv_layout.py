@@ -11,6 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.protocol import KVLayout
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Config dtype name -> torch dtype."""
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+def kv_layout(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> KVLayout:
+    """The layout a pool of this shape would have (sizes a pool before allocating it)."""
+    return KVLayout(num_layers=num_layers, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    dtype=dtype, element_bytes=TORCH_DTYPES[dtype].itemsize)
+
 
 @dataclass(frozen=True)
 class KVCacheTensors:
@@ -64,7 +76,7 @@ class KVCacheTensors:
         return self.k[0].shape[1]
 
     @property
-    def bytes_per_page(self) -> int:
-        """Bytes one page occupies across all layers, K and V together."""
-        page = self.k[0][0]
-        return 2 * self.num_layers * page.numel() * page.element_size()
+    def layout(self) -> KVLayout:
+        """The wire description of these tensors (`KVLayout.page_bytes` is the one bytes-per-page formula)."""
+        page = self.k[0]
+        return kv_layout(self.num_layers, page.shape[1], page.shape[2], page.shape[3], DTYPE_NAMES[page.dtype])

@@ -2,24 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
-from cluster.protocol import KVLayout
 from kernels.kv_layout import KVCacheTensors
 from kv_store.page_pool import PagePool
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def kv_layout_of(kv: KVCacheTensors) -> KVLayout:
-    page = kv.k[0]
-    return KVLayout(num_layers=kv.num_layers, page_size=page.shape[1], num_kv_heads=page.shape[2],
-                    head_dim=page.shape[3], dtype=_DTYPE_NAMES[page.dtype], element_bytes=page.element_size())
-
-
-def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one page takes across all layers, K and V (sizes a pool before allocating it)."""
-    return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 class DevicePool:
@@ -32,7 +16,7 @@ class DevicePool:
 
     def __init__(self, kv: KVCacheTensors):
         self.kv = kv
-        self.layout = kv_layout_of(kv)
+        self.layout = kv.layout
         self.pages = PagePool(kv.num_pages, kv.page_size)
         self.relocation_version = 0
 

@@ -23,7 +23,6 @@ import torch
 
 from cluster.protocol import KVLayout, Landing
 from kernels.kv_layout import KVCacheTensors
-from kv_store.device_pool import kv_layout_of
 from kv_store.page_pool import KVOwnershipError, PagePool
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
@@ -73,7 +72,7 @@ class HostTier:
                                           page.dtype, "cpu")
         if pin:
             self.kv = KVCacheTensors([t.pin_memory() for t in self.kv.k], [t.pin_memory() for t in self.kv.v])
-        self.layout: KVLayout = kv_layout_of(self.kv)
+        self.layout: KVLayout = self.kv.layout
         pool = PagePool(num_pages, like.page_size)
         self.kvm = KVManager(pool, RadixPrefixCache(pool) if enable_prefix_cache else NullPrefixCache(pool))
 

@@ -1,4 +1,4 @@
-"""A `router.backend.Backend` over a real `ColocatedEngine`, for gateway tests.
+"""A `router.backend.Backend` over a real `EngineCore`, for gateway tests.
 
 The engine is not thread-safe, so one background thread owns it: it runs commands (add, abort, any
 test probe) between steps and steps while requests are unfinished. Each request's outputs go to an
@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cluster.config import SamplingParams
-from prefill_worker.engine_core import StepOutput
+from prefill_worker.engine.core import StepOutput
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 
 WORKER_ID = "engine-0"
@@ -108,7 +108,7 @@ class EngineBackend:
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Until no request is in the engine (aborts and finishes have been applied)."""
         deadline = time.monotonic() + timeout_s
-        while self.on_engine(lambda e: e.has_unfinished() or bool(e.requests)):
+        while self.on_engine(lambda e: e.busy() or bool(e.requests)):
             assert time.monotonic() < deadline, "the engine did not go idle"
             time.sleep(IDLE_WAIT_S)
 
@@ -129,8 +129,8 @@ class EngineBackend:
 
     def _loop(self) -> None:
         while not self._stopped:
-            self._run_commands(block=not self.engine.has_unfinished())
-            if self.engine.has_unfinished():
+            self._run_commands(block=not self.engine.busy())
+            if self.engine.busy():
                 for out in self.engine.step():
                     self._deliver(out)
                 if self.step_delay_s:

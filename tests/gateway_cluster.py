@@ -32,7 +32,7 @@ from router.dispatcher import Dispatcher
 from router.gateway import GatewayServer, build_app
 from cluster.protocol import WorkerRole
 from router.workers import WorkerInfo
-from tests.helpers import TINY_EOS
+from tests.helpers import TINY_EOS, why_not_at_rest
 
 TINY_MODEL = "tiny-bytes"
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -110,17 +110,7 @@ class GatewayStack:
 
     def workers_busy(self) -> dict[str, str]:
         """What each worker still holds, for workers that hold anything (empty: all at rest)."""
-        busy = {}
-        for wid, host in self.hosts.items():
-            w = host.worker
-            usage = w.device_pool.pages.usage()
-            transfers = list(getattr(w, "shipments", {})) + list(getattr(w, "inbound", {}))
-            tier = getattr(w, "host", None)
-            tier_held = tier is not None and tier.pool.usage().free != tier.pool.usage().total
-            if w.has_unfinished() or usage.private or usage.in_flight or w.kvm.live or transfers or tier_held:
-                busy[wid] = (f"running {len(w.scheduler.running)}, waiting {len(w.scheduler.waiting)}, "
-                             f"pages {usage}, live {list(w.kvm.live)}, transfers {transfers}, host tier held {tier_held}")
-        return busy
+        return {wid: why for wid, host in self.hosts.items() if (why := why_not_at_rest(host.worker))}
 
     def assert_at_rest(self, timeout_s: float = REST_TIMEOUT_S) -> None:
         """Every worker alive, idle, holding no PRIVATE/IN_FLIGHT page, its pools and tree intact; the
@@ -133,7 +123,7 @@ class GatewayStack:
             assert not host.crashed, f"{wid} crashed:\n{host.crashed}"
             assert host._thread.is_alive(), f"{wid}: its loop is not running"
             host.worker.check_integrity()
-            cache = host.worker.kvm.prefix_cache
+            cache = host.worker.engine.kvm.prefix_cache
             assert cache.evictable_pages() == cache.cached_pages(), f"{wid}: a tree node is still locked"
         while any(h.conn.stats is None or h.conn.stats.num_running or h.conn.stats.num_waiting
                   for h in self.hosts.values()):

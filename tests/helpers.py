@@ -8,7 +8,7 @@ import random
 import torch
 
 from cluster.config import EngineConfig, SamplingParams
-from decode_worker.engine import ColocatedEngine
+from prefill_worker.engine import EngineCore, load_engine
 from kernels.model.arch import LlamaArch
 from kernels.model.tiny import make_tiny_llama
 
@@ -22,10 +22,10 @@ def tiny_models(seed: int = 0):
     return ours, ref, LlamaArch.from_hf_config(ref.config)
 
 
-def make_engine(page_size=4, num_pages=256, chunk_size=64, eos=(), **kw) -> ColocatedEngine:
+def make_engine(page_size=4, num_pages=256, chunk_size=64, eos=(), **kw) -> EngineCore:
     ours, _, arch = tiny_models()
     config = EngineConfig(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size, debug_kv=True, **kw)
-    return ColocatedEngine(config, ours, arch, eos_token_ids=eos)
+    return EngineCore(config, ours, arch, eos_token_ids=eos)
 
 
 def make_prompts(n: int, min_len=4, max_len=60, seed=0, vocab=256) -> list[list[int]]:
@@ -42,7 +42,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) 
     return out[0, len(prompt):].tolist()
 
 
-def assert_pool_at_rest(engine: ColocatedEngine) -> None:
+def assert_pool_at_rest(engine: EngineCore) -> None:
     """Every page FREE or CACHED with no lock, and evicting the tree returns the pool to full."""
     engine.check_integrity()
     usage = engine.kvm.pool.usage()
@@ -53,6 +53,19 @@ def assert_pool_at_rest(engine: ColocatedEngine) -> None:
     cache.evict(usage.total)
     assert engine.kvm.pool.num_free == usage.total, "evicting the whole tree did not return the pool to full"
     engine.check_integrity()
+
+
+def why_not_at_rest(worker) -> str:
+    """"" when a worker of any role (the worker contract) holds nothing for any request, else what it
+    still holds: work, transfers, PRIVATE or IN_FLIGHT device pages, host-tier pages, a failed check."""
+    stats, live = worker.stats(), list(worker.engine.kvm.live)
+    if worker.busy() or stats.num_running or stats.num_waiting or stats.num_transfers:
+        return f"unfinished work: {stats}"
+    if stats.device.private or stats.device.in_flight or live:
+        return f"device pages still owned: {stats.device}, requests {live}"
+    if stats.host is not None and stats.host.free != stats.host.total:
+        return f"host-tier pages still held: {stats.host}"
+    return stats.integrity_error
 
 
 greedy = functools.partial(SamplingParams, temperature=0.0)
@@ -70,10 +83,10 @@ def smollm2():
     return loaded, reference
 
 
-def make_smollm2_engine(**kw) -> ColocatedEngine:
+def make_smollm2_engine(**kw) -> EngineCore:
     loaded, _ = smollm2()
     config = EngineConfig(debug_kv=True, **{"num_pages": 1024, **kw})
-    return ColocatedEngine(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids)
+    return EngineCore(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids)
 
 
 CHAT_PROMPTS = [

@@ -84,11 +84,11 @@ def load_hf_model(model_dir, dtype: torch.dtype):
 def bench_offline(args: argparse.Namespace) -> int:
     from cluster.cli.args import engine_config_from_args
     from cluster.config import SamplingParams
-    from decode_worker.engine import ColocatedEngine
+    from prefill_worker.engine import EngineCore, load_engine
     from kernels.model.loader import resolve_model_dir
 
     config = engine_config_from_args(args, max_running_requests=args.max_batch_size)
-    engine = ColocatedEngine.from_config(config)
+    engine = load_engine(config)
     work = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
                          engine.arch.vocab_size, args.seed)
     log.info("workload: %d requests, %d prompt tokens, %d output tokens, max batch %d", len(work.prompts),

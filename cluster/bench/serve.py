@@ -1,6 +1,6 @@
 """`tandem bench serve`: a load test of the HTTP serving path, measured against the offline engine.
 
-    offline:  the same prompts and output lengths through `ColocatedEngine.generate` in this process,
+    offline:  the same prompts and output lengths through `EngineCore.generate` in this process,
               at most `--concurrency` running (no HTTP, no Ray, no prefill -> decode hop)
     served:   `--concurrency` streaming /v1/completions requests in flight at once against a
               `tandem serve` started here (or `--url`); TTFT, gaps between streamed text frames, e2e
@@ -222,9 +222,9 @@ def bucket_quantile(q: float, buckets: dict[float, float]) -> float | None:
 # ---- the baseline and the whole run --------------------------------------------------------------
 def run_offline(engine_config, work: Workload) -> Throughput:
     from cluster.config import SamplingParams
-    from decode_worker.engine import ColocatedEngine
+    from prefill_worker.engine import EngineCore, load_engine
 
-    engine = ColocatedEngine.from_config(engine_config)
+    engine = load_engine(engine_config)
     engine.generate([work.prompts[0][:16]], SamplingParams(max_tokens=2))  # warm up
     return dataclasses.replace(run_tandem(engine, work), system="offline")
 

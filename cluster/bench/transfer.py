@@ -110,8 +110,7 @@ def measure_through_tandem(views, length: int, vocab: int, seed: int) -> tuple[d
 def bench_transfer(args: argparse.Namespace) -> int:
     from cluster.cli.args import engine_config_from_args
     from cluster.worker_host.process import ProcessViews, pair_specs
-    from kv_store.device_pool import page_bytes
-    from prefill_worker.engine_core import TORCH_DTYPES
+    from kernels.kv_layout import kv_layout
 
     config = engine_config_from_args(args)
     from transformers import AutoConfig
@@ -121,9 +120,8 @@ def bench_transfer(args: argparse.Namespace) -> int:
 
     arch = LlamaArch.from_hf_config(AutoConfig.from_pretrained(resolve_model_dir(config.model)))
     lengths = [min(n, arch.max_position_embeddings - 2) for n in args.prompt_tokens]  # room for 2 tokens
-    dtype = TORCH_DTYPES[config.dtype]
-    per_page = page_bytes(arch.num_layers, config.page_size, arch.num_kv_heads, arch.head_dim, dtype)
-    tensor_page = per_page // (2 * arch.num_layers)
+    layout = kv_layout(arch.num_layers, config.page_size, arch.num_kv_heads, arch.head_dim, config.dtype)
+    per_page, tensor_page = layout.page_bytes, layout.page_bytes_per_tensor
     max_pages = -(-max(lengths) // config.page_size)
     rows = []
     with ProcessViews(pair_specs(config, host_pages=max_pages * 2 + 8)) as views:

@@ -101,10 +101,10 @@ def _progress(total: int):
 
 
 def _run_colocated(args, config, prompts, params) -> list[RunResult]:
-    from decode_worker.engine import ColocatedEngine
+    from prefill_worker.engine import EngineCore, load_engine
 
     t0 = time.perf_counter()
-    engine = ColocatedEngine.from_config(config)
+    engine = load_engine(config)
     log.info("loaded %s in %.2fs (%d KV pages of %d tokens)", config.model, time.perf_counter() - t0,
              engine.config.num_pages, engine.config.page_size)
     token_ids = [tokenize_prompt(engine.tokenizer, p, args.raw) for p in prompts]
@@ -141,8 +141,8 @@ def _run_disaggregated(args, config, prompts, params) -> list[RunResult]:
 
 
 def _text(tokenizer, token_ids: list[int], stop: tuple[str, ...]) -> str:
-    """Output text, cut before the first stop string (the engine's stop rule, `prefill_worker.stop`)."""
-    from prefill_worker.stop import cut_at_stop, decode
+    """Output text, cut before the first stop string (the engine's stop rule, `prefill_worker.engine.stop`)."""
+    from prefill_worker.engine.stop import cut_at_stop, decode
 
     return cut_at_stop(decode(tokenizer, token_ids), stop)
 

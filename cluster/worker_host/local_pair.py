@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from cluster.config import SamplingParams
 from decode_worker.worker import DecodeWorker
-from prefill_worker.engine_core import StepOutput
-from prefill_worker.request import FinishReason
+from prefill_worker.engine.core import StepOutput
+from prefill_worker.engine.request import FinishReason
 from prefill_worker.worker import PrefillWorker
 
 

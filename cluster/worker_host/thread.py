@@ -113,13 +113,8 @@ class WorkerHost:
 
     @property
     def max_request_tokens(self) -> int:
-        """Tokens one request may hold here: the context limit, the device pool, and for a decode
-        worker the host tier its prompt lands in."""
-        limit = self.worker.scheduler.max_request_tokens()
-        host = getattr(self.worker, "host", None)
-        if host is not None and self.spec.role == "decode":
-            limit = min(limit, host.pool.num_usable * host.pool.page_size)
-        return limit
+        """Tokens one request may hold here (the worker's context, pool and landing limits)."""
+        return self.worker.max_request_tokens()
 
     def deliver(self, msgs: list) -> None:
         self.conn.deliver(msgs)

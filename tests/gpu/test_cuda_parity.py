@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from decode_worker.engine import ColocatedEngine
+from prefill_worker.engine import EngineCore, load_engine
 from kernels.model.loader import load_model
 from kernels.model.tokenizer import apply_chat_template
 from tests.helpers import CHAT_PROMPTS, assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
@@ -20,7 +20,7 @@ BF16_LOGIT_ATOL = 0.25  # bf16 weights + activations over 30 layers; fp32 runs a
 
 def _engine(model, arch, tokenizer=None, eos=(), **kw):
     config = EngineConfig(device="cuda", num_pages=1024, debug_kv=True, **kw)
-    return ColocatedEngine(config, model, arch, tokenizer, eos)
+    return EngineCore(config, model, arch, tokenizer, eos)
 
 
 def test_tiny_greedy_on_cuda_matches_hf():
@@ -49,14 +49,14 @@ def test_smollm2_fp32_greedy_on_cuda_matches_hf(page_size):
 
 def test_smollm2_bf16_logits_close_to_fp32():
     from kv_store.req_kv import ReleaseReason
-    from prefill_worker.runner import ForwardRow
+    from prefill_worker.engine.runner import ForwardRow
 
     fp32 = load_model("smollm2", device="cuda")
     bf16 = load_model("smollm2", device="cuda", dtype=torch.bfloat16)
     ids = apply_chat_template(fp32.tokenizer, CHAT_PROMPTS[4])
     logits = []
     for loaded, dtype in ((fp32, "float32"), (bf16, "bfloat16")):
-        engine = ColocatedEngine(EngineConfig(device="cuda", dtype=dtype, num_pages=256), loaded.model, loaded.arch)
+        engine = EngineCore(EngineConfig(device="cuda", dtype=dtype, num_pages=256), loaded.model, loaded.arch)
         kv = engine.kvm.open("probe")
         assert engine.kvm.try_allocate(kv, len(ids))
         logits.append(engine.runner.forward([ForwardRow(ids, len(ids), list(kv.pages), True)])[0])

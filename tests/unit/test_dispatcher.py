@@ -30,7 +30,8 @@ from router.admission import AdmissionParams
 from router.backend import BackendError, ErrorKind
 from router.dispatcher import Dispatcher, Phase, WorkerInfo
 from cluster.protocol import WorkerRole
-from tests.helpers import CHAT_PROMPTS, greedy, make_smollm2_engine
+from tests.debug_worker import Stall, build_debug_worker
+from tests.helpers import CHAT_PROMPTS, greedy, make_smollm2_engine, why_not_at_rest
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ SHORT_DEADLINES = TransportConfig(bootstrapping_s=30.0, waiting_s=5.0, transferr
 
 @pytest.fixture(scope="module")
 def hosts():
-    built = {"prefill-0": WorkerHost(WorkerSpec("prefill", ENGINE), "prefill-0"),
+    built = {"prefill-0": WorkerHost(WorkerSpec("prefill", ENGINE), "prefill-0", build=build_debug_worker),
              "decode-0": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=256), "decode-0"),
              # +1: the host pool's page 0 is the scratch page
              "decode-tiny": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=TINY_HOST_PAGES + 1), "decode-tiny"),
@@ -64,7 +65,7 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def tok(hosts):
-    return hosts["decode-0"].worker.tokenizer
+    return hosts["decode-0"].worker.engine.tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -207,33 +208,18 @@ async def wait_for(cond, what: str, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def _why_busy(host: WorkerHost) -> str:
-    """"" when the worker holds nothing for any request, else what it still holds."""
-    w = host.worker
-    if w.has_unfinished():
-        return f"unfinished work (running {len(w.scheduler.running)}, waiting {len(w.scheduler.waiting)}, " \
-               f"transfers {list(getattr(w, 'shipments', {})) + list(getattr(w, 'inbound', {}))})"
-    usage = w.device_pool.pages.usage()
-    if usage.private or usage.in_flight or w.kvm.live:
-        return f"device pages still owned: {usage}, requests {list(w.kvm.live)}"
-    tier = getattr(w, "host", None)
-    if tier is not None and tier.pool.usage().free != tier.pool.usage().total:
-        return f"host-tier pages still held: {tier.pool.usage()}"
-    return ""
-
-
 async def wait_at_rest(*hosts: WorkerHost, timeout_s: float = REST_TIMEOUT_S) -> None:
     """Every worker idle, no PRIVATE or IN_FLIGHT page, host tier all free, no locked tree node,
     integrity OK. Async: the dispatcher must keep relaying (a landing returns on a relayed message)."""
     deadline = time.monotonic() + timeout_s
     for host in hosts:
-        while why := _why_busy(host):
+        while why := why_not_at_rest(host.worker):
             assert time.monotonic() < deadline, f"{host.worker_id} not at rest after {timeout_s}s: {why}"
             await asyncio.sleep(0.02)
     for host in hosts:
         assert not host.crashed, host.crashed
         host.worker.check_integrity()
-        cache = host.worker.kvm.prefix_cache
+        cache = host.worker.engine.kvm.prefix_cache
         assert cache.evictable_pages() == cache.cached_pages(), f"{host.worker_id}: a tree node is still locked"
 
 
@@ -243,7 +229,7 @@ async def wait_at_rest(*hosts: WorkerHost, timeout_s: float = REST_TIMEOUT_S) ->
 def test_disaggregated_greedy_matches_colocated_engine(hosts, tok, reference):
     prompts = [chat(tok, i) for i in range(5)]
     expected = reference(prompts)
-    page_bytes = hosts["decode-0"].worker.host.layout.page_bytes
+    page_bytes = hosts["decode-0"].worker.receiver.host.layout.page_bytes
     cluster = Cluster(hosts, "prefill-0", "decode-0")
 
     async def scenario(d):
@@ -288,10 +274,10 @@ def test_abort_mid_stream_and_mid_prefill_releases_everything(hosts, tok, long_p
         # Aborted while its prompt is prefilling: the decode side gives up the landing, the
         # prefill side stops shipping, and the landing returns once the prefill side confirms.
         stream = d.generate("t2-b", long_prompt, greedy(max_tokens=LONG))
-        await wait_for(lambda: (sh := prefill.worker.shipments.get("t2-b.0")) is not None and sh.pages_sent > 0,
+        await wait_for(lambda: (sh := prefill.worker.sender.shipments.get("t2-b.0")) is not None and sh.pages_sent > 0,
                        "the prefill worker to ship its first pages")
         assert d.flights["t2-b"].phase is Phase.PREFILLING
-        assert decode.worker.host.pool.usage().in_flight == ceil_div(len(long_prompt), PAGE)  # the landing is lent
+        assert decode.worker.receiver.host.pool.usage().in_flight == ceil_div(len(long_prompt), PAGE)  # the landing is lent
         await d.abort("t2-b")
         await d.abort("t2-b")  # idempotent
         await d.abort("never-started")
@@ -310,9 +296,9 @@ def test_prefill_death_mid_transfer_reroutes_to_local_prefill(hosts, tok, refere
 
     async def scenario(d):
         task = asyncio.create_task(collect(d.generate("t3", long_prompt, greedy(max_tokens=MAX_NEW))))
-        await wait_for(lambda: (sh := prefill.worker.shipments.get("t3.0")) is not None and sh.pages_sent > 0,
+        await wait_for(lambda: (sh := prefill.worker.sender.shipments.get("t3.0")) is not None and sh.pages_sent > 0,
                        "the prefill worker to ship its first pages")
-        assert decode.worker.host.pool.usage().in_flight > 0  # the landing is being written
+        assert decode.worker.receiver.host.pool.usage().in_flight > 0  # the landing is being written
         cluster.cut("prefill-0")
         # The in-process host outlives its link; a dead process would compute nothing more.
         prefill.deliver([p.AbortTransfer("t3.0", "test: this worker is dead")])
@@ -375,7 +361,7 @@ def test_decode_death_before_the_first_token_reroutes_to_another_decode_worker(h
     cluster = Cluster(hosts, "prefill-0", "decode-0")
 
     async def scenario(d):
-        prefill.deliver([p.Stall(2.0)])  # the transfer cannot finish before decode-0 dies
+        prefill.deliver([Stall(2.0)])  # the transfer cannot finish before decode-0 dies
         task = asyncio.create_task(collect(d.generate("t4b", prompt, greedy(max_tokens=MAX_NEW))))
         await wait_for(lambda: d.flights["t4b"].phase is Phase.PREFILLING, "the landing on decode-0")
         assert d.flights["t4b"].decode.worker_id == "decode-0"
@@ -422,8 +408,8 @@ def test_controller_views_bury_and_adopt_incarnations(hosts, tok):
 
 def test_refusals_queue_full_unavailable_rejected(hosts, tok):
     prefill, decode = hosts["prefill-0"], hosts["decode-0"]
-    limit = decode.worker.scheduler.max_request_tokens()
-    vocab = decode.worker.arch.vocab_size
+    limit = decode.worker.engine.max_request_tokens()
+    vocab = decode.worker.engine.arch.vocab_size
 
     async def disaggregated(d):
         a = d.generate("t5-a", chat(tok, 0), greedy(max_tokens=2))
@@ -571,7 +557,7 @@ def test_overload_is_refused_at_arrival_and_queued_requests_keep_their_transfer_
     def num_landings() -> int:
         while True:
             try:  # the worker's thread may change the dict while we copy it
-                return sum(ib.phase is InboundPhase.LANDING for ib in list(decode.worker.inbound.values()))
+                return sum(ib.phase is InboundPhase.LANDING for ib in list(decode.worker.receiver.inbound.values()))
             except RuntimeError:
                 continue
 

@@ -3,7 +3,7 @@
 import pytest
 
 from cluster.config import ConfigError, SamplingParams
-from prefill_worker.request import FinishReason
+from prefill_worker.engine.request import FinishReason
 from tests.helpers import TINY_EOS, assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, tiny_models
 
 
@@ -57,7 +57,7 @@ def test_abort_waiting_and_running_releases_everything(prompts):
     assert engine.abort(reqs[0].request_id) and engine.abort(reqs[3].request_id)  # running, waiting
     assert not engine.abort(reqs[0].request_id)  # already ended
     assert reqs[0].finish_reason is FinishReason.ABORT and reqs[3].finish_reason is FinishReason.ABORT
-    while engine.has_unfinished():
+    while engine.busy():
         engine.step()
     assert [r.finish_reason for r in reqs[1:3]] == [FinishReason.LENGTH] * 2
     assert_pool_at_rest(engine)
@@ -114,7 +114,7 @@ def test_bad_requests_are_rejected_and_queue_nothing():
         engine.add_request([], greedy())
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         engine.add_request([5, 6], greedy(stop=("x",)))
-    assert not engine.has_unfinished()
+    assert not engine.busy()
     for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2)):
         with pytest.raises(ConfigError):
             SamplingParams(**bad)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.config import SamplingParams
-from prefill_worker.request import FinishReason
+from prefill_worker.engine.request import FinishReason
 from tests.helpers import assert_pool_at_rest, make_engine
 
 NUM_EXAMPLES = 60
@@ -53,7 +53,7 @@ def test_random_lifecycles_keep_kv_consistent(page_size, pool_tokens, chunk_size
                          max_running_requests=6, enable_prefix_cache=cache)  # debug_kv: integrity every step
     pending = sorted(enumerate(specs), key=lambda s: s[1]["arrive_at"])
     live, step = {}, 0
-    while pending or engine.has_unfinished():
+    while pending or engine.busy():
         while pending and pending[0][1]["arrive_at"] <= step:
             i, spec = pending.pop(0)
             params = SamplingParams(max_tokens=spec["max_tokens"], temperature=spec["temperature"], seed=spec["seed"])

@@ -8,18 +8,18 @@ aborted meanwhile (which drops the request's own tree lock).
 import torch
 
 from cluster.config import EngineConfig
-from cluster.worker_host.local_pair import LocalPair
 from decode_worker.worker import DecodeWorker
 from kv_store.page_pool import PageState
 from kv_store.transfer.local import LocalTransport
-from prefill_worker.request import RequestStatus
+from prefill_worker.engine.request import RequestStatus
 from prefill_worker.worker import PrefillWorker
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
+from tests.step_pair import StepPair
 
 PAGE_SIZE = 4
 
 
-def make_tight_pair(prefill_pages: int) -> LocalPair:
+def make_tight_pair(prefill_pages: int) -> StepPair:
     """A prefill worker with `prefill_pages` usable pages and 3-token chunks (so a chunk can end
     inside a page); a roomy decode worker. The clock stands still: no deadline fires."""
     ours, _, arch = tiny_models()
@@ -28,7 +28,7 @@ def make_tight_pair(prefill_pages: int) -> LocalPair:
     decode_cfg = EngineConfig(page_size=PAGE_SIZE, num_pages=128, chunk_size=16, debug_kv=True)
     prefill = PrefillWorker(prefill_cfg, ours, arch, LocalTransport(), clock=clock)
     decode = DecodeWorker(decode_cfg, ours, arch, LocalTransport(), host_pages=128, clock=clock)
-    return LocalPair(prefill, decode)
+    return StepPair(prefill, decode)
 
 
 def page_bytes(kv_cache, pages: list[int]) -> list[torch.Tensor]:
@@ -36,63 +36,65 @@ def page_bytes(kv_cache, pages: list[int]) -> list[torch.Tensor]:
     return [t[pages].clone() for t in (*kv_cache.k, *kv_cache.v)]
 
 
-def deliver_decode_messages(pair: LocalPair) -> None:
+def deliver_decode_messages(pair: StepPair) -> None:
     """Hand the decode worker's pending messages (AbortTransfer) to the prefill worker now."""
-    for _peer, msg in pair.decode.outbox:
-        pair.prefill.on_message(msg)
-    pair.decode.outbox.clear()
+    outbox = pair.decode.receiver.outbox
+    for _peer, msg in outbox:
+        pair.prefill.handle(msg)
+    outbox.clear()
 
 
 def test_retracted_request_cannot_expose_cached_pages_its_pending_write_reads():
     shared, other, late = make_prompts(3, min_len=24, max_len=24, seed=11)
     pair = make_tight_pair(prefill_pages=11)
-    prefill, transport = pair.prefill, pair.prefill.transport
+    prefill, transport = pair.prefill, pair.prefill.sender.transport
+    engine, shipments = prefill.engine, prefill.sender.shipments
 
     # The shared prefix (6 pages) goes into the prefill worker's prefix cache.
     [first] = pair.generate([shared], greedy(max_tokens=2))
-    assert prefill.kvm.prefix_cache.cached_pages() == 6
+    assert engine.kvm.prefix_cache.cached_pages() == 6
     transport.stall_next(1000)  # every later write stays PENDING until the test releases it
 
     # "hold": 4 pages, prefilled, lent to its stalled writes: the pool has 1 free page left.
     pair.submit("hold", other[:16], greedy(max_tokens=2))
-    while "hold" not in prefill.shipments or prefill.shipments["hold"].first_token is None:
+    while "hold" not in shipments or shipments["hold"].first_token is None:
         pair.step()
-    assert prefill.kvm.pool.num_free == 1
+    assert engine.kvm.pool.num_free == 1
 
     # "b": the shared prefix + 8 tokens. Its first chunk (3 tokens) ends inside its first own page,
     # so its first write reads the 6 cached pages only.
     pair.submit("b", shared + late[:8], greedy(max_tokens=2))
     pair.step()
-    b_kv = prefill.requests["b"].kv
+    b_kv = engine.requests["b"].kv
     assert b_kv.cache_protected_len == 24 and b_kv.kv_committed_len == 27
-    [b_handle] = prefill.shipments["b"].handles
+    [b_handle] = shipments["b"].handles
     read_pages = b_kv.pages[:6]
-    assert all(prefill.kvm.pool.state(p) is PageState.CACHED for p in read_pages)
-    source_at_write = page_bytes(prefill.kv_cache, read_pages)
+    assert all(engine.kvm.pool.state(p) is PageState.CACHED for p in read_pages)
+    source_at_write = page_bytes(engine.kv_cache, read_pages)
 
     # Its next chunk needs a page the pool does not have: "b" is retracted, dropping its tree lock.
     pair.step()
-    assert prefill.requests["b"].status is RequestStatus.WAITING and prefill.num_retractions == 1
+    assert engine.requests["b"].status is RequestStatus.WAITING and engine.num_retractions == 1
     assert transport.poll(b_handle).value == "pending"
 
     # The client gives up on "b"; "c" arrives and needs pages the pool can only find by eviction.
     pair.abort("b")
     deliver_decode_messages(pair)
-    assert "b" not in prefill.requests and "b" in prefill.shipments
+    assert "b" not in engine.requests and "b" in shipments
     pair.submit("c", late[8:20], greedy(max_tokens=2))
     for _ in range(6):
         pair.step()
         for p in read_pages:
-            assert prefill.kvm.pool.state(p) is PageState.CACHED, (
-                f"page {p} read by b's pending write became {prefill.kvm.pool.state(p).value} "
-                f"(owner {prefill.kvm.pool.owner(p)!r}) while the write was pending")
-    assert prefill.kvm.prefix_cache.evict(100) == 0  # nothing evictable: the pending write pins them
+            assert engine.kvm.pool.state(p) is PageState.CACHED, (
+                f"page {p} read by b's pending write became {engine.kvm.pool.state(p).value} "
+                f"(owner {engine.kvm.pool.owner(p)!r}) while the write was pending")
+    assert engine.kvm.prefix_cache.evict(100) == 0  # nothing evictable: the pending write pins them
 
     # The write finally copies: the landing holds exactly the KV the cached pages held at hand-off.
-    landing_pages = list(pair.decode.inbound["b"].landing.page_ids[:6])
+    landing_pages = list(pair.decode.receiver.inbound["b"].landing.page_ids[:6])
     transport.release_stalled()
     assert transport.poll(b_handle).value == "done"
-    for layer, (want, got) in enumerate(zip(source_at_write, page_bytes(pair.decode.host.kv, landing_pages))):
+    for layer, (want, got) in enumerate(zip(source_at_write, page_bytes(pair.decode.receiver.host.kv, landing_pages))):
         assert torch.equal(got, want), f"tensor {layer}: the landing got other bytes than the cached KV"
 
     while pair.busy():
@@ -101,8 +103,8 @@ def test_retracted_request_cannot_expose_cached_pages_its_pending_write_reads():
     reference = make_engine(page_size=PAGE_SIZE).generate([shared, other[:16], late[8:20]], greedy(max_tokens=2))
     assert [first.token_ids, pair.results["hold"].token_ids, pair.results["c"].token_ids] == [
         r.output_token_ids for r in reference]
-    assert not prefill.kvm.transfer_pins, f"pins left after every write retired: {prefill.kvm.transfer_pins}"
+    assert not engine.kvm.transfer_pins, f"pins left after every write retired: {engine.kvm.transfer_pins}"
     for worker in (prefill, pair.decode):
-        assert_pool_at_rest(worker)
-    pair.prefill.close(), pair.decode.close()
-    pair.prefill.transport.close(), pair.decode.transport.close()
+        assert_pool_at_rest(worker.engine)
+        worker.close()
+    prefill.sender.transport.close(), pair.decode.receiver.transport.close()

@@ -16,6 +16,7 @@ from cluster.serve.config import load_serve_config
 from cluster.worker_host.thread import HostBeat, WorkerHost, WorkerStopped
 from cluster.worker_host.build import WorkerSpec
 from kv_store.transfer.config import TransportConfig
+from tests.debug_worker import Stall, build_debug_worker
 from tests.helpers import CHAT_PROMPTS, make_smollm2_engine, smollm2
 
 
@@ -23,7 +24,8 @@ from tests.helpers import CHAT_PROMPTS, make_smollm2_engine, smollm2
 def test_host_serves_reports_a_long_step_and_stops():
     from kernels.model.tokenizer import apply_chat_template
 
-    host = WorkerHost(WorkerSpec("colocated", EngineConfig(num_pages=256), heartbeat_interval_s=0.1), "colocated-0")
+    host = WorkerHost(WorkerSpec("colocated", EngineConfig(num_pages=256), heartbeat_interval_s=0.1), "colocated-0",
+                      build=build_debug_worker)
     try:
         ids = apply_chat_template(smollm2()[0].tokenizer, CHAT_PROMPTS[0])
         host.deliver([p.Generate("r0", tuple(ids), SamplingParams(max_tokens=8))])
@@ -37,7 +39,7 @@ def test_host_serves_reports_a_long_step_and_stops():
         reference = make_smollm2_engine().generate([ids], SamplingParams(max_tokens=8))[0]
         assert tokens == reference.output_token_ids and finish == reference.finish_reason.value
 
-        host.deliver([p.Stall(2.0)])  # one step that takes 2 s
+        host.deliver([Stall(2.0)])  # one step that takes 2 s
         time.sleep(1.5)
         assert host.heartbeat().loop_silent_s >= 1.0  # answered off the loop thread, mid-step
         time.sleep(1.5)

@@ -13,15 +13,15 @@ import torch
 
 from cluster import protocol as p
 from cluster.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams
-from cluster.worker_host.local_pair import LocalPair
 from cluster.worker_host.thread import HostLink, WorkerHost
 from cluster.worker_host.build import WorkerSpec
-from decode_worker.engine import ColocatedEngine
-from decode_worker.worker import DecodeWorker
+from prefill_worker.engine import EngineCore, load_engine
+from decode_worker.worker import ColocatedWorker, DecodeWorker
 from kv_store.transfer.local import LocalTransport
-from prefill_worker.request import FinishReason
+from prefill_worker.engine.request import FinishReason
 from prefill_worker.worker import PrefillWorker
-from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
+from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models, why_not_at_rest
+from tests.step_pair import StepPair
 
 POISON = 253  # no prompt of make_prompts(vocab=250) holds it, and no clean output below does
 CONFIG = EngineConfig(page_size=4, num_pages=256, chunk_size=64, debug_kv=True)
@@ -87,7 +87,7 @@ def test_a_request_that_breaks_the_sampler_fails_alone(clean):
     good = [engine.add_request(ids, greedy(max_tokens=12)) for ids in good_prompts()]
     bad = engine.add_request(good_prompts(5)[4], SamplingParams(max_tokens=12, temperature=FailingTemperature(4)))
     outputs = []
-    while engine.has_unfinished():
+    while engine.busy():
         outputs += engine.step()
     assert [r.output_token_ids for r in good] == clean
     assert bad.finish_reason is FinishReason.ABORT and len(bad.output_token_ids) == 3
@@ -98,12 +98,12 @@ def test_a_request_that_breaks_the_sampler_fails_alone(clean):
 
 
 def test_a_request_whose_forward_pass_raises_fails_alone(clean):
-    engine = ColocatedEngine(CONFIG, PoisonModel(), tiny_models()[2])
+    engine = EngineCore(CONFIG, PoisonModel(), tiny_models()[2])
     good = [engine.add_request(ids, greedy(max_tokens=12)) for ids in good_prompts()[:2]]
     engine.step()  # the good ones are decoding when the poison arrives
     bad = engine.add_request([5, 6, POISON, 7], greedy(max_tokens=12))
     good += [engine.add_request(ids, greedy(max_tokens=12)) for ids in good_prompts()[2:]]
-    while engine.has_unfinished():
+    while engine.busy():
         engine.step()
     assert [r.output_token_ids for r in good] == clean
     assert bad.finish_reason is FinishReason.ABORT and bad.output_token_ids == []
@@ -112,7 +112,7 @@ def test_a_request_whose_forward_pass_raises_fails_alone(clean):
 
 
 def test_a_model_that_cannot_run_at_all_ends_the_loop():
-    engine = ColocatedEngine(CONFIG, PoisonModel(broken=True), tiny_models()[2])
+    engine = EngineCore(CONFIG, PoisonModel(broken=True), tiny_models()[2])
     req = engine.add_request(good_prompts()[0], greedy(max_tokens=4))
     with pytest.raises(RuntimeError, match="injected forward fault"):
         engine.step()  # no request is to blame: the worker must stop and be restarted
@@ -124,23 +124,19 @@ def test_a_fault_on_the_prefill_worker_fails_only_its_transfer(clean):
     _, _, arch = tiny_models()
     prefill = PrefillWorker(CONFIG, PoisonModel(), arch, LocalTransport())
     decode = DecodeWorker(CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256)
-    pair = LocalPair(prefill, decode)
-    results = pair.generate(good_prompts() + [[5, 6, POISON, 7]], greedy(max_tokens=12))
+    results = StepPair(prefill, decode).generate(good_prompts() + [[5, 6, POISON, 7]], greedy(max_tokens=12))
     assert [r.token_ids for r in results[:4]] == clean
     assert results[4].finish_reason is FinishReason.ABORT and "internal error in the worker" in results[4].error
-    assert_pool_at_rest(prefill)
-    assert_pool_at_rest(decode)
-    assert decode.host.pool.usage().free == decode.host.pool.usage().total
     for worker in (prefill, decode):
-        worker.close(), worker.transport.close()
+        assert why_not_at_rest(worker) == ""
+        assert_pool_at_rest(worker.engine)
+        worker.close()
+    prefill.sender.transport.close(), decode.receiver.transport.close()
 
 
 def build_tiny(spec: WorkerSpec):
     """`WorkerHost`'s build for a colocated worker on the tiny Llama, whose model fails on POISON."""
-    transport = LocalTransport()
-    worker = DecodeWorker(spec.engine, PoisonModel(), tiny_models()[2], transport, host_pages=2)
-    worker.role_name = spec.role
-    return worker, transport
+    return ColocatedWorker(EngineCore(spec.engine, PoisonModel(), tiny_models()[2])), LocalTransport()
 
 
 def collect_until_done(host: WorkerHost, request_ids: set[str], timeout_s: float = 60.0) -> dict[str, list]:

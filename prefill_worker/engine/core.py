@@ -1,9 +1,9 @@
-"""The engine core shared by every worker: scheduler + runner + sampling + stop rules.
+"""The engine every worker runs: scheduler + runner + sampling + stop rules, over one KV pool.
 
-One KV pool: the scheduler picks the step, the runner runs it, sampling and stop checks end
-requests, and every end goes through `Scheduler.finish` -> `KVManager.release`. Workers
-specialise it through three hooks: `_after_commit` (a step's KV became valid: the prefill worker
-ships pages from here), `_on_finished` (a request produced its last token) and `_fail_request`.
+The scheduler picks the step, the runner runs it, sampling and stop checks end requests, and every
+end goes through `Scheduler.finish` -> `KVManager.release`. Workers differ only in the `KVConnector`
+the engine holds (`connector.py`): it is told when a step's KV is valid and when a request
+finished, and hands over requests whose KV arrived and held requests that may be released.
 
 A fault is confined to the request that caused it: a forward pass that raises is retried row by
 row, a batched sample that raises is retried row by row, and a request whose own row (or stop
@@ -25,17 +25,18 @@ import torch
 
 from cluster.config import EngineConfig, SamplingParams
 from cluster.faults import FAILURE_INTERNAL, internal_error
-from kernels.kv_layout import KVCacheTensors
+from cluster.protocol import PoolStats, WorkerStats
+from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
 from kernels.sampling import sample
-from kv_store.device_pool import DevicePool, page_bytes
+from kv_store.device_pool import DevicePool
+from kv_store.page_pool import PagePool
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
-from prefill_worker.request import FinishReason, Request, RequestStatus
-from prefill_worker.runner import ModelRunner
-from prefill_worker.scheduler import ScheduledStep, Scheduler
-from prefill_worker.stop import StopRules
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from prefill_worker.engine.connector import KVConnector, NullConnector
+from prefill_worker.engine.request import FinishReason, Request, RequestStatus
+from prefill_worker.engine.runner import ModelRunner
+from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
+from prefill_worker.engine.stop import StopRules
 
 
 def debug_kv_enabled(config: EngineConfig) -> bool:
@@ -55,17 +56,23 @@ class StepOutput:
     timings: tuple[tuple[str, float], ...] = ()  # set on the finishing output
 
 
+def step_output(req: Request, tokens: list[int], reason: FinishReason | None, error: str = "",
+                failure: str = "") -> StepOutput:
+    """`req`'s progress; a finishing one carries its cached tokens and timings."""
+    if reason is None:
+        return StepOutput(req.request_id, tokens, None)
+    req.timings.setdefault("finished", time.monotonic())
+    return StepOutput(req.request_id, tokens, reason, error, failure, req.cached_tokens, tuple(req.timings.items()))
+
+
 class EngineCore:
     """Continuous-batching engine over one paged KV pool. Not thread-safe: one caller drives `step`."""
 
-    speaks_for_client = True
-    """Whether `step`'s outputs are the client's tokens (a prefill worker's are not)."""
-
     def __init__(self, config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), connector: KVConnector | None = None):
         dtype = TORCH_DTYPES[config.dtype]
-        bytes_per_page = page_bytes(arch.num_layers, config.page_size, arch.num_kv_heads, arch.head_dim, dtype)
-        self.config = config.resolve(bytes_per_page, arch.max_position_embeddings)
+        layout = kv_layout(arch.num_layers, config.page_size, arch.num_kv_heads, arch.head_dim, config.dtype)
+        self.config = config.resolve(layout.page_bytes, arch.max_position_embeddings)
         self.device = torch.device(config.device)
         self.model, self.arch, self.tokenizer = model, arch, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -75,25 +82,27 @@ class EngineCore:
         pool = self.device_pool.pages
         cache = RadixPrefixCache(pool) if config.enable_prefix_cache else NullPrefixCache(pool)
         self.kvm = KVManager(pool, cache)
-        self.scheduler = Scheduler(self.config, self.kvm)
+        self.connector = connector or NullConnector()
+        self.scheduler = Scheduler(self.config, self.kvm, can_retract=self.connector.can_retract)
         self.runner = ModelRunner(model, self.kv_cache, config.page_size, self.device)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.debug_kv = debug_kv_enabled(self.config)
         self.num_retractions = 0
+        self.connector.attach(self)
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> Request:
         """Queue a request. Raises ValueError (queueing nothing) when it can never fit."""
-        req = self._validated_request(prompt_token_ids, params, request_id)
+        req = self.new_request(prompt_token_ids, params, request_id)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
 
-    def _validated_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                           request_id: str | None) -> Request:
-        """A new Request, or ValueError when it can never be served here."""
+    def new_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
+        """A new Request, not queued (a receiver holds it until its KV lands), or ValueError when it
+        can never be served here."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -114,34 +123,50 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None or req.status is RequestStatus.FINISHED:
             return False
-        self.scheduler.finish(req, FinishReason.ABORT)
-        del self.requests[request_id]
+        if req in self.scheduler.running or req.status is RequestStatus.WAITING:
+            self.finish(req, FinishReason.ABORT)
+        else:  # held by the connector (KV still in flight): it releases the request when it can
+            return False
         self._after_step()
         return True
 
-    def fail_request(self, request_id: str, error: str) -> None:
-        """End `request_id` after a fault while handling a message about it: release what it holds,
-        as `abort` does. The caller tells its client (`error`)."""
-        self.abort(request_id)
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End `req` now through the release path."""
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+    def busy(self) -> bool:
+        """Whether a step would do anything: requests to schedule, or the connector's own work."""
+        return self.scheduler.has_work() or self.connector.busy()
 
     # ---- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Schedule, run one forward, sample, apply stop rules. Returns per-request progress."""
+        """The connector's housekeeping, then schedule, run one forward, sample, apply stop rules,
+        and release what the connector no longer holds. Returns per-request progress."""
+        outputs = self.connector.before_step()
+        for req, kv in self.connector.take_arrived():
+            self.requests[req.request_id] = req
+            self.scheduler.admit_loaded(req, kv)
+        if self.scheduler.has_work():
+            outputs += self._compute()
+        for req, reason in self.connector.take_finished():
+            self.scheduler.release_detached(req, reason)
+            self.requests.pop(req.request_id, None)
+        self._after_step()
+        return outputs
+
+    def _compute(self) -> list[StepOutput]:
         scheduled = self.scheduler.schedule()
         scheduled.relocation_version = self.device_pool.relocation_version
-        scheduled.loads_in_flight = self._loads_in_flight()
+        scheduled.loads_in_flight = self.connector.loads_in_flight()
         self.num_retractions += len(scheduled.retracted)
         outputs = []
         if scheduled.rows:
             scheduled, logits, outputs = self._forward(scheduled)
             if scheduled.rows:
                 self.scheduler.commit(scheduled)
-                self._after_commit(scheduled)
+                self.connector.after_commit(scheduled)
                 outputs += self._sample_and_stop(scheduled, logits)
-        self._after_step()
         return outputs
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -163,6 +188,23 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kvm.check_integrity()
+        self.connector.check_integrity()
+
+    def max_request_tokens(self) -> int:
+        return self.scheduler.max_request_tokens()
+
+    def stats(self, role: str, host_pool: PagePool | None = None, transfers: int = 0) -> WorkerStats:
+        """The heartbeat's view of this engine (runs the integrity check; a failure is reported, not raised)."""
+        try:
+            self.check_integrity()
+            error = ""
+        except AssertionError as exc:
+            error = str(exc) or "integrity check failed"
+        return WorkerStats(role, _pool_stats(self.device_pool.pages), _pool_stats(host_pool) if host_pool else None,
+                           len(self.scheduler.running), len(self.scheduler.waiting), transfers, error)
+
+    def close(self) -> None:
+        self.connector.close()
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _forward(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, torch.Tensor, list[StepOutput]]:
@@ -227,46 +269,36 @@ class EngineCore:
 
     def _advance(self, req: Request, token: int) -> StepOutput:
         req.output_token_ids.append(token)
-        reason = self._stop_reason(req, token)
+        reason = req.stop_rules.check(req.output_token_ids, req.num_tokens)
         if reason is not None:
             self._on_finished(req, reason)
-        return self._output(req, [token], reason)
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        """The stop rules after `token` (just appended to `req.output_token_ids`); see `prefill_worker.stop`."""
-        assert req.output_token_ids[-1] == token, f"request {req.request_id}: check the token just appended"
-        return req.stop_rules.check(req.output_token_ids, req.num_tokens)
-
-    def _loads_in_flight(self) -> frozenset:
-        """Hook: host->device loads not yet completed (none without a host tier)."""
-        return frozenset()
-
-    @staticmethod
-    def _output(req: Request, tokens: list[int], reason: FinishReason | None, error: str = "",
-                failure: str = "") -> StepOutput:
-        if reason is None:
-            return StepOutput(req.request_id, tokens, None)
-        req.timings.setdefault("finished", time.monotonic())
-        return StepOutput(req.request_id, tokens, reason, error, failure, req.cached_tokens,
-                          tuple(req.timings.items()))
-
-    def _after_commit(self, scheduled: ScheduledStep) -> None:
-        """Hook: the KV of `scheduled` is valid now (before sampling)."""
+        return step_output(req, [token], reason)
 
     def _on_finished(self, req: Request, reason: FinishReason) -> None:
-        """Hook: `req` produced its last token. Default: end it through the release path."""
-        self.scheduler.finish(req, reason)
-        del self.requests[req.request_id]
+        """`req` produced its last token: the release path, unless the connector holds its KV on."""
+        if not self.connector.request_finished(req, reason):
+            self.finish(req, reason)
+        elif req in self.scheduler.running:
+            self.scheduler.detach(req)
 
     def _fail_request(self, req: Request, error: str) -> list[StepOutput]:
-        """Hook: a fault of `req`'s own ended it (`error` for its client). Default: ABORT through the
-        release path; its client gets an "internal" error."""
+        """A fault of `req`'s own ended it (`error` for its client): ABORT through the release path
+        and an "internal" error, unless the connector ends it its own way."""
+        if self.connector.request_failed(req, error):
+            return []
         if req.status is not RequestStatus.FINISHED:
             self.scheduler.finish(req, FinishReason.ABORT)
         self.requests.pop(req.request_id, None)
         req.error = error
-        return [self._output(req, [], FinishReason.ABORT, error, FAILURE_INTERNAL)]
+        return [step_output(req, [], FinishReason.ABORT, error, FAILURE_INTERNAL)]
 
     def _after_step(self) -> None:
         if self.debug_kv or not self.scheduler.has_work():
             self.kvm.check_integrity()
+        if self.debug_kv or not self.busy():
+            self.connector.check_integrity()
+
+
+def _pool_stats(pool: PagePool) -> PoolStats:
+    u = pool.usage()
+    return PoolStats(u.total, u.free, u.private, u.cached, u.in_flight)

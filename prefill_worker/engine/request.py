@@ -19,7 +19,7 @@ from cluster.config import SamplingParams
 from kv_store.req_kv import ReqKV
 
 if TYPE_CHECKING:
-    from prefill_worker.stop import StopRules
+    from prefill_worker.engine.stop import StopRules
 
 
 class RequestStatus(enum.Enum):

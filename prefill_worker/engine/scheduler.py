@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
-from prefill_worker.request import FinishReason, Request, RequestStatus
+from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 from kv_store.req_kv import KVManager, ReleaseReason
-from prefill_worker.runner import ForwardRow
+from prefill_worker.engine.runner import ForwardRow
 
 
 @dataclass
@@ -45,14 +45,14 @@ class ScheduledStep:
 class Scheduler:
     """Owns the waiting queue, the running batch, and (through `kvm`) their KV."""
 
-    def __init__(self, config: EngineConfig, kvm: KVManager):
+    def __init__(self, config: EngineConfig, kvm: KVManager, can_retract: Callable[[Request], bool] = lambda req: True):
         assert config.num_pages is not None and config.max_model_len is not None, "config not resolved"
         self.config = config
         self.kvm = kvm
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.retractable: Callable[[Request], bool] = lambda req: True
-        """Which requests may be retracted (a prefill worker keeps those with KV still in flight)."""
+        self.retractable = can_retract
+        """Which requests may be retracted (the connector's say: a prefill worker keeps those with KV in flight)."""
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cluster.config import SamplingParams
-from prefill_worker.request import FinishReason
+from prefill_worker.engine.request import FinishReason
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode of an incomplete UTF-8 byte sequence ends with
 SPLIT_AFTER_TOKENS = 8

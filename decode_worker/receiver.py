@@ -1,0 +1,249 @@
+"""The decode side of the connector: landings in the host tier, loads to device, then the batch.
+
+Per inbound request (docs/design.md §2 steps 3-6):
+
+    reserve() -> LANDING --KVComplete--> LOAD_PENDING --device pages--> LOADING --event--> batch
+                    |  deadline / abort: send AbortTransfer, end the request now
+                    v
+                 ABANDONING --TransferAborted or peer dead--> landing released
+
+Landing pages stay IN_FLIGHT (a remote writer may still write them) until the prefill worker
+reports the transfer ended or is declared dead; only then do they go through the release path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cluster.config import SamplingParams
+from cluster.protocol import AbortTransfer, KVComplete, KVProgress, Landing, TransferAborted
+from kv_store.host_tier import HostTier, Residency, move_residency
+from kv_store.req_kv import ReleaseReason, ReqKV
+from kv_store.tier_loader import HostToDeviceLoader, LoadHandle
+from kv_store.transfer.base import Transport
+from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
+from prefill_worker.engine.core import EngineCore, StepOutput, step_output
+from prefill_worker.engine.request import FinishReason, Request
+
+
+class InboundPhase(enum.Enum):
+    LANDING = "landing"  # the prefill worker may be writing the landing
+    ABANDONING = "abandoning"  # we gave up; waiting until no write can arrive
+    LOAD_PENDING = "load_pending"  # KV complete on the host; waiting for device pages
+    LOADING = "loading"  # host -> device copy in flight
+
+
+@dataclass(eq=False)
+class _Inbound:
+    request: Request
+    landing: Landing
+    peer: str
+    session: TransferSession
+    phase: InboundPhase = InboundPhase.LANDING
+    residency: Residency = Residency.HOST
+    host_kv: ReqKV | None = None  # set once the landing is back in our hands
+    device_kv: ReqKV | None = None
+    load: LoadHandle | None = None
+    abort_requested: bool = False  # a load cannot be cancelled: the request ends when it lands
+
+
+class KVReceiver:
+    """`KVConnector` of a decode worker. Messages for prefill workers accumulate in `outbox` as
+    (peer, message)."""
+
+    def __init__(self, transport: Transport, host_pages: int, deadlines: TransferDeadlines = TransferDeadlines(),
+                 clock: Callable[[], float] = time.monotonic):
+        self.transport, self.host_pages, self.deadlines, self.clock = transport, host_pages, deadlines, clock
+        self.inbound: dict[str, _Inbound] = {}
+        self.outbox: list[tuple[str, AbortTransfer]] = []
+        self._pending_outputs: list[StepOutput] = []
+        self._arrived: list[tuple[Request, ReqKV]] = []
+        self._regions = contextlib.ExitStack()
+
+    def attach(self, engine: EngineCore) -> None:
+        self.engine, self.kvm = engine, engine.kvm
+        self.host = HostTier(engine.kv_cache, self.host_pages)
+        self.loader = HostToDeviceLoader(self.host, engine.device_pool)
+        for t in (*self.host.kv.k, *self.host.kv.v):
+            self._regions.enter_context(self.transport.register_tensor(t))
+
+    # ---- the worker's requests ---------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, peer: str) -> Landing | None:
+        """Reserve host pages for the prompt's KV; None when the host tier is full (try later).
+        Raises ValueError for a request that can never fit, like `add_request`."""
+        if request_id in self.engine.requests or request_id in self.inbound:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = self.engine.new_request(prompt_token_ids, params, request_id)
+        landing = self.host.reserve(request_id, len(prompt_token_ids), self.transport.session_id,
+                                    self.deadlines.waiting_s + self.deadlines.transferring_s)
+        if landing is None:
+            return None
+        session = TransferSession(request_id, self.deadlines, self.clock())
+        session.advance(TransferState.WAITING, self.clock())
+        req.timings["reserved"] = self.clock()
+        self.inbound[request_id] = _Inbound(req, landing, peer, session)
+        return landing
+
+    def on_message(self, msg: KVProgress | KVComplete | TransferAborted) -> None:
+        ib = self.inbound.get(msg.request_id)
+        if ib is None:
+            return  # a late message for a request already ended
+        if isinstance(msg, KVProgress):
+            self._kv_progress(ib)
+        elif isinstance(msg, KVComplete):
+            self._kv_complete(ib, msg.first_token, msg.cached_tokens, dict(msg.timings))
+        else:
+            self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}")
+
+    def peer_dead(self, peer: str) -> None:
+        """Nothing more can arrive from `peer`: its landings are ours again."""
+        for ib in list(self.inbound.values()):
+            if ib.peer == peer and ib.phase in (InboundPhase.LANDING, InboundPhase.ABANDONING):
+                self._landing_free(ib, FailureReason.PEER_DEAD, f"prefill worker {peer} stopped responding")
+
+    def abort(self, request_id: str) -> bool:
+        """End an inbound request (False: it is not inbound here)."""
+        ib = self.inbound.get(request_id)
+        if ib is None:
+            return False
+        if ib.phase is InboundPhase.LANDING:
+            self._give_up(ib, FailureReason.ABORTED, "aborted by the client")
+        elif ib.phase is InboundPhase.LOAD_PENDING:
+            self._end_inbound(ib, FinishReason.ABORT)
+        elif ib.phase is InboundPhase.LOADING:
+            ib.abort_requested = True
+        return True
+
+    # ---- KVConnector -------------------------------------------------------------------------------
+    def before_step(self) -> list[StepOutput]:
+        now = self.clock()
+        for ib in list(self.inbound.values()):
+            if ib.phase is InboundPhase.LANDING and ib.session.check_deadline(now):
+                self._give_up(ib, FailureReason.TIMEOUT, ib.session.failure_detail)
+        for ib in [ib for ib in self.inbound.values() if ib.phase is InboundPhase.LOAD_PENDING]:
+            self._start_load(ib)
+        for handle in self.loader.poll_completed():
+            self._loaded(self.inbound[handle.request_id])
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def take_arrived(self) -> list[tuple[Request, ReqKV]]:
+        arrived, self._arrived = self._arrived, []
+        return arrived
+
+    def after_commit(self, step) -> None:
+        pass
+
+    def request_finished(self, req: Request, reason: FinishReason) -> bool:
+        return False
+
+    def request_failed(self, req: Request, error: str) -> bool:
+        return False
+
+    def take_finished(self) -> list[tuple[Request, FinishReason]]:
+        return []
+
+    def can_retract(self, req: Request) -> bool:
+        return True
+
+    def loads_in_flight(self) -> frozenset:
+        return self.loader.handles()
+
+    def busy(self) -> bool:
+        return bool(self.inbound or self._pending_outputs or self.outbox)
+
+    def check_integrity(self) -> None:
+        self.host.check_integrity()
+
+    def close(self) -> None:
+        self._regions.close()
+
+    # ---- inbound transitions -----------------------------------------------------------------------
+    def _kv_progress(self, ib: _Inbound) -> None:
+        if ib.phase is not InboundPhase.LANDING:
+            return
+        if ib.session.state is TransferState.WAITING:
+            ib.session.advance(TransferState.TRANSFERRING, self.clock())
+        else:
+            ib.session.progress(self.clock())
+
+    def _kv_complete(self, ib: _Inbound, first_token: int, msg_cached: int, timings: dict) -> None:
+        if ib.phase is not InboundPhase.LANDING:
+            self._landing_free(ib, ib.session.failure or FailureReason.ABORTED, ib.session.failure_detail)
+            return
+        if ib.session.state is TransferState.WAITING:
+            ib.session.advance(TransferState.TRANSFERRING, self.clock())
+        ib.session.advance(TransferState.DONE, self.clock())
+        ib.host_kv = self.host.landed(ib.request.request_id)
+        req = ib.request
+        req.cached_tokens = msg_cached
+        req.timings.update(timings)
+        req.timings["kv_complete_received"] = self.clock()
+        req.output_token_ids.append(first_token)
+        reason = req.stop_rules.check(req.output_token_ids, req.num_tokens)
+        ib.phase = InboundPhase.LOAD_PENDING
+        if reason is not None:
+            self._end_inbound(ib, reason)
+        else:
+            self._pending_outputs.append(StepOutput(req.request_id, [first_token], None))
+
+    def _start_load(self, ib: _Inbound) -> None:
+        req = ib.request
+        kv = self.kvm.open(req.request_id)
+        if not self.kvm.try_allocate(kv, len(req.prompt_token_ids)):
+            self.kvm.release(kv, ReleaseReason.ABORTED, [], cache=False)  # no room yet: retry next step
+            return
+        ib.device_kv, ib.phase = kv, InboundPhase.LOADING
+        ib.residency = move_residency(ib.residency, Residency.LOADING, req.request_id)
+        req.timings["load_start"] = self.clock()
+        ib.load = self.loader.start(req.request_id, list(ib.host_kv.pages), list(kv.pages))
+
+    def _loaded(self, ib: _Inbound) -> None:
+        """The KV is on the device: the request joins the batch (or ends, when aborted while loading)."""
+        req = ib.request
+        req.timings["load_done"] = self.clock()
+        ib.residency = move_residency(ib.residency, Residency.BOTH, req.request_id)
+        self.kvm.commit(ib.device_kv, len(req.prompt_token_ids))
+        self.host.release(ib.host_kv, ReleaseReason.FINISHED)
+        ib.residency = move_residency(ib.residency, Residency.DEVICE, req.request_id)
+        del self.inbound[req.request_id]
+        if ib.abort_requested:  # its client is gone: end it, no output
+            self.kvm.release(ib.device_kv, ReleaseReason.ABORTED, req.all_token_ids,
+                             cache=self.engine.config.enable_prefix_cache)
+            req.finish(FinishReason.ABORT)
+        else:
+            self._arrived.append((req, ib.device_kv))
+
+    def _give_up(self, ib: _Inbound, reason: FailureReason, detail: str) -> None:
+        """Stop waiting for the transfer: tell the peer, end the request now; the landing stays
+        IN_FLIGHT until the peer confirms or is declared dead."""
+        ib.session.fail(reason, detail)
+        ib.phase = InboundPhase.ABANDONING
+        self.outbox.append((ib.peer, AbortTransfer(ib.request.request_id, detail or reason.value)))
+        self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}")
+
+    def _landing_free(self, ib: _Inbound, reason: FailureReason, detail: str) -> None:
+        """No write to the landing is outstanding any more: release it; end the request if still open."""
+        if ib.phase is InboundPhase.LANDING:
+            ib.session.fail(reason, detail)
+            self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}")
+        self.host.release(self.host.abandon(ib.request.request_id), ReleaseReason.TRANSFER_FAILED)
+        del self.inbound[ib.request.request_id]
+
+    def _end_inbound(self, ib: _Inbound, reason: FinishReason) -> None:
+        """End a request whose KV is on the host only (first token finished it, or aborted)."""
+        self.host.release(ib.host_kv, ReleaseReason.FINISHED if reason is not FinishReason.ABORT
+                          else ReleaseReason.ABORTED)
+        del self.inbound[ib.request.request_id]
+        self._report(ib.request, reason, "")
+
+    def _report(self, req: Request, reason: FinishReason, error: str) -> None:
+        """End a request that never joined the batch. Its only token (if any) is the first one."""
+        req.error = error
+        req.finish(reason)
+        tokens = list(req.output_token_ids) if not error else []
+        self._pending_outputs.append(step_output(req, tokens, reason, error))

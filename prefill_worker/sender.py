@@ -1,0 +1,218 @@
+"""The prefill side of the connector: ship each step's KV to a decode worker's landing.
+
+After every step, each request's newly completed pages are written to its landing through the
+transport (one write per chunk); its own pages are IN_FLIGHT under that write's handle until the
+handle completes. When the prompt is done the first token is sampled, the request leaves the batch
+but keeps its KV until every handle has retired, then the decode worker gets `KVComplete` and the
+KV goes through the release path (into this worker's prefix cache).
+
+Failure (transport error, deadline, abort from the decode side, dead peer) stops new writes at
+once; the request is released when its last outstanding write is terminal, and the decode worker
+gets `TransferAborted` — its promise that nothing more will be written to that landing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cluster.protocol import KVComplete, KVProgress, Landing, TransferAborted
+from kv_store.req_kv import ceil_div
+from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
+from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
+from prefill_worker.engine.core import EngineCore, StepOutput
+from prefill_worker.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(eq=False)
+class _Shipment:
+    """One request's KV on its way out. `handles`: its writes not yet retired, each pinning the
+    pages it reads (`KVManager.pin_for_transfer`)."""
+
+    landing: Landing
+    session: TransferSession
+    pages_sent: int = 0
+    handles: set = field(default_factory=set)
+    first_token: int | None = None  # set when the prompt is done and the token sampled
+    abort_reason: str | None = None  # set when the transfer is being abandoned
+    bytes_sent: int = 0
+    pages_at_handle: dict = field(default_factory=dict)  # handle -> pages written once it retires
+    pages_done: int = 0
+
+
+class KVSender:
+    """`KVConnector` of a prefill worker. Messages for the decode worker accumulate in `outbox`
+    (KVProgress, KVComplete, TransferAborted) for the worker's loop to deliver."""
+
+    def __init__(self, transport: Transport, deadlines: TransferDeadlines = TransferDeadlines(),
+                 clock: Callable[[], float] = time.monotonic):
+        self.transport, self.deadlines, self.clock = transport, deadlines, clock
+        self.shipments: dict[str, _Shipment] = {}
+        self.outbox: list[KVComplete | KVProgress | TransferAborted] = []
+        self._regions = contextlib.ExitStack()
+        self._done: list[tuple[Request, FinishReason]] = []
+
+    def attach(self, engine: EngineCore) -> None:
+        self.engine, self.kvm, self.kv_cache = engine, engine.kvm, engine.kv_cache
+        for t in (*self.kv_cache.k, *self.kv_cache.v):
+            self._regions.enter_context(self.transport.register_tensor(t))
+
+    # ---- the worker's requests ---------------------------------------------------------------------
+    def open(self, req: Request, landing: Landing) -> None:
+        """Ship `req`'s KV (queued in the engine) into `landing`."""
+        req.timings["prefill_submitted"] = self.clock()
+        session = TransferSession(req.request_id, self.deadlines, self.clock())
+        session.advance(TransferState.WAITING, self.clock())
+        self.shipments[req.request_id] = _Shipment(landing, session)
+
+    def abort_transfer(self, request_id: str, reason: FailureReason, detail: str = "") -> None:
+        """Stop shipping `request_id`: no new writes; released once outstanding writes are terminal."""
+        shipment = self.shipments.get(request_id)
+        if shipment is None:  # never got it (aborted before it arrived) or done: nothing will be written
+            self.outbox.append(TransferAborted(request_id, f"no transfer in progress ({reason.value})"))
+            return
+        if shipment.abort_reason is not None:
+            return
+        shipment.session.fail(reason, detail) if not shipment.session.terminal else None
+        shipment.abort_reason = f"{reason.value}: {detail}" if detail else reason.value
+        req = self.engine.requests.get(request_id)
+        if req is not None and req.status is RequestStatus.WAITING:
+            self.engine.finish(req, FinishReason.ABORT)  # holds no KV yet
+        elif req is not None and req in self.engine.scheduler.running:
+            self.engine.scheduler.detach(req)
+
+    def peer_dead(self, session: str) -> None:
+        for rid, shipment in list(self.shipments.items()):
+            if shipment.landing.session == session:
+                self.abort_transfer(rid, FailureReason.PEER_DEAD, f"decode worker {session} stopped responding")
+
+    # ---- KVConnector -------------------------------------------------------------------------------
+    def before_step(self) -> list[StepOutput]:
+        self._poll_writes()
+        now = self.clock()
+        for rid, shipment in list(self.shipments.items()):
+            if shipment.session.check_deadline(now):
+                self.abort_transfer(rid, FailureReason.TIMEOUT, shipment.session.failure_detail)
+        return []
+
+    def take_arrived(self) -> list:
+        return []
+
+    def after_commit(self, step) -> None:
+        for req in step.requests:
+            shipment = self.shipments.get(req.request_id)
+            if shipment is not None and shipment.abort_reason is None:
+                self._ship(req, shipment)
+
+    def request_finished(self, req: Request, reason: FinishReason) -> bool:
+        """The first token is sampled: hold the KV until every write has retired."""
+        shipment = self.shipments[req.request_id]
+        if shipment.abort_reason is None:  # an abort during this step already took it out of the batch
+            shipment.first_token = req.output_token_ids[-1]
+            req.timings["compute_done"] = self.clock()
+        return True
+
+    def request_failed(self, req: Request, error: str) -> bool:
+        """A fault of its own ends the transfer: the decode worker hears `TransferAborted`, and the KV
+        is released once no write reads it."""
+        self.abort_transfer(req.request_id, FailureReason.ABORTED, error)
+        return True
+
+    def take_finished(self) -> list[tuple[Request, FinishReason]]:
+        self._retire_finished()
+        done, self._done = self._done, []
+        return done
+
+    def can_retract(self, req: Request) -> bool:
+        """A request whose own pages are lent to a write cannot be released yet. Its cached pages
+        never stop a retract: every write reading them pins them by its own handle."""
+        return not self.kvm.lent_pages(req.kv)
+
+    def loads_in_flight(self) -> frozenset:
+        return frozenset()
+
+    def busy(self) -> bool:
+        return bool(self.shipments or self.outbox)
+
+    def check_integrity(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._regions.close()
+
+    # ---- shipping ----------------------------------------------------------------------------------
+    def _ship(self, req: Request, shipment: _Shipment) -> None:
+        """Write the pages completed since the last call (all remaining ones once the prompt is done)."""
+        kv, ps = req.kv, self.engine.config.page_size
+        prompt_len = len(req.prompt_token_ids)
+        done = kv.kv_committed_len >= prompt_len
+        upto = ceil_div(prompt_len, ps) if done else kv.kv_committed_len // ps
+        if upto <= shipment.pages_sent:
+            return
+        ops = self._write_ops(kv.pages, shipment.landing, shipment.pages_sent, upto)
+        try:
+            handle = self.transport.write(shipment.landing.session, ops)
+        except TransferError as exc:
+            self.abort_transfer(req.request_id, FailureReason.TRANSPORT_ERROR, str(exc))
+            return
+        # The write reads cached pages too: a retract or abort may drop the request's tree lock
+        # long before this handle retires, so the handle pins all it reads, whoever owns it.
+        shipment.handles.add(self.kvm.pin_for_transfer(kv, shipment.pages_sent, upto, handle))
+        shipment.pages_sent = shipment.pages_at_handle[handle] = upto
+        if shipment.session.state is TransferState.WAITING:
+            shipment.session.advance(TransferState.TRANSFERRING, self.clock())
+            req.timings["first_write"] = self.clock()
+        shipment.bytes_sent += handle.num_bytes
+
+    def _write_ops(self, pages: list[int], landing: Landing, start: int, stop: int) -> list[WriteOp]:
+        """Layer-first layout: page i of layer l moves as one contiguous block per K and V;
+        `coalesce` merges runs of consecutive pages on both sides into one op."""
+        stride = landing.layout.page_bytes_per_tensor
+        ops = []
+        for layer, (k, v) in enumerate(zip(self.kv_cache.k, self.kv_cache.v)):
+            for i in range(start, stop):
+                dst_k, dst_v = landing.page_addrs(layer, i)
+                ops.append(WriteOp(k.data_ptr() + pages[i] * stride, dst_k, stride))
+                ops.append(WriteOp(v.data_ptr() + pages[i] * stride, dst_v, stride))
+        return coalesce(ops)
+
+    def _poll_writes(self) -> None:
+        now = self.clock()
+        for rid, shipment in self.shipments.items():
+            for handle in list(shipment.handles):
+                status = self.transport.poll(handle)
+                if status is TransferStatus.PENDING:
+                    continue
+                if status is TransferStatus.FAILED:
+                    self.abort_transfer(rid, FailureReason.TRANSPORT_ERROR, str(self.transport.error(handle)))
+                    if not self.transport.settled(handle):
+                        continue  # abandoned batches may still read these pages and write the landing
+                shipment.handles.discard(handle)
+                self.transport.retire(handle)
+                self.kvm.unpin_transfer(handle)  # terminal and settled: nothing reads its pages now
+                if status is TransferStatus.DONE and shipment.session.state is TransferState.TRANSFERRING:
+                    shipment.session.progress(now)
+                    shipment.pages_done = max(shipment.pages_done, shipment.pages_at_handle.pop(handle, 0))
+                    if shipment.first_token is None:  # once the prompt is done, KVComplete follows shortly
+                        self.outbox.append(KVProgress(rid, shipment.pages_done))
+
+    def _retire_finished(self) -> None:
+        """Hand back every request whose outstanding writes are all terminal and whose fate is known."""
+        for rid, shipment in list(self.shipments.items()):
+            if shipment.handles or (shipment.abort_reason is None and shipment.first_token is None):
+                continue
+            req = self.engine.requests.get(rid)
+            if shipment.abort_reason is None:
+                shipment.session.advance(TransferState.DONE, self.clock())
+                req.timings["transfer_done"] = self.clock()
+                self.outbox.append(KVComplete(rid, shipment.first_token, req.cached_tokens, tuple(req.timings.items())))
+                self._done.append((req, FinishReason.LENGTH))
+            else:
+                self.outbox.append(TransferAborted(rid, shipment.abort_reason))
+                if req is not None and req.status is RequestStatus.RUNNING:
+                    self._done.append((req, FinishReason.ABORT))
+                else:
+                    self.engine.requests.pop(rid, None)
+            del self.shipments[rid]

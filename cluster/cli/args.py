@@ -4,24 +4,39 @@ from `main`, so a bench never imports the entry point that imports it)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from cluster.config import EngineConfig
+from cluster.config import DTYPES, EngineConfig
+
+# flag -> (EngineConfig field, argparse options): the engine flags of `tandem run`, `tandem bench`
+# and `tandem serve`, declared once
+ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
+    "--model": ("model", dict(help="'smollm2' (bundled SmolLM2-135M-Instruct) or a local HF dir")),
+    "--device": ("device", dict(help="engine device, e.g. cpu or cuda")),
+    "--dtype": ("dtype", dict(choices=DTYPES, help="engine dtype")),
+    "--page-size": ("page_size", dict(type=int, help="tokens per KV page (power of two)")),
+    "--chunk-size": ("chunk_size", dict(type=int, help="prefill tokens per scheduler step")),
+    "--num-pages": ("num_pages", dict(type=int, help="KV pages per pool (default: sized from kv_memory_gib)")),
+    "--max-running": ("max_running_requests", dict(type=int, metavar="N", help="requests decoded together at most")),
+    "--no-prefix-cache": ("enable_prefix_cache", dict(action="store_const", const=False,
+                                                      help="disable radix prefix caching")),
+}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine flags of `tandem run` and `tandem bench offline|transfer`."""
-    p.add_argument("--model", default="smollm2", help="'smollm2' (bundled SmolLM2-135M-Instruct) or a local HF dir")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two)")
-    p.add_argument("--chunk-size", type=int, default=512, help="prefill tokens per scheduler step")
-    p.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: sized from memory)")
-    p.add_argument("--max-running", type=int, default=64, help="requests decoded together at most")
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable radix prefix caching")
+def add_engine_args(p: argparse.ArgumentParser, *, defaults: bool = True, note: str = "") -> None:
+    """The engine flags. `defaults`: each flag defaults to EngineConfig's value (run, bench); else to
+    None, meaning "not given" (serve: only given flags override the config file). `note` ends each help."""
+    engine = EngineConfig()
+    for flag, (field, options) in ENGINE_FLAGS.items():
+        default = getattr(engine, field) if defaults else None
+        shown = f" (default {default})" if default is not None and "action" not in options else ""
+        p.add_argument(flag, dest=field, default=default, **{**options, "help": options["help"] + shown + note})
+
+
+def engine_fields_from_args(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields the engine flags gave (None: not given)."""
+    return {field: getattr(args, field) for field, _ in ENGINE_FLAGS.values() if getattr(args, field) is not None}
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
-    fields = dict(model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                  chunk_size=args.chunk_size, num_pages=args.num_pages, max_running_requests=args.max_running,
-                  enable_prefix_cache=not args.no_prefix_cache)
-    return EngineConfig(**{**fields, **overrides})
+    return dataclasses.replace(EngineConfig(), **{**engine_fields_from_args(args), **overrides})

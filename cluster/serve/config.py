@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from cluster.config import DTYPES, ConfigError, EngineConfig, require, require_min
+from cluster.cli.args import add_engine_args, engine_fields_from_args
+from cluster.config import ConfigError, EngineConfig, require, require_min
 from kv_store.transfer.config import TransportConfig
 from router.config import POLICIES, RouterConfig
 from router.gateway.config import API_KEY_ENV, GatewayConfig
@@ -322,8 +323,7 @@ def _check(hint: Any, value: Any, name: str) -> Any:
 _FLAG_FIELDS = {
     "address": "cluster.address", "host": "gateway.host", "port": "gateway.port", "api_key": "gateway.api_key",
     "policy": "router.policy", "num_prefill": "prefill.count", "num_decode": "decode.count",
-    "num_colocated": "colocated.count", "model": "model", "device": "engine.device", "dtype": "engine.dtype",
-    "page_size": "engine.page_size", "num_pages": "engine.num_pages", "max_running": "engine.max_running_requests",
+    "num_colocated": "colocated.count",
 }
 
 
@@ -350,13 +350,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prefill", type=int, metavar="N", help="prefill workers (default 1)")
     p.add_argument("--num-decode", type=int, metavar="N", help="decode workers (default 1)")
     p.add_argument("--num-colocated", type=int, metavar="N", help="colocated workers (default 0)")
-    p.add_argument("--model", help="'smollm2' (bundled SmolLM2-135M-Instruct) or a local HF dir")
-    note = " (every worker's default; a group's own engine: section still wins)"
-    p.add_argument("--device", help="engine device, e.g. cpu or cuda" + note)
-    p.add_argument("--dtype", choices=DTYPES, help="engine dtype" + note)
-    p.add_argument("--page-size", type=int, help="tokens per KV page (power of two)" + note)
-    p.add_argument("--num-pages", type=int, help="KV pages per worker pool" + note)
-    p.add_argument("--max-running", type=int, help="requests decoded together at most" + note)
+    add_engine_args(p, defaults=False, note=" (every worker's default; a group's own engine: section still wins)")
     p.add_argument("--set", action="append", type=_key_value, metavar="KEY=VALUE",
                    help="set any field by dotted path, VALUE parsed as YAML (repeatable; beats the other flags), "
                         "e.g. --set decode.engine.max_running_requests=8 --set gateway.api_key=null")
@@ -365,6 +359,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The config from `--config`, the given flags, then `--set` (later wins)."""
     overrides = {key: getattr(args, dest) for dest, key in _FLAG_FIELDS.items() if getattr(args, dest) is not None}
+    overrides |= {"model" if name == "model" else f"engine.{name}": value
+                  for name, value in engine_fields_from_args(args).items()}
     for key, value in args.set or ():
         overrides.pop(key, None)  # re-inserted last, so it applies after every flag
         overrides[key] = value

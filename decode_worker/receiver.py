@@ -193,10 +193,9 @@ class KVReceiver:
 
     def _start_load(self, ib: _Inbound) -> None:
         req = ib.request
-        kv = self.kvm.open(req.request_id)
-        if not self.kvm.try_allocate(kv, len(req.prompt_token_ids)):
-            self.kvm.release(kv, ReleaseReason.ABORTED, [], cache=False)  # no room yet: retry next step
-            return
+        kv = self.kvm.try_open(req.request_id, len(req.prompt_token_ids))
+        if kv is None:
+            return  # no room yet: retry next step
         ib.device_kv, ib.phase = kv, InboundPhase.LOADING
         ib.residency = move_residency(ib.residency, Residency.LOADING, req.request_id)
         req.timings["load_start"] = self.clock()

@@ -87,9 +87,8 @@ class HostTier:
         if need > self.pool.num_usable:
             raise ValueError(f"a prompt of {num_tokens} tokens needs {need} host-tier pages; this decode worker "
                              f"has {self.pool.num_usable} (raise decode.host_pages)")
-        kv = self.kvm.open(request_id)
-        if not self.kvm.try_allocate(kv, num_tokens):
-            self.kvm.release(kv, ReleaseReason.ABORTED, [], cache=False)
+        kv = self.kvm.try_open(request_id, num_tokens)
+        if kv is None:
             return None
         self.pool.hand_off(kv.pages, request_id, RemoteWrite(request_id))
         k_base = tuple(t.data_ptr() for t in self.kv.k)

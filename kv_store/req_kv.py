@@ -114,6 +114,23 @@ class KVManager:
         self.live[req_id] = kv
         return kv
 
+    def try_open(self, req_id: object, num_tokens: int, token_ids: list[int] | None = None) -> ReqKV | None:
+        """A new request's KV with pages for `num_tokens` tokens after the longest cached prefix of
+        `token_ids` (when given: that prefix is reused and locked, and the total is capped at
+        `len(token_ids)`), or None, holding nothing, when the pool cannot supply the pages. A failed
+        open is undone here, never by `release`: every release is a real ending with a true reason."""
+        kv = self.open(req_id)
+        if token_ids is None:
+            total = num_tokens
+        else:
+            total = min(self.match_prefix(kv, token_ids) + num_tokens, len(token_ids))
+        if self.try_allocate(kv, total):
+            return kv
+        self.prefix_cache.unlock(kv.locked_node)  # try_allocate changed nothing: undo the match alone
+        kv.pages, kv.locked_node, kv.state = [], self.prefix_cache.root, ReqKVState.RELEASED
+        del self.live[req_id]
+        return None
+
     def match_prefix(self, kv: ReqKV, token_ids: list[int]) -> int:
         """Reuse the longest cached prefix of `token_ids`, leaving at least one token to compute
         (its logits are needed). Locks the matched path. Returns the number of cached tokens."""

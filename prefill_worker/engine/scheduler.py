@@ -133,12 +133,10 @@ class Scheduler:
     def _admit_waiting(self, budget: int, step: ScheduledStep) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            kv = self.kvm.open(req.request_id)
-            cached = self.kvm.match_prefix(kv, req.all_token_ids)
-            n = min(req.num_tokens - cached, budget)
-            if not self.kvm.try_allocate(kv, cached + n):
-                self.kvm.release(kv, ReleaseReason.RETRACTED, req.all_token_ids)
+            kv = self.kvm.try_open(req.request_id, budget, req.all_token_ids)
+            if kv is None:
                 return
+            cached, n = kv.cache_protected_len, kv.kv_allocated_len - kv.cache_protected_len
             self.waiting.popleft()
             if req.num_retractions == 0:
                 req.cached_tokens = cached

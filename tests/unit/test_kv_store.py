@@ -285,3 +285,15 @@ def test_transfer_pin_bookkeeping_errors_name_the_cause(kvm):
     with pytest.raises(AssertionError, match=r"pinned by transfer 'w' is no longer in the tree: evicted while"):
         kvm.check_integrity()
     kvm.transfer_pins.pop("w")
+
+
+def test_try_open_reuses_the_prefix_and_a_failed_open_leaves_nothing_behind(kvm):
+    finish_cached(kvm, "a", list(range(8)))  # 2 cached pages
+    b = kvm.try_open("b", 4, list(range(8)) + [90, 91, 92, 93])  # the cached 8 tokens + 4 new, 1 fresh page
+    assert b is not None and b.kv_committed_len == 8 and b.kv_allocated_len == 12 and len(b.pages) == 3
+    free_before = kvm.pool.num_free  # 7: 10 usable - 2 cached - 1 of b's
+    big = kvm.try_open("big", 40, list(range(8)) + list(range(100, 140)))  # matches a's prefix, then no room
+    assert big is None and "big" not in kvm.live and kvm.pool.num_free == free_before
+    kvm.release(b, ReleaseReason.ABORTED, list(range(8)), cache=False)
+    assert kvm.prefix_cache.evictable_pages() == 2, "the failed open left the matched path locked"
+    assert kvm.try_open("c", 44) is None and "c" not in kvm.live  # no prefix given: 11 pages > 10

@@ -31,6 +31,7 @@ from cluster import protocol as p
 from cluster.serve.actors import ACTOR_CONCURRENCY, WorkerActor
 from cluster.serve.config import ServeConfig, WorkerGroupConfig
 from cluster.worker_host.build import WorkerSpec
+from cluster.worker_host.process import death_cause
 
 log = logging.getLogger("tandem.controller")
 
@@ -221,11 +222,10 @@ class Controller:
         except Exception as exc:  # noqa: BLE001 - RayActorError and friends: the process is gone
             self._declare_dead(slot, f"{type(exc).__name__}: {exc}")
             return
-        if beat.crashed:
-            self._declare_dead(slot, f"its loop crashed:\n{beat.crashed}")
-            return
-        if beat.loop_silent_s > self.config.cluster.step_timeout_s:
-            self._declare_dead(slot, f"its loop has not finished a step for {beat.loop_silent_s:.0f}s (hung)")
+        why = death_cause(crashed=beat.crashed, step_age_s=beat.loop_silent_s,
+                          step_timeout_s=self.config.cluster.step_timeout_s)
+        if why:  # the heartbeat's own silence is the wait_for above
+            self._declare_dead(slot, why)
             return
         slot.last_beat = time.monotonic()
         if beat.stats is not None:

@@ -1,210 +1,307 @@
-"""Prefill worker -> LocalTransport -> decode worker's host tier -> device, in one process."""
+"""Prefill worker -> LocalTransport -> decode worker's host tier -> device, in one process, relayed by
+the dispatcher `tandem serve` runs: `WorkerHost`s (loop threads) built by `build_worker` with a
+`LocalTransport` each (peers find each other by session id) and the tiny Llama in place of a
+loaded model."""
 
+from __future__ import annotations
+
+import asyncio
+import functools
 import random
+import time
 
 import pytest
-import torch
 
+from cluster import protocol as p
 from cluster.config import EngineConfig
-from cluster.worker_host.local_pair import LocalPair
-from decode_worker.worker import DecodeWorker
+from cluster.protocol import WorkerRole
+from cluster.worker_host.build import WorkerSpec, build_worker
+from cluster.worker_host.thread import HostLink, WorkerHost
+from kv_store.transfer.config import TransportConfig
 from kv_store.transfer.local import LocalTransport
-from kv_store.transfer.session import TransferDeadlines
-from prefill_worker.request import FinishReason
-from prefill_worker.worker import PrefillWorker
-from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
+from router.backend import ErrorKind
+from router.dispatcher import Dispatcher, WorkerInfo
+from tests.helpers import greedy, make_engine, make_prompts
+
+TIMEOUT_S = 60.0
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
+def _load_tiny(*_args, **_kw):
+    """`load_model` for the tiny Llama: a fresh copy per worker (same seeded weights)."""
+    from kernels.model.loader import LoadedModel
+    from kernels.model.tiny import make_tiny_llama
+    from kernels.model.arch import LlamaArch
 
-    def __call__(self):
-        return self.now
-
-
-def make_pair(page_size=4, chunk_size=16, num_pages=256, host_pages=256, clock=None, deadlines=TransferDeadlines()):
-    ours, _, arch = tiny_models()
-    clock = clock or FakeClock()
-    config = EngineConfig(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size, debug_kv=True)
-    prefill = PrefillWorker(config, ours, arch, LocalTransport(), deadlines=deadlines, clock=clock)
-    decode = DecodeWorker(config, ours, arch, LocalTransport(), host_pages=host_pages, deadlines=deadlines,
-                          clock=clock)
-    return LocalPair(prefill, decode)
+    ours, ref = make_tiny_llama(0)
+    return LoadedModel(ours, LlamaArch.from_hf_config(ref.config), ref.config, None, None, ())
 
 
-def assert_pair_at_rest(pair: LocalPair) -> None:
-    assert not pair.busy()
-    assert_pool_at_rest(pair.prefill)
-    assert_pool_at_rest(pair.decode)
-    host = pair.decode.host.pool.usage()
-    assert host.free == host.total, f"host tier pages still held: {host}"
-    pair.decode.host.check_integrity()
-    pair.prefill.close(), pair.decode.close()
-    pair.prefill.transport.close(), pair.decode.transport.close()
+@pytest.fixture
+def make_hosts(monkeypatch):
+    monkeypatch.setattr("kernels.model.loader.load_model", _load_tiny)
+    made = []
+
+    def make(page_size=4, chunk_size=16, num_pages=256, host_pages=256, deadlines=TransportConfig()):
+        config = EngineConfig(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size, debug_kv=True)
+        hosts = {}
+        for wid, role, pages in (("prefill-0", "prefill", 0), ("decode-0", "decode", host_pages)):
+            spec = WorkerSpec(role, config, host_pages=pages, transport=deadlines, heartbeat_interval_s=0.02)
+            hosts[wid] = WorkerHost(spec, wid, build=functools.partial(build_worker, transport=LocalTransport()))
+        made.append(hosts)
+        return hosts
+
+    yield make
+    for hosts in made:
+        for host in hosts.values():
+            assert host.shutdown(), f"{host.worker_id}: loop did not stop"
+            assert not host.crashed, host.crashed
+            host.worker.check_integrity()
+
+
+class TapLink(HostLink):
+    """`HostLink` that keeps KV digests (a test hook's replies) away from the dispatcher and
+    records what was sent; `dead` makes the view report the worker dead."""
+
+    def __init__(self, host: WorkerHost):
+        super().__init__(host)
+        self.sent, self.digests, self.dead = [], [], False
+
+    async def send(self, msgs: list) -> None:
+        self.sent += msgs
+        await super().send(msgs)
+
+    async def collect(self, timeout_s: float) -> list:
+        msgs = await super().collect(timeout_s)
+        self.digests += [m for m in msgs if isinstance(m, p.KVDigest)]
+        return [m for m in msgs if not isinstance(m, p.KVDigest)]
+
+
+class HostViews:
+    def __init__(self, hosts: dict[str, WorkerHost]):
+        self.hosts, self.links = hosts, {wid: TapLink(h) for wid, h in hosts.items()}
+
+    async def workers(self) -> list[WorkerInfo]:
+        return [WorkerInfo(wid, WorkerRole(h.spec.role), 1, not self.links[wid].dead, h.session, h.conn.stats, 0,
+                           self.links[wid]) for wid, h in self.hosts.items()]
+
+
+def serve(hosts, scenario, **kw):
+    views = HostViews(hosts)
+
+    async def main():
+        d = Dispatcher(views, tokenizer=None, model_name="tiny", max_model_len=1024,
+                       **{"refresh_interval_s": 0.02, "collect_timeout_s": 0.02, **kw})
+        await d.start()
+        try:
+            return await asyncio.wait_for(scenario(d, views), TIMEOUT_S)
+        finally:
+            await d.close()
+    return asyncio.run(main())
+
+
+async def run(d, rid, prompt, params):
+    """(token ids, last chunk) of one request."""
+    chunks = [c async for c in d.generate(rid, prompt, params)]
+    return [t for c in chunks for t in c.new_token_ids], chunks[-1]
+
+
+async def fresh_stats(host: WorkerHost) -> p.WorkerStats:
+    asked = time.time()
+    while host.conn.stats is None or host.conn.stats_unix_s <= asked:
+        await asyncio.sleep(0.01)
+    return host.conn.stats
+
+
+async def at_rest(*hosts: WorkerHost, timeout_s: float = 10.0, pump=lambda: None) -> None:
+    """No PRIVATE or IN_FLIGHT page, host tier all free, no transfer, integrity OK (the workers' own
+    stats). `pump` runs before each look (e.g. ends writes a stalled transport still holds)."""
+    deadline = time.monotonic() + timeout_s
+    for host in hosts:
+        while True:
+            pump()
+            s = await fresh_stats(host)
+            if (s.device.private == s.device.in_flight == s.num_transfers == s.num_running == 0
+                    and (s.host is None or s.host.free == s.host.total)):
+                break
+            assert time.monotonic() < deadline, f"{host.worker_id} not at rest: {s}"
+        assert not s.integrity_error, s.integrity_error
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_disaggregated_greedy_matches_colocated_and_hf(prompts, hf_outputs, page_size):
+def test_disaggregated_greedy_matches_colocated_and_hf(make_hosts, prompts, hf_outputs, page_size):
     chunk = 16
     assert max(map(len, prompts)) >= 3 * chunk  # the longest prompt crosses >= 3 chunks
-    pair = make_pair(page_size=page_size, chunk_size=chunk)
-    results = pair.generate(prompts, greedy(max_tokens=24))
+    hosts = make_hosts(page_size=page_size, chunk_size=chunk)
+
+    async def scenario(d, views):
+        results = await asyncio.gather(*(run(d, f"g{i}", pr, greedy(max_tokens=24)) for i, pr in enumerate(prompts)))
+        await at_rest(*hosts.values())
+        return results
+
+    results = serve(hosts, scenario)
     colocated = make_engine(page_size=page_size, chunk_size=chunk).generate(prompts, greedy(max_tokens=24))
-    assert [r.token_ids for r in results] == [r.output_token_ids for r in colocated] == hf_outputs
-    assert all(r.finish_reason is FinishReason.LENGTH and not r.error for r in results)
-    assert pair.decode.device_pool.relocation_version == len(prompts)  # one load per request
-    assert_pair_at_rest(pair)
+    assert [r[0] for r in results] == [r.output_token_ids for r in colocated] == hf_outputs
+    assert all(last.finish_reason == "length" and not last.error and last.prefill_worker == "prefill-0"
+               for _, last in results)
 
 
-def test_loaded_device_pages_are_byte_identical_to_prefill_pages(prompts):
-    pair = make_pair(page_size=4, chunk_size=16)
+def test_decode_kv_is_byte_identical_to_prefill_kv(make_hosts, prompts):
+    hosts = make_hosts(page_size=4, chunk_size=16)
     prompt = prompts[4]
-    pair.submit("r", prompt, greedy(max_tokens=5))
-    while "r" not in pair.decode.requests:
-        pair.step()
-    dec_pages = pair.decode.requests["r"].kv.pages
-    pre = pair.prefill.kvm.prefix_cache.match(prompt, len(prompt))  # prefill cached its pages on release
     full = len(prompt) // 4
-    assert len(pre.pages) == full
-    for layer in range(len(pair.decode.kv_cache.k)):
-        for dec_t, pre_t in ((pair.decode.kv_cache.k[layer], pair.prefill.kv_cache.k[layer]),
-                             (pair.decode.kv_cache.v[layer], pair.prefill.kv_cache.v[layer])):
-            assert torch.equal(dec_t[dec_pages[:full]], pre_t[pre.pages]), f"layer {layer} differs"
-            assert dec_t[dec_pages[:full]].abs().sum() > 0
-    while pair.busy():
-        pair.step()
-    assert_pair_at_rest(pair)
+    assert full >= 4
+
+    async def scenario(d, views):
+        await run(d, "kv", prompt, greedy(max_tokens=5))
+        for wid in hosts:
+            await views.links[wid].send([p.DigestKV(tuple(prompt), full)])
+            while not views.links[wid].digests:
+                await asyncio.sleep(0.01)
+        await at_rest(*hosts.values())
+        return [views.links[wid].digests[0] for wid in hosts]
+
+    prefill, decode = serve(hosts, scenario)
+    assert prefill.num_pages == decode.num_pages == full
+    assert prefill.sha256 and prefill.sha256 == decode.sha256
 
 
-def test_stall_trips_deadline_and_both_sides_release(prompts):
-    clock = FakeClock()
-    pair = make_pair(clock=clock, deadlines=TransferDeadlines(waiting_s=5, transferring_s=5))
-    pair.prefill.transport.stall_next(100)
-    pair.submit("stuck", prompts[4], greedy(max_tokens=5))
-    for _ in range(10):
-        pair.step()
-    assert pair.prefill.device_pool.pages.usage().in_flight > 0  # its pages are lent to the stalled writes
-    clock.now += 6
-    pair.step()
-    res = pair.results["stuck"]
-    assert res.finish_reason is FinishReason.ABORT and "timeout" in res.error
-    host = pair.decode.host.pool.usage()
-    assert host.in_flight > 0, "landing freed while the stalled writes could still land"
-    pair.prefill.transport.release_stalled(fail=True)  # the stalled writes end
-    for _ in range(3):
-        pair.step()
-    assert_pair_at_rest(pair)
+def test_stall_trips_deadline_and_both_sides_release(make_hosts, prompts):
+    hosts = make_hosts(deadlines=TransportConfig(waiting_s=0.5, transferring_s=0.5))
+    hosts["prefill-0"].transport.stall_next(100)
+
+    async def scenario(d, views):
+        _, last = await run(d, "stuck", prompts[4], greedy(max_tokens=5))
+        stats = await fresh_stats(hosts["decode-0"])
+        assert stats.host.in_flight > 0, "landing freed while the stalled writes could still land"
+        assert (await fresh_stats(hosts["prefill-0"])).device.in_flight > 0  # pages lent to the stalled writes
+        hosts["prefill-0"].transport.release_stalled(fail=True)  # the stalled writes end
+        await at_rest(*hosts.values())
+        return last
+
+    last = serve(hosts, scenario, max_transfer_retries=0)
+    assert last.finish_reason == "abort" and "timeout" in last.error and last.error_kind is ErrorKind.UNAVAILABLE
 
 
-def test_transport_failure_is_typed_and_next_request_succeeds(prompts, hf_outputs):
-    pair = make_pair()
-    pair.prefill.transport.fail_next(1)
-    [failed] = pair.generate([prompts[5]], greedy(max_tokens=24))
-    assert failed.finish_reason is FinishReason.ABORT and "transport_error" in failed.error
-    [ok] = pair.generate([prompts[5]], greedy(max_tokens=24))
-    assert ok.token_ids == hf_outputs[5] and not ok.error
-    assert_pair_at_rest(pair)
+def test_failed_transfer_is_rerouted_or_typed_and_next_request_succeeds(make_hosts, prompts, hf_outputs):
+    hosts = make_hosts()
+
+    async def scenario(d, views):
+        hosts["prefill-0"].transport.fail_next(1)
+        rerouted = await run(d, "a", prompts[5], greedy(max_tokens=24))  # re-routed: served on the second try
+        assert d.reroutes._value.get() == 1
+        d.max_transfer_retries = 0
+        hosts["prefill-0"].transport.fail_next(1)
+        failed = await run(d, "b", prompts[5], greedy(max_tokens=24))
+        ok = await run(d, "c", prompts[5], greedy(max_tokens=24))
+        await at_rest(*hosts.values())
+        return rerouted, failed, ok
+
+    rerouted, failed, ok = serve(hosts, scenario)
+    assert rerouted[0] == hf_outputs[5] and not rerouted[1].error
+    assert failed[1].finish_reason == "abort" and "transport_error" in failed[1].error
+    assert ok[0] == hf_outputs[5] and not ok[1].error
 
 
-def test_client_abort_mid_transfer_and_dead_peer(prompts):
-    pair = make_pair(chunk_size=8)
-    pair.submit("a", prompts[4], greedy(max_tokens=5))
-    pair.step()
-    assert pair.decode.inbound["a"].phase.value == "landing"
-    pair.abort("a")
-    for _ in range(3):
-        pair.step()
-    assert pair.results["a"].finish_reason is FinishReason.ABORT
-    pair.prefill.transport.stall_next(100)
-    pair.submit("b", prompts[4], greedy(max_tokens=5))
-    pair.step()
-    pair.decode.peer_dead(pair.prefill_id)  # heartbeat lost: nothing more can arrive from it
-    pair.prefill.peer_dead(pair.decode.transport.session_id)
-    pair.prefill.transport.release_stalled(fail=True)
-    for _ in range(3):
-        pair.step()
-    assert pair.results["b"].finish_reason is FinishReason.ABORT and "peer_dead" in pair.results["b"].error
-    assert_pair_at_rest(pair)
+def test_client_abort_mid_transfer_and_dead_prefill_peer(make_hosts, prompts, hf_outputs):
+    hosts = make_hosts(chunk_size=8)
+    prefill = hosts["prefill-0"]
+
+    async def scenario(d, views):
+        prefill.transport.stall_next(100)
+        stream = d.generate("a", prompts[4], greedy(max_tokens=5))
+        while not any(isinstance(m, p.Prefill) for m in views.links["prefill-0"].sent):
+            await asyncio.sleep(0.01)
+        await d.abort("a")
+        await stream.aclose()
+        await at_rest(*hosts.values(), pump=prefill.transport.release_stalled)  # writes until the abort landed
+        prefill.transport.stall_next(100)
+        # The prefill worker dies while its writes hang: the decode side frees the landing on the
+        # dispatcher's PeerDead and the request is re-routed to local prefill.
+        task = asyncio.create_task(run(d, "b", prompts[4], greedy(max_tokens=24)))
+        while (await fresh_stats(hosts["decode-0"])).host.in_flight == 0:
+            await asyncio.sleep(0.01)
+        views.links["prefill-0"].dead = True
+        tokens, last = await task
+        # The in-process host outlives its "death"; a dead process would compute and write nothing more.
+        prefill.deliver([p.AbortTransfer("b.0", "test: this worker is dead")])
+        await at_rest(*hosts.values(), pump=lambda: prefill.transport.release_stalled(fail=True))
+        return tokens, last
+
+    tokens, last = serve(hosts, scenario)
+    assert tokens == hf_outputs[4] and not last.error and last.prefill_worker == ""
 
 
-def test_200_random_requests_with_aborts_leak_nothing():
+def test_200_random_requests_with_aborts_leak_nothing(make_hosts):
     rng = random.Random(5)
-    pair = make_pair(page_size=4, chunk_size=24, num_pages=1 + 256 // 4, host_pages=1 + 192 // 4)
+    hosts = make_hosts(page_size=4, chunk_size=24, num_pages=1 + 256 // 4, host_pages=1 + 192 // 4)
     prompts = make_prompts(200, min_len=2, max_len=60, seed=9)
     max_tokens = {f"r{i}": rng.randrange(1, 12) for i in range(len(prompts))}
-    pending = list(enumerate(prompts))
-    aborted, step = set(), 0
-    while pending or pair.busy():
-        for _ in range(rng.randrange(0, 4)):
-            if pending:
-                i, p = pending.pop(0)
-                pair.submit(f"r{i}", p, greedy(max_tokens=max_tokens[f"r{i}"]))
-        live = [rid for rid, res in pair.results.items() if res.finish_reason is None]
-        if live and rng.random() < 0.15:
-            rid = rng.choice(live)
-            pair.abort(rid)
-            aborted.add(rid)
-        pair.step()
-        step += 1
-        assert step < 20_000, "pair made no progress"
+
+    async def scenario(d, views):
+        tasks, aborted = {}, set()
+        for i, prompt in enumerate(prompts):
+            tasks[f"r{i}"] = asyncio.create_task(run(d, f"r{i}", prompt, greedy(max_tokens=max_tokens[f"r{i}"])))
+            await asyncio.sleep(rng.random() * 0.004)
+            live = [rid for rid, t in tasks.items() if not t.done()]
+            if live and rng.random() < 0.15:
+                rid = rng.choice(live)
+                aborted.add(rid)
+                await d.abort(rid)  # the gateway's order on a disconnect: abort, then stop reading
+                tasks[rid].cancel()
+        results = {rid: await t for rid, t in tasks.items() if rid not in aborted}
+        assert not d.flights
+        await at_rest(*hosts.values())
+        return results, aborted
+
+    results, aborted = serve(hosts, scenario, admission=_queue_all(len(prompts)), max_pending=len(prompts))
     assert len(aborted) >= 20
-    assert all(pair.results[rid].finish_reason is FinishReason.ABORT for rid in aborted)
-    done = [rid for rid in pair.results if rid not in aborted]
+    done = list(results)
+    assert all(not results[rid][1].error for rid in done), [results[rid][1].error for rid in done][:3]
     reference = make_engine(page_size=4, num_pages=2048).generate(
         [prompts[int(rid[1:])] for rid in done], [greedy(max_tokens=max_tokens[rid]) for rid in done])
-    assert [pair.results[rid].token_ids for rid in done] == [r.output_token_ids for r in reference]
-    assert_pair_at_rest(pair)
+    assert [results[rid][0] for rid in done] == [r.output_token_ids for r in reference]
 
 
-def test_slow_but_moving_transfer_outlives_its_deadline(prompts, hf_outputs):
-    """Progress restarts the deadline on both sides: many chunks, each within the deadline, but
-    together far beyond it, still complete."""
-    clock = FakeClock()
-    pair = make_pair(chunk_size=8, clock=clock, deadlines=TransferDeadlines(waiting_s=5, transferring_s=5))
-    pair.submit("slow", prompts[4], greedy(max_tokens=24))
-    steps = 0
-    while pair.busy():
-        clock.now += 3  # every step looks slow
-        pair.step()
-        steps += 1
-    assert steps * 3 > 5 * 3  # the whole transfer took several deadlines
-    assert pair.results["slow"].token_ids == hf_outputs[4] and not pair.results["slow"].error
-    assert_pair_at_rest(pair)
+def _queue_all(n: int):
+    from router.admission import AdmissionParams
+
+    return AdmissionParams(max_queue_delay_s=1e9, max_queued_requests=n, max_requests_per_worker=n)
 
 
-def test_failed_write_that_may_still_land_holds_pages_and_landing(prompts, monkeypatch):
-    """A write the transport gave up on can still be moving bytes (a hung peer's abandoned batch):
-    until it settles, the prefill pages stay lent and the decode landing stays reserved."""
-    pair = make_pair()
-    transport = pair.prefill.transport
-    unsettled = {"on": True}
-    real_settled = type(transport).settled
-    monkeypatch.setattr(type(transport), "settled", lambda self, h: not unsettled["on"] and real_settled(self, h))
-    transport.fail_next(1)
-    pair.submit("z", prompts[4], greedy(max_tokens=5))
-    for _ in range(5):
-        pair.step()
-    res = pair.results["z"]
-    assert res.finish_reason is None  # the decode side has no verdict yet: nothing told it
-    assert pair.prefill.device_pool.pages.usage().in_flight > 0, "pages freed while a write may still read them"
-    assert pair.decode.host.pool.usage().in_flight > 0, "landing freed while a write may still land"
-    pair.prefill.check_integrity(), pair.decode.check_integrity()
-    unsettled["on"] = False
-    for _ in range(3):
-        pair.step()
-    assert res.finish_reason is FinishReason.ABORT and "transport_error" in res.error
-    assert_pair_at_rest(pair)
+def test_slow_but_moving_transfer_outlives_its_deadline(make_hosts, prompts, hf_outputs, monkeypatch):
+    """Progress restarts the deadline on both sides: every prefill chunk (and so every write) comes
+    within the deadline, but the whole transfer takes several deadlines."""
+    from kernels.model.llama import LlamaForCausalLM
+
+    deadline_s, chunk_s = 0.6, 0.25
+    real_forward = LlamaForCausalLM.forward
+
+    def slow_prefill(self, input_ids, *args, **kw):
+        if input_ids.numel() > 1:  # a prefill chunk (the decode batch here is one token)
+            time.sleep(chunk_s)
+        return real_forward(self, input_ids, *args, **kw)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", slow_prefill)
+    hosts = make_hosts(chunk_size=8, deadlines=TransportConfig(waiting_s=deadline_s, transferring_s=deadline_s))
+    assert len(prompts[4]) > 6 * 8  # 7 chunks
+
+    async def scenario(d, views):
+        return await run(d, "slow", prompts[4], greedy(max_tokens=24))
+
+    tokens, last = serve(hosts, scenario)
+    assert tokens == hf_outputs[4] and not last.error
+    assert last.kv_transfer_s > 2 * deadline_s  # the whole transfer took several deadlines
 
 
-def test_a_prompt_larger_than_the_whole_host_tier_is_rejected_not_retried_forever():
-    pair = make_pair(page_size=4, host_pages=1 + 3)  # 3 usable landing pages: 12 tokens
-    with pytest.raises(ValueError, match="needs 4 host-tier pages.*has 3"):
-        pair.decode.reserve("big", list(range(3, 16)), greedy(max_tokens=2), "prefill-0")
-    assert pair.decode.reserve("fits", list(range(3, 15)), greedy(max_tokens=2), "prefill-0") is not None
-    assert pair.decode.reserve("later", list(range(3, 7)), greedy(max_tokens=2), "prefill-0") is None  # full now
-    pair.decode.abort("fits")
-    pair.decode.peer_dead("prefill-0")  # the landing was never written: the writer's end frees it
-    assert [out.finish_reason for out in pair.decode.step()] == [FinishReason.ABORT]
-    pair.decode.outbox.clear()  # the AbortTransfer nobody is there to read
-    assert_pair_at_rest(pair)
+def test_a_prompt_larger_than_the_whole_host_tier_is_rejected_not_retried_forever(make_hosts):
+    hosts = make_hosts(page_size=4, host_pages=1 + 3)  # 3 usable landing pages: 12 tokens
+
+    async def scenario(d, views):
+        big = await run(d, "big", list(range(3, 16)), greedy(max_tokens=2))
+        fits = await run(d, "fits", list(range(3, 15)), greedy(max_tokens=2))
+        await at_rest(*hosts.values())
+        return big, fits
+
+    big, fits = serve(hosts, scenario)
+    assert big[1].error_kind is ErrorKind.REJECTED and "needs 4 host-tier pages" in big[1].error
+    assert len(fits[0]) == 2 and not fits[1].error

@@ -1,0 +1,25 @@
+"""Every test that builds an engine ends with that engine's integrity check (docs/design.md §3):
+engines made during a test are recorded, and each one still alive is checked at teardown."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+
+from prefill_worker.engine.core import EngineCore
+
+
+@pytest.fixture(autouse=True)
+def engines_intact(monkeypatch):
+    engines: weakref.WeakSet[EngineCore] = weakref.WeakSet()
+    build = EngineCore.__init__
+
+    def recording_init(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        engines.add(self)
+
+    monkeypatch.setattr(EngineCore, "__init__", recording_init)
+    yield engines
+    for engine in list(engines):
+        engine.check_integrity()  # KV pools (and a receiver's host tier) consistent after the test

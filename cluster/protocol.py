@@ -214,28 +214,6 @@ class TokenOutput:
 
 
 @dataclass(frozen=True)
-class Stall:
-    """Test hook: the worker stops stepping for `seconds` (a slow peer)."""
-
-    seconds: float
-
-
-@dataclass(frozen=True)
-class DigestKV:
-    """Test/debug hook: hash the cached KV of the first `num_pages` pages of `token_ids`."""
-
-    token_ids: tuple[int, ...]
-    num_pages: int
-
-
-@dataclass(frozen=True)
-class KVDigest:
-    role: str
-    num_pages: int  # pages of the prefix found in the worker's prefix cache
-    sha256: str  # over K then V of every layer, page by page; "" when fewer pages were found
-
-
-@dataclass(frozen=True)
 class Shutdown:
     pass
 

@@ -10,7 +10,7 @@ worker is reached through a `PipeLink` (the dispatcher's `WorkerLink`). The rela
     Dispatcher --PipeLink.send--> pipe --> worker_main: run_loop
     Dispatcher <--PipeLink.collect-- inbox <-- reader thread <-- pipe
                                                   |
-                                                  +--> heartbeats (liveness, stats), KV digests
+                                                  +--> heartbeats (liveness, stats), messages set aside
 
 `death_cause` is the one rule that declares a worker dead, here and in the Ray controller.
 """
@@ -113,14 +113,15 @@ class PipeLink:
     """`router.workers.WorkerLink` over the parent's end of a worker's spawn pipe.
 
     A reader thread receives everything the worker sends: heartbeats update `last_beat_s` and
-    `stats`, KV digests (a test hook) wait for `kv_digest`, everything else waits for `collect`.
-    Sends are serialised by a lock (the dispatcher's sender and the test hooks share the pipe).
+    `stats`; messages `aside(msg)` picks (a test wrapper's replies, say) wait for `take_aside`;
+    everything else waits for `collect`. Sends are serialised by a lock (the dispatcher's sender and
+    other senders share the pipe).
     """
 
-    def __init__(self, conn, name: str) -> None:
+    def __init__(self, conn, name: str, aside: Callable[[object], bool] | None = None) -> None:
         self._conn, self._send_lock, self._cond = conn, threading.Lock(), threading.Condition()
         self._inbox: list = []
-        self._digests: list[p.KVDigest] = []
+        self._aside, self._set_aside = aside, []
         self.closed = False  # the pipe ended: the process is gone
         self.crashed = ""  # the traceback of its WorkerCrashed, if it sent one
         self.last_beat_s = self.last_step_s = time.monotonic()
@@ -139,19 +140,15 @@ class PipeLink:
     async def collect(self, timeout_s: float) -> list:
         return await asyncio.to_thread(self._collect, timeout_s)
 
-    async def kv_digest(self, token_ids: list[int], num_pages: int, timeout_s: float = 30.0) -> p.KVDigest:
-        """Test hook: the hash of the worker's cached KV for the first `num_pages` pages of `token_ids`."""
+    async def take_aside(self, timeout_s: float = 30.0):
+        """The oldest message set aside (see `aside`), waiting up to `timeout_s` for one."""
+        return await asyncio.to_thread(self._take_aside, timeout_s)
+
+    def _take_aside(self, timeout_s: float):
         with self._cond:
-            self._digests.clear()
-        await self.send([p.DigestKV(tuple(token_ids), num_pages)])
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._cond:
-                if self._digests:
-                    return self._digests.pop(0)
-            if time.monotonic() > deadline or self.closed:
-                raise TimeoutError(f"no KV digest within {timeout_s}s")
-            await asyncio.sleep(0.02)
+            if not self._cond.wait_for(lambda: self._set_aside or self.closed, timeout_s) or not self._set_aside:
+                raise TimeoutError(f"nothing set aside within {timeout_s}s")
+            return self._set_aside.pop(0)
 
     def _collect(self, timeout_s: float) -> list:
         with self._cond:
@@ -180,8 +177,9 @@ class PipeLink:
             if msg.stats is not None:  # sent by the loop between steps
                 self.stats, self.last_step_s = msg.stats, now
             return
-        if isinstance(msg, p.KVDigest):
-            self._digests.append(msg)
+        if self._aside is not None and self._aside(msg):
+            self._set_aside.append(msg)
+            self._cond.notify_all()
             return
         if isinstance(msg, p.WorkerCrashed):
             self.crashed = msg.error
@@ -208,8 +206,9 @@ class ProcessViews:
     with `close()` (or use it as a context manager)."""
 
     def __init__(self, specs: dict[str, WorkerSpec], *, build: Callable[[WorkerSpec], tuple] = build_worker,
-                 heartbeat_timeout_s: float = 10.0, step_timeout_s: float = math.inf, start_timeout_s: float = 300.0):
-        self.heartbeat_timeout_s, self.step_timeout_s = heartbeat_timeout_s, step_timeout_s
+                 aside: Callable[[object], bool] | None = None, heartbeat_timeout_s: float = 10.0,
+                 step_timeout_s: float = math.inf, start_timeout_s: float = 300.0):
+        self.heartbeat_timeout_s, self.step_timeout_s, self._aside = heartbeat_timeout_s, step_timeout_s, aside
         ctx = mp.get_context("spawn")
         self.procs: dict[str, _Proc] = {}
         for worker_id, spec in specs.items():
@@ -242,10 +241,6 @@ class ProcessViews:
     def kill(self, worker_id: str) -> None:
         """Test hook: SIGKILL the worker's process (no goodbye)."""
         self.procs[worker_id].process.kill()
-
-    async def stall(self, worker_id: str, seconds: float) -> None:
-        """Test hook: the worker stops stepping (and writing) for `seconds`."""
-        await self.link(worker_id).send([p.Stall(seconds)])
 
     async def stats(self, worker_id: str, fresh_within_s: float = 5.0) -> p.WorkerStats:
         """Its first stats heartbeat sent after this call (pool usage, integrity)."""
@@ -302,7 +297,7 @@ class ProcessViews:
         if isinstance(msg, p.WorkerCrashed):
             raise RuntimeError(f"{w.worker_id} failed to start:\n{msg.error}")
         if isinstance(msg, p.WorkerReady):
-            w.session, w.link = msg.session, PipeLink(w.conn, w.worker_id)
+            w.session, w.link = msg.session, PipeLink(w.conn, w.worker_id, self._aside)
 
 
 # ---- offline use: one prefill and one decode process, the dispatcher in front -----------------------

@@ -12,6 +12,7 @@ import pytest
 from cluster.config import EngineConfig, SamplingParams
 from cluster.worker_host.process import ProcessViews, complete, offline_dispatcher, pair_specs
 from kv_store.transfer.config import TransportConfig
+from tests.debug_worker import DigestKV, KVDigest, Stall, build_debug_worker
 from tests.helpers import CHAT_PROMPTS, greedy, hf_greedy, make_smollm2_engine, smollm2
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,8 @@ def make_views():
 
     def make(page_size=16, chunk_size=32, transport=None, num_pages=1024, host_pages=1024, heartbeat_timeout_s=5.0):
         config = EngineConfig(page_size=page_size, chunk_size=chunk_size, num_pages=num_pages, debug_kv=True)
-        views = ProcessViews(pair_specs(config, host_pages, transport), heartbeat_timeout_s=heartbeat_timeout_s)
+        views = ProcessViews(pair_specs(config, host_pages, transport), build=build_debug_worker,
+                             aside=lambda msg: isinstance(msg, KVDigest), heartbeat_timeout_s=heartbeat_timeout_s)
         made.append(views)
         return views
 
@@ -157,7 +159,7 @@ def test_stall_trips_deadline_and_both_sides_end_clean(make_views, chat_ids, hf_
                        heartbeat_timeout_s=10)
 
     async def scenario(d):
-        await views.stall("prefill-0", 4.0)  # a slow peer: stops stepping (and writing) for longer than the deadline
+        await views.link("prefill-0").send([Stall(4.0)])  # a slow peer: stops stepping (and writing) for longer than the deadline
         req = await complete(d, "stalled", chat_ids[4], greedy(max_tokens=4))
         await both_at_rest(views, "pools at rest after the timeout")
         after = await complete(d, "after", chat_ids[1], greedy(max_tokens=MAX_NEW))
@@ -178,7 +180,7 @@ def test_a_landing_that_never_comes_times_out_while_the_holder_finishes(make_vie
     views = make_views(page_size=page, host_pages=1 + -(-len(first) // page))  # +1: page 0 is the scratch page
 
     async def scenario(d):
-        await views.stall("prefill-0", 3.0)
+        await views.link("prefill-0").send([Stall(3.0)])
         holder = asyncio.create_task(complete(d, "holder", first, greedy(max_tokens=MAX_NEW)))
         await asyncio.sleep(0.3)  # its landing is reserved first
         started = time.monotonic()
@@ -236,6 +238,12 @@ def test_cli_disaggregated_json_equals_colocated(capsys):
     assert len(colocated) == 2 and disaggregated == colocated
 
 
+async def kv_digest(views, worker_id: str, token_ids: list[int], num_pages: int) -> KVDigest:
+    """The hash of the worker's cached KV for the first `num_pages` pages of `token_ids`."""
+    await views.link(worker_id).send([DigestKV(tuple(token_ids), num_pages)])
+    return await views.link(worker_id).take_aside(30.0)
+
+
 def test_decode_kv_is_byte_identical_to_prefill_kv_over_mooncake(make_views):
     views = make_views(page_size=16, chunk_size=64)
     prompt = long_prompt(150)
@@ -245,9 +253,9 @@ def test_decode_kv_is_byte_identical_to_prefill_kv_over_mooncake(make_views):
     async def scenario(d):
         res = await complete(d, "kv", prompt, greedy(max_tokens=4))
         assert not res.error
-        prefill = await views.link("prefill-0").kv_digest(prompt, full_pages)
-        decode = await views.link("decode-0").kv_digest(prompt, full_pages)
-        other = await views.link("prefill-0").kv_digest(long_prompt(150)[:16] + [7] * 16 * (full_pages - 1), full_pages)
+        prefill = await kv_digest(views, "prefill-0", prompt, full_pages)
+        decode = await kv_digest(views, "decode-0", prompt, full_pages)
+        other = await kv_digest(views, "prefill-0", long_prompt(150)[:16] + [7] * 16 * (full_pages - 1), full_pages)
         return prefill, decode, other
 
     prefill, decode, other = serve(views, scenario)

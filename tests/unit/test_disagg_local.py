@@ -15,12 +15,13 @@ import pytest
 from cluster import protocol as p
 from cluster.config import EngineConfig
 from cluster.protocol import WorkerRole
-from cluster.worker_host.build import WorkerSpec, build_worker
+from cluster.worker_host.build import WorkerSpec
 from cluster.worker_host.thread import HostLink, WorkerHost
 from kv_store.transfer.config import TransportConfig
 from kv_store.transfer.local import LocalTransport
 from router.backend import ErrorKind
 from router.dispatcher import Dispatcher, WorkerInfo
+from tests.debug_worker import DigestKV, KVDigest, build_debug_worker
 from tests.helpers import greedy, make_engine, make_prompts
 
 TIMEOUT_S = 60.0
@@ -46,7 +47,7 @@ def make_hosts(monkeypatch):
         hosts = {}
         for wid, role, pages in (("prefill-0", "prefill", 0), ("decode-0", "decode", host_pages)):
             spec = WorkerSpec(role, config, host_pages=pages, transport=deadlines, heartbeat_interval_s=0.02)
-            hosts[wid] = WorkerHost(spec, wid, build=functools.partial(build_worker, transport=LocalTransport()))
+            hosts[wid] = WorkerHost(spec, wid, build=functools.partial(build_debug_worker, transport=LocalTransport()))
         made.append(hosts)
         return hosts
 
@@ -72,8 +73,8 @@ class TapLink(HostLink):
 
     async def collect(self, timeout_s: float) -> list:
         msgs = await super().collect(timeout_s)
-        self.digests += [m for m in msgs if isinstance(m, p.KVDigest)]
-        return [m for m in msgs if not isinstance(m, p.KVDigest)]
+        self.digests += [m for m in msgs if isinstance(m, KVDigest)]
+        return [m for m in msgs if not isinstance(m, KVDigest)]
 
 
 class HostViews:
@@ -154,7 +155,7 @@ def test_decode_kv_is_byte_identical_to_prefill_kv(make_hosts, prompts):
     async def scenario(d, views):
         await run(d, "kv", prompt, greedy(max_tokens=5))
         for wid in hosts:
-            await views.links[wid].send([p.DigestKV(tuple(prompt), full)])
+            await views.links[wid].send([DigestKV(tuple(prompt), full)])
             while not views.links[wid].digests:
                 await asyncio.sleep(0.01)
         await at_rest(*hosts.values())

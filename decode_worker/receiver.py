@@ -26,6 +26,7 @@ from kv_store.req_kv import ReleaseReason, ReqKV
 from kv_store.tier_loader import HostToDeviceLoader, LoadHandle
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
+from prefill_worker.engine.connector import NullConnector
 from prefill_worker.engine.core import EngineCore, StepOutput, step_output
 from prefill_worker.engine.request import FinishReason, Request
 
@@ -51,9 +52,9 @@ class _Inbound:
     abort_requested: bool = False  # a load cannot be cancelled: the request ends when it lands
 
 
-class KVReceiver:
-    """`KVConnector` of a decode worker. Messages for prefill workers accumulate in `outbox` as
-    (peer, message)."""
+class KVReceiver(NullConnector):
+    """`KVConnector` of a decode worker (the hooks it does not define are NullConnector's no-ops).
+    Messages for prefill workers accumulate in `outbox` as (peer, message)."""
 
     def __init__(self, transport: Transport, host_pages: int, deadlines: TransferDeadlines = TransferDeadlines(),
                  clock: Callable[[], float] = time.monotonic):
@@ -134,21 +135,6 @@ class KVReceiver:
     def take_arrived(self) -> list[tuple[Request, ReqKV]]:
         arrived, self._arrived = self._arrived, []
         return arrived
-
-    def after_commit(self, step) -> None:
-        pass
-
-    def request_finished(self, req: Request, reason: FinishReason) -> bool:
-        return False
-
-    def request_failed(self, req: Request, error: str) -> bool:
-        return False
-
-    def take_finished(self) -> list[tuple[Request, FinishReason]]:
-        return []
-
-    def can_retract(self, req: Request) -> bool:
-        return True
 
     def loads_in_flight(self) -> frozenset:
         return self.loader.handles()

@@ -20,6 +20,7 @@ from decode_worker.receiver import InboundPhase, KVReceiver
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import TransferDeadlines
 from prefill_worker.engine.core import EngineCore, StepOutput
+from prefill_worker.engine.hosted import EngineWorker
 
 __all__ = ["ColocatedWorker", "DecodeWorker", "InboundPhase"]
 
@@ -31,13 +32,10 @@ def token_output(out: StepOutput) -> p.TokenOutput:
                          out.timings, time.time(), failure)
 
 
-class ColocatedWorker:
+class ColocatedWorker(EngineWorker):
     """Not thread-safe: one loop calls `handle` and `step`."""
 
     role = WorkerRole.COLOCATED
-
-    def __init__(self, engine: EngineCore):
-        self.engine = engine
 
     # ---- the worker contract -----------------------------------------------------------------------
     def handle(self, msg) -> list:
@@ -60,23 +58,8 @@ class ColocatedWorker:
     def step(self) -> list:
         return [token_output(out) for out in self.engine.step()]
 
-    def busy(self) -> bool:
-        return self.engine.busy()
-
-    def has_compute(self) -> bool:
-        return self.engine.scheduler.has_work()
-
     def stats(self) -> p.WorkerStats:
         return self.engine.stats(self.role.value)
-
-    def max_request_tokens(self) -> int:
-        return self.engine.max_request_tokens()
-
-    def check_integrity(self) -> None:
-        self.engine.check_integrity()
-
-    def close(self) -> None:
-        self.engine.close()
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

@@ -22,6 +22,7 @@ from cluster.protocol import KVComplete, KVProgress, Landing, TransferAborted
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
+from prefill_worker.engine.connector import NullConnector
 from prefill_worker.engine.core import EngineCore, StepOutput
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 
@@ -42,8 +43,9 @@ class _Shipment:
     pages_done: int = 0
 
 
-class KVSender:
-    """`KVConnector` of a prefill worker. Messages for the decode worker accumulate in `outbox`
+class KVSender(NullConnector):
+    """`KVConnector` of a prefill worker (the hooks it does not define are NullConnector's no-ops).
+    Messages for the decode worker accumulate in `outbox`
     (KVProgress, KVComplete, TransferAborted) for the worker's loop to deliver."""
 
     def __init__(self, transport: Transport, deadlines: TransferDeadlines = TransferDeadlines(),
@@ -97,9 +99,6 @@ class KVSender:
                 self.abort_transfer(rid, FailureReason.TIMEOUT, shipment.session.failure_detail)
         return []
 
-    def take_arrived(self) -> list:
-        return []
-
     def after_commit(self, step) -> None:
         for req in step.requests:
             shipment = self.shipments.get(req.request_id)
@@ -130,14 +129,8 @@ class KVSender:
         never stop a retract: every write reading them pins them by its own handle."""
         return not self.kvm.lent_pages(req.kv)
 
-    def loads_in_flight(self) -> frozenset:
-        return frozenset()
-
     def busy(self) -> bool:
         return bool(self.shipments or self.outbox)
-
-    def check_integrity(self) -> None:
-        pass
 
     def close(self) -> None:
         self._regions.close()

@@ -18,10 +18,11 @@ from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines
 from prefill_worker.engine.core import EngineCore
+from prefill_worker.engine.hosted import EngineWorker
 from prefill_worker.sender import KVSender
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
     """Not thread-safe: one loop calls `handle` and `step`."""
 
     role = WorkerRole.PREFILL
@@ -29,7 +30,7 @@ class PrefillWorker:
     def __init__(self, config, model, arch, transport: Transport, tokenizer=None, eos_token_ids=(),
                  deadlines: TransferDeadlines = TransferDeadlines(), clock: Callable[[], float] = time.monotonic):
         self.sender = KVSender(transport, deadlines, clock)
-        self.engine = EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.sender)
+        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.sender))
 
     # ---- the worker contract -----------------------------------------------------------------------
     def handle(self, msg) -> list:
@@ -59,23 +60,8 @@ class PrefillWorker:
         out, self.sender.outbox = self.sender.outbox, []
         return out
 
-    def busy(self) -> bool:
-        return self.engine.busy()
-
-    def has_compute(self) -> bool:
-        return self.engine.scheduler.has_work()
-
     def stats(self) -> p.WorkerStats:
         return self.engine.stats(self.role.value, transfers=len(self.sender.shipments))
-
-    def max_request_tokens(self) -> int:
-        return self.engine.max_request_tokens()
-
-    def check_integrity(self) -> None:
-        self.engine.check_integrity()
-
-    def close(self) -> None:
-        self.engine.close()
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params, landing: p.Landing) -> None:

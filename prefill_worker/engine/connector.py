@@ -60,7 +60,8 @@ class KVConnector(Protocol):
 
 
 class NullConnector:
-    """Colocated: every request is prefilled and decoded here; nothing arrives or leaves."""
+    """Colocated: every request is prefilled and decoded here; nothing arrives or leaves. Its no-ops
+    are also the defaults the other connectors inherit for the hooks they do not need."""
 
     def attach(self, engine: EngineCore) -> None:
         pass

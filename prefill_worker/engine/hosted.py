@@ -1,0 +1,26 @@
+"""The parts of the worker contract (`cluster.protocol.Worker`) that every worker answers from its
+engine alone; the roles add `handle`, `fail`, `step` and `stats`."""
+
+from __future__ import annotations
+
+from prefill_worker.engine.core import EngineCore
+
+
+class EngineWorker:
+    def __init__(self, engine: EngineCore):
+        self.engine = engine
+
+    def busy(self) -> bool:
+        return self.engine.busy()
+
+    def has_compute(self) -> bool:
+        return self.engine.scheduler.has_work()
+
+    def max_request_tokens(self) -> int:
+        return self.engine.max_request_tokens()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def close(self) -> None:
+        self.engine.close()

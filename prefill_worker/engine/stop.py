@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from cluster.config import SamplingParams
+from kernels.model.tokenizer import REPLACEMENT_CHAR, cut_at_stop, decode, first_stop
 from prefill_worker.engine.request import FinishReason
 
-REPLACEMENT_CHAR = "\ufffd"  # what a decode of an incomplete UTF-8 byte sequence ends with
+__all__ = ["StopRules", "StopStringMatcher", "cut_at_stop", "decode", "first_stop"]
 SPLIT_AFTER_TOKENS = 8
 """Pending tokens (decoded text still ending in U+FFFD) before a split point among them is sought:
 an incomplete UTF-8 character completes within 4 bytes, so only a literal U+FFFD or invalid bytes
@@ -27,22 +28,6 @@ keep text pending this long."""
 MAX_PENDING_TOKENS = 64
 """Pending tokens at most: a window no split point can be proven in (a tokenizer whose decode of a
 slice differs from the same slice of a whole decode) is then settled as decoded, bounding the cost."""
-
-
-def first_stop(text: str, stop: Sequence[str], start: int = 0) -> int | None:
-    """Where the first occurrence of any stop string at or after `start` begins in `text`; None: none."""
-    hits = [i for i in (text.find(s, start) for s in stop) if i >= 0]
-    return min(hits) if hits else None
-
-
-def cut_at_stop(text: str, stop: Sequence[str]) -> str:
-    """`text` before the first stop string (the whole text when none occurs)."""
-    at = first_stop(text, stop)
-    return text if at is None else text[:at]
-
-
-def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
-    return tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
 class StopStringMatcher:

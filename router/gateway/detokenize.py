@@ -12,24 +12,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from kernels.model.tokenizer import REPLACEMENT_CHAR, cut_at_stop, decode, first_stop
+
 log = logging.getLogger(__name__)
-
-REPLACEMENT_CHAR = "\ufffd"  # what a decode of an incomplete UTF-8 byte sequence ends with
-
-
-def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
-    return tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-
-def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    """(`text` before the first occurrence of any stop string, whether one was found)."""
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return (text[:min(hits)], True) if hits else (text, False)
 
 
 def final_text(tokenizer: Any, token_ids: Sequence[int], stop: Sequence[str]) -> str:
-    """The output text of a finished request (the reference every delta stream must add up to)."""
-    return cut_at_stop(decode(tokenizer, token_ids), stop)[0]
+    """The output text of a finished request (the reference every delta stream must add up to): the
+    engine's own stop-string rule (`kernels.model.tokenizer.cut_at_stop`, used by `StopRules`)."""
+    return cut_at_stop(decode(tokenizer, token_ids), stop)
 
 
 class IncrementalDetokenizer:
@@ -84,8 +75,10 @@ class IncrementalDetokenizer:
         """The rest of the final text (decodes the whole output once)."""
         assert not self.finished, "finish() called twice"
         self.finished = True
-        text, found = cut_at_stop(decode(self._tokenizer, self._ids), self._stop)
-        self.stopped = self.stopped or found
+        text = decode(self._tokenizer, self._ids)
+        at = first_stop(text, self._stop)
+        text = text if at is None else text[:at]
+        self.stopped = self.stopped or at is not None
         sent = self._text[:self._emitted]
         if not text.startswith(sent):
             # Only a tokenizer whose decode is not compositional over token windows gets here; the
@@ -114,9 +107,9 @@ class IncrementalDetokenizer:
     def _find_stop(self) -> None:
         if not self._stop:
             return
-        text, found = cut_at_stop(self._text[self._stop_search_from:], self._stop)
-        if found:
-            self._text = self._text[:self._stop_search_from] + text
+        at = first_stop(self._text, self._stop, self._stop_search_from)
+        if at is not None:
+            self._text = self._text[:at]
             self.stopped = True
         else:
             # a stop string that starts before this point would have been complete and found already

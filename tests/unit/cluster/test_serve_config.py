@@ -22,7 +22,7 @@ from cluster.serve.config import (
     serve_config_from_args,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cluster.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cluster.yaml"
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("kernels", "cluster", "kv_store", "prefill_worker", "decode_worker", "router")
 CLUSTER_ROOT = "cluster (root)"
 TOP = "cluster.*"

@@ -1,0 +1,113 @@
+"""A real `redis-server` for tests: a free loopback port, its own temp dir, no persistence.
+
+    server = RedisServer(tmp_dir).start()     # waits until it answers PING
+    server.url                                # redis://127.0.0.1:<port>/0 (with the password if any)
+    server.kill(); server.start()             # a crash and a restart on the same port (empty again)
+    server.pause(); server.resume()           # SIGSTOP / SIGCONT: calls to it time out meanwhile
+    server.stop()
+
+`scripts/setup.sh test` installs the Debian package; without it the tests fail and say so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+START_TIMEOUT_S = 10.0
+
+
+def redis_server_binary() -> str:
+    path = shutil.which("redis-server")
+    if path is None:
+        raise RuntimeError("redis-server is not installed: run `bash scripts/setup.sh test` "
+                           "(it installs the Debian package redis-server)")
+    return path
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """One redis-server process owned by a test; `stop()` it (fixtures do) or it outlives the test."""
+
+    def __init__(self, workdir: Path, password: str | None = None, extra_args: tuple[str, ...] = ()):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.password = password
+        self.extra_args = tuple(extra_args)
+        self.port = free_loopback_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password is not None else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        """A plain client for the test's own reads and tampering."""
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5)
+
+    def start(self) -> "RedisServer":
+        assert self.proc is None or self.proc.poll() is not None, "redis-server already running"
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+                "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", "redis.log"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args + list(self.extra_args), cwd=self.workdir,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: no shutdown, connections reset."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        client = self.client()
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{log}")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server on port {self.port} not ready after {START_TIMEOUT_S} s")
+                time.sleep(0.02)
+        finally:
+            client.close()

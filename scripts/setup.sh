@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtualenv in .venv with tandem and its dependencies (CPU machine).
 #   bash scripts/setup.sh            # runtime (cpu extra)
-#   bash scripts/setup.sh test       # runtime + test dependencies
+#   bash scripts/setup.sh test       # runtime + test dependencies (and redis-server via apt-get)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="cpu${1:+,$1}"
@@ -10,6 +10,18 @@ extras="cpu${1:+,$1}"
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
     sudo_cmd=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo_cmd="sudo"
     $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+# The L3 tests start their own redis-server on a loopback port: install the Debian package if missing.
+if [[ ",${1:-}," == *",test,"* ]] && ! command -v redis-server >/dev/null; then
+    sudo_cmd=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo_cmd="sudo"
+    if command -v apt-get >/dev/null && { [ "$(id -u)" -eq 0 ] || [ -n "$sudo_cmd" ]; }; then
+        echo "setup: installing redis-server (apt-get install redis-server) for the L3 tests"
+        $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq redis-server >/dev/null
+    else
+        echo "setup: redis-server is missing and apt-get/root is not available; install Redis >= 6.2" \
+             "so that redis-server is on PATH, or the L3 tests fail" >&2
+    fi
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -6,6 +6,9 @@
     server.pause(); server.resume()           # SIGSTOP / SIGCONT: calls to it time out meanwhile
     server.stop()
 
+`tls=True` serves TLS only, with a self-signed certificate made by the `openssl` CLI; `url` is then
+`rediss://...` with that certificate as the CA to verify against.
+
 `scripts/setup.sh test` installs the Debian package; without it the tests fail and say so.
 """
 
@@ -18,6 +21,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -41,10 +45,12 @@ def free_loopback_port() -> int:
 class RedisServer:
     """One redis-server process owned by a test; `stop()` it (fixtures do) or it outlives the test."""
 
-    def __init__(self, workdir: Path, password: str | None = None, extra_args: tuple[str, ...] = ()):
+    def __init__(self, workdir: Path, password: str | None = None, extra_args: tuple[str, ...] = (),
+                 tls: bool = False):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.password = password
+        self.tls = tls
         self.extra_args = tuple(extra_args)
         self.port = free_loopback_port()
         self.proc: subprocess.Popen | None = None
@@ -52,11 +58,19 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password is not None else ""
+        if self.tls:
+            return (f"rediss://{auth}127.0.0.1:{self.port}/0"
+                    f"?ssl_cert_reqs=required&ssl_ca_certs={quote(str(self.cert_file))}")
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def cert_file(self) -> Path:
+        return self.workdir / "cert.pem"
 
     def client(self) -> redis.Redis:
         """A plain client for the test's own reads and tampering."""
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5)
+        tls = dict(ssl=True, ssl_ca_certs=str(self.cert_file)) if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5, **tls)
 
     def start(self) -> "RedisServer":
         assert self.proc is None or self.proc.poll() is not None, "redis-server already running"
@@ -64,6 +78,10 @@ class RedisServer:
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", "redis.log"]
         if self.password is not None:
             args += ["--requirepass", self.password]
+        if self.tls:
+            args[args.index("--port") + 1] = "0"
+            args += ["--tls-port", str(self.port), "--tls-auth-clients", "no", "--tls-cert-file", str(self.cert_file),
+                     "--tls-key-file", str(self._make_certificate()), "--tls-ca-cert-file", str(self.cert_file)]
         self.proc = subprocess.Popen(args + list(self.extra_args), cwd=self.workdir,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()
@@ -91,6 +109,17 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+    def _make_certificate(self) -> Path:
+        """A self-signed certificate for 127.0.0.1 (made once); returns its key file."""
+        key = self.workdir / "key.pem"
+        if not key.exists():
+            if shutil.which("openssl") is None:
+                raise RuntimeError("the TLS tests need the openssl command (Debian package openssl)")
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                            "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                            "-keyout", str(key), "-out", str(self.cert_file)], check=True, capture_output=True)
+        return key
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

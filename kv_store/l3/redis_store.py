@@ -107,7 +107,8 @@ class RedisPageStore:
     # ---- the interface ---------------------------------------------------------------------------
     def match_len(self, keys: Sequence[str]) -> int:
         """How many leading pages of `keys` exist in L3 (pipelined EXISTS). Values are not read, so a
-        page counted here can still turn out absent (evicted) or corrupt in `get_pages`. 0 on a fault."""
+        page counted here can still turn out absent (evicted) or corrupt in `get_pages`. A fault ends
+        the count: pipelines answered before it still count (0 when the first one fails)."""
         start = time.perf_counter()
         found = 0
         for chunk in self._chunks(keys):

@@ -383,3 +383,21 @@ def test_a_closed_store_refuses_calls(store):
     store.close()
     with pytest.raises(RuntimeError, match="after close"):
         store.get_pages(chain(1))
+
+
+def test_tls_through_the_url(tmp_path):
+    server = RedisServer(tmp_path, password="pw", tls=True).start()
+    try:
+        kv = make_kv()
+        unverified = make_store(server, url=f"rediss://:pw@127.0.0.1:{server.port}/0")  # system CAs only
+        plain = make_store(server, url=f"redis://:pw@127.0.0.1:{server.port}/0")
+        for store in (unverified, plain):
+            assert store.get_pages(chain(1)) == [None] and store.stats().errors == 1
+            store.close()
+        assert "CERTIFICATE_VERIFY_FAILED" in unverified.last_error
+        verified = make_store(server)
+        keys = put_chain(verified, kv, [1, 2])
+        assert verified.get_pages(keys) == [pack_page(kv, 1), pack_page(kv, 2)]
+        verified.close()
+    finally:
+        server.stop()

@@ -5,7 +5,7 @@ and back, `redis_store.RedisPageStore` moves values to and from Redis (the one m
 `redis`). Any store fault is a counted miss, never an exception to the caller and never wrong KV.
 """
 
-from kv_store.l3.codec import ValueFault, pack_page, unpack_page
+from kv_store.l3.codec import PageBytes, ValueFault, pack_page, unpack_page
 from kv_store.l3.config import L3Config, PrefetchPolicy
 from kv_store.l3.keys import ROOT_KEY, KeyNamespace, page_keys
 from kv_store.l3.redis_store import L3Stats, RedisPageStore
@@ -14,6 +14,7 @@ __all__ = [
     "KeyNamespace",
     "L3Config",
     "L3Stats",
+    "PageBytes",
     "PrefetchPolicy",
     "ROOT_KEY",
     "RedisPageStore",

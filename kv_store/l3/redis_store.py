@@ -94,7 +94,8 @@ class RedisPageStore:
         try:
             self._client = redis.Redis.from_url(
                 config.url, socket_timeout=config.op_timeout_s, socket_connect_timeout=config.op_timeout_s,
-                retry=retry, health_check_interval=0, client_name="tandem-l3")
+                retry=retry, health_check_interval=0, client_name="tandem-l3",
+                socket_read_size=_read_size(self._page_bytes))
         except ValueError as err:  # a bad query parameter in the URL
             raise ConfigError(f"url {config.redacted_url!r}: {err}") from None
         self._lock = threading.Lock()
@@ -263,6 +264,12 @@ class RedisPageStore:
         with self._lock:
             for name, value in counts.items():
                 setattr(self._stats, name, getattr(self._stats, name) + value)
+
+
+def _read_size(page_bytes: int) -> int:
+    """Bytes per socket read: a whole value in one read when it fits 4 MiB. redis-py's pure-Python
+    reader reads 64 KiB at a time by default, which makes a page GET ~4x slower than one read."""
+    return min(max(64 * 1024, page_bytes + 4096), 4 * 1024 * 1024)
 
 
 def _leading_true(replies: list) -> int:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.config import SamplingParams
+from cluster.faults import FAILURE_INTERNAL, internal_error
 from cluster.protocol import AbortTransfer, KVComplete, KVProgress, Landing, TransferAborted
 from kv_store.host_tier import HostTier, Residency, move_residency
 from kv_store.req_kv import ReleaseReason, ReqKV
@@ -28,7 +29,7 @@ from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
 from prefill_worker.engine.connector import NullConnector
 from prefill_worker.engine.core import EngineCore, StepOutput, step_output
-from prefill_worker.engine.request import FinishReason, Request
+from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 
 
 class InboundPhase(enum.Enum):
@@ -121,14 +122,17 @@ class KVReceiver(NullConnector):
 
     # ---- KVConnector -------------------------------------------------------------------------------
     def before_step(self) -> list[StepOutput]:
+        """Deadlines, loads to start, loads that landed: each request's transition confined to it (a
+        fault fails that request alone, `_fail_inbound`)."""
         now = self.clock()
         for ib in list(self.inbound.values()):
-            if ib.phase is InboundPhase.LANDING and ib.session.check_deadline(now):
-                self._give_up(ib, FailureReason.TIMEOUT, ib.session.failure_detail)
+            if ib.phase is InboundPhase.LANDING:
+                self._confined(ib, self._check_deadline, ib, now)
         for ib in [ib for ib in self.inbound.values() if ib.phase is InboundPhase.LOAD_PENDING]:
-            self._start_load(ib)
+            self._confined(ib, self._start_load, ib)
         for handle in self.loader.poll_completed():
-            self._loaded(self.inbound[handle.request_id])
+            ib = self.inbound[handle.request_id]
+            self._confined(ib, self._loaded, ib)
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
@@ -148,7 +152,37 @@ class KVReceiver(NullConnector):
     def close(self) -> None:
         self._regions.close()
 
+    # ---- faults ------------------------------------------------------------------------------------
+    def _confined(self, ib: _Inbound, transition, *args) -> None:
+        try:
+            transition(*args)
+        except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going
+            self._fail_inbound(ib, internal_error(ib.request.request_id, exc, transition.__name__))
+            self.engine.check_integrity()  # what it held went back cleanly, or the worker must stop
+
+    def _fail_inbound(self, ib: _Inbound, error: str) -> None:
+        """End `ib`'s request with an internal error, releasing what it holds now or once it can be."""
+        rid = ib.request.request_id
+        if ib.phase is InboundPhase.LANDING:  # the peer may still write: the landing waits for its word
+            ib.session.fail(FailureReason.ABORTED, error) if not ib.session.terminal else None
+            ib.phase = InboundPhase.ABANDONING
+            self.outbox.append((ib.peer, AbortTransfer(rid, error)))
+        elif ib.load is not None and ib.load.id in self.loader.in_flight:
+            ib.abort_requested = True  # a load cannot be cancelled: `_loaded` releases it when it lands
+        elif self.inbound.pop(rid, None) is not None:  # landed: what it holds is its own (release is idempotent)
+            if ib.device_kv is not None:
+                self.kvm.release(ib.device_kv, ReleaseReason.ABORTED, [], cache=False)
+            self.host.release(ib.host_kv, ReleaseReason.ABORTED)
+        if ib.request.status is not RequestStatus.FINISHED:
+            ib.request.error = error
+            ib.request.finish(FinishReason.ABORT)
+            self._pending_outputs.append(step_output(ib.request, [], FinishReason.ABORT, error, FAILURE_INTERNAL))
+
     # ---- inbound transitions -----------------------------------------------------------------------
+    def _check_deadline(self, ib: _Inbound, now: float) -> None:
+        if ib.session.check_deadline(now):
+            self._give_up(ib, FailureReason.TIMEOUT, ib.session.failure_detail)
+
     def _kv_progress(self, ib: _Inbound) -> None:
         if ib.phase is not InboundPhase.LANDING:
             return
@@ -196,10 +230,11 @@ class KVReceiver(NullConnector):
         self.host.release(ib.host_kv, ReleaseReason.FINISHED)
         ib.residency = move_residency(ib.residency, Residency.DEVICE, req.request_id)
         del self.inbound[req.request_id]
-        if ib.abort_requested:  # its client is gone: end it, no output
+        if ib.abort_requested:  # its client is gone (or it failed): end it, no output
             self.kvm.release(ib.device_kv, ReleaseReason.ABORTED, req.all_token_ids,
                              cache=self.engine.config.enable_prefix_cache)
-            req.finish(FinishReason.ABORT)
+            if req.status is not RequestStatus.FINISHED:
+                req.finish(FinishReason.ABORT)
         else:
             self._arrived.append((req, ib.device_kv))
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cluster.faults import internal_error
 from cluster.protocol import KVComplete, KVProgress, Landing, TransferAborted
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
@@ -92,18 +93,20 @@ class KVSender(NullConnector):
 
     # ---- KVConnector -------------------------------------------------------------------------------
     def before_step(self) -> list[StepOutput]:
-        self._poll_writes()
+        """Writes that ended, and deadlines; each shipment's work confined to it (a fault aborts that
+        transfer alone)."""
         now = self.clock()
         for rid, shipment in list(self.shipments.items()):
-            if shipment.session.check_deadline(now):
-                self.abort_transfer(rid, FailureReason.TIMEOUT, shipment.session.failure_detail)
+            self._confined(rid, self._poll_writes, rid, shipment, now)
+        for rid, shipment in list(self.shipments.items()):
+            self._confined(rid, self._check_deadline, rid, shipment, now)
         return []
 
     def after_commit(self, step) -> None:
         for req in step.requests:
             shipment = self.shipments.get(req.request_id)
             if shipment is not None and shipment.abort_reason is None:
-                self._ship(req, shipment)
+                self._confined(req.request_id, self._ship, req, shipment)
 
     def request_finished(self, req: Request, reason: FinishReason) -> bool:
         """The first token is sampled: hold the KV until every write has retired."""
@@ -134,6 +137,18 @@ class KVSender(NullConnector):
 
     def close(self) -> None:
         self._regions.close()
+
+    # ---- faults ------------------------------------------------------------------------------------
+    def _confined(self, request_id: str, work, *args) -> None:
+        try:
+            work(*args)
+        except Exception as exc:  # noqa: BLE001 - this transfer's fault: abort it, keep the others going
+            self.abort_transfer(request_id, FailureReason.ABORTED, internal_error(request_id, exc, work.__name__))
+            self.engine.check_integrity()  # nothing was left half-owned, or the worker must stop
+
+    def _check_deadline(self, request_id: str, shipment: _Shipment, now: float) -> None:
+        if shipment.session.check_deadline(now):
+            self.abort_transfer(request_id, FailureReason.TIMEOUT, shipment.session.failure_detail)
 
     # ---- shipping ----------------------------------------------------------------------------------
     def _ship(self, req: Request, shipment: _Shipment) -> None:
@@ -171,25 +186,23 @@ class KVSender(NullConnector):
                 ops.append(WriteOp(v.data_ptr() + pages[i] * stride, dst_v, stride))
         return coalesce(ops)
 
-    def _poll_writes(self) -> None:
-        now = self.clock()
-        for rid, shipment in self.shipments.items():
-            for handle in list(shipment.handles):
-                status = self.transport.poll(handle)
-                if status is TransferStatus.PENDING:
-                    continue
-                if status is TransferStatus.FAILED:
-                    self.abort_transfer(rid, FailureReason.TRANSPORT_ERROR, str(self.transport.error(handle)))
-                    if not self.transport.settled(handle):
-                        continue  # abandoned batches may still read these pages and write the landing
-                shipment.handles.discard(handle)
-                self.transport.retire(handle)
-                self.kvm.unpin_transfer(handle)  # terminal and settled: nothing reads its pages now
-                if status is TransferStatus.DONE and shipment.session.state is TransferState.TRANSFERRING:
-                    shipment.session.progress(now)
-                    shipment.pages_done = max(shipment.pages_done, shipment.pages_at_handle.pop(handle, 0))
-                    if shipment.first_token is None:  # once the prompt is done, KVComplete follows shortly
-                        self.outbox.append(KVProgress(rid, shipment.pages_done))
+    def _poll_writes(self, rid: str, shipment: _Shipment, now: float) -> None:
+        for handle in list(shipment.handles):
+            status = self.transport.poll(handle)
+            if status is TransferStatus.PENDING:
+                continue
+            if status is TransferStatus.FAILED:
+                self.abort_transfer(rid, FailureReason.TRANSPORT_ERROR, str(self.transport.error(handle)))
+                if not self.transport.settled(handle):
+                    continue  # abandoned batches may still read these pages and write the landing
+            shipment.handles.discard(handle)
+            self.transport.retire(handle)
+            self.kvm.unpin_transfer(handle)  # terminal and settled: nothing reads its pages now
+            if status is TransferStatus.DONE and shipment.session.state is TransferState.TRANSFERRING:
+                shipment.session.progress(now)
+                shipment.pages_done = max(shipment.pages_done, shipment.pages_at_handle.pop(handle, 0))
+                if shipment.first_token is None:  # once the prompt is done, KVComplete follows shortly
+                    self.outbox.append(KVProgress(rid, shipment.pages_done))
 
     def _retire_finished(self) -> None:
         """Hand back every request whose outstanding writes are all terminal and whose fate is known."""

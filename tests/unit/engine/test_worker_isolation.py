@@ -134,6 +134,40 @@ def test_a_fault_on_the_prefill_worker_fails_only_its_transfer(clean):
     prefill.sender.transport.close(), decode.receiver.transport.close()
 
 
+def _pair_with_faulty_step(monkeypatch, target: str, method: str):
+    """A prefill + decode pair on the tiny Llama whose `target` ("sender" or "receiver") raises in
+    `method` for the request "req-4" only (the fifth prompt)."""
+    _, _, arch = tiny_models()
+    prefill = PrefillWorker(CONFIG, tiny_models()[0], arch, LocalTransport())
+    decode = DecodeWorker(CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256)
+    connector = prefill.sender if target == "sender" else decode.receiver
+    original = getattr(connector, method)
+
+    def faulty(*args):
+        request_ids = [getattr(a, "request_id", None) or getattr(getattr(a, "request", None), "request_id", None)
+                       for a in args]
+        if "req-4" in request_ids:
+            raise RuntimeError("injected connector fault")
+        return original(*args)
+
+    monkeypatch.setattr(connector, method, faulty)
+    return prefill, decode
+
+
+@pytest.mark.parametrize("target, method", [("sender", "_ship"), ("receiver", "_start_load"),
+                                            ("receiver", "_loaded"), ("receiver", "_check_deadline")])
+def test_a_fault_in_a_transfer_transition_fails_only_its_request(clean, monkeypatch, target, method):
+    prefill, decode = _pair_with_faulty_step(monkeypatch, target, method)
+    results = StepPair(prefill, decode).generate(good_prompts() + [good_prompts(5)[4]], greedy(max_tokens=12))
+    assert [r.token_ids for r in results[:4]] == clean
+    assert results[4].finish_reason is FinishReason.ABORT and "internal error in the worker" in results[4].error
+    for worker in (prefill, decode):
+        assert why_not_at_rest(worker) == ""
+        assert_pool_at_rest(worker.engine)
+        worker.close()
+    prefill.sender.transport.close(), decode.receiver.transport.close()
+
+
 def build_tiny(spec: WorkerSpec):
     """`WorkerHost`'s build for a colocated worker on the tiny Llama, whose model fails on POISON."""
     return ColocatedWorker(EngineCore(spec.engine, PoisonModel(), tiny_models()[2])), LocalTransport()

@@ -102,6 +102,7 @@ class TransferAborted:
 
     request_id: str
     reason: str
+    failure: str = ""  # "": the transfer failed (worth a retry); "internal": a fault of the request's own
 
 
 @dataclass(frozen=True)

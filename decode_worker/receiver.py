@@ -99,7 +99,7 @@ class KVReceiver(NullConnector):
         elif isinstance(msg, KVComplete):
             self._kv_complete(ib, msg.first_token, msg.cached_tokens, dict(msg.timings))
         else:
-            self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}")
+            self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}", msg)
 
     def peer_dead(self, peer: str) -> None:
         """Nothing more can arrive from `peer`: its landings are ours again."""
@@ -246,11 +246,16 @@ class KVReceiver(NullConnector):
         self.outbox.append((ib.peer, AbortTransfer(ib.request.request_id, detail or reason.value)))
         self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}")
 
-    def _landing_free(self, ib: _Inbound, reason: FailureReason, detail: str) -> None:
-        """No write to the landing is outstanding any more: release it; end the request if still open."""
+    def _landing_free(self, ib: _Inbound, reason: FailureReason, detail: str,
+                      aborted: TransferAborted | None = None) -> None:
+        """No write to the landing is outstanding any more: release it; end the request if still open
+        (with the prefill worker's own error when a fault of the request's ended it there)."""
         if ib.phase is InboundPhase.LANDING:
             ib.session.fail(reason, detail)
-            self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}")
+            if aborted is not None and aborted.failure:
+                self._report(ib.request, FinishReason.ABORT, aborted.reason, aborted.failure)
+            else:
+                self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}")
         self.host.release(self.host.abandon(ib.request.request_id), ReleaseReason.TRANSFER_FAILED)
         del self.inbound[ib.request.request_id]
 
@@ -261,9 +266,9 @@ class KVReceiver(NullConnector):
         del self.inbound[ib.request.request_id]
         self._report(ib.request, reason, "")
 
-    def _report(self, req: Request, reason: FinishReason, error: str) -> None:
+    def _report(self, req: Request, reason: FinishReason, error: str, failure: str = "") -> None:
         """End a request that never joined the batch. Its only token (if any) is the first one."""
         req.error = error
         req.finish(reason)
         tokens = list(req.output_token_ids) if not error else []
-        self._pending_outputs.append(step_output(req, tokens, reason, error))
+        self._pending_outputs.append(step_output(req, tokens, reason, error, failure))

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.faults import internal_error
+from cluster.faults import FAILURE_INTERNAL, internal_error
 from cluster.protocol import KVComplete, KVProgress, Landing, TransferAborted
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
@@ -39,6 +39,7 @@ class _Shipment:
     handles: set = field(default_factory=set)
     first_token: int | None = None  # set when the prompt is done and the token sampled
     abort_reason: str | None = None  # set when the transfer is being abandoned
+    failure: str = ""  # with abort_reason: FAILURE_INTERNAL when a fault of the request's own ended it
     bytes_sent: int = 0
     pages_at_handle: dict = field(default_factory=dict)  # handle -> pages written once it retires
     pages_done: int = 0
@@ -70,16 +71,19 @@ class KVSender(NullConnector):
         session.advance(TransferState.WAITING, self.clock())
         self.shipments[req.request_id] = _Shipment(landing, session)
 
-    def abort_transfer(self, request_id: str, reason: FailureReason, detail: str = "") -> None:
-        """Stop shipping `request_id`: no new writes; released once outstanding writes are terminal."""
+    def abort_transfer(self, request_id: str, reason: FailureReason, detail: str = "", failure: str = "") -> None:
+        """Stop shipping `request_id`: no new writes; released once outstanding writes are terminal.
+        `failure`: FAILURE_INTERNAL when a fault of the request's own ends it (its client is not re-routed)."""
         shipment = self.shipments.get(request_id)
         if shipment is None:  # never got it (aborted before it arrived) or done: nothing will be written
-            self.outbox.append(TransferAborted(request_id, f"no transfer in progress ({reason.value})"))
+            self.outbox.append(TransferAborted(request_id, detail or f"no transfer in progress ({reason.value})",
+                                               failure))
             return
         if shipment.abort_reason is not None:
             return
         shipment.session.fail(reason, detail) if not shipment.session.terminal else None
-        shipment.abort_reason = f"{reason.value}: {detail}" if detail else reason.value
+        shipment.abort_reason = detail if failure else f"{reason.value}: {detail}" if detail else reason.value
+        shipment.failure = failure
         req = self.engine.requests.get(request_id)
         if req is not None and req.status is RequestStatus.WAITING:
             self.engine.finish(req, FinishReason.ABORT)  # holds no KV yet
@@ -119,7 +123,7 @@ class KVSender(NullConnector):
     def request_failed(self, req: Request, error: str) -> bool:
         """A fault of its own ends the transfer: the decode worker hears `TransferAborted`, and the KV
         is released once no write reads it."""
-        self.abort_transfer(req.request_id, FailureReason.ABORTED, error)
+        self.abort_transfer(req.request_id, FailureReason.ABORTED, error, FAILURE_INTERNAL)
         return True
 
     def take_finished(self) -> list[tuple[Request, FinishReason]]:
@@ -143,7 +147,8 @@ class KVSender(NullConnector):
         try:
             work(*args)
         except Exception as exc:  # noqa: BLE001 - this transfer's fault: abort it, keep the others going
-            self.abort_transfer(request_id, FailureReason.ABORTED, internal_error(request_id, exc, work.__name__))
+            self.abort_transfer(request_id, FailureReason.ABORTED, internal_error(request_id, exc, work.__name__),
+                                FAILURE_INTERNAL)
             self.engine.check_integrity()  # nothing was left half-owned, or the worker must stop
 
     def _check_deadline(self, request_id: str, shipment: _Shipment, now: float) -> None:
@@ -216,7 +221,7 @@ class KVSender(NullConnector):
                 self.outbox.append(KVComplete(rid, shipment.first_token, req.cached_tokens, tuple(req.timings.items())))
                 self._done.append((req, FinishReason.LENGTH))
             else:
-                self.outbox.append(TransferAborted(rid, shipment.abort_reason))
+                self.outbox.append(TransferAborted(rid, shipment.abort_reason, shipment.failure))
                 if req is not None and req.status is RequestStatus.RUNNING:
                     self._done.append((req, FinishReason.ABORT))
                 else:

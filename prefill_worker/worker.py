@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from cluster import protocol as p
+from cluster.faults import FAILURE_INTERNAL
 from cluster.protocol import WorkerRole
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import Transport
@@ -52,7 +53,7 @@ class PrefillWorker(EngineWorker):
         worker hears `TransferAborted` (from a later step), and the KV is released once no write reads it."""
         if msg.request_id not in self.sender.shipments:  # failed before its transfer opened
             self.engine.abort(msg.request_id)
-        self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, error)
+        self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, error, FAILURE_INTERNAL)
         return []
 
     def step(self) -> list:

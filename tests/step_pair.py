@@ -17,6 +17,7 @@ class PairResult:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str = ""
+    failure: str = ""  # with error: "transfer" (worth a retry) or "internal"
 
 
 class StepPair:
@@ -43,6 +44,7 @@ class StepPair:
                 result.token_ids += msg.new_token_ids
                 if msg.finish_reason is not None:
                     result.finish_reason, result.error = FinishReason(msg.finish_reason), msg.error
+                    result.failure = msg.failure
             else:
                 self.prefill.handle(msg)  # AbortTransfer
 

@@ -126,7 +126,8 @@ def test_a_fault_on_the_prefill_worker_fails_only_its_transfer(clean):
     decode = DecodeWorker(CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256)
     results = StepPair(prefill, decode).generate(good_prompts() + [[5, 6, POISON, 7]], greedy(max_tokens=12))
     assert [r.token_ids for r in results[:4]] == clean
-    assert results[4].finish_reason is FinishReason.ABORT and "internal error in the worker" in results[4].error
+    assert results[4].finish_reason is FinishReason.ABORT and results[4].failure == "internal"  # never re-routed
+    assert_internal_error(results[4].error)
     for worker in (prefill, decode):
         assert why_not_at_rest(worker) == ""
         assert_pool_at_rest(worker.engine)
@@ -160,7 +161,8 @@ def test_a_fault_in_a_transfer_transition_fails_only_its_request(clean, monkeypa
     prefill, decode = _pair_with_faulty_step(monkeypatch, target, method)
     results = StepPair(prefill, decode).generate(good_prompts() + [good_prompts(5)[4]], greedy(max_tokens=12))
     assert [r.token_ids for r in results[:4]] == clean
-    assert results[4].finish_reason is FinishReason.ABORT and "internal error in the worker" in results[4].error
+    assert results[4].finish_reason is FinishReason.ABORT and results[4].failure == "internal"  # never re-routed
+    assert_internal_error(results[4].error)
     for worker in (prefill, decode):
         assert why_not_at_rest(worker) == ""
         assert_pool_at_rest(worker.engine)

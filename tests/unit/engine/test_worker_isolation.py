@@ -124,10 +124,16 @@ def test_a_fault_on_the_prefill_worker_fails_only_its_transfer(clean):
     _, _, arch = tiny_models()
     prefill = PrefillWorker(CONFIG, PoisonModel(), arch, LocalTransport())
     decode = DecodeWorker(CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256)
-    results = StepPair(prefill, decode).generate(good_prompts() + [[5, 6, POISON, 7]], greedy(max_tokens=12))
-    assert [r.token_ids for r in results[:4]] == clean
-    assert results[4].finish_reason is FinishReason.ABORT and results[4].failure == "internal"  # never re-routed
-    assert_internal_error(results[4].error)
+    assert_only_the_last_fails(prefill, decode, good_prompts() + [[5, 6, POISON, 7]], clean)
+
+
+def assert_only_the_last_fails(prefill, decode, prompts: list[list[int]], clean: list[list[int]]) -> None:
+    """Serve `prompts` through the pair: all but the last give their clean output, the last ends with
+    an internal error (never re-routed); both workers end at rest, then are closed."""
+    results = StepPair(prefill, decode).generate(prompts, greedy(max_tokens=12))
+    assert [r.token_ids for r in results[:-1]] == clean
+    assert results[-1].finish_reason is FinishReason.ABORT and results[-1].failure == "internal"
+    assert_internal_error(results[-1].error)
     for worker in (prefill, decode):
         assert why_not_at_rest(worker) == ""
         assert_pool_at_rest(worker.engine)
@@ -159,15 +165,7 @@ def _pair_with_faulty_step(monkeypatch, target: str, method: str):
                                             ("receiver", "_loaded"), ("receiver", "_check_deadline")])
 def test_a_fault_in_a_transfer_transition_fails_only_its_request(clean, monkeypatch, target, method):
     prefill, decode = _pair_with_faulty_step(monkeypatch, target, method)
-    results = StepPair(prefill, decode).generate(good_prompts() + [good_prompts(5)[4]], greedy(max_tokens=12))
-    assert [r.token_ids for r in results[:4]] == clean
-    assert results[4].finish_reason is FinishReason.ABORT and results[4].failure == "internal"  # never re-routed
-    assert_internal_error(results[4].error)
-    for worker in (prefill, decode):
-        assert why_not_at_rest(worker) == ""
-        assert_pool_at_rest(worker.engine)
-        worker.close()
-    prefill.sender.transport.close(), decode.receiver.transport.close()
+    assert_only_the_last_fails(prefill, decode, good_prompts() + [good_prompts(5)[4]], clean)
 
 
 def build_tiny(spec: WorkerSpec):

@@ -52,6 +52,18 @@ class _Inbound:
     load: LoadHandle | None = None
     abort_requested: bool = False  # a load cannot be cancelled: the request ends when it lands
 
+    def move(self, dst: InboundPhase) -> None:
+        """The only way `phase` changes: a move the diagram in the module docstring does not have raises."""
+        if dst not in _INBOUND_MOVES[self.phase]:
+            raise RuntimeError(f"request {self.request.request_id}: inbound {self.phase.value} -> {dst.value} "
+                               "is not a legal move")
+        self.phase = dst
+
+
+_INBOUND_MOVES = {InboundPhase.LANDING: {InboundPhase.ABANDONING, InboundPhase.LOAD_PENDING},
+                  InboundPhase.LOAD_PENDING: {InboundPhase.LOADING}, InboundPhase.LOADING: set(),
+                  InboundPhase.ABANDONING: set()}
+
 
 class KVReceiver(NullConnector):
     """`KVConnector` of a decode worker (the hooks it does not define are NullConnector's no-ops).
@@ -165,7 +177,7 @@ class KVReceiver(NullConnector):
         rid = ib.request.request_id
         if ib.phase is InboundPhase.LANDING:  # the peer may still write: the landing waits for its word
             ib.session.fail(FailureReason.ABORTED, error) if not ib.session.terminal else None
-            ib.phase = InboundPhase.ABANDONING
+            ib.move(InboundPhase.ABANDONING)
             self.outbox.append((ib.peer, AbortTransfer(rid, error)))
         elif ib.load is not None and ib.load.id in self.loader.in_flight:
             ib.abort_requested = True  # a load cannot be cancelled: `_loaded` releases it when it lands
@@ -205,7 +217,7 @@ class KVReceiver(NullConnector):
         req.timings["kv_complete_received"] = self.clock()
         req.output_token_ids.append(first_token)
         reason = req.stop_rules.check(req.output_token_ids, req.num_tokens)
-        ib.phase = InboundPhase.LOAD_PENDING
+        ib.move(InboundPhase.LOAD_PENDING)
         if reason is not None:
             self._end_inbound(ib, reason)
         else:
@@ -216,7 +228,8 @@ class KVReceiver(NullConnector):
         kv = self.kvm.try_open(req.request_id, len(req.prompt_token_ids))
         if kv is None:
             return  # no room yet: retry next step
-        ib.device_kv, ib.phase = kv, InboundPhase.LOADING
+        ib.device_kv = kv
+        ib.move(InboundPhase.LOADING)
         ib.residency = move_residency(ib.residency, Residency.LOADING, req.request_id)
         req.timings["load_start"] = self.clock()
         ib.load = self.loader.start(req.request_id, list(ib.host_kv.pages), list(kv.pages))
@@ -242,7 +255,7 @@ class KVReceiver(NullConnector):
         """Stop waiting for the transfer: tell the peer, end the request now; the landing stays
         IN_FLIGHT until the peer confirms or is declared dead."""
         ib.session.fail(reason, detail)
-        ib.phase = InboundPhase.ABANDONING
+        ib.move(InboundPhase.ABANDONING)
         self.outbox.append((ib.peer, AbortTransfer(ib.request.request_id, detail or reason.value)))
         self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}")
 

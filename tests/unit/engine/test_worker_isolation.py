@@ -6,6 +6,7 @@ temperature value that raises when the sampler looks at it, a malformed message.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 import time
 
 import pytest
@@ -244,3 +245,17 @@ def test_the_client_of_a_faulty_request_gets_an_internal_error_and_no_retry(clea
     assert_internal_error(bad[-1].error)
     assert dispatcher.reroutes._value.get() == 0, "a request that fails the worker itself is not retried"
     assert [t for c in good for t in c.new_token_ids] == clean[0] and good[-1].error == ""
+
+
+def test_an_inbound_request_moves_only_along_its_diagram():
+    """A transition the receiver's diagram lacks raises (confined to its request by `_confined`)."""
+    from decode_worker.receiver import InboundPhase, _Inbound
+
+    ib = _Inbound(request=SimpleNamespace(request_id="r"), landing=None, peer="prefill-0", session=None)
+    ib.move(InboundPhase.LOAD_PENDING)
+    ib.move(InboundPhase.LOADING)
+    with pytest.raises(RuntimeError, match=r"request r: inbound loading -> landing is not a legal move"):
+        ib.move(InboundPhase.LANDING)
+    with pytest.raises(RuntimeError, match=r"abandoning"):
+        _Inbound(request=SimpleNamespace(request_id="q"), landing=None, peer="p", session=None,
+                 phase=InboundPhase.ABANDONING).move(InboundPhase.LOAD_PENDING)

@@ -259,6 +259,10 @@ def bench_serve(args: argparse.Namespace) -> int:
     from kernels.model.loader import resolve_model_dir
     from kernels.model.tokenizer import load_tokenizer
 
+    if args.dataset == "multiturn":
+        from cluster.bench.multiturn import bench_multiturn
+
+        return bench_multiturn(args)
     if args.num_requests < 1 or args.concurrency < 1:
         raise ValueError("--num-requests and --concurrency must be >= 1")
     if not 1 <= args.input_len[0] <= args.input_len[1] or not 1 <= args.output_len[0] <= args.output_len[1]:

@@ -62,6 +62,17 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     srv.add_argument("--skip-baseline", action="store_true", help="measure the server only")
     srv.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for /health/ready")
     srv.add_argument("--json", action="store_true", help="print the result as JSON too")
+    srv.add_argument("--dataset", choices=["random", "multiturn"], default="random",
+                     help="random: independent prompts; multiturn: conversations resending their history "
+                          "(--concurrency conversations in flight, TTFT per turn, no baseline)")
+    srv.add_argument("--conversations", type=int, default=8, help="multiturn: conversations")
+    srv.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    srv.add_argument("--turn-input-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"),
+                     help="multiturn: new user tokens per turn")
+    srv.add_argument("--turn-output-len", type=int, nargs=2, default=[16, 32], metavar=("MIN", "MAX"),
+                     help="multiturn: answer tokens per turn")
+    srv.add_argument("--think-time-s", type=float, nargs=2, default=[0.0, 0.5], metavar=("MIN", "MAX"),
+                     help="multiturn: pause between an answer and the conversation's next turn")
     _add_overload_args(sub.add_parser("overload", help="`tandem serve` at a multiple of its capacity: "
                                                        "fast 429s, and the TTFT of what it admits"))
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from cluster.bench.offline import Throughput
 from cluster.bench.serve import (QUEUE_ALL_SETS, ExistingServer, SpawnedServer, load_config, serve_flags,
-                                 wait_ready)
+                                 sse_frames, wait_ready)
 
 log = logging.getLogger("tandem.bench")
 
@@ -84,12 +84,7 @@ async def stream_turn(client, prompt: list[int], output_len: int, headers: dict)
         if resp.status_code != 200:
             raise RuntimeError(f"/v1/completions answered {resp.status_code} to a {len(prompt)}-token history: "
                                f"{(await resp.aread())[:500]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            frame = json.loads(line[len("data: "):])
-            if "error" in frame:
-                raise RuntimeError(f"request failed mid-stream: {frame['error']}")
+        async for frame in sse_frames(resp):
             usage = frame.get("usage") or usage
             text = "".join(choice.get("text") or "" for choice in frame.get("choices", ()))
             if text and first_s is None:

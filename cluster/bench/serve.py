@@ -143,6 +143,17 @@ def wait_ready(server, headers: dict, timeout_s: float) -> None:
 
 
 # ---- the load ----------------------------------------------------------------------------------
+
+async def sse_frames(resp):
+    """The JSON frames of an OpenAI-style SSE stream up to `[DONE]`; an error frame raises."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        frame = json.loads(line[len("data: "):])
+        if "error" in frame:
+            raise RuntimeError(f"request failed mid-stream: {frame['error']}")
+        yield frame
+
 async def stream_one(client, prompt: list[int], output_len: int, headers: dict) -> RequestTiming:
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -154,12 +165,7 @@ async def stream_one(client, prompt: list[int], output_len: int, headers: dict) 
                                "lower --concurrency, or serve with a larger router.max_queue_delay_s")
         if resp.status_code != 200:
             raise RuntimeError(f"/v1/completions answered {resp.status_code}: {(await resp.aread())[:500]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            frame = json.loads(line[len("data: "):])
-            if "error" in frame:
-                raise RuntimeError(f"request failed mid-stream: {frame['error']}")
+        async for frame in sse_frames(resp):
             if frame.get("usage"):
                 output_tokens = frame["usage"]["completion_tokens"]
             if any(choice.get("text") for choice in frame.get("choices", ())):

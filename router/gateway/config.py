@@ -43,7 +43,8 @@ class GatewayConfig:
     keep_alive_timeout_s: float = 5.0
     """An idle keep-alive connection is closed after this many seconds."""
     max_connections: int = 1024
-    """Open connections at most (idle ones included); a request beyond them gets 503."""
+    """Open connections at most (idle ones included); a request on one more gets a JSON 503 (the API's
+    error shape, Retry-After) and its connection closes."""
     allowed_hosts: tuple[str, ...] | None = None
     """Host names a request's Host (and Origin, when sent) may name, else 403 (DNS rebinding, cross-site
     browser requests); "*" allows any. None: derived from `host`, loopback names for a loopback bind,

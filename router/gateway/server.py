@@ -10,8 +10,8 @@ Shutdown is graceful: `stop()` sets `app.state.draining` (new /v1 requests on op
 requests in flight (streams included) and then cancels them, which aborts their backend requests;
 finally the app's lifespan shutdown runs `build_app(on_shutdown=...)`.
 
-Connections are bounded by the config: `max_connections` open at most (uvicorn's
-`limit_concurrency`: beyond it a request gets 503), a request head must arrive within
+Connections are bounded by the config: `max_connections` open at most (beyond it a request gets a
+JSON 503 in the API's error shape and its connection closes), a request head must arrive within
 `header_timeout_s` (uvicorn has no such deadline; this module's protocol adds it), an idle keep-alive
 connection closes after `keep_alive_timeout_s`; the body's deadline is the app's (`body_timeout_s`).
 """
@@ -19,6 +19,7 @@ connection closes after `keep_alive_timeout_s`; the body's deadline is the app's
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import threading
@@ -29,6 +30,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router.gateway.config import GatewayConfig
+from router.gateway.errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,11 @@ class HeadTimeoutH11Protocol(H11Protocol):
     """
 
     head_timeout_s = 10.0
+    max_connections = 1024
 
     def connection_made(self, transport) -> None:  # noqa: ANN001 - uvicorn's signature
         super().connection_made(transport)
+        self.app = functools.partial(_within_connection_limit, self.app, self)
         self._head_timer: asyncio.TimerHandle | None = None
         self._cycle_awaited_after = None  # the request cycle before the head being awaited
         self._arm_head_timer()
@@ -81,8 +85,22 @@ class HeadTimeoutH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def _protocol(head_timeout_s: float) -> type[HeadTimeoutH11Protocol]:
-    return type("HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,), {"head_timeout_s": head_timeout_s})
+async def _within_connection_limit(app, protocol: HeadTimeoutH11Protocol, scope, receive, send) -> None:
+    """`app`, unless the server holds more than `max_connections` connections (this one counted) or
+    requests: then a JSON 503 in the API's error shape, and the connection closes. uvicorn's own
+    `limit_concurrency` would answer in plain text."""
+    limit = protocol.max_connections
+    if scope["type"] == "http" and (len(protocol.connections) > limit or len(protocol.tasks) > limit):
+        error = APIError(503, f"too many open connections (gateway.max_connections = {limit})", code="unavailable",
+                         close_connection=True)
+        await error.response()(scope, receive, send)
+        return
+    await app(scope, receive, send)
+
+
+def _protocol(head_timeout_s: float, max_connections: int) -> type[HeadTimeoutH11Protocol]:
+    return type("HeadTimeoutH11Protocol", (HeadTimeoutH11Protocol,),
+                {"head_timeout_s": head_timeout_s, "max_connections": max_connections})
 
 
 class GatewayServer:
@@ -93,8 +111,8 @@ class GatewayServer:
         self.app, self.config = app, config
         self._uvicorn = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, lifespan="on", log_level=log_level, access_log=access_log,
-            timeout_graceful_shutdown=graceful_timeout_s, http=_protocol(config.header_timeout_s),
-            limit_concurrency=config.max_connections, timeout_keep_alive=config.keep_alive_timeout_s))
+            timeout_graceful_shutdown=graceful_timeout_s, http=_protocol(config.header_timeout_s, config.max_connections),
+            timeout_keep_alive=config.keep_alive_timeout_s))
         self._socket: socket.socket | None = None
         self._port: int | None = None  # kept: uvicorn closes the socket at shutdown
         self._thread: threading.Thread | None = None

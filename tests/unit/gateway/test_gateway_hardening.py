@@ -265,10 +265,14 @@ def test_a_connection_without_a_whole_request_head_is_closed(backend):
 def test_open_connections_are_bounded(backend):
     serving = Serving(backend, max_connections=3, max_pending_requests=1, header_timeout_s=60)
     try:
-        idle = [serving.connect() for _ in range(3)]
+        idle = [serving.connect() for _ in range(2)]
         time.sleep(0.2)
-        r = httpx.get(serving.url + "/health", timeout=10)
-        assert r.status_code == 503, r.text
+        assert httpx.get(serving.url + "/health", timeout=10).status_code == 200  # the third connection fits
+        idle.append(serving.connect())
+        time.sleep(0.2)
+        r = httpx.get(serving.url + "/health", timeout=10)  # the fourth does not: the API's error shape, not text
+        assert "too many open connections" in assert_error(r, 503, "unavailable")["message"]
+        assert r.headers["connection"] == "close" and r.headers["retry-after"] == "1"
         for sock in idle:
             sock.close()
         time.sleep(0.2)
@@ -308,7 +312,7 @@ def test_tandem_serve_runs_the_gateway_through_gateway_server(monkeypatch):
     server = served[-1]
     assert served[0] == "dispatcher started" and isinstance(server, RecordingServer)
     assert server.config is config.gateway and guard.server is server.uvicorn_server
-    assert server.uvicorn_server.config.limit_concurrency == 300
+    assert server.uvicorn_server.config.http.max_connections == 300
     assert server.uvicorn_server.config.http.head_timeout_s == 2.0
     server._socket.close()
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from cluster.config import SamplingParams
 from cluster.faults import FAILURE_INTERNAL, internal_error
 from cluster.protocol import AbortTransfer, KVComplete, KVProgress, Landing, TransferAborted
-from kv_store.host_tier import HostTier, Residency, move_residency
+from kv_store.host_tier import HostTier
 from kv_store.req_kv import ReleaseReason, ReqKV
+from kv_store.residency import Residency, move_residency
 from kv_store.tier_loader import HostToDeviceLoader, LoadHandle
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState

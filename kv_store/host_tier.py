@@ -11,12 +11,11 @@ handle, so nothing can free and reuse them under a late write:
     abandon()  IN_FLIGHT -> PRIVATE                   the peer acked an abort or is dead
     release()  the single release path (KVManager.release)
 
-Residency of a request's KV (which tier holds a valid copy) is an explicit enum with checked moves.
+Residency of a request's KV (which tier holds a valid copy): `kv_store/residency.py`.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
@@ -26,33 +25,6 @@ from kernels.kv_layout import KVCacheTensors
 from kv_store.page_pool import KVOwnershipError, PagePool
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
-
-
-class Residency(enum.Enum):
-    HOST = "host"  # only the host tier holds it
-    LOADING = "loading"  # host -> device copy in flight
-    BOTH = "both"  # device pages loaded, host copy still valid
-    DEVICE = "device"  # only the device holds it
-    WRITING = "writing"  # device -> host copy in flight
-
-
-_RESIDENCY_MOVES = {
-    Residency.HOST: {Residency.LOADING},
-    Residency.LOADING: {Residency.BOTH, Residency.HOST},  # HOST: the load failed or was cancelled
-    Residency.BOTH: {Residency.DEVICE, Residency.HOST},
-    Residency.DEVICE: {Residency.WRITING},
-    Residency.WRITING: {Residency.BOTH, Residency.DEVICE},
-}
-
-
-class IllegalResidencyMove(RuntimeError):
-    pass
-
-
-def move_residency(current: Residency, new: Residency, what: str) -> Residency:
-    if new not in _RESIDENCY_MOVES[current]:
-        raise IllegalResidencyMove(f"{what}: residency {current.value} -> {new.value} is illegal")
-    return new
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,22 @@
-"""Page-granular radix prefix cache over token ids (DESIGN §3, §4 rule 4).
+"""Page-granular radix prefix cache over token ids, with per-node tier residency (DESIGN §3, §4 rule 4, §5).
 
 The tree owns CACHED pages. Every node holds a whole number of pages: `len(node.key) ==
-len(node.pages) * page_size`, so every prefix length the tree hands out is page-aligned by
+node.num_pages * page_size`, so every prefix length the tree hands out is page-aligned by
 construction. Children are keyed by their first page of tokens, so two children never share a
 first page.
 
+Tiers. A node's `residency` (`kv_store/residency.py`) says where its pages are valid: `pages`
+are device (L1) page ids, CACHED(node) in the device pool whenever the node is on device;
+`host_pages` are host (L2) page ids, CACHED(node) in the host pool whenever the host copy is
+valid. Nodes on device form a prefix-closed set (a node on device has its parent on device), so a
+match is a device run followed by a host run. What happens to a node that leaves L1 is the
+attached tier's business (`L1Only` drops it; `kv_store/hicache.py:HostCache` keeps it on the host).
+
 Locking: `lock(node)` adds one reference to the node and each ancestor; a node with `lock_ref > 0`
-is never evicted. Eviction removes unlocked leaves in LRU order and frees their pages. Two kinds of
-holder lock a path: a live request (its cached prefix) and a transfer handle that reads cached pages
-(`KVManager.pin_for_transfer`: the pin outlives the request if the request is retracted first).
+leaves no tier. Holders: a live request (its cached prefix), a transfer handle that reads cached
+pages (`KVManager.pin_for_transfer`: the pin outlives the request if the request is retracted
+first), and the tier's own copies and load tickets (`tier.holders()`). Eviction takes unlocked
+nodes with nothing of theirs below them on device, least recently used first.
 `NullPrefixCache` is the same interface with nothing cached (prefix caching disabled).
 """
 
@@ -16,20 +24,25 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kv_store.page_pool import PagePool, PageState
+from kv_store.residency import Residency, move_residency
 
 
 @dataclass(eq=False)
 class TreeNode:
     id: int
     parent: "TreeNode | None"  # None only for the root
-    key: tuple[int, ...]  # token ids, len == len(pages) * page_size
-    pages: list[int]
+    key: tuple[int, ...]  # token ids, len == num_pages * page_size
+    pages: list[int]  # device page ids; [] when the node is not on device
     children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    host_pages: list[int] = field(default_factory=list)  # host page ids; [] when the host copy is not valid
+    residency: Residency = Residency.DEVICE
+    hits: int = 0  # matches that reached this node (the selective write policy counts them)
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,41 @@ class PrefixMatch:
     node: TreeNode
 
 
+class L1Only:
+    """No tier below the device: a node leaving L1 is dropped, copies and loads never happen."""
+
+    def __init__(self, tree: "RadixPrefixCache"):
+        self.tree = tree
+
+    def leave_l1(self, node: TreeNode) -> int:
+        return self.tree.drop_subtree(node)
+
+    def on_insert(self, node: TreeNode) -> None:
+        pass
+
+    def on_hit(self, node: TreeNode) -> None:
+        pass
+
+    def drain(self) -> bool:
+        return False
+
+    def free_host(self, node: TreeNode) -> None:
+        raise AssertionError(f"tree node {node.id} has host pages but this cache has no host tier")
+
+    def retag_host(self, pages: list[int], old_node_id: int, new_node_id: int) -> None:
+        assert not pages, "host pages in a cache with no host tier"
+
+    def holders(self) -> list[TreeNode]:
+        return []
+
+    def check_node(self, node: TreeNode) -> None:
+        assert node.residency is Residency.DEVICE and not node.host_pages, (
+            f"tree node {node.id} is {node.residency.value} but this cache has no host tier")
+
+    def check_integrity(self) -> None:
+        pass
+
+
 class RadixPrefixCache:
     """Radix tree of cached KV pages; shares its `PagePool` with the requests' private pages."""
 
@@ -50,34 +98,52 @@ class RadixPrefixCache:
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
         self.root = TreeNode(id=0, parent=None, key=(), pages=[])
+        self.tier = L1Only(self)
+
+    def num_pages(self, node: TreeNode) -> int:
+        return len(node.key) // self.page_size
 
     # ---- lookup --------------------------------------------------------------------------------
     def match(self, token_ids: list[int] | tuple[int, ...], max_tokens: int) -> PrefixMatch:
-        """Longest cached prefix of `token_ids[:max_tokens]`, rounded down to whole pages.
+        """Longest prefix of `token_ids[:max_tokens]` cached *on device*, rounded down to whole pages.
 
         Splits a node when the match ends inside it (at a page boundary), so the returned node
-        covers exactly the matched prefix. Touches the LRU clock of the matched path. Mutates the
-        tree shape only; page ownership does not change.
+        covers exactly the matched prefix. Touches the LRU clock and hit count of the matched path
+        (the tier may start a backup on a hit). Mutates the tree shape only; page ownership does
+        not change.
         """
+        pos, path = self.walk(token_ids, max_tokens, lambda n: n.residency.on_device)
+        for node in path:
+            node.hits += 1
+            self.tier.on_hit(node)
+        pages = [p for node in path for p in node.pages]
+        return PrefixMatch(pos, pages, path[-1] if path else self.root)
+
+    def walk(self, token_ids, max_tokens: int, admit: Callable[[TreeNode], bool]) -> tuple[int, list[TreeNode]]:
+        """(tokens matched, the nodes matched in order) along `token_ids[:max_tokens]`, following only
+        nodes `admit` accepts. A match ending inside a node splits it, unless a copy is in flight
+        for it (its pages cannot be retagged then): the walk stops before such a node."""
         ps = self.page_size
         limit = min(len(token_ids), max_tokens) // ps * ps
-        node, pos, pages = self.root, 0, []
+        node, pos, path = self.root, 0, []
         now = next(self._clock)
         while pos < limit:
             child = node.children.get(tuple(token_ids[pos:pos + ps]))
-            if child is None:
+            if child is None or not admit(child):
                 break
             n = self._common_pages(child.key, token_ids, pos, limit)
-            if n < len(child.pages):
+            if n < self.num_pages(child):
+                if child.residency.in_transit:
+                    break
                 child = self._split(child, n)
             child.last_access = now
-            pages.extend(child.pages)
+            path.append(child)
             pos += len(child.key)
             node = child
-        return PrefixMatch(pos, pages, node)
+        return pos, path
 
     def lock(self, node: TreeNode) -> None:
-        """Protect `node` and its ancestors from eviction (one reference each)."""
+        """Protect `node` and its ancestors from eviction in every tier (one reference each)."""
         while node is not self.root:
             node.lock_ref += 1
             node = node.parent
@@ -98,7 +164,7 @@ class RadixPrefixCache:
         return True
 
     def path_pages(self, node: TreeNode) -> list[int]:
-        """The pages on the path root -> `node`, in token order: what locking `node` protects."""
+        """The device pages on the path root -> `node`, in token order: what locking `node` protects."""
         chunks = []
         while node is not self.root:
             chunks.append(node.pages)
@@ -106,90 +172,159 @@ class RadixPrefixCache:
         return [p for chunk in reversed(chunks) for p in chunk]
 
     # ---- insert --------------------------------------------------------------------------------
-    def insert(self, token_ids: list[int], pages: list[int], owner: object) -> int:
-        """Cache `pages` (holding `token_ids`, a whole number of pages) for the future.
+    def insert(self, token_ids: list[int], pages: list[int], owner: object) -> list[int]:
+        """Cache `pages` (device pages of `owner` holding `token_ids`, a whole number of pages).
 
-        Returns `num_existing_tokens`: the prefix that was already in the tree. Pages of `pages`
-        below that length are NOT taken (the caller still owns and must free those that are its
-        own); pages from that length on are taken over (PRIVATE(owner) -> CACHED).
+        Returns the pages the tree took over (PRIVATE(owner) -> CACHED); the caller still owns, and
+        must free, the rest. Along the path, a page whose tokens are already on device is not
+        taken (a duplicate); one whose tokens are only on the host is taken as that node's device
+        copy (HOST -> BOTH); the part past the tree's path becomes a new node. A node whose load is
+        in flight ends the insert there (its load brings the same KV).
 
-            | already in tree: caller keeps its pages | new: tree takes pages[existing/ps:] |
-            0                                num_existing_tokens                   len(token_ids)
+            | on device: dup | host only: taken | ... | new node: taken |       (page index ->)
+            0                                                     len(pages)
         """
         ps = self.page_size
         assert len(token_ids) == len(pages) * ps, (
             f"insert of {len(token_ids)} tokens with {len(pages)} pages at page_size {ps}: partial page inserted?")
-        existing = self.match(token_ids, len(token_ids))
-        if existing.num_tokens == len(token_ids):
-            return existing.num_tokens
-        new_pages = pages[existing.num_tokens // ps:]
-        node = TreeNode(id=next(self._ids), parent=existing.node, key=tuple(token_ids[existing.num_tokens:]),
-                        pages=list(new_pages), last_access=next(self._clock))
-        self.pool.give_to_tree(new_pages, owner, node.id)
-        existing.node.children[node.key[:ps]] = node
-        return existing.num_tokens
+        node, pos, taken, now = self.root, 0, [], next(self._clock)
+        while pos < len(token_ids):
+            child = node.children.get(tuple(token_ids[pos:pos + ps]))
+            if child is None:
+                new = TreeNode(id=next(self._ids), parent=node, key=tuple(token_ids[pos:]), pages=list(pages[pos // ps:]),
+                               last_access=now)
+                self.pool.give_to_tree(new.pages, owner, new.id)
+                node.children[new.key[:ps]] = new
+                taken += new.pages
+                self.tier.on_insert(new)
+                break
+            n = self._common_pages(child.key, token_ids, pos, len(token_ids))
+            if child.residency is Residency.LOADING or (n < self.num_pages(child) and child.residency.in_transit):
+                break
+            if n < self.num_pages(child):
+                child = self._split(child, n)
+            if not child.residency.on_device:
+                taken += self._fill_device(child, pages[pos // ps:pos // ps + n], owner)
+            child.last_access = now
+            pos += len(child.key)
+            node = child
+        return taken
+
+    def _fill_device(self, node: TreeNode, pages: list[int], owner: object) -> list[int]:
+        self.pool.give_to_tree(pages, owner, node.id)
+        node.pages = list(pages)
+        node.residency = move_residency(node.residency, Residency.BOTH, f"tree node {node.id} recomputed")
+        return node.pages
 
     # ---- eviction ------------------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
-        """Free `num_pages` pages from the tails of unlocked leaves, least recently used first (fewer
-        if not enough are evictable). Returns the number freed."""
-        heap = [(n.last_access, n.id, n) for n in self._leaves() if n.lock_ref == 0]
+        """Free `num_pages` device pages from unlocked nodes with nothing of theirs on device below them,
+        least recently used first (fewer if not enough are evictable; more when a node's copy to
+        the host could not be trimmed). When nothing is evictable but the tier has copies in flight
+        (locked nodes), waits for them and tries again. Returns the number freed."""
+        freed = 0
+        while freed < num_pages:
+            got = self._evict_round(num_pages - freed)
+            freed += got
+            if got == 0 and not self.tier.drain():
+                break
+        return freed
+
+    def _evict_round(self, num_pages: int) -> int:
+        heap = [(n.last_access, n.id, n) for n in self._nodes() if self._l1_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
             _, _, node = heapq.heappop(heap)
-            keep = max(0, len(node.pages) - (num_pages - freed))
-            self.pool.evict(node.pages[keep:], node.id)
-            freed += len(node.pages) - keep
-            if keep:  # trim the leaf's tail; its prefix stays cached
-                node.key, node.pages = node.key[:keep * self.page_size], node.pages[:keep]
-                break
+            if not self.holds(node) or not self._l1_evictable(node):
+                continue
+            keep = max(0, self.num_pages(node) - (num_pages - freed))
+            if keep:  # trim the node's tail; its prefix stays on device
+                self._split(node, keep)
             parent = node.parent
-            del parent.children[node.key[:self.page_size]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            freed += self.tier.leave_l1(node)
+            if keep:
+                break
+            if parent is not self.root and self._l1_evictable(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
+    def _l1_evictable(self, node: TreeNode) -> bool:
+        return (node.residency in (Residency.DEVICE, Residency.BOTH) and node.lock_ref == 0
+                and not any(c.residency.on_device or c.residency is Residency.LOADING for c in node.children.values()))
+
+    def drop_subtree(self, node: TreeNode) -> int:
+        """Remove `node` and everything below it from the tree, freeing their pages in every tier
+        (none may be locked or in transit). Returns the device pages freed."""
+        freed = 0
+        for child in list(node.children.values()):
+            freed += self.drop_subtree(child)
+        assert node.lock_ref == 0 and not node.residency.in_transit, (
+            f"tree node {node.id} dropped while locked ({node.lock_ref}) or {node.residency.value}")
+        if node.pages:
+            self.pool.evict(node.pages, node.id)
+            freed += len(node.pages)
+        if node.host_pages:
+            self.tier.free_host(node)
+        del node.parent.children[node.key[:self.page_size]]
+        return freed
+
     def evictable_pages(self) -> int:
-        """Pages that `evict` could free now (in subtrees with no lock)."""
-        return sum(len(n.pages) for n in self._nodes() if n.lock_ref == 0)
+        """Device pages `evict` could free now (on device, in subtrees with no lock)."""
+        return sum(len(n.pages) for n in self._nodes()
+                   if n.lock_ref == 0 and n.residency in (Residency.DEVICE, Residency.BOTH))
 
     def cached_pages(self) -> int:
         return sum(len(n.pages) for n in self._nodes())
 
     # ---- checks --------------------------------------------------------------------------------
     def check_integrity(self, expected_locks: dict[int, int] | None = None) -> None:
-        """Tree shape, page ownership, and (given per-node lock counts) lock references.
+        """Tree shape, residency, page ownership, and (given per-node lock counts) lock references.
 
         `expected_locks` maps node id -> number of holders (live requests, transfer pins) locking
-        that node; each node's lock_ref must equal the sum over its subtree.
+        that node; the tier adds its own. Each node's lock_ref must equal the sum over its subtree.
         """
         ps = self.page_size
         seen_pages: set[int] = set()
         for node in self._nodes():
-            assert len(node.key) == len(node.pages) * ps and node.pages, (
-                f"tree node {node.id} holds {len(node.key)} tokens in {len(node.pages)} pages: not page-aligned")
+            self._check_node(node, seen_pages)
             for first, child in node.children.items():
                 assert child.parent is node and child.key[:ps] == first, f"tree node {child.id} misfiled under {node.id}"
-            for p in node.pages:
-                assert p not in seen_pages, f"page {p} in two tree nodes: inserted twice?"
-                seen_pages.add(p)
-                assert self.pool.state(p) is PageState.CACHED and self.pool.owner(p) == node.id, (
-                    f"tree node {node.id} lists page {p} but the pool says {self.pool.state(p)} owned by "
-                    f"{self.pool.owner(p)!r}: freed behind the tree's back?")
-            assert node.lock_ref >= 0, f"tree node {node.id} lock_ref {node.lock_ref} < 0"
         num_cached = self.pool.usage().cached
         assert num_cached == len(seen_pages), (
             f"pool has {num_cached} CACHED pages but the tree holds {len(seen_pages)}: a node dropped without evict?")
+        self.tier.check_integrity()
         if expected_locks is not None:
-            self._check_locks(self.root, expected_locks)
+            locks = dict(expected_locks)
+            for node in self.tier.holders():
+                locks[node.id] = locks.get(node.id, 0) + 1
+            self._check_locks(self.root, locks)
+
+    def _check_node(self, node: TreeNode, seen_pages: set[int]) -> None:
+        ps, n = self.page_size, self.num_pages(node)
+        assert n > 0 and len(node.key) == n * ps, f"tree node {node.id} holds {len(node.key)} tokens: not page-aligned"
+        on_device = node.residency.on_device
+        assert len(node.pages) == (n if on_device else 0), (
+            f"tree node {node.id} is {node.residency.value} with {len(node.pages)} device pages for {n} pages of tokens")
+        if on_device and node.parent is not self.root:
+            assert node.parent.residency.on_device, (
+                f"tree node {node.id} is on device but its parent {node.parent.id} is {node.parent.residency.value}: "
+                "evicted a node whose child was still on device?")
+        for p in node.pages:
+            assert p not in seen_pages, f"page {p} in two tree nodes: inserted twice?"
+            seen_pages.add(p)
+            assert self.pool.state(p) is PageState.CACHED and self.pool.owner(p) == node.id, (
+                f"tree node {node.id} lists page {p} but the pool says {self.pool.state(p)} owned by "
+                f"{self.pool.owner(p)!r}: freed behind the tree's back?")
+        assert node.lock_ref >= 0, f"tree node {node.id} lock_ref {node.lock_ref} < 0"
+        self.tier.check_node(node)
 
     def _check_locks(self, node: TreeNode, expected: dict[int, int]) -> int:
         total = expected.get(node.id, 0) + sum(self._check_locks(c, expected) for c in node.children.values())
         if node is not self.root:
             assert node.lock_ref == total, (
-                f"tree node {node.id} lock_ref {node.lock_ref} but {total} holders (requests, transfer pins) lock it "
-                "or a descendant: a release or unpin skipped unlock, or unlocked twice?")
+                f"tree node {node.id} lock_ref {node.lock_ref} but {total} holders (requests, transfer pins, tier "
+                "copies) lock it or a descendant: a release or unpin skipped unlock, or unlocked twice?")
         return total
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -203,13 +338,18 @@ class RadixPrefixCache:
         return n
 
     def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
-        """Split `node` after `num_pages` pages; returns the new upper part (which inherits the lock)."""
+        """Split `node` after `num_pages` pages; returns the new upper part (which inherits the lock,
+        residency and hits). No copy may be in flight for `node`."""
+        assert not node.residency.in_transit, f"tree node {node.id} split while {node.residency.value}"
         ps = self.page_size
         upper = TreeNode(id=next(self._ids), parent=node.parent, key=node.key[:num_pages * ps],
-                         pages=node.pages[:num_pages], lock_ref=node.lock_ref, last_access=node.last_access)
+                         pages=node.pages[:num_pages], lock_ref=node.lock_ref, last_access=node.last_access,
+                         host_pages=node.host_pages[:num_pages], residency=node.residency, hits=node.hits)
         self.pool.retag_cached(upper.pages, node.id, upper.id)
+        self.tier.retag_host(upper.host_pages, node.id, upper.id)
         node.parent.children[upper.key[:ps]] = upper
         node.key, node.pages, node.parent = node.key[num_pages * ps:], node.pages[num_pages:], upper
+        node.host_pages = node.host_pages[num_pages:]
         upper.children[node.key[:ps]] = node
         return upper
 
@@ -219,9 +359,6 @@ class RadixPrefixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
-
-    def _leaves(self):
-        return (n for n in self._nodes() if not n.children)
 
 
 class NullPrefixCache:
@@ -247,9 +384,9 @@ class NullPrefixCache:
     def path_pages(self, node: TreeNode) -> list[int]:
         return []
 
-    def insert(self, token_ids, pages, owner) -> int:
-        """Takes nothing: returns len(token_ids) so the caller frees all its pages itself."""
-        return len(token_ids)
+    def insert(self, token_ids, pages, owner) -> list[int]:
+        """Takes nothing: the caller frees all its pages itself."""
+        return []
 
     def evict(self, num_pages: int) -> int:
         return 0

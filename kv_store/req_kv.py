@@ -186,12 +186,13 @@ class KVManager:
     def release(self, kv: ReqKV, reason: ReleaseReason, token_ids: list[int], cache: bool = True) -> None:
         """The one way a request's KV ends. Idempotent: a second call is a no-op.
 
-        With `cache`, the committed whole pages go into the prefix tree (those already cached
-        there are freed as duplicates); everything else the request owns is freed; the tree lock
-        is dropped. `token_ids` are the request's tokens (at least `kv_committed_len` of them when caching).
+        With `cache`, the committed whole pages go into the prefix tree (it takes those it does not
+        hold on device yet; the rest are duplicates and are freed); everything else the request owns
+        is freed; the tree lock is dropped. `token_ids` are the request's tokens (at least
+        `kv_committed_len` of them when caching).
 
-            | tree's (unlock) | dup: free | tree takes | partial page + uncommitted: free |
-            0               cpl        existing     aligned                           allocated
+            | tree's (unlock) | offered to the tree: taken or freed | partial page + uncommitted: free |
+            0               cpl                                  aligned                          allocated
         """
         if kv.state is ReqKVState.RELEASED:
             return
@@ -201,12 +202,11 @@ class KVManager:
                                    "IN_FLIGHT: retire their transfer handles first")
         assert not cache or len(token_ids) >= kv.kv_committed_len, (
             f"request {kv.req_id!r}: release with {len(token_ids)} tokens < kv_committed_len {kv.kv_committed_len}")
-        ps, cpl = self.page_size, kv.cache_protected_len
-        aligned = kv.kv_committed_len // ps * ps if cache else cpl
-        existing = self.prefix_cache.insert(list(token_ids[:aligned]), kv.pages[:aligned // ps], kv.req_id)
-        assert cpl <= existing <= aligned, (
-            f"request {kv.req_id!r}: tree had {existing} tokens of its prefix, protected {cpl}: locked path evicted?")
-        self.pool.free(kv.pages[cpl // ps:existing // ps] + kv.pages[aligned // ps:], kv.req_id)
+        ps = self.page_size
+        aligned = kv.kv_committed_len // ps * ps
+        taken = set(self.prefix_cache.insert(list(token_ids[:aligned]), kv.pages[:aligned // ps], kv.req_id)
+                    if cache else ())
+        self.pool.free([p for p in kv.own_pages() if p not in taken], kv.req_id)
         self.prefix_cache.unlock(kv.locked_node)
         kv.pages, kv.locked_node = [], self.prefix_cache.root
         kv.state = ReqKVState.RELEASED

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 class ConfigError(ValueError):
@@ -133,6 +134,16 @@ class EngineConfig:
     max_model_len: int | None = None
     """Prompt + completion tokens at most; None: the model's max_position_embeddings."""
     enable_prefix_cache: bool = True
+    host_cache_ratio: float = 2.0
+    """L2: host-memory KV pages, as a multiple of the device pool's (`num_pages`); 0 turns the host
+    tier off. Ignored without the prefix cache."""
+    host_cache_pages: int | None = None
+    """L2 pages including a scratch page 0, overriding `host_cache_ratio`; 0 turns the host tier off."""
+    write_policy: str = "write_through"
+    """When a device page gets its host copy: `write_through` (on entering the prefix tree),
+    `write_through_selective` (once matched `write_through_hits` times) or `write_back` (on L1 eviction)."""
+    write_through_hits: int = 2
+    """Matches after which `write_through_selective` backs a node up (>= 1)."""
     debug_kv: bool = False
     """Check KV integrity after every scheduler step (also set by TANDEM_DEBUG_KV=1)."""
 
@@ -145,13 +156,24 @@ class EngineConfig:
         require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
         require(self.max_running_requests >= 1, f"max_running_requests must be >= 1, got {self.max_running_requests}")
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.host_cache_ratio >= 0, f"host_cache_ratio must be >= 0, got {self.host_cache_ratio}")
+        require(self.host_cache_pages is None or self.host_cache_pages == 0 or self.host_cache_pages >= 2,
+                 f"host_cache_pages must be 0 (off) or >= 2 (scratch page + one usable), got {self.host_cache_pages}")
+        require(self.write_policy in WRITE_POLICIES,
+                 f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        require(self.write_through_hits >= 1, f"write_through_hits must be >= 1, got {self.write_through_hits}")
         require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len}")
 
     def resolve(self, bytes_per_page: int, max_position_embeddings: int) -> "EngineConfig":
         """Fill the auto fields from the loaded model; returns a new config."""
         num_pages = self.num_pages or max(2, int(self.kv_memory_gib * 2**30) // bytes_per_page)
+        host_pages = self.host_cache_pages
+        if host_pages is None:
+            host_pages = int(num_pages * self.host_cache_ratio)
+        if not self.enable_prefix_cache or host_pages < 2:
+            host_pages = 0
         max_model_len = self.max_model_len or max_position_embeddings
         require(max_model_len <= max_position_embeddings,
                  f"max_model_len {max_model_len} exceeds the model's {max_position_embeddings} positions")
-        return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len)
+        return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len, host_cache_pages=host_pages)

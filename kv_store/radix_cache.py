@@ -72,6 +72,9 @@ class L1Only:
     def drain(self) -> bool:
         return False
 
+    def settle(self, node: TreeNode) -> bool:
+        return True
+
     def free_host(self, node: TreeNode) -> None:
         raise AssertionError(f"tree node {node.id} has host pages but this cache has no host tier")
 
@@ -80,6 +83,9 @@ class L1Only:
 
     def holders(self) -> list[TreeNode]:
         return []
+
+    def device_pages_held(self) -> int:
+        return 0
 
     def check_node(self, node: TreeNode) -> None:
         assert node.residency is Residency.DEVICE and not node.host_pages, (
@@ -121,8 +127,9 @@ class RadixPrefixCache:
 
     def walk(self, token_ids, max_tokens: int, admit: Callable[[TreeNode], bool]) -> tuple[int, list[TreeNode]]:
         """(tokens matched, the nodes matched in order) along `token_ids[:max_tokens]`, following only
-        nodes `admit` accepts. A match ending inside a node splits it, unless a copy is in flight
-        for it (its pages cannot be retagged then): the walk stops before such a node."""
+        nodes `admit` accepts. A match ending inside a node splits it; a node with a copy in flight
+        cannot be split (its pages cannot be retagged), so the walk waits for that copy first, and
+        stops before the node if it does not finish in time."""
         ps = self.page_size
         limit = min(len(token_ids), max_tokens) // ps * ps
         node, pos, path = self.root, 0, []
@@ -133,7 +140,7 @@ class RadixPrefixCache:
                 break
             n = self._common_pages(child.key, token_ids, pos, limit)
             if n < self.num_pages(child):
-                if child.residency.in_transit:
+                if not self.tier.settle(child) or not admit(child):
                     break
                 child = self._split(child, n)
             child.last_access = now
@@ -199,7 +206,7 @@ class RadixPrefixCache:
                 self.tier.on_insert(new)
                 break
             n = self._common_pages(child.key, token_ids, pos, len(token_ids))
-            if child.residency is Residency.LOADING or (n < self.num_pages(child) and child.residency.in_transit):
+            if (n < self.num_pages(child) and not self.tier.settle(child)) or child.residency is Residency.LOADING:
                 break
             if n < self.num_pages(child):
                 child = self._split(child, n)
@@ -231,7 +238,7 @@ class RadixPrefixCache:
         return freed
 
     def _evict_round(self, num_pages: int) -> int:
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if self._l1_evictable(n)]
+        heap = [(n.last_access, n.id, n) for n in self.nodes() if self._l1_evictable(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -271,11 +278,15 @@ class RadixPrefixCache:
 
     def evictable_pages(self) -> int:
         """Device pages `evict` could free now (on device, in subtrees with no lock)."""
-        return sum(len(n.pages) for n in self._nodes()
+        return sum(len(n.pages) for n in self.nodes()
                    if n.lock_ref == 0 and n.residency in (Residency.DEVICE, Residency.BOTH))
 
     def cached_pages(self) -> int:
-        return sum(len(n.pages) for n in self._nodes())
+        return sum(len(n.pages) for n in self.nodes())
+
+    def pages_held_by_tier(self) -> int:
+        """Device pages the tier holds outside the tree and every request (loads in flight)."""
+        return self.tier.device_pages_held()
 
     # ---- checks --------------------------------------------------------------------------------
     def check_integrity(self, expected_locks: dict[int, int] | None = None) -> None:
@@ -286,7 +297,7 @@ class RadixPrefixCache:
         """
         ps = self.page_size
         seen_pages: set[int] = set()
-        for node in self._nodes():
+        for node in self.nodes():
             self._check_node(node, seen_pages)
             for first, child in node.children.items():
                 assert child.parent is node and child.key[:ps] == first, f"tree node {child.id} misfiled under {node.id}"
@@ -353,7 +364,7 @@ class RadixPrefixCache:
         upper.children[node.key[:ps]] = node
         return upper
 
-    def _nodes(self):
+    def nodes(self):
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -395,6 +406,9 @@ class NullPrefixCache:
         return 0
 
     def cached_pages(self) -> int:
+        return 0
+
+    def pages_held_by_tier(self) -> int:
         return 0
 
     def check_integrity(self, expected_locks=None) -> None:

@@ -271,9 +271,10 @@ class KVManager:
             self._check_pin(handle, pin)
         self.prefix_cache.check_integrity(locks)
         owned = sum(self._check_request(kv) for kv in self.live.values())
+        loading = self.prefix_cache.pages_held_by_tier()
         usage = self.pool.usage()
-        assert owned == usage.private + usage.in_flight, (
-            f"live requests own {owned} pages but the pool has {usage.private} PRIVATE + {usage.in_flight} IN_FLIGHT: "
+        assert owned + loading == usage.private + usage.in_flight, (
+            f"live requests own {owned} pages and loads in flight {loading}, but the pool has {usage.private} PRIVATE + {usage.in_flight} IN_FLIGHT: "
             "pages leaked by a request that ended without release()?")
 
     def _check_request(self, kv: ReqKV) -> int:

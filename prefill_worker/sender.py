@@ -85,8 +85,8 @@ class KVSender(NullConnector):
         shipment.abort_reason = detail if failure else f"{reason.value}: {detail}" if detail else reason.value
         shipment.failure = failure
         req = self.engine.requests.get(request_id)
-        if req is not None and req.status is RequestStatus.WAITING:
-            self.engine.finish(req, FinishReason.ABORT)  # holds no KV yet
+        if req is not None and req.status in (RequestStatus.WAITING, RequestStatus.LOADING):
+            self.engine.finish(req, FinishReason.ABORT)  # holds no KV of its own yet
         elif req is not None and req in self.engine.scheduler.running:
             self.engine.scheduler.detach(req)
 

@@ -44,6 +44,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) 
 
 def assert_pool_at_rest(engine: EngineCore) -> None:
     """Every page FREE or CACHED with no lock, and evicting the tree returns the pool to full."""
+    while engine.busy():  # host-tier backups still in flight lock their nodes
+        engine.step()
     engine.check_integrity()
     usage = engine.kvm.pool.usage()
     assert usage.private == 0 and usage.in_flight == 0, f"pages still owned after all requests ended: {usage}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from cluster.config import DTYPES, EngineConfig
+from cluster.config import DTYPES, WRITE_POLICIES, EngineConfig
 
 # flag -> (EngineConfig field, argparse options): the engine flags of `tandem run`, `tandem bench`
 # and `tandem serve`, declared once
@@ -20,6 +20,11 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
     "--max-running": ("max_running_requests", dict(type=int, metavar="N", help="requests decoded together at most")),
     "--no-prefix-cache": ("enable_prefix_cache", dict(action="store_const", const=False,
                                                       help="disable radix prefix caching")),
+    "--host-cache-ratio": ("host_cache_ratio", dict(type=float, metavar="R",
+                                                    help="L2 host-memory KV pages per device page (0: no host tier)")),
+    "--host-cache-pages": ("host_cache_pages", dict(type=int, metavar="N",
+                                                    help="L2 host pages, overriding --host-cache-ratio (0: none)")),
+    "--write-policy": ("write_policy", dict(choices=WRITE_POLICIES, help="when device KV gets its host copy")),
 }
 
 

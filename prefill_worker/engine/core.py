@@ -29,6 +29,7 @@ from cluster.protocol import PoolStats, WorkerStats
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
 from kernels.sampling import sample
 from kv_store.device_pool import DevicePool
+from kv_store.hicache import HostCache, NullHostCache, WritePolicy
 from kv_store.page_pool import PagePool
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
@@ -82,8 +83,10 @@ class EngineCore:
         pool = self.device_pool.pages
         cache = RadixPrefixCache(pool) if config.enable_prefix_cache else NullPrefixCache(pool)
         self.kvm = KVManager(pool, cache)
+        self.host_cache = _host_cache(self.config, cache, self.device_pool)
         self.connector = connector or NullConnector()
-        self.scheduler = Scheduler(self.config, self.kvm, can_retract=self.connector.can_retract)
+        self.scheduler = Scheduler(self.config, self.kvm, can_retract=self.connector.can_retract,
+                                   host_cache=self.host_cache)
         self.runner = ModelRunner(model, self.kv_cache, config.page_size, self.device)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -123,7 +126,7 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None or req.status is RequestStatus.FINISHED:
             return False
-        if req in self.scheduler.running or req.status is RequestStatus.WAITING:
+        if req in self.scheduler.running or req.status in (RequestStatus.WAITING, RequestStatus.LOADING):
             self.finish(req, FinishReason.ABORT)
         else:  # held by the connector (KV still in flight): it releases the request when it can
             return False
@@ -137,12 +140,13 @@ class EngineCore:
 
     def busy(self) -> bool:
         """Whether a step would do anything: requests to schedule, or the connector's own work."""
-        return self.scheduler.has_work() or self.connector.busy()
+        return self.scheduler.has_work() or self.connector.busy() or self.host_cache.busy()
 
     # ---- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """The connector's housekeeping, then schedule, run one forward, sample, apply stop rules,
         and release what the connector no longer holds. Returns per-request progress."""
+        self.host_cache.poll()
         outputs = self.connector.before_step()
         for req, kv in self.connector.take_arrived():
             self.requests[req.request_id] = req
@@ -158,7 +162,7 @@ class EngineCore:
     def _compute(self) -> list[StepOutput]:
         scheduled = self.scheduler.schedule()
         scheduled.relocation_version = self.device_pool.relocation_version
-        scheduled.loads_in_flight = self.connector.loads_in_flight()
+        scheduled.loads_in_flight = self.connector.loads_in_flight() | self.host_cache.loads_in_flight()
         self.num_retractions += len(scheduled.retracted)
         outputs = []
         if scheduled.rows:
@@ -205,6 +209,7 @@ class EngineCore:
 
     def close(self) -> None:
         self.connector.close()
+        self.host_cache.close()
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _forward(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, torch.Tensor, list[StepOutput]]:
@@ -297,6 +302,14 @@ class EngineCore:
             self.kvm.check_integrity()
         if self.debug_kv or not self.busy():
             self.connector.check_integrity()
+
+
+def _host_cache(config: EngineConfig, tree, device_pool: DevicePool) -> HostCache | NullHostCache:
+    """The L2 tier under `tree` when the resolved config asks for host pages."""
+    if not config.host_cache_pages:
+        return NullHostCache()
+    return HostCache(tree, device_pool, config.host_cache_pages, WritePolicy(config.write_policy),
+                     config.write_through_hits)
 
 
 def _pool_stats(pool: PagePool) -> PoolStats:

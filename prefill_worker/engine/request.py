@@ -2,9 +2,11 @@
 
 Lifecycle (each move is a method that raises on an illegal transition):
 
-    WAITING --admit--> RUNNING --finish--> FINISHED
-       ^                  |
-       +----retract-------+        abort: WAITING | RUNNING -> FINISHED
+    LOADING <--start_loading-- WAITING --admit--> RUNNING --finish--> FINISHED
+       +--------loaded------------>  ^                  |
+                                     +----retract-------+    abort: WAITING | LOADING | RUNNING -> FINISHED
+
+LOADING: its cached prefix is being copied from the host tier to the device (`load_ticket`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from cluster.config import SamplingParams
 from kv_store.req_kv import ReqKV
 
 if TYPE_CHECKING:
+    from kv_store.hicache import LoadTicket
     from prefill_worker.engine.stop import StopRules
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -53,7 +57,11 @@ class Request:
     finish_reason: FinishReason | None = None  # set exactly when FINISHED
     kv: ReqKV | None = None  # set exactly when RUNNING
     cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache at first admission."""
+    """Prompt tokens served from the prefix cache (any tier) at first admission."""
+    host_hit_tokens: int = 0
+    """Of those, tokens loaded back from the host tier (L2) before that admission."""
+    load_ticket: LoadTicket | None = None
+    """Set while its prefix is loading, and until admission takes the loaded pages."""
     num_retractions: int = 0
     error: str = ""
     """Why the request ended in ABORT when the client did not ask for it (transfer failure, ...)."""
@@ -91,6 +99,13 @@ class Request:
     def admit(self, kv: ReqKV) -> None:
         self._move(RequestStatus.WAITING, RequestStatus.RUNNING)
         self.kv = kv
+
+    def start_loading(self, ticket: LoadTicket) -> None:
+        self._move(RequestStatus.WAITING, RequestStatus.LOADING)
+        self.load_ticket = ticket
+
+    def loaded(self) -> None:
+        self._move(RequestStatus.LOADING, RequestStatus.WAITING)
 
     def retract(self) -> None:
         self._move(RequestStatus.RUNNING, RequestStatus.WAITING)

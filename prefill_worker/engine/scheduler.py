@@ -8,7 +8,9 @@ while prefilling — so a step is one ragged forward. Policy per step:
    newest running request is retracted: its KV is released (committed pages go to the prefix
    cache, so resuming is mostly a cache hit) and it returns to the front of the waiting queue.
 2. Waiting requests, in arrival order, while budget, batch slots and pages last (none in a step that
-   retracted): match the prefix cache, allocate the first chunk.
+   retracted): a request whose cached prefix continues below L1 (in the host tier) starts loading it
+   and waits in `loading` (not holding up the queue) until the copy is done; otherwise match the
+   prefix cache and allocate the first chunk.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
-from prefill_worker.engine.request import FinishReason, Request, RequestStatus
+from kv_store.hicache import HostCache, NullHostCache
 from kv_store.req_kv import KVManager, ReleaseReason
+from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 from prefill_worker.engine.runner import ForwardRow
 
 
@@ -45,12 +48,16 @@ class ScheduledStep:
 class Scheduler:
     """Owns the waiting queue, the running batch, and (through `kvm`) their KV."""
 
-    def __init__(self, config: EngineConfig, kvm: KVManager, can_retract: Callable[[Request], bool] = lambda req: True):
+    def __init__(self, config: EngineConfig, kvm: KVManager, can_retract: Callable[[Request], bool] = lambda req: True,
+                 host_cache: HostCache | NullHostCache | None = None):
         assert config.num_pages is not None and config.max_model_len is not None, "config not resolved"
         self.config = config
         self.kvm = kvm
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []
+        """Requests whose prefix is being loaded from the host tier (each holds a `load_ticket`)."""
+        self.host_cache = host_cache or NullHostCache()
         self.retractable = can_retract
         """Which requests may be retracted (the connector's say: a prefill worker keeps those with KV in flight)."""
 
@@ -58,9 +65,10 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> ScheduledStep:
+        self._poll_loads()
         step = ScheduledStep()
         budget = self.config.chunk_size
         for req in sorted(self.running, key=lambda r: r.arrival):
@@ -82,6 +90,9 @@ class Scheduler:
             self._release(req, ReleaseReason.ABORTED if reason is FinishReason.ABORT else ReleaseReason.FINISHED)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status is RequestStatus.LOADING:
+            self.loading.remove(req)
+        self._drop_ticket(req)
         req.finish(reason)
 
     def admit_loaded(self, req: Request, kv) -> None:
@@ -129,13 +140,48 @@ class Scheduler:
     def _release(self, req: Request, reason: ReleaseReason) -> None:
         self.kvm.release(req.kv, reason, req.all_token_ids, cache=self.config.enable_prefix_cache)
 
+    # ---- loading ---------------------------------------------------------------------------------
+    def _poll_loads(self) -> None:
+        """Loads that finished put their requests back in the queue, in arrival order."""
+        self.host_cache.poll()
+        if self.loading and not self.waiting and not self.running:
+            self.host_cache.wait_any(0.005)  # nothing else to do: don't spin on the copier
+            self.host_cache.poll()
+        for req in [r for r in self.loading if self.host_cache.ready(r.load_ticket)]:
+            self.loading.remove(req)
+            req.loaded()
+            later = next((i for i, r in enumerate(self.waiting) if r.arrival > req.arrival), len(self.waiting))
+            self.waiting.insert(later, req)
+
+    def _start_loading(self, req: Request) -> bool:
+        """When `req`'s cached prefix continues in the host tier, start bringing it to device and park
+        `req` in `loading`; False when there is nothing (more) to load."""
+        ticket = self.host_cache.start_load(req.all_token_ids, req.num_tokens - 1)
+        if ticket is None:
+            return False
+        self.waiting.remove(req)
+        self._drop_ticket(req)
+        req.start_loading(ticket)
+        if req.num_retractions == 0:
+            req.host_hit_tokens += ticket.num_tokens
+        self.loading.append(req)
+        return True
+
+    def _drop_ticket(self, req: Request) -> None:
+        if req.load_ticket is not None:
+            self.host_cache.release_ticket(req.load_ticket)
+            req.load_ticket = None
+
     # ---- waiting ---------------------------------------------------------------------------------
     def _admit_waiting(self, budget: int, step: ScheduledStep) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
+            if self._start_loading(req):
+                continue
             kv = self.kvm.try_open(req.request_id, budget, req.all_token_ids)
             if kv is None:
                 return
+            self._drop_ticket(req)  # the loaded pages are locked by the request's own match now
             cached, n = kv.cache_protected_len, kv.kv_allocated_len - kv.cache_protected_len
             self.waiting.popleft()
             if req.num_retractions == 0:

@@ -1,0 +1,156 @@
+"""The L2 host tier under the prefix tree (kv_store/hicache.py): write policies, write-back on L1
+eviction, LRU in L2, load-back with requests waiting in LOADING, retract that offloads. References:
+the same model with the hierarchy off (and HF greedy through the engine tests), and the bytes of a
+node's device pages before they left L1."""
+
+from __future__ import annotations
+
+import torch
+
+from decode_worker.worker import DecodeWorker
+from kv_store.residency import Residency
+from kv_store.transfer.local import LocalTransport
+from cluster.config import EngineConfig
+from prefill_worker.engine.request import RequestStatus
+from prefill_worker.worker import PrefillWorker
+from tests.helpers import greedy, make_engine, make_prompts, tiny_models
+from tests.step_pair import StepPair
+
+
+def settle(engine) -> None:
+    while engine.busy():
+        engine.step()
+
+
+def nodes(engine):
+    return list(engine.kvm.prefix_cache.nodes())
+
+
+def pages_bytes(kv, pages: list[int]) -> torch.Tensor:
+    """K and V of `pages` in every layer: [2 * num_layers, len(pages), page_size, heads, dim]."""
+    return torch.stack([t[pages] for t in (*kv.k, *kv.v)])
+
+
+def test_write_through_backs_every_node_up_with_the_device_bytes():
+    engine = make_engine(page_size=4, num_pages=64, host_cache_pages=64)
+    engine.generate(make_prompts(3, min_len=20, max_len=30, seed=1), greedy(max_tokens=6))
+    settle(engine)
+    assert nodes(engine) and all(n.residency is Residency.BOTH for n in nodes(engine))
+    for n in nodes(engine):
+        assert torch.equal(pages_bytes(engine.kv_cache, n.pages), pages_bytes(engine.host_cache.kv, n.host_pages))
+    assert engine.host_cache.counters.l1_to_l2_bytes > 0
+    engine.check_integrity()
+
+
+def test_write_back_copies_only_on_l1_eviction_and_bumps_the_relocation_version():
+    engine = make_engine(page_size=4, num_pages=64, host_cache_pages=64, write_policy="write_back")
+    [prompt] = make_prompts(1, min_len=33, max_len=33, seed=2)
+    engine.generate([prompt], greedy(max_tokens=4))
+    settle(engine)
+    [node] = nodes(engine)
+    assert node.residency is Residency.DEVICE and engine.host_cache.pool.usage().cached == 0
+    before, version = pages_bytes(engine.kv_cache, node.pages), engine.device_pool.relocation_version
+    assert engine.kvm.prefix_cache.evict(100) == len(before[0])
+    assert node.residency is Residency.HOST and not node.pages
+    assert torch.equal(pages_bytes(engine.host_cache.kv, node.host_pages), before)
+    assert engine.device_pool.relocation_version > version
+    assert engine.kvm.pool.num_free == engine.kvm.pool.num_usable
+    engine.check_integrity()
+
+
+def test_selective_write_through_waits_for_the_hits():
+    engine = make_engine(page_size=4, num_pages=64, host_cache_pages=64, write_policy="write_through_selective",
+                         write_through_hits=2)
+    [prompt] = make_prompts(1, min_len=24, max_len=24, seed=3)
+    engine.generate([prompt], greedy(max_tokens=1))
+    settle(engine)
+    residencies = []
+    for turn in range(2):
+        engine.generate([prompt + [5 + turn]], greedy(max_tokens=1))  # matches the 24-token prefix
+        settle(engine)
+        [node] = engine.kvm.prefix_cache.walk(prompt, len(prompt), lambda n: True)[1]
+        residencies.append(node.residency)
+    assert residencies == [Residency.DEVICE, Residency.BOTH]
+    engine.check_integrity()
+
+
+def test_prefix_evicted_from_l1_is_loaded_back_not_recomputed():
+    engine = make_engine(page_size=4, num_pages=64, host_cache_pages=128)
+    cold = make_engine(page_size=4, num_pages=64, enable_prefix_cache=False)
+    [history] = make_prompts(1, min_len=40, max_len=40, seed=4)
+    [first] = engine.generate([history], greedy(max_tokens=8))
+    settle(engine)
+    engine.kvm.prefix_cache.evict(1000)  # L1 empty: the conversation lives in L2 only
+    assert all(n.residency is Residency.HOST for n in nodes(engine))
+    turn2 = history + first.output_token_ids + [7, 8, 9]
+    req = engine.add_request(turn2, greedy(max_tokens=8))
+    engine.step()
+    assert req.status in (RequestStatus.LOADING, RequestStatus.WAITING, RequestStatus.RUNNING)
+    seen_loading = req.status is RequestStatus.LOADING or req.host_hit_tokens > 0
+    while req.status is not RequestStatus.FINISHED:
+        engine.step()
+    [expect] = cold.generate([turn2], greedy(max_tokens=8))
+    assert seen_loading and req.output_token_ids == expect.output_token_ids
+    aligned = (len(history) + len(first.output_token_ids) - 1) // 4 * 4  # what the first request committed
+    assert req.host_hit_tokens == aligned and req.cached_tokens == aligned
+    settle(engine)
+    engine.check_integrity()
+    cold.check_integrity()
+
+
+def test_lru_in_l2_drops_redundant_copies_before_host_only_prefixes():
+    engine = make_engine(page_size=4, num_pages=40, host_cache_pages=1 + 16)
+    a, b = make_prompts(2, min_len=32, max_len=32, seed=5)
+    engine.generate([a], greedy(max_tokens=1))
+    settle(engine)
+    engine.kvm.prefix_cache.evict(1000)  # a: HOST only (8 pages of 16)
+    engine.generate([b], greedy(max_tokens=1))  # b: 8 pages on device + its backup fills L2
+    settle(engine)
+    engine.generate([b[:16] + a[:16]], greedy(max_tokens=1))  # one more backup: L2 must make room
+    settle(engine)
+    by_first = {n.key[:4]: n for n in nodes(engine) if n.parent is engine.kvm.prefix_cache.root}
+    assert by_first[tuple(a[:4])].residency is Residency.HOST, "a host-only prefix was dropped before a copy"
+    assert by_first[tuple(b[:4])].residency in (Residency.DEVICE, Residency.BOTH)
+    engine.check_integrity()
+
+
+def test_retracted_requests_resume_from_l2_with_unchanged_output():
+    prompts = make_prompts(6, min_len=30, max_len=40, seed=6)
+    params = greedy(max_tokens=40)
+    tight = make_engine(page_size=4, num_pages=1 + 60, chunk_size=32, host_cache_pages=256)
+    reference = make_engine(page_size=4, num_pages=512, chunk_size=32, enable_prefix_cache=False)
+    got = tight.generate(prompts, params)
+    expect = reference.generate(prompts, params)
+    assert tight.num_retractions > 0, "the pool was not tight enough to retract"
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in expect]
+    assert tight.host_cache.counters.l2_hit_tokens > 0, "no retracted request resumed from the host tier"
+    settle(tight)
+    tight.check_integrity()
+    reference.check_integrity()
+
+
+def test_disaggregated_prefill_with_a_small_l1_loads_back_and_matches_colocated():
+    """Three conversations interleaved on a prefill worker whose L1 holds about two: later turns find
+    their history in L2 and load it; every turn's tokens equal a colocated engine's without cache."""
+    ours, _, arch = tiny_models()
+    clock = lambda: 0.0  # noqa: E731
+    prefill = PrefillWorker(EngineConfig(page_size=4, num_pages=1 + 40, chunk_size=32, debug_kv=True,
+                                         host_cache_pages=256), ours, arch, LocalTransport(), clock=clock)
+    decode = DecodeWorker(EngineConfig(page_size=4, num_pages=256, chunk_size=32, debug_kv=True), ours, arch,
+                          LocalTransport(), host_pages=128, clock=clock)
+    pair = StepPair(prefill, decode)
+    colocated = make_engine(page_size=4, num_pages=512, enable_prefix_cache=False)
+    histories = make_prompts(3, min_len=60, max_len=60, seed=7)
+    for turn in range(3):
+        for c, history in enumerate(histories):
+            prompt = history + [9] * (turn + 1)
+            res = pair.submit(f"c{c}-t{turn}", prompt, greedy(max_tokens=6))
+            while pair.busy():
+                pair.step()
+            [expect] = colocated.generate([prompt], greedy(max_tokens=6))
+            assert res.token_ids == expect.output_token_ids, f"conversation {c} turn {turn}"
+    counters = prefill.engine.host_cache.counters
+    assert counters.l1_evicted_pages > 0 and counters.l2_hit_tokens > 0
+    prefill.check_integrity()
+    decode.check_integrity()
+    colocated.check_integrity()

@@ -127,16 +127,43 @@ class PoolStats:
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """Cumulative figures of a worker's KV hierarchy (L1 device, L2 host, L3 remote store)."""
+
+    hit_tokens_l1: int = 0  # prompt tokens found on device at first admission
+    hit_tokens_l2: int = 0  # ... loaded back from the host tier
+    hit_tokens_l3: int = 0  # ... fetched from the remote store
+    l1_to_l2_bytes: int = 0
+    l1_to_l2_seconds: float = 0.0
+    l2_to_l1_bytes: int = 0
+    l2_to_l1_seconds: float = 0.0
+    evicted_pages_l1: int = 0
+    evicted_pages_l2: int = 0
+    copy_errors: int = 0
+    l3_get_pages: int = 0
+    l3_get_errors: int = 0  # server down, timeout, missing, corrupt or truncated value: counted misses
+    l3_get_seconds: float = 0.0
+    l3_put_pages: int = 0
+    l3_put_errors: int = 0
+    l3_put_seconds: float = 0.0
+    prefetches: tuple[tuple[str, int], ...] = ()  # (outcome, count): completed, partial, timeout, failed
+    sessions_open: int = 0
+    session_pages: int = 0  # device pages sessions hold between turns
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """A worker's view of itself, sent with every heartbeat."""
 
     role: str
     device: PoolStats
-    host: PoolStats | None  # decode workers only
+    host: PoolStats | None  # decode workers only: landings
     num_running: int
     num_waiting: int
     num_transfers: int  # requests with a transfer not yet ended
     integrity_error: str  # "" when check_integrity() passed
+    host_cache: PoolStats | None = None  # the L2 tier's pool; None without one
+    tiers: TierStats = TierStats()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster.config import SamplingParams
+from cluster.protocol import TierStats
 
 
 class ErrorKind(enum.Enum):
@@ -76,6 +77,8 @@ class WorkerGauge:
     kv_usage: float  # device KV pages in use / usable pages, in [0, 1]
     host_kv_usage: float | None  # decode workers' host tier, in [0, 1]; None without one
     restarts: int
+    host_cache_usage: float | None = None  # the L2 tier's pages in use, in [0, 1]; None without one
+    tiers: TierStats | None = None  # cumulative KV-hierarchy figures; None before the first heartbeat
 
 
 class Backend(Protocol):

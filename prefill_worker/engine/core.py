@@ -25,7 +25,7 @@ import torch
 
 from cluster.config import EngineConfig, SamplingParams
 from cluster.faults import FAILURE_INTERNAL, internal_error
-from cluster.protocol import PoolStats, WorkerStats
+from cluster.protocol import PoolStats, TierStats, WorkerStats
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
 from kernels.sampling import sample
 from kv_store.device_pool import DevicePool
@@ -204,8 +204,18 @@ class EngineCore:
             error = ""
         except AssertionError as exc:
             error = str(exc) or "integrity check failed"
+        l2 = self.host_cache.pool
         return WorkerStats(role, _pool_stats(self.device_pool.pages), _pool_stats(host_pool) if host_pool else None,
-                           len(self.scheduler.running), len(self.scheduler.waiting), transfers, error)
+                           len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.loading),
+                           transfers, error, _pool_stats(l2) if l2 is not None else None, self.tier_stats())
+
+    def tier_stats(self) -> TierStats:
+        c = self.host_cache.counters
+        return TierStats(hit_tokens_l1=self.scheduler.hit_tokens_l1, hit_tokens_l2=c.l2_hit_tokens,
+                         l1_to_l2_bytes=c.l1_to_l2_bytes, l1_to_l2_seconds=c.l1_to_l2_seconds,
+                         l2_to_l1_bytes=c.l2_to_l1_bytes, l2_to_l1_seconds=c.l2_to_l1_seconds,
+                         evicted_pages_l1=c.l1_evicted_pages, evicted_pages_l2=c.l2_evicted_pages,
+                         copy_errors=c.copy_errors)
 
     def close(self) -> None:
         self.connector.close()

@@ -58,6 +58,8 @@ class Scheduler:
         self.loading: list[Request] = []
         """Requests whose prefix is being loaded from the host tier (each holds a `load_ticket`)."""
         self.host_cache = host_cache or NullHostCache()
+        self.hit_tokens_l1 = 0
+        """Prompt tokens found on device at first admission, summed (those loaded back count in L2)."""
         self.retractable = can_retract
         """Which requests may be retracted (the connector's say: a prefill worker keeps those with KV in flight)."""
 
@@ -186,6 +188,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_retractions == 0:
                 req.cached_tokens = cached
+                self.hit_tokens_l1 += max(0, cached - req.host_hit_tokens)
             req.admit(kv)
             self.running.append(req)
             step.add(req, n)

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from router.backend import GenerationChunk
 
@@ -133,6 +133,48 @@ class BackendGauges:
             if g.host_kv_usage is not None:
                 host.add_metric(key, g.host_kv_usage)
         yield from (usage, host, alive, restarts)
+        yield from _tier_metrics(gauges)
+
+
+_TIER_COUNTERS = (  # (metric, documentation, extra label, {label value: TierStats field})
+    ("tandem:prefix_cache_hit_tokens", "Prompt tokens served from each KV tier at admission.", "tier",
+     {"l1": "hit_tokens_l1", "l2": "hit_tokens_l2", "l3": "hit_tokens_l3"}),
+    ("tandem:kv_tier_copy_bytes", "KV bytes copied between device and host.", "direction",
+     {"l1_to_l2": "l1_to_l2_bytes", "l2_to_l1": "l2_to_l1_bytes"}),
+    ("tandem:kv_tier_copy_seconds", "Seconds spent copying KV between device and host.", "direction",
+     {"l1_to_l2": "l1_to_l2_seconds", "l2_to_l1": "l2_to_l1_seconds"}),
+    ("tandem:kv_evicted_pages", "KV pages evicted from each tier.", "tier",
+     {"l1": "evicted_pages_l1", "l2": "evicted_pages_l2"}),
+    ("tandem:l3_pages", "Pages read from / written to the L3 store.", "op", {"get": "l3_get_pages", "put": "l3_put_pages"}),
+    ("tandem:l3_errors", "L3 faults (each a counted miss).", "op", {"get": "l3_get_errors", "put": "l3_put_errors"}),
+    ("tandem:l3_seconds", "Seconds spent in L3 calls.", "op", {"get": "l3_get_seconds", "put": "l3_put_seconds"}),
+)
+
+
+def _tier_metrics(gauges: list) -> Iterable[Metric]:
+    """Per-worker KV-hierarchy counters and the session/L2 gauges, from each worker's last heartbeat."""
+    labels = ["worker", "role"]
+    families = [(CounterMetricFamily(name, doc, labels=labels + [extra]), fields) for name, doc, extra, fields in _TIER_COUNTERS]
+    prefetch = CounterMetricFamily("tandem:l3_prefetches", "L3 prefetches by outcome.", labels=labels + ["outcome"])
+    sessions = GaugeMetricFamily("tandem:sessions_open", "Streaming sessions open.", labels=labels)
+    session_pages = GaugeMetricFamily("tandem:session_kv_pages", "Device KV pages held by sessions between turns.",
+                                      labels=labels)
+    l2 = GaugeMetricFamily("tandem:l2_kv_cache_usage_perc", "L2 host-cache KV pages in use, fraction.", labels=labels)
+    for g in gauges:
+        key = [g.worker_id, g.role]
+        if g.host_cache_usage is not None:
+            l2.add_metric(key, g.host_cache_usage)
+        if g.tiers is None:
+            continue
+        for family, fields in families:
+            for value, field_name in fields.items():
+                family.add_metric(key + [value], getattr(g.tiers, field_name))
+        for outcome, count in g.tiers.prefetches:
+            prefetch.add_metric(key + [outcome], count)
+        sessions.add_metric(key, g.tiers.sessions_open)
+        session_pages.add_metric(key, g.tiers.session_pages)
+    yield from (family for family, _ in families)
+    yield from (prefetch, sessions, session_pages, l2)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -514,6 +514,10 @@ def test_metrics_count_exactly(backend):
     assert m[("tandem:worker_alive", worker)] == 1 and m[("tandem:worker_restarts", worker)] == 0
     assert m[("tandem:kv_cache_usage_perc", worker)] == 0
     assert not any(name == "tandem:host_kv_cache_usage_perc" for name, _ in m), "None means no host tier"
+    tier = lambda t: (("role", "colocated"), ("tier", t), ("worker", WORKER_ID))  # noqa: E731
+    assert m[("tandem:prefix_cache_hit_tokens_total", tier("l1"))] == m[("tandem:prefix_cache_hits_total", ())]
+    assert m[("tandem:prefix_cache_hit_tokens_total", tier("l2"))] == 0  # nothing left the device pool
+    assert 0 < m[("tandem:l2_kv_cache_usage_perc", worker)] <= 1  # the cached prompts were backed up
     assert m[("tandem_test_extra", ())] == 42
     assert scrape(other)[("tandem:generation_tokens_total", ())] == 0
 

@@ -140,13 +140,13 @@ class TierStats:
     evicted_pages_l1: int = 0
     evicted_pages_l2: int = 0
     copy_errors: int = 0
-    l3_get_pages: int = 0
-    l3_get_errors: int = 0  # server down, timeout, missing, corrupt or truncated value: counted misses
+    l3_get_pages: int = 0  # pages read from L3, verified
     l3_get_seconds: float = 0.0
-    l3_put_pages: int = 0
-    l3_put_errors: int = 0
+    l3_put_pages: int = 0  # pages written to L3 (those it had already are not sent)
     l3_put_seconds: float = 0.0
-    prefetches: tuple[tuple[str, int], ...] = ()  # (outcome, count): completed, partial, timeout, failed
+    l3_errors: int = 0  # failed calls (server down, timeout, AUTH, OOM): every page they were for a miss
+    l3_corrupt: int = 0  # values that failed verification (deleted, never used)
+    prefetches: tuple[tuple[str, int], ...] = ()  # (outcome, count): completed, partial, short, no_room, failed
     sessions_open: int = 0
     session_pages: int = 0  # device pages sessions hold between turns
 

@@ -17,6 +17,7 @@ from cluster import protocol as p
 from cluster.faults import FAILURE_INTERNAL
 from cluster.protocol import WorkerRole
 from decode_worker.receiver import InboundPhase, KVReceiver
+from kv_store.l3.config import L3Config
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import TransferDeadlines
 from prefill_worker.engine.core import EngineCore, StepOutput
@@ -70,9 +71,9 @@ class DecodeWorker(ColocatedWorker):
 
     def __init__(self, config, model, arch, transport: Transport, host_pages: int, tokenizer=None,
                  eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None):
         self.receiver = KVReceiver(transport, host_pages, deadlines, clock)
-        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.receiver))
+        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.receiver, l3=l3))
 
     def handle(self, msg) -> list:
         if isinstance(msg, p.Reserve):

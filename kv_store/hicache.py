@@ -37,6 +37,9 @@ import torch
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob, Direction, PageCopier
 from kv_store.device_pool import DevicePool
+from kv_store.l3.config import PrefetchPolicy
+from kv_store.l3.keys import ROOT_KEY
+from kv_store.l3.tier import L3Tier, NullL3, Prefetch, PrefetchPhase
 from kv_store.page_pool import PagePool, PageState
 from kv_store.radix_cache import RadixPrefixCache, TreeNode
 from kv_store.residency import Residency, move_residency
@@ -75,11 +78,13 @@ class Load:
 
 @dataclass(eq=False)
 class LoadTicket:
-    """A request's wait for loads: `node` (locked for the ticket) is the deepest node they bring."""
+    """A request's wait for loads (and an L3 prefetch): `node` (locked for the ticket) is the deepest
+    node its loads bring, or where the prefetch will attach."""
 
     node: TreeNode
     loads: tuple[Load, ...]
     num_tokens: int  # tokens its own loads bring to device (0 when it waits for another request's)
+    prefetch: Prefetch | None = None  # waited for per the L3 prefetch policy
 
 
 @dataclass
@@ -87,6 +92,7 @@ class TierCounters:
     """Cumulative figures of one worker's host tier (`/metrics` reads them)."""
 
     l2_hit_tokens: int = 0  # tokens loaded back from L2 for requests
+    l3_hit_tokens: int = 0  # tokens attached to the tree from L3 prefetches
     l1_to_l2_bytes: int = 0
     l1_to_l2_seconds: float = 0.0
     l2_to_l1_bytes: int = 0
@@ -99,15 +105,18 @@ class TierCounters:
 class HostCache:
     """The L2 tier of `tree`. Not thread-safe: owned by the scheduler's thread (the copier has its own)."""
 
-    def __init__(self, tree: RadixPrefixCache, device: DevicePool, num_host_pages: int,
-                 policy: WritePolicy = WritePolicy.WRITE_THROUGH, selective_hits: int = 2, copy_timeout_s: float = 30.0):
+    def __init__(self, tree: RadixPrefixCache, device: DevicePool, host_kv: KVCacheTensors,
+                 policy: WritePolicy = WritePolicy.WRITE_THROUGH, selective_hits: int = 2, copy_timeout_s: float = 30.0,
+                 l3: L3Tier | NullL3 | None = None):
         assert tree.pool is device.pages, "the tree must be over the device pool"
         self.tree, self.device, self.policy = tree, device, policy
         self.selective_hits, self.copy_timeout_s = selective_hits, copy_timeout_s
-        self.kv = _host_tensors(device.kv, num_host_pages)
-        self.pool = PagePool(num_host_pages, device.kv.page_size)
+        self.kv = host_kv
+        self.pool = PagePool(host_kv.num_pages, device.kv.page_size)
         self.copier = PageCopier(device.kv, self.kv)
         self.counters = TierCounters()
+        self.l3 = l3 or NullL3()
+        self._prefetches: dict[int, Prefetch] = {}
         self._writes: dict[int, _Write] = {}
         self._loads: dict[int, Load] = {}
         self._tickets: dict[int, LoadTicket] = {}
@@ -178,16 +187,19 @@ class HostCache:
         return sum(len(p) for ld in self._loads.values() for p in ld.device_pages)
 
     # ---- the scheduler's side ------------------------------------------------------------------------
-    def start_load(self, token_ids: list[int], max_tokens: int) -> LoadTicket | None:
+    def start_load(self, token_ids: list[int], max_tokens: int, fetch_l3: bool = False) -> LoadTicket | None:
         """When the cached prefix of `token_ids[:max_tokens]` continues below L1, a ticket for bringing
         it to device (a new load, or loads already in flight for those nodes); None when there is
-        nothing below L1 or no device page for it (the request computes it instead)."""
-        _, path = self.tree.walk(token_ids, max_tokens, lambda n: True)
+        nothing below L1 or no device page for it (the request computes it instead). With
+        `fetch_l3` (a request's first look), an L3 prefetch of what follows the local match starts
+        too, and the ticket waits for it as the prefetch policy says."""
+        pos, path = self.tree.walk(token_ids, max_tokens, lambda n: True)
+        prefetch = self._start_prefetch(token_ids, max_tokens, pos, path) if fetch_l3 else None
         below = [n for n in path if not n.residency.on_device]
         if not below:
-            return None
+            return self._ticket(path[-1] if path else self.tree.root, (), 0, prefetch) if prefetch else None
         if below[0].residency is Residency.LOADING:
-            return self._wait_for_loads(below)
+            return self._wait_for_loads(below, prefetch)
         run = list(itertools.takewhile(lambda n: n.residency is Residency.HOST, below))
         self.tree.lock(run[-1])  # no eviction below may take the run while device pages are found
         load = Load(next(self._ids), [], [], locked=run[-1])
@@ -199,8 +211,8 @@ class HostCache:
             load.device_pages.append(pages)
         self.tree.unlock(run[-1])
         if not load.nodes:
-            return None
-        return self._begin_load(load)
+            return self._ticket(path[-1], (), 0, prefetch) if prefetch else None
+        return self._begin_load(load, prefetch)
 
     def release_ticket(self, ticket: LoadTicket) -> None:
         """The request is done with `ticket` (admitted, or ended): its lock is dropped."""
@@ -208,28 +220,38 @@ class HostCache:
         self.tree.unlock(ticket.node)
 
     def ready(self, ticket: LoadTicket) -> bool:
-        return not any(ld.id in self._loads for ld in ticket.loads)
+        if any(ld.id in self._loads for ld in ticket.loads):
+            return False
+        pf = ticket.prefetch
+        if pf is None or pf.phase is PrefetchPhase.DONE:
+            return True
+        return self.l3.config.policy is PrefetchPolicy.TIMEOUT and time.monotonic() >= pf.deadline
 
     def poll(self) -> None:
-        """Finish every backup and load whose copy is done (never blocks)."""
+        """Finish every backup, load and prefetch phase whose work is done (never blocks)."""
         self._finish_writes()
         for load in [ld for ld in self._loads.values() if ld.job.done()]:
             self._finish_load(load)
+        for prefetch in [pf for pf in self._prefetches.values() if pf.step_done()]:
+            self._advance_prefetch(prefetch)
 
     def wait_any(self, timeout_s: float) -> None:
         """Block until some copy in flight is done, at most `timeout_s` (nothing else to do meanwhile)."""
         jobs = [w.job for w in self._writes.values()] + [ld.job for ld in self._loads.values()]
         if jobs:
             jobs[0].wait(timeout_s)
+        elif self._prefetches:
+            next(iter(self._prefetches.values()))._done.wait(timeout_s)
 
     def loads_in_flight(self) -> frozenset:
         return frozenset(self._loads.values())
 
     def busy(self) -> bool:
-        return bool(self._writes or self._loads)
+        return bool(self._writes or self._loads or self._prefetches)
 
     def close(self) -> None:
         self.copier.close()
+        self.l3.close()
 
     # ---- checks --------------------------------------------------------------------------------------
     def check_node(self, node: TreeNode) -> None:
@@ -251,9 +273,10 @@ class HostCache:
         assert usage.cached == cached, (
             f"host pool has {usage.cached} CACHED pages but tree nodes list {cached}: a host copy dropped without evict?")
         writing = sum(len(w.host_pages) for w in self._writes.values())
-        assert usage.in_flight == writing and usage.private == 0, (
+        fetching = sum(len(pf.host_pages) for pf in self._prefetches.values())
+        assert usage.in_flight == writing + fetching and usage.private == 0, (
             f"host pool has {usage.in_flight} IN_FLIGHT + {usage.private} PRIVATE pages, backups in flight hold "
-            f"{writing}: a finished backup not retired?")
+            f"{writing} and prefetches {fetching}: a finished backup or prefetch not retired?")
         for load in self._loads.values():
             for p in (p for pages in load.device_pages for p in pages):
                 assert load in self.device.pages.handles(p), f"device page {p} of load {load.id} is not lent to it"
@@ -303,13 +326,16 @@ class HostCache:
         node.residency = move_residency(node.residency, Residency.BOTH, f"tree node {node.id} backed up")
         self.counters.l1_to_l2_bytes += write.job.num_bytes
         self.counters.l1_to_l2_seconds += write.job.seconds
+        if self.l3.enabled and not node.in_l3:
+            self.l3.put(self._l3_keys(node), node.host_pages)
+            node.in_l3 = True
 
-    def _wait_for_loads(self, below: list[TreeNode]) -> LoadTicket:
+    def _wait_for_loads(self, below: list[TreeNode], prefetch: Prefetch | None) -> LoadTicket:
         run = list(itertools.takewhile(lambda n: n.residency is Residency.LOADING, below))
         loads = tuple({id(ld): ld for ld in self._loads.values() if any(n in run for n in ld.nodes)}.values())
-        return self._ticket(run[-1], loads, 0)
+        return self._ticket(run[-1], loads, 0, prefetch)
 
-    def _begin_load(self, load: Load) -> LoadTicket:
+    def _begin_load(self, load: Load, prefetch: Prefetch | None) -> LoadTicket:
         src = [p for node in load.nodes for p in node.host_pages]
         dst = [p for pages in load.device_pages for p in pages]
         self.device.pages.hand_off(dst, load, load)
@@ -322,10 +348,13 @@ class HostCache:
         self.device.bump_relocation_version()
         num_tokens = len(dst) * self.pool.page_size
         self.counters.l2_hit_tokens += num_tokens
-        return self._ticket(load.locked, (load,), num_tokens)
+        return self._ticket(load.locked, (load,), num_tokens, prefetch)
 
-    def _ticket(self, node: TreeNode, loads: tuple[Load, ...], num_tokens: int) -> LoadTicket:
-        ticket = LoadTicket(node, loads, num_tokens)
+    def _ticket(self, node: TreeNode, loads: tuple[Load, ...], num_tokens: int,
+                prefetch: Prefetch | None = None) -> LoadTicket:
+        if prefetch is not None and self.l3.config.policy is PrefetchPolicy.BEST_EFFORT:
+            prefetch = None  # it goes on, for whoever comes next; this request does not wait
+        ticket = LoadTicket(node, loads, num_tokens, prefetch)
         self.tree.lock(node)
         self._tickets[id(ticket)] = ticket
         return ticket
@@ -347,6 +376,71 @@ class HostCache:
         self.counters.l2_to_l1_bytes += load.job.num_bytes
         self.counters.l2_to_l1_seconds += load.job.seconds
         self.device.bump_relocation_version()
+
+    # ---- L3 --------------------------------------------------------------------------------------------
+    def _l3_keys(self, node: TreeNode) -> list[str]:
+        """`node`'s page keys (computed once: the chain runs through its ancestors' keys)."""
+        if not node.l3_keys:
+            parent = node.parent
+            parent_key = ROOT_KEY if parent is self.tree.root else self._l3_keys(parent)[-1]
+            node.l3_keys = self.l3.keys(node.key, parent_key)
+        return node.l3_keys
+
+    def _start_prefetch(self, token_ids, max_tokens: int, pos: int, path: list[TreeNode]) -> Prefetch | None:
+        """An L3 lookup of the whole pages of `token_ids[:max_tokens]` past the local match `pos`, when
+        there are at least `prefetch_min_pages` of them."""
+        if not self.l3.enabled:
+            return None
+        ps = self.pool.page_size
+        end = min(len(token_ids), max_tokens) // ps * ps
+        if (end - pos) // ps < self.l3.config.prefetch_min_pages:
+            return None
+        parent_key = self._l3_keys(path[-1])[-1] if path else ROOT_KEY
+        keys = self.l3.keys(token_ids[pos:end], parent_key)
+        prefetch = self.l3.start_prefetch(token_ids[:end], pos // ps, keys)
+        self._prefetches[prefetch.id] = prefetch
+        return prefetch
+
+    def _advance_prefetch(self, pf: Prefetch) -> None:
+        """The read thread finished `pf`'s phase: take host pages for what L3 has, or attach what came."""
+        if pf.phase is PrefetchPhase.LOOKUP:
+            if pf.error or pf.num_found < self.l3.config.prefetch_min_pages:
+                return self._end_prefetch(pf, "failed" if pf.error else "short")
+            if not self._host_room(pf.num_found):
+                return self._end_prefetch(pf, "no_room")
+            pages = self.pool.alloc(pf.num_found, pf)
+            self.pool.hand_off(pages, pf, pf)
+            return self.l3.fetch(pf, pages)
+        self.pool.retire(pf)
+        attached = self._attach(pf)
+        self.pool.free([p for p in pf.host_pages if p not in attached], pf)
+        self.counters.l3_hit_tokens += len(attached) * self.pool.page_size
+        asked = len(pf.host_pages)
+        pf.host_pages = []
+        self._end_prefetch(pf, "completed" if pf.num_found == asked else "partial" if pf.num_found else "failed")
+
+    def _end_prefetch(self, pf: Prefetch, outcome: str) -> None:
+        pf.outcome = outcome
+        pf.move(PrefetchPhase.DONE)
+        del self._prefetches[pf.id]
+        self.l3.count(outcome)
+
+    def _attach(self, pf: Prefetch) -> list[int]:
+        """Hang the pages that arrived under the tree's path of `pf.token_ids`, as a host-only node
+        (those the tree has meanwhile are duplicates). Nothing attaches when the local prefix they
+        continue has left the tree. Returns the host pages the tree took."""
+        ps = self.pool.page_size
+        end = pf.first_page + pf.num_found
+        tokens = pf.token_ids[:end * ps]
+        pos, path = self.tree.walk(tokens, len(tokens), lambda n: True)
+        covered = pos // ps
+        parent = path[-1] if path else self.tree.root
+        if not pf.first_page <= covered < end or tuple(tokens[pos:pos + ps]) in parent.children:
+            return []
+        pages = pf.host_pages[covered - pf.first_page:pf.num_found]
+        node = self.tree.add_child(parent, tuple(tokens[pos:]), Residency.HOST, host_pages=pages, in_l3=True)
+        self.pool.give_to_tree(pages, pf, node.id)
+        return pages
 
     def _alloc_device(self, num_pages: int, owner: object) -> list[int] | None:
         pool = self.device.pages
@@ -386,7 +480,7 @@ class HostCache:
         return node.residency is Residency.HOST and node.lock_ref == 0 and not node.children
 
 
-def _host_tensors(like: KVCacheTensors, num_pages: int) -> KVCacheTensors:
+def host_tensors(like: KVCacheTensors, num_pages: int) -> KVCacheTensors:
     """Host pages in `like`'s layout. Uninitialised: a host page is read only after a copy wrote it."""
     page = like.k[0]
     shape = (num_pages,) + tuple(page.shape[1:])
@@ -401,8 +495,9 @@ class NullHostCache:
     def __init__(self):
         self.counters = TierCounters()
         self.pool = None
+        self.l3 = NullL3()
 
-    def start_load(self, token_ids: list[int], max_tokens: int) -> LoadTicket | None:
+    def start_load(self, token_ids: list[int], max_tokens: int, fetch_l3: bool = False) -> LoadTicket | None:
         return None
 
     def release_ticket(self, ticket: LoadTicket) -> None:

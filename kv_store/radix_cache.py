@@ -43,6 +43,8 @@ class TreeNode:
     host_pages: list[int] = field(default_factory=list)  # host page ids; [] when the host copy is not valid
     residency: Residency = Residency.DEVICE
     hits: int = 0  # matches that reached this node (the selective write policy counts them)
+    in_l3: bool = False  # its pages were written to (or came from) the L3 store
+    l3_keys: list[str] = field(default_factory=list)  # its pages' L3 keys, once computed
 
 
 @dataclass(frozen=True)
@@ -198,10 +200,8 @@ class RadixPrefixCache:
         while pos < len(token_ids):
             child = node.children.get(tuple(token_ids[pos:pos + ps]))
             if child is None:
-                new = TreeNode(id=next(self._ids), parent=node, key=tuple(token_ids[pos:]), pages=list(pages[pos // ps:]),
-                               last_access=now)
+                new = self.add_child(node, tuple(token_ids[pos:]), Residency.DEVICE, pages=list(pages[pos // ps:]))
                 self.pool.give_to_tree(new.pages, owner, new.id)
-                node.children[new.key[:ps]] = new
                 taken += new.pages
                 self.tier.on_insert(new)
                 break
@@ -216,6 +216,17 @@ class RadixPrefixCache:
             pos += len(child.key)
             node = child
         return taken
+
+    def add_child(self, parent: TreeNode, key: tuple[int, ...], residency: Residency, pages=(), host_pages=(),
+                  in_l3: bool = False) -> TreeNode:
+        """A new node under `parent` (no child of which starts with `key`'s first page). The caller
+        hands it its pages in their pools."""
+        first = key[:self.page_size]
+        assert first not in parent.children, f"tree node {parent.id} already has a child starting {first}"
+        node = TreeNode(id=next(self._ids), parent=parent, key=key, pages=list(pages), last_access=next(self._clock),
+                        host_pages=list(host_pages), residency=residency, in_l3=in_l3)
+        parent.children[first] = node
+        return node
 
     def _fill_device(self, node: TreeNode, pages: list[int], owner: object) -> list[int]:
         self.pool.give_to_tree(pages, owner, node.id)
@@ -355,12 +366,13 @@ class RadixPrefixCache:
         ps = self.page_size
         upper = TreeNode(id=next(self._ids), parent=node.parent, key=node.key[:num_pages * ps],
                          pages=node.pages[:num_pages], lock_ref=node.lock_ref, last_access=node.last_access,
-                         host_pages=node.host_pages[:num_pages], residency=node.residency, hits=node.hits)
+                         host_pages=node.host_pages[:num_pages], residency=node.residency, hits=node.hits,
+                         in_l3=node.in_l3, l3_keys=node.l3_keys[:num_pages])
         self.pool.retag_cached(upper.pages, node.id, upper.id)
         self.tier.retag_host(upper.host_pages, node.id, upper.id)
         node.parent.children[upper.key[:ps]] = upper
         node.key, node.pages, node.parent = node.key[num_pages * ps:], node.pages[num_pages:], upper
-        node.host_pages = node.host_pages[num_pages:]
+        node.host_pages, node.l3_keys = node.host_pages[num_pages:], node.l3_keys[num_pages:]
         upper.children[node.key[:ps]] = node
         return upper
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from cluster import protocol as p
 from cluster.faults import FAILURE_INTERNAL
 from cluster.protocol import WorkerRole
+from kv_store.l3.config import L3Config
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines
@@ -29,9 +30,10 @@ class PrefillWorker(EngineWorker):
     role = WorkerRole.PREFILL
 
     def __init__(self, config, model, arch, transport: Transport, tokenizer=None, eos_token_ids=(),
-                 deadlines: TransferDeadlines = TransferDeadlines(), clock: Callable[[], float] = time.monotonic):
+                 deadlines: TransferDeadlines = TransferDeadlines(), clock: Callable[[], float] = time.monotonic,
+                 l3: L3Config | None = None):
         self.sender = KVSender(transport, deadlines, clock)
-        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.sender))
+        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.sender, l3=l3))
 
     # ---- the worker contract -----------------------------------------------------------------------
     def handle(self, msg) -> list:

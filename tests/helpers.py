@@ -22,10 +22,10 @@ def tiny_models(seed: int = 0):
     return ours, ref, LlamaArch.from_hf_config(ref.config)
 
 
-def make_engine(page_size=4, num_pages=256, chunk_size=64, eos=(), **kw) -> EngineCore:
+def make_engine(page_size=4, num_pages=256, chunk_size=64, eos=(), l3=None, **kw) -> EngineCore:
     ours, _, arch = tiny_models()
     config = EngineConfig(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size, debug_kv=True, **kw)
-    return EngineCore(config, ours, arch, eos_token_ids=eos)
+    return EngineCore(config, ours, arch, eos_token_ids=eos, l3=l3)
 
 
 def make_prompts(n: int, min_len=4, max_len=60, seed=0, vocab=256) -> list[list[int]]:

@@ -75,6 +75,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                      help="multiturn: pause between an answer and the conversation's next turn")
     _add_overload_args(sub.add_parser("overload", help="`tandem serve` at a multiple of its capacity: "
                                                        "fast 429s, and the TTFT of what it admits"))
+    _add_hicache_args(sub.add_parser("hicache", help="the L2 host KV tier on vs off in one process: multi-turn "
+                                                     "TTFT and retract-heavy throughput"))
 
 
 def _add_overload_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +95,27 @@ def _add_overload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for /health/ready")
     p.add_argument("--json", action="store_true", help="print the result as JSON too")
+
+
+def _add_hicache_args(p: argparse.ArgumentParser) -> None:
+    p.description = ("The same workloads with the L2 host tier on, then off (host_cache_pages=0). Engine flags "
+                     "default to EngineConfig's, except L1 (--num-pages) and L2, sized from each workload.")
+    add_engine_args(p, defaults=False)
+    p.add_argument("--conversations", type=int, default=6, help="multi-turn: conversations")
+    p.add_argument("--turns", type=int, default=8, help="multi-turn: turns per conversation")
+    p.add_argument("--turn-input-len", type=int, default=224, help="multi-turn: new user tokens per turn")
+    p.add_argument("--turn-output-len", type=int, default=16, help="multi-turn: answer tokens per turn")
+    p.add_argument("--l1-conversations", type=float, default=1.5,
+                   help="multi-turn: L1 holds this many conversations' final histories")
+    p.add_argument("--requests", type=int, default=8, help="retract-heavy: requests added at once")
+    p.add_argument("--prompt-len", type=int, default=256, help="retract-heavy: prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="retract-heavy: output tokens per request")
+    p.add_argument("--l1-fraction", type=float, default=0.5,
+                   help="retract-heavy: L1 holds this fraction of all requests' peak KV")
+    p.add_argument("--only", choices=["multiturn", "retract"], help="run one workload only")
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run), overriding the size flags")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.overload import bench_overload
 
             return bench_overload(args)
+        if args.bench == "hicache":
+            from cluster.bench.hicache import bench_hicache
+
+            return bench_hicache(args)
         from cluster.bench.offline import bench_offline
 
         return bench_offline(args)

@@ -23,6 +23,8 @@ import yaml
 
 from cluster.cli.args import add_engine_args, engine_fields_from_args
 from cluster.config import ConfigError, EngineConfig, require, require_min
+from kv_store.config import KVStoreConfig
+from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig
 from router.config import POLICIES, RouterConfig
 from router.gateway.config import API_KEY_ENV, GatewayConfig
@@ -143,6 +145,8 @@ class ServeConfig:
     """Colocated workers: prefill and decode in one engine, no KV transfer."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     """KV transfer between prefill and decode workers."""
+    kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
+    """Tiers below the host cache: the shared L3 store (`kv_store.l3`), off by default."""
     router: RouterConfig = field(default_factory=RouterConfig)
     """Routing policy."""
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
@@ -180,6 +184,8 @@ class ServeConfig:
             out[name] = group
         for name in ("transport", "router", "gateway", "cluster"):
             out[name] = dataclasses.asdict(getattr(self, name))
+        l3 = self.kv_store.l3
+        out["kv_store"] = {"l3": dataclasses.asdict(l3) if l3 is not None else None}
         return out
 
 
@@ -257,7 +263,16 @@ def _build_serve(raw: Mapping[str, Any]) -> ServeConfig:
     for name, cls in (("transport", TransportConfig), ("router", RouterConfig),
                       ("gateway", GatewayConfig), ("cluster", ClusterConfig)):
         built[name] = _make(cls, _section(raw, name, ""), f"{name}.")
+    built["kv_store"] = _build_kv_store(_section(raw, "kv_store", ""))
     return _make(ServeConfig, {"model": model}, "", built)
+
+
+def _build_kv_store(raw: Mapping[str, Any]) -> KVStoreConfig:
+    """`kv_store.l3` absent or null: no L3; a mapping (even empty): L3Config from its fields."""
+    _reject_unknown(raw, KVStoreConfig, "kv_store.")
+    if raw.get("l3") is None:
+        return KVStoreConfig()
+    return KVStoreConfig(l3=_make(L3Config, _section(raw, "l3", "kv_store."), "kv_store.l3."))
 
 
 def _build_group(name: str, raw: Mapping[str, Any], engine_fields: dict[str, Any]) -> WorkerGroupConfig:

@@ -187,7 +187,7 @@ class Controller:
         cfg = self.config
         spec = WorkerSpec(slot.role, slot.group.engine, host_pages=slot.group.host_pages,
                           transport=cfg.transport, heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
-                          torch_threads=slot.group.torch_threads)
+                          torch_threads=slot.group.torch_threads, l3=cfg.kv_store.l3)
         actor = ray.remote(WorkerActor).options(
             num_cpus=slot.group.num_cpus, num_gpus=slot.group.num_gpus, max_concurrency=ACTOR_CONCURRENCY,
             max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, slot.bundle_index),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.config import EngineConfig
+from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig
 
 
@@ -19,6 +20,7 @@ class WorkerSpec:
     transport: TransportConfig = TransportConfig()  # the transfer engine's protocol and address, the deadlines
     heartbeat_interval_s: float = 0.5
     torch_threads: int = 1
+    l3: L3Config | None = None  # the shared L3 store under the host cache; None: none
 
 
 def build_worker(spec: WorkerSpec, transport=None):
@@ -33,7 +35,7 @@ def build_worker(spec: WorkerSpec, transport=None):
 
     torch.set_num_threads(spec.torch_threads)
     loaded = load_model(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype])
-    model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids)
+    model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, l3=spec.l3)
     if spec.role == "colocated":
         from decode_worker.worker import ColocatedWorker
         from kv_store.transfer.local import LocalTransport

@@ -15,21 +15,25 @@ run even a probe token (the model or device is broken, not a request).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-import time
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from cluster.config import EngineConfig, SamplingParams
+from cluster.config import EngineConfig, SamplingParams, require
 from cluster.faults import FAILURE_INTERNAL, internal_error
 from cluster.protocol import PoolStats, TierStats, WorkerStats
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
 from kernels.sampling import sample
 from kv_store.device_pool import DevicePool
-from kv_store.hicache import HostCache, NullHostCache, WritePolicy
+from kv_store.hicache import HostCache, NullHostCache, WritePolicy, host_tensors
+from kv_store.l3.config import L3Config
+from kv_store.l3.keys import KeyNamespace
+from kv_store.l3.tier import L3Tier
 from kv_store.page_pool import PagePool
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
@@ -70,7 +74,7 @@ class EngineCore:
     """Continuous-batching engine over one paged KV pool. Not thread-safe: one caller drives `step`."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None,
-                 eos_token_ids: Sequence[int] = (), connector: KVConnector | None = None):
+                 eos_token_ids: Sequence[int] = (), connector: KVConnector | None = None, l3: L3Config | None = None):
         dtype = TORCH_DTYPES[config.dtype]
         layout = kv_layout(arch.num_layers, config.page_size, arch.num_kv_heads, arch.head_dim, config.dtype)
         self.config = config.resolve(layout.page_bytes, arch.max_position_embeddings)
@@ -83,7 +87,7 @@ class EngineCore:
         pool = self.device_pool.pages
         cache = RadixPrefixCache(pool) if config.enable_prefix_cache else NullPrefixCache(pool)
         self.kvm = KVManager(pool, cache)
-        self.host_cache = _host_cache(self.config, cache, self.device_pool)
+        self.host_cache = _host_cache(self.config, cache, self.device_pool, l3, model)
         self.connector = connector or NullConnector()
         self.scheduler = Scheduler(self.config, self.kvm, can_retract=self.connector.can_retract,
                                    host_cache=self.host_cache)
@@ -210,12 +214,17 @@ class EngineCore:
                            transfers, error, _pool_stats(l2) if l2 is not None else None, self.tier_stats())
 
     def tier_stats(self) -> TierStats:
-        c = self.host_cache.counters
+        c, l3 = self.host_cache.counters, self.host_cache.l3
+        store = l3.stats()
+        l3_fields = {} if store is None else dict(
+            l3_get_pages=store.hits, l3_get_seconds=store.get_seconds, l3_put_pages=store.put_pages,
+            l3_put_seconds=store.put_seconds, l3_errors=store.errors, l3_corrupt=store.corrupt,
+            prefetches=tuple(sorted(l3.counters.prefetches.items())))
         return TierStats(hit_tokens_l1=self.scheduler.hit_tokens_l1, hit_tokens_l2=c.l2_hit_tokens,
-                         l1_to_l2_bytes=c.l1_to_l2_bytes, l1_to_l2_seconds=c.l1_to_l2_seconds,
-                         l2_to_l1_bytes=c.l2_to_l1_bytes, l2_to_l1_seconds=c.l2_to_l1_seconds,
-                         evicted_pages_l1=c.l1_evicted_pages, evicted_pages_l2=c.l2_evicted_pages,
-                         copy_errors=c.copy_errors)
+                         hit_tokens_l3=c.l3_hit_tokens, l1_to_l2_bytes=c.l1_to_l2_bytes,
+                         l1_to_l2_seconds=c.l1_to_l2_seconds, l2_to_l1_bytes=c.l2_to_l1_bytes,
+                         l2_to_l1_seconds=c.l2_to_l1_seconds, evicted_pages_l1=c.l1_evicted_pages,
+                         evicted_pages_l2=c.l2_evicted_pages, copy_errors=c.copy_errors, **l3_fields)
 
     def close(self) -> None:
         self.connector.close()
@@ -314,12 +323,30 @@ class EngineCore:
             self.connector.check_integrity()
 
 
-def _host_cache(config: EngineConfig, tree, device_pool: DevicePool) -> HostCache | NullHostCache:
-    """The L2 tier under `tree` when the resolved config asks for host pages."""
+def _host_cache(config: EngineConfig, tree, device_pool: DevicePool, l3: L3Config | None,
+                model: torch.nn.Module) -> HostCache | NullHostCache:
+    """The L2 tier under `tree` when the resolved config asks for host pages, with L3 below it when
+    `l3` is given (L3 pages move through L2, so L3 needs it)."""
     if not config.host_cache_pages:
+        require(l3 is None, "kv_store.l3 needs the host tier: set host_cache_ratio > 0 and keep the prefix cache on")
         return NullHostCache()
-    return HostCache(tree, device_pool, config.host_cache_pages, WritePolicy(config.write_policy),
-                     config.write_through_hits)
+    host_kv = host_tensors(device_pool.kv, config.host_cache_pages)
+    tier = None
+    if l3 is not None:
+        from kv_store.l3.redis_store import RedisPageStore
+
+        namespace = KeyNamespace(model_id(config.model, model), device_pool.layout)
+        tier = L3Tier(RedisPageStore(l3, namespace), namespace, host_kv, l3)
+    return HostCache(tree, device_pool, host_kv, WritePolicy(config.write_policy), config.write_through_hits, l3=tier)
+
+
+def model_id(name: str, model: torch.nn.Module) -> str:
+    """`name` plus a digest of the weights' first bytes: L3 keys of two models never meet, even under one name."""
+    h = hashlib.blake2b(digest_size=8)
+    for _, tensor in itertools.islice(model.state_dict().items(), 4):
+        h.update(str(tuple(tensor.shape)).encode())
+        h.update(tensor.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    return f"{name}@{h.hexdigest()}"
 
 
 def _pool_stats(pool: PagePool) -> PoolStats:

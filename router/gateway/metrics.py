@@ -146,7 +146,7 @@ _TIER_COUNTERS = (  # (metric, documentation, extra label, {label value: TierSta
     ("tandem:kv_evicted_pages", "KV pages evicted from each tier.", "tier",
      {"l1": "evicted_pages_l1", "l2": "evicted_pages_l2"}),
     ("tandem:l3_pages", "Pages read from / written to the L3 store.", "op", {"get": "l3_get_pages", "put": "l3_put_pages"}),
-    ("tandem:l3_errors", "L3 faults (each a counted miss).", "op", {"get": "l3_get_errors", "put": "l3_put_errors"}),
+    ("tandem:l3_errors", "L3 faults, each a counted miss.", "kind", {"call": "l3_errors", "corrupt": "l3_corrupt"}),
     ("tandem:l3_seconds", "Seconds spent in L3 calls.", "op", {"get": "l3_get_seconds", "put": "l3_put_seconds"}),
 )
 

@@ -134,7 +134,12 @@ def test_cuda_device_gives_groups_a_gpu_unless_told():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"gatway.port": 1}, r"^unknown key 'gatway' \(valid: model, engine, prefill, decode, colocated, transport, "
-                         r"router, gateway, cluster\)$"),
+                         r"kv_store, router, gateway, cluster\)$"),
+    ({"kv_store.l4": {}}, r"^unknown key 'kv_store\.l4' \(valid: l3\)$"),
+    ({"kv_store.l3.url": "http://x"}, r"^kv_store\.l3\.url must start with redis:// or rediss://"),
+    ({"kv_store.l3.prefetch_policy": "eager"}, r"^kv_store\.l3\.prefetch_policy must be one of"),
+    ({"engine.write_policy": "lazy"}, r"^engine\.write_policy must be one of"),
+    ({"engine.host_cache_ratio": -1}, r"^engine\.host_cache_ratio must be >= 0"),
     ({"gateway.prot": 1}, r"^unknown key 'gateway\.prot' \(valid: host, port, api_key, "),
     ({"decode.engine.page_sz": 1}, r"^unknown key 'decode\.engine\.page_sz' \(valid: model, device, dtype, "),
     ({"prefill.count": "2"}, r"^prefill\.count must be int, got '2' \(str\)$"),
@@ -220,6 +225,9 @@ def test_direct_construction_checks_bounds_too():
 
 
 def test_to_dict_round_trips_through_yaml(tmp_path):
+    from kv_store.config import KVStoreConfig
+    from kv_store.l3.config import L3Config
+
     cfg = ServeConfig(
         model="/m/llama", engine=EngineConfig(model="/m/llama", dtype="bfloat16", num_pages=64, kv_memory_gib=1.5),
         prefill=WorkerGroupConfig(count=2, num_cpus=2.5, engine=EngineConfig(model="/m/llama", dtype="bfloat16",
@@ -227,7 +235,8 @@ def test_to_dict_round_trips_through_yaml(tmp_path):
         decode=WorkerGroupConfig(count=1, host_pages=7, engine=EngineConfig(model="/m/llama", dtype="bfloat16")),
         transport=TransportConfig(protocol="rdma", waiting_s=1.25), router=RouterConfig(policy="kv_cost"),
         gateway=GatewayConfig(api_key="sk-x", max_prompt_tokens=100),
-        cluster=ClusterConfig(address="auto", max_restarts=0))
+        cluster=ClusterConfig(address="auto", max_restarts=0),
+        kv_store=KVStoreConfig(l3=L3Config(url="rediss://:pw@10.0.0.5:6380/2", prefetch_policy="timeout")))
     data = cfg.to_dict()
     assert data["prefill"]["engine"] == {"chunk_size": 64, "num_pages": None, "kv_memory_gib": 2.0}
     assert "model" not in data["engine"] and data["decode"]["engine"] == {"num_pages": None, "kv_memory_gib": 2.0}

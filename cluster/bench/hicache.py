@@ -1,0 +1,400 @@
+"""`tandem bench hicache`: the L2 host KV tier on vs off, in one process, on the same two workloads.
+
+Each workload runs twice on an in-process `EngineCore` over the same model: with the host tier
+(`host_cache_pages` > 0) and without it (`host_cache_pages=0`, L1 prefix cache only). The device
+pool (L1, `num_pages`) is sized from the workload so that it cannot keep everything: what L1 evicts
+goes to L2 and is loaded back, or (L2 off) is computed again.
+
+1. Multi-turn. C conversations of T turns; turn t's prompt is
+
+       | user 1 | answer 1 | ... | user t-1 | answer t-1 | user t |
+
+   where `user i` are seeded random token ids and `answer i` the tokens this run generated for turn i
+   (greedy, exact length). Rounds interleave the conversations (turn 1 of each, then turn 2 of each,
+   ...) and a round runs its requests one at a time, so TTFT = add_request -> the step that returns
+   the request's first token, with nothing else in the batch. L1 holds `--l1-conversations` final
+   histories, so a conversation's prefix has left L1 by its next turn.
+2. Retract-heavy. N requests with long outputs, all added at once, on an L1 holding `--l1-fraction`
+   of their peak KV: the scheduler retracts, and a retracted request resumes from the prefix tree
+   (L2 on: loaded back; off: whatever L1 kept, the rest recomputed).
+
+Computed tokens are counted on the engine's forward passes. A request with prompt P and output O
+computes P + O - 1 tokens when nothing is cached and nothing is retracted (its last token is never
+fed back); a multi-turn turn's computed prefill is its forward tokens minus its O - 1 decode tokens,
+and the retract workload's recomputed tokens are all forward tokens minus sum(P + O - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger("tandem.bench")
+
+WARMUP_PROMPT = list(range(1, 17))  # first-call costs; random ids start at 10, so no prefix is shared
+SCHEDULE_NOTE = "multi-turn: conversations interleaved per round, one request at a time (TTFT unbatched)"
+
+
+@dataclass(frozen=True)
+class MultiTurnSpec:
+    conversations: int
+    turns: int
+    user_tokens: int  # new user tokens per turn
+    output_tokens: int  # generated tokens per turn (exact: ignore_eos)
+    l1_conversations: float  # L1 holds this many final histories
+    seed: int = 0
+
+    @property
+    def final_tokens(self) -> int:
+        """The last turn's prompt + answer: the longest a conversation's KV gets."""
+        return self.turns * (self.user_tokens + self.output_tokens)
+
+
+@dataclass(frozen=True)
+class RetractSpec:
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    l1_fraction: float  # L1 holds this fraction of all requests' peak KV
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    conversation: int
+    turn: int  # 1-based
+    prompt_tokens: int
+    cached_tokens: int  # served by the prefix cache, any tier
+    host_hit_tokens: int  # of those, loaded back from L2
+    computed_prefill_tokens: int  # forward tokens of the turn minus its decode tokens
+    ttft_s: float
+
+
+@dataclass(frozen=True)
+class MultiTurnRun:
+    l2_pages: int
+    l1_pages: int
+    turns: list[TurnResult]
+    outputs: list[list[list[int]]]  # [conversation][turn] -> generated token ids
+    elapsed_s: float
+
+    def later(self) -> list[TurnResult]:
+        return [t for t in self.turns if t.turn >= 2]
+
+    @property
+    def ttft_mean_later_s(self) -> float:
+        return _mean([t.ttft_s for t in self.later()])
+
+    def total(self, field: str, later: bool = True) -> int:
+        return sum(getattr(t, field) for t in (self.later() if later else self.turns))
+
+
+@dataclass(frozen=True)
+class RetractRun:
+    l2_pages: int
+    l1_pages: int
+    elapsed_s: float
+    output_tokens: int
+    forward_tokens: int
+    min_forward_tokens: int  # sum(P + O - 1): every request computed once, nothing recomputed
+    retractions: int
+    l2_hit_tokens: int
+    outputs: list[list[int]]
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return self.forward_tokens - self.min_forward_tokens
+
+
+EngineFactory = Callable[["EngineConfig"], "EngineCore"]  # noqa: F821 - lazily imported types
+
+
+class _CountingRunner:
+    """The engine's ModelRunner, counting the tokens its forward passes compute."""
+
+    def __init__(self, runner):
+        self.runner, self.num_tokens = runner, 0
+
+    def forward(self, rows):
+        self.num_tokens += sum(len(r.token_ids) for r in rows)
+        return self.runner.forward(rows)
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+
+# ---- engines ----------------------------------------------------------------------------------------
+def shared_model_factory() -> EngineFactory:
+    """Engines over one loaded model: the first config loads it (`load_engine`), later ones reuse it."""
+    from prefill_worker.engine import EngineCore, load_engine
+
+    first = []
+
+    def make(config):
+        if not first:
+            first.append(load_engine(config))
+            return first[0]
+        e = first[0]
+        return EngineCore(config, e.model, e.arch, e.tokenizer, e.eos_token_ids)
+
+    return make
+
+
+def _with_engine(factory: EngineFactory, config, run: Callable):
+    """`run(engine, counter)` on a fresh, warmed-up engine; then drain it, check its KV and close it."""
+    from cluster.config import SamplingParams
+
+    engine = factory(config)
+    try:
+        engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=2))
+        counter = engine.runner = _CountingRunner(engine.runner)
+        result = run(engine, counter)
+        while engine.busy():  # backups still in flight
+            engine.step()
+        engine.check_integrity()
+        return result
+    finally:
+        engine.close()
+
+
+def _pages(tokens: float, page_size: int) -> int:
+    return math.ceil(tokens / page_size)
+
+
+L2Sizing = Callable[[int, int], int]
+"""(L1 pages, L2 pages sized from the workload) -> the L2 pages of the "on" run."""
+
+
+def workload_l2(l1_pages: int, sized_pages: int) -> int:
+    return sized_pages
+
+
+def _on_and_off(factory: EngineFactory, base, pages: tuple[int, int], l2: L2Sizing, run: Callable) -> tuple:
+    """`run` with L2 on, then off, on fresh engines. L1 is `base.num_pages` when set, else `pages[0]`."""
+    l1 = base.num_pages or pages[0]
+    host = l2(l1, pages[1])
+    return tuple(_with_engine(factory, dataclasses.replace(base, num_pages=l1, host_cache_pages=h), run)
+                 for h in (host if host >= 2 else 0, 0))
+
+
+# ---- 1. multi-turn --------------------------------------------------------------------------------
+def multiturn_pages(spec: MultiTurnSpec, page_size: int) -> tuple[int, int]:
+    """(L1, L2) pages: L1 holds `l1_conversations` final histories (at least one whole request) + the
+    scratch page; L2 holds every conversation's (a quarter spare for partial pages) + its scratch page."""
+    final = spec.final_tokens
+    l1 = max(_pages(spec.l1_conversations * final, page_size), _pages(final, page_size)) + 1
+    return l1, _pages(1.25 * spec.conversations * final, page_size) + 1
+
+
+def user_turns(spec: MultiTurnSpec, vocab_size: int) -> list[list[list[int]]]:
+    rng = random.Random(spec.seed)
+    return [[[rng.randrange(10, vocab_size) for _ in range(spec.user_tokens)] for _ in range(spec.turns)]
+            for _ in range(spec.conversations)]
+
+
+def run_multiturn(engine, counter: _CountingRunner, spec: MultiTurnSpec) -> MultiTurnRun:
+    from cluster.config import SamplingParams
+
+    params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
+    users = user_turns(spec, engine.arch.vocab_size)
+    histories: list[list[int]] = [[] for _ in range(spec.conversations)]
+    outputs: list[list[list[int]]] = [[] for _ in range(spec.conversations)]
+    results = []
+    start_s = time.perf_counter()
+    for turn in range(spec.turns):
+        for c in range(spec.conversations):
+            prompt = histories[c] + users[c][turn]
+            before = counter.num_tokens
+            req, ttft_s = _run_one(engine, prompt, params)
+            computed = counter.num_tokens - before - (len(req.output_token_ids) - 1)
+            results.append(TurnResult(c, turn + 1, len(prompt), req.cached_tokens, req.host_hit_tokens,
+                                      computed, ttft_s))
+            outputs[c].append(req.output_token_ids)
+            histories[c] = prompt + req.output_token_ids
+    return MultiTurnRun(engine.config.host_cache_pages, engine.config.num_pages, results, outputs,
+                        time.perf_counter() - start_s)
+
+
+def _run_one(engine, prompt: list[int], params) -> tuple[object, float]:
+    """Run one request alone to its end: (the finished request, its TTFT in seconds)."""
+    from prefill_worker.engine.request import FinishReason, RequestStatus
+
+    start_s = time.perf_counter()
+    req = engine.add_request(prompt, params)
+    ttft_s = None
+    while req.status is not RequestStatus.FINISHED:
+        for out in engine.step():
+            if ttft_s is None and out.request_id == req.request_id and out.new_token_ids:
+                ttft_s = time.perf_counter() - start_s
+    if req.finish_reason is FinishReason.ABORT or ttft_s is None:
+        raise RuntimeError(f"request {req.request_id} ({len(prompt)} prompt tokens) ended without output: {req.error}")
+    return req, ttft_s
+
+
+def compare_multiturn(factory: EngineFactory, base, spec: MultiTurnSpec,
+                      l2: L2Sizing = workload_l2) -> tuple[MultiTurnRun, MultiTurnRun]:
+    """(L2 on, L2 off) on the same conversations."""
+    return _on_and_off(factory, base, multiturn_pages(spec, base.page_size), l2,
+                       lambda engine, counter: run_multiturn(engine, counter, spec))
+
+
+# ---- 2. retract-heavy -----------------------------------------------------------------------------
+def retract_pages(spec: RetractSpec, page_size: int) -> tuple[int, int]:
+    """(L1, L2) pages: L1 holds `l1_fraction` of all requests' peak KV (at least one whole request);
+    L2 all of it with a quarter spare; + the scratch pages."""
+    one = _pages(spec.prompt_tokens + spec.output_tokens, page_size)
+    l1 = max(math.ceil(spec.l1_fraction * spec.requests * one), one) + 1
+    return l1, math.ceil(1.25 * spec.requests * one) + 1
+
+
+def retract_prompts(spec: RetractSpec, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(spec.seed)
+    return [[rng.randrange(10, vocab_size) for _ in range(spec.prompt_tokens)] for _ in range(spec.requests)]
+
+
+def run_retract(engine, counter: _CountingRunner, spec: RetractSpec) -> RetractRun:
+    from cluster.config import SamplingParams
+
+    prompts = retract_prompts(spec, engine.arch.vocab_size)
+    retractions, hits = engine.num_retractions, engine.host_cache.counters.l2_hit_tokens
+    start_s = time.perf_counter()
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True))
+    elapsed_s = time.perf_counter() - start_s
+    outputs = [r.output_token_ids for r in reqs]
+    assert all(len(o) == spec.output_tokens for o in outputs), "a request ended early: aborted?"
+    return RetractRun(engine.config.host_cache_pages, engine.config.num_pages, elapsed_s, sum(map(len, outputs)),
+                      counter.num_tokens, sum(len(p) + spec.output_tokens - 1 for p in prompts),
+                      engine.num_retractions - retractions, engine.host_cache.counters.l2_hit_tokens - hits, outputs)
+
+
+def compare_retract(factory: EngineFactory, base, spec: RetractSpec,
+                    l2: L2Sizing = workload_l2) -> tuple[RetractRun, RetractRun]:
+    """(L2 on, L2 off) on the same requests."""
+    return _on_and_off(factory, base, retract_pages(spec, base.page_size), l2,
+                       lambda engine, counter: run_retract(engine, counter, spec))
+
+
+# ---- the command ----------------------------------------------------------------------------------
+QUICK = dict(conversations=3, turns=4, turn_input_len=112, turn_output_len=8, requests=6, prompt_len=128,
+             output_len=48)
+
+
+def specs_from_args(args: argparse.Namespace) -> tuple[MultiTurnSpec, RetractSpec]:
+    sizes = {**vars(args), **(QUICK if args.quick else {})}
+    if min(sizes[k] for k in QUICK) < 1 or not (args.l1_conversations > 0 and args.l1_fraction > 0):
+        raise ValueError("workload sizes must be >= 1 and --l1-conversations, --l1-fraction > 0")
+    return (MultiTurnSpec(sizes["conversations"], sizes["turns"], sizes["turn_input_len"],
+                          sizes["turn_output_len"], args.l1_conversations, args.seed),
+            RetractSpec(sizes["requests"], sizes["prompt_len"], sizes["output_len"], args.l1_fraction, args.seed))
+
+
+def bench_hicache(args: argparse.Namespace, factory: EngineFactory | None = None) -> int:
+    """The command: both workloads (or `--only` one), L2 on then off each; prints and writes `--json`."""
+    from cluster.cli.args import engine_config_from_args
+
+    base = engine_config_from_args(args)
+    mt_spec, rt_spec = specs_from_args(args)
+    factory = factory or shared_model_factory()
+    l2 = l2_sizing(args)
+    summary: dict = {"config": {"model": base.model, "device": base.device, "dtype": base.dtype,
+                                "page_size": base.page_size, "write_policy": base.write_policy}}
+    if args.only in (None, "multiturn"):
+        log.info("multi-turn: %s", mt_spec)
+        on, off = compare_multiturn(factory, base, mt_spec, l2)
+        summary["multiturn"] = multiturn_summary(mt_spec, on, off)
+        print_multiturn(summary["multiturn"])
+    if args.only in (None, "retract"):
+        log.info("retract-heavy: %s", rt_spec)
+        on, off = compare_retract(factory, base, rt_spec, l2)
+        summary["retract"] = retract_summary(rt_spec, on, off)
+        print_retract(summary["retract"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+def l2_sizing(args: argparse.Namespace) -> L2Sizing:
+    """L2 of the "on" runs: --host-cache-pages, else --host-cache-ratio x L1, else sized from the workload."""
+    if args.host_cache_pages is not None:
+        return lambda l1_pages, sized_pages: args.host_cache_pages
+    if args.host_cache_ratio is not None:
+        return lambda l1_pages, sized_pages: int(l1_pages * args.host_cache_ratio)
+    return workload_l2
+
+
+def multiturn_summary(spec: MultiTurnSpec, on: MultiTurnRun, off: MultiTurnRun) -> dict:
+    def run(r: MultiTurnRun) -> dict:
+        return {"l1_pages": r.l1_pages, "l2_pages": r.l2_pages, "elapsed_s": r.elapsed_s,
+                "ttft_mean_turns2plus_s": r.ttft_mean_later_s,
+                "computed_prefill_tokens_turns2plus": r.total("computed_prefill_tokens"),
+                "cached_tokens_turns2plus": r.total("cached_tokens"),
+                "l2_hit_tokens_turns2plus": r.total("host_hit_tokens"),
+                "turns": [asdict(t) for t in r.turns]}
+
+    per_turn = [{"turn": t, "prompt_tokens": _mean([x.prompt_tokens for x in on.turns if x.turn == t]),
+                 "ttft_on_s": _mean([x.ttft_s for x in on.turns if x.turn == t]),
+                 "ttft_off_s": _mean([x.ttft_s for x in off.turns if x.turn == t]),
+                 "l2_hit_tokens_on": sum(x.host_hit_tokens for x in on.turns if x.turn == t)}
+                for t in range(1, spec.turns + 1)]
+    later_off, later_on = off.ttft_mean_later_s, on.ttft_mean_later_s
+    return {"workload": {**asdict(spec), "final_tokens": spec.final_tokens, "schedule": SCHEDULE_NOTE},
+            "l2_on": run(on), "l2_off": run(off), "per_turn": per_turn,
+            "ttft_ratio_off_over_on": later_off / later_on if later_on else None,
+            "outputs_identical": on.outputs == off.outputs}
+
+
+def retract_summary(spec: RetractSpec, on: RetractRun, off: RetractRun) -> dict:
+    def run(r: RetractRun) -> dict:
+        return {**{k: v for k, v in asdict(r).items() if k != "outputs"},
+                "output_tokens_per_s": r.output_tokens_per_s, "recomputed_tokens": r.recomputed_tokens}
+
+    return {"workload": asdict(spec), "l2_on": run(on), "l2_off": run(off),
+            "throughput_ratio_on_over_off": on.output_tokens_per_s / off.output_tokens_per_s,
+            "outputs_identical": on.outputs == off.outputs}
+
+
+def print_multiturn(s: dict) -> None:
+    w, on, off = s["workload"], s["l2_on"], s["l2_off"]
+    print(f"\nmulti-turn: {w['conversations']} conversations x {w['turns']} turns, {w['user_tokens']} user + "
+          f"{w['output_tokens']} answer tokens per turn (history {w['final_tokens']} at the end); "
+          f"L1 {on['l1_pages']} pages, L2 {on['l2_pages']} pages\n  {w['schedule']}")
+    print(f"{'turn':>6}{'prompt_tok':>12}{'ttft_on_s':>12}{'ttft_off_s':>12}{'l2_hit_tok':>12}")
+    for t in s["per_turn"]:
+        print(f"{t['turn']:>6}{t['prompt_tokens']:>12.0f}{t['ttft_on_s']:>12.3f}{t['ttft_off_s']:>12.3f}"
+              f"{t['l2_hit_tokens_on']:>12}")
+    print(f"{'L2':<6}{'ttft_mean_t2+_s':>17}{'computed_t2+':>14}{'cached_t2+':>12}{'l2_hit_t2+':>12}{'elapsed_s':>11}")
+    for name, r in (("on", on), ("off", off)):
+        print(f"{name:<6}{r['ttft_mean_turns2plus_s']:>17.3f}{r['computed_prefill_tokens_turns2plus']:>14}"
+              f"{r['cached_tokens_turns2plus']:>12}{r['l2_hit_tokens_turns2plus']:>12}{r['elapsed_s']:>11.1f}")
+    ratio = s["ttft_ratio_off_over_on"]
+    print(f"TTFT ratio off / on (turns >= 2): {ratio:.2f}x" if ratio else "TTFT ratio: no turns >= 2")
+    print(f"greedy outputs identical on / off: {'yes' if s['outputs_identical'] else 'NO'}")
+
+
+def print_retract(s: dict) -> None:
+    w, on = s["workload"], s["l2_on"]
+    print(f"\nretract-heavy: {w['requests']} requests at once, prompt {w['prompt_tokens']} + output "
+          f"{w['output_tokens']} tokens; L1 {on['l1_pages']} pages, L2 {on['l2_pages']} pages")
+    print(f"{'L2':<6}{'elapsed_s':>11}{'output_tok/s':>14}{'retractions':>13}{'recomputed_tok':>16}{'l2_hit_tok':>12}")
+    for name in ("on", "off"):
+        r = s[f"l2_{name}"]
+        print(f"{name:<6}{r['elapsed_s']:>11.2f}{r['output_tokens_per_s']:>14.1f}{r['retractions']:>13}"
+              f"{r['recomputed_tokens']:>16}{r['l2_hit_tokens']:>12}")
+    print(f"throughput ratio on / off: {s['throughput_ratio_on_over_off']:.2f}x")
+    print(f"greedy outputs identical on / off: {'yes' if s['outputs_identical'] else 'NO'}")
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0

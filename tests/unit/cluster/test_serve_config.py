@@ -7,6 +7,8 @@ import pytest
 import yaml
 
 from cluster.config import EngineConfig
+from kv_store.config import KVStoreConfig
+from kv_store.l3.config import L3Config
 from kv_store.transfer.session import TransferDeadlines, TransferState
 from cluster.serve.config import (
     API_KEY_ENV,
@@ -225,9 +227,6 @@ def test_direct_construction_checks_bounds_too():
 
 
 def test_to_dict_round_trips_through_yaml(tmp_path):
-    from kv_store.config import KVStoreConfig
-    from kv_store.l3.config import L3Config
-
     cfg = ServeConfig(
         model="/m/llama", engine=EngineConfig(model="/m/llama", dtype="bfloat16", num_pages=64, kv_memory_gib=1.5),
         prefill=WorkerGroupConfig(count=2, num_cpus=2.5, engine=EngineConfig(model="/m/llama", dtype="bfloat16",

@@ -144,6 +144,9 @@ class EngineConfig:
     `write_through_selective` (once matched `write_through_hits` times) or `write_back` (on L1 eviction)."""
     write_through_hits: int = 2
     """Matches after which `write_through_selective` backs a node up (>= 1)."""
+    session_kv_fraction: float = 0.5
+    """Streaming sessions may reserve at most this fraction of the device pool's tokens (their
+    `capacity_tokens` summed), in [0, 1]; 0 refuses every session."""
     debug_kv: bool = False
     """Check KV integrity after every scheduler step (also set by TANDEM_DEBUG_KV=1)."""
 
@@ -161,6 +164,8 @@ class EngineConfig:
                  f"host_cache_pages must be 0 (off) or >= 2 (scratch page + one usable), got {self.host_cache_pages}")
         require(self.write_policy in WRITE_POLICIES,
                  f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        require(0 <= self.session_kv_fraction <= 1,
+                 f"session_kv_fraction must be in [0, 1], got {self.session_kv_fraction}")
         require(self.write_through_hits >= 1, f"write_through_hits must be >= 1, got {self.write_through_hits}")
         require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len}")

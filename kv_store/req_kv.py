@@ -106,6 +106,8 @@ class KVManager:
         self.live: dict[object, ReqKV] = {}
         self.transfer_pins: dict[object, TransferPin] = {}
         """handle -> what it pins, for every transfer handle not yet retired."""
+        self.prefix_pins: dict[object, TreeNode] = {}
+        """key -> the tree node a long-lived holder (a session between turns) keeps locked."""
 
     def open(self, req_id: object) -> ReqKV:
         if req_id in self.live:
@@ -248,6 +250,20 @@ class KVManager:
         self.prefix_cache.unlock(pin.tree_node)
         return self.pool.retire(handle) if pin.own_pages else []
 
+    def pin_prefix(self, key: object, node: TreeNode) -> None:
+        """Keep the path root -> `node` in the tree and on device for `key` (replacing `key`'s pin)."""
+        self.prefix_cache.lock(node)
+        old = self.prefix_pins.get(key)
+        self.prefix_pins[key] = node
+        if old is not None:
+            self.prefix_cache.unlock(old)
+
+    def unpin_prefix(self, key: object) -> None:
+        node = self.prefix_pins.pop(key, None)
+        if node is None:
+            raise KVOwnershipError(f"prefix pin {key!r} dropped twice, or never taken")
+        self.prefix_cache.unlock(node)
+
     def pinned_pages(self, handle: object) -> list[int]:
         """Every page `handle` keeps from moving: its cached path, then its own lent pages."""
         pin = self.transfer_pins[handle]
@@ -265,6 +281,10 @@ class KVManager:
         locks: dict[int, int] = {}
         holders = [kv.locked_node for kv in self.live.values()]
         holders += [pin.tree_node for pin in self.transfer_pins.values()]
+        holders += list(self.prefix_pins.values())
+        for key, node in self.prefix_pins.items():
+            assert self.prefix_cache.holds(node) and node.residency.on_device, (
+                f"prefix pinned by {key!r} left the device tier (tree node {node.id}): evicted while pinned?")
         for node in holders:
             locks[node.id] = locks.get(node.id, 0) + 1
         for handle, pin in self.transfer_pins.items():

@@ -41,6 +41,7 @@ from prefill_worker.engine.connector import KVConnector, NullConnector
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 from prefill_worker.engine.runner import ModelRunner
 from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
+from prefill_worker.engine.sessions import NullSessions, SessionError, SessionManager
 from prefill_worker.engine.stop import StopRules
 
 
@@ -88,9 +89,11 @@ class EngineCore:
         cache = RadixPrefixCache(pool) if config.enable_prefix_cache else NullPrefixCache(pool)
         self.kvm = KVManager(pool, cache)
         self.host_cache = _host_cache(self.config, cache, self.device_pool, l3, model)
+        self.sessions = (SessionManager(self.kvm, int(self.config.session_kv_fraction * pool.num_usable * pool.page_size))
+                         if config.enable_prefix_cache else NullSessions())
         self.connector = connector or NullConnector()
         self.scheduler = Scheduler(self.config, self.kvm, can_retract=self.connector.can_retract,
-                                   host_cache=self.host_cache)
+                                   host_cache=self.host_cache, sessions=self.sessions)
         self.runner = ModelRunner(model, self.kv_cache, config.page_size, self.device)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -100,9 +103,14 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
-        """Queue a request. Raises ValueError (queueing nothing) when it can never fit."""
+                    request_id: str | None = None, session_id: str = "") -> Request:
+        """Queue a request (a turn of `session_id` when given: its prompt is the session's history plus
+        the new tokens). Raises ValueError (queueing nothing) when it can never fit, and SessionError
+        (a ValueError) when the session cannot take it."""
         req = self.new_request(prompt_token_ids, params, request_id)
+        if session_id:
+            self.sessions.start_turn(session_id, req.request_id, req.num_tokens + params.max_tokens)
+            req.session_id = session_id
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
@@ -143,14 +151,29 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
 
     def busy(self) -> bool:
-        """Whether a step would do anything: requests to schedule, or the connector's own work."""
-        return self.scheduler.has_work() or self.connector.busy() or self.host_cache.busy()
+        """Whether a step would do anything: requests to schedule, the connector's or the host tier's own
+        work, or a session to reap."""
+        reap_at = self.sessions.next_deadline()
+        return (self.scheduler.has_work() or self.connector.busy() or self.host_cache.busy()
+                or (reap_at is not None and time.monotonic() >= reap_at))
+
+    # ---- sessions ----------------------------------------------------------------------------------
+    def open_session(self, session_id: str, capacity_tokens: int, idle_timeout_s: float) -> None:
+        """Raises SessionError (nothing opened) when the session budget or the arguments forbid it."""
+        limit = self.scheduler.max_request_tokens()
+        if capacity_tokens > limit:
+            raise SessionError(f"capacity_tokens {capacity_tokens} exceeds the {limit} tokens one request may hold here")
+        self.sessions.open(session_id, capacity_tokens, idle_timeout_s)
+
+    def close_session(self, session_id: str) -> bool:
+        return self.sessions.close(session_id)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """The connector's housekeeping, then schedule, run one forward, sample, apply stop rules,
         and release what the connector no longer holds. Returns per-request progress."""
         self.host_cache.poll()
+        self.sessions.reap()
         outputs = self.connector.before_step()
         for req, kv in self.connector.take_arrived():
             self.requests[req.request_id] = req
@@ -224,7 +247,9 @@ class EngineCore:
                          hit_tokens_l3=c.l3_hit_tokens, l1_to_l2_bytes=c.l1_to_l2_bytes,
                          l1_to_l2_seconds=c.l1_to_l2_seconds, l2_to_l1_bytes=c.l2_to_l1_bytes,
                          l2_to_l1_seconds=c.l2_to_l1_seconds, evicted_pages_l1=c.l1_evicted_pages,
-                         evicted_pages_l2=c.l2_evicted_pages, copy_errors=c.copy_errors, **l3_fields)
+                         evicted_pages_l2=c.l2_evicted_pages, copy_errors=c.copy_errors,
+                         sessions_open=len(self.sessions.sessions), session_pages=self.sessions.pinned_pages(),
+                         **l3_fields)
 
     def close(self) -> None:
         self.connector.close()

@@ -60,6 +60,8 @@ class Request:
     """Prompt tokens served from the prefix cache (any tier) at first admission."""
     host_hit_tokens: int = 0
     """Of those, tokens loaded back from the host tier (L2) before that admission."""
+    session_id: str = ""
+    """The streaming session this request is a turn of ("" for none)."""
     l3_checked: bool = False
     """Whether the host tier has looked this request's prompt up in L3 (once per request)."""
     load_ticket: LoadTicket | None = None

@@ -23,6 +23,7 @@ from cluster.config import EngineConfig
 from kv_store.hicache import HostCache, NullHostCache
 from kv_store.req_kv import KVManager, ReleaseReason
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
+from prefill_worker.engine.sessions import NullSessions, SessionManager
 from prefill_worker.engine.runner import ForwardRow
 
 
@@ -49,7 +50,8 @@ class Scheduler:
     """Owns the waiting queue, the running batch, and (through `kvm`) their KV."""
 
     def __init__(self, config: EngineConfig, kvm: KVManager, can_retract: Callable[[Request], bool] = lambda req: True,
-                 host_cache: HostCache | NullHostCache | None = None):
+                 host_cache: HostCache | NullHostCache | None = None,
+                 sessions: SessionManager | NullSessions | None = None):
         assert config.num_pages is not None and config.max_model_len is not None, "config not resolved"
         self.config = config
         self.kvm = kvm
@@ -58,6 +60,7 @@ class Scheduler:
         self.loading: list[Request] = []
         """Requests whose prefix is being loaded from the host tier (each holds a `load_ticket`)."""
         self.host_cache = host_cache or NullHostCache()
+        self.sessions = sessions or NullSessions()
         self.hit_tokens_l1 = 0
         """Prompt tokens found on device at first admission, summed (those loaded back count in L2)."""
         self.retractable = can_retract
@@ -90,10 +93,10 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._release(req, ReleaseReason.ABORTED if reason is FinishReason.ABORT else ReleaseReason.FINISHED)
-        elif req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-        elif req.status is RequestStatus.LOADING:
-            self.loading.remove(req)
+        else:
+            (self.waiting if req.status is RequestStatus.WAITING else self.loading).remove(req)
+            if req.session_id:
+                self.sessions.abandon_turn(req.session_id, req.request_id)
         self._drop_ticket(req)
         req.finish(reason)
 
@@ -140,7 +143,10 @@ class Scheduler:
         step.retracted.append(req)
 
     def _release(self, req: Request, reason: ReleaseReason) -> None:
-        self.kvm.release(req.kv, reason, req.all_token_ids, cache=self.config.enable_prefix_cache)
+        if req.session_id:
+            self.sessions.release_turn(req.session_id, req.kv, reason, req.all_token_ids)
+        else:
+            self.kvm.release(req.kv, reason, req.all_token_ids, cache=self.config.enable_prefix_cache)
 
     # ---- loading ---------------------------------------------------------------------------------
     def _poll_loads(self) -> None:

@@ -1,0 +1,178 @@
+"""Streaming sessions: a conversation's KV kept on device between its turns (docs/design.md §5).
+
+A session pins the page-aligned prefix of its history in the prefix tree (`KVManager.pin_prefix`),
+so the next turn's prompt — the history plus the new tokens — matches it and prefills only what is
+new. At the end of each turn the request's unaligned tail is freed (`free_tail`), its whole pages
+go into the tree through the one release path, and the pin moves to the new history:
+
+    | pinned: history of earlier turns | this turn: prompt rest + output | tail |
+    0                           pinned_tokens                      aligned   committed
+
+Budget and admission: the sessions of one engine may reserve at most `session_kv_fraction` of the
+device pool (`capacity_tokens` each, reserved at open); a turn whose prompt plus `max_tokens` would
+exceed its session's capacity is refused. A session idle past its `idle_timeout_s` is reaped: its pin
+is dropped, so its KV follows the tree's eviction into the host tier (and L3) like any cached prefix.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
+
+
+class SessionError(ValueError):
+    """A session request that cannot be served (unknown session, busy, over capacity or budget)."""
+
+
+class SessionState(enum.Enum):
+    IDLE = "idle"  # between turns: history pinned
+    IN_TURN = "in_turn"  # a turn is running (one at a time)
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    capacity_tokens: int
+    idle_timeout_s: float
+    last_used: float
+    state: SessionState = SessionState.IDLE
+    turn: str = ""  # the request id of the running turn
+    pinned_tokens: int = 0  # page-aligned history on device, pinned
+
+
+class SessionManager:
+    """Sessions of one engine. Not thread-safe: the engine's thread owns it."""
+
+    def __init__(self, kvm: KVManager, budget_tokens: int, clock: Callable[[], float] = time.monotonic):
+        self.kvm, self.budget_tokens, self.clock = kvm, budget_tokens, clock
+        self.sessions: dict[str, Session] = {}
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(s.capacity_tokens for s in self.sessions.values())
+
+    def open(self, session_id: str, capacity_tokens: int, idle_timeout_s: float) -> Session:
+        if session_id in self.sessions:
+            raise SessionError(f"session {session_id!r} is already open")
+        if capacity_tokens < 1 or idle_timeout_s <= 0:
+            raise SessionError(f"capacity_tokens must be >= 1 and idle_timeout_s > 0, got {capacity_tokens}, "
+                               f"{idle_timeout_s}")
+        if self.reserved_tokens + capacity_tokens > self.budget_tokens:
+            raise SessionError(f"session KV budget full: {self.reserved_tokens} of {self.budget_tokens} tokens "
+                               f"reserved by {len(self.sessions)} open sessions; close one or ask for less")
+        session = Session(session_id, capacity_tokens, idle_timeout_s, self.clock())
+        self.sessions[session_id] = session
+        return session
+
+    def close(self, session_id: str) -> bool:
+        """Drop the session and its pin (a running turn finishes as a plain request). False: not open."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return False
+        if session.pinned_tokens:
+            self.kvm.unpin_prefix(session_id)
+        return True
+
+    def start_turn(self, session_id: str, request_id: str, num_tokens_max: int) -> None:
+        """`request_id` becomes the session's running turn; raises SessionError when it cannot."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionError(f"session {session_id!r} is not open (closed, reaped after its idle timeout, "
+                               "or opened on another worker)")
+        if session.state is SessionState.IN_TURN:
+            raise SessionError(f"session {session_id!r} is running turn {session.turn!r}: one turn at a time")
+        if num_tokens_max > session.capacity_tokens:
+            raise SessionError(f"session {session_id!r}: prompt + max_tokens = {num_tokens_max} tokens exceeds its "
+                               f"capacity_tokens {session.capacity_tokens}")
+        session.state, session.turn = SessionState.IN_TURN, request_id
+
+    def release_turn(self, session_id: str, kv: ReqKV, reason: ReleaseReason, token_ids: list[int]) -> list[int]:
+        """The one release of a session turn's KV: free exactly the unaligned tail, release the rest
+        into the tree, and (a finished turn of a still open session) pin the new history. Returns the
+        tail pages freed."""
+        ps = self.kvm.page_size
+        aligned = max(kv.cache_protected_len, kv.kv_committed_len // ps * ps)
+        tail = self.kvm.free_tail(kv, aligned)
+        self.kvm.release(kv, reason, token_ids, cache=True)
+        session = self.sessions.get(session_id)
+        if session is None or session.turn != kv.req_id:
+            return tail
+        if reason is not ReleaseReason.RETRACTED:  # a retracted turn resumes: still the running turn
+            session.state, session.turn, session.last_used = SessionState.IDLE, "", self.clock()
+        if reason is ReleaseReason.FINISHED:
+            self._repin(session, token_ids[:aligned])
+        return tail
+
+    def abandon_turn(self, session_id: str, request_id: str) -> None:
+        """The turn ended before it held KV (aborted while queued): the session is idle again, unchanged."""
+        session = self.sessions.get(session_id)
+        if session is not None and session.turn == request_id:
+            session.state, session.turn, session.last_used = SessionState.IDLE, "", self.clock()
+
+    def reap(self) -> list[str]:
+        """Close every idle session past its idle timeout; returns their ids."""
+        now = self.clock()
+        due = [s.id for s in self.sessions.values()
+               if s.state is SessionState.IDLE and now - s.last_used >= s.idle_timeout_s]
+        for session_id in due:
+            self.close(session_id)
+        return due
+
+    def next_deadline(self) -> float | None:
+        idle = [s.last_used + s.idle_timeout_s for s in self.sessions.values() if s.state is SessionState.IDLE]
+        return min(idle, default=None)
+
+    def pinned_pages(self) -> int:
+        return sum(s.pinned_tokens for s in self.sessions.values()) // self.kvm.page_size
+
+    def _repin(self, session: Session, history: list[int]) -> None:
+        """Pin the part of `history` the tree holds on device (all of it, unless a load was in flight)."""
+        tree = self.kvm.prefix_cache
+        pos, path = tree.walk(history, len(history), lambda n: n.residency.on_device)
+        if path:
+            self.kvm.pin_prefix(session.id, path[-1])
+        elif session.pinned_tokens:
+            self.kvm.unpin_prefix(session.id)
+        session.pinned_tokens = pos
+
+
+class NullSessions:
+    """Sessions off (prefix cache disabled): opening one is refused."""
+
+    def __init__(self):
+        self.sessions: dict[str, Session] = {}
+        self.reserved_tokens = 0
+
+    def open(self, session_id: str, capacity_tokens: int, idle_timeout_s: float):
+        raise SessionError("sessions need the prefix cache (this worker runs with enable_prefix_cache off)")
+
+    def close(self, session_id: str) -> bool:
+        return False
+
+    def start_turn(self, session_id: str, request_id: str, num_tokens_max: int) -> None:
+        raise SessionError(f"session {session_id!r} is not open")
+
+    def abandon_turn(self, session_id: str, request_id: str) -> None:
+        """The turn ended before it held KV (aborted while queued): the session is idle again, unchanged."""
+        session = self.sessions.get(session_id)
+        if session is not None and session.turn == request_id:
+            session.state, session.turn, session.last_used = SessionState.IDLE, "", self.clock()
+
+    def release_turn(self, session_id: str, kv: ReqKV, reason: ReleaseReason, token_ids: list[int]) -> list[int]:
+        raise AssertionError(f"a turn of session {session_id!r} on an engine without sessions")
+
+    def abandon_turn(self, session_id: str, request_id: str) -> None:
+        pass
+
+    def reap(self) -> list[str]:
+        return []
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    def pinned_pages(self) -> int:
+        return 0

@@ -212,11 +212,35 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Generate:
-    """Driver -> decode: serve the request alone (local prefill; no prefill worker alive)."""
+    """Driver -> decode: serve the request alone (local prefill: no prefill worker alive, or a turn of a
+    streaming session, whose history is pinned on this worker)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    session_id: str = ""  # a turn of this session (its prompt: the session's history + the new tokens)
+
+
+@dataclass(frozen=True)
+class OpenSession:
+    """Driver -> decode/colocated: open a streaming session here; answered by `SessionOpened`."""
+
+    session_id: str
+    capacity_tokens: int  # the session's history + one turn's prompt and max_tokens, at most
+    idle_timeout_s: float  # idle this long between turns: closed, its KV left to the cache tiers
+
+
+@dataclass(frozen=True)
+class SessionOpened:
+    session_id: str
+    error: str  # non-empty: not opened (the session KV budget is full, or bad arguments)
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    """Driver -> decode/colocated: close a session (a turn still running ends as a plain request)."""
+
+    session_id: str
 
 
 @dataclass(frozen=True)

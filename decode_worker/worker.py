@@ -22,6 +22,7 @@ from kv_store.transfer.base import Transport
 from kv_store.transfer.session import TransferDeadlines
 from prefill_worker.engine.core import EngineCore, StepOutput
 from prefill_worker.engine.hosted import EngineWorker
+from prefill_worker.engine.sessions import SessionError
 
 __all__ = ["ColocatedWorker", "DecodeWorker", "InboundPhase"]
 
@@ -42,9 +43,17 @@ class ColocatedWorker(EngineWorker):
     def handle(self, msg) -> list:
         if isinstance(msg, p.Generate):
             try:
-                self.engine.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id)
-            except ValueError as exc:
+                self.engine.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id, msg.session_id)
+            except ValueError as exc:  # SessionError too
                 return [p.TokenOutput(msg.request_id, (), "abort", str(exc), failure="rejected")]
+        elif isinstance(msg, p.OpenSession):
+            try:
+                self.engine.open_session(msg.session_id, msg.capacity_tokens, msg.idle_timeout_s)
+            except SessionError as exc:
+                return [p.SessionOpened(msg.session_id, str(exc))]
+            return [p.SessionOpened(msg.session_id, "")]
+        elif isinstance(msg, p.CloseSession):
+            self.engine.close_session(msg.session_id)
         elif isinstance(msg, p.Abort):
             self.abort(msg.request_id)
         elif not isinstance(msg, p.PeerDead):  # no peers: nothing to do

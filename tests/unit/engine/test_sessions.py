@@ -8,10 +8,14 @@ import time
 
 import pytest
 
+from cluster import protocol as p
+from cluster.config import EngineConfig
+from decode_worker.worker import DecodeWorker
 from kv_store.req_kv import ceil_div
+from kv_store.transfer.local import LocalTransport
 from prefill_worker.engine.request import RequestStatus
 from prefill_worker.engine.sessions import SessionError, SessionState
-from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts
+from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
 
 
 def run(engine, req):
@@ -138,3 +142,23 @@ def test_idle_sessions_are_reaped_and_budget_and_capacity_are_enforced():
     assert list(engine.sessions.sessions) == ["b"] and not engine.kvm.prefix_pins
     engine.close_session("b")
     assert_pool_at_rest(engine)
+
+
+def test_a_decode_worker_serves_session_turns_through_the_worker_contract():
+    ours, _, arch = tiny_models()
+    worker = DecodeWorker(EngineConfig(page_size=4, num_pages=257, debug_kv=True), ours, arch, LocalTransport(),
+                          host_pages=64)
+    assert "exceeds the 1024 tokens" in worker.handle(p.OpenSession("s", 10**6, 60.0))[0].error
+    assert worker.handle(p.OpenSession("s", 600, 60.0))[0].error.startswith("session KV budget full")
+    assert worker.handle(p.OpenSession("s", 300, 60.0)) == [p.SessionOpened("s", "")]
+    prompt = make_prompts(1, min_len=30, max_len=30, seed=9)[0]
+    assert worker.handle(p.Generate("t0", tuple(prompt), greedy(max_tokens=4), session_id="s")) == []
+    out = []
+    while worker.busy():
+        out += [m for m in worker.step() if isinstance(m, p.TokenOutput)]
+    assert out[-1].finish_reason == "length" and worker.engine.sessions.sessions["s"].pinned_tokens == 32
+    [rejected] = worker.handle(p.Generate("t1", tuple(prompt), greedy(max_tokens=4), session_id="gone"))
+    assert rejected.failure == "rejected" and "not open" in rejected.error
+    worker.handle(p.CloseSession("s"))
+    assert not worker.engine.sessions.sessions and not worker.engine.kvm.prefix_pins
+    worker.check_integrity()

@@ -91,8 +91,8 @@ class LoadTicket:
 class TierCounters:
     """Cumulative figures of one worker's host tier (`/metrics` reads them)."""
 
-    l2_hit_tokens: int = 0  # tokens loaded back from L2 for requests
-    l3_hit_tokens: int = 0  # tokens attached to the tree from L3 prefetches
+    l2_hit_tokens: int = 0  # tokens loaded back to device for requests, that L2 had kept
+    l3_hit_tokens: int = 0  # tokens loaded back to device for requests, that an L3 prefetch had brought
     l1_to_l2_bytes: int = 0
     l1_to_l2_seconds: float = 0.0
     l2_to_l1_bytes: int = 0
@@ -346,8 +346,13 @@ class HostCache:
         load.job = self.copier.submit(Direction.TO_DEVICE, src, dst)
         self._loads[load.id] = load
         self.device.bump_relocation_version()
-        num_tokens = len(dst) * self.pool.page_size
-        self.counters.l2_hit_tokens += num_tokens
+        ps = self.pool.page_size
+        num_tokens = len(dst) * ps
+        from_l3 = sum(len(node.key) for node in load.nodes if node.fetched_from_l3)
+        for node in load.nodes:
+            node.fetched_from_l3 = False  # served once from L3; kept in L2 from now on
+        self.counters.l3_hit_tokens += from_l3
+        self.counters.l2_hit_tokens += num_tokens - from_l3
         return self._ticket(load.locked, (load,), num_tokens, prefetch)
 
     def _ticket(self, node: TreeNode, loads: tuple[Load, ...], num_tokens: int,
@@ -414,7 +419,6 @@ class HostCache:
         self.pool.retire(pf)
         attached = self._attach(pf)
         self.pool.free([p for p in pf.host_pages if p not in attached], pf)
-        self.counters.l3_hit_tokens += len(attached) * self.pool.page_size
         asked = len(pf.host_pages)
         pf.host_pages = []
         self._end_prefetch(pf, "completed" if pf.num_found == asked else "partial" if pf.num_found else "failed")
@@ -439,6 +443,7 @@ class HostCache:
             return []
         pages = pf.host_pages[covered - pf.first_page:pf.num_found]
         node = self.tree.add_child(parent, tuple(tokens[pos:]), Residency.HOST, host_pages=pages, in_l3=True)
+        node.fetched_from_l3 = True
         self.pool.give_to_tree(pages, pf, node.id)
         return pages
 

@@ -44,6 +44,7 @@ class TreeNode:
     residency: Residency = Residency.DEVICE
     hits: int = 0  # matches that reached this node (the selective write policy counts them)
     in_l3: bool = False  # its pages were written to (or came from) the L3 store
+    fetched_from_l3: bool = False  # brought by an L3 prefetch and not loaded to device since (hit accounting)
     l3_keys: list[str] = field(default_factory=list)  # its pages' L3 keys, once computed
 
 
@@ -367,7 +368,7 @@ class RadixPrefixCache:
         upper = TreeNode(id=next(self._ids), parent=node.parent, key=node.key[:num_pages * ps],
                          pages=node.pages[:num_pages], lock_ref=node.lock_ref, last_access=node.last_access,
                          host_pages=node.host_pages[:num_pages], residency=node.residency, hits=node.hits,
-                         in_l3=node.in_l3, l3_keys=node.l3_keys[:num_pages])
+                         in_l3=node.in_l3, fetched_from_l3=node.fetched_from_l3, l3_keys=node.l3_keys[:num_pages])
         self.pool.retag_cached(upper.pages, node.id, upper.id)
         self.tier.retag_host(upper.host_pages, node.id, upper.id)
         node.parent.children[upper.key[:ps]] = upper

@@ -37,9 +37,8 @@ import torch
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob, Direction, PageCopier
 from kv_store.device_pool import DevicePool
-from kv_store.l3.config import PrefetchPolicy
-from kv_store.l3.keys import ROOT_KEY
-from kv_store.l3.tier import L3Tier, NullL3, Prefetch, PrefetchPhase
+from kv_store.l3.bridge import L3Bridge, NullBridge
+from kv_store.l3.tier import L3Tier, Prefetch
 from kv_store.page_pool import PagePool, PageState
 from kv_store.radix_cache import RadixPrefixCache, TreeNode
 from kv_store.residency import Residency, move_residency
@@ -107,7 +106,7 @@ class HostCache:
 
     def __init__(self, tree: RadixPrefixCache, device: DevicePool, host_kv: KVCacheTensors,
                  policy: WritePolicy = WritePolicy.WRITE_THROUGH, selective_hits: int = 2, copy_timeout_s: float = 30.0,
-                 l3: L3Tier | NullL3 | None = None):
+                 l3: L3Tier | None = None):
         assert tree.pool is device.pages, "the tree must be over the device pool"
         self.tree, self.device, self.policy = tree, device, policy
         self.selective_hits, self.copy_timeout_s = selective_hits, copy_timeout_s
@@ -115,8 +114,7 @@ class HostCache:
         self.pool = PagePool(host_kv.num_pages, device.kv.page_size)
         self.copier = PageCopier(device.kv, self.kv)
         self.counters = TierCounters()
-        self.l3 = l3 or NullL3()
-        self._prefetches: dict[int, Prefetch] = {}
+        self.l3 = L3Bridge(l3, tree, self.pool, self._host_room) if l3 is not None else NullBridge()
         self._writes: dict[int, _Write] = {}
         self._loads: dict[int, Load] = {}
         self._tickets: dict[int, LoadTicket] = {}
@@ -194,7 +192,7 @@ class HostCache:
         `fetch_l3` (a request's first look), an L3 prefetch of what follows the local match starts
         too, and the ticket waits for it as the prefetch policy says."""
         pos, path = self.tree.walk(token_ids, max_tokens, lambda n: True)
-        prefetch = self._start_prefetch(token_ids, max_tokens, pos, path) if fetch_l3 else None
+        prefetch = self.l3.start(token_ids, max_tokens, pos, path) if fetch_l3 else None
         below = [n for n in path if not n.residency.on_device]
         if not below:
             return self._ticket(path[-1] if path else self.tree.root, (), 0, prefetch) if prefetch else None
@@ -222,32 +220,28 @@ class HostCache:
     def ready(self, ticket: LoadTicket) -> bool:
         if any(ld.id in self._loads for ld in ticket.loads):
             return False
-        pf = ticket.prefetch
-        if pf is None or pf.phase is PrefetchPhase.DONE:
-            return True
-        return self.l3.config.policy is PrefetchPolicy.TIMEOUT and time.monotonic() >= pf.deadline
+        return ticket.prefetch is None or self.l3.done(ticket.prefetch)
 
     def poll(self) -> None:
         """Finish every backup, load and prefetch phase whose work is done (never blocks)."""
         self._finish_writes()
         for load in [ld for ld in self._loads.values() if ld.job.done()]:
             self._finish_load(load)
-        for prefetch in [pf for pf in self._prefetches.values() if pf.step_done()]:
-            self._advance_prefetch(prefetch)
+        self.l3.poll()
 
     def wait_any(self, timeout_s: float) -> None:
         """Block until some copy in flight is done, at most `timeout_s` (nothing else to do meanwhile)."""
         jobs = [w.job for w in self._writes.values()] + [ld.job for ld in self._loads.values()]
         if jobs:
             jobs[0].wait(timeout_s)
-        elif self._prefetches:
-            next(iter(self._prefetches.values()))._done.wait(timeout_s)
+        else:
+            self.l3.wait_any(timeout_s)
 
     def loads_in_flight(self) -> frozenset:
         return frozenset(self._loads.values())
 
     def busy(self) -> bool:
-        return bool(self._writes or self._loads or self._prefetches)
+        return bool(self._writes or self._loads) or self.l3.busy()
 
     def close(self) -> None:
         self.copier.close()
@@ -273,7 +267,7 @@ class HostCache:
         assert usage.cached == cached, (
             f"host pool has {usage.cached} CACHED pages but tree nodes list {cached}: a host copy dropped without evict?")
         writing = sum(len(w.host_pages) for w in self._writes.values())
-        fetching = sum(len(pf.host_pages) for pf in self._prefetches.values())
+        fetching = self.l3.fetching_pages()
         assert usage.in_flight == writing + fetching and usage.private == 0, (
             f"host pool has {usage.in_flight} IN_FLIGHT + {usage.private} PRIVATE pages, backups in flight hold "
             f"{writing} and prefetches {fetching}: a finished backup or prefetch not retired?")
@@ -326,9 +320,7 @@ class HostCache:
         node.residency = move_residency(node.residency, Residency.BOTH, f"tree node {node.id} backed up")
         self.counters.l1_to_l2_bytes += write.job.num_bytes
         self.counters.l1_to_l2_seconds += write.job.seconds
-        if self.l3.enabled and not node.in_l3:
-            self.l3.put(self._l3_keys(node), node.host_pages)
-            node.in_l3 = True
+        self.l3.write(node)
 
     def _wait_for_loads(self, below: list[TreeNode], prefetch: Prefetch | None) -> LoadTicket:
         run = list(itertools.takewhile(lambda n: n.residency is Residency.LOADING, below))
@@ -357,9 +349,7 @@ class HostCache:
 
     def _ticket(self, node: TreeNode, loads: tuple[Load, ...], num_tokens: int,
                 prefetch: Prefetch | None = None) -> LoadTicket:
-        if prefetch is not None and self.l3.config.policy is PrefetchPolicy.BEST_EFFORT:
-            prefetch = None  # it goes on, for whoever comes next; this request does not wait
-        ticket = LoadTicket(node, loads, num_tokens, prefetch)
+        ticket = LoadTicket(node, loads, num_tokens, self.l3.waited_for(prefetch))
         self.tree.lock(node)
         self._tickets[id(ticket)] = ticket
         return ticket
@@ -381,71 +371,6 @@ class HostCache:
         self.counters.l2_to_l1_bytes += load.job.num_bytes
         self.counters.l2_to_l1_seconds += load.job.seconds
         self.device.bump_relocation_version()
-
-    # ---- L3 --------------------------------------------------------------------------------------------
-    def _l3_keys(self, node: TreeNode) -> list[str]:
-        """`node`'s page keys (computed once: the chain runs through its ancestors' keys)."""
-        if not node.l3_keys:
-            parent = node.parent
-            parent_key = ROOT_KEY if parent is self.tree.root else self._l3_keys(parent)[-1]
-            node.l3_keys = self.l3.keys(node.key, parent_key)
-        return node.l3_keys
-
-    def _start_prefetch(self, token_ids, max_tokens: int, pos: int, path: list[TreeNode]) -> Prefetch | None:
-        """An L3 lookup of the whole pages of `token_ids[:max_tokens]` past the local match `pos`, when
-        there are at least `prefetch_min_pages` of them."""
-        if not self.l3.enabled:
-            return None
-        ps = self.pool.page_size
-        end = min(len(token_ids), max_tokens) // ps * ps
-        if (end - pos) // ps < self.l3.config.prefetch_min_pages:
-            return None
-        parent_key = self._l3_keys(path[-1])[-1] if path else ROOT_KEY
-        keys = self.l3.keys(token_ids[pos:end], parent_key)
-        prefetch = self.l3.start_prefetch(token_ids[:end], pos // ps, keys)
-        self._prefetches[prefetch.id] = prefetch
-        return prefetch
-
-    def _advance_prefetch(self, pf: Prefetch) -> None:
-        """The read thread finished `pf`'s phase: take host pages for what L3 has, or attach what came."""
-        if pf.phase is PrefetchPhase.LOOKUP:
-            if pf.error or pf.num_found < self.l3.config.prefetch_min_pages:
-                return self._end_prefetch(pf, "failed" if pf.error else "short")
-            if not self._host_room(pf.num_found):
-                return self._end_prefetch(pf, "no_room")
-            pages = self.pool.alloc(pf.num_found, pf)
-            self.pool.hand_off(pages, pf, pf)
-            return self.l3.fetch(pf, pages)
-        self.pool.retire(pf)
-        attached = self._attach(pf)
-        self.pool.free([p for p in pf.host_pages if p not in attached], pf)
-        asked = len(pf.host_pages)
-        pf.host_pages = []
-        self._end_prefetch(pf, "completed" if pf.num_found == asked else "partial" if pf.num_found else "failed")
-
-    def _end_prefetch(self, pf: Prefetch, outcome: str) -> None:
-        pf.outcome = outcome
-        pf.move(PrefetchPhase.DONE)
-        del self._prefetches[pf.id]
-        self.l3.count(outcome)
-
-    def _attach(self, pf: Prefetch) -> list[int]:
-        """Hang the pages that arrived under the tree's path of `pf.token_ids`, as a host-only node
-        (those the tree has meanwhile are duplicates). Nothing attaches when the local prefix they
-        continue has left the tree. Returns the host pages the tree took."""
-        ps = self.pool.page_size
-        end = pf.first_page + pf.num_found
-        tokens = pf.token_ids[:end * ps]
-        pos, path = self.tree.walk(tokens, len(tokens), lambda n: True)
-        covered = pos // ps
-        parent = path[-1] if path else self.tree.root
-        if not pf.first_page <= covered < end or tuple(tokens[pos:pos + ps]) in parent.children:
-            return []
-        pages = pf.host_pages[covered - pf.first_page:pf.num_found]
-        node = self.tree.add_child(parent, tuple(tokens[pos:]), Residency.HOST, host_pages=pages, in_l3=True)
-        node.fetched_from_l3 = True
-        self.pool.give_to_tree(pages, pf, node.id)
-        return pages
 
     def _alloc_device(self, num_pages: int, owner: object) -> list[int] | None:
         pool = self.device.pages
@@ -500,7 +425,7 @@ class NullHostCache:
     def __init__(self):
         self.counters = TierCounters()
         self.pool = None
-        self.l3 = NullL3()
+        self.l3 = NullBridge()
 
     def start_load(self, token_ids: list[int], max_tokens: int, fetch_l3: bool = False) -> LoadTicket | None:
         return None

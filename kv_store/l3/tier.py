@@ -12,7 +12,7 @@ A prefetch runs in two phases, so host pages are taken only for pages L3 has:
              the prefetch (IN_FLIGHT); the read thread gets, verifies and unpacks them
     DONE     the scheduler attaches the pages that arrived to the tree as host-only nodes
 
-`NullL3` is the tier when no store is configured.
+The tree's side of all this is `kv_store/l3/bridge.py`.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ class Prefetch:
         """Whether the read thread finished the current phase (never blocks)."""
         return self._done.is_set()
 
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
+
     def move(self, dst: PrefetchPhase) -> None:
         if dst not in _PREFETCH_MOVES[self.phase]:
             raise RuntimeError(f"prefetch {self.id}: {self.phase.value} -> {dst.value} is not a legal move")
@@ -99,10 +102,6 @@ class L3Tier:
                          for q, fn, name in ((self._reads, self._read, "read"), (self._writes, self._write, "write"))]
         for t in self._threads:
             t.start()
-
-    @property
-    def enabled(self) -> bool:
-        return True
 
     def keys(self, token_ids, parent_key: str = ROOT_KEY) -> list[str]:
         """Keys of the whole pages of `token_ids`, chained after `parent_key` (ROOT_KEY: from position 0)."""
@@ -190,20 +189,3 @@ class L3Tier:
             self._bytes.unpack(page, payload)
             got += 1
         prefetch.num_found = got
-
-
-class NullL3:
-    """No L3 store configured."""
-
-    def __init__(self):
-        self.counters = L3Counters()
-
-    @property
-    def enabled(self) -> bool:
-        return False
-
-    def stats(self):
-        return None
-
-    def close(self) -> None:
-        pass

@@ -238,7 +238,7 @@ class EngineCore:
 
     def tier_stats(self) -> TierStats:
         c, l3 = self.host_cache.counters, self.host_cache.l3
-        store = l3.stats()
+        store = l3.store_stats()
         l3_fields = {} if store is None else dict(
             l3_get_pages=store.hits, l3_get_seconds=store.get_seconds, l3_put_pages=store.put_pages,
             l3_put_seconds=store.put_seconds, l3_errors=store.errors, l3_corrupt=store.corrupt,

@@ -145,7 +145,7 @@ def prefetches(tiers: TierStats) -> dict[str, int]:
 
 def l3_keys(hosts, token_ids: list[int]) -> list[str]:
     """Redis keys of the whole pages of `token_ids` (the workers' own key chain; pure)."""
-    tier = hosts["prefill-0"].worker.engine.host_cache.l3
+    tier = hosts["prefill-0"].worker.engine.host_cache.l3.l3
     return [tier.config.key_prefix + k for k in tier.keys(token_ids)]
 
 

@@ -72,7 +72,7 @@ def test_corrupt_and_missing_values_are_counted_misses_never_used(l3, server, sh
     first = engine_with(l3)
     first.generate([shared], greedy(max_tokens=1))
     settle(first)
-    keys = first.host_cache._l3_keys(next(iter(first.kvm.prefix_cache.root.children.values())))
+    keys = first.host_cache.l3.node_keys(next(iter(first.kvm.prefix_cache.root.children.values())))
     first.close()
     client = server.client()
     prefix = l3.key_prefix

@@ -11,6 +11,19 @@ A request's life through a backend:
     abort(request_id)  : the client went away; the backend releases the request's KV on every worker.
                          Idempotent; a no-op for unknown or finished requests.
 
+Streaming sessions (a conversation whose history a worker keeps pinned between turns):
+
+    open_session(capacity_tokens, idle_timeout_s) -> session id; BackendError QUEUE_FULL when the
+                         session KV budget is full, REJECTED for arguments no worker can honour,
+                         UNAVAILABLE when no worker can hold one
+    generate(..., session_id=id)  a turn: `prompt_token_ids` is the whole conversation (the history
+                         plus the new tokens); the backend serves it where the history is pinned and
+                         reports the hit in the last chunk's `cached_tokens`. One turn at a time per
+                         session. An unknown or closed session (or one lost with its worker) raises
+                         BackendError NOT_FOUND before anything is yielded; a session the worker closed
+                         on its own (idle timeout) is REJECTED by it.
+    close_session(id) -> False when it was not open. A running turn ends as a plain request.
+
 `generate` raises `BackendError` *before yielding anything* when the request cannot start (no
 worker, queue full, rejected): either at once (a plain function returning the iterator, as the
 dispatcher does) or from the first `__anext__`; the gateway handles both. Once it has yielded,
@@ -37,6 +50,7 @@ class ErrorKind(enum.Enum):
     QUEUE_FULL = "queue_full"  # 429: too many requests in flight; retry later
     UNAVAILABLE = "unavailable"  # 503 + Retry-After: no live worker, or the worker serving it died
     INTERNAL = "internal"  # 500: a bug; the message says what was seen
+    NOT_FOUND = "not_found"  # 404: the streaming session is unknown, closed, or lost with its worker
 
 
 class BackendError(Exception):
@@ -86,10 +100,14 @@ class Backend(Protocol):
     tokenizer: Any  # a transformers tokenizer (chat template, encode, decode)
     max_model_len: int  # prompt + completion tokens at most
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[GenerationChunk]: ...
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 session_id: str = "") -> AsyncIterator[GenerationChunk]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    async def open_session(self, capacity_tokens: int, idle_timeout_s: float) -> str: ...
+
+    async def close_session(self, session_id: str) -> bool: ...
 
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting) across the backend, for gauges."""

@@ -15,6 +15,9 @@ A request's phases and the transfer record it leaves behind: `router.flights`.
 
 A transfer failure, or the death of a worker, before any token reached the client re-routes the
 request (at most `max_transfer_retries` times); after that the client gets a clean error.
+
+Streaming sessions (`router.sessions`): a session is opened on one decode or colocated worker, and
+each of its turns goes there alone (`Generate` with `session_id`), never re-routed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from router.admission import AdmissionParams, Overloaded, UnloadedTtft, admissib
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 from router.flights import Flight, Phase, Transfer, observe_first_token, request_counters
 from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, choose
+from router.sessions import SessionTable, SessionTurn
 from router.workers import LiveWorker, ViewSource, WorkerInfo, WorkerLink, relay_metrics
 
 __all__ = ["Dispatcher", "Phase", "ViewSource", "WorkerInfo", "WorkerLink"]
@@ -44,7 +48,8 @@ class Dispatcher:
                  policy: Policy = Policy.CACHE_AWARE, policy_params: PolicyParams = PolicyParams(),
                  max_pending: int = 256, max_transfer_retries: int = 1, refresh_interval_s: float = 0.5,
                  collect_timeout_s: float = 0.5, reserve_retry_s: float = 0.05, landing_timeout_s: float = 30.0,
-                 admission: AdmissionParams = AdmissionParams(), clock: Callable[[], float] = time.monotonic):
+                 admission: AdmissionParams = AdmissionParams(), session_open_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.source, self.tokenizer = source, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.policy, self.policy_params = policy, policy_params
@@ -53,6 +58,7 @@ class Dispatcher:
         self.refresh_interval_s, self.collect_timeout_s = refresh_interval_s, collect_timeout_s
         self.reserve_retry_s, self.landing_timeout_s = reserve_retry_s, landing_timeout_s
         self.admission, self.clock = admission, clock
+        self.sessions, self.session_open_timeout_s = SessionTable(), session_open_timeout_s
         self.unloaded_ttft = UnloadedTtft(admission.rate_smoothing)
         self.lives: dict[str, LiveWorker] = {}
         self.flights: dict[str, Flight] = {}
@@ -106,19 +112,31 @@ class Dispatcher:
                 self._worker_gone(live, f"replaced by incarnation {info.incarnation}")
 
     # ---- Backend -----------------------------------------------------------------------------------
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 session_id: str = "") -> AsyncIterator[GenerationChunk]:
         """Route the request now (raising `BackendError` when it cannot start) and return its stream."""
         if request_id in self.flights:
             raise BackendError(ErrorKind.REJECTED, f"request id {request_id!r} is already in flight")
         if len(self.flights) >= self.max_pending:
             raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later",
                                retry_after_s=1.0)
-        flight = Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
-                         found_idle=not self.flights)
-        self._route(flight, admit=True)  # raises BackendError before anything is registered
+        if session_id:
+            flight = SessionTurn(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
+                                 session_id=session_id)
+            self._route_turn(flight)
+        else:
+            flight = Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
+                            found_idle=not self.flights)
+            self._route(flight, admit=True)  # raises BackendError before anything is registered
         self.flights[request_id] = flight
         return self._stream(flight)
+
+    async def open_session(self, capacity_tokens: int, idle_timeout_s: float) -> str:
+        return await self.sessions.open(self.lives.values(), capacity_tokens, idle_timeout_s,
+                                        self.session_open_timeout_s)
+
+    async def close_session(self, session_id: str) -> bool:
+        return self.sessions.close(session_id)
 
     async def abort(self, request_id: str) -> None:
         flight = self.flights.pop(request_id, None)
@@ -168,6 +186,15 @@ class Dispatcher:
         flight.prefill.lane.enqueue(flight, len(flight.prompt), front=not admit)
         self._pump(flight.prefill)
 
+    def _route_turn(self, turn: SessionTurn) -> None:
+        """Send a session's turn to the worker holding its history (no admission: the session
+        reserved its KV when it opened). Raises BackendError NOT_FOUND before registering anything."""
+        turn.decode = self.sessions.worker_of(turn.session_id)
+        turn.decode.num_active += 1
+        turn.phase = Phase.LOCAL
+        self._by_wire[turn.wire_id] = turn
+        turn.decode.send(p.Generate(turn.wire_id, tuple(turn.prompt), turn.params, turn.session_id))
+
     def _admissible(self, lives: list[LiveWorker], views: list) -> list:
         """The views of the workers that can take a new request now; raises QUEUE_FULL (429) when a
         needed role has none."""
@@ -194,7 +221,7 @@ class Dispatcher:
     def _reroute(self, flight: Flight, why: str) -> bool:
         """Try the request again on a fresh route. False when it may not (retries spent, tokens
         already sent, no worker) — the caller then fails it."""
-        if flight.tokens_sent or flight.attempt >= self.max_transfer_retries:
+        if flight.tokens_sent or flight.attempt >= self.max_transfer_retries or isinstance(flight, SessionTurn):
             return False
         self._unroute(flight)
         flight.attempt += 1
@@ -228,6 +255,8 @@ class Dispatcher:
             transfer = self._transfers.get(msg.request_id)
             if transfer is not None:
                 transfer.prefill.send(msg)
+        elif isinstance(msg, p.SessionOpened):
+            self.sessions.on_opened(live, msg)
         elif isinstance(msg, p.WorkerCrashed):
             self._worker_gone(live, f"crashed:\n{msg.error}")
         else:
@@ -367,6 +396,7 @@ class Dispatcher:
         log.error("worker %s (incarnation %d) is gone: %s", live.worker_id, live.info.incarnation, why)
         live.stop()
         self.state.forget_worker(live.worker_id)
+        self.sessions.worker_gone(live, why)
         notice, roles = live.death_notice()
         for lv in self.lives.values():
             if not lv.gone and lv.info.role in roles:

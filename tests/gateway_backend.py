@@ -12,6 +12,11 @@ client's, a uvicorn thread's). Faults are injected by setting attributes:
     start_delay_s     sleep before the request reaches the engine (a slow queue)
     step_delay_s      sleep after every engine step (slow streams)
     ignore_stop_strings  the engine is not told the stop strings (the gateway must cut the text itself)
+
+Streaming sessions as the dispatcher serves them: `open_session` opens one in the engine (a fresh
+id; budget full -> QUEUE_FULL, other refusals -> REJECTED), a turn of a session this backend never
+opened or already closed raises NOT_FOUND at once, and one the engine refuses (reaped, busy, over
+capacity) is REJECTED. `sent` records what each generate() call got: (prompt token ids, session id).
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import dataclasses
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cluster.config import SamplingParams
 from prefill_worker.engine.core import StepOutput
+from prefill_worker.engine.sessions import SessionError
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 
 WORKER_ID = "engine-0"
@@ -49,6 +56,8 @@ class EngineBackend:
         self.ignore_stop_strings = False
         self.abort_calls: list[str] = []
         self.started_ids: list[str] = []
+        self.sent: dict[str, tuple[tuple[int, ...], str]] = {}  # request id -> (prompt token ids, session id)
+        self.open_sessions: set[str] = set()  # opened here and not closed (the dispatcher's table)
         self.extra_collectors: list[Any] = []
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
@@ -57,10 +66,13 @@ class EngineBackend:
         self._thread.start()
 
     # ---- Backend ---------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       session_id: str = "") -> AsyncIterator[GenerationChunk]:
+        self.sent[request_id] = (tuple(prompt_token_ids), session_id)
         if self.fail_start is not None:
             raise self.fail_start
+        if session_id and session_id not in self.open_sessions:
+            raise BackendError(ErrorKind.NOT_FOUND, f"session {session_id!r} is not open (closed, or never opened)")
         if self.start_delay_s:
             await asyncio.sleep(self.start_delay_s)
         if self.ignore_stop_strings:
@@ -69,7 +81,7 @@ class EngineBackend:
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wrap_future(self._submit(lambda e: self._add(e, request_id, prompt_token_ids, params,
-                                                                       loop, outputs)))
+                                                                       session_id, loop, outputs)))
         except ValueError as exc:
             raise BackendError(ErrorKind.REJECTED, str(exc)) from None
         self.started_ids.append(request_id)
@@ -91,6 +103,24 @@ class EngineBackend:
     async def abort(self, request_id: str) -> None:
         self.abort_calls.append(request_id)
         await asyncio.wrap_future(self._submit(lambda e: self._drop(e, request_id)))
+
+    async def open_session(self, capacity_tokens: int, idle_timeout_s: float) -> str:
+        session_id = f"sess-{uuid.uuid4().hex}"
+        try:
+            await asyncio.wrap_future(self._submit(lambda e: e.open_session(session_id, capacity_tokens,
+                                                                             idle_timeout_s)))
+        except SessionError as exc:
+            kind = ErrorKind.QUEUE_FULL if "budget full" in str(exc) else ErrorKind.REJECTED
+            raise BackendError(kind, str(exc)) from None
+        self.open_sessions.add(session_id)
+        return session_id
+
+    async def close_session(self, session_id: str) -> bool:
+        if session_id not in self.open_sessions:
+            return False
+        self.open_sessions.discard(session_id)
+        await asyncio.wrap_future(self._submit(lambda e: e.close_session(session_id)))
+        return True
 
     def num_requests(self) -> tuple[int, int]:
         return len(self.engine.scheduler.running), len(self.engine.scheduler.waiting)
@@ -154,8 +184,8 @@ class EngineBackend:
             except queue.Empty:
                 return
 
-    def _add(self, engine, request_id, prompt_token_ids, params, loop, outputs) -> None:
-        engine.add_request(prompt_token_ids, params, request_id)
+    def _add(self, engine, request_id, prompt_token_ids, params, session_id, loop, outputs) -> None:
+        engine.add_request(prompt_token_ids, params, request_id, session_id)
         self._streams[request_id] = (loop, outputs)
 
     def _drop(self, engine, request_id: str) -> None:

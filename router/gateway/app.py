@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app over one `Backend` (DESIGN §8). All state lives in the app it builds.
 
-    POST /v1/completions, /v1/chat/completions   generation (JSON or SSE)
+    POST /v1/completions, /v1/chat/completions   generation (JSON or SSE); `session_id`: a session's turn
+    POST /v1/sessions, DELETE /v1/sessions/{id}  streaming sessions (sessions.py; API key as /v1)
     GET  /v1/models                              the served model
     GET  /health                                 200 while a decode or colocated worker is alive (readiness.py)
     GET  /health/ready                           a real one-token generation, cached (readiness.py)
@@ -13,6 +14,8 @@ in order: API key (401) -> draining (503) -> a JSON Content-Type (415) -> body w
 `body_timeout_s` (408) and `max_body_bytes` (413) -> JSON and schema (400/404) -> in-flight limit
 (429) -> backend start (its error's status) -> response. The in-flight slot is taken only once the
 body is read and valid, so slow or broken uploads never hold what served requests need.
+A turn of a streaming session also passes, after its JSON: the session exists (404) -> its prompt
+within the session's capacity (400) -> in-flight limit (429) -> no other turn of it running (409).
 Set `app.state.draining = True` to refuse new /v1 requests with 503 + Retry-After while the ones in
 flight finish; `app.state.gateway.num_in_flight` says how many are left.
 """
@@ -39,11 +42,13 @@ from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers,
 from router.gateway.hosts import HostGuard, HostPolicy
 from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from router.gateway.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
-    HealthStatus, ModelList, ReadyStatus, WorkerList, errors, generation_responses, openapi_document, request_models
+    HealthStatus, ModelList, ReadyStatus, SessionDeleted, SessionObject, WorkerList, errors, generation_responses, \
+    openapi_document, request_models, session_request_model
 from router.gateway.readiness import ReadinessProbe, serving_workers_alive
 from router.gateway.responses import SHAPES
 from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
-    parse_json_object
+    parse_json_object, parse_session
+from router.gateway.sessions import GatewaySession, GatewaySessions, SessionTurn, parse_turn
 from router.gateway.streaming import GenerationRun, SSEResponse, sse_frames, unless_disconnected
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,7 @@ class Gateway:
         self.created = int(time.time())
         self.num_in_flight = 0
         self.readiness = ReadinessProbe(self._one_token, config.ready_interval_s, config.ready_timeout_s)
+        self.sessions = GatewaySessions(backend)
 
     # ---- admission -----------------------------------------------------------------------------
     def check_api_key(self, request: Request) -> None:
@@ -119,23 +125,28 @@ class Gateway:
     async def generate(self, request: Request, endpoint: Endpoint) -> Response:
         """Serve one generation request. Failures before the run starts are counted here; after that,
         by the run. The in-flight slot and the run pass to a streaming response when one is returned."""
-        release, run = None, None
+        release, run, turn = None, None, None
         try:
             self.check_api_key(request)
             self.check_not_draining()
             check_json_content_type(request)
             body = await self.read_body(request)
             arrival_s = time.monotonic()  # latency is the server's: from the whole request, not its upload
-            parsed = _PARSERS[endpoint](parse_json_object(body), self.backend.tokenizer, self.limits)
+            payload = parse_json_object(body)
+            session = await self.sessions.for_turn(payload)
+            parsed = self._parse(endpoint, payload, session)
             release = self.admit()
             shape = SHAPES[endpoint](self.served_name)
-            run = GenerationRun(self.backend, shape.id, parsed, self.metrics, arrival_s)
+            if session is not None:  # no await since for_turn: no other turn of it can start meanwhile
+                turn = self.sessions.begin_turn(session, shape.id, parsed)
+            run = GenerationRun(self.backend, shape.id, parsed, self.metrics, arrival_s,
+                                on_end=turn.end if turn is not None else None)
             started, _ = await unless_disconnected(request.receive, run.start)
             if not started:
                 return Response(status_code=CLIENT_CLOSED_STATUS)
             if parsed.stream:
-                response = self._stream(run, shape, parsed, release)
-                release, run = None, None  # owned by the response now
+                response = self._stream(run, shape, parsed, release, turn)
+                release, run, turn = None, None, None  # owned by the response now
                 return response
             return await self._complete(request, run, shape)
         except APIError as err:
@@ -147,11 +158,17 @@ class Gateway:
         except Exception as exc:  # a bug: answer 500 in the error shape (logged with its id) and keep serving
             return self._count(run, internal(exc)).response()
         finally:
-            await self._finish(run, release)
+            await self._finish(run, release, turn)
 
-    def _stream(self, run: GenerationRun, shape: Any, parsed: GenerateRequest, release: Callable[[], None]):
+    def _parse(self, endpoint: Endpoint, payload: dict, session: GatewaySession | None) -> GenerateRequest:
+        if session is None:
+            return _PARSERS[endpoint](payload, self.backend.tokenizer, self.limits)
+        return parse_turn(_PARSERS[endpoint], payload, self.backend.tokenizer, self.limits, session, endpoint)
+
+    def _stream(self, run: GenerationRun, shape: Any, parsed: GenerateRequest, release: Callable[[], None],
+                turn: SessionTurn | None):
         async def cleanup() -> None:
-            await self._finish(run, release)
+            await self._finish(run, release, turn)
         return SSEResponse(sse_frames(run, shape, parsed.include_usage), cleanup)
 
     async def _complete(self, request: Request, run: GenerationRun, shape: Any) -> Response:
@@ -171,12 +188,40 @@ class Gateway:
         return err
 
     @staticmethod
-    async def _finish(run: GenerationRun | None, release: Callable[[], None] | None) -> None:
+    async def _finish(run: GenerationRun | None, release: Callable[[], None] | None,
+                      turn: SessionTurn | None = None) -> None:
         with anyio.CancelScope(shield=True):
             if run is not None:
-                await run.close()
+                await run.close()  # a session turn ends there (after its abort), unless it ended before
+            if turn is not None:
+                turn.end(None)  # no-op once the run told it how it ended
             if release is not None:
                 release()
+
+    # ---- sessions ------------------------------------------------------------------------------
+    async def open_session(self, request: Request) -> Response:
+        """POST /v1/sessions: API key (401) -> draining (503) -> JSON body (415/408/413/400) -> the
+        backend opens it (429 when its session KV budget is full)."""
+        try:
+            self.check_api_key(request)
+            self.check_not_draining()
+            check_json_content_type(request)
+            spec = parse_session(parse_json_object(await self.read_body(request)), self.limits)
+            session = await self.sessions.open(spec)
+            return JSONResponse(session.body())
+        except APIError as err:
+            return err.response()
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+
+    async def delete_session(self, request: Request, session_id: str) -> Response:
+        """DELETE /v1/sessions/{id}: API key (401) -> 404 unless open -> closed."""
+        try:
+            self.check_api_key(request)
+            await self.sessions.delete(session_id)
+            return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
+        except APIError as err:
+            return err.response()
 
     # ---- health --------------------------------------------------------------------------------
     def health(self) -> Response:
@@ -262,6 +307,15 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def chat_completions(request: Request) -> Response:
         return await gateway.generate(request, Endpoint.CHAT)
 
+    @app.post("/v1/sessions", responses={200: {"model": SessionObject},
+                                         **errors(400, 401, 403, 408, 413, 415, 429, 500, 503)})
+    async def open_session(request: Request) -> Response:
+        return await gateway.open_session(request)
+
+    @app.delete("/v1/sessions/{session_id}", responses={200: {"model": SessionDeleted}, **errors(401, 403, 404)})
+    async def delete_session(request: Request, session_id: str) -> Response:
+        return await gateway.delete_session(request, session_id)
+
     @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(401, 403)})
     async def models(request: Request) -> Response:
         gateway.check_api_key(request)
@@ -295,7 +349,8 @@ def _add_openapi(app: FastAPI, gateway: Gateway) -> None:
     """`GET /openapi.json`. Open like /health when no API key is set (clients and fuzzers read it, as
     vLLM's); with a key it needs the key like /v1/models: it names the served model and its limits."""
     completion, chat = request_models(gateway.limits)
-    bodies = {"/v1/completions": completion, "/v1/chat/completions": chat}
+    bodies = {"/v1/completions": completion, "/v1/chat/completions": chat,
+              "/v1/sessions": session_request_model(gateway.limits)}
 
     def document() -> dict[str, Any]:
         if app.openapi_schema is None:

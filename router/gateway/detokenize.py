@@ -60,6 +60,11 @@ class IncrementalDetokenizer:
     def num_tokens(self) -> int:
         return len(self._ids)
 
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token fed so far (those after a stop string included)."""
+        return list(self._ids)
+
     def feed(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the text that is now certain (possibly ""). No-op once stopped."""
         assert not self.finished, "feed() after finish(): the request already ended"

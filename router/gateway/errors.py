@@ -7,12 +7,13 @@
                                        context_length_exceeded, prompt_too_long, rejected
     401     authentication_error       invalid_api_key
     403     permission_error           forbidden_host, forbidden_origin
-    404     invalid_request_error      model_not_found, not_found
+    404     invalid_request_error      model_not_found, not_found, session_not_found
     405     invalid_request_error      method_not_allowed
     408     invalid_request_error      request_timeout                 (the connection is closed)
+    409     invalid_request_error      session_busy                    (a turn of the session is running)
     413     invalid_request_error      request_too_large
     415     invalid_request_error      unsupported_media_type
-    429     rate_limit_error           queue_full, too_many_pending_requests
+    429     rate_limit_error           queue_full, too_many_pending_requests, too_many_sessions
     500     internal_error             internal_error
     503     service_unavailable_error  unavailable, draining          (always with Retry-After)
 
@@ -47,14 +48,15 @@ _ABSOLUTE_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.@+-]+){2,}")  # /a/b, C:
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          409: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_error", 503: "service_unavailable_error"}
 
 _BACKEND_STATUS = {ErrorKind.REJECTED: 400, ErrorKind.QUEUE_FULL: 429, ErrorKind.UNAVAILABLE: 503,
-                   ErrorKind.INTERNAL: 500}
+                   ErrorKind.INTERNAL: 500, ErrorKind.NOT_FOUND: 404}
 
 _FAILURE_KINDS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "invalid_request",
-                  405: "invalid_request", 408: "invalid_request", 413: "invalid_request", 415: "invalid_request",
+                  405: "invalid_request", 408: "invalid_request", 409: "invalid_request", 413: "invalid_request", 415: "invalid_request",
                   429: "queue_full", 500: "internal", 503: "unavailable"}
 
 CLIENT_DISCONNECT = "client_disconnect"
@@ -127,7 +129,9 @@ def from_error_kind(kind: ErrorKind | None, message: str, retry_after_s: float |
     kind = kind if kind is not None else ErrorKind.INTERNAL
     detail = message or kind.value
     shown = "internal server error" if kind is ErrorKind.INTERNAL else detail
-    return APIError(_BACKEND_STATUS[kind], shown, code=kind.value, retry_after_s=retry_after_s, detail=detail)
+    code, param = ("session_not_found", "session_id") if kind is ErrorKind.NOT_FOUND else (kind.value, None)
+    return APIError(_BACKEND_STATUS[kind], shown, code=code, param=param, retry_after_s=retry_after_s,
+                    detail=detail)
 
 
 def internal(exc: BaseException) -> APIError:

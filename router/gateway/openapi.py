@@ -21,11 +21,13 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
-from router.gateway.schema import CHAT_ROLES, ModelLimits
+from router.gateway.schema import CHAT_ROLES, DEFAULT_SESSION_IDLE_TIMEOUT_S, MAX_SESSION_ID_CHARS, \
+    MAX_SESSION_IDLE_TIMEOUT_S, ModelLimits
 
 SECURITY_SCHEME = "bearer"
 _STATUS_WORDS = {400: "Invalid request", 401: "Missing or wrong API key", 403: "Host or Origin not served here",
-                 404: "Unknown model", 408: "Body not received in time", 413: "Body too large",
+                 404: "Unknown model or session", 408: "Body not received in time",
+                 409: "A turn of this session is running", 413: "Body too large",
                  415: "Body not declared JSON", 429: "Too many requests; see Retry-After",
                  500: "Internal error (the message carries an error id)",
                  503: "Unavailable or draining; see Retry-After"}
@@ -162,12 +164,27 @@ class WorkerList(BaseModel):
     workers: list[dict[str, Any]]
 
 
+class SessionObject(BaseModel):
+    """An open streaming session (POST /v1/sessions)."""
+
+    id: str
+    object: Literal["session"]
+    capacity_tokens: int = Field(ge=1)
+    idle_timeout_s: float = Field(gt=0)
+
+
+class SessionDeleted(BaseModel):
+    id: str
+    object: Literal["session.deleted"]
+    deleted: Literal[True]
+
+
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """`responses=` entries for error statuses, all in the one error shape."""
     return {status: {"model": ErrorResponse, "description": _STATUS_WORDS[status]} for status in statuses}
 
 
-GENERATION_ERRORS = errors(400, 401, 403, 404, 408, 413, 415, 429, 500, 503)
+GENERATION_ERRORS = errors(400, 401, 403, 404, 408, 409, 413, 415, 429, 500, 503)
 
 
 def generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
@@ -247,6 +264,10 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
         frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
         logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
         user: str | None = None
+        session_id: Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_CHARS)] | None = Field(
+            None, description="Extension: a turn of this streaming session (POST /v1/sessions). The body then "
+                              "carries only the new turn: its prompt (messages) follows the session's history. "
+                              "Unknown or expired: 404; another turn of it running: 409.")
 
     class CompletionRequest(SamplingFields):
         prompt: (NonEmptyString | Annotated[list[TokenId], Field(min_length=1)]
@@ -273,6 +294,23 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
     CompletionRequest.__name__ = CompletionRequest.__qualname__ = "CompletionRequest"
     ChatCompletionRequest.__name__ = ChatCompletionRequest.__qualname__ = "ChatCompletionRequest"
     return CompletionRequest, ChatCompletionRequest
+
+
+def session_request_model(limits: ModelLimits) -> type[BaseModel]:
+    """The POST /v1/sessions body, bounded by this app's context length."""
+
+    class SessionCreateRequest(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        capacity_tokens: Annotated[int, Field(ge=1, le=limits.max_model_len)] | None = Field(
+            None, description="Tokens the whole conversation may hold (history + one turn's prompt and "
+                              "completion); reserved on a worker while the session is open. Default: the "
+                              "context length.")
+        idle_timeout_s: Annotated[float, Field(gt=0, le=MAX_SESSION_IDLE_TIMEOUT_S)] | None = Field(
+            None, description=f"Closed when idle this long between turns (then 404). Default "
+                              f"{DEFAULT_SESSION_IDLE_TIMEOUT_S:g}.")
+
+    SessionCreateRequest.__name__ = SessionCreateRequest.__qualname__ = "SessionCreateRequest"
+    return SessionCreateRequest
 
 
 # ---- the document -------------------------------------------------------------------------------

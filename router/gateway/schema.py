@@ -4,6 +4,10 @@ Parsing is by hand rather than by pydantic models so that each error names its `
 status the OpenAI API gives it. Unknown fields are ignored; known fields that would change what the
 model is asked to do and that tandem cannot honour (n > 1, logprobs, echo, tools, ...) are rejected
 with 400 rather than silently dropped.
+
+Streaming sessions: a generation body may name `session_id`; it then carries only the new turn, and
+the parser is given the session's `history` to put before it (token ids for a completion, messages
+for a chat), so every length limit applies to the whole conversation.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import enum
 import json
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cluster.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, ConfigError, \
@@ -22,6 +27,9 @@ from router.gateway.errors import APIError, invalid
 
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default; ask for 0 to get greedy decoding
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
+MAX_SESSION_IDLE_TIMEOUT_S = 3600.0
+MAX_SESSION_ID_CHARS = 128
 
 
 class Endpoint(enum.Enum):
@@ -47,6 +55,16 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a final usage chunk when streaming
+    session_id: str = ""  # a turn of this streaming session ("": a plain request)
+    messages: tuple[dict[str, str], ...] = ()  # chat: the conversation the prompt renders (history included)
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """A POST /v1/sessions body."""
+
+    capacity_tokens: int  # the whole conversation (history + one turn's prompt and completion), at most
+    idle_timeout_s: float  # closed when idle this long between turns
 
 
 def parse_json_object(body: bytes) -> dict:
@@ -87,20 +105,24 @@ def _lone_surrogate_at(payload: dict) -> str | None:
     return None
 
 
-def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits) -> GenerateRequest:
-    """A /v1/completions body. The prompt is encoded without a chat template or special tokens."""
+def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits,
+                     history: Sequence[int] = ()) -> GenerateRequest:
+    """A /v1/completions body. The prompt is encoded without a chat template or special tokens, and
+    follows `history` (a session's token ids so far)."""
     _check_common(payload, limits)
     _check_off(payload, "echo", False)
     _check_off(payload, "suffix", "")
     _check_off(payload, "best_of", 1, "best_of > 1")
     _check_off(payload, "logprobs", 0)
-    prompt_ids = _completion_prompt(payload, tokenizer, limits.vocab_size)
+    prompt_ids = [*history, *_completion_prompt(payload, tokenizer, limits.vocab_size)]
     max_tokens = _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
     return _request(Endpoint.COMPLETION, payload, prompt_ids, max_tokens, limits.vocab_size)
 
 
-def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits) -> GenerateRequest:
-    """A /v1/chat/completions body. The messages go through the model's chat template."""
+def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
+               history: Sequence[dict[str, str]] = ()) -> GenerateRequest:
+    """A /v1/chat/completions body. `history` (a session's messages so far) and the messages go
+    through the model's chat template together."""
     _check_common(payload, limits)
     _check_off(payload, "logprobs", False)
     _check_off(payload, "top_logprobs", 0)
@@ -110,13 +132,39 @@ def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits) -> GenerateRe
     fmt = payload.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _unsupported("response_format", "response_format other than {\"type\": \"text\"}")
-    prompt_ids = _chat_prompt(payload, tokenizer)
+    messages, prompt_ids = _chat_prompt(payload, tokenizer, history)
     if payload.get("max_completion_tokens") is not None:  # it wins; max_tokens must still be well-formed
         _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
         max_tokens = _max_tokens(payload, "max_completion_tokens", len(prompt_ids), limits)
     else:
         max_tokens = _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
-    return _request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits.vocab_size)
+    return replace(_request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits.vocab_size), messages=messages)
+
+
+def session_id_of(payload: dict) -> str:
+    """The `session_id` extension field of a generation body; "" when absent (or null)."""
+    session_id = _typed(payload, "session_id", str)
+    if session_id is None:
+        return ""
+    if not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+        raise invalid(f"`session_id` must be a non-empty string of at most {MAX_SESSION_ID_CHARS} characters",
+                      param="session_id")
+    return session_id
+
+
+def parse_session(payload: dict, limits: ModelLimits) -> SessionRequest:
+    """A POST /v1/sessions body: `capacity_tokens` in [1, max_model_len] (default max_model_len),
+    `idle_timeout_s` in (0, MAX_SESSION_IDLE_TIMEOUT_S] (default DEFAULT_SESSION_IDLE_TIMEOUT_S)."""
+    capacity = _integer(payload, "capacity_tokens")
+    if capacity is not None and not 1 <= capacity <= limits.max_model_len:
+        raise invalid(f"`capacity_tokens` must be an integer in [1, {limits.max_model_len}] (the context length), "
+                      f"got {capacity}", param="capacity_tokens")
+    idle_timeout_s = _number(payload, "idle_timeout_s")
+    if idle_timeout_s is not None and not 0 < idle_timeout_s <= MAX_SESSION_IDLE_TIMEOUT_S:
+        raise invalid(f"`idle_timeout_s` must be a number in (0, {MAX_SESSION_IDLE_TIMEOUT_S:g}], "
+                      f"got {idle_timeout_s}", param="idle_timeout_s")
+    return SessionRequest(limits.max_model_len if capacity is None else capacity,
+                          DEFAULT_SESSION_IDLE_TIMEOUT_S if idle_timeout_s is None else float(idle_timeout_s))
 
 
 # ---- shared checks ------------------------------------------------------------------------------
@@ -157,7 +205,7 @@ def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_token
     if include_usage is not None and not isinstance(include_usage, bool):
         raise invalid("`stream_options.include_usage` must be a boolean", param="stream_options.include_usage")
     return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens, vocab_size), stream,
-                           bool(include_usage))
+                           bool(include_usage), session_id_of(payload))
 
 
 def _sampling_params(payload: dict, max_tokens: int, vocab_size: int) -> SamplingParams:
@@ -260,15 +308,17 @@ def _completion_prompt(payload: dict, tokenizer: Any, vocab_size: int) -> list[i
                   param="prompt")
 
 
-def _chat_prompt(payload: dict, tokenizer: Any) -> list[int]:
+def _chat_prompt(payload: dict, tokenizer: Any,
+                 history: Sequence[dict[str, str]]) -> tuple[tuple[dict[str, str], ...], list[int]]:
+    """(the whole conversation as plain messages, its token ids through the chat template)."""
     messages = payload.get("messages")
     if messages is None:
         raise invalid("`messages` is required", param="messages", code="missing_parameter")
     if not isinstance(messages, list) or not messages:
         raise invalid("`messages` must be a non-empty list", param="messages")
-    plain = [_message(m, i) for i, m in enumerate(messages)]
+    plain = (*history, *(_message(m, i) for i, m in enumerate(messages)))
     try:
-        return apply_chat_template(tokenizer, plain)
+        return plain, apply_chat_template(tokenizer, list(plain))
     except Exception as exc:  # the template itself rejects some conversations (jinja raise_exception)
         raise invalid(f"the chat template rejected these messages: {exc}", param="messages") from None
 

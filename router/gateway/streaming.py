@@ -3,7 +3,8 @@
 `GenerationRun` owns the backend stream of one request. Every way it can end meets in `close()`:
 
     backend finished (last chunk)    -> no abort; metrics already recorded by `events()`
-    a stop string ended the text     -> abort (the backend may still be generating); success "stop"
+    a stop string ended the text     -> abort (the backend may still be generating), before the
+                                        outcome is given; success "stop"
     client gone / handler cancelled  -> abort; failure "client_disconnect"
     backend failure (error chunk)    -> no abort (the backend ended it); failure by its error kind
     backend broke its contract       -> abort (idempotent, so harmless); failure "internal"
@@ -11,6 +12,9 @@
 
 `close()` is idempotent and shielded from cancellation, so `backend.abort` runs exactly once, even
 from a stream that the server cancelled because its client disconnected.
+
+`on_end` (a session turn's `end`) hears how the run ended once, before the client does: `Finished`,
+the `APIError` it failed with, or None (the client went away; after the abort).
 """
 
 from __future__ import annotations
@@ -44,14 +48,17 @@ class Finished:
 
     finish_reason: str
     usage: Usage
+    output_token_ids: tuple[int, ...] = ()  # every token the backend sent
+    text: str = ""  # the whole text (cut before a stop string)
 
 
 class GenerationRun:
     """Drives `backend.generate` for one request. Use: `await start()`, iterate `events()`, `close()`."""
 
     def __init__(self, backend: Any, request_id: str, request: GenerateRequest, metrics: GatewayMetrics,
-                 arrival_s: float):
+                 arrival_s: float, on_end: Callable[[Finished | APIError | None], None] | None = None):
         self._backend, self.request_id, self._request = backend, request_id, request
+        self._on_end = on_end
         self._metrics = metrics
         self._clock = RequestClock(metrics, arrival_s)
         self._detok = IncrementalDetokenizer(backend.tokenizer, request.params.stop)
@@ -86,6 +93,7 @@ class GenerationRun:
             except APIError as err:  # outside the contract once started: reported, and aborted in close()
                 yield self.fail(err)
                 return
+        await self._abort_backend()  # a stop string the backend missed: it may still be generating
         yield self._outcome(chunk)
 
     async def collect(self) -> tuple[str, Finished | APIError]:
@@ -108,13 +116,25 @@ class GenerationRun:
             self._ended = True
             self._metrics.failure.labels(kind=CLIENT_DISCONNECT).inc()
         with anyio.CancelScope(shield=True):
-            if not self._backend_done:
-                self._backend_done = True
-                await self._quietly(self._backend.abort(self.request_id), "abort")
+            await self._abort_backend()
+            self._tell_end(None)
             if self._chunks is not None and hasattr(self._chunks, "aclose"):
                 await self._quietly(self._chunks.aclose(), "close the stream of")
 
     # ---- helpers -------------------------------------------------------------------------------
+    async def _abort_backend(self) -> None:
+        """Abort the backend request unless it is over (once; shielded)."""
+        if self._backend_done:
+            return
+        self._backend_done = True
+        with anyio.CancelScope(shield=True):
+            await self._quietly(self._backend.abort(self.request_id), "abort")
+
+    def _tell_end(self, outcome: Finished | APIError | None) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end(outcome)
+
     async def _quietly(self, cleanup: Awaitable[None], what: str) -> None:
         """Await a cleanup step; a failing or hanging one is logged, never raised to the client."""
         try:
@@ -129,8 +149,7 @@ class GenerationRun:
         """The backend's next chunk; any way its stream breaks becomes an `APIError`."""
         try:
             if self._chunks is None:  # inside the try: a backend may raise from generate() itself
-                self._chunks = aiter(self._backend.generate(self.request_id, self._request.prompt_token_ids,
-                                                            self._request.params))
+                self._chunks = aiter(self._generate())
             chunk = await anext(self._chunks)
             self._num_chunks += 1
             return chunk
@@ -142,6 +161,12 @@ class GenerationRun:
             raise internal(RuntimeError("the backend ended the stream without a last chunk")) from None
         except Exception as exc:  # logged with its traceback by internal()
             raise internal(exc) from None
+
+    def _generate(self) -> AsyncIterator[GenerationChunk]:
+        args = (self.request_id, self._request.prompt_token_ids, self._request.params)
+        if self._request.session_id:
+            return self._backend.generate(*args, session_id=self._request.session_id)
+        return self._backend.generate(*args)  # as before sessions: a backend without them still serves
 
     def _take(self, chunk: GenerationChunk) -> tuple[str, bool]:
         """(text delta of `chunk`, whether the run's text is complete after it)."""
@@ -162,13 +187,16 @@ class GenerationRun:
         self._ended = True
         self._clock.on_success(reason, time.monotonic())
         usage = Usage(len(self._request.prompt_token_ids), self._detok.num_tokens, last.cached_tokens)
-        return Finished(reason, usage)
+        finished = Finished(reason, usage, tuple(self._detok.token_ids), self._detok.text)
+        self._tell_end(finished)
+        return finished
 
     def fail(self, err: APIError) -> APIError:
         """Count the run as failed with `err`, unless its outcome was already counted."""
         if not self._ended:
             self._ended = True
             self._metrics.failure.labels(kind=err.failure_kind).inc()
+        self._tell_end(err)
         return err
 
 

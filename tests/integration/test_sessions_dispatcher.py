@@ -1,0 +1,225 @@
+"""Streaming sessions through the real dispatcher over in-process workers (one prefill, two decode;
+`WorkerHost` threads with a `LocalTransport` each, the tiny Llama in place of a loaded model): a
+session lives on one decode worker, its turns all go there and hit its pinned history, each turn's
+greedy tokens equal a no-cache engine's for the whole conversation, closing releases the pin, and a
+worker's death loses its sessions with a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+
+import pytest
+
+from cluster import protocol as p
+from cluster.config import EngineConfig
+from cluster.protocol import WorkerRole
+from cluster.worker_host.build import WorkerSpec
+from cluster.worker_host.thread import HostLink, WorkerHost
+from kv_store.transfer.config import TransportConfig
+from kv_store.transfer.local import LocalTransport
+from router.backend import BackendError, ErrorKind
+from router.dispatcher import Dispatcher, WorkerInfo
+from tests.debug_worker import Stall, build_debug_worker
+from tests.helpers import greedy, make_engine, make_prompts, why_not_at_rest
+
+PAGE_SIZE = 4
+TIMEOUT_S = 60.0
+DECODES = ("decode-0", "decode-1")
+
+
+def _load_tiny(*_args, **_kw):
+    """`load_model` for the tiny Llama: a fresh copy per worker (same seeded weights)."""
+    from kernels.model.arch import LlamaArch
+    from kernels.model.loader import LoadedModel
+    from kernels.model.tiny import make_tiny_llama
+
+    ours, ref = make_tiny_llama(0)
+    return LoadedModel(ours, LlamaArch.from_hf_config(ref.config), ref.config, None, None, ())
+
+
+@pytest.fixture
+def hosts(monkeypatch):
+    """prefill-0, decode-0, decode-1: 256 usable pages of 4 tokens each (a 512-token session budget)."""
+    monkeypatch.setattr("kernels.model.loader.load_model", _load_tiny)
+    config = EngineConfig(page_size=PAGE_SIZE, num_pages=257, chunk_size=16, debug_kv=True)
+    built = {}
+    for wid, role, host_pages in (("prefill-0", "prefill", 0), ("decode-0", "decode", 128),
+                                  ("decode-1", "decode", 128)):
+        spec = WorkerSpec(role, config, host_pages=host_pages, transport=TransportConfig(), heartbeat_interval_s=0.02)
+        built[wid] = WorkerHost(spec, wid, build=functools.partial(build_debug_worker, transport=LocalTransport()))
+    yield built
+    for host in built.values():
+        assert host.shutdown(), f"{host.worker_id}: loop did not stop"
+        assert not host.crashed, host.crashed
+        host.worker.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    engine = make_engine(page_size=PAGE_SIZE, num_pages=257, enable_prefix_cache=False)
+
+    def run(prompt: list[int], max_tokens: int) -> list[int]:
+        [req] = engine.generate([prompt], greedy(max_tokens=max_tokens))
+        return req.output_token_ids
+    yield run
+    engine.check_integrity()
+
+
+class RecordingLink(HostLink):
+    def __init__(self, host: WorkerHost):
+        super().__init__(host)
+        self.sent: list = []
+
+    async def send(self, msgs: list) -> None:
+        self.sent += msgs
+        await super().send(msgs)
+
+
+class Views:
+    """The hosts as the controller would report them; `dead` names the ones it declares dead."""
+
+    def __init__(self, hosts: dict[str, WorkerHost]):
+        self.hosts, self.links, self.dead = hosts, {wid: RecordingLink(h) for wid, h in hosts.items()}, set()
+
+    async def workers(self) -> list[WorkerInfo]:
+        return [WorkerInfo(wid, WorkerRole(h.spec.role), 1, wid not in self.dead, h.session, h.conn.stats, 0,
+                           self.links[wid]) for wid, h in self.hosts.items()]
+
+
+def serve(hosts, scenario, **kw):
+    views = Views(hosts)
+
+    async def main():
+        d = Dispatcher(views, tokenizer=None, model_name="tiny", max_model_len=1024,
+                       **{"refresh_interval_s": 0.02, "collect_timeout_s": 0.02, **kw})
+        await d.start()
+        try:
+            return await asyncio.wait_for(scenario(d, views), TIMEOUT_S)
+        finally:
+            await d.close()
+    return asyncio.run(main())
+
+
+async def run(d, rid, prompt, max_tokens, session_id=""):
+    """(token ids, last chunk) of one request."""
+    chunks = [c async for c in d.generate(rid, prompt, greedy(max_tokens=max_tokens), session_id=session_id)]
+    return [t for c in chunks for t in c.new_token_ids], chunks[-1]
+
+
+def sessions_of(host: WorkerHost) -> dict:
+    return host.worker.engine.sessions.sessions
+
+
+def holder(hosts, session_id: str) -> str:
+    [wid] = [wid for wid in DECODES if session_id in sessions_of(hosts[wid])]
+    return wid
+
+
+async def eventually(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def all_at_rest(hosts) -> None:
+    await eventually(lambda: not any(why_not_at_rest(h.worker) for h in hosts.values()),
+                     f"not at rest: { {w: why_not_at_rest(h.worker) for w, h in hosts.items()} }")
+
+
+def aligned_history(num_tokens: int) -> int:
+    """What a worker pins of a history: its page-aligned committed KV (the last token has none)."""
+    return (num_tokens - 1) // PAGE_SIZE * PAGE_SIZE
+
+
+def test_turns_stay_on_the_session_worker_and_match_the_reference(hosts, reference):
+    new_tokens = make_prompts(3, min_len=5, max_len=23, seed=3)  # unaligned lengths
+    plain_prompt = make_prompts(1, min_len=40, max_len=40, seed=4)[0]
+
+    async def scenario(d, views):
+        a = await d.open_session(300, 60.0)
+        b = await d.open_session(200, 60.0)  # fewest sessions: the other decode worker
+        where = holder(hosts, a)
+        assert {where, holder(hosts, b)} == set(DECODES)
+        turns, history = [], []
+        for i, new in enumerate(new_tokens):
+            prompt = history + new
+            tokens, last = await run(d, f"a{i}", prompt, 6, session_id=a)
+            turns.append((prompt, tokens, last, aligned_history(len(history)) if history else 0))
+            history = prompt + tokens
+            assert holder(hosts, a) == where and sessions_of(hosts[where])[a].pinned_tokens == aligned_history(
+                len(history)), f"turn {i}: the pin did not follow the history"
+        plain = await run(d, "plain", plain_prompt, 6)  # a plain request still goes disaggregated
+        with pytest.raises(BackendError) as unknown:
+            d.generate("x", new_tokens[0], greedy(max_tokens=2), session_id="sess-never-opened")
+        assert await d.close_session(a) and await d.close_session(b) and not await d.close_session(a)
+        await eventually(lambda: not any(sessions_of(hosts[w]) or hosts[w].worker.engine.kvm.prefix_pins
+                                         for w in DECODES), "closing did not release the pins")
+        await all_at_rest(hosts)
+        assert not d.flights and all(lv.num_active == 0 for lv in d.lives.values())
+        return where, turns, plain, unknown.value
+
+    where, turns, plain, unknown = serve(hosts, scenario)
+    for i, (prompt, tokens, last, pinned_before) in enumerate(turns):
+        assert tokens == reference(prompt, 6), f"turn {i}"
+        assert last.decode_worker == where and last.prefill_worker == "" and not last.error
+        assert last.cached_tokens == pinned_before and (i == 0 or pinned_before > 0), f"turn {i}: cached"
+    assert plain[0] == reference(plain_prompt, 6) and plain[1].prefill_worker == "prefill-0"
+    assert unknown.kind is ErrorKind.NOT_FOUND and "not open" in unknown.message
+
+
+def test_a_dead_worker_loses_its_sessions(hosts):
+    prompt = make_prompts(1, min_len=13, max_len=13, seed=5)[0]
+
+    async def scenario(d, views):
+        a = await d.open_session(100, 60.0)
+        where = holder(hosts, a)
+        await run(d, "t0", prompt, 3, session_id=a)
+        views.dead.add(where)
+        await eventually(lambda: d.lives[where].gone, "the dispatcher did not bury the worker")
+        errors = []
+        for rid in ("t1", "t2"):
+            with pytest.raises(BackendError) as lost:
+                d.generate(rid, prompt + [7], greedy(max_tokens=2), session_id=a)
+            errors.append(lost.value)
+        b = await d.open_session(100, 60.0)  # the survivor takes new sessions
+        survivor = holder(hosts, b)
+        assert await d.close_session(b)
+        hosts[where].deliver([p.CloseSession(a)])  # the in-process host outlives its "death": tidy it
+        await eventually(lambda: not any(sessions_of(hosts[w]) for w in DECODES), "sessions left open")
+        await all_at_rest(hosts)
+        return where, survivor, errors
+
+    where, survivor, (first, second) = serve(hosts, scenario)
+    assert survivor != where
+    assert first.kind is ErrorKind.NOT_FOUND and f"its worker {where} died" in first.message
+    assert second.kind is ErrorKind.NOT_FOUND and "not open" in second.message
+
+
+def test_open_failures_map_to_their_kinds(hosts):
+    async def scenario(d, views):
+        held = [await d.open_session(300, 60.0), await d.open_session(300, 60.0)]  # one per decode worker
+        with pytest.raises(BackendError) as full:
+            await d.open_session(300, 60.0)  # 600 of a 512-token budget
+        with pytest.raises(BackendError) as too_big:
+            await d.open_session(10**6, 60.0)
+        for session_id in held:
+            await d.close_session(session_id)
+        for wid in DECODES:  # no answer in time; the answer that comes later is closed
+            hosts[wid].deliver([Stall(0.5)])
+        with pytest.raises(BackendError) as slow:
+            await d.open_session(50, 60.0)
+        late = views.links["decode-0"].sent[-1]  # ties go to the first worker by name
+        assert isinstance(late, p.OpenSession) and late.capacity_tokens == 50, late
+        await eventually(lambda: p.CloseSession(late.session_id) in views.links["decode-0"].sent,
+                         "a late open was not closed")
+        await eventually(lambda: not any(sessions_of(hosts[w]) for w in DECODES), "the late session is still open")
+        await all_at_rest(hosts)
+        return full.value, too_big.value, slow.value
+
+    full, too_big, slow = serve(hosts, scenario, session_open_timeout_s=0.2)
+    assert full.kind is ErrorKind.QUEUE_FULL and "budget full" in full.message
+    assert too_big.kind is ErrorKind.REJECTED and "exceeds" in too_big.message
+    assert slow.kind is ErrorKind.UNAVAILABLE and "did not answer" in slow.message

@@ -156,12 +156,6 @@ class NullSessions:
     def start_turn(self, session_id: str, request_id: str, num_tokens_max: int) -> None:
         raise SessionError(f"session {session_id!r} is not open")
 
-    def abandon_turn(self, session_id: str, request_id: str) -> None:
-        """The turn ended before it held KV (aborted while queued): the session is idle again, unchanged."""
-        session = self.sessions.get(session_id)
-        if session is not None and session.turn == request_id:
-            session.state, session.turn, session.last_used = SessionState.IDLE, "", self.clock()
-
     def release_turn(self, session_id: str, kv: ReqKV, reason: ReleaseReason, token_ids: list[int]) -> list[int]:
         raise AssertionError(f"a turn of session {session_id!r} on an engine without sessions")
 

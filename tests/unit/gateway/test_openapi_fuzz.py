@@ -44,7 +44,9 @@ def api_schema(stack):
 # Each operation fuzzed on its own (the lazy `schemathesis.pytest.from_fixture` integration does not
 # run under this pytest); `test_every_operation_is_fuzzed` keeps this list equal to the document's.
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-              ("GET", "/health"), ("GET", "/health/ready"), ("GET", "/debug/workers"), ("GET", "/metrics")]
+              ("GET", "/health"), ("GET", "/health/ready"), ("GET", "/debug/workers"), ("GET", "/metrics"),
+              ("POST", "/v1/sessions"), ("DELETE", "/v1/sessions/{session_id}")]
+NEVER_200 = {("DELETE", "/v1/sessions/{session_id}")}  # random ids name no open session: 404 is the right answer
 CHECKS = [st_checks.not_a_server_error, st_checks.status_code_conformance, st_checks.content_type_conformance,
           st_checks.response_schema_conformance, st_checks.negative_data_rejection]
 
@@ -73,7 +75,7 @@ def test_fuzz_from_openapi(api_schema, stack, method, path, mode):
 
     fuzz()
     assert statuses and all(s < 500 for s in statuses), statuses
-    if mode is GenerationMode.POSITIVE:
+    if mode is GenerationMode.POSITIVE and (method, path) not in NEVER_200:
         assert 200 in statuses, f"no valid body of {path} was served: the fuzz would prove nothing ({statuses})"
 
 

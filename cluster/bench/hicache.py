@@ -22,6 +22,9 @@ Computed tokens are counted on the engine's forward passes. A request with promp
 computes P + O - 1 tokens when nothing is cached and nothing is retracted (its last token is never
 fed back); a multi-turn turn's computed prefill is its forward tokens minus its O - 1 decode tokens,
 and the retract workload's recomputed tokens are all forward tokens minus sum(P + O - 1).
+
+Every run ends with its backups drained and `engine.check_integrity()`. A run whose engine stops
+making progress (`STALL_STEPS`) raises instead of spinning.
 """
 
 from __future__ import annotations
@@ -33,12 +36,22 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from cluster.config import EngineConfig, SamplingParams
+from prefill_worker.engine.request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from prefill_worker.engine import EngineCore, StepOutput
 
 log = logging.getLogger("tandem.bench")
 
 WARMUP_PROMPT = list(range(1, 17))  # first-call costs; random ids start at 10, so no prefix is shared
+STALL_STEPS = 2000
+"""Steps in a row with no forward pass and no host-tier copy in flight after which a run counts as
+stalled (requests waiting that the engine never admits) and the bench raises instead of spinning."""
 SCHEDULE_NOTE = "multi-turn: conversations interleaved per round, one request at a time (TTFT unbatched)"
 
 
@@ -117,7 +130,8 @@ class RetractRun:
         return self.forward_tokens - self.min_forward_tokens
 
 
-EngineFactory = Callable[["EngineConfig"], "EngineCore"]  # noqa: F821 - lazily imported types
+EngineFactory = Callable[[EngineConfig], "EngineCore"]
+"""Builds an engine for a config (the bench: over SmolLM2 or --model; tests: over the tiny model)."""
 
 
 class _CountingRunner:
@@ -151,10 +165,8 @@ def shared_model_factory() -> EngineFactory:
     return make
 
 
-def _with_engine(factory: EngineFactory, config, run: Callable):
+def _with_engine(factory: EngineFactory, config: EngineConfig, run: Callable):
     """`run(engine, counter)` on a fresh, warmed-up engine; then drain it, check its KV and close it."""
-    from cluster.config import SamplingParams
-
     engine = factory(config)
     try:
         engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=2))
@@ -168,10 +180,6 @@ def _with_engine(factory: EngineFactory, config, run: Callable):
         engine.close()
 
 
-def _pages(tokens: float, page_size: int) -> int:
-    return math.ceil(tokens / page_size)
-
-
 L2Sizing = Callable[[int, int], int]
 """(L1 pages, L2 pages sized from the workload) -> the L2 pages of the "on" run."""
 
@@ -180,7 +188,8 @@ def workload_l2(l1_pages: int, sized_pages: int) -> int:
     return sized_pages
 
 
-def _on_and_off(factory: EngineFactory, base, pages: tuple[int, int], l2: L2Sizing, run: Callable) -> tuple:
+def _on_and_off(factory: EngineFactory, base: EngineConfig, pages: tuple[int, int], l2: L2Sizing,
+                run: Callable) -> tuple:
     """`run` with L2 on, then off, on fresh engines. L1 is `base.num_pages` when set, else `pages[0]`."""
     l1 = base.num_pages or pages[0]
     host = l2(l1, pages[1])
@@ -188,13 +197,17 @@ def _on_and_off(factory: EngineFactory, base, pages: tuple[int, int], l2: L2Sizi
                  for h in (host if host >= 2 else 0, 0))
 
 
+def _ceil_pages(num_tokens: float, page_size: int) -> int:
+    return math.ceil(num_tokens / page_size)
+
+
 # ---- 1. multi-turn --------------------------------------------------------------------------------
 def multiturn_pages(spec: MultiTurnSpec, page_size: int) -> tuple[int, int]:
     """(L1, L2) pages: L1 holds `l1_conversations` final histories (at least one whole request) + the
     scratch page; L2 holds every conversation's (a quarter spare for partial pages) + its scratch page."""
     final = spec.final_tokens
-    l1 = max(_pages(spec.l1_conversations * final, page_size), _pages(final, page_size)) + 1
-    return l1, _pages(1.25 * spec.conversations * final, page_size) + 1
+    l1 = max(_ceil_pages(spec.l1_conversations * final, page_size), _ceil_pages(final, page_size)) + 1
+    return l1, _ceil_pages(1.25 * spec.conversations * final, page_size) + 1
 
 
 def user_turns(spec: MultiTurnSpec, vocab_size: int) -> list[list[list[int]]]:
@@ -203,9 +216,7 @@ def user_turns(spec: MultiTurnSpec, vocab_size: int) -> list[list[list[int]]]:
             for _ in range(spec.conversations)]
 
 
-def run_multiturn(engine, counter: _CountingRunner, spec: MultiTurnSpec) -> MultiTurnRun:
-    from cluster.config import SamplingParams
-
+def run_multiturn(engine: EngineCore, counter: _CountingRunner, spec: MultiTurnSpec) -> MultiTurnRun:
     params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
     users = user_turns(spec, engine.arch.vocab_size)
     histories: list[list[int]] = [[] for _ in range(spec.conversations)]
@@ -216,7 +227,7 @@ def run_multiturn(engine, counter: _CountingRunner, spec: MultiTurnSpec) -> Mult
         for c in range(spec.conversations):
             prompt = histories[c] + users[c][turn]
             before = counter.num_tokens
-            req, ttft_s = _run_one(engine, prompt, params)
+            req, ttft_s = _run_one(engine, counter, prompt, params)
             computed = counter.num_tokens - before - (len(req.output_token_ids) - 1)
             results.append(TurnResult(c, turn + 1, len(prompt), req.cached_tokens, req.host_hit_tokens,
                                       computed, ttft_s))
@@ -226,23 +237,36 @@ def run_multiturn(engine, counter: _CountingRunner, spec: MultiTurnSpec) -> Mult
                         time.perf_counter() - start_s)
 
 
-def _run_one(engine, prompt: list[int], params) -> tuple[object, float]:
+def _run_one(engine: EngineCore, counter: _CountingRunner, prompt: list[int],
+             params: SamplingParams) -> tuple[Request, float]:
     """Run one request alone to its end: (the finished request, its TTFT in seconds)."""
-    from prefill_worker.engine.request import FinishReason, RequestStatus
-
     start_s = time.perf_counter()
     req = engine.add_request(prompt, params)
     ttft_s = None
-    while req.status is not RequestStatus.FINISHED:
-        for out in engine.step():
-            if ttft_s is None and out.request_id == req.request_id and out.new_token_ids:
-                ttft_s = time.perf_counter() - start_s
+    for outputs in _steps(engine, counter, [req]):
+        if ttft_s is None and any(o.request_id == req.request_id and o.new_token_ids for o in outputs):
+            ttft_s = time.perf_counter() - start_s
     if req.finish_reason is FinishReason.ABORT or ttft_s is None:
         raise RuntimeError(f"request {req.request_id} ({len(prompt)} prompt tokens) ended without output: {req.error}")
     return req, ttft_s
 
 
-def compare_multiturn(factory: EngineFactory, base, spec: MultiTurnSpec,
+def _steps(engine: EngineCore, counter: _CountingRunner, reqs: list[Request]) -> Iterator[list[StepOutput]]:
+    """Each step's outputs until `reqs` have finished. Raises RuntimeError when the engine stalls:
+    `STALL_STEPS` steps in a row with no forward pass and no host-tier copy in flight."""
+    idle = 0
+    while any(r.status is not RequestStatus.FINISHED for r in reqs):
+        before = counter.num_tokens
+        yield engine.step()
+        idle = 0 if counter.num_tokens > before or engine.host_cache.busy() else idle + 1
+        if idle >= STALL_STEPS:
+            s = engine.scheduler
+            raise RuntimeError(f"engine stalled: no forward pass and no copy in flight for {idle} steps with "
+                               f"{len(s.waiting)} requests waiting, {len(s.loading)} loading, {len(s.running)} "
+                               f"running; device pool {engine.kvm.pool.usage()}")
+
+
+def compare_multiturn(factory: EngineFactory, base: EngineConfig, spec: MultiTurnSpec,
                       l2: L2Sizing = workload_l2) -> tuple[MultiTurnRun, MultiTurnRun]:
     """(L2 on, L2 off) on the same conversations."""
     return _on_and_off(factory, base, multiturn_pages(spec, base.page_size), l2,
@@ -253,7 +277,7 @@ def compare_multiturn(factory: EngineFactory, base, spec: MultiTurnSpec,
 def retract_pages(spec: RetractSpec, page_size: int) -> tuple[int, int]:
     """(L1, L2) pages: L1 holds `l1_fraction` of all requests' peak KV (at least one whole request);
     L2 all of it with a quarter spare; + the scratch pages."""
-    one = _pages(spec.prompt_tokens + spec.output_tokens, page_size)
+    one = _ceil_pages(spec.prompt_tokens + spec.output_tokens, page_size)
     l1 = max(math.ceil(spec.l1_fraction * spec.requests * one), one) + 1
     return l1, math.ceil(1.25 * spec.requests * one) + 1
 
@@ -263,22 +287,24 @@ def retract_prompts(spec: RetractSpec, vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab_size) for _ in range(spec.prompt_tokens)] for _ in range(spec.requests)]
 
 
-def run_retract(engine, counter: _CountingRunner, spec: RetractSpec) -> RetractRun:
-    from cluster.config import SamplingParams
-
+def run_retract(engine: EngineCore, counter: _CountingRunner, spec: RetractSpec) -> RetractRun:
     prompts = retract_prompts(spec, engine.arch.vocab_size)
     retractions, hits = engine.num_retractions, engine.host_cache.counters.l2_hit_tokens
     start_s = time.perf_counter()
-    reqs = engine.generate(prompts, SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True))
+    params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    for _ in _steps(engine, counter, reqs):
+        pass
     elapsed_s = time.perf_counter() - start_s
     outputs = [r.output_token_ids for r in reqs]
-    assert all(len(o) == spec.output_tokens for o in outputs), "a request ended early: aborted?"
+    if any(len(o) != spec.output_tokens for o in outputs):
+        raise RuntimeError(f"asked for {spec.output_tokens} tokens each, got {sorted(map(len, outputs))}: aborted?")
     return RetractRun(engine.config.host_cache_pages, engine.config.num_pages, elapsed_s, sum(map(len, outputs)),
                       counter.num_tokens, sum(len(p) + spec.output_tokens - 1 for p in prompts),
                       engine.num_retractions - retractions, engine.host_cache.counters.l2_hit_tokens - hits, outputs)
 
 
-def compare_retract(factory: EngineFactory, base, spec: RetractSpec,
+def compare_retract(factory: EngineFactory, base: EngineConfig, spec: RetractSpec,
                     l2: L2Sizing = workload_l2) -> tuple[RetractRun, RetractRun]:
     """(L2 on, L2 off) on the same requests."""
     return _on_and_off(factory, base, retract_pages(spec, base.page_size), l2,
@@ -286,8 +312,8 @@ def compare_retract(factory: EngineFactory, base, spec: RetractSpec,
 
 
 # ---- the command ----------------------------------------------------------------------------------
-QUICK = dict(conversations=3, turns=4, turn_input_len=112, turn_output_len=8, requests=6, prompt_len=128,
-             output_len=48)
+QUICK = dict(conversations=3, turns=4, turn_input_len=112, turn_output_len=8, requests=6, prompt_len=64,
+             output_len=64)
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[MultiTurnSpec, RetractSpec]:

@@ -108,9 +108,9 @@ def _add_hicache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l1-conversations", type=float, default=1.5,
                    help="multi-turn: L1 holds this many conversations' final histories")
     p.add_argument("--requests", type=int, default=8, help="retract-heavy: requests added at once")
-    p.add_argument("--prompt-len", type=int, default=256, help="retract-heavy: prompt tokens per request")
+    p.add_argument("--prompt-len", type=int, default=128, help="retract-heavy: prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="retract-heavy: output tokens per request")
-    p.add_argument("--l1-fraction", type=float, default=0.5,
+    p.add_argument("--l1-fraction", type=float, default=0.3,
                    help="retract-heavy: L1 holds this fraction of all requests' peak KV")
     p.add_argument("--only", choices=["multiturn", "retract"], help="run one workload only")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run), overriding the size flags")

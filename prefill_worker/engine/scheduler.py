@@ -176,6 +176,14 @@ class Scheduler:
         self.loading.append(req)
         return True
 
+    def _yield_tickets(self, head: Request) -> None:
+        """`head` cannot be admitted: the requests queued behind it give up the loaded pages their
+        tickets keep on device (they load again when their turn comes), so two half-loaded requests
+        never wait for each other's pages."""
+        for req in self.waiting:
+            if req is not head:
+                self._drop_ticket(req)
+
     def _drop_ticket(self, req: Request) -> None:
         if req.load_ticket is not None:
             self.host_cache.release_ticket(req.load_ticket)
@@ -189,6 +197,7 @@ class Scheduler:
                 continue
             kv = self.kvm.try_open(req.request_id, budget, req.all_token_ids)
             if kv is None:
+                self._yield_tickets(req)
                 return
             self._drop_ticket(req)  # the loaded pages are locked by the request's own match now
             cached, n = kv.cache_protected_len, kv.kv_allocated_len - kv.cache_protected_len

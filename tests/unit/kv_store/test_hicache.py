@@ -154,3 +154,26 @@ def test_disaggregated_prefill_with_a_small_l1_loads_back_and_matches_colocated(
     prefill.check_integrity()
     decode.check_integrity()
     colocated.check_integrity()
+
+
+def test_two_half_loaded_requests_never_wait_for_each_others_pages():
+    """L1 of 30 pages; two conversations of 20 pages each, in L2 only. The first loads all of its
+    history, the second half of it: the pool is full, the first needs one more page, and only the
+    second's ticket holds pages it could get. The queued request must give them up."""
+    engine = make_engine(page_size=4, num_pages=1 + 30, chunk_size=64, host_cache_pages=200)
+    a, b = make_prompts(2, min_len=80, max_len=80, seed=8)
+    for prompt in (a, b):  # each history in two nodes of 10 pages
+        engine.generate([prompt[:40]], greedy(max_tokens=1))
+        engine.generate([prompt[:80]], greedy(max_tokens=1))
+    settle(engine)
+    engine.kvm.prefix_cache.evict(1000)
+    reqs = [engine.add_request(p + [1, 2, 3, 4], greedy(max_tokens=2)) for p in (a, b)]
+    for _ in range(200):
+        if all(r.status is RequestStatus.FINISHED for r in reqs):
+            break
+        engine.step()
+    assert all(r.status is RequestStatus.FINISHED for r in reqs), (
+        f"stalled: {[r.status for r in reqs]}, pool {engine.kvm.pool.usage()}")
+    assert reqs[0].host_hit_tokens == 80
+    settle(engine)
+    engine.check_integrity()

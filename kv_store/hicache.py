@@ -381,17 +381,19 @@ class HostCache:
     def _host_room(self, num_pages: int) -> bool:
         """Whether `num_pages` host pages are FREE, after evicting LRU copies for them."""
         if self.pool.num_free < num_pages:
-            self._evict_host(num_pages - self.pool.num_free)
+            self.evict(num_pages - self.pool.num_free)
         return self.pool.num_free >= num_pages
 
-    def _evict_host(self, num_pages: int) -> None:
-        """Free host pages: copies of nodes still on device first, then host-only leaves, LRU each."""
+    def evict(self, num_pages: int) -> int:
+        """Free `num_pages` host pages (fewer if not enough are evictable): copies of nodes still on
+        device first, then unlocked host-only leaves, least recently used first each. Returns the
+        number freed."""
         nodes = list(self.tree.nodes())
         copies = sorted((n for n in nodes if n.residency is Residency.BOTH), key=lambda n: n.last_access)
         freed = 0
         for node in copies:
             if freed >= num_pages:
-                return
+                return freed
             freed += len(node.host_pages)
             self.free_host(node)
             node.residency = move_residency(node.residency, Residency.DEVICE, f"tree node {node.id} L2 copy dropped")
@@ -404,6 +406,7 @@ class HostCache:
             self.tree.drop_subtree(node)
             if parent is not self.tree.root and self._host_leaf(parent):
                 heapq.heappush(leaves, (parent.last_access, parent.id, parent))
+        return freed
 
     @staticmethod
     def _host_leaf(node: TreeNode) -> bool:

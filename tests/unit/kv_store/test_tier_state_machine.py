@@ -309,7 +309,7 @@ class TierMachine(RuleBasedStateMachine):
     @rule(num_pages=st.integers(1, 4), then_step=st.booleans())
     def evict_l2(self, num_pages, then_step):
         # No public "shrink L2" call exists: this is what a backup needing host room does mid-step.
-        self.engine.host_cache._evict_host(num_pages)
+        self.engine.host_cache.evict(num_pages)
         self._step(then_step)
 
     # ---- invariants --------------------------------------------------------------------------------
@@ -427,7 +427,7 @@ class TierMachine(RuleBasedStateMachine):
         assert all(n.lock_ref == 0 for n in tree.nodes()), "a tree node is still locked with nothing running"
         tree.evict(device.usage().total)
         assert device.num_free == device.usage().total, f"L1 fully evicted but the device pool is {device.usage()}"
-        host._evict_host(host_usage.total)
+        host.evict(host_usage.total)
         assert host.pool.num_free == host_usage.total, f"L2 fully evicted but the host pool is {host.pool.usage()}"
         assert not list(tree.nodes()), "both tiers empty but the tree still has nodes"
         engine.check_integrity()

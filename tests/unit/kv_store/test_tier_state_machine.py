@@ -7,6 +7,20 @@ earlier prompts, so most share a prefix), next turns of finished conversations (
 new turn: the multi-turn pattern whose prefix is found on the host and loaded back), aborts of live
 requests (waiting, loading or running), engine steps, forced L1 eviction and forced L2 eviction.
 
+Sessions (prefill_worker/engine/sessions.py): opens (refused exactly when the session budget would be
+exceeded), turns (the test's own copy of the history plus new tokens; refused past the session's
+capacity), aborted turns (history unchanged), closes, and idling out (the sessions' `clock` is the
+monotonic clock plus an offset the machine advances). After every rule each open idle session pins
+a page-aligned prefix of its history, on device; a finished turn reused at least what was pinned
+when it was queued; turn outputs are compared with the reference like every request's.
+
+L3 (kv_store/l3), in about half the runs (a drawn prefetch policy, prefetch_min_pages 1 or 2),
+against one redis-server for the module, flushed when a run starts: keys dropped, FLUSHALL, a byte
+flipped in a cached prefix's stored page (then, drawn, that prefix asked for), and "restart" reads
+(an earlier prompt with every unlocked L1 and L2 copy evicted, so only L3 can serve it). After every
+rule the corrupt reads counted never exceed the values corrupted; the KV and output checks above
+cover what L3 brought in (host-only nodes fetched from L3 are compared with a recompute too).
+
 Copies: in two runs of three the machine drives the copier (`ManualCopier`: the real copy code on
 the test's thread), so it decides when copies land, stalls them past `copy_timeout_s`, or makes them
 fail; in the third the real copier thread runs them (its timing is not deterministic).
@@ -21,10 +35,11 @@ for its prompt. At teardown: all requests drained, no page owned, host pool CACH
 host pages, L1 fully evicted returns every device page, L2 fully evicted every host page, and the
 tree is then empty.
 
-Size: NUM_EXAMPLES * STEPS_PER_EXAMPLE = 55 * 110 rule steps drawn (a run can stop short when its
+Size: NUM_EXAMPLES * STEPS_PER_EXAMPLE = 70 * 110 rule steps drawn (a run can stop short when its
 draws fill Hypothesis' buffer); `test_tier_machine_covered_enough` checks that at least 5,000 ran
 and that loads, retractions, aborts while loading, copy failures and timeouts and L2 evictions
-happened (asserted for the default seed). 20-30 s on a shared 2-core machine (~4 ms per rule step,
+happened, and session turns, reaps, closes, L3 hits, drops and corruptions (asserted for the
+default seed). 20-30 s on a shared 2-core machine (~4 ms per rule step,
 most of it engine steps with debug_kv on). Knobs for bug hunts: TIER_SEED (fixed by default, so runs
 repeat), TIER_EXAMPLES, TIER_NO_SHRINK=1 (skip shrinking, which can take minutes on a failure).
 
@@ -35,8 +50,10 @@ livelock the machine found (load tickets of queued requests locking the pages th
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import os
+import time
 
 import pytest
 import torch
@@ -47,13 +64,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from cluster.config import WRITE_POLICIES, SamplingParams
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob, Direction, PageCopier
+from kv_store.l3.config import L3Config, PrefetchPolicy
 from kv_store.radix_cache import TreeNode
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 from prefill_worker.engine.runner import ForwardRow, ModelRunner
+from prefill_worker.engine.sessions import Session, SessionError, SessionState
 from tests.helpers import make_engine, tiny_models
+from tests.redis_server import RedisServer
 
 PHASES = [Phase.explicit, Phase.generate] if os.environ.get("TIER_NO_SHRINK") else list(Phase)
-NUM_EXAMPLES = int(os.environ.get("TIER_EXAMPLES", 55))
+NUM_EXAMPLES = int(os.environ.get("TIER_EXAMPLES", 70))
 STEPS_PER_EXAMPLE = 110  # a run may stop a few short when its draws fill Hypothesis' buffer
 MIN_RULE_STEPS = 5000
 KV_CHECK_EVERY = 10  # rules between sampled KV comparisons
@@ -64,7 +84,11 @@ VERIFY_BATCH = 16  # finished requests per batched reference generate
 ATOL = 1e-5
 MAX_PATH_TOKENS = 1024  # the tiny Llama's positions
 
+L3_FLUSH_TIMEOUT_S = 5.0
+L3_SETTLE_S = 0.002  # a drain's pause per step while only L3 I/O (another thread) is left
+
 new_tokens = st.lists(st.integers(3, 255), min_size=1, max_size=32)
+turn_tokens = st.lists(st.integers(3, 255), min_size=1, max_size=8)
 LIVE = (RequestStatus.WAITING, RequestStatus.LOADING, RequestStatus.RUNNING)
 coverage: collections.Counter = collections.Counter()  # summed over the machine's runs in this process
 
@@ -77,6 +101,20 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+_redis: list[RedisServer] = []  # the one server of this module, started by the fixture below
+
+
+@pytest.fixture(autouse=True, scope="module")
+def redis_server(tmp_path_factory):
+    """One real redis-server for every L3 run of the machine (flushed when a run builds its engine).
+    A module fixture (not an argument): Hypothesis' state machine test case takes no fixtures."""
+    server = RedisServer(tmp_path_factory.mktemp("tier-redis")).start()
+    _redis.append(server)
+    yield server
+    _redis.remove(server)
+    server.stop()
 
 
 # ---- references ----------------------------------------------------------------------------------
@@ -200,10 +238,26 @@ class _ManualJob(CopyJob):
 
 
 # ---- the machine ---------------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class SessionModel:
+    """What the test knows of one open session: its history (prompts + outputs of finished turns),
+    the engine's Session object (read after a reap, to tell it was due) and the running turn."""
+
+    state: Session
+    history: list[int] = dataclasses.field(default_factory=list)
+    turn: Request | None = None
+    pinned_at_submit: int = 0  # the session's pinned tokens when the running turn was queued
+
+
 class TierMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.engine = None
+        self.redis = None  # a client of the L3 server, when this run has L3
+        self.clock_offset_s = 0.0  # the sessions' clock: monotonic time + this (the idle-out rule advances it)
+        self.sessions: dict[str, SessionModel] = {}
+        self.num_sessions = 0
+        self.l3_corruptions = 0
         self.live: list[Request] = []
         self.finished: list[Request] = []  # ran to their end (LENGTH): multi-turn candidates
         self.unverified: list[Request] = []  # finished, output not yet compared with the reference
@@ -213,13 +267,25 @@ class TierMachine(RuleBasedStateMachine):
     @initialize(page_size=st.sampled_from([1, 4, 16]), policy=st.sampled_from(WRITE_POLICIES),
                 l1_tokens=st.sampled_from([48, 64, 96]), l2_ratio=st.sampled_from([0.5, 2, 3]),
                 chunk_size=st.sampled_from([4, 8, 32]), hits=st.sampled_from([1, 2]),
-                copier=st.sampled_from(["manual", "manual", "thread"]))
-    def build(self, page_size, policy, l1_tokens, l2_ratio, chunk_size, hits, copier):
+                copier=st.sampled_from(["manual", "manual", "thread"]), session_fraction=st.sampled_from([0.5, 0.75]),
+                l3=st.sampled_from([None, None, *(p.value for p in PrefetchPolicy)]), l3_min_pages=st.sampled_from([1, 2]))
+    def build(self, page_size, policy, l1_tokens, l2_ratio, chunk_size, hits, copier, session_fraction, l3,
+              l3_min_pages):
         num_pages = 1 + l1_tokens // page_size
         self.page_size = page_size
+        l3_config = None
+        if l3 is not None:
+            server = _redis[0]
+            self.redis = server.client()
+            self.redis.flushall()
+            l3_config = L3Config(url=server.url, prefetch_policy=l3, prefetch_min_pages=l3_min_pages,
+                                 error_backoff_s=0.0, op_timeout_s=0.2)
+            self.key_prefix = l3_config.key_prefix
         self.engine = make_engine(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size,
                                   max_running_requests=6, host_cache_pages=max(2, int(num_pages * l2_ratio)),
-                                  write_policy=policy, write_through_hits=hits)
+                                  write_policy=policy, write_through_hits=hits, session_kv_fraction=session_fraction,
+                                  l3=l3_config)
+        self.engine.sessions.clock = lambda: time.monotonic() + self.clock_offset_s
         host = self.engine.host_cache
         if copier == "manual":  # the real copier's thread is idle: nothing was submitted yet
             host.copier.close()
@@ -259,6 +325,11 @@ class TierMachine(RuleBasedStateMachine):
         assert self.engine.abort(req.request_id), f"live request {req.request_id} ({req.status.value}) not aborted"
         assert req.status is RequestStatus.FINISHED and req.finish_reason is FinishReason.ABORT
         self.live.remove(req)
+        model = self.sessions.get(req.session_id)
+        if model is not None and model.turn is req:  # an aborted turn leaves the history as it was
+            model.turn = None
+            assert model.state.state is SessionState.IDLE, f"session {req.session_id} still busy after its turn's abort"
+            coverage["session_turns_aborted"] += 1
 
     @rule(pick=st.integers(0, 2**16))
     def step_then_abort_loading(self, pick):
@@ -312,12 +383,162 @@ class TierMachine(RuleBasedStateMachine):
         self.engine.host_cache.evict(num_pages)
         self._step(then_step)
 
+    # ---- sessions (prefill_worker/engine/sessions.py) ------------------------------------------------
+    @rule(share=st.sampled_from([0.3, 0.5, 1.0, 1.2]), idle_timeout_s=st.sampled_from([10.0, 30.0, 100.0]))
+    def open_session(self, share, idle_timeout_s):
+        """Opened unless the session budget (or one request's limit) would be exceeded: then refused."""
+        manager = self.engine.sessions
+        capacity_tokens = max(1, round(share * manager.budget_tokens))
+        session_id = f"s{self.num_sessions}"
+        self.num_sessions += 1
+        fits = (manager.reserved_tokens + capacity_tokens <= manager.budget_tokens
+                and capacity_tokens <= self.max_request_tokens)
+        if not fits:
+            with pytest.raises(SessionError):
+                self.engine.open_session(session_id, capacity_tokens, idle_timeout_s)
+            coverage["sessions_refused"] += 1
+            return
+        self.engine.open_session(session_id, capacity_tokens, idle_timeout_s)
+        self.sessions[session_id] = SessionModel(manager.sessions[session_id])
+        coverage["sessions_opened"] += 1
+
+    @rule(pick=st.integers(0, 2**16), turn=turn_tokens, max_tokens=st.integers(1, 6), then_step=st.booleans())
+    def session_turn(self, pick, turn, max_tokens, then_step):
+        """The next turn of an idle session: its history plus new tokens. Refused (SessionError, the
+        session unchanged) when the turn would exceed the session's capacity."""
+        idle = [sid for sid, m in self.sessions.items() if m.turn is None]
+        if idle and len(self.live) < MAX_LIVE:
+            session_id = idle[pick % len(idle)]
+            model = self.sessions[session_id]
+            prompt = model.history + turn
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            if len(prompt) + max_tokens > model.state.capacity_tokens:
+                with pytest.raises(SessionError):
+                    self.engine.add_request(prompt, params, session_id=session_id)
+                assert model.state.state is SessionState.IDLE, f"a refused turn left session {session_id} busy"
+                coverage["session_turns_refused"] += 1
+            else:
+                model.pinned_at_submit = model.state.pinned_tokens
+                model.turn = self.engine.add_request(prompt, params, session_id=session_id)
+                self.live.append(model.turn)
+                self.prompts.append(prompt)
+                coverage["session_turns"] += 1
+        self._step(then_step)
+
+    @rule(pick=st.integers(0, 2**16), steps_first=st.integers(0, 3))
+    def abort_session_turn(self, pick, steps_first):
+        """A running session turn aborted (queued, loading or mid-prefill/decode): its history stays."""
+        for _ in range(steps_first):
+            self._step()
+        turns = [m.turn for _, m in sorted(self.sessions.items()) if m.turn is not None]
+        if turns:
+            req = turns[pick % len(turns)]
+            self.abort(req.status, pick)  # one of this status; the turn itself when it is the only one
+            self._step()
+
+    @rule(pick=st.integers(0, 2**16))
+    def close_session(self, pick):
+        """Close a session (idle or in a turn: the turn then finishes as a plain request)."""
+        if self.sessions:
+            session_id = sorted(self.sessions)[pick % len(self.sessions)]
+            assert self.engine.close_session(session_id), f"open session {session_id} not closed"
+            del self.sessions[session_id]
+            assert session_id not in self.engine.kvm.prefix_pins, f"closed session {session_id} still pins"
+            assert not self.engine.close_session(session_id), f"session {session_id} closed twice"
+            coverage["sessions_closed"] += 1
+
+    @rule(pick=st.integers(0, 2**16))
+    def session_idles_out(self, pick):
+        """The sessions' clock passes an idle session's timeout; the next step reaps it."""
+        idle = sorted(sid for sid, m in self.sessions.items() if m.turn is None)
+        if not idle:
+            return
+        session_id = idle[pick % len(idle)]
+        state = self.sessions[session_id].state
+        self.clock_offset_s += state.last_used + state.idle_timeout_s - self.engine.sessions.clock() + 1e-3
+        self._step()
+        assert session_id not in self.sessions, f"session {session_id} idle past its timeout but not reaped"
+
+    # ---- L3 (kv_store/l3): the store's faults, and prefixes only L3 can serve ----------------------------
+    @rule(pick=st.integers(0, 2**16), fraction=st.sampled_from([0.1, 0.5, 1.0]))
+    def l3_drop(self, pick, fraction):
+        """Redis loses keys (evicted under maxmemory, expired): a prefetch of them is a miss."""
+        keys = self._l3_keys()
+        if keys:
+            doomed = [k for i, k in enumerate(keys) if (i + pick) % round(1 / fraction) == 0] or keys[:1]
+            self.redis.delete(*doomed)
+            coverage["l3_dropped_keys"] += len(doomed)
+
+    @rule()
+    def l3_flush(self):
+        if self.redis is not None:
+            self.redis.flushall()
+            coverage["l3_flushes"] += 1
+
+    @rule(pick=st.integers(0, 2**16), byte=st.integers(0, 2**16), then_read=st.booleans(),
+          max_tokens=st.integers(1, 4))
+    def l3_corrupt(self, pick, byte, then_read, max_tokens):
+        """One flipped byte in a stored page of a cached prefix: a read must count it corrupt and never
+        use it. `then_read`: that prefix is asked for next with L1 and L2 emptied, so L3 serves it."""
+        if self.redis is None:
+            return
+        assert self.engine.host_cache.l3.flush(L3_FLUSH_TIMEOUT_S), "L3 writes did not drain"
+        nodes = sorted((n for n in self.engine.kvm.prefix_cache.nodes() if n.in_l3), key=lambda n: n.id)
+        if not nodes:
+            return
+        node = nodes[pick % len(nodes)]
+        keys = self.engine.host_cache.l3.node_keys(node)
+        key = self.key_prefix + keys[byte % len(keys)]
+        value = self.redis.get(key)
+        if not value:
+            return
+        i = byte % len(value)
+        self.redis.set(key, value[:i] + bytes([value[i] ^ 0xFF]) + value[i + 1:])
+        self.l3_corruptions += 1
+        coverage["l3_corruptions"] += 1
+        if then_read:
+            coverage["l3_corrupt_then_read"] += 1
+            self._evict_l1_and_l2()
+            self._send(path_tokens(node) + [3], max_tokens, always=True)
+
+    @rule(pick=st.integers(0, 2**16), suffix=st.lists(st.integers(3, 255), max_size=8),
+          max_tokens=st.integers(1, 8))
+    def l3_only_prefix(self, pick, suffix, max_tokens):
+        """As after a restart: an earlier prompt whose pages this engine wrote to L3, with L1 and L2
+        emptied of every unlocked copy, so only L3 can serve it."""
+        if self.redis is None or not self.prompts:
+            return
+        self._evict_l1_and_l2()
+        self._send(self.prompts[pick % len(self.prompts)] + suffix, max_tokens)
+
+    def _evict_l1_and_l2(self) -> None:
+        """Every unlocked copy out of L1 (write-back backups land in L2, and from there go to L3), then
+        out of L2: what a restarted worker has is neither, only L3."""
+        engine, host = self.engine, self.engine.host_cache
+        engine.kvm.prefix_cache.evict(engine.kvm.pool.usage().total)
+        deadline = time.monotonic() + L3_FLUSH_TIMEOUT_S
+        while time.monotonic() < deadline:  # the copier catches up (no step runs: no new load starts)
+            if isinstance(host.copier, ManualCopier):
+                host.copier.land(len(host.copier.pending))
+            host.poll()
+            if not host.busy():
+                break
+            time.sleep(L3_SETTLE_S)
+        assert host.l3.flush(L3_FLUSH_TIMEOUT_S), "L3 writes did not drain"
+        engine.kvm.prefix_cache.evict(engine.kvm.pool.usage().total)
+        host.evict(host.pool.usage().total)
+
     # ---- invariants --------------------------------------------------------------------------------
     @invariant()
     def kv_consistent(self):
         if self.engine is None:
             return
         self.engine.check_integrity()
+        self._check_sessions()
+        if self.redis is not None:
+            corrupt = self.engine.tier_stats().l3_corrupt
+            assert corrupt <= self.l3_corruptions, (
+                f"{corrupt} corrupt L3 reads but only {self.l3_corruptions} values were corrupted: a torn write?")
         self.rules_run += 1
         if self.rules_run % KV_CHECK_EVERY == 0:
             nodes = sorted(self.engine.kvm.prefix_cache.nodes(), key=lambda n: n.id)
@@ -328,12 +549,18 @@ class TierMachine(RuleBasedStateMachine):
             return
         try:
             self._drain()
+            self._check_sessions()
+            for session_id in list(self.sessions):  # their pins would keep the tree from emptying
+                assert self.engine.close_session(session_id)
+            self.sessions.clear()
             self._verify_outputs()
             self._check_kv(list(self.engine.kvm.prefix_cache.nodes()))
             self._check_at_rest()
             self._count_coverage()
         finally:
             self.engine.close()
+            if self.redis is not None:
+                self.redis.close()
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _step(self, really: bool = True) -> None:
@@ -343,11 +570,23 @@ class TierMachine(RuleBasedStateMachine):
             return
         self.engine.step()
         self._collect_finished()
+        self._collect_reaped()
 
-    def _send(self, prompt: list[int], max_tokens: int) -> None:
+    def _collect_reaped(self) -> None:
+        """Sessions the step closed were idle past their timeout (by the sessions' clock)."""
+        now = self.engine.sessions.clock()
+        for session_id in [sid for sid in self.sessions if sid not in self.engine.sessions.sessions]:
+            model = self.sessions.pop(session_id)
+            assert model.turn is None and now - model.state.last_used >= model.state.idle_timeout_s, (
+                f"session {session_id} closed by the engine while {'in a turn' if model.turn else 'not yet due'}")
+            assert session_id not in self.engine.kvm.prefix_pins, f"reaped session {session_id} still pins"
+            coverage["sessions_reaped"] += 1
+
+    def _send(self, prompt: list[int], max_tokens: int, always: bool = False) -> None:
         """Queue `prompt` cut so that it and its output fit one request's limit (the output is then
-        exactly `max_tokens` long, like the reference's); nothing when MAX_LIVE requests are live."""
-        if len(self.live) >= MAX_LIVE:
+        exactly `max_tokens` long, like the reference's); nothing when MAX_LIVE requests are live
+        (unless `always`)."""
+        if len(self.live) >= MAX_LIVE and not always:
             return
         prompt = prompt[:self.max_request_tokens - max_tokens]
         req = self.engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
@@ -358,6 +597,13 @@ class TierMachine(RuleBasedStateMachine):
         for req in [r for r in self.live if r.status is RequestStatus.FINISHED]:
             self.live.remove(req)
             assert req.finish_reason is FinishReason.LENGTH, f"request {req.request_id} ended {req.finish_reason}"
+            model = self.sessions.get(req.session_id)
+            if model is not None and model.turn is req:
+                assert req.cached_tokens >= model.pinned_at_submit, (
+                    f"turn {req.request_id} of session {req.session_id} reused {req.cached_tokens} tokens, but "
+                    f"{model.pinned_at_submit} were pinned on device when it was queued")
+                model.history, model.turn = req.all_token_ids, None
+                coverage["session_turns_finished"] += 1
             self.finished.append(req)
             self.unverified.append(req)
             coverage["finished"] += 1
@@ -400,6 +646,8 @@ class TierMachine(RuleBasedStateMachine):
                 copier.land(len(copier.pending))  # as the copier's thread would, given time
             if not self.engine.busy():
                 break
+            if self.engine.host_cache.l3.busy() and not self.engine.scheduler.running:
+                time.sleep(L3_SETTLE_S)  # a prefetch on the L3 threads: give them the core
             self._step()
         assert not self.engine.busy(), (
             f"engine still busy after {MAX_DRAIN_STEPS} steps: livelock between retract, load and admit? "
@@ -407,8 +655,42 @@ class TierMachine(RuleBasedStateMachine):
             f"loading {len(self.engine.scheduler.loading)}")
         assert not self.live, f"requests never finished: {[r.request_id for r in self.live]}"
 
+    def _check_sessions(self) -> None:
+        """Every open idle session pins exactly a page-aligned prefix of its history, on device."""
+        engine, ps = self.engine, self.page_size
+        assert set(engine.sessions.sessions) == set(self.sessions), (
+            f"engine sessions {sorted(engine.sessions.sessions)}, the test's {sorted(self.sessions)}")
+        for session_id, model in self.sessions.items():
+            state = model.state
+            assert state.pinned_tokens % ps == 0, f"session {session_id} pins {state.pinned_tokens} tokens"
+            if model.turn is not None:
+                continue
+            assert state.state is SessionState.IDLE, f"session {session_id} {state.state} with no turn running"
+            assert state.pinned_tokens <= max(len(model.history) - 1, 0), (
+                f"session {session_id} pins {state.pinned_tokens} tokens of a {len(model.history)}-token history")
+            if not state.pinned_tokens:
+                assert session_id not in engine.kvm.prefix_pins
+                continue
+            node = engine.kvm.prefix_pins[session_id]
+            pages = engine.kvm.prefix_cache.path_pages(node)
+            assert len(pages) * ps == state.pinned_tokens and node.residency.on_device, (
+                f"session {session_id} pins {state.pinned_tokens} tokens but its pinned path holds {len(pages)} "
+                f"device pages (node {node.id} {node.residency})")
+            assert path_tokens(node) == model.history[:state.pinned_tokens], (
+                f"session {session_id}'s pinned path is not its history")
+
+    def _l3_keys(self) -> list[bytes]:
+        if self.redis is None:
+            return []
+        return sorted(self.redis.keys(self.key_prefix + "*"))
+
     def _count_coverage(self) -> None:
         counters, copier = self.engine.host_cache.counters, self.engine.host_cache.copier
+        if self.redis is not None:
+            stats = self.engine.tier_stats()
+            coverage.update(l3_runs=1, l3_hit_tokens=stats.hit_tokens_l3, l3_corrupt_reads=stats.l3_corrupt,
+                            l3_put_pages=stats.l3_put_pages, l3_errors=stats.l3_errors)
+            coverage.update({f"l3_prefetch_{outcome}": n for outcome, n in stats.prefetches})
         coverage.update(steps=self.rules_run, retractions=self.engine.num_retractions,
                         loaded_tokens=counters.l2_hit_tokens, l1_evicted_pages=counters.l1_evicted_pages,
                         l2_evicted_pages=counters.l2_evicted_pages, copy_errors=counters.copy_errors,
@@ -444,9 +726,13 @@ def test_tier_machine_covered_enough():
     """Runs after the machine (file order): the runs reached every path they are meant to."""
     if coverage["steps"] == 0:
         pytest.skip("run together with test_tier_machine")
-    assert coverage["steps"] >= MIN_RULE_STEPS * NUM_EXAMPLES // 55, coverage
+    assert coverage["steps"] >= MIN_RULE_STEPS * NUM_EXAMPLES // 70, coverage
     for key in ("finished", "finished_after_load", "retractions", "loaded_tokens", "aborted_loading",
-                "aborted_running", "l2_evicted_pages", "copy_errors", "copy_timeouts"):
+                "aborted_running", "l2_evicted_pages", "copy_errors", "copy_timeouts",
+                "sessions_opened", "sessions_refused", "session_turns", "session_turns_finished",
+                "session_turns_refused", "session_turns_aborted", "sessions_closed", "sessions_reaped",
+                "l3_runs", "l3_put_pages", "l3_hit_tokens", "l3_corruptions", "l3_dropped_keys",
+                "l3_flushes"):
         assert coverage[key] > 0, (key, coverage)
 
 

@@ -1,9 +1,10 @@
 """`tandem bench hicache`: the L2 host KV tier on vs off, in one process, on the same two workloads.
 
-Each workload runs twice on an in-process `EngineCore` over the same model: with the host tier
-(`host_cache_pages` > 0) and without it (`host_cache_pages=0`, L1 prefix cache only). The device
-pool (L1, `num_pages`) is sized from the workload so that it cannot keep everything: what L1 evicts
-goes to L2 and is loaded back, or (L2 off) is computed again.
+Each workload runs on two in-process `EngineCore`s over the same model: one with the host tier
+(`host_cache_pages` > 0), one without (`host_cache_pages=0`, L1 prefix cache only). The device pool
+(L1, `num_pages`) is sized from the workload so that it cannot keep everything: what L1 evicts goes
+to L2 and is loaded back, or (L2 off) is computed again. The two runs alternate (per request in the
+multi-turn workload, per repeat in the retract one), so drift in machine load hits both alike.
 
 1. Multi-turn. C conversations of T turns; turn t's prompt is
 
@@ -11,25 +12,29 @@ goes to L2 and is loaded back, or (L2 off) is computed again.
 
    where `user i` are seeded random token ids and `answer i` the tokens this run generated for turn i
    (greedy, exact length). Rounds interleave the conversations (turn 1 of each, then turn 2 of each,
-   ...) and a round runs its requests one at a time, so TTFT = add_request -> the step that returns
-   the request's first token, with nothing else in the batch. L1 holds `--l1-conversations` final
-   histories, so a conversation's prefix has left L1 by its next turn.
+   ...) and a round runs its requests one at a time, each on the L2-on engine and then on the L2-off
+   one, so TTFT = add_request -> the step that returns the request's first token, with nothing else
+   in the batch. Between requests an engine's backups are drained (untimed), so one engine's copies
+   never overlap the other's request. L1 holds `--l1-conversations` final histories, so a
+   conversation's prefix has left L1 by its next turn.
 2. Retract-heavy. N requests with long outputs, all added at once, on an L1 holding `--l1-fraction`
    of their peak KV: the scheduler retracts, and a retracted request resumes from the prefix tree
-   (L2 on: loaded back; off: whatever L1 kept, the rest recomputed).
+   (L2 on: loaded back; off: whatever L1 kept, the rest recomputed). With `--repeats` the two
+   alternate that many times and each reports its fastest run (the token counts do not vary).
 
 Computed tokens are counted on the engine's forward passes. A request with prompt P and output O
 computes P + O - 1 tokens when nothing is cached and nothing is retracted (its last token is never
 fed back); a multi-turn turn's computed prefill is its forward tokens minus its O - 1 decode tokens,
 and the retract workload's recomputed tokens are all forward tokens minus sum(P + O - 1).
 
-Every run ends with its backups drained and `engine.check_integrity()`. A run whose engine stops
+Every engine ends with its backups drained and `engine.check_integrity()`. A run whose engine stops
 making progress (`STALL_STEPS`) raises instead of spinning.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -52,7 +57,8 @@ WARMUP_PROMPT = list(range(1, 17))  # first-call costs; random ids start at 10, 
 STALL_STEPS = 2000
 """Steps in a row with no forward pass and no host-tier copy in flight after which a run counts as
 stalled (requests waiting that the engine never admits) and the bench raises instead of spinning."""
-SCHEDULE_NOTE = "multi-turn: conversations interleaved per round, one request at a time (TTFT unbatched)"
+SCHEDULE_NOTE = ("conversations interleaved per round; one request at a time (TTFT unbatched), alternating L2 on / off "
+                 "request by request")
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ class MultiTurnRun:
     l1_pages: int
     turns: list[TurnResult]
     outputs: list[list[list[int]]]  # [conversation][turn] -> generated token ids
-    elapsed_s: float
+    elapsed_s: float  # its requests' time, add_request -> finished, summed
 
     def later(self) -> list[TurnResult]:
         return [t for t in self.turns if t.turn >= 2]
@@ -165,19 +171,23 @@ def shared_model_factory() -> EngineFactory:
     return make
 
 
-def _with_engine(factory: EngineFactory, config: EngineConfig, run: Callable):
-    """`run(engine, counter)` on a fresh, warmed-up engine; then drain it, check its KV and close it."""
+@contextlib.contextmanager
+def _engine(factory: EngineFactory, config: EngineConfig) -> Iterator[tuple[EngineCore, _CountingRunner]]:
+    """A fresh, warmed-up engine and its forward counter; on leaving: backups drained, KV checked, closed."""
     engine = factory(config)
     try:
         engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=2))
         counter = engine.runner = _CountingRunner(engine.runner)
-        result = run(engine, counter)
-        while engine.busy():  # backups still in flight
-            engine.step()
+        yield engine, counter
+        _settle(engine)
         engine.check_integrity()
-        return result
     finally:
         engine.close()
+
+
+def _settle(engine: EngineCore) -> None:
+    while engine.busy():  # backups still in flight
+        engine.step()
 
 
 L2Sizing = Callable[[int, int], int]
@@ -188,13 +198,12 @@ def workload_l2(l1_pages: int, sized_pages: int) -> int:
     return sized_pages
 
 
-def _on_and_off(factory: EngineFactory, base: EngineConfig, pages: tuple[int, int], l2: L2Sizing,
-                run: Callable) -> tuple:
-    """`run` with L2 on, then off, on fresh engines. L1 is `base.num_pages` when set, else `pages[0]`."""
+def _on_off_configs(base: EngineConfig, pages: tuple[int, int], l2: L2Sizing) -> tuple[EngineConfig, EngineConfig]:
+    """(L2 on, L2 off) configs. L1 is `base.num_pages` when set, else `pages[0]`; L2 `l2(L1, pages[1])`."""
     l1 = base.num_pages or pages[0]
     host = l2(l1, pages[1])
-    return tuple(_with_engine(factory, dataclasses.replace(base, num_pages=l1, host_cache_pages=h), run)
-                 for h in (host if host >= 2 else 0, 0))
+    on, off = (dataclasses.replace(base, num_pages=l1, host_cache_pages=h) for h in (host if host >= 2 else 0, 0))
+    return on, off
 
 
 def _ceil_pages(num_tokens: float, page_size: int) -> int:
@@ -216,25 +225,33 @@ def user_turns(spec: MultiTurnSpec, vocab_size: int) -> list[list[list[int]]]:
             for _ in range(spec.conversations)]
 
 
-def run_multiturn(engine: EngineCore, counter: _CountingRunner, spec: MultiTurnSpec) -> MultiTurnRun:
-    params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
-    users = user_turns(spec, engine.arch.vocab_size)
-    histories: list[list[int]] = [[] for _ in range(spec.conversations)]
-    outputs: list[list[list[int]]] = [[] for _ in range(spec.conversations)]
-    results = []
-    start_s = time.perf_counter()
-    for turn in range(spec.turns):
-        for c in range(spec.conversations):
-            prompt = histories[c] + users[c][turn]
-            before = counter.num_tokens
-            req, ttft_s = _run_one(engine, counter, prompt, params)
-            computed = counter.num_tokens - before - (len(req.output_token_ids) - 1)
-            results.append(TurnResult(c, turn + 1, len(prompt), req.cached_tokens, req.host_hit_tokens,
-                                      computed, ttft_s))
-            outputs[c].append(req.output_token_ids)
-            histories[c] = prompt + req.output_token_ids
-    return MultiTurnRun(engine.config.host_cache_pages, engine.config.num_pages, results, outputs,
-                        time.perf_counter() - start_s)
+class _Conversations:
+    """One engine's side of the multi-turn workload: its histories and results so far."""
+
+    def __init__(self, engine: EngineCore, counter: _CountingRunner, spec: MultiTurnSpec):
+        self.engine, self.counter = engine, counter
+        self.params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
+        self.histories: list[list[int]] = [[] for _ in range(spec.conversations)]
+        self.outputs: list[list[list[int]]] = [[] for _ in range(spec.conversations)]
+        self.turns: list[TurnResult] = []
+        self.elapsed_s = 0.0
+
+    def take_turn(self, c: int, user: list[int]) -> None:
+        """Conversation `c`'s next turn, alone on the engine; then its backups are drained (untimed)."""
+        prompt = self.histories[c] + user
+        before, start_s = self.counter.num_tokens, time.perf_counter()
+        req, ttft_s = _run_one(self.engine, self.counter, prompt, self.params)
+        self.elapsed_s += time.perf_counter() - start_s
+        computed = self.counter.num_tokens - before - (len(req.output_token_ids) - 1)
+        self.turns.append(TurnResult(c, len(self.outputs[c]) + 1, len(prompt), req.cached_tokens,
+                                     req.host_hit_tokens, computed, ttft_s))
+        self.outputs[c].append(req.output_token_ids)
+        self.histories[c] = prompt + req.output_token_ids
+        _settle(self.engine)
+
+    def result(self) -> MultiTurnRun:
+        config = self.engine.config
+        return MultiTurnRun(config.host_cache_pages, config.num_pages, self.turns, self.outputs, self.elapsed_s)
 
 
 def _run_one(engine: EngineCore, counter: _CountingRunner, prompt: list[int],
@@ -268,9 +285,20 @@ def _steps(engine: EngineCore, counter: _CountingRunner, reqs: list[Request]) ->
 
 def compare_multiturn(factory: EngineFactory, base: EngineConfig, spec: MultiTurnSpec,
                       l2: L2Sizing = workload_l2) -> tuple[MultiTurnRun, MultiTurnRun]:
-    """(L2 on, L2 off) on the same conversations."""
-    return _on_and_off(factory, base, multiturn_pages(spec, base.page_size), l2,
-                       lambda engine, counter: run_multiturn(engine, counter, spec))
+    """(L2 on, L2 off) on the same conversations, request by request alternating between the two."""
+    configs = _on_off_configs(base, multiturn_pages(spec, base.page_size), l2)
+    with contextlib.ExitStack() as stack:
+        sides = [_Conversations(*stack.enter_context(_engine(factory, config)), spec) for config in configs]
+        users = user_turns(spec, sides[0].engine.arch.vocab_size)
+        start_s = time.perf_counter()
+        for turn in range(spec.turns):
+            for c in range(spec.conversations):
+                for side in sides:
+                    side.take_turn(c, users[c][turn])
+            log.info("multi-turn: round %d/%d done, %.1f s (L2 on %.1f s, off %.1f s)", turn + 1, spec.turns,
+                     time.perf_counter() - start_s, sides[0].elapsed_s, sides[1].elapsed_s)
+        on, off = (side.result() for side in sides)
+    return on, off
 
 
 # ---- 2. retract-heavy -----------------------------------------------------------------------------
@@ -304,11 +332,17 @@ def run_retract(engine: EngineCore, counter: _CountingRunner, spec: RetractSpec)
                       engine.num_retractions - retractions, engine.host_cache.counters.l2_hit_tokens - hits, outputs)
 
 
-def compare_retract(factory: EngineFactory, base: EngineConfig, spec: RetractSpec,
-                    l2: L2Sizing = workload_l2) -> tuple[RetractRun, RetractRun]:
-    """(L2 on, L2 off) on the same requests."""
-    return _on_and_off(factory, base, retract_pages(spec, base.page_size), l2,
-                       lambda engine, counter: run_retract(engine, counter, spec))
+def compare_retract(factory: EngineFactory, base: EngineConfig, spec: RetractSpec, l2: L2Sizing = workload_l2,
+                    repeats: int = 1) -> tuple[RetractRun, RetractRun]:
+    """(L2 on, L2 off) on the same requests, alternating `repeats` times; each one's fastest run."""
+    runs: tuple[list[RetractRun], list[RetractRun]] = ([], [])
+    for _ in range(repeats):
+        for config, done in zip(_on_off_configs(base, retract_pages(spec, base.page_size), l2), runs):
+            with _engine(factory, config) as (engine, counter):
+                done.append(run_retract(engine, counter, spec))
+            log.info("retract-heavy: L2 %s took %.1f s", "on" if done is runs[0] else "off", done[-1].elapsed_s)
+    on, off = (min(r, key=lambda run: run.elapsed_s) for r in runs)
+    return on, off
 
 
 # ---- the command ----------------------------------------------------------------------------------
@@ -318,8 +352,8 @@ QUICK = dict(conversations=3, turns=4, turn_input_len=112, turn_output_len=8, re
 
 def specs_from_args(args: argparse.Namespace) -> tuple[MultiTurnSpec, RetractSpec]:
     sizes = {**vars(args), **(QUICK if args.quick else {})}
-    if min(sizes[k] for k in QUICK) < 1 or not (args.l1_conversations > 0 and args.l1_fraction > 0):
-        raise ValueError("workload sizes must be >= 1 and --l1-conversations, --l1-fraction > 0")
+    if min(sizes[k] for k in QUICK) < 1 or args.repeats < 1 or not (args.l1_conversations > 0 and args.l1_fraction > 0):
+        raise ValueError("workload sizes and --repeats must be >= 1, --l1-conversations and --l1-fraction > 0")
     return (MultiTurnSpec(sizes["conversations"], sizes["turns"], sizes["turn_input_len"],
                           sizes["turn_output_len"], args.l1_conversations, args.seed),
             RetractSpec(sizes["requests"], sizes["prompt_len"], sizes["output_len"], args.l1_fraction, args.seed))
@@ -342,7 +376,7 @@ def bench_hicache(args: argparse.Namespace, factory: EngineFactory | None = None
         print_multiturn(summary["multiturn"])
     if args.only in (None, "retract"):
         log.info("retract-heavy: %s", rt_spec)
-        on, off = compare_retract(factory, base, rt_spec, l2)
+        on, off = compare_retract(factory, base, rt_spec, l2, args.repeats)
         summary["retract"] = retract_summary(rt_spec, on, off)
         print_retract(summary["retract"])
     if args.json:

@@ -112,6 +112,8 @@ def _add_hicache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128, help="retract-heavy: output tokens per request")
     p.add_argument("--l1-fraction", type=float, default=0.3,
                    help="retract-heavy: L1 holds this fraction of all requests' peak KV")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="retract-heavy: alternate L2 on / off N times; report each one's fastest run")
     p.add_argument("--only", choices=["multiturn", "retract"], help="run one workload only")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run), overriding the size flags")
     p.add_argument("--seed", type=int, default=0)

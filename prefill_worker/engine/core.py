@@ -153,9 +153,8 @@ class EngineCore:
     def busy(self) -> bool:
         """Whether a step would do anything: requests to schedule, the connector's or the host tier's own
         work, or a session to reap."""
-        reap_at = self.sessions.next_deadline()
         return (self.scheduler.has_work() or self.connector.busy() or self.host_cache.busy()
-                or (reap_at is not None and time.monotonic() >= reap_at))
+                or self.sessions.reap_due())
 
     # ---- sessions ----------------------------------------------------------------------------------
     def open_session(self, session_id: str, capacity_tokens: int, idle_timeout_s: float) -> None:

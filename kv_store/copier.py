@@ -17,6 +17,7 @@ import enum
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -63,8 +64,11 @@ class PageCopier:
         dev = device.k[0].device
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # The thread holds only a weak reference: an engine dropped without close() frees its KV
+        # tensors, and the finalizer stops the thread.
+        self._thread = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)), name=name, daemon=True)
         self._thread.start()
+        weakref.finalize(self, self._jobs.put, _STOP)
 
     def submit(self, direction: Direction, src_pages: list[int], dst_pages: list[int]) -> CopyJob:
         assert len(src_pages) == len(dst_pages), "a copy needs one destination page per source page"
@@ -80,18 +84,13 @@ class PageCopier:
             self._jobs.put(_STOP)
             self._thread.join(timeout_s)
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            start = time.perf_counter()
-            try:
-                self._copy(job)
-            except BaseException as exc:  # noqa: BLE001 - reported on the job; the caller undoes it
-                job.error = exc
-            job.seconds = time.perf_counter() - start
-            job._done.set()
+    def _run_job(self, job: CopyJob) -> None:
+        start = time.perf_counter()
+        try:
+            self._copy(job)
+        except BaseException as exc:  # noqa: BLE001 - reported on the job; the caller undoes it
+            job.error = exc
+        job.seconds = time.perf_counter() - start
 
     def _copy(self, job: CopyJob) -> None:
         to_host = job.direction is Direction.TO_HOST
@@ -118,3 +117,18 @@ class PageCopier:
                 event = torch.cuda.Event()
                 event.record(self._stream)
                 job.layer_events.append(event)
+
+
+def _serve(jobs: queue.Queue, copier_ref: weakref.ref) -> None:
+    """The copier's thread: run jobs in order until told to stop (or the copier is gone)."""
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            return
+        copier = copier_ref()
+        if copier is None:
+            job.error = RuntimeError("the KV copier was dropped")
+        else:
+            copier._run_job(job)
+        del copier
+        job._done.set()

@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from kv_store.l3.codec import PageBytes
@@ -98,10 +99,14 @@ class L3Tier:
         self._ids = itertools.count(1)
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._serve, args=(q, fn), name=f"kv-l3-{name}", daemon=True)
-                         for q, fn, name in ((self._reads, self._read, "read"), (self._writes, self._write, "write"))]
+        # The threads hold only a weak reference: a tier dropped without close() is freed, and the
+        # finalizer stops them.
+        me = weakref.ref(self)
+        self._threads = [threading.Thread(target=_serve, args=(q, me, fn), name=f"kv-l3-{fn}", daemon=True)
+                         for q, fn in ((self._reads, "_read"), (self._writes, "_write"))]
         for t in self._threads:
             t.start()
+        weakref.finalize(self, _stop_all, (self._reads, self._writes))
 
     def keys(self, token_ids, parent_key: str = ROOT_KEY) -> list[str]:
         """Keys of the whole pages of `token_ids`, chained after `parent_key` (ROOT_KEY: from position 0)."""
@@ -147,22 +152,6 @@ class L3Tier:
         self.store.close()
 
     # ---- the threads ---------------------------------------------------------------------------
-    def _serve(self, jobs: queue.Queue, fn) -> None:
-        while True:
-            job = jobs.get()
-            if job is _STOP:
-                jobs.task_done()
-                return
-            try:
-                fn(job)
-            except Exception as exc:  # noqa: BLE001 - a miss, never a crash: the store reports its own faults
-                log.warning("L3 %s failed: %s", fn.__name__, exc)
-                if isinstance(job, Prefetch):
-                    job.error, job.num_found = str(exc), 0
-            if isinstance(job, Prefetch):
-                job._done.set()
-            jobs.task_done()
-
     def _faults(self) -> int:
         """Calls that failed or were skipped while backing off (a concurrent write's count too: a fault
         during a lookup is what matters, and faults come together)."""
@@ -189,3 +178,30 @@ class L3Tier:
             self._bytes.unpack(page, payload)
             got += 1
         prefetch.num_found = got
+
+
+def _stop_all(queues) -> None:
+    for q in queues:
+        q.put(_STOP)
+
+
+def _serve(jobs: queue.Queue, tier_ref: weakref.ref, method: str) -> None:
+    """One of the tier's threads: run its jobs until told to stop (or the tier is gone)."""
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            jobs.task_done()
+            return
+        tier = tier_ref()
+        try:
+            if tier is None:
+                raise RuntimeError("the L3 tier was dropped")
+            getattr(tier, method)(job)
+        except Exception as exc:  # noqa: BLE001 - a miss, never a crash: the store reports its own faults
+            log.warning("L3 %s failed: %s", method, exc)
+            if isinstance(job, Prefetch):
+                job.error, job.num_found = str(exc), 0
+        del tier
+        if isinstance(job, Prefetch):
+            job._done.set()
+        jobs.task_done()

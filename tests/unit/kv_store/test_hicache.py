@@ -5,7 +5,10 @@ node's device pages before they left L1."""
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
+import weakref
 
 import torch
 
@@ -178,3 +181,17 @@ def test_two_half_loaded_requests_never_wait_for_each_others_pages():
     assert reqs[0].host_hit_tokens == 80
     settle(engine)
     engine.check_integrity()
+
+
+def test_an_engine_dropped_without_close_frees_its_pools_and_stops_its_copier():
+    engine = make_engine(page_size=4, num_pages=64, host_cache_pages=64)
+    engine.generate(make_prompts(2, seed=1), greedy(max_tokens=4))
+    settle(engine)
+    engine.check_integrity()
+    device, host = weakref.ref(engine.kv_cache.k[0]), weakref.ref(engine.host_cache.kv.k[0])
+    copier = engine.host_cache.copier._thread
+    del engine
+    gc.collect()
+    copier.join(5.0)
+    assert device() is None and host() is None, "a copier thread kept the dropped engine's KV alive"
+    assert not copier.is_alive() and copier not in threading.enumerate()

@@ -731,11 +731,13 @@ def test_tier_machine_covered_enough():
     if coverage["steps"] == 0:
         pytest.skip("run together with test_tier_machine")
     assert coverage["steps"] >= MIN_RULE_STEPS * NUM_EXAMPLES // 70, coverage
-    # Only paths every run reaches by a wide margin: the rest (copy timeouts, corrupt reads, refusals)
-    # depend on how the copier thread is scheduled, and have deterministic tests of their own.
+    # Only paths every run reaches by a wide margin: the rest (copy timeouts, L3 drops, flushes and
+    # corruptions, refusals) depend on how the copier thread is scheduled (a CI run drew none of the
+    # corruptions a local run drew), and have deterministic tests of their own (test_l3_tier.py,
+    # test_sessions.py, tests/integration/test_l3_cluster.py).
     for key in ("finished", "finished_after_load", "retractions", "loaded_tokens", "l2_evicted_pages",
                 "sessions_opened", "session_turns", "session_turns_finished", "sessions_closed",
-                "sessions_reaped", "l3_runs", "l3_put_pages", "l3_corruptions", "l3_dropped_keys", "l3_flushes"):
+                "sessions_reaped", "l3_runs", "l3_put_pages"):
         assert coverage[key] > 0, (key, coverage)
 
 

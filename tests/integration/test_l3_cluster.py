@@ -12,86 +12,37 @@ different tests never share a prefix, so their tier figures are compared as befo
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
 import time
 
 import pytest
 
 from cluster.config import EngineConfig
-from cluster.protocol import TierStats, WorkerRole
-from cluster.worker_host.build import WorkerSpec, build_worker
-from cluster.worker_host.thread import HostLink, WorkerHost
+from cluster.protocol import TierStats
+from cluster.worker_host.thread import WorkerHost
 from kv_store.l3.config import L3Config
-from kv_store.transfer.local import LocalTransport
-from router.admission import AdmissionParams
-from router.dispatcher import Dispatcher, WorkerInfo
+from router.dispatcher import Dispatcher
 from router.policy import Policy
-from tests.helpers import greedy, make_engine, make_prompts, why_not_at_rest
+from tests import dispatch_harness
+from tests.dispatch_harness import (MAX_MODEL_LEN, REST_TIMEOUT_S, all_at_rest, queue_all, start_hosts, stop_hosts,
+                                    wait_for)
+from tests.helpers import greedy, make_engine, make_prompts
 from tests.redis_server import RedisServer
 
 PAGE = 16
 CHUNK = 64
 MAX_NEW = 8
-MAX_MODEL_LEN = 1024  # the tiny Llama's max_position_embeddings
 ENGINE = EngineConfig(page_size=PAGE, num_pages=1 + 4096 // PAGE, chunk_size=CHUNK, debug_kv=True)
 LANDING_PAGES = 1 + 4096 // PAGE  # decode-0's host pages for landings (+1: the scratch page)
-WORKERS = (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"))
-TIMEOUT_S = 60.0  # bounds every scenario: pytest-timeout is not installed
-REST_TIMEOUT_S = 10.0
+WORKERS = (("prefill-0", "prefill", 0), ("prefill-1", "prefill", 0), ("decode-0", "decode", LANDING_PAGES))
 
 
 # ---- workers and the dispatcher over them ------------------------------------------------------------
 
 
-def _load_tiny(*_args, **_kw):
-    """`load_model` for the tiny Llama: a fresh copy per worker (same seeded weights, so one L3 namespace)."""
-    from kernels.model.arch import LlamaArch
-    from kernels.model.loader import LoadedModel
-    from kernels.model.tiny import make_tiny_llama
-
-    ours, ref = make_tiny_llama(0)
-    return LoadedModel(ours, LlamaArch.from_hf_config(ref.config), ref.config, None, None, ())
-
-
-def start_hosts(l3: L3Config) -> dict[str, WorkerHost]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("kernels.model.loader.load_model", _load_tiny)
-        return {wid: WorkerHost(WorkerSpec(role, ENGINE, host_pages=LANDING_PAGES if role == "decode" else 0,
-                                           heartbeat_interval_s=0.02, l3=l3),
-                                wid, build=functools.partial(build_worker, transport=LocalTransport()))
-                for wid, role in WORKERS}
-
-
-def stop_hosts(hosts: dict[str, WorkerHost]) -> None:
-    for host in hosts.values():
-        assert host.shutdown(), f"{host.worker_id}: loop did not stop"
-        assert not host.crashed, host.crashed
-        host.worker.check_integrity()
-
-
-class Views:
-    """The controller's view: every host alive, one incarnation, one link each."""
-
-    def __init__(self, hosts: dict[str, WorkerHost]):
-        self.hosts, self.links = hosts, {wid: HostLink(h) for wid, h in hosts.items()}
-
-    async def workers(self) -> list[WorkerInfo]:
-        return [WorkerInfo(wid, WorkerRole(h.spec.role), 1, True, h.session, h.conn.stats, 0, self.links[wid])
-                for wid, h in self.hosts.items()]
-
-
 def serve(hosts: dict[str, WorkerHost], scenario, **kw):
     """`await scenario(d)` under a fresh round-robin dispatcher, on a fresh loop."""
-    async def main():
-        d = Dispatcher(Views(hosts), tokenizer=None, model_name="tiny", max_model_len=MAX_MODEL_LEN,
-                       policy=Policy.ROUND_ROBIN, refresh_interval_s=0.02, collect_timeout_s=0.02, **kw)
-        await d.start()
-        try:
-            return await asyncio.wait_for(scenario(d), TIMEOUT_S)
-        finally:
-            await d.close()
-    return asyncio.run(main())
+    return dispatch_harness.serve(hosts, lambda d, _views: scenario(d), policy=Policy.ROUND_ROBIN, **kw)
 
 
 async def run(d: Dispatcher, rid: str, prompt: list[int]):
@@ -101,21 +52,10 @@ async def run(d: Dispatcher, rid: str, prompt: list[int]):
     return [t for c in chunks for t in c.new_token_ids], chunks[-1]
 
 
-async def wait_for(cond, what: str, timeout_s: float = REST_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 async def settle(d: Dispatcher, hosts: dict[str, WorkerHost]) -> dict[str, TierStats]:
     """Every worker at rest (nothing owned, no locked tree node, integrity OK), every L3 write sent;
     returns each worker's tier figures as the dispatcher's gauges show them after that."""
-    deadline = time.monotonic() + REST_TIMEOUT_S
-    for host in hosts.values():
-        while why := why_not_at_rest(host.worker):
-            assert time.monotonic() < deadline, f"{host.worker_id} not at rest after {REST_TIMEOUT_S}s: {why}"
-            await asyncio.sleep(0.02)
+    await all_at_rest(hosts)
     for host in hosts.values():  # idle: every backup finished, so every L3 put is queued
         assert host.worker.engine.host_cache.l3.flush(REST_TIMEOUT_S), f"{host.worker_id}: L3 writes did not drain"
         assert not host.crashed, host.crashed
@@ -149,10 +89,6 @@ def l3_keys(hosts, token_ids: list[int]) -> list[str]:
     return [tier.config.key_prefix + k for k in tier.keys(token_ids)]
 
 
-def queue_all(n: int) -> AdmissionParams:
-    return AdmissionParams(max_queue_delay_s=1e9, max_queued_requests=n, max_requests_per_worker=n)
-
-
 # ---- fixtures -------------------------------------------------------------------------------------------
 
 
@@ -170,7 +106,7 @@ def l3_config(url: str, **kw) -> L3Config:
 @pytest.fixture(scope="module")
 def hosts(server):
     server.client().flushall()
-    built = start_hosts(l3_config(server.url, error_backoff_s=0.0))
+    built = start_hosts(ENGINE, WORKERS, l3=l3_config(server.url, error_backoff_s=0.0))
     yield built
     stop_hosts(built)
 
@@ -299,7 +235,7 @@ def test_redis_killed_mid_run_costs_misses_never_a_request(tmp_path, reference):
     flight and is killed while calls to it hang; then requests whose prefixes only L3 could have had
     arrive. Every request gets the reference's tokens; the faults are counted; nothing leaks."""
     server = RedisServer(tmp_path / "redis").start()
-    hosts = start_hosts(l3_config(server.url, op_timeout_s=0.2, error_backoff_s=0.1))
+    hosts = start_hosts(ENGINE, WORKERS, l3=l3_config(server.url, op_timeout_s=0.2, error_backoff_s=0.1))
     prefixes = make_prompts(5, min_len=12 * PAGE, max_len=12 * PAGE, seed=51)
     sfx = distinct_suffixes(3, 7, seed=52)
     warm = [prefixes[0] + sfx[0]]  # -> prefill-0, which writes prefixes[0] to L3

@@ -6,54 +6,31 @@ worker's death loses its sessions with a clear error."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import time
 
 import pytest
 
 from cluster import protocol as p
 from cluster.config import EngineConfig
-from cluster.protocol import WorkerRole
-from cluster.worker_host.build import WorkerSpec
-from cluster.worker_host.thread import HostLink, WorkerHost
-from kv_store.transfer.config import TransportConfig
-from kv_store.transfer.local import LocalTransport
+from cluster.worker_host.thread import WorkerHost
 from router.backend import BackendError, ErrorKind
-from router.dispatcher import Dispatcher, WorkerInfo
+from tests import dispatch_harness
 from tests.debug_worker import Stall, build_debug_worker
-from tests.helpers import greedy, make_engine, make_prompts, why_not_at_rest
+from tests.dispatch_harness import RecordingLink, all_at_rest, start_hosts, stop_hosts, wait_for
+from tests.helpers import greedy, make_engine, make_prompts
 
 PAGE_SIZE = 4
-TIMEOUT_S = 60.0
 DECODES = ("decode-0", "decode-1")
 
 
-def _load_tiny(*_args, **_kw):
-    """`load_model` for the tiny Llama: a fresh copy per worker (same seeded weights)."""
-    from kernels.model.arch import LlamaArch
-    from kernels.model.loader import LoadedModel
-    from kernels.model.tiny import make_tiny_llama
-
-    ours, ref = make_tiny_llama(0)
-    return LoadedModel(ours, LlamaArch.from_hf_config(ref.config), ref.config, None, None, ())
-
-
 @pytest.fixture
-def hosts(monkeypatch):
+def hosts():
     """prefill-0, decode-0, decode-1: 256 usable pages of 4 tokens each (a 512-token session budget)."""
-    monkeypatch.setattr("kernels.model.loader.load_model", _load_tiny)
     config = EngineConfig(page_size=PAGE_SIZE, num_pages=257, chunk_size=16, debug_kv=True)
-    built = {}
-    for wid, role, host_pages in (("prefill-0", "prefill", 0), ("decode-0", "decode", 128),
-                                  ("decode-1", "decode", 128)):
-        spec = WorkerSpec(role, config, host_pages=host_pages, transport=TransportConfig(), heartbeat_interval_s=0.02)
-        built[wid] = WorkerHost(spec, wid, build=functools.partial(build_debug_worker, transport=LocalTransport()))
+    workers = (("prefill-0", "prefill", 0), ("decode-0", "decode", 128), ("decode-1", "decode", 128))
+    built = start_hosts(config, workers, build_debug_worker)
     yield built
-    for host in built.values():
-        assert host.shutdown(), f"{host.worker_id}: loop did not stop"
-        assert not host.crashed, host.crashed
-        host.worker.check_integrity()
+    stop_hosts(built)
 
 
 @pytest.fixture(scope="module")
@@ -67,45 +44,12 @@ def reference():
     engine.check_integrity()
 
 
-class RecordingLink(HostLink):
-    def __init__(self, host: WorkerHost):
-        super().__init__(host)
-        self.sent: list = []
-
-    async def send(self, msgs: list) -> None:
-        self.sent += msgs
-        await super().send(msgs)
-
-
-class Views:
-    """The hosts as the controller would report them; `dead` names the ones it declares dead."""
-
-    def __init__(self, hosts: dict[str, WorkerHost]):
-        self.hosts, self.links, self.dead = hosts, {wid: RecordingLink(h) for wid, h in hosts.items()}, set()
-
-    async def workers(self) -> list[WorkerInfo]:
-        return [WorkerInfo(wid, WorkerRole(h.spec.role), 1, wid not in self.dead, h.session, h.conn.stats, 0,
-                           self.links[wid]) for wid, h in self.hosts.items()]
-
-
-def serve(hosts, scenario, **kw):
-    views = Views(hosts)
-
-    async def main():
-        d = Dispatcher(views, tokenizer=None, model_name="tiny", max_model_len=1024,
-                       **{"refresh_interval_s": 0.02, "collect_timeout_s": 0.02, **kw})
-        await d.start()
-        try:
-            return await asyncio.wait_for(scenario(d, views), TIMEOUT_S)
-        finally:
-            await d.close()
-    return asyncio.run(main())
+serve = functools.partial(dispatch_harness.serve, link=RecordingLink)
 
 
 async def run(d, rid, prompt, max_tokens, session_id=""):
-    """(token ids, last chunk) of one request."""
-    chunks = [c async for c in d.generate(rid, prompt, greedy(max_tokens=max_tokens), session_id=session_id)]
-    return [t for c in chunks for t in c.new_token_ids], chunks[-1]
+    """(token ids, last chunk) of one greedy request."""
+    return await dispatch_harness.run(d, rid, prompt, greedy(max_tokens=max_tokens), session_id=session_id)
 
 
 def sessions_of(host: WorkerHost) -> dict:
@@ -115,18 +59,6 @@ def sessions_of(host: WorkerHost) -> dict:
 def holder(hosts, session_id: str) -> str:
     [wid] = [wid for wid in DECODES if session_id in sessions_of(hosts[wid])]
     return wid
-
-
-async def eventually(condition, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
-
-
-async def all_at_rest(hosts) -> None:
-    await eventually(lambda: not any(why_not_at_rest(h.worker) for h in hosts.values()),
-                     f"not at rest: { {w: why_not_at_rest(h.worker) for w, h in hosts.items()} }")
 
 
 def aligned_history(num_tokens: int) -> int:
@@ -155,8 +87,8 @@ def test_turns_stay_on_the_session_worker_and_match_the_reference(hosts, referen
         with pytest.raises(BackendError) as unknown:
             d.generate("x", new_tokens[0], greedy(max_tokens=2), session_id="sess-never-opened")
         assert await d.close_session(a) and await d.close_session(b) and not await d.close_session(a)
-        await eventually(lambda: not any(sessions_of(hosts[w]) or hosts[w].worker.engine.kvm.prefix_pins
-                                         for w in DECODES), "closing did not release the pins")
+        await wait_for(lambda: not any(sessions_of(hosts[w]) or hosts[w].worker.engine.kvm.prefix_pins
+                                       for w in DECODES), "closing to release the pins")
         await all_at_rest(hosts)
         assert not d.flights and all(lv.num_active == 0 for lv in d.lives.values())
         return where, turns, plain, unknown.value
@@ -178,7 +110,7 @@ def test_a_dead_worker_loses_its_sessions(hosts):
         where = holder(hosts, a)
         await run(d, "t0", prompt, 3, session_id=a)
         views.dead.add(where)
-        await eventually(lambda: d.lives[where].gone, "the dispatcher did not bury the worker")
+        await wait_for(lambda: d.lives[where].gone, "the dispatcher to bury the worker")
         errors = []
         for rid in ("t1", "t2"):
             with pytest.raises(BackendError) as lost:
@@ -188,7 +120,7 @@ def test_a_dead_worker_loses_its_sessions(hosts):
         survivor = holder(hosts, b)
         assert await d.close_session(b)
         hosts[where].deliver([p.CloseSession(a)])  # the in-process host outlives its "death": tidy it
-        await eventually(lambda: not any(sessions_of(hosts[w]) for w in DECODES), "sessions left open")
+        await wait_for(lambda: not any(sessions_of(hosts[w]) for w in DECODES), "every session to close")
         await all_at_rest(hosts)
         return where, survivor, errors
 
@@ -213,9 +145,9 @@ def test_open_failures_map_to_their_kinds(hosts):
             await d.open_session(50, 60.0)
         late = views.links["decode-0"].sent[-1]  # ties go to the first worker by name
         assert isinstance(late, p.OpenSession) and late.capacity_tokens == 50, late
-        await eventually(lambda: p.CloseSession(late.session_id) in views.links["decode-0"].sent,
-                         "a late open was not closed")
-        await eventually(lambda: not any(sessions_of(hosts[w]) for w in DECODES), "the late session is still open")
+        await wait_for(lambda: p.CloseSession(late.session_id) in views.links["decode-0"].sent,
+                       "the late open to be closed")
+        await wait_for(lambda: not any(sessions_of(hosts[w]) for w in DECODES), "the late session to close")
         await all_at_rest(hosts)
         return full.value, too_big.value, slow.value
 

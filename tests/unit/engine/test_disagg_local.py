@@ -14,62 +14,36 @@ import pytest
 
 from cluster import protocol as p
 from cluster.config import EngineConfig
-from cluster.protocol import WorkerRole
-from cluster.worker_host.build import WorkerSpec
-from cluster.worker_host.thread import HostLink, WorkerHost
+from cluster.worker_host.thread import WorkerHost
 from kv_store.transfer.config import TransportConfig
-from kv_store.transfer.local import LocalTransport
 from router.backend import ErrorKind
-from router.dispatcher import Dispatcher, WorkerInfo
+from tests import dispatch_harness
 from tests.debug_worker import DigestKV, KVDigest, build_debug_worker
+from tests.dispatch_harness import RecordingLink, queue_all, run, start_hosts, stop_hosts
 from tests.helpers import greedy, make_engine, make_prompts
-
-TIMEOUT_S = 60.0
-
-
-def _load_tiny(*_args, **_kw):
-    """`load_model` for the tiny Llama: a fresh copy per worker (same seeded weights)."""
-    from kernels.model.loader import LoadedModel
-    from kernels.model.tiny import make_tiny_llama
-    from kernels.model.arch import LlamaArch
-
-    ours, ref = make_tiny_llama(0)
-    return LoadedModel(ours, LlamaArch.from_hf_config(ref.config), ref.config, None, None, ())
 
 
 @pytest.fixture
-def make_hosts(monkeypatch):
-    monkeypatch.setattr("kernels.model.loader.load_model", _load_tiny)
+def make_hosts():
     made = []
 
     def make(page_size=4, chunk_size=16, num_pages=256, host_pages=256, deadlines=TransportConfig()):
         config = EngineConfig(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size, debug_kv=True)
-        hosts = {}
-        for wid, role, pages in (("prefill-0", "prefill", 0), ("decode-0", "decode", host_pages)):
-            spec = WorkerSpec(role, config, host_pages=pages, transport=deadlines, heartbeat_interval_s=0.02)
-            hosts[wid] = WorkerHost(spec, wid, build=functools.partial(build_debug_worker, transport=LocalTransport()))
-        made.append(hosts)
-        return hosts
+        made.append(start_hosts(config, (("prefill-0", "prefill", 0), ("decode-0", "decode", host_pages)),
+                                build_debug_worker, transport=deadlines))
+        return made[-1]
 
     yield make
     for hosts in made:
-        for host in hosts.values():
-            assert host.shutdown(), f"{host.worker_id}: loop did not stop"
-            assert not host.crashed, host.crashed
-            host.worker.check_integrity()
+        stop_hosts(hosts)
 
 
-class TapLink(HostLink):
-    """`HostLink` that keeps KV digests (a test hook's replies) away from the dispatcher and
-    records what was sent; `dead` makes the view report the worker dead."""
+class TapLink(RecordingLink):
+    """`RecordingLink` that keeps KV digests (a test hook's replies) away from the dispatcher."""
 
     def __init__(self, host: WorkerHost):
         super().__init__(host)
-        self.sent, self.digests, self.dead = [], [], False
-
-    async def send(self, msgs: list) -> None:
-        self.sent += msgs
-        await super().send(msgs)
+        self.digests = []
 
     async def collect(self, timeout_s: float) -> list:
         msgs = await super().collect(timeout_s)
@@ -77,33 +51,7 @@ class TapLink(HostLink):
         return [m for m in msgs if not isinstance(m, KVDigest)]
 
 
-class HostViews:
-    def __init__(self, hosts: dict[str, WorkerHost]):
-        self.hosts, self.links = hosts, {wid: TapLink(h) for wid, h in hosts.items()}
-
-    async def workers(self) -> list[WorkerInfo]:
-        return [WorkerInfo(wid, WorkerRole(h.spec.role), 1, not self.links[wid].dead, h.session, h.conn.stats, 0,
-                           self.links[wid]) for wid, h in self.hosts.items()]
-
-
-def serve(hosts, scenario, **kw):
-    views = HostViews(hosts)
-
-    async def main():
-        d = Dispatcher(views, tokenizer=None, model_name="tiny", max_model_len=1024,
-                       **{"refresh_interval_s": 0.02, "collect_timeout_s": 0.02, **kw})
-        await d.start()
-        try:
-            return await asyncio.wait_for(scenario(d, views), TIMEOUT_S)
-        finally:
-            await d.close()
-    return asyncio.run(main())
-
-
-async def run(d, rid, prompt, params):
-    """(token ids, last chunk) of one request."""
-    chunks = [c async for c in d.generate(rid, prompt, params)]
-    return [t for c in chunks for t in c.new_token_ids], chunks[-1]
+serve = functools.partial(dispatch_harness.serve, link=TapLink)
 
 
 async def fresh_stats(host: WorkerHost) -> p.WorkerStats:
@@ -221,7 +169,7 @@ def test_client_abort_mid_transfer_and_dead_prefill_peer(make_hosts, prompts, hf
         task = asyncio.create_task(run(d, "b", prompts[4], greedy(max_tokens=24)))
         while (await fresh_stats(hosts["decode-0"])).host.in_flight == 0:
             await asyncio.sleep(0.01)
-        views.links["prefill-0"].dead = True
+        views.dead.add("prefill-0")
         tokens, last = await task
         # The in-process host outlives its "death"; a dead process would compute and write nothing more.
         prefill.deliver([p.AbortTransfer("b.0", "test: this worker is dead")])
@@ -254,19 +202,13 @@ def test_200_random_requests_with_aborts_leak_nothing(make_hosts):
         await at_rest(*hosts.values())
         return results, aborted
 
-    results, aborted = serve(hosts, scenario, admission=_queue_all(len(prompts)), max_pending=len(prompts))
+    results, aborted = serve(hosts, scenario, admission=queue_all(len(prompts)), max_pending=len(prompts))
     assert len(aborted) >= 20
     done = list(results)
     assert all(not results[rid][1].error for rid in done), [results[rid][1].error for rid in done][:3]
     reference = make_engine(page_size=4, num_pages=2048).generate(
         [prompts[int(rid[1:])] for rid in done], [greedy(max_tokens=max_tokens[rid]) for rid in done])
     assert [results[rid][0] for rid in done] == [r.output_token_ids for r in reference]
-
-
-def _queue_all(n: int):
-    from router.admission import AdmissionParams
-
-    return AdmissionParams(max_queue_delay_s=1e9, max_queued_requests=n, max_requests_per_worker=n)
 
 
 def test_slow_but_moving_transfer_outlives_its_deadline(make_hosts, prompts, hf_outputs, monkeypatch):

@@ -21,6 +21,7 @@ from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
 from router.gateway.detokenize import IncrementalDetokenizer, final_text
 from tests.gateway_backend import WORKER_ID, EngineBackend, settle_backend
+from tests.gateway_http import BASE_URL, app_client, assert_error as assert_error_body
 from tests.helpers import assert_pool_at_rest, greedy, make_smollm2_engine
 
 try:
@@ -33,7 +34,6 @@ MODEL = "smollm2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
 TRANSFER = (4096, 0.002)  # (bytes, seconds) the test backend reports per request
-BASE_URL = "http://127.0.0.1:8000"  # a Host the gateway answers (it refuses others: test_gateway_hardening)
 JSON = {"Content-Type": "application/json"}
 
 
@@ -65,7 +65,7 @@ def tok(backend):
 
 @pytest.fixture(scope="module")
 def client(backend):
-    return TestClient(build_app(backend, GatewayConfig()), raise_server_exceptions=False, base_url=BASE_URL)
+    return app_client(backend)
 
 
 @pytest.fixture(autouse=True)
@@ -73,10 +73,6 @@ def engine_at_rest(request):
     """After each test: no request holds KV; faults cleared."""
     yield
     settle_backend(request)
-
-
-def app_client(backend, **config) -> TestClient:
-    return TestClient(build_app(backend, GatewayConfig(**config)), raise_server_exceptions=False, base_url=BASE_URL)
 
 
 def events(response) -> list:
@@ -87,16 +83,11 @@ def events(response) -> list:
     return [f[6:] if f == "data: [DONE]" else json.loads(f[6:]) for f in frames]
 
 
-def assert_error(response, status: int, code: str | None = None, param: str | None = None):
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    if code is not None:
-        assert body["error"]["code"] == code, body
-    if param is not None:
-        assert body["error"]["param"] == param, body
-    return body["error"]
+def assert_error(response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    """`assert_error_body`, and the message is a non-empty string."""
+    error = assert_error_body(response, status, code, param)
+    assert isinstance(error["message"], str) and error["message"], error
+    return error
 
 
 def good_request_works(client):

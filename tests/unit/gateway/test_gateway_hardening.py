@@ -12,12 +12,12 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from starlette.testclient import TestClient
 
 from cluster.serve.config import GatewayConfig
 from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
 from tests.gateway_backend import EngineBackend, settle_backend
+from tests.gateway_http import app_client, assert_error
 from tests.helpers import assert_pool_at_rest, make_smollm2_engine
 
 try:
@@ -49,25 +49,9 @@ def engine_at_rest(request):
     settle_backend(request)
 
 
-def app_client(backend, **config) -> TestClient:
-    return TestClient(build_app(backend, GatewayConfig(**config)), raise_server_exceptions=False,
-                      base_url="http://127.0.0.1:8000")
-
-
 @pytest.fixture(scope="module")
 def client(backend):
     return app_client(backend)
-
-
-def assert_error(response, status: int, code: str | None = None, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    if code is not None:
-        assert body["error"]["code"] == code, body
-    if param is not None:
-        assert body["error"]["param"] == param, body
-    return body["error"]
 
 
 def scrape(client) -> dict:

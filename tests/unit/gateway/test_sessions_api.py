@@ -10,7 +10,6 @@ import json
 import time
 
 import pytest
-from starlette.testclient import TestClient
 
 from cluster.config import EngineConfig
 from cluster.serve.config import GatewayConfig
@@ -21,6 +20,7 @@ from router.gateway import build_app
 from router.gateway.detokenize import final_text
 from tests.gateway_backend import EngineBackend, settle_backend
 from tests.gateway_cluster import byte_tokenizer
+from tests.gateway_http import BASE_URL, app_client, assert_error
 from tests.helpers import greedy, make_engine, tiny_models
 
 try:
@@ -29,7 +29,6 @@ except ImportError:  # the successor package keeps httpx's API under a new name
     import httpx2 as httpx
 
 PAGE_SIZE = 4
-BASE_URL = "http://127.0.0.1:8000"
 COMPLETION, CHAT, SESSIONS = "/v1/completions", "/v1/chat/completions", "/v1/sessions"
 CAPACITY = 200  # two sessions fit the engine's session budget (half of 1024 tokens), three do not
 
@@ -69,21 +68,6 @@ def sessions_closed(request, backend):
     backend.open_sessions.clear()
     assert backend.on_engine(lambda e: not e.kvm.prefix_pins), "a closed session still pins its history"
     assert not left, f"sessions left open in the engine: {left}"
-
-
-def app_client(backend, **config) -> TestClient:
-    return TestClient(build_app(backend, GatewayConfig(**config)), raise_server_exceptions=False, base_url=BASE_URL)
-
-
-def assert_error(response, status: int, code: str | None = None, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    if code is not None:
-        assert body["error"]["code"] == code, body
-    if param is not None:
-        assert body["error"]["param"] == param, body
-    return body["error"]
 
 
 def open_session(client, **body) -> str:

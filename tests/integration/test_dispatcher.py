@@ -31,6 +31,7 @@ from router.backend import BackendError, ErrorKind
 from router.dispatcher import Dispatcher, Phase, WorkerInfo
 from cluster.protocol import WorkerRole
 from tests.debug_worker import Stall, build_debug_worker
+from tests.dispatch_harness import wait_for
 from tests.helpers import CHAT_PROMPTS, greedy, make_smollm2_engine, why_not_at_rest
 
 pytestmark = pytest.mark.slow
@@ -199,13 +200,6 @@ def assert_finished_cleanly(chunks) -> None:
     assert all(c.finish_reason is None for c in chunks[:-1]), "a chunk before the last one has a finish_reason"
     last = chunks[-1]
     assert last.finish_reason in ("stop", "length") and not last.error and last.error_kind is None, last
-
-
-async def wait_for(cond, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def wait_at_rest(*hosts: WorkerHost, timeout_s: float = REST_TIMEOUT_S) -> None:

@@ -75,8 +75,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                      help="multiturn: pause between an answer and the conversation's next turn")
     _add_overload_args(sub.add_parser("overload", help="`tandem serve` at a multiple of its capacity: "
                                                        "fast 429s, and the TTFT of what it admits"))
-    _add_hicache_args(sub.add_parser("hicache", help="the L2 host KV tier on vs off in one process: multi-turn "
-                                                     "TTFT and retract-heavy throughput"))
+    _add_hicache_args(sub.add_parser("hicache", help="the host KV tiers on vs off in one process: L2 multi-turn "
+                                                     "TTFT and retract-heavy throughput, L3 TTFT after a restart"))
 
 
 def _add_overload_args(p: argparse.ArgumentParser) -> None:
@@ -98,8 +98,9 @@ def _add_overload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_hicache_args(p: argparse.ArgumentParser) -> None:
-    p.description = ("The same workloads with the L2 host tier on, then off (host_cache_pages=0). Engine flags "
-                     "default to EngineConfig's, except L1 (--num-pages) and L2, sized from each workload.")
+    p.description = ("The same workloads with the L2 host tier on, then off (host_cache_pages=0); then prompts "
+                     "written to L3 (Redis) run on restarted engines with and without L3. Engine flags default to "
+                     "EngineConfig's, except L1 (--num-pages) and L2, sized from each workload.")
     add_engine_args(p, defaults=False)
     p.add_argument("--conversations", type=int, default=6, help="multi-turn: conversations")
     p.add_argument("--turns", type=int, default=8, help="multi-turn: turns per conversation")
@@ -114,7 +115,11 @@ def _add_hicache_args(p: argparse.ArgumentParser) -> None:
                    help="retract-heavy: L1 holds this fraction of all requests' peak KV")
     p.add_argument("--repeats", type=int, default=1,
                    help="retract-heavy: alternate L2 on / off N times; report each one's fastest run")
-    p.add_argument("--only", choices=["multiturn", "retract"], help="run one workload only")
+    p.add_argument("--l3-prompts", type=int, help="L3 after restart: prompts (default 2)")
+    p.add_argument("--l3-prompt-len", type=int, help="L3 after restart: tokens per prompt (default 1500)")
+    p.add_argument("--l3-url", metavar="URL", help="L3 after restart: a running Redis (redis://host:port/db); "
+                                                   "default: a redis-server started for the phase")
+    p.add_argument("--only", choices=["multiturn", "retract", "l3"], help="run one phase only")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run), overriding the size flags")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")

@@ -133,6 +133,11 @@ class EngineConfig:
     """Requests in the running batch at most."""
     max_model_len: int | None = None
     """Prompt + completion tokens at most; None: the model's max_position_embeddings."""
+    cuda_graph: bool = True
+    """Replay decode steps per batch-size bucket (CUDA graphs; on CPU the same gated static-buffer
+    path run eagerly); False (`--no-cuda-graph`) runs every step eagerly."""
+    graph_batch_sizes: tuple[int, ...] = ()
+    """Batch-size buckets to capture; empty: 1, 2, 4, 8, 16, 24, 32, ... up to max_running_requests."""
     enable_prefix_cache: bool = True
     host_cache_ratio: float = 2.0
     """L2: host-memory KV pages, as a multiple of the device pool's (`num_pages`); 0 turns the host
@@ -167,6 +172,8 @@ class EngineConfig:
         require(0 <= self.session_kv_fraction <= 1,
                  f"session_kv_fraction must be in [0, 1], got {self.session_kv_fraction}")
         require(self.write_through_hits >= 1, f"write_through_hits must be >= 1, got {self.write_through_hits}")
+        require(all(isinstance(s, int) and s >= 1 for s in self.graph_batch_sizes),
+                 f"graph_batch_sizes must be positive integers, got {self.graph_batch_sizes}")
         require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -152,6 +152,14 @@ class TierStats:
 
 
 @dataclass(frozen=True)
+class GraphStats:
+    """Cumulative figures of a worker's graph runner: steps replayed, and run eagerly by reason."""
+
+    replays: int = 0
+    fallbacks: tuple[tuple[str, int], ...] = ()  # (reason, steps): not_decode, batch_too_large, ...
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """A worker's view of itself, sent with every heartbeat."""
 
@@ -164,6 +172,7 @@ class WorkerStats:
     integrity_error: str  # "" when check_integrity() passed
     host_cache: PoolStats | None = None  # the L2 tier's pool; None without one
     tiers: TierStats = TierStats()
+    graphs: GraphStats = GraphStats()
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,11 @@ class Load:
     def __hash__(self) -> int:
         return hash(("load", self.id))
 
+    @property
+    def pages(self) -> tuple[int, ...]:
+        """The device pages this load writes."""
+        return tuple(p for node_pages in self.device_pages for p in node_pages)
+
 
 @dataclass(eq=False)
 class LoadTicket:

@@ -30,6 +30,11 @@ class LoadHandle:
     def __hash__(self) -> int:
         return hash(("load", self.id))
 
+    @property
+    def pages(self) -> tuple[int, ...]:
+        """The device pages this load writes."""
+        return self.device_pages
+
 
 class HostToDeviceLoader:
     """Not thread-safe: driven by the decode worker's loop."""

@@ -164,6 +164,10 @@ class _CountingRunner:
         self.num_tokens += sum(len(r.token_ids) for r in rows)
         return self.runner.forward(rows)
 
+    def run(self, step):
+        self.num_tokens += sum(len(r.token_ids) for r in step.rows)
+        return self.runner.run(step)
+
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 

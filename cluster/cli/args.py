@@ -25,6 +25,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
     "--host-cache-pages": ("host_cache_pages", dict(type=int, metavar="N",
                                                     help="L2 host pages, overriding --host-cache-ratio (0: none)")),
     "--write-policy": ("write_policy", dict(choices=WRITE_POLICIES, help="when device KV gets its host copy")),
+    "--no-cuda-graph": ("cuda_graph", dict(action="store_const", const=False,
+                                           help="run every decode step eagerly (no graph replay)")),
 }
 
 

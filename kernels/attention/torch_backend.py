@@ -53,15 +53,20 @@ def _num_pages(num_tokens: int, page_size: int) -> int:
 
 
 def _plan_decode_no_sync(meta: AttnMetadata, seqs: list[int]) -> _DecodePlan:
+    """A step of decode rows only builds its plan from the device tensors alone (no host -> device
+    copy), so a CUDA graph can capture it: a replay recomputes it from the static buffers."""
     device = meta.page_table.device
-    qsl = meta.query_start_loc_cpu
-    seq_idx = torch.tensor(seqs, dtype=torch.int64, device=device)
-    rows = torch.tensor([qsl[b] for b in seqs], dtype=torch.int64, device=device)
     max_len = max(meta.seq_lens_cpu[b] for b in seqs)
     num_pages = _num_pages(max_len, meta.page_size)
-    page_table = meta.page_table.index_select(0, seq_idx)[:, :num_pages]
+    if len(seqs) == meta.num_seqs:
+        rows, page_table, seq_lens = meta.query_start_loc[:-1], meta.page_table[:, :num_pages], meta.seq_lens
+    else:
+        qsl = meta.query_start_loc_cpu
+        seq_idx = torch.tensor(seqs, dtype=torch.int64, device=device)
+        rows = torch.tensor([qsl[b] for b in seqs], dtype=torch.int64, device=device)
+        page_table, seq_lens = meta.page_table.index_select(0, seq_idx)[:, :num_pages], meta.seq_lens[seq_idx]
     kv_pos = torch.arange(num_pages * meta.page_size, device=device)  # [L]
-    mask = kv_pos[None, :] < meta.seq_lens.index_select(0, seq_idx)[:, None]  # [B_dec, L]
+    mask = kv_pos[None, :] < seq_lens[:, None]  # [B_dec, L]
     return _DecodePlan(rows=rows, page_table=page_table, mask=mask[:, None, None, :])
 
 

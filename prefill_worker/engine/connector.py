@@ -48,7 +48,8 @@ class KVConnector(Protocol):
         """Whether the scheduler may retract `req` (release its KV to make room)."""
 
     def loads_in_flight(self) -> frozenset:
-        """Host->device loads not yet completed (the CUDA-graph gate, docs/design.md §5)."""
+        """Host->device loads not yet completed, each with `.pages` (the device pages it writes): the
+        graph runner replays no step that reads one of them (docs/design.md §5)."""
 
     def busy(self) -> bool:
         """Whether the connector still has work of its own (transfers, loads, outputs to hand over)."""

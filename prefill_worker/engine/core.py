@@ -26,7 +26,7 @@ import torch
 
 from cluster.config import EngineConfig, SamplingParams, require
 from cluster.faults import FAILURE_INTERNAL, internal_error
-from cluster.protocol import PoolStats, TierStats, WorkerStats
+from cluster.protocol import GraphStats, PoolStats, TierStats, WorkerStats
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
 from kernels.sampling import sample
 from kv_store.device_pool import DevicePool
@@ -39,6 +39,7 @@ from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
 from prefill_worker.engine.connector import KVConnector, NullConnector
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
+from prefill_worker.engine.graph_runner import GraphRunner
 from prefill_worker.engine.runner import ModelRunner
 from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
 from prefill_worker.engine.sessions import NullSessions, SessionError, SessionManager
@@ -93,8 +94,12 @@ class EngineCore:
                          if config.enable_prefix_cache else NullSessions())
         self.connector = connector or NullConnector()
         self.scheduler = Scheduler(self.config, self.kvm, can_retract=self.connector.can_retract,
-                                   host_cache=self.host_cache, sessions=self.sessions)
-        self.runner = ModelRunner(model, self.kv_cache, config.page_size, self.device)
+                                   host_cache=self.host_cache, sessions=self.sessions,
+                                   relocation_version=lambda: self.device_pool.relocation_version)
+        self.runner = GraphRunner(ModelRunner(model, self.kv_cache, config.page_size, self.device), self.device_pool,
+                                  self.config.max_running_requests, self.config.max_model_len,
+                                  enabled=self.config.cuda_graph, sizes=self.config.graph_batch_sizes,
+                                  loads_in_flight=self._loads_in_flight)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.debug_kv = debug_kv_enabled(self.config)
@@ -187,8 +192,7 @@ class EngineCore:
 
     def _compute(self) -> list[StepOutput]:
         scheduled = self.scheduler.schedule()
-        scheduled.relocation_version = self.device_pool.relocation_version
-        scheduled.loads_in_flight = self.connector.loads_in_flight() | self.host_cache.loads_in_flight()
+        scheduled.loads_in_flight = self._loads_in_flight()
         self.num_retractions += len(scheduled.retracted)
         outputs = []
         if scheduled.rows:
@@ -233,7 +237,12 @@ class EngineCore:
         l2 = self.host_cache.pool
         return WorkerStats(role, _pool_stats(self.device_pool.pages), _pool_stats(host_pool) if host_pool else None,
                            len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.loading),
-                           transfers, error, _pool_stats(l2) if l2 is not None else None, self.tier_stats())
+                           transfers, error, _pool_stats(l2) if l2 is not None else None, self.tier_stats(),
+                           self.graph_stats())
+
+    def graph_stats(self) -> GraphStats:
+        c = self.runner.counters
+        return GraphStats(c.replays, tuple(sorted((reason.value, n) for reason, n in c.fallbacks.items())))
 
     def tier_stats(self) -> TierStats:
         c, l3 = self.host_cache.counters, self.host_cache.l3
@@ -255,10 +264,13 @@ class EngineCore:
         self.host_cache.close()
 
     # ---- helpers -----------------------------------------------------------------------------------
+    def _loads_in_flight(self) -> frozenset:
+        return self.connector.loads_in_flight() | self.host_cache.loads_in_flight()
+
     def _forward(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, torch.Tensor, list[StepOutput]]:
         """(the step without the rows that failed, its logits, outputs of the requests failed)."""
         try:
-            logits = self.runner.forward(scheduled.rows)
+            logits = self.runner.run(scheduled)
         except Exception:  # noqa: BLE001 - blame the row(s) that raise alone
             return self._forward_row_by_row(scheduled)
         return scheduled, logits, []

@@ -39,11 +39,19 @@ class ScheduledStep:
     loads_in_flight: frozenset = frozenset()
 
     def add(self, req: Request, num_new_tokens: int) -> None:
-        kv = req.kv
-        seq_len = kv.kv_committed_len + num_new_tokens
         self.requests.append(req)
-        self.rows.append(ForwardRow(token_ids=req.all_token_ids[kv.kv_committed_len:seq_len], seq_len=seq_len,
-                                    pages=list(kv.pages), wants_logits=seq_len == req.num_tokens))
+        self.rows.append(_row(req, req.kv.kv_committed_len + num_new_tokens))
+
+    def refresh_rows(self, relocation_version: int) -> None:
+        """Derive the rows' page tables again from their requests: the pool relocated since."""
+        self.rows = [_row(req, row.seq_len) for req, row in zip(self.requests, self.rows)]
+        self.relocation_version = relocation_version
+
+
+def _row(req: Request, seq_len: int) -> ForwardRow:
+    kv = req.kv
+    return ForwardRow(token_ids=req.all_token_ids[kv.kv_committed_len:seq_len], seq_len=seq_len,
+                      pages=list(kv.pages), wants_logits=seq_len == req.num_tokens)
 
 
 class Scheduler:
@@ -51,7 +59,8 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, kvm: KVManager, can_retract: Callable[[Request], bool] = lambda req: True,
                  host_cache: HostCache | NullHostCache | None = None,
-                 sessions: SessionManager | NullSessions | None = None):
+                 sessions: SessionManager | NullSessions | None = None,
+                 relocation_version: Callable[[], int] = lambda: 0):
         assert config.num_pages is not None and config.max_model_len is not None, "config not resolved"
         self.config = config
         self.kvm = kvm
@@ -63,6 +72,8 @@ class Scheduler:
         self.sessions = sessions or NullSessions()
         self.hit_tokens_l1 = 0
         """Prompt tokens found on device at first admission, summed (those loaded back count in L2)."""
+        self.relocation_version = relocation_version
+        """The device pool's relocation version now: a step records it before deriving its rows."""
         self.retractable = can_retract
         """Which requests may be retracted (the connector's say: a prefill worker keeps those with KV in flight)."""
 
@@ -74,7 +85,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         self._poll_loads()
-        step = ScheduledStep()
+        step = ScheduledStep(relocation_version=self.relocation_version())
         budget = self.config.chunk_size
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status is RequestStatus.RUNNING:

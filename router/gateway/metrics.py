@@ -134,6 +134,7 @@ class BackendGauges:
                 host.add_metric(key, g.host_kv_usage)
         yield from (usage, host, alive, restarts)
         yield from _tier_metrics(gauges)
+        yield from _graph_metrics(gauges)
 
 
 _TIER_COUNTERS = (  # (metric, documentation, extra label, {label value: TierStats field})
@@ -175,6 +176,22 @@ def _tier_metrics(gauges: list) -> Iterable[Metric]:
         session_pages.add_metric(key, g.tiers.session_pages)
     yield from (family for family, _ in families)
     yield from (prefetch, sessions, session_pages, l2)
+
+
+def _graph_metrics(gauges: list) -> Iterable[Metric]:
+    """Per-worker decode steps replayed by the graph runner, and those run eagerly by reason."""
+    labels = ["worker", "role"]
+    replays = CounterMetricFamily("tandem:graph_replays", "Decode steps replayed from a captured graph.",
+                                  labels=labels)
+    fallbacks = CounterMetricFamily("tandem:graph_fallbacks", "Steps run eagerly instead of replayed, by reason.",
+                                    labels=labels + ["reason"])
+    for g in gauges:
+        if g.graphs is None:
+            continue
+        replays.add_metric([g.worker_id, g.role], g.graphs.replays)
+        for reason, count in g.graphs.fallbacks:
+            fallbacks.add_metric([g.worker_id, g.role, reason], count)
+    yield from (replays, fallbacks)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -474,6 +474,7 @@ def test_metrics_count_exactly(backend):
         backend.extra_collectors = []
     other = app_client(backend)  # a second app in this process: its registry must stay untouched
     l1_hits_before = backend.engine.tier_stats().hit_tokens_l1
+    graphs_before = backend.engine.graph_stats()
     ok = {"model": MODEL, "messages": QUESTION, "max_tokens": 6, "temperature": 0}
     usages = [client.post(CHAT_PATH, json=ok).json()["usage"],
               client.post(CHAT_PATH, json={**ok, "max_tokens": 12, "stop": ["Paris"]}).json()["usage"]]
@@ -511,6 +512,11 @@ def test_metrics_count_exactly(backend):
     assert l1_hits == m[("tandem:prefix_cache_hits_total", ())]
     assert m[("tandem:prefix_cache_hit_tokens_total", tier("l2"))] == 0  # nothing left the device pool
     assert 0 < m[("tandem:l2_kv_cache_usage_perc", worker)] <= 1  # the cached prompts were backed up
+    graphs = backend.engine.graph_stats()  # decode steps replayed, prefill steps eager (not_decode)
+    assert m[("tandem:graph_replays_total", worker)] == graphs.replays > graphs_before.replays
+    not_decode = dict(graphs.fallbacks)["not_decode"]
+    assert m[("tandem:graph_fallbacks_total", (("reason", "not_decode"), *worker))] == not_decode
+    assert not_decode - dict(graphs_before.fallbacks).get("not_decode", 0) >= 3  # one prefill step a request at least
     assert m[("tandem_test_extra", ())] == 42
     assert scrape(other)[("tandem:generation_tokens_total", ())] == 0
 

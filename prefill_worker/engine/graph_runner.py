@@ -1,0 +1,250 @@
+"""The decode step replayed per batch-size bucket, gated by what the KV tier is doing (DESIGN §5).
+
+A step is *replayed* only when all of these hold; otherwise it runs eagerly (`ModelRunner.forward`)
+and the reason is counted (`GraphCounters`, `/metrics` `tandem:graph_fallbacks_total{reason}`):
+
+    not_decode        every row has exactly one new token and wants its logits
+    batch_too_large   the batch fits a bucket (`batch_buckets`)
+    context_too_long  every row's page table fits the captured width (`max_model_len` pages)
+    load_in_flight    no host->device load still in flight writes a page the batch reads
+    relocated         the device pool's `relocation_version` is the one the batch's page tables were
+                      derived at; when it moved, the rows are derived again from their requests
+                      (`ScheduledStep.refresh_rows`) and the step runs eagerly
+    disabled          `engine.cuda_graph` is off (`--no-cuda-graph`)
+
+A replay copies the batch into `StaticBuffers` (one set, sized for the largest bucket): rows
+`[0, n)` are the batch, rows `[n, bucket)` are padding — token 0 at position 0, sequence length 1,
+page table all page 0, slot 0 — so padding writes only scratch page 0 and reads nothing else.
+
+On CUDA each bucket is captured once at start-up into a `torch.cuda.CUDAGraph` (all captures share
+one memory pool; capture time and memory are logged), with the attention planned for the captured
+width (`seq_lens_cpu` = capacity, the real lengths in the device `seq_lens`), so a replay reads only
+the static buffers. On CPU the same buffers, padding and gates run, and "replay" is the model run
+eagerly over the buffers of the bucket: compiling per bucket did not pay on small CPU machines.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.attention.metadata import AttnMetadata
+from prefill_worker.engine.runner import ForwardRow, ModelRunner
+
+if TYPE_CHECKING:
+    from kv_store.device_pool import DevicePool
+    from prefill_worker.engine.scheduler import ScheduledStep
+
+log = logging.getLogger("tandem.engine")
+
+BUCKET_STEP = 8
+"""Past 8, buckets grow by this many rows (1, 2, 4, 8, 16, 24, 32, ...)."""
+
+
+class Fallback(str, enum.Enum):
+    NOT_DECODE = "not_decode"
+    BATCH_TOO_LARGE = "batch_too_large"
+    CONTEXT_TOO_LONG = "context_too_long"
+    LOAD_IN_FLIGHT = "load_in_flight"
+    RELOCATED = "relocated"
+    DISABLED = "disabled"
+
+
+def batch_buckets(max_batch: int, sizes: Iterable[int] = ()) -> tuple[int, ...]:
+    """The batch sizes to capture: `sizes` when given (those <= max_batch), else 1, 2, 4, 8, then every
+    BUCKET_STEP up to `max_batch`; `max_batch` itself is always one."""
+    chosen = [s for s in sizes if 1 <= s <= max_batch]
+    if not chosen:
+        chosen = [s for s in (1, 2, 4) if s < max_batch]
+        chosen += range(8, max_batch, BUCKET_STEP)
+    return tuple(sorted({*chosen, max_batch}))
+
+
+def bucket_for(buckets: tuple[int, ...], batch: int) -> int | None:
+    """The smallest bucket that holds `batch` rows, or None when none does."""
+    return next((b for b in buckets if b >= batch), None)
+
+
+@dataclass
+class GraphCounters:
+    replays: int = 0
+    fallbacks: Counter = field(default_factory=Counter)  # Fallback -> steps run eagerly for it
+
+
+@dataclass
+class StaticBuffers:
+    """What a replayed step reads: one row per batch slot, sized for the largest bucket."""
+
+    input_ids: torch.Tensor  # [max_batch] int64
+    positions: torch.Tensor  # [max_batch] int64
+    seq_lens: torch.Tensor  # [max_batch] int64, KV length after this token
+    slot_mapping: torch.Tensor  # [max_batch] int64, where this token's K/V go
+    page_table: torch.Tensor  # [max_batch, max_pages] int64, unused entries page 0
+    query_start_loc: torch.Tensor  # [max_batch + 1] int64: 0, 1, 2, ... (one token a row)
+    logits_indices: torch.Tensor  # [max_batch] int64: 0, 1, 2, ...
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_pages: int, device: torch.device) -> StaticBuffers:
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int64, device=device)
+
+        rows = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
+        bufs = cls(zeros(max_batch), zeros(max_batch), zeros(max_batch), zeros(max_batch), zeros(max_batch, max_pages),
+                   rows, rows[:-1].clone())
+        bufs.seq_lens.fill_(1)
+        return bufs
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+    def fill(self, rows: list[ForwardRow], bucket: int, page_size: int) -> None:
+        """Rows [0, len(rows)) from the batch, [len(rows), bucket) padding on scratch page 0."""
+        n = len(rows)
+        pad = bucket - n
+        seq_lens = [r.seq_len for r in rows] + [1] * pad
+        positions = [s - 1 for s in seq_lens]
+        slots = [r.pages[(r.seq_len - 1) // page_size] * page_size + (r.seq_len - 1) % page_size for r in rows]
+        table = torch.zeros((bucket, self.max_pages), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int64)
+        self.input_ids[:bucket].copy_(torch.tensor([r.token_ids[0] for r in rows] + [0] * pad, dtype=torch.int64))
+        self.positions[:bucket].copy_(torch.tensor(positions, dtype=torch.int64))
+        self.seq_lens[:bucket].copy_(torch.tensor(seq_lens, dtype=torch.int64))
+        self.slot_mapping[:bucket].copy_(torch.tensor(slots + [0] * pad, dtype=torch.int64))
+        self.page_table[:bucket].copy_(table)
+
+    def meta(self, bucket: int, page_size: int, seq_lens_cpu: tuple[int, ...]) -> AttnMetadata:
+        """A step over rows [0, bucket) of the buffers (views: refilling the buffers changes it).
+        `seq_lens_cpu` sizes the attention's work: the real lengths, or the capacity when captured."""
+        return AttnMetadata(page_size=page_size, query_start_loc=self.query_start_loc[:bucket + 1],
+                            seq_lens=self.seq_lens[:bucket], page_table=self.page_table[:bucket],
+                            slot_mapping=self.slot_mapping[:bucket], logits_indices=self.logits_indices[:bucket],
+                            query_lens_cpu=(1,) * bucket, seq_lens_cpu=seq_lens_cpu)
+
+
+@dataclass
+class _Captured:
+    graph: object  # torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket, vocab], written by each replay
+
+
+class GraphRunner:
+    """Runs each step: replayed when the gates allow (see the module docstring), else eagerly."""
+
+    def __init__(self, eager: ModelRunner, pool: DevicePool, max_batch: int, max_model_len: int,
+                 enabled: bool = True, sizes: Iterable[int] = (),
+                 loads_in_flight: Callable[[], frozenset] = frozenset):
+        self.eager = eager
+        self.pool = pool
+        self.enabled = enabled
+        self.page_size = eager.page_size
+        self.buckets = batch_buckets(max_batch, sizes)
+        self.loads_in_flight = loads_in_flight
+        """The loads in flight now (each with `.pages`: the device pages it writes)."""
+        self.counters = GraphCounters()
+        self.gated = True
+        """Test-only switch: False replays without the load and relocation gates (the hazard they stop)."""
+        self.bufs = StaticBuffers.allocate(self.buckets[-1], -(-max_model_len // self.page_size), eager.device)
+        self._graphs: dict[int, _Captured] = {}
+        if enabled and eager.device.type == "cuda":
+            self._capture_all()
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def run(self, step: ScheduledStep) -> torch.Tensor:
+        """Logits [rows wanting them, vocab] of `step` (its rows refreshed when the pool relocated)."""
+        reason, bucket = self._gate(step)
+        if reason is None:
+            self.counters.replays += 1
+            return self._replay(step.rows, bucket)
+        self.counters.fallbacks[reason] += 1
+        if reason is Fallback.RELOCATED:
+            step.refresh_rows(self.pool.relocation_version)
+        return self.eager.forward(step.rows)
+
+    def forward(self, rows: list[ForwardRow]) -> torch.Tensor:
+        """An eager step, ungated (a failed batch retried row by row)."""
+        return self.eager.forward(rows)
+
+    def probe(self) -> None:
+        self.eager.probe()
+
+    def _gate(self, step: ScheduledStep) -> tuple[Fallback | None, int]:
+        rows = step.rows
+        if not self.enabled:
+            return Fallback.DISABLED, 0
+        if not all(len(r.token_ids) == 1 and r.wants_logits for r in rows):
+            return Fallback.NOT_DECODE, 0
+        bucket = bucket_for(self.buckets, len(rows))
+        if bucket is None:
+            return Fallback.BATCH_TOO_LARGE, 0
+        if any(len(r.pages) > self.bufs.max_pages for r in rows):
+            return Fallback.CONTEXT_TOO_LONG, 0
+        if self.gated:
+            if step.relocation_version != self.pool.relocation_version:
+                return Fallback.RELOCATED, 0
+            loads = self.loads_in_flight()
+            if loads and _touches(loads, rows):
+                return Fallback.LOAD_IN_FLIGHT, 0
+        return None, bucket
+
+    def _replay(self, rows: list[ForwardRow], bucket: int) -> torch.Tensor:
+        self.bufs.fill(rows, bucket, self.page_size)
+        captured = self._graphs.get(bucket)
+        if captured is not None:
+            captured.graph.replay()
+            return captured.logits[:len(rows)].clone()
+        seq_lens = tuple(r.seq_len for r in rows) + (1,) * (bucket - len(rows))
+        return self._body(bucket, self.bufs.meta(bucket, self.page_size, seq_lens))[:len(rows)]
+
+    @torch.inference_mode()
+    def _body(self, bucket: int, meta: AttnMetadata) -> torch.Tensor:
+        _, logits = self.eager.model(self.bufs.input_ids[:bucket], self.bufs.positions[:bucket], meta,
+                                     self.eager.kv_cache)
+        return logits
+
+    # ---- CUDA capture ------------------------------------------------------------------------------
+    def _capture_all(self) -> None:
+        """One graph per bucket, largest first, in one memory pool."""
+        device = self.eager.device
+        start_s, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        pool = None
+        for bucket in reversed(self.buckets):
+            self._graphs[bucket] = self._capture(bucket, pool)
+            pool = self._graphs[bucket].graph.pool()
+        torch.cuda.synchronize(device)
+        used = free_before - torch.cuda.mem_get_info(device)[0]
+        log.info("captured decode graphs for batch sizes %s in %.1f s, %.0f MiB", list(self.buckets),
+                 time.perf_counter() - start_s, used / 2**20)
+
+    def _capture(self, bucket: int, pool) -> _Captured:
+        self.bufs.fill([], bucket, self.page_size)  # all padding: scratch page 0
+        capacity = (self.bufs.max_pages * self.page_size,) * bucket
+
+        def meta() -> AttnMetadata:
+            # a new object each time: backends memoise plans per metadata object, and the captured
+            # plan must be built inside the capture (from the buffers), not reused from the warm-up
+            return self.bufs.meta(bucket, self.page_size, capacity)
+
+        side = torch.cuda.Stream(self.eager.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._body(bucket, meta())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self._body(bucket, meta())
+        return _Captured(graph, logits)
+
+
+def _touches(loads: frozenset, rows: list[ForwardRow]) -> bool:
+    pages = {p for r in rows for p in r.pages}
+    return any(not pages.isdisjoint(load.pages) for load in loads)

@@ -1,0 +1,223 @@
+"""The graph runner (prefill_worker/engine/graph_runner.py) on CPU: buckets, padding to scratch page 0,
+every gate and its fallback count, and the relocation hazard the gates exist for.
+
+The reference for every replayed step is an eager step (`ModelRunner.forward`) over page tables
+derived fresh from the requests, and HF greedy output for whole runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from cluster.config import SamplingParams
+from kernels.kv_layout import KVCacheTensors
+from kv_store.copier import Direction, PageCopier
+from prefill_worker.engine.graph_runner import Fallback, GraphCounters, GraphRunner, batch_buckets, bucket_for
+from prefill_worker.engine.runner import ForwardRow
+from prefill_worker.engine.scheduler import ScheduledStep
+from tests.helpers import hf_greedy, make_engine, make_prompts, tiny_models
+
+
+def test_buckets_default_to_powers_of_two_then_steps_of_eight_up_to_the_batch_limit():
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(20, sizes=(3, 12, 50)) == (3, 12, 20)  # given sizes, capped, plus the limit
+    buckets = batch_buckets(64)
+    assert [bucket_for(buckets, n) for n in (1, 3, 5, 9, 17, 64, 65)] == [1, 4, 8, 16, 24, 64, None]
+
+
+def _decode_engine(num_prompts=3, **kw):
+    """An engine whose next step is pure decode for `num_prompts` requests (prompts prefilled)."""
+    engine = make_engine(max_running_requests=8, enable_prefix_cache=False, **kw)
+    prompts = make_prompts(num_prompts, min_len=5, max_len=30, seed=7)
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
+    while any(not r.output_token_ids for r in reqs):
+        engine.step()
+    engine.runner.counters = GraphCounters()
+    return engine, reqs
+
+
+def _fresh_rows(reqs) -> list[ForwardRow]:
+    """Each request's next decode row, its page table read from the request now."""
+    return [ForwardRow([r.all_token_ids[r.kv.kv_committed_len]], r.kv.kv_committed_len + 1, list(r.kv.pages), True)
+            for r in reqs]
+
+
+def _step(engine, reqs) -> ScheduledStep:
+    step = ScheduledStep(requests=list(reqs), rows=_fresh_rows(reqs),
+                         relocation_version=engine.device_pool.relocation_version)
+    return step
+
+
+def test_a_replayed_step_pads_to_its_bucket_on_scratch_page_0_and_matches_eager():
+    engine, reqs = _decode_engine(3)  # 3 rows -> bucket 4: one padding row
+    runner = engine.runner
+    kv = engine.kv_cache
+    before = [t.clone() for t in kv.k + kv.v]
+    step = _step(engine, reqs)
+    logits = runner.run(step)
+    assert runner.counters.replays == 1 and not runner.counters.fallbacks
+    written = {r.pages[(r.seq_len - 1) // kv.page_size] for r in step.rows}
+    for layer_before, layer_after in zip(before, kv.k + kv.v):
+        changed = {p for p in range(layer_after.shape[0]) if not torch.equal(layer_before[p], layer_after[p])}
+        assert changed <= written | {0}, f"pages {changed - written - {0}} written by a replay"
+        assert torch.equal(layer_before[0, 1:], layer_after[0, 1:]), "padding wrote past slot 0 of scratch page 0"
+    eager = runner.eager.forward(_fresh_rows(reqs))
+    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
+    assert logits.shape[0] == 3
+    engine.check_integrity()
+    engine.close()
+
+
+@dataclass(frozen=True)
+class _FakeLoad:
+    pages: tuple[int, ...]
+
+
+def test_every_gate_counts_its_fallback_and_runs_eagerly():
+    engine, reqs = _decode_engine(3)
+    runner, pool = engine.runner, engine.device_pool
+    expected = runner.eager.forward(_fresh_rows(reqs))
+
+    def run(step) -> torch.Tensor:
+        return runner.run(step)
+
+    # a load in flight writing one of the batch's pages
+    runner.loads_in_flight = lambda: frozenset({_FakeLoad((reqs[1].kv.pages[0],))})
+    torch.testing.assert_close(run(_step(engine, reqs)), expected)
+    assert runner.counters.fallbacks[Fallback.LOAD_IN_FLIGHT] == 1 and runner.counters.replays == 0
+    runner.loads_in_flight = lambda: frozenset({_FakeLoad((10_000,))})  # a load elsewhere: no reason to wait
+    run(_step(engine, reqs))
+    assert runner.counters.replays == 1
+    runner.loads_in_flight = frozenset
+
+    # the pool relocated after the rows were derived: rows derived again, step eager
+    step = _step(engine, reqs)
+    step.rows = [ForwardRow(r.token_ids, r.seq_len, [0] * len(r.pages), True) for r in step.rows]  # stale tables
+    pool.bump_relocation_version()
+    torch.testing.assert_close(run(step), expected)
+    assert runner.counters.fallbacks[Fallback.RELOCATED] == 1
+    assert step.relocation_version == pool.relocation_version and step.rows == _fresh_rows(reqs)
+
+    # a prefill row in the batch
+    step = _step(engine, reqs)
+    step.rows[0] = ForwardRow(reqs[0].all_token_ids[:3], 3, list(reqs[0].kv.pages), True)
+    run(step)
+    assert runner.counters.fallbacks[Fallback.NOT_DECODE] == 1
+
+    # more rows than the largest bucket, and a page table wider than the captured width
+    small = GraphRunner(runner.eager, pool, max_batch=2, max_model_len=8)
+    small.run(_step(engine, reqs))
+    small.run(_step(engine, reqs[:1]))  # its table needs more than 8 / page_size pages
+    assert small.counters.fallbacks == {Fallback.BATCH_TOO_LARGE: 1, Fallback.CONTEXT_TOO_LONG: 1}
+
+    off = GraphRunner(runner.eager, pool, max_batch=8, max_model_len=128, enabled=False)
+    torch.testing.assert_close(off.run(_step(engine, reqs)), expected)
+    assert off.counters.fallbacks == {Fallback.DISABLED: 1} and off.counters.replays == 0
+    assert runner.counters.replays == 1  # only the step with nothing against it replayed
+    engine.check_integrity()
+    engine.close()
+
+
+def test_greedy_output_is_hf_with_graphs_on_and_off_and_steady_decode_never_falls_back():
+    _, ref, _ = tiny_models()
+    prompts = make_prompts(5, seed=3)
+    for graph in (True, False):
+        engine = make_engine(cuda_graph=graph, max_running_requests=6)
+        reqs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+        assert [r.output_token_ids for r in reqs] == [hf_greedy(ref, p, 10) for p in prompts]
+        c = engine.runner.counters
+        if graph:
+            assert c.replays >= 9 and set(c.fallbacks) == {Fallback.NOT_DECODE}  # prefill steps only
+        else:
+            assert c.replays == 0 and set(c.fallbacks) == {Fallback.DISABLED}
+        assert engine.graph_stats().replays == c.replays
+        engine.check_integrity()
+        engine.close()
+
+
+class _Relocator:
+    """Moves one running request's KV to other device pages on the background copy path (device ->
+    host -> device on a `PageCopier` thread, as an eviction and a load-back would), scribbles over
+    the pages it left, frees them, and bumps the pool's relocation version — after the scheduler
+    derived the step's rows and before the runner runs them."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.host = KVCacheTensors.allocate(len(engine.kv_cache.k), 64, engine.kv_cache.page_size,
+                                            engine.kv_cache.k[0].shape[2], engine.kv_cache.k[0].shape[3],
+                                            engine.kv_cache.k[0].dtype, "cpu")
+        self.copier = PageCopier(engine.kv_cache, self.host, name="test-relocator")
+        self.moves = 0
+
+    def relocate(self, req) -> None:
+        pool, kv = self.engine.kvm.pool, req.kv
+        old = list(kv.pages)
+        new = pool.alloc(len(old), kv.req_id)
+        host = list(range(1, len(old) + 1))
+        for job in (self.copier.submit(Direction.TO_HOST, old, host), self.copier.submit(Direction.TO_DEVICE, host, new)):
+            assert job.wait(10.0) and job.error is None
+        kv.pages[:] = new  # test-only: a relocation the KVManager does not know
+        for t in self.engine.kv_cache.k + self.engine.kv_cache.v:
+            t[old] = 7.0  # what a later owner of those pages might write
+        pool.free(old, kv.req_id)
+        self.engine.device_pool.bump_relocation_version()
+        self.moves += 1
+
+
+def _run_with_relocations(gated: bool) -> tuple[int, int, int]:
+    """(steps compared, steps whose logits differ from a fresh eager step, relocations)."""
+    engine, reqs = _decode_engine(3, num_pages=96)
+    engine.runner.gated = gated
+    relocator = _Relocator(engine)
+    schedule, run = engine.scheduler.schedule, engine.runner.run
+    compared, wrong = [0], [0]
+
+    def schedule_then_relocate():
+        step = schedule()
+        if step.rows and compared[0] % 2 == 0:
+            relocator.relocate(step.requests[compared[0] // 2 % len(step.requests)])
+        return step
+
+    def run_and_compare(step):
+        logits = run(step)
+        fresh = engine.runner.eager.forward([ForwardRow(r.token_ids, r.seq_len, list(q.kv.pages), r.wants_logits)
+                                             for q, r in zip(step.requests, step.rows)])
+        compared[0] += 1
+        wrong[0] += not torch.allclose(logits, fresh, rtol=1e-4, atol=1e-4)
+        return fresh
+
+    engine.scheduler.schedule, engine.runner.run = schedule_then_relocate, run_and_compare
+    for _ in range(12):
+        engine.step()
+    relocator.copier.close()
+    engine.check_integrity()
+    engine.close()
+    return compared[0], wrong[0], relocator.moves
+
+
+def test_relocation_hazard_gated_steps_match_a_fresh_eager_step():
+    compared, wrong, moves = _run_with_relocations(gated=True)
+    assert compared == 12 and moves == 6 and wrong == 0
+
+
+def test_relocation_hazard_without_the_gate_replays_stale_page_tables():
+    compared, wrong, moves = _run_with_relocations(gated=False)
+    assert compared == 12 and moves == 6
+    assert wrong >= moves, f"only {wrong} of {compared} steps read stale KV without the gate"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_replay_over_page_sizes_matches_hf(page_size):
+    _, ref, _ = tiny_models()
+    prompts = make_prompts(3, seed=11)
+    engine = make_engine(page_size=page_size, max_running_requests=4)
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [r.output_token_ids for r in reqs] == [hf_greedy(ref, p, 8) for p in prompts]
+    assert engine.runner.counters.replays > 0
+    engine.check_integrity()
+    engine.close()

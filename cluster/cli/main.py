@@ -77,6 +77,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                                                        "fast 429s, and the TTFT of what it admits"))
     _add_hicache_args(sub.add_parser("hicache", help="the host KV tiers on vs off in one process: L2 multi-turn "
                                                      "TTFT and retract-heavy throughput, L3 TTFT after a restart"))
+    _add_decode_args(sub.add_parser("decode", help="per-step decode latency and tok/s per batch size: eager vs "
+                                                   "graph per attention backend, and HF generate"))
 
 
 def _add_overload_args(p: argparse.ArgumentParser) -> None:
@@ -121,6 +123,29 @@ def _add_hicache_args(p: argparse.ArgumentParser) -> None:
                                                    "default: a redis-server started for the phase")
     p.add_argument("--only", choices=["multiturn", "retract", "l3"], help="run one phase only")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run), overriding the size flags")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (e.g. 1,8,32), got {text!r}") from None
+
+
+def _add_decode_args(p: argparse.ArgumentParser) -> None:
+    p.description = ("Each attention backend x batch size, eager then graph (--no-cuda-graph: eager only): B requests "
+                     "prefilled untimed, then pure decode steps timed one by one; HF transformers generate on the "
+                     "same prompts as the reference. --max-running and the graph buckets are set per batch size.")
+    add_engine_args(p)
+    p.add_argument("--batch-sizes", type=_int_list, metavar="B,B,...", help="default 1,8,32 (and 64 on cuda)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before them")
+    p.add_argument("--backends", type=lambda t: tuple(t.split(",")), metavar="NAME,...",
+                   help="attention backends to time (default: all; those the device cannot run are skipped)")
+    p.add_argument("--skip-hf", action="store_true", help="no HF transformers generate reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
 
@@ -170,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.hicache import bench_hicache
 
             return bench_hicache(args)
+        if args.bench == "decode":
+            from cluster.bench.decode import bench_decode
+
+            return bench_decode(args)
         from cluster.bench.offline import bench_offline
 
         return bench_offline(args)

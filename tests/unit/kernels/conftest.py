@@ -19,8 +19,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def triton_interpreted():
+    """Fails a Triton test whose kernels cannot be interpreted (use with ``usefixtures``)."""
     if _TOO_LATE:
         pytest.fail(
             "triton was imported before tests/unit/kernels/conftest.py could set TRITON_INTERPRET=1: "

@@ -22,6 +22,7 @@ from kernels.attention import triton_kernels as tk
 from kernels.attention.metadata import AttnMetadata
 from kernels.attention.triton_backend import TileSizes, TritonAttentionBackend, num_kv_splits
 
+pytestmark = pytest.mark.usefixtures("triton_interpreted")
 TOLERANCES = {  # (atol, rtol) of the Triton output against the torch backend in the same dtype
     torch.float32: (1e-5, 1e-5),
     torch.float16: (2e-3, 2e-3),

@@ -3,11 +3,16 @@ engines made during a test are recorded, and each one still alive is checked at 
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import pytest
+import torch
 
-from prefill_worker.engine.core import EngineCore
+if not torch.cuda.is_available():  # Triton kernels run interpreted on CPU; set before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from prefill_worker.engine.core import EngineCore  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

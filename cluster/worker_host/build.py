@@ -34,7 +34,8 @@ def build_worker(spec: WorkerSpec, transport=None):
     from kernels.model.loader import load_model
 
     torch.set_num_threads(spec.torch_threads)
-    loaded = load_model(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype])
+    loaded = load_model(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype],
+                        backend=spec.engine.attention_backend)
     model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, l3=spec.l3)
     if spec.role == "colocated":
         from decode_worker.worker import ColocatedWorker

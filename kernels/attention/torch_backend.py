@@ -5,8 +5,20 @@ forward share it):
 
 - decode rows (query_len == 1) of all sequences go through ONE batched SDPA call per layer: their
   pages are gathered to a padded ``[B_dec, L, kvh, hd]`` and masked by seq_len;
-- extend rows (query_len > 1) go through one SDPA call per sequence with a causal mask shifted by
-  the prefix length already in the cache.
+- extend rows (query_len > 1) go one sequence at a time. On CPU no mask is ever built: a fresh
+  prompt is one causal SDPA call (CPU flash kernel, GQA without copies), and a prompt after a cached
+  prefix is flash-style (below). Off CPU one SDPA call per sequence, causal for a fresh prompt, else
+  with a causal mask shifted by the prefix length.
+
+Flash-style extend on CPU, sequence of ``s`` positions, ``p = s - q`` of them cached before this step::
+
+    keys      | prefix chunk 0 | chunk 1 | ... | chunk n-1 |  new tokens (causal)  |
+              0                C        2C              p                        s
+    part      |  non-causal: every new token sees all   |   causal among the q   |
+
+Each part is one call of the CPU flash kernel, which returns its output and log-sum-exp per query;
+the parts merge by log-sum-exp in fp32. The kernel tiles queries and keys itself, so no score
+tensor is ever ``O(q * s)``; chunking the prefix bounds the gathered K/V copy to ``C`` positions.
 
 Nothing here reads a device value back to the host; all sizes come from ``meta.*_cpu``.
 """
@@ -39,7 +51,12 @@ class _ExtendSeq:
     row_end: int
     seq_len: int
     page_table: torch.Tensor  # [num_pages] int64, enough pages to cover seq_len
-    mask: torch.Tensor | None  # [q_len, seq_len] bool causal-with-offset; None when no prefix
+    mask: torch.Tensor | None  # [q_len, seq_len] bool causal-with-offset; only off CPU with a prefix
+
+    @property
+    def prefix_len(self) -> int:
+        """Positions ``[0, prefix_len)`` were in the cache before this step."""
+        return self.seq_len - (self.row_end - self.row_start)
 
 
 @dataclass(frozen=True)
@@ -70,13 +87,18 @@ def _plan_decode_no_sync(meta: AttnMetadata, seqs: list[int]) -> _DecodePlan:
     return _DecodePlan(rows=rows, page_table=page_table, mask=mask[:, None, None, :])
 
 
+def _uses_cpu_flash(device: torch.device) -> bool:
+    """Whether extends on ``device`` take the mask-free flash-style path (a test may patch this)."""
+    return device.type == "cpu"
+
+
 def _plan_extend(meta: AttnMetadata, b: int) -> _ExtendSeq:
     device = meta.page_table.device
     q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
     row_start = meta.query_start_loc_cpu[b]
     prefix_len = seq_len - q_len
     mask = None
-    if prefix_len > 0:
+    if prefix_len > 0 and not _uses_cpu_flash(device):
         q_pos = torch.arange(prefix_len, seq_len, device=device)  # [q_len]
         mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
     page_table = meta.page_table[b, : _num_pages(seq_len, meta.page_size)]
@@ -98,12 +120,44 @@ def _gather_pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor
     return pages.view(*page_table.shape[:-1], page_table.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
+def _gather_heads_first(cache: torch.Tensor, page_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Positions ``[start, end)`` of one sequence as ``[1, kvh, end - start, hd]`` (a copy of only
+    the pages holding them; the result is a transposed view, which the CPU flash kernel takes)."""
+    page_size = cache.shape[1]
+    first_page = start // page_size
+    pages = page_table[first_page : _num_pages(end, page_size)]
+    offset = start - first_page * page_size
+    return _gather_pages(cache, pages)[offset : offset + end - start].transpose(0, 1)[None]
+
+
+def _flash_cpu(q, k, v, scale: float, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention of ``q [1, H, q_len, hd]`` over ``k, v [1, kvh, n, hd]`` (GQA read in
+    place): output ``[1, H, q_len, hd]`` in q's dtype and log-sum-exp ``[1, H, q_len]`` in fp32."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Fold attention over more keys into ``out [1, H, q_len, hd]`` fp32 and ``lse [1, H, q_len]``
+    fp32 (in place). Both are softmax-weighted means over disjoint keys, so the merged mean is
+    ``out + share * (part - out)`` with ``share = e^part_lse / (e^lse + e^part_lse)``, a sigmoid of
+    the difference: it cannot overflow, and it takes fewer passes over ``out`` than rescaling both."""
+    share = torch.sigmoid(part_lse - lse).unsqueeze(-1)  # [1, H, q_len, 1]
+    out.lerp_(part.to(out.dtype), share)
+    torch.logaddexp(lse, part_lse, out=lse)
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend; exact (up to SDPA rounding) on CPU and CUDA alike."""
+    """Reference backend; exact (up to SDPA rounding) on CPU and CUDA alike.
+
+    ``prefix_chunk_tokens`` (``C`` in the module docstring) bounds how many cached prefix positions
+    one flash call of a CPU extend reads, and so the K/V it gathers at a time.
+    """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, prefix_chunk_tokens: int = 2048) -> None:
+        assert prefix_chunk_tokens >= 1, f"prefix_chunk_tokens={prefix_chunk_tokens} must be positive"
+        self.prefix_chunk_tokens = prefix_chunk_tokens
         self._memo: tuple[AttnMetadata, _Plan] | None = None
 
     def write_kv(
@@ -131,7 +185,8 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.decode is not None:
             out[plan.decode.rows] = self._decode(q, k_cache, v_cache, plan.decode, scale)
         for seq in plan.extends:
-            out[seq.row_start : seq.row_end] = self._extend(q, k_cache, v_cache, seq, scale)
+            extend = self._extend_flash_cpu if _uses_cpu_flash(q.device) else self._extend_sdpa
+            out[seq.row_start : seq.row_end] = extend(q, k_cache, v_cache, seq, scale)
         return out
 
     def _plan_for(self, meta: AttnMetadata) -> _Plan:
@@ -152,8 +207,31 @@ class TorchAttentionBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(q_grp, k, v, attn_mask=plan.mask, scale=scale)
         return o.reshape(batch, -1, head_dim)  # [B_dec, H, hd]
 
+    def _extend_flash_cpu(self, q, k_cache, v_cache, seq: _ExtendSeq, scale: float) -> torch.Tensor:
+        """A fresh prompt in one causal call; after a cached prefix flash-style, see the module
+        docstring. Returns ``[q_len, H, hd]``."""
+        q_seq = q[seq.row_start : seq.row_end].transpose(0, 1)[None]  # [1, H, q_len, hd]
+        k_new = _gather_heads_first(k_cache, seq.page_table, seq.prefix_len, seq.seq_len)  # [1, kvh, q_len, hd]
+        v_new = _gather_heads_first(v_cache, seq.page_table, seq.prefix_len, seq.seq_len)
+        if seq.prefix_len == 0:
+            # 4-D inputs and no mask: the fused kernel (flash on CPU); 3-D inputs fall to the math path.
+            o = F.scaled_dot_product_attention(q_seq, k_new, v_new, is_causal=True, scale=scale, enable_gqa=True)
+            return o[0].transpose(0, 1)
+        o, lse = _flash_cpu(q_seq, k_new, v_new, scale, is_causal=True)
+        out = o.float()  # [1, H, q_len, hd]; merged in fp32 so bf16 parts round once, at the end
+        for start in range(0, seq.prefix_len, self.prefix_chunk_tokens):
+            end = min(start + self.prefix_chunk_tokens, seq.prefix_len)
+            k_part = _gather_heads_first(k_cache, seq.page_table, start, end)  # [1, kvh, end - start, hd]
+            v_part = _gather_heads_first(v_cache, seq.page_table, start, end)
+            part, part_lse = _flash_cpu(q_seq, k_part, v_part, scale, is_causal=False)
+            _merge_into(out, lse, part, part_lse)
+        return out[0].transpose(0, 1).to(q.dtype)
+
     @staticmethod
-    def _extend(q, k_cache, v_cache, seq: _ExtendSeq, scale: float) -> torch.Tensor:
+    def _extend_sdpa(q, k_cache, v_cache, seq: _ExtendSeq, scale: float) -> torch.Tensor:
+        """Off CPU: one SDPA call, causal for a fresh prompt, else with the shifted causal mask (4-D,
+        so CUDA may take a fused kernel; K/V repeated per query head, since not every CUDA kernel
+        reads GQA in place). Returns ``[q_len, H, hd]``."""
         q_seq = q[seq.row_start : seq.row_end].transpose(0, 1)  # [H, q_len, hd]
         k = _gather_pages(k_cache, seq.page_table)[: seq.seq_len].transpose(0, 1)  # [kvh, seq_len, hd]
         v = _gather_pages(v_cache, seq.page_table)[: seq.seq_len].transpose(0, 1)  # [kvh, seq_len, hd]
@@ -162,6 +240,6 @@ class TorchAttentionBackend(AttentionBackend):
             k = k.repeat_interleave(group, dim=0)  # [H, seq_len, hd]
             v = v.repeat_interleave(group, dim=0)
         o = F.scaled_dot_product_attention(
-            q_seq, k, v, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale
-        )  # [H, q_len, hd]
-        return o.transpose(0, 1)  # [q_len, H, hd]
+            q_seq[None], k[None], v[None], attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale
+        )  # [1, H, q_len, hd]
+        return o[0].transpose(0, 1)  # [q_len, H, hd]

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+"""`auto` and the names of `kernels.attention.BACKEND_NAMES` (this module imports nothing of tandem's)."""
 
 
 class ConfigError(ValueError):
@@ -120,7 +122,10 @@ class EngineConfig:
     """`smollm2` (the bundled SmolLM2-135M-Instruct) or a local HF directory."""
     device: str = "cpu"
     dtype: str = "float32"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
+    """`auto`, `flashinfer`, `triton` or `torch`, resolved where the model is loaded: `auto` is flashinfer
+    on CUDA for fp16/bf16 where it is importable, else triton on CUDA where importable, else torch (on
+    CPU always torch); a named backend the device or dtype cannot run is an error there."""
     page_size: int = 16
     """Tokens per KV page; a power of two."""
     num_pages: int | None = None
@@ -164,6 +169,8 @@ class EngineConfig:
         require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
         require(self.max_running_requests >= 1, f"max_running_requests must be >= 1, got {self.max_running_requests}")
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         require(self.host_cache_ratio >= 0, f"host_cache_ratio must be >= 0, got {self.host_cache_ratio}")
         require(self.host_cache_pages is None or self.host_cache_pages == 0 or self.host_cache_pages >= 2,
                  f"host_cache_pages must be 0 (off) or >= 2 (scratch page + one usable), got {self.host_cache_pages}")

@@ -1,17 +1,35 @@
-"""Attention backends behind one interface; ``get_backend(name)`` picks one by name."""
+"""Attention backends behind one interface; ``get_backend(name)`` builds one by name and
+``resolve_backend(name, device, dtype)`` turns a configured name (``auto`` included) into the one to build."""
 
 from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import torch
 
 from kernels.attention.base import AttentionBackend
 from kernels.attention.metadata import AttnMetadata, build_attn_metadata
 
-__all__ = ["AttentionBackend", "AttnMetadata", "build_attn_metadata", "get_backend", "BACKEND_NAMES"]
+__all__ = [
+    "AttentionBackend", "AttnMetadata", "build_attn_metadata", "get_backend", "resolve_backend",
+    "unavailable_reason", "BACKEND_NAMES", "AUTO",
+]
 
-BACKEND_NAMES: tuple[str, ...] = ("torch", "triton")
+log = logging.getLogger("tandem.kernels")
+
+BACKEND_NAMES: tuple[str, ...] = ("torch", "triton", "flashinfer")
+AUTO = "auto"
+"""Not a backend: the configured name `resolve_backend` replaces by the best one the device can run."""
+AUTO_CUDA_ORDER: tuple[str, ...] = ("flashinfer", "triton")
+"""What `auto` tries on a CUDA device, in order, before falling back to torch."""
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def get_backend(name: str) -> AttentionBackend:
-    """A new backend instance for ``name`` (backends import lazily: triton only when asked for)."""
+    """A new backend instance for ``name`` (backends import lazily: triton or flashinfer only when
+    asked for, so ImportError where that library is missing)."""
     if name == "torch":
         from kernels.attention.torch_backend import TorchAttentionBackend
 
@@ -20,4 +38,63 @@ def get_backend(name: str) -> AttentionBackend:
         from kernels.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if name == "flashinfer":
+        from kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKEND_NAMES)}")
+
+
+@functools.cache
+def import_error(module: str) -> str | None:
+    """Why ``module`` cannot be imported here (None: it can). Probed once per process."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # a broken GPU install fails with more than ImportError (CUDA libraries, versions)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
+    """Why backend ``name`` cannot serve a model in ``dtype`` on ``device`` (None: it can). ``dtype``
+    None is not checked. Triton on a CPU is allowed: it runs there under ``TRITON_INTERPRET=1``."""
+    device = torch.device(device)
+    if name not in BACKEND_NAMES:
+        return f"unknown attention backend {name!r}; available: {AUTO}, {', '.join(BACKEND_NAMES)}"
+    if name == "flashinfer":
+        if device.type != "cuda":
+            return f"flashinfer runs on CUDA devices only, not {device}"
+        if dtype is not None and dtype not in FLASHINFER_DTYPES:
+            return f"flashinfer kernels take fp16/bf16, not {dtype}"
+    if name != "torch":
+        why = import_error(name)
+        if why is not None:
+            return f"{name} cannot be imported: {why}"
+    return None
+
+
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """The backend to build for the configured ``name`` on ``device`` for a model in ``dtype``.
+
+    ``auto``: flashinfer where it is importable on CUDA (and ``dtype`` is fp16/bf16), else triton where
+    it is importable on CUDA, else torch (always torch off CUDA). Any other name is returned as it is
+    if it can serve the model, else ValueError saying why.
+    """
+    if name != AUTO:
+        if name not in BACKEND_NAMES:
+            raise ValueError(f"unknown attention backend {name!r}; available: {AUTO}, {', '.join(BACKEND_NAMES)}")
+        why = unavailable_reason(name, device, dtype)
+        if why is not None:
+            raise ValueError(f"attention backend {name!r} cannot be used: {why}")
+        return name
+    skipped = []
+    if torch.device(device).type == "cuda":
+        for candidate in AUTO_CUDA_ORDER:
+            why = unavailable_reason(candidate, device, dtype)
+            if why is None:
+                log.info("attention backend auto -> %s on %s", candidate, device)
+                return candidate
+            skipped.append(f"{candidate}: {why}")
+    if skipped:
+        log.info("attention backend auto -> torch on %s (%s)", device, "; ".join(skipped))
+    return "torch"

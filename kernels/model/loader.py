@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kernels.attention import get_backend
+from kernels.attention import get_backend, resolve_backend
 from kernels.model.arch import LlamaArch
 from kernels.model.convert import SMOLLM2_SPEC, ensure_smollm2
 from kernels.model.llama import LlamaForCausalLM
@@ -77,10 +77,14 @@ def _read_state_dict(model_dir: Path, device: torch.device | str) -> dict[str, t
 def build_model(
     model_dir: Path, hf_config: Any, device: torch.device | str, dtype: torch.dtype, backend: str
 ) -> LlamaForCausalLM:
-    """Our model with the directory's weights, materialised directly on ``device`` in ``dtype``."""
+    """Our model with the directory's weights, materialised directly on ``device`` in ``dtype``.
+
+    ``backend`` is an attention backend name or ``auto``, resolved here for ``device`` and ``dtype``
+    (``kernels.attention.resolve_backend``; the model's ``backend.name`` says what it became)."""
     arch = LlamaArch.from_hf_config(hf_config)
+    attention = get_backend(resolve_backend(backend, device, dtype))
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, get_backend(backend)).to(dtype)
+        model = LlamaForCausalLM(arch, attention).to(dtype)
     model.load_hf_state_dict(_read_state_dict(model_dir, device))
     leftover = [name for name, p in model.named_parameters() if p.is_meta]
     assert not leftover, f"parameters never loaded (still on meta): {leftover[:5]}"
@@ -94,7 +98,7 @@ def load_model(
     backend: str = "torch",
     cache_dir: Path | None = None,
 ) -> LoadedModel:
-    """Resolve ``spec``, load weights, tokenizer and config."""
+    """Resolve ``spec``, load weights, tokenizer and config; ``backend`` as in ``build_model``."""
     from transformers import AutoConfig
 
     model_dir = resolve_model_dir(spec, cache_dir)

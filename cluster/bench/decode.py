@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from cluster.config import EngineConfig, SamplingParams
+from kernels.kv_layout import TORCH_DTYPES
 from prefill_worker.engine.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -111,7 +112,6 @@ class SharedModels:
         self._loaded: dict[str, tuple[torch.nn.Module, object]] = {}
 
     def ours(self, backend: str) -> tuple[torch.nn.Module, object]:
-        from kernels.kv_layout import TORCH_DTYPES
         from kernels.model.loader import load_model
 
         if backend not in self._loaded:
@@ -124,7 +124,6 @@ class SharedModels:
     def hf(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        from kernels.kv_layout import TORCH_DTYPES
         from kernels.model.loader import resolve_model_dir
 
         model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(self.config.model),
@@ -136,17 +135,13 @@ def default_batch_sizes(device: str) -> tuple[int, ...]:
     return DEFAULT_BATCH_SIZES + (GPU_BATCH_SIZES if torch.device(device).type == "cuda" else ())
 
 
-def skip_reason(backend: str, device: str) -> str:
+def skip_reason(backend: str, device: str, dtype: torch.dtype | None = None) -> str:
     """Why `backend` cannot be timed on `device` ("" when it can)."""
-    from kernels.attention import get_backend
+    from kernels.attention import unavailable_reason
 
     if torch.device(device).type != "cuda" and backend not in CPU_BACKENDS:
         return f"{backend} is a GPU backend, not timed on {device}"
-    try:
-        get_backend(backend)
-    except ImportError as exc:
-        return f"{backend} cannot be imported here: {exc}"
-    return ""
+    return unavailable_reason(backend, device, dtype) or ""
 
 
 def make_prompts(spec: DecodeSpec, vocab_size: int) -> list[list[int]]:
@@ -271,7 +266,7 @@ def compare(models: Models, base: EngineConfig, spec: DecodeSpec, backends: tupl
 
     modes = MODES if base.cuda_graph else ("eager",)
     rows: list[DecodeRow] = []
-    skipped = {b: why for b in backends if (why := skip_reason(b, base.device))}
+    skipped = {b: why for b in backends if (why := skip_reason(b, base.device, TORCH_DTYPES[base.dtype]))}
     for backend in (b for b in backends if b not in skipped):
         model, arch = models.ours(backend)
         prompts = make_prompts(spec, arch.vocab_size)

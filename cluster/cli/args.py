@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from cluster.config import DTYPES, WRITE_POLICIES, EngineConfig
+from cluster.config import ATTENTION_BACKENDS, DTYPES, WRITE_POLICIES, EngineConfig
 
 # flag -> (EngineConfig field, argparse options): the engine flags of `tandem run`, `tandem bench`
 # and `tandem serve`, declared once
@@ -14,6 +14,9 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
     "--model": ("model", dict(help="'smollm2' (bundled SmolLM2-135M-Instruct) or a local HF dir")),
     "--device": ("device", dict(help="engine device, e.g. cpu or cuda")),
     "--dtype": ("dtype", dict(choices=DTYPES, help="engine dtype")),
+    "--attention-backend": ("attention_backend", dict(choices=ATTENTION_BACKENDS,
+                                                      help="attention kernels (auto: flashinfer, else triton on CUDA; "
+                                                           "torch on CPU)")),
     "--page-size": ("page_size", dict(type=int, help="tokens per KV page (power of two)")),
     "--chunk-size": ("chunk_size", dict(type=int, help="prefill tokens per scheduler step")),
     "--num-pages": ("num_pages", dict(type=int, help="KV pages per pool (default: sized from kv_memory_gib)")),

@@ -46,3 +46,9 @@ class AttentionBackend(ABC):
         ``H`` must be a multiple of ``kvh`` (GQA: query head h reads KV head ``h // (H // kvh)``).
         Returns ``[T, H, hd]`` in q's dtype.
         """
+
+    def prepare_graph_decode(self, meta: AttnMetadata) -> None:
+        """Called outside any CUDA-graph capture, before a decode bucket is captured (``meta`` with the
+        capacity lengths) and before each replay (``meta`` over the same static buffers, real lengths).
+        Backends that plan on the host (flashinfer) plan here; the others read everything from the
+        device tensors inside the graph and need nothing."""

@@ -197,12 +197,14 @@ class GraphRunner:
 
     def _replay(self, rows: list[ForwardRow], bucket: int) -> torch.Tensor:
         self.bufs.fill(rows, bucket, self.page_size)
+        seq_lens = tuple(r.seq_len for r in rows) + (1,) * (bucket - len(rows))
+        meta = self.bufs.meta(bucket, self.page_size, seq_lens)
         captured = self._graphs.get(bucket)
         if captured is not None:
+            self.eager.model.backend.prepare_graph_decode(meta)
             captured.graph.replay()
             return captured.logits[:len(rows)].clone()
-        seq_lens = tuple(r.seq_len for r in rows) + (1,) * (bucket - len(rows))
-        return self._body(bucket, self.bufs.meta(bucket, self.page_size, seq_lens))[:len(rows)]
+        return self._body(bucket, meta)[:len(rows)]
 
     @torch.inference_mode()
     def _body(self, bucket: int, meta: AttnMetadata) -> torch.Tensor:
@@ -239,9 +241,11 @@ class GraphRunner:
             for _ in range(2):
                 self._body(bucket, meta())
         torch.cuda.current_stream().wait_stream(side)
+        captured = meta()
+        self.eager.model.backend.prepare_graph_decode(captured)  # host-side planning stays out of the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = self._body(bucket, meta())
+            logits = self._body(bucket, captured)
         return _Captured(graph, logits)
 
 

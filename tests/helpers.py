@@ -102,3 +102,18 @@ CHAT_PROMPTS = [
     "in fixed-size pages so that memory is allocated on demand and shared between requests. " * 6,
     "Give me a short Python function that reverses a linked list, with a docstring.",
 ]
+
+
+def random_page_tables(seq_lens: list[int], page_size: int, spare_pages: int,
+                       gen: torch.Generator) -> tuple[int, list[list[int]]]:
+    """(num_pages, one page table per sequence): a random permutation of pages 1..num_pages-1 dealt to
+    the sequences in order, so tables are non-contiguous, page 0 (scratch) is nobody's and
+    `spare_pages` pages are left over."""
+    pages_per_seq = [-(-s // page_size) for s in seq_lens]
+    num_pages = 1 + sum(pages_per_seq) + spare_pages
+    free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    tables = []
+    for n in pages_per_seq:
+        tables.append(free[:n])
+        free = free[n:]
+    return num_pages, tables

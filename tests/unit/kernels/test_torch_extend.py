@@ -20,6 +20,7 @@ import kernels.attention.torch_backend as torch_backend
 from kernels.attention import build_attn_metadata
 from kernels.attention.metadata import AttnMetadata
 from kernels.attention.torch_backend import TorchAttentionBackend
+from tests.helpers import random_page_tables
 
 POISON = 1e4
 TOLERANCES = {  # (atol, rtol) against the float64 reference
@@ -49,13 +50,7 @@ def make_case(
     non-contiguous), with two spare pages that nobody owns."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
-    pages_per_seq = [-(-s // page_size) for s in seq_lens]
-    num_pages = 1 + sum(pages_per_seq) + 2
-    free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
-    tables = []
-    for n in pages_per_seq:
-        tables.append(free[:n])
-        free = free[n:]
+    num_pages, tables = random_page_tables(seq_lens, page_size, 2, gen)
     num_tokens = sum(q_lens)
     meta, _ = build_attn_metadata(page_size, q_lens, seq_lens, tables, [num_tokens - 1], "cpu")
 

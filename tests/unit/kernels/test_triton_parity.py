@@ -21,6 +21,7 @@ from kernels.attention import BACKEND_NAMES, build_attn_metadata, get_backend
 from kernels.attention import triton_kernels as tk
 from kernels.attention.metadata import AttnMetadata
 from kernels.attention.triton_backend import TileSizes, TritonAttentionBackend, num_kv_splits
+from tests.helpers import random_page_tables
 
 pytestmark = pytest.mark.usefixtures("triton_interpreted")
 TOLERANCES = {  # (atol, rtol) of the Triton output against the torch backend in the same dtype
@@ -57,13 +58,7 @@ def make_case(
     device = device or kernel_device()
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
-    pages_per_seq = [-(-s // page_size) for s in seq_lens]
-    num_pages = 1 + sum(pages_per_seq) + spare_pages
-    free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
-    tables = []
-    for n in pages_per_seq:
-        tables.append(free[:n])
-        free = free[n:]
+    num_pages, tables = random_page_tables(seq_lens, page_size, spare_pages, gen)
     num_tokens = sum(q_lens)
     meta, _ = build_attn_metadata(page_size, q_lens, seq_lens, tables, [max(num_tokens - 1, 0)], device)
     live = torch.zeros(num_pages * page_size, dtype=torch.bool)

@@ -79,6 +79,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                                                      "TTFT and retract-heavy throughput, L3 TTFT after a restart"))
     _add_decode_args(sub.add_parser("decode", help="per-step decode latency and tok/s per batch size: eager vs "
                                                    "graph per attention backend, and HF generate"))
+    _add_llamacpp_args(sub.add_parser("llamacpp", help="`tandem serve` vs llama.cpp's OpenAI server on the same fp32 "
+                                                       "weights and threads: ITL, cold TTFT, concurrent tok/s"))
 
 
 def _add_overload_args(p: argparse.ArgumentParser) -> None:
@@ -150,6 +152,28 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
 
 
+def _add_llamacpp_args(p: argparse.ArgumentParser) -> None:
+    p.description = ("llama.cpp's server (llama-cpp-python, installed for the bench only), then `tandem serve`, one "
+                     "after the other on --threads threads each, over the same /v1/completions requests: single-"
+                     "stream inter-token latency, cold TTFT of a long fresh prompt, output tok/s at --concurrency.")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp n_threads and every tandem worker's torch threads")
+    p.add_argument("--config", metavar="FILE", help="cluster YAML of the tandem server")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to `tandem serve`")
+    p.add_argument("--llamacpp-arg", action="append", default=[], metavar="ARG",
+                   help="passed to `python -m llama_cpp.server` (repeatable; --llamacpp-arg=--flash_attn ...)")
+    p.add_argument("--gguf", metavar="FILE", help="llama.cpp's model (default: the bundled SmolLM2 as f32, made once)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the single-stream / concurrent runs")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens asked for in those runs")
+    p.add_argument("--itl-runs", type=int, default=3, help="single streams, one at a time")
+    p.add_argument("--ttft-prompt-len", type=int, default=1032, help="prompt tokens of the cold-TTFT requests")
+    p.add_argument("--ttft-runs", type=int, default=3, help="cold-TTFT requests (fresh prompts), one at a time")
+    p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients of the throughput run")
+    p.add_argument("--num-requests", type=int, default=32, help="requests of the throughput run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for each server")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -199,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.decode import bench_decode
 
             return bench_decode(args)
+        if args.bench == "llamacpp":
+            from cluster.bench.llamacpp import bench_llamacpp
+
+            return bench_llamacpp(args)
         from cluster.bench.offline import bench_offline
 
         return bench_offline(args)

@@ -1,0 +1,160 @@
+"""`tandem bench llamacpp` (cluster/bench/llamacpp.py) without llama.cpp: the f32 GGUF conversion checked
+against gguf's own reader and the float values it was quantized from, its cache, the prompts (exact
+token counts with SmolLM2's tokenizer), the tandem flags as `tandem serve` parses them, the summary's
+ratios against the targets, and the message when llama-cpp-python is missing. No pool is involved."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cluster.bench.llamacpp as bench
+from cluster.bench.llamacpp import (BenchSpec, StreamResult, SystemRun, ensure_f32_gguf, f32_gguf_source,
+                                    format_table, make_prompts, summarize, tandem_serve_flags, write_f32_gguf)
+from cluster.bench.serve import load_config
+from cluster.cli.main import build_parser, main
+
+gguf = pytest.importorskip("gguf")
+
+ROWS, COLS = 8, 64  # quantized rows must be whole blocks: 32 values per Q8_0 / Q4_1 block
+
+
+def _original_tensors() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"token_embd.weight": rng.standard_normal((ROWS, COLS)).astype(np.float32),
+            "blk.0.ffn_up.weight": rng.standard_normal((ROWS, COLS)).astype(np.float32),
+            "blk.0.attn_norm.weight": rng.standard_normal(COLS).astype(np.float32)}
+
+
+def _write_source(path, tensors: dict[str, np.ndarray]) -> None:
+    """A tiny quantized GGUF as the bundled one is made: Q8_0 embeddings, Q4_1 matrices, F32 norms."""
+    qtypes = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0, "blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q4_1}
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    writer.add_token_list(["<a>", "<b>", " word"])
+    writer.add_token_types([3, 3, 1])
+    writer.add_float32("llama.rope.freq_base", 100000.0)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    for name, values in tensors.items():
+        qtype = qtypes.get(name)
+        if qtype is None:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _fields(reader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def test_f32_gguf_has_the_dequantized_values_and_the_metadata(tmp_path):
+    original = _original_tensors()
+    _write_source(tmp_path / "src.gguf", original)
+    write_f32_gguf(tmp_path / "src.gguf", tmp_path / "f32.gguf", "src.gguf:123")
+
+    source, out = gguf.GGUFReader(tmp_path / "src.gguf"), gguf.GGUFReader(tmp_path / "f32.gguf")
+    assert [t.name for t in out.tensors] == [t.name for t in source.tensors]
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in out.tensors)
+    for src_tensor, out_tensor in zip(source.tensors, out.tensors):
+        assert list(out_tensor.shape) == list(src_tensor.shape), src_tensor.name  # ggml ne kept
+        values = np.array(out_tensor.data)
+        # exactly what the quantized file holds, and near what it was quantized from (4-bit: coarse)
+        np.testing.assert_array_equal(values, gguf.quants.dequantize(src_tensor.data, src_tensor.tensor_type))
+        np.testing.assert_allclose(values, original[src_tensor.name], atol=0.35, rtol=0)
+    np.testing.assert_array_equal(np.array(out.tensors[2].data), original["blk.0.attn_norm.weight"])
+
+    expected = {**_fields(source), "general.file_type": int(gguf.LlamaFileType.ALL_F32), bench.SOURCE_KEY: "src.gguf:123"}
+    assert _fields(out) == expected
+    assert f32_gguf_source(tmp_path / "f32.gguf") == "src.gguf:123"
+    assert f32_gguf_source(tmp_path / "absent.gguf") is None
+    assert f32_gguf_source(tmp_path / "src.gguf") is None  # a GGUF this bench did not write
+
+
+def test_f32_gguf_is_written_once_and_again_when_its_source_changes(tmp_path, monkeypatch):
+    source = tmp_path / "pkg" / "SmolLM2.gguf"
+    source.parent.mkdir()
+    _write_source(source, _original_tensors())
+    monkeypatch.setattr("kernels.model.convert.smollm2_gguf_path", lambda: source)
+    path = ensure_f32_gguf(tmp_path / "cache")
+    assert path == tmp_path / "cache" / "models" / bench.F32_GGUF_NAME
+    assert f32_gguf_source(path) == f"SmolLM2.gguf:{source.stat().st_size}"
+
+    def refuse(*_):
+        raise AssertionError("converted again although the cached file is current")
+
+    monkeypatch.setattr(bench, "write_f32_gguf", refuse)
+    assert ensure_f32_gguf(tmp_path / "cache") == path
+    monkeypatch.undo()
+    monkeypatch.setattr("kernels.model.convert.smollm2_gguf_path", lambda: source)
+    with open(source, "ab") as handle:  # a different source: the stamp no longer matches
+        handle.write(b"\0" * 32)
+    assert ensure_f32_gguf(tmp_path / "cache") == path
+    assert f32_gguf_source(path) == f"SmolLM2.gguf:{source.stat().st_size}"
+    assert sorted(p.name for p in path.parent.iterdir()) == [bench.F32_GGUF_NAME]  # no tmp file left
+
+
+def test_prompts_are_exact_token_counts_of_words_and_seeded():
+    from kernels.model.loader import resolve_model_dir
+    from kernels.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_dir("smollm2"))
+    spec = BenchSpec(threads=1, prompt_len=20, output_len=4, itl_runs=2, ttft_prompt_len=50, ttft_runs=2,
+                     concurrency=2, num_requests=3, seed=7)
+    prompts = make_prompts(spec, tokenizer)
+    assert (len(prompts.itl), len(prompts.ttft), len(prompts.concurrent)) == (2, 2, 3)
+    assert len(set(prompts.all())) == 7  # fresh prompts: no prefix cache helps a cold TTFT
+    for text in prompts.all():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tuple(ids) == prompts.token_ids[text]
+        assert len(ids) == (50 if text in prompts.ttft else 20)
+        assert [tokenizer.decode([i]) for i in ids] == [" " + w for w in text.split(" ")[1:]]
+    assert make_prompts(spec, tokenizer) == prompts
+
+
+def test_tandem_flags_give_every_worker_the_threads_and_the_users_sets_win():
+    args = build_parser().parse_args(["bench", "llamacpp", "--threads", "3", "--set", "decode.torch_threads=5"])
+    config = load_config(tandem_serve_flags(args, args.threads))
+    assert (config.prefill.torch_threads, config.decode.torch_threads, config.colocated.torch_threads) == (3, 5, 3)
+    assert config.router.max_queued_requests == 100000  # queues the concurrency run instead of refusing it
+
+
+def _stream(gaps_ms: list[float], ttft_s: float = 0.1, text: str = "") -> StreamResult:
+    return StreamResult(ttft_s, tuple(g / 1e3 for g in gaps_ms), len(gaps_ms) + 1, text)
+
+
+def test_summary_ratios_against_the_targets():
+    spec = BenchSpec(threads=2, itl_runs=2, ttft_runs=3, concurrency=16)
+    llamacpp = SystemRun("llama.cpp", (_stream([10, 10, 12], text=" the cat sat"), _stream([10, 30])),
+                         tuple(_stream([], ttft_s=t) for t in (1.0, 1.2, 1.1)), 10.0, 1000)
+    tandem = SystemRun("tandem", (_stream([14, 16, 15], text=" the cat ran"), _stream([15, 40])),
+                       tuple(_stream([], ttft_s=t) for t in (2.4, 2.0, 2.3)), 10.0, 500)
+    summary = summarize({"llama.cpp": llamacpp, "tandem": tandem}, spec)
+
+    theirs, ours = summary["systems"]["llama.cpp"], summary["systems"]["tandem"]
+    assert theirs["itl_p50_s"] == pytest.approx(0.010) and ours["itl_p50_s"] == pytest.approx(0.015)
+    assert theirs["itl_num_gaps"] == 5 and theirs["itl_output_tokens"] == [4, 3]
+    assert (theirs["ttft_best_s"], theirs["ttft_median_s"]) == (1.0, 1.1)
+    assert (ours["ttft_best_s"], ours["ttft_median_s"]) == (2.0, 2.3)
+    assert ours["concurrent_output_tokens_per_s"] == 50.0 and theirs["concurrent_output_tokens_per_s"] == 100.0
+    ratios = summary["ratios_tandem_over_llamacpp"]
+    assert ratios["itl_p50"]["ratio"] == pytest.approx(1.5) and ratios["itl_p50"]["met"] is True
+    assert ratios["ttft_best"]["ratio"] == pytest.approx(2.0) and ratios["ttft_best"]["met"] is True
+    assert ratios["ttft_median"]["ratio"] == pytest.approx(2.3 / 1.1) and ratios["ttft_median"]["met"] is False
+    assert ratios["concurrent_output_tokens_per_s"] == {"ratio": 0.5, "target_max": None, "met": None}
+    assert summary["greedy_first_stream"] == {"common_prefix_chars": 9, "tandem_chars": 12, "llamacpp_chars": 12}
+    table = format_table(summary)
+    assert "single stream ITL p50 (ms)" in table and "1.50x" in table and "MISS" in table
+
+
+def test_missing_llama_cpp_says_how_to_install_it(monkeypatch, capsys):
+    real_find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a))
+    assert main(["bench", "llamacpp"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import llama_cpp" in err and "pip install 'llama-cpp-python[server]'" in err

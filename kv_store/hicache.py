@@ -170,7 +170,7 @@ class HostCache:
         job = next((w.job for w in self._writes.values() if w.node is node), None) or next(
             ld.job for ld in self._loads.values() if node in ld.nodes)
         if job.wait(self.copy_timeout_s):
-            self.poll()
+            self._finish_copies()  # not L3: a prefetch attaching here would change the tree mid-walk
         return not node.residency.in_transit
 
     def free_host(self, node: TreeNode) -> None:
@@ -229,10 +229,13 @@ class HostCache:
 
     def poll(self) -> None:
         """Finish every backup, load and prefetch phase whose work is done (never blocks)."""
+        self._finish_copies()
+        self.l3.poll()
+
+    def _finish_copies(self) -> None:
         self._finish_writes()
         for load in [ld for ld in self._loads.values() if ld.job.done()]:
             self._finish_load(load)
-        self.l3.poll()
 
     def wait_any(self, timeout_s: float) -> None:
         """Block until some copy in flight is done, at most `timeout_s` (nothing else to do meanwhile)."""

@@ -25,6 +25,7 @@ class L3Bridge:
         self.config = l3.config
         self.counters = l3.counters
         self.prefetches: dict[int, Prefetch] = {}
+        self._polling = False
 
     def write(self, node: TreeNode) -> None:
         """`node` just got its host copy: send its pages to L3 unless it went (or came from) there."""
@@ -56,8 +57,17 @@ class L3Bridge:
         return self.config.policy is PrefetchPolicy.TIMEOUT and time.monotonic() >= prefetch.deadline
 
     def poll(self) -> None:
-        for prefetch in [pf for pf in self.prefetches.values() if pf.step_done()]:
-            self._advance(prefetch)
+        """Advance every prefetch whose phase the read thread finished. Not re-entrant: a poll reached
+        from inside another (an attach's walk settling a node) returns at once, so no prefetch
+        advances twice and the tree never changes under a walk in progress."""
+        if self._polling:
+            return
+        self._polling = True
+        try:
+            for prefetch in [pf for pf in self.prefetches.values() if pf.step_done()]:
+                self._advance(prefetch)
+        finally:
+            self._polling = False
 
     def wait_any(self, timeout_s: float) -> None:
         if self.prefetches:

@@ -248,19 +248,7 @@ class LlamaCppServer(SpawnedServer):
 
 def wait_llamacpp_ready(server: LlamaCppServer, timeout_s: float) -> None:
     """Until `/v1/models` answers (the server loads the model before it listens)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.exited_code() is not None:
-            raise RuntimeError(f"llama.cpp server exited with {server.exited_code()}:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.url}/v1/models", timeout=30).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"llama.cpp server not ready within {timeout_s:.0f}s:\n{server.log_tail()}")
+    wait_ready(server, {}, timeout_s, path="/v1/models", name="llama.cpp server")
 
 
 def tandem_serve_flags(args: argparse.Namespace, threads: int) -> list[str]:

@@ -126,15 +126,16 @@ class ExistingServer:
         return 0
 
 
-def wait_ready(server, headers: dict, timeout_s: float) -> None:
+def wait_ready(server, headers: dict, timeout_s: float, path: str = "/health/ready", name: str = "tandem serve") -> None:
+    """Until `server` answers 200 on `path`; raises when its process exits first or time runs out."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.exited_code() is not None:
-            raise RuntimeError(f"tandem serve exited with {server.exited_code()}:\n{server.log_tail()}")
+            raise RuntimeError(f"{name} exited with {server.exited_code()}:\n{server.log_tail()}")
         try:
-            if httpx.get(f"{server.url}/health/ready", headers=headers, timeout=30).status_code == 200:
+            if httpx.get(f"{server.url}{path}", headers=headers, timeout=30).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

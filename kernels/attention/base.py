@@ -52,3 +52,20 @@ class AttentionBackend(ABC):
         capacity lengths) and before each replay (``meta`` over the same static buffers, real lengths).
         Backends that plan on the host (flashinfer) plan here; the others read everything from the
         device tensors inside the graph and need nothing."""
+
+
+def check_new_kv(k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """New K/V ``[T, kvh, hd]`` fit a cache ``[num_pages, page_size, kvh, hd]``."""
+    assert k.shape[1:] == k_cache.shape[2:] and v.shape == k.shape, (
+        f"new K {tuple(k.shape)} / V {tuple(v.shape)} do not fit cache {tuple(k_cache.shape)}: "
+        "kv heads / head_dim mismatch?"
+    )
+
+
+def index_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """``write_kv`` as two ``index_copy_`` over the flattened slots (any device, no kernel of its own)."""
+    check_new_kv(k_cache, k, v)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

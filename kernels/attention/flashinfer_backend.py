@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from kernels.attention.base import AttentionBackend
+from kernels.attention.base import AttentionBackend, index_write_kv
 from kernels.attention.metadata import AttnMetadata
 
 WORKSPACE_BYTES = 128 * 2**20
@@ -211,13 +211,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
-        num_slots = k_cache.shape[0] * k_cache.shape[1]
-        assert k.shape[1:] == k_cache.shape[2:] and v.shape == k.shape, (
-            f"new K {tuple(k.shape)} / V {tuple(v.shape)} do not fit cache {tuple(k_cache.shape)}: "
-            "kv heads / head_dim mismatch?"
-        )
-        k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        index_write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float

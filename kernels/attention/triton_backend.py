@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import triton_kernels as tk
-from kernels.attention.base import AttentionBackend
+from kernels.attention.base import AttentionBackend, check_new_kv
 from kernels.attention.metadata import AttnMetadata
 
 WRITE_KV_TILE_ELEMS = 4096  # elements of one write_kv tile: tokens x (kv heads x head_dim, padded)
@@ -92,10 +92,7 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
-        assert k.shape[1:] == k_cache.shape[2:] and v.shape == k.shape, (
-            f"new K {tuple(k.shape)} / V {tuple(v.shape)} do not fit cache {tuple(k_cache.shape)}: "
-            "kv heads / head_dim mismatch?"
-        )
+        check_new_kv(k_cache, k, v)
         _check_caches(k_cache, v_cache)
         num_tokens, num_kv_heads, head_dim = k.shape
         if num_tokens == 0:

@@ -4,8 +4,10 @@ One background thread per copier runs the jobs in submission order; `submit` ret
 a job's completion is an event the scheduler polls (`CopyJob.done`) or, rarely, waits on. On CUDA
 the thread issues the copies on its own stream (so they overlap the decode stream) and records one
 CUDA event per layer as it lands (`CopyJob.layer_events`, for layer-wise waiting), then
-synchronizes that stream before the job counts as done. On CPU it copies with torch ops, which run
-outside the GIL.
+synchronizes that stream before the job counts as done. Host-side gathers and scatters are numpy
+byte copies: single-threaded and outside the GIL, and never torch's parallel CPU ops, which must stay
+on the worker's one compute thread (`docs/design.md`, "One compute thread per worker"): torch ops on
+this thread once cost every later decode step ~1.8x on 2 cores.
 
 The copier touches only the pages named in a job; the caller guarantees nobody else reads or
 writes those pages until the job is done (they are IN_FLIGHT, or locked in the prefix tree).
@@ -20,6 +22,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kernels.kv_layout import KVCacheTensors
@@ -95,9 +98,8 @@ class PageCopier:
     def _copy(self, job: CopyJob) -> None:
         to_host = job.direction is Direction.TO_HOST
         src_kv, dst_kv = (self.device, self.host) if to_host else (self.host, self.device)
-        src_dev, dst_dev = src_kv.k[0].device, dst_kv.k[0].device
-        src_idx = torch.tensor(job.src_pages, dtype=torch.int64, device=src_dev)
-        dst_idx = torch.tensor(job.dst_pages, dtype=torch.int64, device=dst_dev)
+        src_idx = _page_index(job.src_pages, src_kv.k[0].device)
+        dst_idx = _page_index(job.dst_pages, dst_kv.k[0].device)
         if self._stream is None:
             self._copy_layers(src_kv, dst_kv, src_idx, dst_idx, job)
             return
@@ -111,12 +113,39 @@ class PageCopier:
         overlap = self._stream is not None and dst_dev.type == "cuda"
         for layer in range(len(src_kv.k)):
             for src, dst in ((src_kv.k[layer], dst_kv.k[layer]), (src_kv.v[layer], dst_kv.v[layer])):
-                rows = src.index_select(0, src_idx)  # [n, page_size, num_kv_heads, head_dim]
-                dst.index_copy_(0, dst_idx, rows.to(dst_dev, non_blocking=overlap))
+                rows = _gather(src, src_idx)  # [n, page_size, num_kv_heads, head_dim]
+                _scatter(dst, dst_idx, rows.to(dst_dev, non_blocking=overlap))
             if self._stream is not None:
                 event = torch.cuda.Event()
                 event.record(self._stream)
                 job.layer_events.append(event)
+
+
+def _page_index(pages: tuple[int, ...], device: torch.device):
+    """Page ids as the index `_gather` / `_scatter` take on `device`: numpy on the host, torch elsewhere."""
+    if device.type == "cpu":
+        return np.asarray(pages, dtype=np.int64)
+    return torch.tensor(pages, dtype=torch.int64, device=device)
+
+
+def _byte_rows(t: torch.Tensor) -> np.ndarray:
+    """A contiguous host tensor `[num_pages, ...]` as `[num_pages, bytes per page]` uint8 (shares memory)."""
+    return t.view(t.shape[0], -1).view(torch.uint8).numpy()
+
+
+def _gather(t: torch.Tensor, index) -> torch.Tensor:
+    """Pages `index` of `t` (a new tensor)."""
+    if t.device.type != "cpu":
+        return t.index_select(0, index)
+    return torch.from_numpy(_byte_rows(t)[index]).view(t.dtype).view(len(index), *t.shape[1:])
+
+
+def _scatter(t: torch.Tensor, index, rows: torch.Tensor) -> None:
+    """`t[index[i]] = rows[i]`, in place."""
+    if t.device.type != "cpu":
+        t.index_copy_(0, index, rows)
+        return
+    _byte_rows(t)[index] = _byte_rows(rows.contiguous())
 
 
 def _serve(jobs: queue.Queue, copier_ref: weakref.ref) -> None:

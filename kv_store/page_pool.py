@@ -73,6 +73,8 @@ class PagePool:
         self._state = [PageState.FREE] * num_pages
         self._owner: list[object] = [None] * num_pages
         self._state[SCRATCH_PAGE] = PageState.SCRATCH
+        self._counts = {s: 0 for s in PageState}  # pages per state, kept by `_move`: usage() is O(1)
+        self._counts[PageState.FREE] = num_pages - 1
         self._free: deque[int] = deque(range(1, num_pages))
         self._in_flight: dict[int, _InFlight] = {}
 
@@ -103,11 +105,9 @@ class PagePool:
         return frozenset(entry.handles) if entry is not None else frozenset()
 
     def usage(self) -> PoolUsage:
-        counts = {s: 0 for s in PageState}  # SCRATCH counted nowhere: total excludes page 0
-        for s in self._state[1:]:
-            counts[s] += 1
-        return PoolUsage(self.num_usable, counts[PageState.FREE], counts[PageState.PRIVATE],
-                         counts[PageState.CACHED], counts[PageState.IN_FLIGHT])
+        c = self._counts  # SCRATCH counted nowhere: total excludes page 0
+        return PoolUsage(self.num_usable, c[PageState.FREE], c[PageState.PRIVATE], c[PageState.CACHED],
+                         c[PageState.IN_FLIGHT])
 
     # ---- FREE <-> PRIVATE ----------------------------------------------------------------------
     def alloc(self, num_pages: int, owner: object) -> list[int]:
@@ -117,7 +117,7 @@ class PagePool:
         pages = [self._free.popleft() for _ in range(num_pages)]
         for p in pages:
             assert self._state[p] is PageState.FREE, f"page {p} on the free list but {self._state[p]}"
-            self._state[p] = PageState.PRIVATE
+            self._move(p, PageState.PRIVATE)
             self._owner[p] = owner
         return pages
 
@@ -128,7 +128,7 @@ class PagePool:
         if len(set(pages)) != len(pages):
             raise KVOwnershipError(f"pages {pages} freed twice in one call: a page table lists a page twice?")
         for p in pages:
-            self._state[p] = PageState.FREE
+            self._move(p, PageState.FREE)
             self._owner[p] = None
             self._free.append(p)
 
@@ -138,7 +138,7 @@ class PagePool:
         for p in pages:
             self._expect(p, PageState.PRIVATE, owner, "insert into the prefix tree")
         for p in pages:
-            self._state[p] = PageState.CACHED
+            self._move(p, PageState.CACHED)
             self._owner[p] = node_id
 
     def retag_cached(self, pages: list[int], old_node_id: int, new_node_id: int) -> None:
@@ -152,7 +152,7 @@ class PagePool:
         for p in pages:
             self._expect(p, PageState.CACHED, node_id, "evict")
         for p in pages:
-            self._state[p] = PageState.FREE
+            self._move(p, PageState.FREE)
             self._owner[p] = None
             self._free.append(p)
 
@@ -171,7 +171,7 @@ class PagePool:
         for p in pages:
             if self._state[p] is PageState.PRIVATE:
                 self._in_flight[p] = _InFlight(owner=self._owner[p])
-                self._state[p] = PageState.IN_FLIGHT
+                self._move(p, PageState.IN_FLIGHT)
                 self._owner[p] = None
             self._in_flight[p].handles.add(handle)
         return handle
@@ -188,7 +188,7 @@ class PagePool:
             entry.handles.discard(handle)
             if not entry.handles:
                 del self._in_flight[p]
-                self._state[p] = PageState.PRIVATE
+                self._move(p, PageState.PRIVATE)
                 self._owner[p] = entry.owner
                 back.append(p)
         return back
@@ -207,11 +207,20 @@ class PagePool:
                 assert self._owner[p] is not None, f"page {p} is {st} with no owner"
             if st is PageState.IN_FLIGHT:
                 assert self._in_flight[p].handles, f"page {p} IN_FLIGHT with no handle: retire() bookkeeping broken"
+        counted = {s: 0 for s in PageState}
+        for st in self._state[1:]:
+            counted[st] += 1
+        assert counted == self._counts, f"page counts kept {self._counts} but counted {counted}"
         u = self.usage()
         assert u.free + u.private + u.cached + u.in_flight == u.total, f"page counts do not add up: {u}"
         return u
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _move(self, page: int, state: PageState) -> None:
+        self._counts[self._state[page]] -= 1
+        self._counts[state] += 1
+        self._state[page] = state
+
     def _check_id(self, page: int) -> None:
         if not 0 < page < self.num_pages:
             what = "the scratch page" if page == SCRATCH_PAGE else "out of range"

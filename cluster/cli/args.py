@@ -30,6 +30,9 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
     "--write-policy": ("write_policy", dict(choices=WRITE_POLICIES, help="when device KV gets its host copy")),
     "--no-cuda-graph": ("cuda_graph", dict(action="store_const", const=False,
                                            help="run every decode step eagerly (no graph replay)")),
+    "--cpu-compile": ("cpu_compile", dict(action="store_const", const=True,
+                                          help="CPU: run replayed decode steps through torch.compile (compiled "
+                                               "per bucket at start-up)")),
 }
 
 

@@ -3,6 +3,7 @@ transport. Shared by the worker process (`process.py`) and the worker thread (`t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cluster.config import EngineConfig
@@ -51,6 +52,8 @@ def build_worker(spec: WorkerSpec, transport=None):
     if spec.role == "prefill":
         from prefill_worker.worker import PrefillWorker
 
+        # A prefill worker never decodes: compiling its decode step would only delay its start.
+        args = (dataclasses.replace(spec.engine, cpu_compile=False), *args[1:])
         return PrefillWorker(*args, deadlines=spec.transport, **model), transport
     from decode_worker.worker import DecodeWorker
 

@@ -41,6 +41,7 @@ class _DecodePlan:
     rows: torch.Tensor  # [B_dec] int64, rows of T holding the decode tokens
     page_table: torch.Tensor  # [B_dec, num_pages] int64
     mask: torch.Tensor  # [B_dec, 1, 1, L] bool, True where position < seq_len
+    every_row: bool  # the step is decode rows only: rows is 0..T-1
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def _plan_decode_no_sync(meta: AttnMetadata, seqs: list[int]) -> _DecodePlan:
     device = meta.page_table.device
     max_len = max(meta.seq_lens_cpu[b] for b in seqs)
     num_pages = _num_pages(max_len, meta.page_size)
-    if len(seqs) == meta.num_seqs:
+    every_row = len(seqs) == meta.num_seqs
+    if every_row:
         rows, page_table, seq_lens = meta.query_start_loc[:-1], meta.page_table[:, :num_pages], meta.seq_lens
     else:
         qsl = meta.query_start_loc_cpu
@@ -84,7 +86,7 @@ def _plan_decode_no_sync(meta: AttnMetadata, seqs: list[int]) -> _DecodePlan:
         page_table, seq_lens = meta.page_table.index_select(0, seq_idx)[:, :num_pages], meta.seq_lens[seq_idx]
     kv_pos = torch.arange(num_pages * meta.page_size, device=device)  # [L]
     mask = kv_pos[None, :] < seq_lens[:, None]  # [B_dec, L]
-    return _DecodePlan(rows=rows, page_table=page_table, mask=mask[:, None, None, :])
+    return _DecodePlan(rows=rows, page_table=page_table, mask=mask[:, None, None, :], every_row=every_row)
 
 
 def _uses_cpu_flash(device: torch.device) -> bool:
@@ -176,6 +178,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
         assert num_heads % num_kv_heads == 0, f"{num_heads} query heads not a multiple of {num_kv_heads} kv heads"
         plan = self._plan_for(meta)
+        if plan.decode is not None and plan.decode.every_row:
+            return self._decode(q, k_cache, v_cache, plan.decode, scale)
         out = torch.empty_like(q)  # [T, H, hd]; rows of empty sequences are never read
         if plan.decode is not None:
             out[plan.decode.rows] = self._decode(q, k_cache, v_cache, plan.decode, scale)
@@ -194,9 +198,9 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(q, k_cache, v_cache, plan: _DecodePlan, scale: float) -> torch.Tensor:
         """One query per sequence, so the query heads of a GQA group ride along as the query axis."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        q_dec = q[plan.rows]  # [B_dec, H, hd]
+        q_dec = q if plan.every_row else q[plan.rows]  # [B_dec, H, hd]
         batch = q_dec.shape[0]
-        q_grp = q_dec.view(batch, num_kv_heads, -1, head_dim)  # [B_dec, kvh, group, hd]
+        q_grp = q_dec.reshape(batch, num_kv_heads, -1, head_dim)  # [B_dec, kvh, group, hd]
         k = _gather_pages(k_cache, plan.page_table).transpose(1, 2)  # [B_dec, kvh, L, hd]
         v = _gather_pages(v_cache, plan.page_table).transpose(1, 2)  # [B_dec, kvh, L, hd]
         o = F.scaled_dot_product_attention(q_grp, k, v, attn_mask=plan.mask, scale=scale)

@@ -34,16 +34,12 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryTable:
-    """cos/sin for positions ``[0, max_position_embeddings)``, built lazily per (device, dtype).
+    """cos and signed sin for positions ``[0, max_position_embeddings)``, built lazily per (device, dtype).
 
     Values are computed in float32 and cast to the model dtype, exactly like transformers, so
-    bf16/fp16 models round the same way the reference does.
+    bf16/fp16 models round the same way the reference does. The sin table carries rotate-half's sign
+    (its first half negated), so `apply_rotary` is one flip and three arithmetic ops.
     """
 
     def __init__(self, arch: LlamaArch) -> None:
@@ -57,16 +53,25 @@ class RotaryTable:
             pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)  # [P]
             freqs = pos[:, None] * self.inv_freq.to(device)[None, :]  # [P, hd/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
-            self._tables[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+            sin = emb.sin().to(dtype)
+            sin[:, : sin.shape[1] // 2].neg_()  # exact: the sign rotate-half gives the first half
+            self._tables[key] = (emb.cos().to(dtype), sin)
         return self._tables[key]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]`` int64 (each < max_position_embeddings; not checked: no sync) -> ``[T, hd]`` x2."""
+        """positions ``[T]`` int64 (each < max_position_embeddings; not checked: no sync) -> cos and
+        signed sin ``[T, hd]``, as `apply_rotary` takes them."""
         cos, sin = self._table(positions.device, dtype)
         return cos[positions], sin[positions]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[T, heads, hd]``, cos/sin ``[T, hd]`` -> rotated ``[T, heads, hd]``."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x ``[T, heads, hd]`` (q and k heads together, say), cos / signed sin ``[T, hd]`` from
+    `RotaryTable.cos_sin` -> rotated ``[T, heads, hd]``.
+
+    transformers computes ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``;
+    here the halves are swapped by one flip and the sign rides in the table: ``x2 * -sin1`` is the
+    same float as ``-x2 * sin1``, so the result is bit-identical."""
+    num_tokens, heads, head_dim = x.shape
+    swapped = x.reshape(num_tokens, heads, 2, head_dim // 2).flip(2).view(num_tokens, heads, head_dim)
+    return x * cos[:, None, :] + swapped * signed_sin[:, None, :]

@@ -45,6 +45,14 @@ from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
 from prefill_worker.engine.sessions import NullSessions, SessionError, SessionManager
 from prefill_worker.engine.stop import StopRules
 
+IDLE_COPY_WAIT_S = 0.005
+"""A step that scheduled nothing while tier copies are in flight waits this long for one to land."""
+
+BUSY_INTEGRITY_INTERVAL_S = 5.0
+"""How often the heartbeat's integrity check runs while requests run: it walks every page of every
+tier (~30-80 ms with a 4,096-page host tier on a CPU, a whole decode step that every request waits
+for), so not on every beat then. Debug mode (TANDEM_DEBUG_KV=1) still checks after every step."""
+
 
 def debug_kv_enabled(config: EngineConfig) -> bool:
     return config.debug_kv or os.environ.get("TANDEM_DEBUG_KV", "0") not in ("", "0")
@@ -99,11 +107,12 @@ class EngineCore:
         self.runner = GraphRunner(ModelRunner(model, self.kv_cache, config.page_size, self.device), self.device_pool,
                                   self.config.max_running_requests, self.config.max_model_len,
                                   enabled=self.config.cuda_graph, sizes=self.config.graph_batch_sizes,
-                                  loads_in_flight=self._loads_in_flight)
+                                  loads_in_flight=self._loads_in_flight, cpu_compile=self.config.cpu_compile)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.debug_kv = debug_kv_enabled(self.config)
         self.num_retractions = 0
+        self._integrity_checked_s, self._integrity_error = float("-inf"), ""  # the heartbeat's check (stats)
         self.connector.attach(self)
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -182,15 +191,24 @@ class EngineCore:
         for req, kv in self.connector.take_arrived():
             self.requests[req.request_id] = req
             self.scheduler.admit_loaded(req, kv)
+        ran = False
         if self.scheduler.has_work():
-            outputs += self._compute()
+            ran, computed = self._compute()
+            outputs += computed
+        if not ran and self.host_cache.busy():
+            # Nothing ran while a tier copy is in flight (a load, or the write that frees pages): wait
+            # for one outside the GIL rather than spin, or the copier's thread barely gets the GIL (a
+            # 1-page copy took 1.4 s under a spinning caller; a caller stepping an engine with only a
+            # backup in flight spun 2,000 steps).
+            self.host_cache.wait_any(IDLE_COPY_WAIT_S)
         for req, reason in self.connector.take_finished():
             self.scheduler.release_detached(req, reason)
             self.requests.pop(req.request_id, None)
         self._after_step()
         return outputs
 
-    def _compute(self) -> list[StepOutput]:
+    def _compute(self) -> tuple[bool, list[StepOutput]]:
+        """Schedule and run one forward; returns whether any row ran, and the outputs."""
         scheduled = self.scheduler.schedule()
         scheduled.loads_in_flight = self._loads_in_flight()
         self.num_retractions += len(scheduled.retracted)
@@ -201,7 +219,7 @@ class EngineCore:
                 self.scheduler.commit(scheduled)
                 self.connector.after_commit(scheduled)
                 outputs += self._sample_and_stop(scheduled, logits)
-        return outputs
+        return bool(scheduled.rows), outputs
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
                  on_finish: Callable[[Request], None] | None = None) -> list[Request]:
@@ -228,12 +246,18 @@ class EngineCore:
         return self.scheduler.max_request_tokens()
 
     def stats(self, role: str, host_pool: PagePool | None = None, transfers: int = 0) -> WorkerStats:
-        """The heartbeat's view of this engine (runs the integrity check; a failure is reported, not raised)."""
-        try:
-            self.check_integrity()
-            error = ""
-        except AssertionError as exc:
-            error = str(exc) or "integrity check failed"
+        """The heartbeat's view of this engine, with the integrity check's verdict (a failure is
+        reported, not raised). The check runs on every call while the engine is idle, and at most
+        every `BUSY_INTEGRITY_INTERVAL_S` while it has work (its last verdict stands between)."""
+        now = time.monotonic()
+        if not self.scheduler.has_work() or now - self._integrity_checked_s >= BUSY_INTEGRITY_INTERVAL_S:
+            self._integrity_checked_s = now
+            try:
+                self.check_integrity()
+                self._integrity_error = ""
+            except AssertionError as exc:
+                self._integrity_error = str(exc) or "integrity check failed"
+        error = self._integrity_error
         l2 = self.host_cache.pool
         return WorkerStats(role, _pool_stats(self.device_pool.pages), _pool_stats(host_pool) if host_pool else None,
                            len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.loading),

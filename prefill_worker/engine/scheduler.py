@@ -163,9 +163,6 @@ class Scheduler:
     def _poll_loads(self) -> None:
         """Loads that finished put their requests back in the queue, in arrival order."""
         self.host_cache.poll()
-        if self.loading and not self.waiting and not self.running:
-            self.host_cache.wait_any(0.005)  # nothing else to do: don't spin on the copier
-            self.host_cache.poll()
         for req in [r for r in self.loading if self.host_cache.ready(r.load_ticket)]:
             self.loading.remove(req)
             req.loaded()

@@ -11,7 +11,7 @@ import pytest
 from cluster.serve import controller as controller_mod
 from cluster import protocol as p
 from cluster.config import ConfigError, EngineConfig, SamplingParams
-from cluster.serve.controller import Controller, RestartBudget, SlotState, _Slot
+from cluster.serve.controller import Controller, RestartBudget, SlotState, _Slot, custom_resources, worker_bundle
 from cluster.serve.config import load_serve_config
 from cluster.worker_host.thread import HostBeat, WorkerHost, WorkerStopped
 from cluster.worker_host.build import WorkerSpec
@@ -129,14 +129,19 @@ def test_restart_budget_refills_as_restarts_age_out():
 
 
 class _LaunchCounter(Controller):
-    """The controller's restart policy, with launches that succeed at once (no Ray)."""
+    """The controller's restart policy, with launches that succeed at once and a placement that is
+    `unplaced` says (no Ray)."""
 
     launches = 0
+    unplaced = ""
 
     async def _launch(self, slot: _Slot) -> None:
         self.launches += 1
         slot.incarnation += 1
         slot.state = SlotState.ALIVE
+
+    def _unplaced(self, slot: _Slot) -> str:
+        return self.unplaced
 
 
 def _crash_and_tick(controller: Controller, slot: _Slot) -> SlotState:
@@ -172,3 +177,29 @@ def test_a_crash_loop_waits_for_the_budget_instead_of_staying_dead_forever():
 def test_restart_window_is_bounded(window):
     with pytest.raises(ConfigError, match=r"cluster.restart_window_s must be in \(0, 86400\]"):
         load_serve_config(overrides={"cluster.restart_window_s": window})
+
+
+def test_a_worker_whose_bundle_has_no_node_waits_without_spending_restarts(caplog):
+    config = load_serve_config(overrides={"cluster.max_restarts": 1})
+    controller = _LaunchCounter(config)
+    slot = _Slot("decode-0", "decode", config.decode, pg=None, bundle_index=0, state=SlotState.DEAD,
+                 budget=RestartBudget(1, 600.0))
+    controller.unplaced = "no node has room for its bundle {'CPU': 1.0} (placement group RESCHEDULING)"
+    with caplog.at_level("ERROR", logger="tandem.controller"):
+        states = [_crash_and_tick(controller, slot) for _ in range(3)]
+    assert states == [SlotState.DEAD] * 3 and controller.launches == 0 and slot.restarts == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["decode-0 cannot be restarted: no node has room for its bundle {'CPU': 1.0} (placement group "
+                    "RESCHEDULING); it stays down until a node has room"]  # once, not every tick
+    controller.unplaced = ""  # a node with room joined: the one restart in the budget is still there
+    assert _crash_and_tick(controller, slot) is SlotState.ALIVE and controller.launches == 1 and slot.restarts == 1
+
+
+def test_a_bundle_holds_the_groups_custom_resources_and_the_actor_asks_for_them():
+    config = load_serve_config(overrides={"prefill.resources": {"tandem_prefill": 1, "ssd": 0},
+                                          "decode.num_cpus": 2, "decode.resources": {"tandem_decode": 0.5}})
+    assert worker_bundle(config.prefill) == {"CPU": 1.0, "tandem_prefill": 1.0}  # 0: not asked for
+    assert custom_resources(config.prefill) == {"tandem_prefill": 1.0}
+    assert worker_bundle(config.decode) == {"CPU": 2.0, "tandem_decode": 0.5}
+    gpu = load_serve_config(overrides={"engine.device": "cuda"})
+    assert worker_bundle(gpu.prefill) == {"CPU": 1.0, "GPU": 1.0} and custom_resources(gpu.prefill) == {}

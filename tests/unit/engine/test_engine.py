@@ -2,6 +2,7 @@
 
 import pytest
 
+import prefill_worker.engine.core as core_mod
 from cluster.config import ConfigError, SamplingParams
 from prefill_worker.engine.request import FinishReason
 from tests.helpers import TINY_EOS, assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, tiny_models
@@ -125,4 +126,49 @@ def test_context_limit_ends_with_length():
     engine = make_engine(max_model_len=40)
     [r] = engine.generate([list(range(3, 33))], greedy(max_tokens=100))
     assert r.finish_reason is FinishReason.LENGTH and r.num_tokens == 40
+    assert_pool_at_rest(engine)
+
+
+def test_heartbeat_integrity_check_runs_every_beat_at_rest_and_at_most_every_interval_while_busy(monkeypatch):
+    engine = make_engine()
+    checks = []
+    real_check = engine.check_integrity
+
+    def counted():
+        checks.append(engine.scheduler.has_work())
+        real_check()
+
+    monkeypatch.setattr(engine, "check_integrity", counted)
+    engine.stats("colocated"), engine.stats("colocated")
+    assert checks == [False, False]  # at rest: every beat
+    req = engine.add_request(make_prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    checks.clear()
+    for _ in range(3):
+        assert engine.stats("colocated").integrity_error == ""
+    assert checks == []  # busy, within the interval of the last check: the verdict stands
+    monkeypatch.setattr(core_mod, "BUSY_INTEGRITY_INTERVAL_S", 0.0)
+    engine.stats("colocated")
+    assert checks == [True]  # the interval passed: checked while busy
+    engine.abort(req.request_id)
+    engine.step()
+    real_check()
+
+
+def test_a_step_with_nothing_to_run_waits_for_a_tier_copy_instead_of_spinning(monkeypatch):
+    """Callers step an engine while it is busy; with only a tier copy in flight (a backup to the host
+    tier after the last request ended) a spinning caller starved the copier's thread of the GIL."""
+    engine = make_engine()
+    waits = []
+    monkeypatch.setattr(engine.host_cache, "busy", lambda: True)
+    monkeypatch.setattr(engine.host_cache, "wait_any", waits.append)
+    engine.step()
+    assert waits == [core_mod.IDLE_COPY_WAIT_S]  # no request at all: waited once
+    engine.add_request(make_prompts(1)[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    waits.clear()
+    engine.step()
+    assert waits == []  # a forward ran: no wait
+    monkeypatch.undo()
+    while engine.busy():
+        engine.step()
     assert_pool_at_rest(engine)

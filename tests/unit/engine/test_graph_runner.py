@@ -140,6 +140,29 @@ def test_greedy_output_is_hf_with_graphs_on_and_off_and_steady_decode_never_fall
         engine.close()
 
 
+def test_cpu_compiled_replays_give_hf_greedy_output_with_no_compile_after_start_up():
+    import torch._dynamo
+
+    _, ref, _ = tiny_models()
+    prompts = make_prompts(3, seed=4)
+    torch._dynamo.reset()
+    engine = make_engine(cuda_graph=True, cpu_compile=True, max_running_requests=3, graph_batch_sizes=(1, 2, 3))
+    try:
+        compiled = engine.runner._model
+        assert compiled is not engine.runner.eager.model  # the compiled forward runs the replays
+        frames_after_warm_up = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        reqs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        assert [r.output_token_ids for r in reqs] == [hf_greedy(ref, p, 12) for p in prompts]
+        c = engine.runner.counters
+        assert c.replays >= 11 and set(c.fallbacks) == {Fallback.NOT_DECODE}
+        # the start-up warm-up compiled what decode needed: no graph was compiled while serving
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames_after_warm_up
+        engine.check_integrity()
+    finally:
+        engine.close()
+        torch._dynamo.reset()
+
+
 class _Relocator:
     """Moves one running request's KV to other device pages on the background copy path (device ->
     host -> device on a `PageCopier` thread, as an eviction and a load-back would), scribbles over

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+import threading
 import time
 
 import pytest
@@ -259,3 +260,28 @@ def test_an_inbound_request_moves_only_along_its_diagram():
     with pytest.raises(RuntimeError, match=r"abandoning"):
         _Inbound(request=SimpleNamespace(request_id="q"), landing=None, peer="p", session=None,
                  phase=InboundPhase.ABANDONING).move(InboundPhase.LOAD_PENDING)
+
+
+def test_worker_host_builds_on_its_loop_thread_and_raises_a_failed_build():
+    """One thread of the process runs torch's CPU ops: the loop thread builds the model it steps
+    (docs/design.md, "One compute thread per worker"); a build that fails raises in the constructor."""
+    built_on = []
+
+    def build_here(spec: WorkerSpec):
+        built_on.append(threading.current_thread())
+        return build_tiny(spec)
+
+    host = WorkerHost(WorkerSpec("colocated", CONFIG, heartbeat_interval_s=0.05), "colocated-0", build=build_here)
+    try:
+        assert built_on == [host._thread] and host._thread is not threading.current_thread()
+        host.deliver([p.Generate("r0", tuple(good_prompts()[0]), greedy(max_tokens=4))])
+        assert collect_until_done(host, {"r0"})["r0"][-1].finish_reason == "length"
+        host.worker.check_integrity()
+    finally:
+        assert host.shutdown(10.0)
+
+    def build_fails(spec: WorkerSpec):
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        WorkerHost(WorkerSpec("colocated", CONFIG), "colocated-1", build=build_fails)

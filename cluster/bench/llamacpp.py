@@ -386,7 +386,7 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 def format_table(summary: dict) -> str:
     spec, sys_, rat = summary["spec"], summary["systems"], summary["ratios_tandem_over_llamacpp"]
-    rows = [(f"single stream ITL p50 (ms)", "itl_p50_s", 1e3, "itl_p50"),
+    rows = [("single stream ITL p50 (ms)", "itl_p50_s", 1e3, "itl_p50"),
             (f"cold TTFT {spec['ttft_prompt_len']} tok, best (ms)", "ttft_best_s", 1e3, "ttft_best"),
             (f"cold TTFT {spec['ttft_prompt_len']} tok, median (ms)", "ttft_median_s", 1e3, "ttft_median"),
             (f"concurrency {spec['concurrency']} output tok/s", "concurrent_output_tokens_per_s", 1.0,

@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from cluster.bench.load.args import add_load_args
 from cluster.cli.args import add_engine_args
 
 log = logging.getLogger("tandem")
@@ -50,29 +51,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     xfer.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
     xfer.add_argument("--seed", type=int, default=0)
     xfer.add_argument("--json", action="store_true", help="print the result as JSON too")
-    srv = sub.add_parser("serve", help="HTTP load test of `tandem serve` vs the offline engine on the same requests")
-    srv.add_argument("--url", help="load an already running server (http://host:port); default: start one here")
-    srv.add_argument("--config", metavar="FILE", help="cluster YAML of the server (and the baseline's engine)")
-    srv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to `tandem serve`")
-    srv.add_argument("--num-requests", type=int, default=32)
-    srv.add_argument("--concurrency", type=int, default=8, help="requests in flight; the baseline's max running")
-    srv.add_argument("--input-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
-    srv.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
-    srv.add_argument("--seed", type=int, default=0)
-    srv.add_argument("--skip-baseline", action="store_true", help="measure the server only")
-    srv.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for /health/ready")
-    srv.add_argument("--json", action="store_true", help="print the result as JSON too")
-    srv.add_argument("--dataset", choices=["random", "multiturn"], default="random",
-                     help="random: independent prompts; multiturn: conversations resending their history "
-                          "(--concurrency conversations in flight, TTFT per turn, no baseline)")
-    srv.add_argument("--conversations", type=int, default=8, help="multiturn: conversations")
-    srv.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
-    srv.add_argument("--turn-input-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"),
-                     help="multiturn: new user tokens per turn")
-    srv.add_argument("--turn-output-len", type=int, nargs=2, default=[16, 32], metavar=("MIN", "MAX"),
-                     help="multiturn: answer tokens per turn")
-    srv.add_argument("--think-time-s", type=float, nargs=2, default=[0.0, 0.5], metavar=("MIN", "MAX"),
-                     help="multiturn: pause between an answer and the conversation's next turn")
+    add_load_args(sub.add_parser("serve", help="load any OpenAI-compatible endpoint (or a `tandem serve` started "
+                                               "here): vLLM-style TTFT / TPOT / ITL / E2EL, goodput, sweeps"))
     _add_overload_args(sub.add_parser("overload", help="`tandem serve` at a multiple of its capacity: "
                                                        "fast 429s, and the TTFT of what it admits"))
     _add_hicache_args(sub.add_parser("hicache", help="the host KV tiers on vs off in one process: L2 multi-turn "

@@ -27,55 +27,47 @@ def server_url():
         assert server.stop() == 0, "the shared tandem serve did not stop cleanly"
 
 
-def test_bench_serve_measures_both_systems_and_the_relay(capsys, server_url):
-    code = tandem_main(["bench", "serve", "--url", server_url, "--num-requests", "6", "--concurrency", "3",
-                        "--input-len", "8", "24", "--output-len", "3", "6", "--seed", "1", "--json"])
+def test_bench_serve_measures_the_server_the_offline_baseline_and_the_relay(capsys, server_url):
+    code = tandem_main(["bench", "serve", "--base-url", server_url, "--num-prompts", "6", "--max-concurrency", "3",
+                        "--random-input-len", "16", "--random-output-len", "4", "--random-range-ratio", "0.5",
+                        "--seed", "1", "--offline-baseline", "--disable-tqdm", "--json"])
     out = capsys.readouterr().out
     assert code == 0, out
-    summary = json.loads(out.strip().splitlines()[-1])
-    by_system = {r["system"]: r for r in summary["results"]}
-    served, offline = by_system["served"], by_system["offline"]
-    assert served["output_tokens_per_s"] > 0 and offline["output_tokens_per_s"] > 0
-    assert summary["ratio_served_over_offline"] == pytest.approx(
-        served["output_tokens_per_s"] / offline["output_tokens_per_s"])
-    requested = summary["workload"]["output_tokens"]
-    assert 6 * 3 <= requested <= 6 * 6
-    assert served["output_tokens"] == offline["output_tokens"] == requested
-    relay = summary["relay"]
-    assert relay["num_tokens"] == requested, "the diff of /metrics should cover exactly the measured requests"
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["completed"] == 6 and result["failed"] == 0 and result["max_concurrency"] == 3
+    offline = result["offline_baseline"]
+    assert 6 * 2 <= result["total_output_tokens"] <= 6 * 6
+    assert result["total_output_tokens"] == offline["output_tokens"], "both ran the same exact-length requests"
+    assert result["output_throughput_ratio_served_over_offline"] == pytest.approx(
+        result["output_throughput"] / offline["output_throughput"])
+    relay = result["relay"]
+    assert relay["num_tokens"] == result["total_output_tokens"], "the /metrics diff covers the measured requests only"
     assert 0 < relay["num_messages"] <= relay["num_tokens"]
     assert 0 < relay["num_decode_polls"] <= relay["num_messages"]  # one call carries one or more messages
     assert relay["p50_s"] is not None and 0 <= relay["p50_s"] <= relay["p99_s"]
-    latency = summary["latency_s"]
-    assert 0 < latency["ttft_p50"] <= latency["e2e_p50"]
-    assert summary["server_exit_code"] == 0
-    assert "ratio served / offline" in out and "bucket resolution" in out
+    assert 0 < result["median_ttft_ms"] <= result["median_e2el_ms"]
+    assert "Serving Benchmark Result" in out and "bucket resolution" in out
 
 
-def test_bench_serve_multiturn_reports_ttft_per_turn_and_the_cached_history(capsys, server_url):
+def test_bench_serve_multi_turn_reports_ttft_per_turn_and_the_cached_history(capsys, server_url):
     """2 conversations x 3 turns, each turn resending the history: one row per turn index; a turn's
-    history is the previous one plus its answer plus at least `--turn-input-len` MIN new tokens; the
-    prefix cache serves part of every later turn's history and none of the first turn's."""
-    code = tandem_main(["bench", "serve", "--url", server_url, "--dataset", "multiturn", "--conversations", "2",
-                        "--turns", "3", "--concurrency", "2", "--turn-input-len", "20", "28", "--turn-output-len",
-                        "3", "5", "--think-time-s", "0", "0.05", "--seed", "1", "--json"])
+    input is the previous one plus its answer plus at least the new user tokens; the prefix cache
+    serves part of every later turn's history and none of the first turn's."""
+    code = tandem_main(["bench", "serve", "--base-url", server_url, "--dataset-name", "multi-turn", "--num-prompts", "2",
+                        "--multi-turn-turns", "3", "--max-concurrency", "2", "--random-input-len", "24",
+                        "--random-output-len", "4", "--random-range-ratio", "0.2", "--seed", "1", "--disable-tqdm",
+                        "--json"])
     out = capsys.readouterr().out
     assert code == 0, out
-    summary = json.loads(out.strip().splitlines()[-1])
-    turns = summary["turns"]
-    assert [(t["turn"], t["requests"]) for t in turns] == [(1, 2), (2, 2), (3, 2)]
-    for t in turns:
-        assert t["prompt_tokens_mean"] == t["history_tokens_mean"], "the server counted another prompt than sent"
-        assert 0 < t["ttft_p50_s"] <= t["ttft_p99_s"] and t["ttft_mean_s"] > 0
-    assert turns[0]["cached_tokens_mean"] == 0, "random first turns share no prefix"
+    result = json.loads(out.strip().splitlines()[-1])
+    turns = result["turns"]
+    assert [(t["turn"], t["completed"]) for t in turns] == [(1, 2), (2, 2), (3, 2)]
+    assert turns[0]["mean_cached_tokens"] == 0, "random first turns share no prefix"
     for before, t in zip(turns, turns[1:]):
-        assert before["answer_tokens_mean"] > 0, "the streamed answer did not make it into the history"
-        assert t["history_tokens_mean"] >= before["history_tokens_mean"] + before["answer_tokens_mean"] + 20
-        assert 0 < t["cached_tokens_mean"] < t["history_tokens_mean"], "the prefix cache did not serve the history"
-    served = summary["results"][0]
-    assert 6 * 3 <= served["output_tokens"] <= 6 * 5 and served["output_tokens_per_s"] > 0
-    assert summary["ttft_mean_turns2plus_over_turn1"] > 0
-    assert "mean TTFT turns>=2 / turn 1" in out and "offline baseline: skipped" in out
+        assert t["mean_input_tokens"] >= before["mean_input_tokens"] + 19 + 1  # new user tokens + an answer
+        assert 0 < t["mean_cached_tokens"] < t["mean_input_tokens"], "the prefix cache did not serve the history"
+    assert result["completed"] == 6 and 6 * 3 <= result["total_output_tokens"] <= 6 * 5
+    assert "turn  2:" in out
 
 
 def test_bench_overload_gets_fast_429s_and_no_other_failure(capsys):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Mapping
@@ -58,8 +59,16 @@ class WorkerGroupConfig:
     """The group's engine: the top-level `engine` section merged with the group's own `engine:` overrides."""
     host_pages: int = 4096
     """Decode workers' host-tier landing pages (>= 1); ignored by other roles."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Ray custom resources per worker, name -> amount (0, or >= 0.0001: Ray's precision; 0 is not asked for),
+    added to its bundle and asked for by its actor: `{tandem_prefill: 1}` places the group only on nodes
+    started with that resource (`ray start --resources`). A local Ray instance advertises what the groups ask."""
 
     def __post_init__(self):
+        require(isinstance(self.resources, Mapping), f"resources must be a mapping, got {self.resources!r}")
+        object.__setattr__(self, "resources", dict(self.resources))  # its own copy: the config is frozen
+        for name, amount in self.resources.items():
+            _check_resource(name, amount)
         require_min(self, "", 0, "count", "num_cpus", "num_gpus")
         require_min(self, "", 1, "torch_threads", "host_pages")
         require(self.num_cpus > 0 or self.num_gpus > 0,
@@ -67,6 +76,21 @@ class WorkerGroupConfig:
         require(self.count == 0 or self.num_gpus > 0 or not self.engine.device.startswith("cuda"),
                  f"num_gpus must be > 0 when engine.device is {self.engine.device!r} "
                  "(Ray hides every GPU from a worker that requests none)")
+
+
+_BUILTIN_RESOURCES = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": None, "object_store_memory": None}
+
+
+def _check_resource(name: Any, amount: Any) -> None:
+    require(isinstance(name, str) and name != "", f"resources: a name must be a non-empty string, got {name!r}")
+    if name in _BUILTIN_RESOURCES:
+        instead = _BUILTIN_RESOURCES[name]
+        raise ConfigError(f"resources.{name} is one of Ray's own resources, not a custom one"
+                          + (f": set {instead}" if instead else ""))
+    real = isinstance(amount, (int, float)) and not isinstance(amount, bool) and math.isfinite(amount)
+    require(real and amount >= 0, f"resources.{name} must be a number >= 0, got {amount!r}")
+    require(amount == 0 or amount >= 1e-4,
+            f"resources.{name} must be 0 or >= 0.0001 (Ray's resource precision), got {amount}")
 
 
 @dataclass(frozen=True)
@@ -318,6 +342,12 @@ def _check(hint: Any, value: Any, name: str) -> Any:
     if optional and value is None:
         return None
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint
+    if typing.get_origin(base) is dict:  # dict[K, V]: a YAML mapping, each value checked as a V
+        key, item = typing.get_args(base)
+        if isinstance(value, Mapping) and all(isinstance(k, key) for k in value):
+            return {k: _check(item, v, f"{name}.{k}") for k, v in value.items()}
+        raise ConfigError(f"{name} must be a mapping of {key.__name__} to {item.__name__}, "
+                          f"got {value!r} ({type(value).__name__})")
     if typing.get_origin(base) is tuple:  # tuple[X, ...]: a YAML list of X (one X alone is a list of one)
         item = typing.get_args(base)[0]
         items = [value] if isinstance(value, item) else value

@@ -1,15 +1,21 @@
 """The controller: a named Ray actor that starts the workers, watches them, and restarts the dead.
 
-Each worker group gets one placement group (one bundle per worker, the group's strategy); a
-worker slot keeps its bundle across restarts. Every `heartbeat_interval_s` the controller calls
-each live worker's `heartbeat()`; a call that raises (the actor died), reports a crashed loop, or
-does not answer within `heartbeat_timeout_s` marks the worker dead: the actor is killed, the
-dispatcher sees `alive=False` in the next `views()`, and a new incarnation is started in the same
-bundle (at most `max_restarts` times in any `restart_window_s`: a slot whose budget is spent waits,
-DEAD, until its oldest restart ages out). The heartbeat is answered off the loop thread, so a long
-step does not look like death; a loop stuck in one step past `step_timeout_s` does.
+Each worker group gets one placement group (one bundle per worker, the group's strategy): a bundle
+holds the worker's CPUs, GPUs and the group's custom `resources` (which the actor asks for too), so
+`{tandem_prefill: 1}` keeps a group on the nodes that advertise it. A worker slot keeps its bundle
+across restarts; when the bundle's node leaves, Ray reschedules the bundle, and while no node has
+room the slot waits, DEAD, spending no restart (said once in the log).
 
-A slot's life:   STARTING --ready--> ALIVE --beat fails--> DEAD --restart (budget left)--> STARTING ...
+Every `heartbeat_interval_s` the controller calls each live worker's `heartbeat()`; a call that
+raises (the actor died), reports a crashed loop, or does not answer within `heartbeat_timeout_s`
+marks the worker dead: the actor is killed, the dispatcher sees `alive=False` in the next `views()`,
+and a new incarnation is started in the same bundle (at most `max_restarts` times in any
+`restart_window_s`: a slot whose budget is spent waits, DEAD, until its oldest restart ages out).
+The heartbeat is answered off the loop thread, so a long step does not look like death; a loop
+stuck in one step past `step_timeout_s` does.
+
+A slot's life:   STARTING --ready--> ALIVE --beat fails--> DEAD --restart--> STARTING ...
+                                                        |   (bundle placed, budget left)
                                                         `-- max_restarts 0 --> GIVEN_UP
 """
 
@@ -24,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster import protocol as p
@@ -36,6 +42,22 @@ from cluster.worker_host.process import death_cause
 log = logging.getLogger("tandem.controller")
 
 CONTROLLER_NAME = "tandem-controller"
+PLACEMENT_CHECK_S = 2.0
+"""While a worker loads, how often the controller checks that its bundle still has a node."""
+
+
+def custom_resources(group: WorkerGroupConfig) -> dict[str, float]:
+    """The group's Ray custom resources per worker, less those of amount 0 (not asked for)."""
+    return {name: amount for name, amount in group.resources.items() if amount > 0}
+
+
+def worker_bundle(group: WorkerGroupConfig) -> dict[str, float]:
+    """One worker's placement-group bundle: its CPUs, its GPUs (when it has any), its custom resources."""
+    return {"CPU": group.num_cpus, **({"GPU": group.num_gpus} if group.num_gpus else {}), **custom_resources(group)}
+
+
+class NoRoom(RuntimeError):
+    """A worker's bundle has no live node: it left, and Ray has found no other with room yet."""
 
 
 class SlotState(enum.Enum):
@@ -109,7 +131,7 @@ class _Slot:
     pid: int = 0
     last_beat: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None
-    waiting_logged: bool = False  # said once per wait that the budget is spent
+    waiting_for: str = ""  # why it last stayed down ("": it did not), so each wait is logged once
 
 
 def last_line(exc: BaseException) -> str:
@@ -137,7 +159,7 @@ class Controller:
             group: WorkerGroupConfig = getattr(self.config, role)
             if group.count == 0:
                 continue
-            bundle = {"CPU": group.num_cpus, **({"GPU": group.num_gpus} if group.num_gpus else {})}
+            bundle = worker_bundle(group)
             pg = placement_group([bundle] * group.count, strategy=self.config.cluster.placement_strategy)
             self._pgs.append(pg)
             try:
@@ -189,20 +211,54 @@ class Controller:
                           transport=cfg.transport, heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
                           torch_threads=slot.group.torch_threads, l3=cfg.kv_store.l3)
         actor = ray.remote(WorkerActor).options(
-            num_cpus=slot.group.num_cpus, num_gpus=slot.group.num_gpus, max_concurrency=ACTOR_CONCURRENCY,
-            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, slot.bundle_index),
+            num_cpus=slot.group.num_cpus, num_gpus=slot.group.num_gpus, resources=custom_resources(slot.group),
+            max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, slot.bundle_index),
             runtime_env={"env_vars": {"GLOG_minloglevel": "2"}})  # mooncake's per-connection info lines
         slot.state, slot.incarnation = SlotState.STARTING, slot.incarnation + 1
         slot.handle = actor.remote(spec, slot.worker_id)
         try:
-            slot.session, slot.max_request_tokens, slot.pid = await asyncio.wait_for(slot.handle.ready.remote(),
-                                                                      cfg.cluster.worker_start_timeout_s)
+            slot.session, slot.max_request_tokens, slot.pid = await self._await_ready(slot)
         except BaseException:
             ray.kill(slot.handle, no_restart=True)
             slot.handle, slot.state = None, SlotState.DEAD
             raise
         slot.state, slot.last_beat, slot.stats = SlotState.ALIVE, time.monotonic(), None
         log.info("%s incarnation %d ready (session %s)", slot.worker_id, slot.incarnation, slot.session)
+
+    async def _await_ready(self, slot: _Slot) -> tuple[str, int, int]:
+        """The new incarnation's `ready()` answer (its error, if it failed to start). Raises TimeoutError
+        past `worker_start_timeout_s`, and NoRoom as soon as its bundle has no node: a node that leaves
+        while the model loads would otherwise hold the slot for the whole timeout."""
+        timeout_s = self.config.cluster.worker_start_timeout_s
+        ready = slot.handle.ready.remote().as_future()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ready.done():
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise TimeoutError(f"not ready within worker_start_timeout_s ({timeout_s:.0f}s)")
+                await asyncio.wait({ready}, timeout=min(left_s, PLACEMENT_CHECK_S))
+                unplaced = "" if ready.done() else self._unplaced(slot)
+                if unplaced:
+                    raise NoRoom(unplaced)
+            return ready.result()
+        finally:
+            ready.cancel()
+
+    def _unplaced(self, slot: _Slot) -> str:
+        """Why the slot's bundle has no live node now ("" when it has one). Two GCS reads."""
+        try:
+            table = placement_group_table(slot.pg)
+            if table["state"] != "CREATED":  # its node left: Ray reschedules it once some node has room
+                bundle, state = worker_bundle(slot.group), table["state"]
+                return f"no node has room for its bundle {bundle} (placement group {state})"
+            node_id = table["bundles_to_node_id"].get(slot.bundle_index)
+            if node_id not in {node["NodeID"] for node in ray.nodes() if node["Alive"]}:
+                return f"its bundle's node {node_id} left the cluster"
+        except Exception as exc:  # noqa: BLE001 - unknown is not "no room": the launch itself will tell
+            log.warning("%s: cannot read where its bundle is: %s", slot.worker_id, last_line(exc))
+        return ""
 
     async def _watch(self, slot: _Slot) -> None:
         interval, timeout = self.config.cluster.heartbeat_interval_s, self.config.cluster.heartbeat_timeout_s
@@ -243,18 +299,28 @@ class Controller:
             slot.state = SlotState.GIVEN_UP
             log.error("%s: restarts are off (cluster.max_restarts 0); it stays down", slot.worker_id)
             return
-        if not slot.budget.try_spend():  # try again on a later tick, once the oldest restart aged out
-            if not slot.waiting_logged:
-                log.error("%s: %d restarts within %.0fs spent; it stays down for %.0fs more", slot.worker_id,
-                          slot.budget.max_restarts, slot.budget.window_s, slot.budget.wait_s())
-            slot.waiting_logged = True
+        unplaced = self._unplaced(slot)  # before the budget: waiting for room spends no restart
+        if unplaced:
+            self._stay_down(slot, unplaced, "%s cannot be restarted: %s; it stays down until a node has room",
+                            slot.worker_id, unplaced)
             return
-        slot.waiting_logged = False
+        if not slot.budget.try_spend():  # try again on a later tick, once the oldest restart aged out
+            self._stay_down(slot, "budget", "%s: %d restarts within %.0fs spent; it stays down for %.0fs more",
+                            slot.worker_id, slot.budget.max_restarts, slot.budget.window_s, slot.budget.wait_s())
+            return
+        slot.waiting_for = ""
         slot.restarts += 1
         try:
             await self._launch(slot)
         except Exception as exc:  # noqa: BLE001 - try again on the next tick, until restarts are spent
-            log.error("%s restart %d failed: %s", slot.worker_id, slot.restarts, exc)
+            log.error("%s restart %d failed: %s", slot.worker_id, slot.restarts, last_line(exc))
+
+    @staticmethod
+    def _stay_down(slot: _Slot, why: str, message: str, *args) -> None:
+        """Log why the slot stays down, once per reason (the tick comes every heartbeat interval)."""
+        if slot.waiting_for != why:
+            log.error(message, *args)
+        slot.waiting_for = why
 
     async def _stop(self, slot: _Slot, timeout_s: float) -> None:
         handle, slot.handle, slot.state = slot.handle, None, SlotState.STOPPED

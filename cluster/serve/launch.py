@@ -73,8 +73,12 @@ def _start_local_ray(config: ServeConfig):
     wanted = sum(g.count * g.num_cpus for g in groups)
     num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(wanted + 0.999))
     num_gpus = sum(g.count * g.num_gpus for g in groups)
+    resources: dict[str, float] = {}  # the one node hosts every group, so it has what each asks for
+    for group in groups:
+        for name, amount in group.resources.items():
+            resources[name] = resources.get(name, 0.0) + group.count * amount
     try:
-        return LocalRay.start(num_cpus, int(num_gpus + 0.999) or None)
+        return LocalRay.start(num_cpus, int(num_gpus + 0.999) or None, resources)
     except LocalRayError as exc:
         raise ServeStartError(f"could not start a local Ray instance: {exc}") from exc
 
@@ -89,14 +93,17 @@ def _connect_ray(config: ServeConfig, local_ray) -> None:
 
 def _start_controller(config: ServeConfig):
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from cluster.serve.controller import CONTROLLER_NAME, Controller
 
     t0 = time.monotonic()
     namespace = config.cluster.namespace
+    # On this process's node (the head, in a deployment): losing a worker node must not take it along.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     try:
-        controller = ray.remote(num_cpus=0)(Controller).options(name=CONTROLLER_NAME,
-                                                                 namespace=namespace).remote(config)
+        controller = ray.remote(num_cpus=0)(Controller).options(name=CONTROLLER_NAME, namespace=namespace,
+                                                                 scheduling_strategy=here).remote(config)
     except ValueError:  # the name is taken
         raise ServeStartError(f"another tandem serve is running in Ray namespace {namespace!r} on this cluster "
                               "(give this one its own cluster.namespace)") from None

@@ -24,6 +24,7 @@ process on the host, other users' included.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,8 +59,10 @@ class LocalRay:
     """The driver environment's values before `start` (None: unset), put back by `stop`."""
 
     @classmethod
-    def start(cls, num_cpus: int, num_gpus: int | None, timeout_s: float = 120.0) -> LocalRay:
+    def start(cls, num_cpus: int, num_gpus: int | None, resources: Mapping[str, float] | None = None,
+              timeout_s: float = 120.0) -> LocalRay:
         """Start the head node and point this process's Ray driver at it (call `ray.init(address)` next).
+        `resources`: Ray custom resources it advertises (`ray start --resources`).
 
         On any failure, whatever was started is stopped before the error propagates.
         """
@@ -70,7 +74,7 @@ class LocalRay:
                                 _SINGLE_NODE_ENV: "0", "RAY_AUTH_TOKEN": None, "RAY_ADDRESS": None})
         session_id = None
         try:
-            session_id, address = _start_head(workdir, num_cpus, num_gpus, timeout_s)
+            session_id, address = _start_head(workdir, num_cpus, num_gpus, dict(resources or {}), timeout_s)
             _check_driver_on_loopback()
         except BaseException:
             _clean_up(session_id, workdir, saved_env)
@@ -104,7 +108,8 @@ def _apply_env(env: dict[str, str | None]) -> dict[str, str | None]:
     return previous
 
 
-def _start_head(workdir: Path, num_cpus: int, num_gpus: int | None, timeout_s: float) -> tuple[int, str]:
+def _start_head(workdir: Path, num_cpus: int, num_gpus: int | None, resources: dict[str, float],
+                timeout_s: float) -> tuple[int, str]:
     """Run `ray start --head` in a new session; returns (session id, GCS address)."""
     temp_dir = workdir / "ray"
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--node-ip-address={LOOPBACK}",
@@ -112,6 +117,8 @@ def _start_head(workdir: Path, num_cpus: int, num_gpus: int | None, timeout_s: f
            f"--temp-dir={temp_dir}"]
     if num_gpus is not None:
         cmd.append(f"--num-gpus={num_gpus}")
+    if resources:
+        cmd.append(f"--resources={json.dumps(resources)}")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True)
     try:

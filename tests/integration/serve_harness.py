@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -128,3 +129,36 @@ def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, re
 def metric(samples: dict, name: str, **labels) -> float:
     """Sum of the samples of `name` whose labels include `labels`."""
     return sum(v for (n, lbls), v in samples.items() if n == name and labels.items() <= dict(lbls).items())
+
+
+def streams_across_a_fault(base_url: str, api_key: str, n: int, fault, timeout_s: float) -> list[str]:
+    """`n` greedy 200-token streams ("List i fruits:"); once one has streamed a chunk, `fault()` runs
+    (blocking, in a thread); returns each stream's finish reason or "error: <message>", all of which
+    must come within `timeout_s` after the fault (no stream hangs)."""
+    import openai
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=300)
+        started = asyncio.Event()
+
+        async def one(i: int) -> str:
+            try:
+                stream = await client.completions.create(model="smollm2", prompt=f"List {i} fruits:", max_tokens=200,
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    started.set()
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        return chunk.choices[0].finish_reason
+                return "ended without a finish reason"
+            except openai.APIError as exc:
+                return f"error: {exc.message}"
+
+        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        try:
+            await asyncio.wait_for(started.wait(), 120)
+            await asyncio.to_thread(fault)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())

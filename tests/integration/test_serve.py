@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from cluster.cli.main import main as tandem_main
-from tests.integration.serve_harness import RayHead, metric, start_server
+from tests.integration.serve_harness import RayHead, metric, start_server, streams_across_a_fault
 
 pytestmark = pytest.mark.slow
 
@@ -306,31 +306,8 @@ def test_killing_the_decode_worker_under_load(cluster):
     has restarted the worker, new requests succeed; the survivors hold no page."""
     server = cluster
     decode = next(w for w in workers(server) if w["worker_id"] == "decode-0")
-    aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
-
-    async def one(i: int, started: asyncio.Event) -> str:
-        try:
-            stream = await aclient.completions.create(model="smollm2", prompt=f"List {i} fruits:", max_tokens=200,
-                                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                started.set()
-                if chunk.choices and chunk.choices[0].finish_reason:
-                    return chunk.choices[0].finish_reason
-            return "ended"
-        except openai.APIError as exc:
-            return f"error: {exc}"
-
-    async def under_load():
-        started = asyncio.Event()
-        tasks = [asyncio.create_task(one(i, started)) for i in range(6)]
-        await asyncio.wait_for(started.wait(), 120)
-        os.kill(decode["pid"], signal.SIGKILL)  # a crash: no goodbye
-        try:
-            return await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        finally:
-            await aclient.close()
-
-    outcomes = asyncio.run(under_load())
+    # a crash, no goodbye, mid-stream
+    outcomes = streams_across_a_fault(server.base_url, API_KEY, 6, lambda: os.kill(decode["pid"], signal.SIGKILL), 120)
     assert outcomes and all(o == "length" or o.startswith("error") for o in outcomes), outcomes
     assert any(o.startswith("error") for o in outcomes), "killing the decode worker mid-stream failed nothing"
 

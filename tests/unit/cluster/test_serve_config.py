@@ -168,6 +168,19 @@ def test_cuda_device_gives_groups_a_gpu_unless_told():
     ({"decode.count": 0, "colocated.count": 1}, r"^prefill\.count=1 needs decode\.count >= 1"),
     ({"decode.count": 0}, r"^prefill\.count=1 needs decode\.count >= 1"),
     ({"decode.count": 0, "prefill.count": 0}, r"^at least one decode or colocated worker is needed"),
+    ({"prefill.resources": {"CPU": 1}}, r"^prefill\.resources\.CPU is one of Ray's own resources, not a custom one: "
+                                         r"set num_cpus$"),
+    ({"decode.resources.memory": 1}, r"^decode\.resources\.memory is one of Ray's own resources, not a custom one$"),
+    ({"prefill.resources.tandem_prefill": -1}, r"^prefill\.resources\.tandem_prefill must be a number >= 0, "
+                                               r"got -1\.0$"),
+    ({"prefill.resources.ssd": float("nan")}, r"^prefill\.resources\.ssd must be a number >= 0, got nan$"),
+    ({"prefill.resources.ssd": 0.00001}, r"^prefill\.resources\.ssd must be 0 or >= 0\.0001 "
+                                         r"\(Ray's resource precision\)"),
+    ({"prefill.resources.ssd": "one"}, r"^prefill\.resources\.ssd must be float, got 'one' \(str\)$"),
+    ({"prefill.resources.ssd": True}, r"^prefill\.resources\.ssd must be float, got True \(bool\)$"),
+    ({"decode.resources": ["tandem_decode"]}, r"^decode\.resources must be a mapping of str to float, "
+                                              r"got \['tandem_decode'\] \(list\)$"),
+    ({"decode.resources": {1: 1}}, r"^decode\.resources must be a mapping of str to float, got \{1: 1\} \(dict\)$"),
     ({"gateway..port": 1}, r"^override key must be a dotted field path"),
     ({"gateway.port": 8000, "gateway.port.x": 1}, r"^cannot set 'gateway\.port\.x': gateway\.port is 8000, not a section$"),
 ])
@@ -215,6 +228,20 @@ def test_engine_model_must_match_top_level_model(tmp_path):
         ServeConfig(model="a")
 
 
+def test_group_resources_from_file_flags_and_set(tmp_path):
+    path = write_yaml(tmp_path, "prefill:\n  resources: {tandem_prefill: 1, ssd: 0.5}\n"
+                                "decode:\n  resources:\n    tandem_decode: 2\n")
+    cfg = load_serve_config(path)
+    assert cfg.prefill.resources == {"tandem_prefill": 1.0, "ssd": 0.5}
+    assert cfg.decode.resources == {"tandem_decode": 2.0}
+    assert all(isinstance(v, float) for v in cfg.prefill.resources.values()) and cfg.colocated.resources == {}
+    cfg = serve_config_from_args(parse("--config", str(path), "--set", "prefill.resources.ssd=0",
+                                       "--set", "decode.resources={nvme: 1}"))
+    assert cfg.prefill.resources == {"tandem_prefill": 1.0, "ssd": 0.0}  # 0: kept, and not asked for
+    assert cfg.decode.resources == {"tandem_decode": 2.0, "nvme": 1.0}  # a mapping merges into the file's
+    assert ServeConfig().prefill.resources == {}
+
+
 def test_direct_construction_checks_bounds_too():
     with pytest.raises(ConfigError, match=r"^count must be >= 0, got -1$"):
         WorkerGroupConfig(count=-1)
@@ -224,13 +251,21 @@ def test_direct_construction_checks_bounds_too():
         RouterConfig(max_transfer_retries=-1)
     with pytest.raises(ConfigError, match=r"^num_cpus and num_gpus are both 0"):
         WorkerGroupConfig(count=1, num_cpus=0)
+    with pytest.raises(ConfigError, match=r"^resources: a name must be a non-empty string, got ''$"):
+        WorkerGroupConfig(count=1, resources={"": 1.0})
+    with pytest.raises(ConfigError, match=r"^resources must be a mapping, got \[\('a', 1\)\]$"):
+        WorkerGroupConfig(count=1, resources=[("a", 1)])
+    given = {"tandem_decode": 1.0}
+    group = WorkerGroupConfig(count=1, resources=given)
+    given["tandem_decode"] = 5.0
+    assert group.resources == {"tandem_decode": 1.0}, "the config holds its own copy"
 
 
 def test_to_dict_round_trips_through_yaml(tmp_path):
     cfg = ServeConfig(
         model="/m/llama", engine=EngineConfig(model="/m/llama", dtype="bfloat16", num_pages=64, kv_memory_gib=1.5),
-        prefill=WorkerGroupConfig(count=2, num_cpus=2.5, engine=EngineConfig(model="/m/llama", dtype="bfloat16",
-                                                                          chunk_size=64)),
+        prefill=WorkerGroupConfig(count=2, num_cpus=2.5, resources={"tandem_prefill": 1.0, "ssd": 0.0},
+                                  engine=EngineConfig(model="/m/llama", dtype="bfloat16", chunk_size=64)),
         decode=WorkerGroupConfig(count=1, host_pages=7, engine=EngineConfig(model="/m/llama", dtype="bfloat16")),
         transport=TransportConfig(protocol="rdma", waiting_s=1.25), router=RouterConfig(policy="kv_cost"),
         gateway=GatewayConfig(api_key="sk-x", max_prompt_tokens=100),

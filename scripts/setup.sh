@@ -2,6 +2,7 @@
 # Set up a virtualenv in .venv with tandem and its dependencies (CPU machine).
 #   bash scripts/setup.sh            # runtime (cpu extra)
 #   bash scripts/setup.sh test       # runtime + test dependencies (and redis-server via apt-get)
+#   bash scripts/setup.sh bench      # runtime + `tandem bench serve`'s aiohttp and matplotlib (plots)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="cpu${1:+,$1}"

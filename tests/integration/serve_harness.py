@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,15 +34,27 @@ def _ray_bin() -> str:
 
 @dataclass
 class RayHead:
+    """A head started by `ray start --head` on 127.0.0.1 with its own auth token (a 0600 file under
+    the test's directory, never ~/.ray): `env` is what a process joining it needs."""
+
     address: str
+    token_path: Path
 
     @classmethod
-    def start(cls, num_cpus: int) -> "RayHead":
+    def start(cls, num_cpus: int, workdir: Path) -> "RayHead":
+        token_path = workdir / "ray_auth_token"
+        token_path.touch(mode=0o600)
+        token_path.write_text(secrets.token_hex(32))
         port = free_port()
+        head = cls(f"127.0.0.1:{port}", token_path)
         subprocess.run([_ray_bin(), "start", "--head", f"--port={port}", f"--num-cpus={num_cpus}",
                         "--include-dashboard=false", "--disable-usage-stats", "--node-ip-address=127.0.0.1"],
-                       check=True, capture_output=True, timeout=120, env={**os.environ, **RAY_ENV})
-        return cls(f"127.0.0.1:{port}")
+                       check=True, capture_output=True, timeout=120, env={**os.environ, **head.env})
+        return head
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**RAY_ENV, "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
 
     def stop(self) -> None:
         subprocess.run([_ray_bin(), "stop", "--force"], capture_output=True, timeout=120)
@@ -54,6 +67,7 @@ class Server:
     log_path: Path
     api_key: str | None
     ray_address: str | None = None  # set when it joined a cluster started by the test
+    ray_env: dict[str, str] | None = None  # and what a process joining that cluster needs
 
     @property
     def base_url(self) -> str:
@@ -108,11 +122,14 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, ready_timeout_s: float = 300) -> Server:
+def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, ready_timeout_s: float = 300,
+                 env: dict[str, str] | None = None) -> Server:
+    """`tandem serve` in its own session, this process's environment updated with `env` (e.g. a
+    Ray head's token); ready, or raises."""
     port = free_port()
     log_path = tmp_path / f"serve-{port}.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TANDEM_API_KEY")}
-    env.update(PYTHONUNBUFFERED="1", **RAY_ENV)
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TANDEM_API_KEY")}
+    env = {**base, "PYTHONUNBUFFERED": "1", **RAY_ENV, **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *args,
                                  *(["--api-key", api_key] if api_key else [])],

@@ -18,6 +18,8 @@ import ipaddress
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from cluster.cli.main import main as tandem_main
 from cluster.serve.local_ray import session_members
 from kv_store.transfer.listeners import listening_sockets
 from tests.integration.multinode_harness import LoopbackCluster
-from tests.integration.serve_harness import metric, start_server, streams_across_a_fault
+from tests.integration.serve_harness import REPO, metric, start_server, streams_across_a_fault
 from tests.integration.test_serve import wait_workers_at_rest, workers
 
 pytestmark = pytest.mark.slow
@@ -69,11 +71,8 @@ def cluster(tmp_path_factory):
     try:
         ray_cluster.add_node(PREFILL_IP, {"tandem_prefill": 1})
         ray_cluster.add_node(DECODE_IP, {"tandem_decode": 1})
-        with pytest.MonkeyPatch.context() as env:  # start_server passes this process's environment on
-            for name, value in ray_cluster.ray_env(single_node=True).items():
-                env.setenv(name, value)
-            server = start_server(tmp, ["--config", str(tmp / "cluster.yaml"), "--address", ray_cluster.address],
-                                  api_key=API_KEY)
+        server = start_server(tmp, ["--config", str(tmp / "cluster.yaml"), "--address", ray_cluster.address],
+                              api_key=API_KEY, env=ray_cluster.ray_env(single_node=True))
         server.ray = ray_cluster
         yield server
     finally:
@@ -151,6 +150,30 @@ def test_greedy_output_over_http_matches_tandem_run(cluster, reference):
     to_decode, to_prefill = peers[p] & listening[d], peers[d] & listening[p]
     assert to_decode or to_prefill, f"no connection between the workers: {peers}, listening {listening}"
     assert {host for host, _ in to_decode} <= {DECODE_IP} and {host for host, _ in to_prefill} <= {PREFILL_IP}
+    wait_workers_at_rest(cluster, expect=2)
+
+
+def test_two_load_clients_on_two_nodes_count_every_request_once(cluster, tmp_path):
+    """`tandem bench serve --num-clients 2 --address`: the clients run as Ray actors on two different
+    nodes of the cluster; the merged result counts each request once, as the server's own counter does."""
+    before = metric(cluster.metrics(), "tandem:request_success_total")
+    result_file = tmp_path / "result.json"
+    cmd = [sys.executable, "-c", "import sys; from cluster.cli.main import main; sys.exit(main())",
+           "bench", "serve", "--base-url", cluster.base_url, "--api-key", API_KEY,
+           "--num-clients", "2", "--client-cpus", "0", "--address", cluster.ray.address,
+           "--num-prompts", "10", "--max-concurrency", "4", "--random-input-len", "16", "--random-output-len", "4",
+           "--random-range-ratio", "0.5", "--seed", "3", "--num-warmups", "0", "--disable-tqdm", "--save-result",
+           "--result-filename", str(result_file)]
+    proc = subprocess.run(cmd, cwd=REPO, env=cluster.ray.ray_env(single_node=True), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(result_file.read_text())
+    assert result["num_clients"] == 2 and len(set(result["client_nodes"])) == 2, result["client_nodes"]
+    assert set(result["client_nodes"]) <= {"127.0.0.1", PREFILL_IP, DECODE_IP}
+    assert result["completed"] == 10 and result["failed"] == 0
+    assert len(result["ttfts"]) == 10  # one raw sample per request, merged from both clients
+    served = metric(cluster.metrics(), "tandem:request_success_total") - before
+    assert served == 10, f"the server finished {served} requests for 10 prompts"
     wait_workers_at_rest(cluster, expect=2)
 
 

@@ -39,11 +39,12 @@ def cluster(tmp_path_factory):
     """The server joins a Ray head started here (`--address`), as on a real cluster."""
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "cluster.yaml").write_text(CONFIG)
-    head = RayHead.start(num_cpus=4)
+    head = RayHead.start(num_cpus=4, workdir=tmp)
     server = None
     try:
-        server = start_server(tmp, ["--config", str(tmp / "cluster.yaml"), "--address", head.address], api_key=API_KEY)
-        server.ray_address = head.address
+        server = start_server(tmp, ["--config", str(tmp / "cluster.yaml"), "--address", head.address], api_key=API_KEY,
+                              env=head.env)
+        server.ray_address, server.ray_env = head.address, head.env
         yield server
     finally:
         if server is not None:
@@ -154,11 +155,11 @@ def test_a_second_server_in_the_same_namespace_is_refused(cluster, tmp_path):
     import subprocess
     import sys
 
-    from tests.integration.serve_harness import RAY_ENV, REPO, free_port
+    from tests.integration.serve_harness import REPO, free_port
 
     second = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--port", str(free_port()),
                              "--address", cluster.ray_address], cwd=REPO, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, **RAY_ENV})
+                            timeout=300, env={**os.environ, **cluster.ray_env})
     assert second.returncode == 1, second.stderr[-3000:]
     assert "tandem: error: another tandem serve is running in Ray namespace 'tandem'" in second.stderr
     assert httpx.get(f"{cluster.base_url}/health/ready", timeout=60).status_code == 200  # the first one is fine

@@ -1,4 +1,4 @@
-"""PNG plots of a run or a sweep, with matplotlib when it is installed (it is not a tandem dependency).
+"""PNG plots of a run or a sweep, with matplotlib (the `bench` extra: `bash scripts/setup.sh bench`).
 
     <prefix>-latency-cdf.png   empirical CDFs of TTFT, TPOT, ITL and E2EL (ms)
     <prefix>-over-time.png     output tokens/s and requests in flight, per second of the run
@@ -15,7 +15,7 @@ import numpy as np
 from cluster.bench.load.metrics import METRIC_TITLES, METRICS
 
 MISSING_HINT = ("matplotlib is not installed in this environment, so no plots were written "
-                "(it is optional: `.venv/bin/pip install matplotlib` enables --plot-dir)")
+                "(it is in the `bench` extra: `bash scripts/setup.sh bench` enables --plot-dir)")
 
 
 def matplotlib_available() -> bool:

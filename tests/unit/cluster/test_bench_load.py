@@ -152,6 +152,29 @@ def test_result_has_vllm_keys_and_statistics_equal_numpy_on_the_raw_samples(stub
     assert 1 <= result["max_concurrent_requests"] <= 8
 
 
+def test_a_sweep_writes_one_table_and_the_plots_of_each_run_and_of_the_sweep(stub, capsys, tmp_path):
+    import matplotlib.image
+
+    code = tandem_main(["bench", "serve", "--base-url", stub.url, "--num-prompts", "12", "--random-input-len", "8",
+                        "--random-output-len", "6", "--random-vocab-size", "500", "--sweep", "max-concurrency=1,4",
+                        "--disable-tqdm", "--save-result", "--result-filename", str(tmp_path / "sweep.json"),
+                        "--plot-dir", str(tmp_path / "plots")])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    runs = json.loads((tmp_path / "sweep.json").read_text())["runs"]
+    assert [r["completed"] for r in runs] == [12, 12] and [r["max_concurrent_requests"] for r in runs][0] == 1
+    table = printed[printed.index("max_concurrency"):].splitlines()
+    assert len(table) >= 3 and table[1].split()[:2] == ["1", "12"] and table[2].split()[:2] == ["4", "12"]
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    per_run = [f"sweep-max-concurrency{v}-{kind}.png" for v in (1, 4) for kind in ("latency-cdf", "over-time")]
+    assert written == sorted(per_run + ["sweep-sweep.png"])
+    sizes = {"latency-cdf": (770, 1100), "over-time": (660, 1100), "sweep": (495, 1210)}  # inches x dpi 110
+    for name in written:
+        pixels = matplotlib.image.imread(tmp_path / "plots" / name)
+        assert pixels.shape[:2] == next(v for k, v in sizes.items() if name.endswith(f"{k}.png")), name
+        assert (pixels[..., :3] < 0.5).mean() > 0.005, f"{name} is blank"  # axes, lines and labels drew
+
+
 def test_poisson_and_gamma_gaps_have_the_asked_mean_rate_and_spread():
     rng = np.random.default_rng(7)
     n, rate = 20000, 50.0

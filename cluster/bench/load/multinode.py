@@ -3,8 +3,10 @@
     split_plans   job i goes to client i mod N; each client gets rate / N (N independent Poisson
                   streams of rate / N add up to one of the full rate; gamma streams only approximately)
                   and its share of --max-concurrency; arrival seeds differ per client
-    RayClients    one actor per client (scheduling strategy SPREAD), started together at one wall-clock
-                  instant; each returns its raw samples (`ClientRun`)
+    RayClients    one actor per client, round-robin over the alive nodes with room for one (node
+                  affinity, soft: a node without a free CPU at the time gives its client to another;
+                  Ray's SPREAD strategy is only best effort: it put 2 clients on one of 3 nodes),
+                  started together at one wall-clock instant; each returns its raw samples (`ClientRun`)
     merge_runs    every sample once, moved onto one time axis by its client's wall-clock start, in job
                   order; statistics are then computed from the merged raw samples (metrics.py), never
                   from per-client statistics
@@ -29,6 +31,7 @@ from cluster.bench.load.datasets import Job
 log = logging.getLogger("tandem.bench")
 
 START_DELAY_S = 3.0  # actors start their runs this long after the driver hands out the plans
+PLACE_TIMEOUT_S = 120.0  # for every client actor to be placed and answer
 NAMESPACE = "tandem-bench-load"
 
 
@@ -88,7 +91,7 @@ class RayClients:
     """`num_clients` client actors on a Ray cluster, made once and reused by every run of a sweep.
 
     A context manager: entering joins `address` ("local": starts a loopback Ray here) and places the
-    actors (scheduling strategy SPREAD); leaving kills them, disconnects, and stops a local Ray."""
+    actors (round-robin over the nodes); leaving kills them, disconnects, and stops a local Ray."""
 
     def __init__(self, address: str, num_clients: int, tokenizer_dir: str | None, client_cpus: float = 1.0):
         self.address, self.num_clients, self.client_cpus = address, num_clients, client_cpus
@@ -105,9 +108,13 @@ class RayClients:
         try:
             ray.init(address=self.local.address if self.local else self.address, namespace=NAMESPACE,
                      log_to_driver=True)
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
             actor_class = ray.remote(num_cpus=self.client_cpus, max_restarts=0)(LoadClientActor)
-            self.actors = [actor_class.options(scheduling_strategy="SPREAD").remote() for _ in range(self.num_clients)]
-            self.nodes = ray.get([a.node.remote() for a in self.actors])
+            node_ids = client_node_ids(ray.nodes(), self.client_cpus)
+            self.actors = [actor_class.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_ids[k % len(node_ids)], soft=True)).remote() for k in range(self.num_clients)]
+            self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=PLACE_TIMEOUT_S)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -134,6 +141,16 @@ class RayClients:
         start_at_wall_s = time.time() + START_DELAY_S
         return ray.get([a.run.remote(target, plan, self.tokenizer_dir, start_at_wall_s)
                         for a, plan in zip(self.actors, plans)])
+
+
+def client_node_ids(nodes: list[dict], client_cpus: float) -> list[str]:
+    """The alive nodes (from `ray.nodes()`) with at least `client_cpus` CPUs, in address order: client
+    k goes to node k mod their number."""
+    fit = sorted((n["NodeManagerAddress"], n["NodeID"]) for n in nodes
+                 if n["Alive"] and n["Resources"].get("CPU", 0.0) >= client_cpus)
+    if not fit:
+        raise RuntimeError(f"no alive Ray node has {client_cpus} CPUs for a load client (--client-cpus)")
+    return [node_id for _, node_id in fit]
 
 
 def _start_local_ray(num_cpus: int):

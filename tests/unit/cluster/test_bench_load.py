@@ -23,7 +23,7 @@ from cluster.bench.load.arrivals import arrival_offsets_s
 from cluster.bench.load.client import ClientRun, LoadShape, RequestOutput, Target, run_client
 from cluster.bench.load.datasets import Conversation, DatasetSpec, SampleRequest, make_jobs
 from cluster.bench.load.metrics import compute_result, is_good, parse_goodput, tpot_s
-from cluster.bench.load.multinode import merge_runs, split_plans
+from cluster.bench.load.multinode import client_node_ids, merge_runs, split_plans
 from cluster.cli.main import main as tandem_main
 
 REPO = Path(__file__).resolve().parents[3]
@@ -279,6 +279,17 @@ def test_split_and_merge_count_every_request_once_on_one_time_axis():
 
 
 @pytest.mark.slow
+def test_clients_go_round_robin_over_the_alive_nodes_with_room():
+    def node(ip, cpus, alive=True):
+        return {"NodeManagerAddress": ip, "NodeID": f"id-{ip}", "Alive": alive, "Resources": {"CPU": cpus} if cpus else {}}
+
+    nodes = [node("127.0.0.3", 1), node("127.0.0.1", 0), node("127.0.0.2", 4), node("127.0.0.4", 8, alive=False)]
+    assert client_node_ids(nodes, 1.0) == ["id-127.0.0.2", "id-127.0.0.3"]
+    assert client_node_ids(nodes, 0.0) == ["id-127.0.0.1", "id-127.0.0.2", "id-127.0.0.3"]
+    with pytest.raises(RuntimeError, match="no alive Ray node has 6"):
+        client_node_ids(nodes, 6)
+
+
 def test_two_ray_actor_clients_send_every_request_exactly_once(stub, tmp_path):
     """`--num-clients 2` in a fresh process (it starts a loopback Ray there), against the stub here."""
     out_file = tmp_path / "result.json"

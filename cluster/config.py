@@ -144,10 +144,11 @@ class EngineConfig:
     graph_batch_sizes: tuple[int, ...] = ()
     """Batch-size buckets to capture; empty: 1, 2, 4, 8, 16, 24, 32, ... up to max_running_requests."""
     cpu_compile: bool = False
-    """CPU, with `cuda_graph`: replayed steps run the model through `torch.compile` (inductor),
-    compiled for every bucket at start-up (about a minute on 2 cores for SmolLM2; inductor's cache,
-    under ~/.cache/tandem/inductor, makes a restart faster). SmolLM2 batch 1 on 2 cores: 32 vs 37 ms
-    a step, same greedy tokens. Off by default: the start-up cost."""
+    """CPU, with `cuda_graph`: replayed single-request steps (bucket 1) run the model through
+    `torch.compile` (inductor), compiled at start-up (about 50 s on 2 cores for SmolLM2, about 25 s
+    from inductor's cache under ~/.cache/tandem/inductor). SmolLM2 fp32 batch 1 on 2 cores: 24.5 vs
+    37.5 ms a step, same greedy tokens; bigger buckets measured slower compiled, so they stay eager.
+    Off by default: the start-up cost."""
     enable_prefix_cache: bool = True
     host_cache_ratio: float = 2.0
     """L2: host-memory KV pages, as a multiple of the device pool's (`num_pages`); 0 turns the host

@@ -31,8 +31,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
     "--no-cuda-graph": ("cuda_graph", dict(action="store_const", const=False,
                                            help="run every decode step eagerly (no graph replay)")),
     "--cpu-compile": ("cpu_compile", dict(action="store_const", const=True,
-                                          help="CPU: run replayed decode steps through torch.compile (compiled "
-                                               "per bucket at start-up)")),
+                                          help="CPU: run single-request decode steps through torch.compile "
+                                               "(compiled once at start-up)")),
 }
 
 

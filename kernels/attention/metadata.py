@@ -12,7 +12,7 @@ query row attends causally over positions ``[0, its own position]`` of its own s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -36,6 +36,16 @@ class AttnMetadata:
     logits_indices: torch.Tensor  # [num_logits] int64, rows of T whose logits are wanted
     query_lens_cpu: tuple[int, ...]  # [B] host copy of the new-token counts
     seq_lens_cpu: tuple[int, ...]  # [B] host copy of seq_lens
+    decode_only: bool = field(init=False)
+    """Every sequence has exactly one new token (a pure decode step)."""
+    max_seq_len: int = field(init=False)
+    """max(seq_lens_cpu), 0 for no sequences."""
+
+    def __post_init__(self):
+        # Derived once, here: a backend that reads only these two (not the tuples) gives
+        # torch.compile nothing to guard on per row, so one compiled step serves every batch size.
+        object.__setattr__(self, "decode_only", all(q == 1 for q in self.query_lens_cpu))
+        object.__setattr__(self, "max_seq_len", max(self.seq_lens_cpu, default=0))
 
     @property
     def num_seqs(self) -> int:

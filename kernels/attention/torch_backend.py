@@ -70,23 +70,27 @@ def _num_pages(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def _plan_decode_no_sync(meta: AttnMetadata, seqs: list[int]) -> _DecodePlan:
-    """A step of decode rows only builds its plan from the device tensors alone (no host -> device
-    copy), so a CUDA graph can capture it: a replay recomputes it from the static buffers."""
+def _plan_decode_no_sync(meta: AttnMetadata, seqs: list[int] | None) -> _DecodePlan:
+    """Decode rows of sequences `seqs` (None: every sequence, a decode-only step). A decode-only step
+    builds its plan from the device tensors and `meta.max_seq_len` alone (no host -> device copy, no
+    per-row host value), so a CUDA graph can capture it and a compiled CPU step is not specialised
+    to the batch size: a replay recomputes it from the static buffers."""
     device = meta.page_table.device
-    max_len = max(meta.seq_lens_cpu[b] for b in seqs)
-    num_pages = _num_pages(max_len, meta.page_size)
-    every_row = len(seqs) == meta.num_seqs
+    every_row = seqs is None
     if every_row:
-        rows, page_table, seq_lens = meta.query_start_loc[:-1], meta.page_table[:, :num_pages], meta.seq_lens
+        max_len = meta.max_seq_len
+        rows, page_table, seq_lens = meta.query_start_loc[:-1], meta.page_table, meta.seq_lens
     else:
+        max_len = max(meta.seq_lens_cpu[b] for b in seqs)
         qsl = meta.query_start_loc_cpu
         seq_idx = torch.tensor(seqs, dtype=torch.int64, device=device)
         rows = torch.tensor([qsl[b] for b in seqs], dtype=torch.int64, device=device)
-        page_table, seq_lens = meta.page_table.index_select(0, seq_idx)[:, :num_pages], meta.seq_lens[seq_idx]
+        page_table, seq_lens = meta.page_table.index_select(0, seq_idx), meta.seq_lens[seq_idx]
+    num_pages = _num_pages(max_len, meta.page_size)
     kv_pos = torch.arange(num_pages * meta.page_size, device=device)  # [L]
     mask = kv_pos[None, :] < seq_lens[:, None]  # [B_dec, L]
-    return _DecodePlan(rows=rows, page_table=page_table, mask=mask[:, None, None, :], every_row=every_row)
+    return _DecodePlan(rows=rows, page_table=page_table[:, :num_pages], mask=mask[:, None, None, :],
+                       every_row=every_row)
 
 
 def _uses_cpu_flash(device: torch.device) -> bool:
@@ -108,6 +112,8 @@ def _plan_extend(meta: AttnMetadata, b: int) -> _ExtendSeq:
 
 
 def _make_plan(meta: AttnMetadata) -> _Plan:
+    if meta.decode_only:
+        return _Plan(decode=_plan_decode_no_sync(meta, None), extends=())
     decode_seqs = [b for b, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
     extend_seqs = [b for b, q_len in enumerate(meta.query_lens_cpu) if q_len > 1]
     decode = _plan_decode_no_sync(meta, decode_seqs) if decode_seqs else None

@@ -20,10 +20,12 @@ On CUDA each bucket is captured once at start-up into a `torch.cuda.CUDAGraph` (
 one memory pool; capture time and memory are logged), with the attention planned for the captured
 width (`seq_lens_cpu` = capacity, the real lengths in the device `seq_lens`), so a replay reads only
 the static buffers. On CPU the same buffers, padding and gates run, and "replay" is the model run
-over the buffers of the bucket: eagerly, or with `engine.cpu_compile` through `torch.compile` of the
-whole forward (dynamic shapes; every bucket compiled at start-up). Measured on a 2-core CPU, SmolLM2
-batch 1: the whole forward compiled 32.1 vs 37.1 ms a step eager, same greedy tokens, ~55 s to
-compile; compiling only each layer's non-attention part had not paid (49.5 vs 46.2 ms).
+over the buffers of the bucket: eagerly, or with `engine.cpu_compile` for bucket 1 through
+`torch.compile` of the whole forward (compiled at start-up; the KV length is a dynamic dimension, so
+nothing compiles while serving). Measured on a 2-core CPU, SmolLM2 fp32, 128-token context: batch 1
+compiled 24.5 ms a step vs 37.5 eager (same greedy tokens; ~50 s to compile, ~25 s from inductor's
+cache); at batch 4 compiled steps were *slower* than eager (99 ms with a dynamic batch dimension,
+73 ms compiled for batch 4 alone, vs 43 ms eager), so bigger buckets replay eagerly.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ log = logging.getLogger("tandem.engine")
 
 BUCKET_STEP = 8
 """Past 8, buckets grow by this many rows (1, 2, 4, 8, 16, 24, 32, ...)."""
+COMPILED_CPU_BUCKET = 1
+"""The one bucket `engine.cpu_compile` compiles (see the module docstring for why only this one)."""
+COMPILED_MIN_PAGES = 2
+"""KV pages a compiled CPU replay's attention spans at least (a dynamic size of 1 would be specialised)."""
 
 
 class Fallback(str, enum.Enum):
@@ -159,11 +165,11 @@ class GraphRunner:
         """Test-only switch: False replays without the load and relocation gates (the hazard they stop)."""
         self.bufs = StaticBuffers.allocate(self.buckets[-1], -(-max_model_len // self.page_size), eager.device)
         self._graphs: dict[int, _Captured] = {}
-        self._model = eager.model  # what a replay runs: the model, or on CPU its compiled forward
+        self._compiled: dict[int, Callable] = {}  # CPU: bucket -> compiled forward that replays it
         if enabled and eager.device.type == "cuda":
             self._capture_all()
-        elif enabled and cpu_compile:
-            self._compile_all()
+        elif enabled and cpu_compile and COMPILED_CPU_BUCKET in self.buckets:
+            self._compile(COMPILED_CPU_BUCKET)
 
     # ---- the step ----------------------------------------------------------------------------------
     def run(self, step: ScheduledStep) -> torch.Tensor:
@@ -206,40 +212,41 @@ class GraphRunner:
     def _replay(self, rows: list[ForwardRow], bucket: int) -> torch.Tensor:
         self.bufs.fill(rows, bucket, self.page_size)
         seq_lens = tuple(r.seq_len for r in rows) + (1,) * (bucket - len(rows))
-        if self._model is not self.eager.model:
-            # Compiled: every row sized like the longest (the device seq_lens mask each row), else the
-            # compiled code is guarded on the order of the lengths and recompiles for a new order.
-            seq_lens = (max(seq_lens),) * bucket
+        compiled = self._compiled.get(bucket)
+        if compiled is not None:
+            # The attention's work spans at least the warm-up's two pages (the device seq_lens mask
+            # each row): one page would specialise the compiled step and compile again mid-serving.
+            seq_lens = tuple(max(n, COMPILED_MIN_PAGES * self.page_size) for n in seq_lens)
         meta = self.bufs.meta(bucket, self.page_size, seq_lens)
         captured = self._graphs.get(bucket)
         if captured is not None:
             self.eager.model.backend.prepare_graph_decode(meta)
             captured.graph.replay()
             return captured.logits[:len(rows)].clone()
-        return self._body(bucket, meta)[:len(rows)]
+        return self._body(bucket, meta, compiled)[:len(rows)]
 
     @torch.inference_mode()
-    def _body(self, bucket: int, meta: AttnMetadata) -> torch.Tensor:
-        _, logits = self._model(self.bufs.input_ids[:bucket], self.bufs.positions[:bucket], meta, self.eager.kv_cache)
+    def _body(self, bucket: int, meta: AttnMetadata, model: Callable | None = None) -> torch.Tensor:
+        model = self.eager.model if model is None else model
+        _, logits = model(self.bufs.input_ids[:bucket], self.bufs.positions[:bucket], meta, self.eager.kv_cache)
         return logits
 
     # ---- CPU compile -------------------------------------------------------------------------------
-    def _compile_all(self) -> None:
-        """`torch.compile` the forward and run it once per bucket over padding rows, so no request
-        waits for a compile. Padding reads and writes only scratch page 0."""
+    def _compile(self, bucket: int) -> None:
+        """`torch.compile` the forward for `bucket` and run it at start-up over padding rows (which
+        read and write only scratch page 0), so no request waits for a compile. The warm-up spans two
+        KV pages, the least a compiled replay plans for (with one, the page count would be specialised to
+1, and any other would compile again)."""
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "tandem" / "inductor"))
-        # Two pages of context: a one-page warm-up would specialise the page count to 1 and recompile later.
-        warm_len = (2 * self.page_size,)
-        self.bufs.fill([], 1, self.page_size)
-        self._body(1, self.bufs.meta(1, self.page_size, warm_len))  # eager once: lazy tables exist before tracing
-        self._model = torch.compile(self.eager.model, dynamic=True)
+        warm_lens = (COMPILED_MIN_PAGES * self.page_size,) * bucket
+        self.bufs.fill([], bucket, self.page_size)
+        self._body(bucket, self.bufs.meta(bucket, self.page_size, warm_lens))  # eager once: lazy tables exist
+        compiled = torch.compile(self.eager.model, dynamic=True)
+        log.info("compiling the CPU decode step for batch size %d (about a minute; cached for restarts) ...", bucket)
         start_s = time.perf_counter()
-        for i, bucket in enumerate(self.buckets, 1):
-            log.info("compiling the CPU decode step: batch size %d (%d of %d) ...", bucket, i, len(self.buckets))
-            self.bufs.fill([], bucket, self.page_size)
-            self._body(bucket, self.bufs.meta(bucket, self.page_size, warm_len * bucket))
-        log.info("compiled the CPU decode step for batch sizes %s in %.1f s", list(self.buckets),
-                 time.perf_counter() - start_s)
+        self._body(bucket, self.bufs.meta(bucket, self.page_size, warm_lens), compiled)
+        self._compiled[bucket] = compiled
+        log.info("compiled the CPU decode step for batch size %d in %.1f s", bucket, time.perf_counter() - start_s)
 
     # ---- CUDA capture ------------------------------------------------------------------------------
     def _capture_all(self) -> None:

@@ -144,23 +144,41 @@ def test_cpu_compiled_replays_give_hf_greedy_output_with_no_compile_after_start_
     import torch._dynamo
 
     _, ref, _ = tiny_models()
-    prompts = make_prompts(3, seed=4)
+    # the batch shrinks 3 -> 2 -> 1, so every bucket replays; the last request runs alone from inside
+    # its first page (4 tokens), a page count the warm-up (2 pages) did not see
+    prompts = [*make_prompts(3, seed=4), [7]]
+    max_tokens = [14, 9, 4, 6]
     torch._dynamo.reset()
     engine = make_engine(cuda_graph=True, cpu_compile=True, max_running_requests=3, graph_batch_sizes=(1, 2, 3))
     try:
-        compiled = engine.runner._model
-        assert compiled is not engine.runner.eager.model  # the compiled forward runs the replays
+        # bucket 1 (where compiling pays on a CPU) replays through the compiled forward; 2 and 3 eagerly
+        assert set(engine.runner._compiled) == {1}
         frames_after_warm_up = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        reqs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-        assert [r.output_token_ids for r in reqs] == [hf_greedy(ref, p, 12) for p in prompts]
+        compiled_calls = _count_calls(engine.runner, 1)
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+        reqs = engine.generate(prompts[:3], params[:3]) + engine.generate(prompts[3:], params[3:])
+        assert [r.output_token_ids for r in reqs] == [hf_greedy(ref, p, n) for p, n in zip(prompts, max_tokens)]
         c = engine.runner.counters
-        assert c.replays >= 11 and set(c.fallbacks) == {Fallback.NOT_DECODE}
+        assert c.replays >= 18 and set(c.fallbacks) == {Fallback.NOT_DECODE}
+        assert compiled_calls() >= 10  # the single-row tail of the longest request, and the lone one
         # the start-up warm-up compiled what decode needed: no graph was compiled while serving
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames_after_warm_up
         engine.check_integrity()
     finally:
         engine.close()
         torch._dynamo.reset()
+
+
+def _count_calls(runner, bucket: int):
+    """Wraps the compiled forward of `bucket`; returns a function giving how often it ran."""
+    compiled, calls = runner._compiled[bucket], []
+
+    def counting(*args):
+        calls.append(1)
+        return compiled(*args)
+
+    runner._compiled[bucket] = counting
+    return lambda: len(calls)
 
 
 class _Relocator:

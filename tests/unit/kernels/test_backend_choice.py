@@ -9,6 +9,8 @@ attention from the CSR they are given as FlashInfer documents it, against the to
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import sys
 import types
@@ -164,7 +166,7 @@ def test_csr_of_capacity_lengths_lists_whole_rows_padding_included():
     """A capture's metadata: seq_lens_cpu is the table's capacity while the device lengths are 1, so
     every column is listed (the captured plan's shape); the device tensors are not read."""
     meta, _ = build_attn_metadata(16, [1, 1], [1, 1], [[4, 0, 0], [0, 0, 0]], [0, 1], "cpu", allow_scratch_page=True)
-    capacity = type(meta)(**{**vars(meta), "seq_lens_cpu": (48, 48)})
+    capacity = dataclasses.replace(meta, seq_lens_cpu=(48, 48))
     assert_csr(capacity, ([0, 1, 2], [0, 3, 6], [4, 0, 0, 0, 0, 0], [16, 16]))
 
 
@@ -177,7 +179,7 @@ def test_csr_of_empty_steps():
 
 def test_csr_rejects_lengths_the_table_cannot_hold():
     meta, _ = build_attn_metadata(4, [1], [4], [[6]], [0], "cpu")
-    too_long = type(meta)(**{**vars(meta), "seq_lens_cpu": (5,)})
+    too_long = dataclasses.replace(meta, seq_lens_cpu=(5,))
     with pytest.raises(AssertionError, match=r"need 2 pages but page_table has 1 columns"):
         paged_kv_index_no_sync(too_long)
 
@@ -337,7 +339,7 @@ def test_graph_decode_plans_fixed_buffers_and_replans_when_lengths_change(fake_f
     run_layers(backend, meta, k_cache.clone(), v_cache.clone(), q, k, v, layers=1)  # warm-up: learns the shape
     table = torch.zeros(3, width, dtype=torch.int64)
     table[:, : meta.page_table.shape[1]] = meta.page_table
-    static = type(meta)(**{**vars(meta), "page_table": table, "seq_lens_cpu": (width * page_size,) * 3})
+    static = dataclasses.replace(meta, page_table=table, seq_lens_cpu=(width * page_size,) * 3)
     backend.prepare_graph_decode(static)
     graph = fake_flashinfer.log[-1]
     assert graph.use_cuda_graph and [len(b) for b in graph.buffers] == [4, 3 * width, 3]
@@ -349,7 +351,7 @@ def test_graph_decode_plans_fixed_buffers_and_replans_when_lengths_change(fake_f
         table[:, : step[0].page_table.shape[1]] = step[0].page_table
         for name in ("seq_lens", "slot_mapping"):
             getattr(static, name).copy_(getattr(step[0], name))
-        replay = type(meta)(**{**vars(static), "seq_lens_cpu": step[0].seq_lens_cpu})
+        replay = dataclasses.replace(static, seq_lens_cpu=step[0].seq_lens_cpu)
         backend.prepare_graph_decode(replay)
         assert_matches_torch(backend, (replay, *step[1:]))
     assert graph.plans == 3 and graph.runs == 6

@@ -113,7 +113,7 @@ class PageCopier:
         overlap = self._stream is not None and dst_dev.type == "cuda"
         for layer in range(len(src_kv.k)):
             for src, dst in ((src_kv.k[layer], dst_kv.k[layer]), (src_kv.v[layer], dst_kv.v[layer])):
-                rows = _gather(src, src_idx)  # [n, page_size, num_kv_heads, head_dim]
+                rows = _gather(src, src_idx, pinned=overlap and src.is_pinned())  # [n, page_size, kvh, hd]
                 _scatter(dst, dst_idx, rows.to(dst_dev, non_blocking=overlap))
             if self._stream is not None:
                 event = torch.cuda.Event()
@@ -133,11 +133,16 @@ def _byte_rows(t: torch.Tensor) -> np.ndarray:
     return t.view(t.shape[0], -1).view(torch.uint8).numpy()
 
 
-def _gather(t: torch.Tensor, index) -> torch.Tensor:
-    """Pages `index` of `t` (a new tensor)."""
+def _gather(t: torch.Tensor, index, pinned: bool = False) -> torch.Tensor:
+    """Pages `index` of `t` (a new tensor). `pinned` (a host `t` bound for the device): the pages land
+    in pinned memory, so the copy to the device that follows is asynchronous and at pinned bandwidth
+    (from pageable memory it would be staged and block this thread); torch's caching host allocator
+    reuses the buffer only once that copy has completed."""
     if t.device.type != "cpu":
         return t.index_select(0, index)
-    return torch.from_numpy(_byte_rows(t)[index]).view(t.dtype).view(len(index), *t.shape[1:])
+    out = torch.empty((len(index), *t.shape[1:]), dtype=t.dtype, pin_memory=pinned)
+    np.take(_byte_rows(t), index, axis=0, out=_byte_rows(out))
+    return out
 
 
 def _scatter(t: torch.Tensor, index, rows: torch.Tensor) -> None:

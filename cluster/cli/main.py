@@ -61,6 +61,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                                                    "graph per attention backend, and HF generate"))
     _add_llamacpp_args(sub.add_parser("llamacpp", help="`tandem serve` vs llama.cpp's OpenAI server on the same fp32 "
                                                        "weights and threads: ITL, cold TTFT, concurrent tok/s"))
+    _add_h2d_args(sub.add_parser("h2d", help="host -> device KV tier loads (the page copier) vs a plain pinned copy_ "
+                                             "of the same bytes"))
 
 
 def _add_overload_args(p: argparse.ArgumentParser) -> None:
@@ -154,6 +156,21 @@ def _add_llamacpp_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
 
 
+def _add_h2d_args(p: argparse.ArgumentParser) -> None:
+    from cluster.config import DTYPES
+
+    p.add_argument("--device", default="cpu", help="the device pool's device (cuda on a GPU machine)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--pages", type=int, default=256, help="pages per load")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-layers", type=int, default=30, help="default: SmolLM2-135M's KV layout")
+    p.add_argument("--num-kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5, help="loads of each kind, alternating; the best counts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write the result as JSON to FILE")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -207,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.llamacpp import bench_llamacpp
 
             return bench_llamacpp(args)
+        if args.bench == "h2d":
+            from cluster.bench.h2d import bench_h2d
+
+            return bench_h2d(args)
         from cluster.bench.offline import bench_offline
 
         return bench_offline(args)

@@ -2,7 +2,9 @@
 
 llama.cpp runs as llama-cpp-python's server (`python -m llama_cpp.server`), a bench-only tool that is
 not a tandem dependency (README: how to install it). The two servers run one after the other, never
-both loaded at once, on the same thread count (`--threads`: llama.cpp's `n_threads` and
+both loaded at once (`--repeats N`: N rounds, in the order llama.cpp-tandem, then tandem-llama.cpp, ...,
+every figure taken over all rounds' samples together, since a shared host's speed can drift by 2x
+within an hour), on the same thread count (`--threads`: llama.cpp's `n_threads` and
 `n_threads_batch`, every tandem worker's `torch_threads`), and get the same requests over
 `/v1/completions`, greedy:
 
@@ -114,6 +116,19 @@ class SystemRun:
     ttft: tuple[StreamResult, ...]
     concurrent_elapsed_s: float
     concurrent_output_tokens: int
+
+
+def merge_runs(runs: list[SystemRun]) -> SystemRun:
+    """One system's rounds as one run: every stream of every round, the concurrency runs' tokens and
+    seconds summed (so its tok/s is total tokens / total time, not a mean of rates)."""
+    return SystemRun(runs[0].system, tuple(r for run in runs for r in run.itl), tuple(r for run in runs for r in run.ttft),
+                     sum(run.concurrent_elapsed_s for run in runs), sum(run.concurrent_output_tokens for run in runs))
+
+
+def round_order(round_index: int) -> tuple[str, str]:
+    """Which server runs first in a round: llama.cpp, tandem, then tandem, llama.cpp, and so on (ABBA),
+    so a machine that drifts slower or faster over the run hits both alike."""
+    return SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
 
 
 # ---- the f32 GGUF --------------------------------------------------------------------------------
@@ -414,6 +429,8 @@ def bench_llamacpp(args: argparse.Namespace) -> int:
     from kernels.model.tokenizer import load_tokenizer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     spec = BenchSpec(args.threads, args.prompt_len, args.output_len, args.itl_runs, args.ttft_prompt_len,
                      args.ttft_runs, args.concurrency, args.num_requests, args.seed)
     model = load_config(tandem_serve_flags(args, spec.threads)).model
@@ -421,10 +438,15 @@ def bench_llamacpp(args: argparse.Namespace) -> int:
         raise ValueError(f"tandem serves {model!r}: pass --gguf with the same weights in f32 for llama.cpp")
     gguf_path = Path(args.gguf) if args.gguf else ensure_f32_gguf()
     prompts = make_prompts(spec, load_tokenizer(resolve_model_dir(model)))
-    log.info("llama.cpp (%s) first, then tandem serve; %d threads each", gguf_path.name, spec.threads)
-    runs = {"llama.cpp": run_llamacpp(gguf_path, prompts, spec, args)}
-    runs["tandem"] = run_tandem(prompts, spec, args)
-    summary = summarize(runs, spec)
+    log.info("llama.cpp (%s) and tandem serve, one after the other, %d round(s); %d threads each", gguf_path.name,
+             args.repeats, spec.threads)
+    rounds: dict[str, list[SystemRun]] = {name: [] for name in SYSTEMS}
+    for i in range(args.repeats):
+        for name in round_order(i):
+            run = run_llamacpp(gguf_path, prompts, spec, args) if name == "llama.cpp" else run_tandem(prompts, spec, args)
+            rounds[name].append(run)
+    summary = summarize({name: merge_runs(runs) for name, runs in rounds.items()}, spec)
+    summary["rounds"] = args.repeats
     print(format_table(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

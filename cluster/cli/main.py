@@ -149,6 +149,8 @@ def _add_llamacpp_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-runs", type=int, default=3, help="single streams, one at a time")
     p.add_argument("--ttft-prompt-len", type=int, default=1032, help="prompt tokens of the cold-TTFT requests")
     p.add_argument("--ttft-runs", type=int, default=3, help="cold-TTFT requests (fresh prompts), one at a time")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of both servers, alternating which goes first; "
+                                                          "figures over all rounds' samples")
     p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients of the throughput run")
     p.add_argument("--num-requests", type=int, default=32, help="requests of the throughput run")
     p.add_argument("--seed", type=int, default=0)

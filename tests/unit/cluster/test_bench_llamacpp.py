@@ -5,6 +5,8 @@ ratios against the targets, and the message when llama-cpp-python is missing. No
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -158,3 +160,41 @@ def test_missing_llama_cpp_says_how_to_install_it(monkeypatch, capsys):
     assert main(["bench", "llamacpp"]) == 2
     err = capsys.readouterr().err
     assert "cannot import llama_cpp" in err and "pip install 'llama-cpp-python[server]'" in err
+
+
+def test_repeated_rounds_alternate_which_server_goes_first_and_pool_every_sample(monkeypatch, tmp_path):
+    order = []
+
+    def fake_run(name: str, gap_ms: float, tokens: int):
+        def run(*args):
+            order.append(name)
+            streams = (_stream([gap_ms + len(order)], text=" same text"),)
+            return SystemRun(name, streams, (_stream([], ttft_s=len(order)),), 2.0, tokens)
+        return run
+
+    monkeypatch.setattr(bench, "missing_server_modules", lambda: [])
+    monkeypatch.setattr(bench, "ensure_f32_gguf", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr("kernels.model.loader.resolve_model_dir", lambda model: tmp_path)
+    monkeypatch.setattr("kernels.model.tokenizer.load_tokenizer", lambda path: None)
+    monkeypatch.setattr(bench, "make_prompts", lambda spec, tokenizer: None)
+    monkeypatch.setattr(bench, "run_llamacpp", fake_run("llama.cpp", 10, 100))
+    monkeypatch.setattr(bench, "run_tandem", fake_run("tandem", 20, 300))
+    out = tmp_path / "summary.json"
+    assert main(["bench", "llamacpp", "--repeats", "3", "--json", str(out)]) == 0
+
+    assert order == ["llama.cpp", "tandem", "tandem", "llama.cpp", "llama.cpp", "tandem"]
+    summary = json.loads(out.read_text())
+    theirs, ours = summary["systems"]["llama.cpp"], summary["systems"]["tandem"]
+    # gaps of every round pooled: llama.cpp ran as calls 1, 4, 5 -> 11, 14, 15 ms; tandem 2, 3, 6 -> 22, 23, 26
+    assert theirs["itl_num_gaps"] == ours["itl_num_gaps"] == 3
+    assert theirs["itl_p50_s"] == pytest.approx(0.014) and ours["itl_p50_s"] == pytest.approx(0.023)
+    assert theirs["ttft_all_s"] == [1, 4, 5] and ours["ttft_best_s"] == 2
+    assert theirs["concurrent_output_tokens_per_s"] == pytest.approx(300 / 6.0)  # total tokens / total seconds
+    assert ours["concurrent_output_tokens_per_s"] == pytest.approx(900 / 6.0)
+    assert summary["rounds"] == 3
+
+
+def test_repeats_below_one_are_refused(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "missing_server_modules", lambda: [])
+    assert main(["bench", "llamacpp", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err

@@ -235,8 +235,8 @@ class GraphRunner:
     def _compile(self, bucket: int) -> None:
         """`torch.compile` the forward for `bucket` and run it at start-up over padding rows (which
         read and write only scratch page 0), so no request waits for a compile. The warm-up spans two
-        KV pages, the least a compiled replay plans for (with one, the page count would be specialised to
-1, and any other would compile again)."""
+        KV pages, the least a compiled replay plans for (with one, the page count would be specialised
+        to 1, and any other would compile again)."""
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "tandem" / "inductor"))
         warm_lens = (COMPILED_MIN_PAGES * self.page_size,) * bucket
         self.bufs.fill([], bucket, self.page_size)

@@ -127,16 +127,31 @@ class LlamaForCausalLM(nn.Module):
         """Returns final-normed hidden ``[T, hidden]`` (model dtype) and float32 logits
         ``[num_logits, vocab]`` for rows ``meta.logits_indices``. Mutates ``kv_cache`` at
         ``meta.slot_mapping`` in every layer; nothing else."""
+        hidden, logits, _ = self.forward_with_aux(input_ids, positions, meta, kv_cache, ())
+        return hidden, logits
+
+    @torch.no_grad()
+    def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                         kv_cache: KVCacheTensors, aux_layer_ids: tuple[int, ...]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`forward`, plus the hidden states entering layers `aux_layer_ids` (each the previous layer's
+        output; layer 0's is the embedding), concatenated in that order: ``[T, len(ids) * hidden]``,
+        or None for no ids. EAGLE-3 draft heads read them (`kernels/model/eagle.py`)."""
         assert kv_cache.num_layers == self.arch.num_layers, (
             f"KV cache has {kv_cache.num_layers} layers, model {self.arch.num_layers}: cache built for another model?"
         )
+        assert all(0 <= i < self.arch.num_layers for i in aux_layer_ids), f"aux layers {aux_layer_ids} out of range"
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, hd] each; sin signed for apply_rotary
-        for layer, k_cache, v_cache in zip(self.model.layers, kv_cache.k, kv_cache.v):
+        entering: dict[int, torch.Tensor] = {}
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.model.layers, kv_cache.k, kv_cache.v)):
+            if i in aux_layer_ids:
+                entering[i] = x
             x = layer(x, cos, sin, meta, k_cache, v_cache)
         hidden = self.model.norm(x)  # [T, hidden]
         logits = self.lm_head(hidden[meta.logits_indices]).float()  # [num_logits, vocab]
-        return hidden, logits
+        aux = torch.cat([entering[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        return hidden, logits, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` final-normed states -> float32 ``[N, vocab]`` (for spec-decode heads)."""

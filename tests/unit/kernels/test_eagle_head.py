@@ -173,3 +173,18 @@ def test_checkpoints_that_do_not_fit_the_target_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 4096}))
     with pytest.raises(ValueError, match="draft hidden size 4096"):
         load_eagle_checkpoint(tmp_path, arch, target.model.embed_tokens, target.lm_head)
+
+
+def test_aux_hidden_states_are_those_entering_the_layers_as_hf_reports_them():
+    target, hf_target, arch = tiny_models()
+    ids = torch.randint(3, arch.vocab_size, (9,), generator=torch.Generator().manual_seed(2))
+    kv = KVCacheTensors.allocate(arch.num_layers, 8, PAGE_SIZE, arch.num_kv_heads, arch.head_dim, torch.float32, "cpu")
+    meta, positions = build_attn_metadata(PAGE_SIZE, [9], [9], [[4, 1, 6]], [8], "cpu")
+    hidden, logits, aux = target.forward_with_aux(ids, positions, meta, kv, (1, 0))
+    with torch.no_grad():
+        ref = hf_target(ids[None], output_hidden_states=True)
+    # HF's hidden_states[i] is what enters layer i (index 0: the embeddings)
+    torch.testing.assert_close(aux, torch.cat((ref.hidden_states[1][0], ref.hidden_states[0][0]), -1),
+                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(logits, ref.logits[0, -1:].float(), atol=1e-4, rtol=1e-4)
+    assert target.forward_with_aux(ids, positions, meta, kv, ())[2] is None

@@ -3,9 +3,12 @@
     split_plans   job i goes to client i mod N; each client gets rate / N (N independent Poisson
                   streams of rate / N add up to one of the full rate; gamma streams only approximately)
                   and its share of --max-concurrency; arrival seeds differ per client
-    RayClients    one actor per client, round-robin over the alive nodes with room for one (node
-                  affinity, soft: a node without a free CPU at the time gives its client to another;
-                  Ray's SPREAD strategy is only best effort: it put 2 clients on one of 3 nodes),
+    RayClients    one actor per client, round-robin over the alive nodes that take work (advertise
+                  CPUs) and have `client_cpus` of them, by hard node affinity (with a soft one, a
+                  client meant for a node whose CPUs tandem's workers had all reserved went to
+                  another node, and Ray's SPREAD is only best effort: both put 2 clients on one
+                  node of 3); a node that
+                  cannot host its client within PLACE_TIMEOUT_S fails the run, naming --client-cpus;
                   started together at one wall-clock instant; each returns its raw samples (`ClientRun`)
     merge_runs    every sample once, moved onto one time axis by its client's wall-clock start, in job
                   order; statistics are then computed from the merged raw samples (metrics.py), never
@@ -113,8 +116,12 @@ class RayClients:
             actor_class = ray.remote(num_cpus=self.client_cpus, max_restarts=0)(LoadClientActor)
             node_ids = client_node_ids(ray.nodes(), self.client_cpus)
             self.actors = [actor_class.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-                node_ids[k % len(node_ids)], soft=True)).remote() for k in range(self.num_clients)]
-            self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=PLACE_TIMEOUT_S)
+                node_ids[k % len(node_ids)], soft=False)).remote() for k in range(self.num_clients)]
+            try:
+                self.nodes = ray.get([a.node.remote() for a in self.actors], timeout=PLACE_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(f"the load clients were not all placed within {PLACE_TIMEOUT_S:.0f} s: a chosen "
+                                   f"node has no {self.client_cpus} free CPUs now (lower --client-cpus)") from None
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -144,12 +151,13 @@ class RayClients:
 
 
 def client_node_ids(nodes: list[dict], client_cpus: float) -> list[str]:
-    """The alive nodes (from `ray.nodes()`) with at least `client_cpus` CPUs, in address order: client
-    k goes to node k mod their number."""
+    """The alive nodes (from `ray.nodes()`) that take work and have at least `client_cpus` CPUs, in
+    address order: client k goes to node k mod their number. A node advertising no CPU takes no work
+    (a head started with num-cpus 0, as KubeRay's is): even a 0-CPU client is not sent there."""
     fit = sorted((n["NodeManagerAddress"], n["NodeID"]) for n in nodes
-                 if n["Alive"] and n["Resources"].get("CPU", 0.0) >= client_cpus)
+                 if n["Alive"] and n["Resources"].get("CPU", 0.0) > 0 and n["Resources"]["CPU"] >= client_cpus)
     if not fit:
-        raise RuntimeError(f"no alive Ray node has {client_cpus} CPUs for a load client (--client-cpus)")
+        raise RuntimeError(f"no alive Ray node takes work with {client_cpus} CPUs for a load client (--client-cpus)")
     return [node_id for _, node_id in fit]
 
 

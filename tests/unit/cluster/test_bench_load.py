@@ -285,8 +285,9 @@ def test_clients_go_round_robin_over_the_alive_nodes_with_room():
 
     nodes = [node("127.0.0.3", 1), node("127.0.0.1", 0), node("127.0.0.2", 4), node("127.0.0.4", 8, alive=False)]
     assert client_node_ids(nodes, 1.0) == ["id-127.0.0.2", "id-127.0.0.3"]
-    assert client_node_ids(nodes, 0.0) == ["id-127.0.0.1", "id-127.0.0.2", "id-127.0.0.3"]
-    with pytest.raises(RuntimeError, match="no alive Ray node has 6"):
+    # a node with no CPU (a head started with num-cpus 0) gets no client, not even one asking for none
+    assert client_node_ids(nodes, 0.0) == ["id-127.0.0.2", "id-127.0.0.3"]
+    with pytest.raises(RuntimeError, match="no alive Ray node takes work with 6"):
         client_node_ids(nodes, 6)
 
 

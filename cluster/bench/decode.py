@@ -203,10 +203,10 @@ def _prefill(engine: EngineCore, reqs: list[Request], max_steps: int) -> None:
 def _decode_step(engine: EngineCore, reqs: list[Request]) -> float:
     """One engine step, timed; raises unless it gave every request exactly one token."""
     before = [len(r.output_token_ids) for r in reqs]
-    _sync(engine.device)
+    sync_device(engine.device)
     start_s = time.perf_counter()
     engine.step()
-    _sync(engine.device)
+    sync_device(engine.device)
     elapsed_s = time.perf_counter() - start_s
     got = [len(r.output_token_ids) - n for r, n in zip(reqs, before)]
     if got != [1] * len(reqs) or any(r.status is not RequestStatus.RUNNING for r in reqs):
@@ -221,7 +221,7 @@ def _reasons(fallbacks: Counter) -> dict[str, int]:
     return dict(sorted(named.items()))
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -234,7 +234,7 @@ class _TokenClock:
         self.device, self.stamps_s = device, []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        _sync(self.device)
+        sync_device(self.device)
         self.stamps_s.append(time.perf_counter())
         return scores
 

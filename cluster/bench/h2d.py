@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from cluster.bench.decode import sync_device
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors
 from kv_store.copier import Direction, PageCopier
 from kv_store.hicache import host_tensors
@@ -72,11 +73,6 @@ def _tiers(spec: H2DSpec) -> tuple[KVCacheTensors, KVCacheTensors]:
     return device, host
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_copier(copier: PageCopier, src_pages: list[int], dst_pages: list[int]) -> float:
     """Seconds of one TO_DEVICE job, submit to done (the copier synchronises its stream)."""
     start = time.perf_counter()
@@ -91,11 +87,11 @@ def time_copier(copier: PageCopier, src_pages: list[int], dst_pages: list[int]) 
 def time_plain_copy(device: KVCacheTensors, host: KVCacheTensors, num_pages: int) -> float:
     """Seconds to move pages [1, num_pages + 1) of every layer tensor with one `copy_` each."""
     dev = device.k[0].device
-    _sync(dev)
+    sync_device(dev)
     start = time.perf_counter()
     for dst, src in zip((*device.k, *device.v), (*host.k, *host.v)):
         dst[1:num_pages + 1].copy_(src[1:num_pages + 1], non_blocking=True)
-    _sync(dev)
+    sync_device(dev)
     return time.perf_counter() - start
 
 

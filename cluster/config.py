@@ -13,6 +13,7 @@ from dataclasses import dataclass
 DTYPES = ("float32", "bfloat16", "float16")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+SPECULATIVE_METHODS = ("none", "eagle")
 """`auto` and the names of `kernels.attention.BACKEND_NAMES` (this module imports nothing of tandem's)."""
 
 
@@ -165,6 +166,19 @@ class EngineConfig:
     `capacity_tokens` summed), in [0, 1]; 0 refuses every session."""
     debug_kv: bool = False
     """Check KV integrity after every scheduler step (also set by TANDEM_DEBUG_KV=1)."""
+    speculative: str = "none"
+    """`none`, or `eagle`: an EAGLE draft head proposes `num_draft_tokens` tokens a step and the
+    target verifies them in one forward (docs/design.md §6); the output is what `none` would give."""
+    draft_model: str = ""
+    """The draft head's directory (published EAGLE-1/2 or EAGLE-3 layout, or one `tandem train-eagle`
+    wrote); "" with `eagle`: the head `tandem train-eagle` cached for `model`, resolved where the
+    model is loaded."""
+    num_draft_tokens: int = 3
+    """Draft tokens proposed per request per step (the chain length k), in [1, 16]."""
+    speculative_max_batch: int = 8
+    """Requests drafted for only while the running batch has at most this many: above it a verify
+    costs more than the drafts save (measured, docs/design.md §6); the draft head's KV is kept
+    current either way, so speculation resumes when the batch shrinks."""
 
     def __post_init__(self):
         require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
@@ -187,6 +201,12 @@ class EngineConfig:
         require(self.write_through_hits >= 1, f"write_through_hits must be >= 1, got {self.write_through_hits}")
         require(all(isinstance(s, int) and s >= 1 for s in self.graph_batch_sizes),
                  f"graph_batch_sizes must be positive integers, got {self.graph_batch_sizes}")
+        require(self.speculative in SPECULATIVE_METHODS,
+                f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        require(_is_int(self.num_draft_tokens) and 1 <= self.num_draft_tokens <= 16,
+                f"num_draft_tokens must be an integer in [1, 16], got {self.num_draft_tokens!r}")
+        require(_is_int(self.speculative_max_batch) and self.speculative_max_batch >= 0,
+                f"speculative_max_batch must be an integer >= 0, got {self.speculative_max_batch!r}")
         require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len}")
 

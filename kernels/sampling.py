@@ -12,11 +12,14 @@ import torch
 from cluster.config import GREEDY_TEMPERATURE_BELOW
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive steps over the seed space
+_STREAM = 0xD1B54A32D192ED03  # another odd constant: streams of one (seed, step) apart
 
 
-def _row_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+def row_generator(seed: int, step: int, device: torch.device, stream: int = 0) -> torch.Generator:
+    """The generator of a request's draws at output position `step`. `stream` keeps apart draws made
+    for different purposes at one position (the sampler 0; speculative drafts and verification others)."""
     g = torch.Generator(device=device)
-    g.manual_seed((seed * _MIX + step) % (2**63 - 1))
+    g.manual_seed((seed * _MIX + step + stream * _STREAM) % (2**63 - 1))
     return g
 
 
@@ -57,6 +60,16 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], t
     top_p = torch.tensor([top_ps[b] for b in rows], dtype=torch.float32, device=dev)
     probs = _filter_top_k_top_p(logits[idx].float() / temp, top_k, top_p).softmax(dim=-1)  # [R, V]
     noise = torch.stack([torch.empty(logits.shape[-1], device=dev).exponential_(
-        generator=_row_generator(seeds[b], steps[b], dev)) for b in rows])  # [R, V]
+        generator=row_generator(seeds[b], steps[b], dev)) for b in rows])  # [R, V]
     tokens[idx] = (probs / noise).argmax(dim=-1)
     return tokens
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution `sample` draws one request's token from, for each row of `logits` [N, V]:
+    softmax(logits / temperature) restricted to top-k and the top-p nucleus. float32 [N, V]."""
+    n, vocab = logits.shape
+    dev = logits.device
+    top_k_t = torch.full((n,), min(top_k, vocab), dtype=torch.int64, device=dev)
+    top_p_t = torch.full((n,), top_p, dtype=torch.float32, device=dev)
+    return _filter_top_k_top_p(logits.float() / temperature, top_k_t, top_p_t).softmax(dim=-1)

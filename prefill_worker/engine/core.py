@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -40,10 +41,13 @@ from kv_store.req_kv import KVManager
 from prefill_worker.engine.connector import KVConnector, NullConnector
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 from prefill_worker.engine.graph_runner import GraphRunner
-from prefill_worker.engine.runner import ModelRunner
+from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
 from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
 from prefill_worker.engine.sessions import NullSessions, SessionError, SessionManager
+from prefill_worker.engine.speculator import Committed, load_draft_head, make_speculator
 from prefill_worker.engine.stop import StopRules
+
+log = logging.getLogger("tandem.engine")
 
 IDLE_COPY_WAIT_S = 0.005
 """A step that scheduled nothing while tier copies are in flight waits this long for one to land."""
@@ -84,15 +88,25 @@ class EngineCore:
     """Continuous-batching engine over one paged KV pool. Not thread-safe: one caller drives `step`."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None,
-                 eos_token_ids: Sequence[int] = (), connector: KVConnector | None = None, l3: L3Config | None = None):
+                 eos_token_ids: Sequence[int] = (), connector: KVConnector | None = None, l3: L3Config | None = None,
+                 draft_head: torch.nn.Module | None = None):
+        """`draft_head`: the EAGLE head when `config.speculative` is `eagle` (None: loaded from
+        `config.draft_model`)."""
         dtype = TORCH_DTYPES[config.dtype]
-        layout = kv_layout(arch.num_layers, config.page_size, arch.num_kv_heads, arch.head_dim, config.dtype)
-        self.config = config.resolve(layout.page_bytes, arch.max_position_embeddings)
         self.device = torch.device(config.device)
+        if config.speculative != "none" and draft_head is None:
+            draft_head = load_draft_head(config, model, arch)
+        self.speculator = make_speculator(config, draft_head, self.device)
+        num_layers = arch.num_layers + self.speculator.num_kv_layers  # the draft head's KV: the last layer
+        layout = kv_layout(num_layers, config.page_size, arch.num_kv_heads, arch.head_dim, config.dtype)
+        self.config = config.resolve(layout.page_bytes, arch.max_position_embeddings)
         self.model, self.arch, self.tokenizer = model, arch, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache = KVCacheTensors.allocate(arch.num_layers, self.config.num_pages, config.page_size,
+        self.kv_cache = KVCacheTensors.allocate(num_layers, self.config.num_pages, config.page_size,
                                                 arch.num_kv_heads, arch.head_dim, dtype, self.device)
+        target_kv = KVCacheTensors(self.kv_cache.k[:arch.num_layers], self.kv_cache.v[:arch.num_layers])
+        if self.speculator.num_kv_layers:
+            self.speculator.attach(KVCacheTensors(self.kv_cache.k[arch.num_layers:], self.kv_cache.v[arch.num_layers:]))
         self.device_pool = DevicePool(self.kv_cache)
         pool = self.device_pool.pages
         cache = RadixPrefixCache(pool) if config.enable_prefix_cache else NullPrefixCache(pool)
@@ -104,7 +118,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.kvm, can_retract=self.connector.can_retract,
                                    host_cache=self.host_cache, sessions=self.sessions,
                                    relocation_version=lambda: self.device_pool.relocation_version)
-        self.runner = GraphRunner(ModelRunner(model, self.kv_cache, config.page_size, self.device), self.device_pool,
+        eager = ModelRunner(model, target_kv, config.page_size, self.device, self.speculator.aux_layer_ids)
+        self.runner = GraphRunner(eager, self.device_pool,
                                   self.config.max_running_requests, self.config.max_model_len,
                                   enabled=self.config.cuda_graph, sizes=self.config.graph_batch_sizes,
                                   loads_in_flight=self._loads_in_flight, cpu_compile=self.config.cpu_compile)
@@ -214,11 +229,9 @@ class EngineCore:
         self.num_retractions += len(scheduled.retracted)
         outputs = []
         if scheduled.rows:
-            scheduled, logits, outputs = self._forward(scheduled)
+            scheduled, out, outputs = self._forward(scheduled)
             if scheduled.rows:
-                self.scheduler.commit(scheduled)
-                self.connector.after_commit(scheduled)
-                outputs += self._sample_and_stop(scheduled, logits)
+                outputs += self._emit(scheduled, out)
         return bool(scheduled.rows), outputs
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -291,45 +304,107 @@ class EngineCore:
     def _loads_in_flight(self) -> frozenset:
         return self.connector.loads_in_flight() | self.host_cache.loads_in_flight()
 
-    def _forward(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, torch.Tensor, list[StepOutput]]:
-        """(the step without the rows that failed, its logits, outputs of the requests failed)."""
+    def _forward(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, ForwardOut, list[StepOutput]]:
+        """(the step without the rows that failed, its forward's output, outputs of the requests failed)."""
         try:
-            logits = self.runner.run(scheduled)
+            out = self.runner.run(scheduled)
         except Exception:  # noqa: BLE001 - blame the row(s) that raise alone
             return self._forward_row_by_row(scheduled)
-        return scheduled, logits, []
+        return scheduled, out, []
 
-    def _forward_row_by_row(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, torch.Tensor, list[StepOutput]]:
+    def _forward_row_by_row(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, ForwardOut, list[StepOutput]]:
         """Each row alone: a row writes only its own request's uncommitted KV slots, so running the rows
         one by one computes what the batch would have. Rows that raise alone fail their request."""
         kept = ScheduledStep(relocation_version=scheduled.relocation_version,
                              loads_in_flight=scheduled.loads_in_flight)
-        logits, outputs = [], []
+        parts, outputs = [], []
         for req, row in zip(scheduled.requests, scheduled.rows):
             try:
-                row_logits = self.runner.forward([row])  # [1 or 0, vocab]
+                parts.append(self.runner.forward([row]))
             except Exception as exc:  # noqa: BLE001
                 outputs += self._fail_request(req, internal_error(req.request_id, exc, "the forward pass"))
                 continue
             kept.requests.append(req)
             kept.rows.append(row)
-            logits.append(row_logits)
         if not kept.rows:
             self.runner.probe()  # raises (ending the worker's loop) when no forward pass can run at all
         self.check_integrity()  # the failed requests' KV went back cleanly, or the worker must stop
-        return kept, torch.cat(logits) if logits else torch.empty(0), outputs
+        empty = torch.empty(0)
+        return kept, ForwardOut.cat(parts) if parts else ForwardOut(empty, empty, None), outputs
 
-    def _sample_and_stop(self, scheduled: ScheduledStep, logits: torch.Tensor) -> list[StepOutput]:
-        reqs = [req for req, row in zip(scheduled.requests, scheduled.rows) if row.wants_logits]
-        outputs = []
-        for req, token in zip(reqs, self._sample_rows(reqs, logits)):
+    def _emit(self, scheduled: ScheduledStep, out: ForwardOut) -> list[StepOutput]:
+        """Each row's tokens (sampled, or its verified drafts), stop rules applied token by token; then
+        the KV they leave valid is committed (rejected drafts' pages freed), the draft head catches up
+        over it, finished requests end, and the speculator drafts for the next step."""
+        kept = ScheduledStep(relocation_version=scheduled.relocation_version,
+                             loads_in_flight=scheduled.loads_in_flight)
+        committed, emitted, outputs, feature_row = [], [], [], 0
+        for req, row, tokens in zip(scheduled.requests, scheduled.rows, self._row_tokens(scheduled, out.logits)):
+            first, feature_row = feature_row, feature_row + len(row.token_ids)
             try:
-                if isinstance(token, Exception):
-                    raise token
-                outputs.append(self._advance(req, token))
+                if isinstance(tokens, Exception):
+                    raise tokens
+                applied, reason = _apply_stop_rules(req, tokens)
             except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going
                 outputs += self._fail_request(req, internal_error(req.request_id, exc, "sampling and stop rules"))
+                continue
+            start = req.kv.kv_committed_len
+            committed.append(Committed(req, start, self._commit(req, row, len(applied)), first))
+            kept.requests.append(req)
+            kept.rows.append(row)
+            if row.num_logits:
+                emitted.append((req, applied, reason))
+        self._speculate(lambda: self.speculator.catch_up(committed, out.hidden, out.aux))
+        self.connector.after_commit(kept)
+        for req, applied, reason in emitted:
+            if reason is not None:
+                self._on_finished(req, reason)
+            outputs.append(step_output(req, applied, reason))
+        self._speculate(lambda: self.speculator.draft(self.scheduler.running, self.kvm,
+                                                      self.scheduler.max_request_tokens()))
         return outputs
+
+    def _row_tokens(self, scheduled: ScheduledStep, logits: torch.Tensor) -> list[list[int] | Exception | None]:
+        """Per row: the tokens it emits before stop rules, None for a row without logits (a prefill
+        chunk), or the exception that fails its request. Plain rows are sampled as one batch; a
+        verify row's drafts are verified by the speculator."""
+        tokens: list = [None] * len(scheduled.rows)
+        plain, plain_at, at = [], [], 0
+        for i, (req, row) in enumerate(zip(scheduled.requests, scheduled.rows)):
+            if row.num_draft_tokens:
+                try:
+                    tokens[i] = self.speculator.verify(req, logits[at:at + row.num_logits])
+                except Exception as exc:  # noqa: BLE001 - returned: the caller fails this request alone
+                    tokens[i] = exc
+            elif row.num_logits:
+                plain.append(i)
+                plain_at.append(at)
+            at += row.num_logits
+        rows = logits if len(plain_at) == logits.shape[0] else logits[plain_at]
+        for i, token in zip(plain, self._sample_rows([scheduled.requests[i] for i in plain], rows)):
+            tokens[i] = token if isinstance(token, Exception) else [token]
+        return tokens
+
+    def _commit(self, req: Request, row: ForwardRow, num_emitted: int) -> int:
+        """Commit the KV `row` left valid and return its end: all of it, or for a verify row the last
+        token and the drafts accepted before a stop (`num_emitted` tokens emitted); the pages past
+        that end go back through `free_tail` (ceil-aligned)."""
+        end = row.seq_len - row.num_logits + num_emitted if row.num_draft_tokens else row.seq_len
+        self.kvm.commit(req.kv, end)
+        if req.kv.kv_allocated_len > end:
+            self.kvm.free_tail(req.kv, end)
+        return end
+
+    def _speculate(self, action: Callable[[], None]) -> None:
+        """A draft head's fault costs speed, never output: drafts are dropped (verification would
+        have rejected bad ones anyway) and the fault is counted and logged."""
+        try:
+            action()
+        except Exception:  # noqa: BLE001
+            self.speculator.counters.draft_errors += 1
+            log.exception("the draft head failed; this step's drafts are dropped")
+            for req in self.scheduler.running:
+                req.clear_draft()
 
     def _sample_rows(self, reqs: list[Request], logits: torch.Tensor) -> list[int | Exception]:
         """One token per request, or the exception its row raised. The batch is sampled at once; only
@@ -350,13 +425,6 @@ class EngineCore:
         return sample(logits, [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
                       [r.params.top_p for r in reqs], [r.sample_seed for r in reqs],
                       [len(r.output_token_ids) for r in reqs]).tolist()
-
-    def _advance(self, req: Request, token: int) -> StepOutput:
-        req.output_token_ids.append(token)
-        reason = req.stop_rules.check(req.output_token_ids, req.num_tokens)
-        if reason is not None:
-            self._on_finished(req, reason)
-        return step_output(req, [token], reason)
 
     def _on_finished(self, req: Request, reason: FinishReason) -> None:
         """`req` produced its last token: the release path, unless the connector holds its KV on."""
@@ -381,6 +449,19 @@ class EngineCore:
             self.kvm.check_integrity()
         if self.debug_kv or not self.busy():
             self.connector.check_integrity()
+
+
+def _apply_stop_rules(req: Request, tokens: list[int] | None) -> tuple[list[int], FinishReason | None]:
+    """Append `tokens` to `req`'s output one by one until a stop rule ends it; returns those appended
+    and the reason it ended (None: still running). None tokens: a prefill chunk, nothing to append."""
+    applied = []
+    for token in tokens or ():
+        req.output_token_ids.append(token)
+        applied.append(token)
+        reason = req.stop_rules.check(req.output_token_ids, req.num_tokens)
+        if reason is not None:
+            return applied, reason
+    return applied, None
 
 
 def _host_cache(config: EngineConfig, tree, device_pool: DevicePool, l3: L3Config | None,

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.attention.metadata import AttnMetadata
-from prefill_worker.engine.runner import ForwardRow, ModelRunner
+from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
 
 if TYPE_CHECKING:
     from kv_store.device_pool import DevicePool
@@ -144,7 +144,7 @@ class StaticBuffers:
 @dataclass
 class _Captured:
     graph: object  # torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket, vocab], written by each replay
+    out: ForwardOut  # logits [bucket, vocab], hidden [bucket, h] (aux): written by each replay
 
 
 class GraphRunner:
@@ -172,8 +172,8 @@ class GraphRunner:
             self._compile(COMPILED_CPU_BUCKET)
 
     # ---- the step ----------------------------------------------------------------------------------
-    def run(self, step: ScheduledStep) -> torch.Tensor:
-        """Logits [rows wanting them, vocab] of `step` (its rows refreshed when the pool relocated)."""
+    def run(self, step: ScheduledStep) -> ForwardOut:
+        """`step`'s forward (its rows refreshed when the pool relocated)."""
         reason, bucket = self._gate(step)
         if reason is None:
             self.counters.replays += 1
@@ -183,7 +183,7 @@ class GraphRunner:
             step.refresh_rows(self.pool.relocation_version)
         return self.eager.forward(step.rows)
 
-    def forward(self, rows: list[ForwardRow]) -> torch.Tensor:
+    def forward(self, rows: list[ForwardRow]) -> ForwardOut:
         """An eager step, ungated (a failed batch retried row by row)."""
         return self.eager.forward(rows)
 
@@ -209,7 +209,7 @@ class GraphRunner:
                 return Fallback.LOAD_IN_FLIGHT, 0
         return None, bucket
 
-    def _replay(self, rows: list[ForwardRow], bucket: int) -> torch.Tensor:
+    def _replay(self, rows: list[ForwardRow], bucket: int) -> ForwardOut:
         self.bufs.fill(rows, bucket, self.page_size)
         seq_lens = tuple(r.seq_len for r in rows) + (1,) * (bucket - len(rows))
         compiled = self._compiled.get(bucket)
@@ -222,14 +222,12 @@ class GraphRunner:
         if captured is not None:
             self.eager.model.backend.prepare_graph_decode(meta)
             captured.graph.replay()
-            return captured.logits[:len(rows)].clone()
-        return self._body(bucket, meta, compiled)[:len(rows)]
+            return _rows_of(captured.out, len(rows), clone=True)
+        return _rows_of(self._body(bucket, meta, compiled), len(rows))
 
     @torch.inference_mode()
-    def _body(self, bucket: int, meta: AttnMetadata, model: Callable | None = None) -> torch.Tensor:
-        model = self.eager.model if model is None else model
-        _, logits = model(self.bufs.input_ids[:bucket], self.bufs.positions[:bucket], meta, self.eager.kv_cache)
-        return logits
+    def _body(self, bucket: int, meta: AttnMetadata, model: Callable | None = None) -> ForwardOut:
+        return self.eager.run_model(self.bufs.input_ids[:bucket], self.bufs.positions[:bucket], meta, model)
 
     # ---- CPU compile -------------------------------------------------------------------------------
     def _compile(self, bucket: int) -> None:
@@ -281,8 +279,15 @@ class GraphRunner:
         self.eager.model.backend.prepare_graph_decode(captured)  # host-side planning stays out of the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = self._body(bucket, captured)
-        return _Captured(graph, logits)
+            out = self._body(bucket, captured)
+        return _Captured(graph, out)
+
+
+def _rows_of(out: ForwardOut, n: int, clone: bool = False) -> ForwardOut:
+    """The first `n` rows of a replay's output (one token a row; the rest is padding)."""
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else (t[:n].clone() if clone else t[:n])
+    return ForwardOut(take(out.logits), take(out.hidden), take(out.aux))
 
 
 def _touches(loads: frozenset, rows: list[ForwardRow]) -> bool:

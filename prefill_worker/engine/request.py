@@ -75,6 +75,11 @@ class Request:
     sample_seed: int = 0
     stop_rules: StopRules | None = None
     """Its stop rules with their incremental state; set by the engine that admits it."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Tokens a draft head proposed after the last one (speculative decoding), verified by the next
+    step; their KV slots are allocated (`kv.kv_allocated_len` covers them). Empty while not speculating."""
+    draft_probs: object = None
+    """With sampled drafts: the [k, vocab] distributions they were drawn from (None for greedy)."""
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -95,6 +100,9 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def clear_draft(self) -> None:
+        self.draft_token_ids, self.draft_probs = [], None
+
     @property
     def num_uncomputed(self) -> int:
         """Tokens whose KV is not written yet: 1 while decoding, more while prefilling."""
@@ -114,12 +122,14 @@ class Request:
     def retract(self) -> None:
         self._move(RequestStatus.RUNNING, RequestStatus.WAITING)
         self.kv = None
+        self.clear_draft()
         self.num_retractions += 1
 
     def finish(self, reason: FinishReason) -> None:
         if self.status is RequestStatus.FINISHED:
             raise IllegalTransition(f"request {self.request_id} finished twice ({self.finish_reason} then {reason})")
         self.status, self.finish_reason, self.kv = RequestStatus.FINISHED, reason, None
+        self.clear_draft()
 
     def _move(self, src: RequestStatus, dst: RequestStatus) -> None:
         if self.status is not src:

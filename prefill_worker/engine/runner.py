@@ -7,6 +7,7 @@ sequence length after them, the page table). Prefill and decode workers both dri
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -22,32 +23,64 @@ class ForwardRow:
     seq_len: int
     pages: list[int]
     wants_logits: bool
+    num_draft_tokens: int = 0
+    """A verify row (speculative decoding): its last `num_draft_tokens` tokens are drafts, and every
+    one of its last `num_draft_tokens + 1` tokens gets logits."""
+
+    @property
+    def num_logits(self) -> int:
+        return self.num_draft_tokens + 1 if self.wants_logits else 0
+
+
+class ForwardOut(NamedTuple):
+    """What one forward gives: logits of the rows that want them, and every token's features for a
+    draft head (`hidden` always; `aux` only when the runner was asked for aux layers)."""
+
+    logits: torch.Tensor  # [sum of rows' num_logits, vocab] float32, row order
+    hidden: torch.Tensor  # [num_tokens, hidden] final-normed, row order
+    aux: torch.Tensor | None  # [num_tokens, len(aux_layer_ids) * hidden] or None
+
+    @staticmethod
+    def cat(parts: list[ForwardOut]) -> ForwardOut:
+        """Outputs of consecutive parts of one step, joined (the row-by-row retry)."""
+        aux = [p.aux for p in parts]
+        return ForwardOut(torch.cat([p.logits for p in parts]), torch.cat([p.hidden for p in parts]),
+                          torch.cat(aux) if aux and aux[0] is not None else None)
 
 
 class ModelRunner:
-    """Owns nothing but the step: the model and KV tensors are passed in and shared."""
+    """Owns nothing but the step: the model and KV tensors are passed in and shared. `aux_layer_ids`:
+    the target layers whose input hidden states every forward returns too (an EAGLE-3 head's)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCacheTensors, page_size: int, device: torch.device | str):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCacheTensors, page_size: int, device: torch.device | str,
+                 aux_layer_ids: tuple[int, ...] = ()):
         self.model = model
         self.kv_cache = kv_cache
         self.page_size = page_size
         self.device = torch.device(device)
+        self.aux_layer_ids = aux_layer_ids
 
     @torch.inference_mode()
-    def forward(self, rows: list[ForwardRow]) -> torch.Tensor:
-        """Writes the new tokens' K/V into their pages; returns logits [num_wanting_rows, vocab]
-        float32, in row order, for the last token of every row with `wants_logits`."""
+    def forward(self, rows: list[ForwardRow]) -> ForwardOut:
+        """Writes the new tokens' K/V into their pages; returns logits float32, in row order, for the
+        last `num_logits` tokens of every row (the last token of a plain row with `wants_logits`)."""
         query_lens = [len(r.token_ids) for r in rows]
         logits_rows, end = [], 0
         for r, q in zip(rows, query_lens):
             end += q
-            if r.wants_logits:
-                logits_rows.append(end - 1)
+            logits_rows.extend(range(end - r.num_logits, end))
         meta, positions = build_attn_metadata(
             self.page_size, query_lens, [r.seq_len for r in rows], [r.pages for r in rows], logits_rows, self.device)
         input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64, device=self.device)
-        _, logits = self.model(input_ids, positions, meta, self.kv_cache)
-        return logits
+        return self.run_model(input_ids, positions, meta)
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, model=None) -> ForwardOut:
+        model = self.model if model is None else model
+        if self.aux_layer_ids:
+            hidden, logits, aux = model.forward_with_aux(input_ids, positions, meta, self.kv_cache, self.aux_layer_ids)
+            return ForwardOut(logits, hidden, aux)
+        hidden, logits = model(input_ids, positions, meta, self.kv_cache)
+        return ForwardOut(logits, hidden, None)
 
     @torch.inference_mode()
     def probe(self) -> None:

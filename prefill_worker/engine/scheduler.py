@@ -49,9 +49,12 @@ class ScheduledStep:
 
 
 def _row(req: Request, seq_len: int) -> ForwardRow:
-    kv = req.kv
-    return ForwardRow(token_ids=req.all_token_ids[kv.kv_committed_len:seq_len], seq_len=seq_len,
-                      pages=list(kv.pages), wants_logits=seq_len == req.num_tokens)
+    """`req`'s tokens up to `seq_len`; past its last token come its drafts (a verify row)."""
+    kv, drafts = req.kv, req.draft_token_ids
+    tokens = req.all_token_ids + drafts if drafts else req.all_token_ids
+    wants_logits = seq_len == len(tokens)
+    return ForwardRow(token_ids=tokens[kv.kv_committed_len:seq_len], seq_len=seq_len, pages=list(kv.pages),
+                      wants_logits=wants_logits, num_draft_tokens=len(drafts) if wants_logits else 0)
 
 
 class Scheduler:
@@ -94,11 +97,6 @@ class Scheduler:
             self._admit_waiting(budget, step)
         return step
 
-    def commit(self, step: ScheduledStep) -> None:
-        """The step's forward ran: its KV is valid now."""
-        for req, row in zip(step.requests, step.rows):
-            self.kvm.commit(req.kv, row.seq_len)
-
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request for any reason: its KV goes through the single release path."""
         if req.status is RequestStatus.RUNNING:
@@ -128,10 +126,13 @@ class Scheduler:
 
     # ---- running ---------------------------------------------------------------------------------
     def _schedule_running(self, req: Request, budget: int, step: ScheduledStep) -> int:
-        """Allocate and add `req`'s next tokens; returns the prefill budget used."""
+        """Allocate and add `req`'s next tokens (a decode row carries its drafts, whose slots the
+        speculator allocated); returns the prefill budget used."""
         n = req.num_uncomputed
         used = 0
-        if n > 1:
+        if n == 1:
+            n += len(req.draft_token_ids)
+        elif n > 1:
             n = used = min(n, budget)
             if n == 0:
                 return 0

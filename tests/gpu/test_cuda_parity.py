@@ -59,7 +59,7 @@ def test_smollm2_bf16_logits_close_to_fp32():
         engine = EngineCore(EngineConfig(device="cuda", dtype=dtype, num_pages=256), loaded.model, loaded.arch)
         kv = engine.kvm.open("probe")
         assert engine.kvm.try_allocate(kv, len(ids))
-        logits.append(engine.runner.forward([ForwardRow(ids, len(ids), list(kv.pages), True)])[0])
+        logits.append(engine.runner.forward([ForwardRow(ids, len(ids), list(kv.pages), True)]).logits[0])
         engine.kvm.release(kv, ReleaseReason.ABORTED, [], cache=False)
         engine.check_integrity()
     assert (logits[0] - logits[1]).abs().max().item() < BF16_LOGIT_ATOL

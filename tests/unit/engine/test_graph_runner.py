@@ -59,14 +59,14 @@ def test_a_replayed_step_pads_to_its_bucket_on_scratch_page_0_and_matches_eager(
     kv = engine.kv_cache
     before = [t.clone() for t in kv.k + kv.v]
     step = _step(engine, reqs)
-    logits = runner.run(step)
+    logits = runner.run(step).logits
     assert runner.counters.replays == 1 and not runner.counters.fallbacks
     written = {r.pages[(r.seq_len - 1) // kv.page_size] for r in step.rows}
     for layer_before, layer_after in zip(before, kv.k + kv.v):
         changed = {p for p in range(layer_after.shape[0]) if not torch.equal(layer_before[p], layer_after[p])}
         assert changed <= written | {0}, f"pages {changed - written - {0}} written by a replay"
         assert torch.equal(layer_before[0, 1:], layer_after[0, 1:]), "padding wrote past slot 0 of scratch page 0"
-    eager = runner.eager.forward(_fresh_rows(reqs))
+    eager = runner.eager.forward(_fresh_rows(reqs)).logits
     torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
     assert logits.shape[0] == 3
     engine.check_integrity()
@@ -81,10 +81,10 @@ class _FakeLoad:
 def test_every_gate_counts_its_fallback_and_runs_eagerly():
     engine, reqs = _decode_engine(3)
     runner, pool = engine.runner, engine.device_pool
-    expected = runner.eager.forward(_fresh_rows(reqs))
+    expected = runner.eager.forward(_fresh_rows(reqs)).logits
 
     def run(step) -> torch.Tensor:
-        return runner.run(step)
+        return runner.run(step).logits
 
     # a load in flight writing one of the batch's pages
     runner.loads_in_flight = lambda: frozenset({_FakeLoad((reqs[1].kv.pages[0],))})
@@ -116,7 +116,7 @@ def test_every_gate_counts_its_fallback_and_runs_eagerly():
     assert small.counters.fallbacks == {Fallback.BATCH_TOO_LARGE: 1, Fallback.CONTEXT_TOO_LONG: 1}
 
     off = GraphRunner(runner.eager, pool, max_batch=8, max_model_len=128, enabled=False)
-    torch.testing.assert_close(off.run(_step(engine, reqs)), expected)
+    torch.testing.assert_close(off.run(_step(engine, reqs)).logits, expected)
     assert off.counters.fallbacks == {Fallback.DISABLED: 1} and off.counters.replays == 0
     assert runner.counters.replays == 1  # only the step with nothing against it replayed
     engine.check_integrity()
@@ -225,11 +225,11 @@ def _run_with_relocations(gated: bool) -> tuple[int, int, int]:
         return step
 
     def run_and_compare(step):
-        logits = run(step)
+        logits = run(step).logits
         fresh = engine.runner.eager.forward([ForwardRow(r.token_ids, r.seq_len, list(q.kv.pages), r.wants_logits)
                                              for q, r in zip(step.requests, step.rows)])
         compared[0] += 1
-        wrong[0] += not torch.allclose(logits, fresh, rtol=1e-4, atol=1e-4)
+        wrong[0] += not torch.allclose(logits, fresh.logits, rtol=1e-4, atol=1e-4)
         return fresh
 
     engine.scheduler.schedule, engine.runner.run = schedule_then_relocate, run_and_compare

@@ -1,0 +1,251 @@
+"""Speculative decoding in the engine (docs/design.md §6): who proposes tokens, and how they are verified.
+
+`NullSpeculator` (off) and `EagleSpeculator` (chain drafting with an EAGLE head) are chosen by
+`engine.speculative`. One engine step with EAGLE, for a decoding request whose last token is ``t``
+at position ``c`` (``c = kv_committed_len``) and whose drafts ``d_1 .. d_k`` came from the step before:
+
+    schedule  its verify row: tokens [t, d_1 .. d_k] at positions [c, c + k] (slots allocated already)
+    forward   the target scores all k + 1 positions: logits [k + 1, V] and a feature per token
+    verify    greedy: accept while d_i is the target's argmax; sampled: speculative sampling
+              (`kernels/speculative.py`). a drafts accepted -> a + 1 tokens emitted, stop rules per token
+    commit    KV of [c, c + a + 1) is valid (t and the accepted drafts); `free_tail(c + a + 1)` frees the
+              pages past it (ceil-aligned: a page holding committed tokens stays)
+    catch up  the head runs over every position the step committed, with the target's features
+    draft     requests still decoding (and a batch of at most `speculative_max_batch`): slots for
+              [c', c' + k + 1) (c' the new committed length), d_1 from the catch-up's last row, then
+              k - 1 head decode steps at positions c' .. c' + k - 2
+
+The head's row at position ``i`` is (feature ``f_i``, token ``t_{i+1}``) and writes its K/V to the
+slot of position ``i`` in the engine's last KV layer, so every page move carries the draft's KV with
+the target's (DESIGN §4 rule 5). Draft KV per request::
+
+    | from target features (catch-up): valid          | this round's drafts: rewritten next round |
+    0                                   kv_committed_len                              c' + k - 1
+
+Invariant at the end of every step: every committed position's draft KV was computed from the
+target's feature (the catch-up runs for requests that just finished too, before they release), so
+pages the prefix tree takes, the host tier copies back, or a transfer ships hold draft KV that is
+as good as if the head had run over them alone. (One caveat: the last position of a cached prefix
+was computed with its writer's next token, which a request sharing the prefix may not have.)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from pathlib import Path
+
+from cluster.config import ConfigError, EngineConfig
+from kernels.attention.metadata import build_attn_metadata
+from kernels.kv_layout import KVCacheTensors
+from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoint
+from kernels.sampling import filtered_probs, row_generator
+from kernels.speculative import verify_greedy, verify_sampled
+from kv_store.req_kv import KVManager
+from prefill_worker.engine.request import Request, RequestStatus
+
+log = logging.getLogger("tandem.engine")
+
+DRAFT_STREAM, VERIFY_STREAM = 1, 2
+"""`kernels.sampling.row_generator` streams: draft draws and verification draws never share numbers."""
+
+
+@dataclass
+class SpecCounters:
+    """Acceptance, for /metrics: verifies, accepted drafts per verify, and per draft position."""
+
+    verifies: int = 0
+    accepted_per_verify: Counter = field(default_factory=Counter)  # accepted drafts -> verifies
+    drafted_at: Counter = field(default_factory=Counter)  # draft position (1-based) -> drafts verified
+    accepted_at: Counter = field(default_factory=Counter)  # draft position -> drafts accepted
+    draft_errors: int = 0
+
+    def count(self, num_drafts: int, num_accepted: int) -> None:
+        self.verifies += 1
+        self.accepted_per_verify[num_accepted] += 1
+        for i in range(1, num_drafts + 1):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i <= num_accepted
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify (accepted drafts + the target's own token); 0 before any."""
+        total = sum(a * n for a, n in self.accepted_per_verify.items())
+        return 1 + total / self.verifies if self.verifies else 0.0
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One request's share of a step, once its tokens are emitted: KV positions [start, end) were
+    committed, and their target features are rows [feature_row, feature_row + end - start) of the step."""
+
+    req: Request
+    start: int
+    end: int
+    feature_row: int
+
+
+class NullSpeculator:
+    """Speculation off: nothing is drafted, every decode row scores one token."""
+
+    num_kv_layers = 0
+    aux_layer_ids: tuple[int, ...] = ()
+    counters = None
+
+    def attach(self, kv_cache: KVCacheTensors) -> None:
+        pass
+
+    def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
+        raise AssertionError(f"request {req.request_id} carries drafts, but speculation is off")
+
+    def catch_up(self, committed: list[Committed], hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+        pass
+
+    def draft(self, running: list[Request], kvm: KVManager, max_request_tokens: int) -> None:
+        pass
+
+
+class EagleSpeculator:
+    """Chain drafting with an EAGLE head (see the module docstring). Its draft KV is one layer,
+    given by `attach` (the engine's last KV layer)."""
+
+    num_kv_layers = 1
+
+    def __init__(self, head: EagleDraftHead, page_size: int, device: torch.device, num_draft_tokens: int,
+                 max_batch: int):
+        self.head, self.page_size, self.device = head, page_size, device
+        self.k, self.max_batch = num_draft_tokens, max_batch
+        self.kv: KVCacheTensors | None = None
+        self.counters = SpecCounters()
+        self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (x, draft logits) of its last row
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.head.arch.aux_layer_ids if self.head.arch.style is DraftStyle.EAGLE3 else ()
+
+    def attach(self, kv_cache: KVCacheTensors) -> None:
+        assert kv_cache.num_layers == 1, f"the draft head's KV is one layer, got {kv_cache.num_layers}"
+        self.kv = kv_cache
+
+    # ---- verify ------------------------------------------------------------------------------------
+    def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
+        """The tokens `req`'s verify row emits (1 .. k + 1). logits [k + 1, V] float32: the target's at
+        its last token and each draft."""
+        drafts = req.draft_token_ids
+        if req.params.greedy:
+            out = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
+        else:
+            p = req.params
+            probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)  # [k + 1, V]
+            g = row_generator(req.sample_seed, len(req.output_token_ids), logits.device, VERIFY_STREAM)
+            uniforms = torch.rand(len(drafts), generator=g, device=logits.device)
+            noise = torch.empty_like(probs).exponential_(generator=g)
+            out = verify_sampled(probs, req.draft_probs, drafts, uniforms, noise)
+        self.counters.count(len(drafts), len(out) - 1)
+        return out
+
+    # ---- catch up ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def catch_up(self, committed: list[Committed], hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """Run the head over every committed position of the step: row i is (the target's feature at i,
+        token i + 1). Keeps each request's last row (x, draft logits) for `draft`."""
+        self._last.clear()
+        rows = [c for c in committed if c.end > c.start]
+        if not rows:
+            return
+        features = self.head.combine(aux) if self.head.arch.style is DraftStyle.EAGLE3 else hidden  # [T, h]
+        feats = torch.cat([features[c.feature_row:c.feature_row + c.end - c.start] for c in rows])
+        ids = [t for c in rows for t in c.req.all_token_ids[c.start + 1:c.end + 1]]
+        x, logits = self._run(ids, feats, [c.end - c.start for c in rows], [c.end for c in rows],
+                              [c.req.kv.pages for c in rows])
+        ends = torch.tensor([c.end - c.start for c in rows], device=self.device).cumsum(0) - 1
+        for i, c in enumerate(rows):
+            self._last[c.req.request_id] = (x[ends[i]], logits[i])
+
+    # ---- draft -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, running: list[Request], kvm: KVManager, max_request_tokens: int) -> None:
+        """Drafts for the next step of every request in `running` that decodes next, whose catch-up
+        row ran this step, and whose draft slots can be allocated (else it decodes plainly)."""
+        if len(running) > self.max_batch:
+            return
+        want: dict[Request, int] = {}
+        for req in running:
+            k = self._chain_length(req, max_request_tokens)
+            kv = req.kv
+            if k and req.request_id in self._last and kvm.try_allocate(
+                    kv, max(kv.kv_allocated_len, kv.kv_committed_len + k + 1)):
+                want[req] = k
+        active = list(want)
+        if not active:
+            return
+        x = torch.stack([self._last[r.request_id][0] for r in active])  # [B, h]
+        logits = torch.stack([self._last[r.request_id][1] for r in active])  # [B, draft vocab]
+        draws: dict[Request, list] = {r: [] for r in active}
+        j = 0
+        while True:
+            drawn = [self._draw(r, logits[i], j) for i, r in enumerate(active)]
+            for r, d in zip(active, drawn):
+                draws[r].append(d)
+            j += 1
+            keep = [i for i, r in enumerate(active) if j < want[r]]
+            if not keep:
+                break
+            active = [active[i] for i in keep]  # row at position c + j - 1: (x of the row before, d_j)
+            x, logits = self._run([drawn[i][0] for i in keep], x[keep], [1] * len(keep),
+                                  [r.kv.kv_committed_len + j for r in active], [r.kv.pages for r in active])
+        for req, chain in draws.items():
+            req.draft_token_ids = [t for t, _ in chain]
+            req.draft_probs = None if req.params.greedy else torch.stack([q for _, q in chain])
+
+    def _chain_length(self, req: Request, max_request_tokens: int) -> int:
+        """Drafts worth making for `req`: at most k, no more than its remaining tokens can use, and
+        none past the context (the verify writes positions up to c + k)."""
+        if req.status is not RequestStatus.RUNNING or req.num_uncomputed != 1:
+            return 0
+        left = min(req.params.max_tokens - len(req.output_token_ids), max_request_tokens - req.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+    def _draw(self, req: Request, logits: torch.Tensor, j: int) -> tuple[int, torch.Tensor | None]:
+        """Draft j + 1 of `req` from the head's logits [draft vocab]: (target token id, the distribution
+        over the target's vocabulary it was drawn from, or None when greedy)."""
+        head = self.head
+        if req.params.greedy:
+            return int(head.to_target_ids(logits.argmax())), None
+        p = req.params
+        q = filtered_probs(logits.unsqueeze(0), p.temperature, p.top_k, p.top_p)[0]  # [draft vocab]
+        g = row_generator(req.sample_seed, len(req.output_token_ids) + j, logits.device, DRAFT_STREAM)
+        noise = torch.empty_like(q).exponential_(generator=g)
+        draft_id = (q / noise).argmax()
+        full = torch.zeros(head.arch.layer.vocab_size, dtype=q.dtype, device=q.device)
+        full[head.token_map] = q
+        return int(head.to_target_ids(draft_id)), full
+
+    def _run(self, ids: list[int], features: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+             pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over one ragged batch; logits for each sequence's last row."""
+        logits_rows = (torch.tensor(query_lens).cumsum(0) - 1).tolist()
+        meta, positions = build_attn_metadata(self.page_size, query_lens, seq_lens, pages, logits_rows, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return self.head(input_ids, features, positions, meta, self.kv)
+
+
+def make_speculator(config: EngineConfig, head: EagleDraftHead | None, device: torch.device):
+    """The speculator `config.speculative` names; `head` is the draft head when it is `eagle`."""
+    if config.speculative == "none":
+        return NullSpeculator()
+    assert head is not None, "speculative eagle needs a draft head (engine.draft_model)"
+    return EagleSpeculator(head, config.page_size, device, config.num_draft_tokens, config.speculative_max_batch)
+
+
+def load_draft_head(config: EngineConfig, model: torch.nn.Module, arch) -> EagleDraftHead:
+    """The head in `config.draft_model` for `model` (sharing its embedding and lm_head), or ConfigError."""
+    path = Path(config.draft_model) if config.draft_model else None
+    if path is None or not (path / "config.json").is_file():
+        raise ConfigError(f"speculative {config.speculative} needs engine.draft_model: a draft head directory with "
+                          f"config.json (got {config.draft_model!r}; `tandem train-eagle` makes one for a model)")
+    return load_eagle_checkpoint(path, arch, model.model.embed_tokens, model.lm_head, model.backend)

@@ -117,3 +117,32 @@ def random_page_tables(seq_lens: list[int], page_size: int, spare_pages: int,
         tables.append(free[:n])
         free = free[n:]
     return num_pages, tables
+
+
+def tiny_draft_head(style=None, seed: int = 0, draft_vocab: int = 64):
+    """A random EAGLE head for the tiny Llama (eagle3 by default, over a `draft_vocab`-token draft
+    vocabulary; eagle: the target's lm_head). Random weights: it drafts badly, which verification
+    must make harmless."""
+    from kernels.model.eagle import DraftArch, DraftStyle, EagleDraftHead
+
+    style = style or DraftStyle.EAGLE3
+    ours, _, arch = tiny_models()
+    eagle3 = style is DraftStyle.EAGLE3
+    head = EagleDraftHead(DraftArch.for_target(arch, style, draft_vocab if eagle3 else None), ours.model.embed_tokens,
+                          None if eagle3 else ours.lm_head)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if name.startswith("embed") or (name.startswith("lm_head") and not eagle3):
+                continue  # the target's own
+            noise = 0.1 * torch.randn(param.shape, generator=gen)
+            param.copy_(1 + noise if "norm" in name else noise)
+    return head
+
+
+def make_spec_engine(head=None, page_size=4, num_pages=256, chunk_size=64, eos=(), **kw) -> EngineCore:
+    """`make_engine` with EAGLE speculation over `head` (default: `tiny_draft_head()`)."""
+    ours, _, arch = tiny_models()
+    config = EngineConfig(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size, speculative="eagle",
+                          **{"debug_kv": True, **kw})
+    return EngineCore(config, ours, arch, eos_token_ids=eos, draft_head=head or tiny_draft_head())

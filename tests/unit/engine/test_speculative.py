@@ -1,0 +1,238 @@
+"""EAGLE speculative decoding in the engine (prefill_worker/engine/speculator.py) on the tiny Llama.
+
+Lossless: greedy output equals the non-speculative engine's and HF transformers' generate, token for
+token, for both head layouts, page sizes 1 and 16, random and scripted drafts (the scripted ones
+are the true continuation, corrupted at random, so verify rows accept partially: every accepted
+run length occurs). Sampled output follows the target's distribution (chi-squared on 10,000
+requests, exact reference from HF), and an accept-everything verifier fails the same test. The seed
+scenario: many speculative rounds at page size 16 with partial acceptance, aborts between draft and
+verify, and retraction of requests holding draft slots, with integrity checked after every step and
+no page leaked at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from cluster.config import SamplingParams
+from kernels.model.eagle import DraftStyle
+from kernels.sampling import filtered_probs
+from prefill_worker.engine.request import RequestStatus
+from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, make_spec_engine, \
+    tiny_draft_head, tiny_models
+
+MAX_NEW = 24
+
+
+def _script_drafts(engine, reference: dict[tuple, list[int]], accept: float, seed: int = 0) -> None:
+    """Greedy drafts from the true continuation (`reference`: prompt -> greedy output), each replaced
+    by a wrong token with probability 1 - `accept`. The head still runs (its KV and features are
+    real); only its token choice is scripted."""
+    rng = random.Random(seed)
+    vocab = engine.arch.vocab_size
+
+    def draw(req, logits, j):
+        truth = reference[tuple(req.prompt_token_ids)]
+        i = len(req.output_token_ids) + j
+        token = truth[i] if i < len(truth) else 0
+        return (token if rng.random() < accept else (token + 1 + rng.randrange(vocab - 1)) % vocab), None
+
+    engine.speculator._draw = draw
+
+
+def _run(engine, prompts, params, abort_every: int = 0):
+    reqs = [engine.add_request(p, params) for p in prompts]
+    aborted, steps = set(), 0
+    while any(r.status is not RequestStatus.FINISHED for r in reqs):
+        engine.step()
+        steps += 1
+        drafted = [r for r in reqs if r.draft_token_ids]
+        if abort_every and steps % abort_every == 0 and drafted:
+            victim = drafted[0]  # between its draft and its verify: its draft slots are allocated
+            assert victim.kv.kv_allocated_len > victim.kv.kv_committed_len + 1
+            assert engine.abort(victim.request_id)
+            aborted.add(victim.request_id)
+    return reqs, aborted
+
+
+@pytest.fixture(scope="module")
+def spec_prompts():
+    return make_prompts(6, min_len=3, max_len=40, seed=5)
+
+
+@pytest.fixture(scope="module")
+def reference(spec_prompts):
+    _, ref, _ = tiny_models()
+    return {tuple(p): hf_greedy(ref, p, MAX_NEW) for p in spec_prompts}
+
+
+@pytest.mark.parametrize("style", list(DraftStyle))
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_is_lossless_with_random_and_scripted_drafts(spec_prompts, reference, style, page_size):
+    base = make_engine(page_size=page_size)
+    plain = [r.output_token_ids for r in base.generate(spec_prompts, greedy(max_tokens=MAX_NEW))]
+    assert plain == [reference[tuple(p)] for p in spec_prompts]
+    for scripted in (False, True):
+        engine = make_spec_engine(tiny_draft_head(style), page_size=page_size)
+        if scripted:
+            _script_drafts(engine, reference, accept=0.7)
+        out = [r.output_token_ids for r in engine.generate(spec_prompts, greedy(max_tokens=MAX_NEW))]
+        assert out == plain
+        counters = engine.speculator.counters
+        assert counters.verifies > 0 and counters.draft_errors == 0
+        if scripted:  # partial acceptance: short and full runs both happened
+            assert {0, 3} <= set(counters.accepted_per_verify) and counters.mean_accepted_length > 1.5
+        assert_pool_at_rest(engine)
+
+
+def test_seed_scenario_page_16_partial_acceptance_aborts_and_retracts_leak_nothing(reference, spec_prompts):
+    prompts = spec_prompts * 3  # 18 requests share 6 prompts: prefix hits on pages with draft KV
+    engine = make_spec_engine(page_size=16, num_pages=14, speculative_max_batch=64)
+    _script_drafts(engine, reference, accept=0.6, seed=3)
+    retracted_with_drafts = []
+    retract = engine.scheduler._retract
+
+    def spy(req, step):
+        retracted_with_drafts.append(bool(req.draft_token_ids))
+        retract(req, step)
+    engine.scheduler._retract = spy
+    reqs, aborted = _run(engine, prompts, greedy(max_tokens=MAX_NEW), abort_every=5)
+    assert aborted and any(retracted_with_drafts), "no abort between draft and verify, or no retract mid-speculation"
+    for req in reqs:
+        if req.request_id not in aborted:
+            assert req.output_token_ids == reference[tuple(req.prompt_token_ids)]
+    assert {0, 1, 2, 3} <= set(engine.speculator.counters.accepted_per_verify)
+    assert_pool_at_rest(engine)
+
+
+def test_drafts_stop_at_max_tokens_and_eos_inside_an_accepted_run(spec_prompts, reference):
+    prompt = spec_prompts[0]
+    truth = reference[tuple(prompt)]
+    eos = truth[5]  # a token the accepted run passes through: the output must end exactly there
+    engine = make_spec_engine(eos=(eos,))
+    _script_drafts(engine, reference, accept=1.0)
+    req, = engine.generate([prompt], greedy(max_tokens=MAX_NEW))
+    assert req.output_token_ids == truth[:truth.index(eos) + 1]
+    req, = engine.generate([prompt], greedy(max_tokens=7, ignore_eos=True))
+    assert req.output_token_ids == truth[:7]
+    assert_pool_at_rest(engine)
+
+
+def test_above_the_batch_cutoff_nothing_is_drafted_and_drafting_resumes_below_it(spec_prompts, reference):
+    engine = make_spec_engine(speculative_max_batch=2)
+    _script_drafts(engine, reference, accept=1.0)
+    reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in spec_prompts[:4]]
+    engine.step()
+    assert len(engine.scheduler.running) == 4 and not any(r.draft_token_ids for r in reqs)
+    for r in reqs[2:]:
+        engine.abort(r.request_id)
+    engine.step()
+    assert all(r.draft_token_ids for r in reqs[:2])
+    while engine.busy():
+        engine.step()
+    assert [r.output_token_ids for r in reqs[:2]] == [reference[tuple(p)] for p in spec_prompts[:2]]
+    assert_pool_at_rest(engine)
+
+
+# ---- sampling: the target's distribution, checked by chi-squared ---------------------------------
+TOP_K, NUM_SAMPLES = 4, 10_000
+
+
+def _target_probs(context: tuple[int, ...], cache: dict) -> torch.Tensor:
+    """The target's filtered next-token distribution after `context` (HF model, exact)."""
+    if context not in cache:
+        _, ref, _ = tiny_models()
+        with torch.no_grad():
+            logits = ref(torch.tensor([context])).logits[0, -1:].float()
+        cache[context] = filtered_probs(logits, 1.0, TOP_K, 1.0)[0]
+    return cache[context]
+
+
+def _script_sampled_drafts(engine, cache: dict) -> None:
+    """Drafts from q = half the target's distribution, half uniform over its two best tokens and two
+    tokens outside its top-k: some drafts are always rejected, others accepted with p / q < 1."""
+    def draw(req, logits, j):
+        context = tuple(req.all_token_ids + req.draft_token_ids_scratch)
+        p = _target_probs(context, cache)
+        best = p.topk(2).indices.tolist()
+        outside = (p == 0).nonzero().flatten()[:2].tolist()
+        q = 0.5 * p
+        q[best + outside] += 0.125
+        # per (seed, output position): never the numbers of a draft this request's history depends on
+        g = torch.Generator().manual_seed(hash((req.sample_seed, len(req.output_token_ids) + j)) % 2**31)
+        token = int(torch.multinomial(q, 1, generator=g))
+        req.draft_token_ids_scratch.append(token)
+        return token, q
+
+    engine.speculator._draw = draw
+
+
+def _sample_triples(engine, prompt, n: int) -> Counter:
+    # 4 tokens: after the first (sampled at prefill), 2 drafts a verify; the first 3 are compared
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=TOP_K, seed=s, ignore_eos=True) for s in range(n)]
+    reqs = []
+    for sp in params:
+        req = engine.add_request(prompt, sp)
+        req.draft_token_ids_scratch = []
+        reqs.append(req)
+    while engine.busy():
+        engine.step()
+        for r in reqs:
+            r.draft_token_ids_scratch = []  # a new round of drafts starts after every step
+    assert_pool_at_rest(engine)
+    return Counter(tuple(r.output_token_ids[:3]) for r in reqs)
+
+
+def _chi2(counts: Counter, prompt, cache) -> tuple[float, int]:
+    """Chi-squared of `counts` against the exact joint of the three tokens (cells expected < 5 merged)."""
+    expected = {}
+    p0 = _target_probs(tuple(prompt), cache)
+    for a in p0.nonzero().flatten().tolist():
+        p1 = _target_probs(tuple(prompt) + (a,), cache)
+        for b in p1.nonzero().flatten().tolist():
+            p2 = _target_probs(tuple(prompt) + (a, b), cache)
+            for c in p2.nonzero().flatten().tolist():
+                expected[(a, b, c)] = float(p0[a] * p1[b] * p2[c])
+    n = sum(counts.values())
+    if not set(counts) <= set(expected):
+        return math.inf, 1  # a sample the target can never produce
+    stat, small_obs, small_exp, cells = 0.0, 0, 0.0, 0
+    for cell, prob in expected.items():
+        if prob * n < 5:
+            small_obs, small_exp = small_obs + counts[cell], small_exp + prob * n
+            continue
+        stat += (counts[cell] - prob * n) ** 2 / (prob * n)
+        cells += 1
+    if small_exp:
+        stat += (small_obs - small_exp) ** 2 / small_exp
+        cells += 1
+    return stat, cells - 1
+
+
+def _critical(dof: int, z: float = 3.09) -> float:
+    """Chi-squared quantile at p = 0.001 (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def test_sampled_speculation_follows_the_targets_distribution_and_a_biased_verifier_fails():
+    prompt, cache = [5, 17, 33, 8, 90], {}
+    engine = make_spec_engine(num_pages=1024, chunk_size=512, max_running_requests=64, speculative_max_batch=64,
+                              debug_kv=False)
+    _script_sampled_drafts(engine, cache)
+    counts = _sample_triples(engine, prompt, NUM_SAMPLES)
+    stat, dof = _chi2(counts, prompt, cache)
+    c = engine.speculator.counters
+    assert c.accepted_per_verify[0] and c.accepted_per_verify[2], "need both rejections and full acceptance"
+    assert stat < _critical(dof), f"chi2 {stat:.1f} > {_critical(dof):.1f} ({dof} dof)"
+
+    biased = make_spec_engine(num_pages=1024, chunk_size=512, max_running_requests=64, speculative_max_batch=64,
+                              debug_kv=False)
+    _script_sampled_drafts(biased, cache)
+    biased.speculator.verify = lambda req, logits: list(req.draft_token_ids) + [int(logits[-1].argmax())]
+    stat, dof = _chi2(_sample_triples(biased, prompt, NUM_SAMPLES // 3), prompt, cache)
+    assert stat > 5 * _critical(dof)

@@ -160,6 +160,17 @@ class GraphStats:
 
 
 @dataclass(frozen=True)
+class SpecStats:
+    """Cumulative figures of a worker's speculative decoding (all zero when it is off)."""
+
+    verifies: int = 0  # verify rows scored
+    accepted_per_verify: tuple[tuple[int, int], ...] = ()  # (drafts accepted, verifies)
+    drafted_at: tuple[tuple[int, int], ...] = ()  # (draft position from 1, drafts verified there)
+    accepted_at: tuple[tuple[int, int], ...] = ()  # (draft position from 1, drafts accepted there)
+    draft_errors: int = 0  # steps whose drafts a draft-head fault dropped
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """A worker's view of itself, sent with every heartbeat."""
 
@@ -173,6 +184,7 @@ class WorkerStats:
     host_cache: PoolStats | None = None  # the L2 tier's pool; None without one
     tiers: TierStats = TierStats()
     graphs: GraphStats = GraphStats()
+    spec: SpecStats = SpecStats()
 
 
 @dataclass(frozen=True)

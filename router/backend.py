@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster.config import SamplingParams
-from cluster.protocol import GraphStats, TierStats
+from cluster.protocol import GraphStats, SpecStats, TierStats
 
 
 class ErrorKind(enum.Enum):
@@ -94,6 +94,7 @@ class WorkerGauge:
     host_cache_usage: float | None = None  # the L2 tier's pages in use, in [0, 1]; None without one
     tiers: TierStats | None = None  # cumulative KV-hierarchy figures; None before the first heartbeat
     graphs: GraphStats | None = None  # cumulative graph-runner figures; None before the first heartbeat
+    spec: SpecStats | None = None  # cumulative speculative-decoding figures; None before the first heartbeat
 
 
 class Backend(Protocol):

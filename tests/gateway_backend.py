@@ -132,7 +132,7 @@ class EngineBackend:
         l2_usage = 1 - l2.num_free / l2.num_usable if l2 is not None else None
         return [WorkerGauge(WORKER_ID, "colocated", True, running, waiting, usage.private / usage.total, None, 0,
                             host_cache_usage=l2_usage, tiers=self.engine.tier_stats(),
-                            graphs=self.engine.graph_stats())]
+                            graphs=self.engine.graph_stats(), spec=self.engine.spec_stats())]
 
     # ---- test helpers ----------------------------------------------------------------------------
     def on_engine(self, fn: Callable[[Any], Any], timeout_s: float = 60.0) -> Any:

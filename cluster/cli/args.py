@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from cluster.config import ATTENTION_BACKENDS, DTYPES, WRITE_POLICIES, EngineConfig
+from cluster.config import ATTENTION_BACKENDS, DTYPES, SPECULATIVE_METHODS, WRITE_POLICIES, ConfigError, EngineConfig
 
 # flag -> (EngineConfig field, argparse options): the engine flags of `tandem run`, `tandem bench`
 # and `tandem serve`, declared once
@@ -33,6 +33,14 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
     "--cpu-compile": ("cpu_compile", dict(action="store_const", const=True,
                                           help="CPU: run single-request decode steps through torch.compile "
                                                "(compiled once at start-up)")),
+    "--speculative": ("speculative", dict(choices=SPECULATIVE_METHODS,
+                                          help="speculative decoding: eagle drafts tokens with an EAGLE head, "
+                                               "the model verifies them (same output)")),
+    "--draft-model": ("draft_model", dict(metavar="PATH", help="EAGLE head directory (default: the one "
+                                                                 "`tandem train-eagle` cached for --model)")),
+    "--num-draft-tokens": ("num_draft_tokens", dict(type=int, metavar="K", help="draft tokens per step")),
+    "--speculative-max-batch": ("speculative_max_batch", dict(type=int, metavar="N",
+                                                              help="draft only while at most N requests run")),
 }
 
 
@@ -52,4 +60,18 @@ def engine_fields_from_args(args: argparse.Namespace) -> dict:
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
-    return dataclasses.replace(EngineConfig(), **{**engine_fields_from_args(args), **overrides})
+    return with_default_draft(dataclasses.replace(EngineConfig(), **{**engine_fields_from_args(args), **overrides}))
+
+
+def with_default_draft(config: EngineConfig) -> EngineConfig:
+    """`config` with `draft_model` resolved: speculation without a head named uses the one
+    `tandem train-eagle` cached for the model on this machine (ConfigError when there is none)."""
+    if config.speculative == "none" or config.draft_model:
+        return config
+    from cluster.train.settings import default_draft_dir
+
+    path = default_draft_dir(config.model)
+    if path is None:
+        raise ConfigError(f"--speculative {config.speculative}: no draft head for {config.model!r} on this machine; "
+                          f"train one with `tandem train-eagle --model {config.model}` or pass --draft-model PATH")
+    return dataclasses.replace(config, draft_model=str(path))

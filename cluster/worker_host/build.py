@@ -31,10 +31,12 @@ def build_worker(spec: WorkerSpec, transport=None):
     session id names it)."""
     import torch
 
+    from cluster.cli.args import with_default_draft
     from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.loader import load_model
 
     torch.set_num_threads(spec.torch_threads)
+    spec = dataclasses.replace(spec, engine=with_default_draft(spec.engine))  # this node's cached head
     loaded = load_model(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype],
                         backend=spec.engine.attention_backend)
     model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, l3=spec.l3)

@@ -27,7 +27,7 @@ import torch
 
 from cluster.config import EngineConfig, SamplingParams, require
 from cluster.faults import FAILURE_INTERNAL, internal_error
-from cluster.protocol import GraphStats, PoolStats, TierStats, WorkerStats
+from cluster.protocol import GraphStats, PoolStats, SpecStats, TierStats, WorkerStats
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
 from kernels.sampling import sample
 from kv_store.device_pool import DevicePool
@@ -275,7 +275,14 @@ class EngineCore:
         return WorkerStats(role, _pool_stats(self.device_pool.pages), _pool_stats(host_pool) if host_pool else None,
                            len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.loading),
                            transfers, error, _pool_stats(l2) if l2 is not None else None, self.tier_stats(),
-                           self.graph_stats())
+                           self.graph_stats(), self.spec_stats())
+
+    def spec_stats(self) -> SpecStats:
+        c = self.speculator.counters
+        if c is None:
+            return SpecStats()
+        return SpecStats(c.verifies, tuple(sorted(c.accepted_per_verify.items())), tuple(sorted(c.drafted_at.items())),
+                         tuple(sorted(c.accepted_at.items())), c.draft_errors)
 
     def graph_stats(self) -> GraphStats:
         c = self.runner.counters

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from router.backend import GenerationChunk
 
@@ -135,6 +135,7 @@ class BackendGauges:
         yield from (usage, host, alive, restarts)
         yield from _tier_metrics(gauges)
         yield from _graph_metrics(gauges)
+        yield from _spec_metrics(gauges)
 
 
 _TIER_COUNTERS = (  # (metric, documentation, extra label, {label value: TierStats field})
@@ -192,6 +193,36 @@ def _graph_metrics(gauges: list) -> Iterable[Metric]:
         for reason, count in g.graphs.fallbacks:
             fallbacks.add_metric([g.worker_id, g.role, reason], count)
     yield from (replays, fallbacks)
+
+
+def _spec_metrics(gauges: list) -> Iterable[Metric]:
+    """Per-worker speculative decoding: drafts accepted per verify (a histogram over 0 .. k), and per
+    draft position the drafts verified, accepted, and the acceptance rate."""
+    labels = ["worker", "role"]
+    accepted = HistogramMetricFamily("tandem:spec_accepted_drafts_per_verify",
+                                     "Draft tokens accepted per verify (the verify emits one more).", labels=labels)
+    drafted = CounterMetricFamily("tandem:spec_draft_tokens", "Draft tokens verified, by draft position.",
+                                  labels=labels + ["position"])
+    taken = CounterMetricFamily("tandem:spec_accepted_tokens", "Draft tokens accepted, by draft position.",
+                                labels=labels + ["position"])
+    rate = GaugeMetricFamily("tandem:spec_acceptance_rate", "Accepted / verified drafts, by draft position.",
+                             labels=labels + ["position"])
+    for g in gauges:
+        if g.spec is None or not g.spec.verifies:
+            continue
+        key, hist = [g.worker_id, g.role], dict(g.spec.accepted_per_verify)
+        buckets, running = [], 0
+        for bound in range(max(hist) + 1):
+            running += hist.get(bound, 0)
+            buckets.append((str(bound), running))
+        buckets.append(("+Inf", running))
+        accepted.add_metric(key, buckets, sum_value=sum(a * n for a, n in hist.items()))
+        accepted_at = dict(g.spec.accepted_at)
+        for position, n in g.spec.drafted_at:
+            drafted.add_metric(key + [str(position)], n)
+            taken.add_metric(key + [str(position)], accepted_at.get(position, 0))
+            rate.add_metric(key + [str(position)], accepted_at.get(position, 0) / n)
+    yield from (accepted, drafted, taken, rate)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

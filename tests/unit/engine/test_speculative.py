@@ -236,3 +236,37 @@ def test_sampled_speculation_follows_the_targets_distribution_and_a_biased_verif
     biased.speculator.verify = lambda req, logits: list(req.draft_token_ids) + [int(logits[-1].argmax())]
     stat, dof = _chi2(_sample_triples(biased, prompt, NUM_SAMPLES // 3), prompt, cache)
     assert stat > 5 * _critical(dof)
+
+
+def test_acceptance_reaches_metrics_per_verify_and_per_draft_position(spec_prompts, reference):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.backend import WorkerGauge
+    from router.gateway.metrics import _spec_metrics
+
+    engine = make_spec_engine()
+    _script_drafts(engine, reference, accept=0.6, seed=1)
+    engine.generate(spec_prompts, greedy(max_tokens=MAX_NEW))
+    stats = engine.stats("colocated").spec
+    hist = Counter(dict(stats.accepted_per_verify))
+    assert stats.verifies == sum(hist.values()) > 0 and len(hist) == 4  # 0 .. 3 accepted all occurred
+
+    class Collector:
+        def collect(self):
+            return _spec_metrics([WorkerGauge("w0", "colocated", True, 0, 0, 0.0, None, 0, spec=stats)])
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    samples = {(s.name, s.labels.get("le", s.labels.get("position"))): s.value for f in
+               text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    for bound in range(4):  # cumulative buckets
+        assert samples[("tandem:spec_accepted_drafts_per_verify_bucket", str(bound))] == sum(
+            n for a, n in hist.items() if a <= bound)
+    assert samples[("tandem:spec_accepted_drafts_per_verify_count", None)] == stats.verifies
+    assert samples[("tandem:spec_accepted_drafts_per_verify_sum", None)] == sum(a * n for a, n in hist.items())
+    for position in (1, 2, 3):  # a draft is accepted only after every earlier one was
+        accepted = sum(n for a, n in hist.items() if a >= position)
+        assert samples[("tandem:spec_accepted_tokens_total", str(position))] == accepted
+        rate = samples[("tandem:spec_acceptance_rate", str(position))]
+        assert rate == accepted / samples[("tandem:spec_draft_tokens_total", str(position))]
+    assert_pool_at_rest(engine)

@@ -1,0 +1,143 @@
+"""`tandem bench decode --speculative eagle`: EAGLE speculation vs plain decoding, same engine, same run.
+
+For each batch size B and each repeat, a plain engine and a speculative one (alternating which goes
+first, so drift in machine load hits both alike) generate greedily for the same held-out chat
+prompts (`tandem train-eagle`'s eval split: never trained on), B requests at a time until every
+prompt is done. A system's figure is end-to-end output tokens / wall seconds (prefill included).
+Both must give the same tokens for every prompt (greedy verification is lossless): a mismatch is
+reported and fails the command. The speculative engine's counters give the mean accepted length
+(tokens per verify: accepted drafts + the target's own) and the acceptance rate per draft position.
+
+    per batch size:  | plain | eagle | eagle | plain | ...  (--repeats rounds, alternating)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cluster.config import EngineConfig, SamplingParams
+from kernels.kv_layout import TORCH_DTYPES
+
+DEFAULT_SPEC_BATCH_SIZES = (1, 16)
+
+
+@dataclass(frozen=True)
+class SpecRun:
+    mode: str  # "plain" | "eagle"
+    batch: int
+    wall_s: float
+    tokens: tuple[tuple[int, ...], ...]  # per prompt
+    verifies: int = 0
+    accepted_per_verify: tuple[tuple[int, int], ...] = ()
+    accepted_at: tuple[tuple[int, int], ...] = ()
+    drafted_at: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def tok_per_s(self) -> float:
+        return sum(map(len, self.tokens)) / self.wall_s
+
+
+def run_engine(engine, prompts: list[list[int]], params: SamplingParams, batch: int) -> tuple[float, list[tuple]]:
+    """Generate for `prompts`, `batch` running at a time (a new one as each ends); (wall s, tokens)."""
+    queue, running, done = list(enumerate(prompts)), {}, {}
+    start_s = time.perf_counter()
+    while queue or running:
+        while queue and len(running) < batch:
+            i, prompt = queue.pop(0)
+            running[i] = engine.add_request(prompt, params)
+        engine.step()
+        for i in [i for i, r in running.items() if r.finish_reason is not None]:
+            done[i] = tuple(running.pop(i).output_token_ids)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - start_s, [done[i] for i in range(len(prompts))]
+
+
+def measure(make_engine, prompts: list[list[int]], params: SamplingParams, batch: int, mode: str) -> SpecRun:
+    engine = make_engine(mode, batch)
+    wall_s, tokens = run_engine(engine, prompts, params, batch)
+    engine.check_integrity()
+    s = engine.spec_stats()
+    engine.close()
+    return SpecRun(mode, batch, wall_s, tuple(tokens), s.verifies, s.accepted_per_verify, s.accepted_at, s.drafted_at)
+
+
+def summarize(runs: list[SpecRun], config: EngineConfig) -> dict:
+    by_batch: dict[int, dict] = {}
+    for batch in sorted({r.batch for r in runs}):
+        plain = [r for r in runs if r.batch == batch and r.mode == "plain"]
+        eagle = [r for r in runs if r.batch == batch and r.mode == "eagle"]
+        verifies = sum(r.verifies for r in eagle)
+        accepted = sum(a * n for r in eagle for a, n in r.accepted_per_verify)
+        drafted = _sum_pairs(r.drafted_at for r in eagle)
+        taken = _sum_pairs(r.accepted_at for r in eagle)
+        plain_tps, eagle_tps = statistics.median(r.tok_per_s for r in plain), statistics.median(r.tok_per_s for r in eagle)
+        by_batch[batch] = {
+            "plain_tok_per_s": plain_tps, "eagle_tok_per_s": eagle_tps, "speedup": eagle_tps / plain_tps,
+            "plain_tok_per_s_all": [r.tok_per_s for r in plain], "eagle_tok_per_s_all": [r.tok_per_s for r in eagle],
+            "mean_accepted_length": 1 + accepted / verifies if verifies else 0.0, "verifies": verifies,
+            "acceptance_rate_per_position": {p: taken.get(p, 0) / n for p, n in sorted(drafted.items())},
+            "identical_outputs": all(r.tokens == plain[0].tokens for r in plain + eagle),
+            "output_tokens": sum(map(len, plain[0].tokens)),
+        }
+    return {"model": config.model, "device": config.device, "dtype": config.dtype, "draft_model": config.draft_model,
+            "num_draft_tokens": config.num_draft_tokens, "batches": by_batch}
+
+
+def _sum_pairs(groups) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for pairs in groups:
+        for key, n in pairs:
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def print_summary(s: dict) -> None:
+    print(f"{s['model']} {s['device']} {s['dtype']}, k = {s['num_draft_tokens']}, head {s['draft_model']}")
+    print(f"{'batch':>5} {'plain tok/s':>12} {'eagle tok/s':>12} {'speedup':>8} {'accept len':>10} "
+          f"{'per position':>24} {'same tokens':>11}")
+    for batch, b in s["batches"].items():
+        rates = " ".join(f"{r:.2f}" for r in b["acceptance_rate_per_position"].values())
+        print(f"{batch:>5} {b['plain_tok_per_s']:>12.1f} {b['eagle_tok_per_s']:>12.1f} {b['speedup']:>7.2f}x "
+              f"{b['mean_accepted_length']:>10.2f} {rates:>24} {str(b['identical_outputs']):>11}")
+
+
+def bench_spec_decode(args: argparse.Namespace) -> int:
+    """The command (see the module docstring); nonzero when the systems' tokens differ."""
+    from cluster.cli.args import engine_config_from_args
+    from cluster.train.data import load_prompts, tokenize
+    from kernels.model.loader import load_model
+    from prefill_worker.engine import EngineCore
+    from prefill_worker.engine.speculator import load_draft_head
+
+    config = engine_config_from_args(args)
+    loaded = load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],
+                        backend=config.attention_backend)
+    head = load_draft_head(config, loaded.model, loaded.arch)
+    prompts = tokenize(loaded.tokenizer, load_prompts("eval", args.num_prompts))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+
+    def make_engine(mode: str, batch: int):
+        run_config = dataclasses.replace(config, max_running_requests=batch, host_cache_ratio=0.0,
+                                         speculative="eagle" if mode == "eagle" else "none")
+        return EngineCore(run_config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
+                          draft_head=head if mode == "eagle" else None)
+
+    runs = []
+    for batch in args.batch_sizes or DEFAULT_SPEC_BATCH_SIZES:
+        for repeat in range(args.repeats):
+            for mode in (("plain", "eagle") if repeat % 2 == 0 else ("eagle", "plain")):
+                runs.append(measure(make_engine, prompts, params, batch, mode))
+    summary = summarize(runs, config)
+    print_summary(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0 if all(b["identical_outputs"] for b in summary["batches"].values()) else 1

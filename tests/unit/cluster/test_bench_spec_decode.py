@@ -1,0 +1,41 @@
+"""`tandem bench decode --speculative eagle` (cluster/bench/spec_decode.py) on the tiny Llama: both
+systems generate the same tokens, the speculative one's acceptance is summarised from its counters,
+and a mismatch between the systems is caught."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cluster.bench.spec_decode import measure, summarize
+from cluster.config import EngineConfig, SamplingParams
+from prefill_worker.engine import EngineCore
+from tests.helpers import make_prompts, tiny_draft_head, tiny_models
+
+
+def _factory():
+    ours, _, arch = tiny_models()
+    head = tiny_draft_head()
+    base = EngineConfig(page_size=4, num_pages=256, host_cache_ratio=0.0, speculative_max_batch=8)
+
+    def make_engine(mode: str, batch: int):
+        config = dataclasses.replace(base, max_running_requests=batch, speculative="eagle" if mode == "eagle" else "none")
+        return EngineCore(config, ours, arch, draft_head=head if mode == "eagle" else None)
+    return base, make_engine
+
+
+def test_plain_and_eagle_agree_and_acceptance_is_summarised_per_batch():
+    base, make_engine = _factory()
+    prompts, params = make_prompts(5, seed=7), SamplingParams(max_tokens=12)
+    runs = [measure(make_engine, prompts, params, batch, mode) for batch in (1, 4) for mode in ("plain", "eagle")]
+    summary = summarize(runs, dataclasses.replace(base, speculative="eagle"))
+    for batch in (1, 4):
+        b = summary["batches"][batch]
+        eagle = next(r for r in runs if r.batch == batch and r.mode == "eagle")
+        assert b["identical_outputs"] and b["output_tokens"] == 5 * 12
+        assert b["verifies"] == eagle.verifies > 0 and 1.0 <= b["mean_accepted_length"] <= 4.0
+        assert b["speedup"] == b["eagle_tok_per_s"] / b["plain_tok_per_s"]
+        assert set(b["acceptance_rate_per_position"]) == {1, 2, 3}
+
+    broken = [dataclasses.replace(r, tokens=((1,),) + r.tokens[1:]) if r.mode == "eagle" and r.batch == 1 else r
+              for r in runs]
+    assert not summarize(broken, base)["batches"][1]["identical_outputs"]

@@ -80,9 +80,10 @@ class DecodeWorker(ColocatedWorker):
 
     def __init__(self, config, model, arch, transport: Transport, host_pages: int, tokenizer=None,
                  eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
-                 clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None):
+                 clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None, draft_head=None):
         self.receiver = KVReceiver(transport, host_pages, deadlines, clock)
-        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.receiver, l3=l3))
+        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.receiver, l3=l3,
+                                    draft_head=draft_head))
 
     def handle(self, msg) -> list:
         if isinstance(msg, p.Reserve):

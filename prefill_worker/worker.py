@@ -31,9 +31,10 @@ class PrefillWorker(EngineWorker):
 
     def __init__(self, config, model, arch, transport: Transport, tokenizer=None, eos_token_ids=(),
                  deadlines: TransferDeadlines = TransferDeadlines(), clock: Callable[[], float] = time.monotonic,
-                 l3: L3Config | None = None):
+                 l3: L3Config | None = None, draft_head=None):
         self.sender = KVSender(transport, deadlines, clock)
-        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.sender, l3=l3))
+        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.sender, l3=l3,
+                                    draft_head=draft_head))
 
     # ---- the worker contract -----------------------------------------------------------------------
     def handle(self, msg) -> list:

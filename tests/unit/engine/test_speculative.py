@@ -270,3 +270,40 @@ def test_acceptance_reaches_metrics_per_verify_and_per_draft_position(spec_promp
         rate = samples[("tandem:spec_acceptance_rate", str(position))]
         assert rate == accepted / samples[("tandem:spec_draft_tokens_total", str(position))]
     assert_pool_at_rest(engine)
+
+
+def _draft_kv_of_prompt(engine, prompt: list[int]) -> list[torch.Tensor]:
+    """The draft layer's K and V of the cached whole pages of `prompt` (the engine's last KV layer)."""
+    match = engine.kvm.prefix_cache.match(prompt, len(prompt))
+    assert match.num_tokens >= engine.config.page_size, "the prompt's pages were not cached"
+    return [engine.kv_cache.k[-1][match.pages].clone(), engine.kv_cache.v[-1][match.pages].clone()]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_disaggregated_is_lossless_and_ships_the_prompts_draft_kv(spec_prompts, reference, page_size):
+    from cluster.config import EngineConfig
+    from decode_worker.worker import DecodeWorker
+    from kv_store.transfer.local import LocalTransport
+    from prefill_worker.worker import PrefillWorker
+    from tests.step_pair import StepPair
+
+    ours, _, arch = tiny_models()
+    head = tiny_draft_head()
+    config = EngineConfig(page_size=page_size, num_pages=512, chunk_size=16, debug_kv=True, speculative="eagle")
+    clock = lambda: 0.0  # noqa: E731
+    prefill = PrefillWorker(config, ours, arch, LocalTransport(), clock=clock, draft_head=head)
+    decode = DecodeWorker(config, ours, arch, LocalTransport(), host_pages=512, clock=clock, draft_head=head)
+    _script_drafts(decode.engine, reference, accept=0.7)
+    pair = StepPair(prefill, decode)
+    results = pair.generate(spec_prompts, greedy(max_tokens=MAX_NEW))
+    assert [r.token_ids for r in results] == [reference[tuple(p)] for p in spec_prompts]
+    assert {0, 3} <= set(decode.engine.speculator.counters.accepted_per_verify)
+
+    colocated = make_spec_engine(head, page_size=page_size, chunk_size=16)
+    colocated.generate(spec_prompts, greedy(max_tokens=MAX_NEW))
+    longest = max(spec_prompts, key=len)  # its draft KV came from the prefill worker's catch-up, over the wire
+    for shipped, local in zip(_draft_kv_of_prompt(decode.engine, longest), _draft_kv_of_prompt(colocated, longest)):
+        assert shipped.abs().sum() > 0
+        torch.testing.assert_close(shipped, local, rtol=1e-5, atol=1e-5)
+    for engine in (prefill.engine, decode.engine, colocated):
+        assert_pool_at_rest(engine)

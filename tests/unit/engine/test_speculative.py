@@ -307,3 +307,39 @@ def test_disaggregated_is_lossless_and_ships_the_prompts_draft_kv(spec_prompts, 
         torch.testing.assert_close(shipped, local, rtol=1e-5, atol=1e-5)
     for engine in (prefill.engine, decode.engine, colocated):
         assert_pool_at_rest(engine)
+
+
+def _record_drafts(engine) -> list:
+    seen, verify = [], engine.speculator.verify
+
+    def recording(req, logits):
+        seen.append(tuple(req.draft_token_ids))
+        return verify(req, logits)
+    engine.speculator.verify = recording
+    return seen
+
+
+def test_a_prefix_loaded_back_from_the_host_tier_brings_its_draft_kv(reference):
+    from kv_store.residency import Residency
+
+    [history] = make_prompts(1, min_len=40, max_len=40, seed=4)
+    runs = {}
+    for evict in (False, True):
+        engine = make_spec_engine(page_size=4, num_pages=64, host_cache_pages=128)
+        [first] = engine.generate([history], greedy(max_tokens=8))
+        while engine.busy():
+            engine.step()
+        saved = _draft_kv_of_prompt(engine, history)
+        if evict:
+            engine.kvm.prefix_cache.evict(1000)  # L1 empty: the history lives in the host tier only
+            assert all(n.residency is Residency.HOST for n in engine.kvm.prefix_cache.nodes())
+            engine.kv_cache.k[-1].zero_()  # nothing on device holds the draft KV now: the load must bring it
+            engine.kv_cache.v[-1].zero_()
+        drafts = _record_drafts(engine)
+        [turn2] = engine.generate([history + first.output_token_ids + [7, 8, 9]], greedy(max_tokens=16))
+        assert (turn2.host_hit_tokens > 0) == evict
+        for before, after in zip(saved, _draft_kv_of_prompt(engine, history)):
+            assert torch.equal(before, after)  # the draft layer came back with the target's
+        runs[evict] = (turn2.output_token_ids, drafts)
+        assert_pool_at_rest(engine)
+    assert runs[True] == runs[False]  # same tokens, and the head drafted the same after the load-back

@@ -15,7 +15,6 @@ run even a probe token (the model or device is broken, not a request).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -25,16 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.config import EngineConfig, SamplingParams, require
+from cluster.config import EngineConfig, SamplingParams
 from cluster.faults import FAILURE_INTERNAL, internal_error
-from cluster.protocol import GraphStats, PoolStats, SpecStats, TierStats, WorkerStats
+from cluster.protocol import GraphStats, SpecStats, TierStats, WorkerStats
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
-from kernels.sampling import sample
 from kv_store.device_pool import DevicePool
-from kv_store.hicache import HostCache, NullHostCache, WritePolicy, host_tensors
 from kv_store.l3.config import L3Config
-from kv_store.l3.keys import KeyNamespace
-from kv_store.l3.tier import L3Tier
 from kv_store.page_pool import PagePool
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
@@ -45,7 +40,10 @@ from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
 from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
 from prefill_worker.engine.sessions import NullSessions, SessionError, SessionManager
 from prefill_worker.engine.speculator import Committed, load_draft_head, make_speculator
+from prefill_worker.engine.stats import graph_stats, pool_stats, spec_stats, tier_stats
 from prefill_worker.engine.stop import StopRules
+from prefill_worker.engine.tiers import host_cache, model_id
+from prefill_worker.engine.tokens import apply_stop_rules, row_tokens
 
 log = logging.getLogger("tandem.engine")
 
@@ -111,7 +109,7 @@ class EngineCore:
         pool = self.device_pool.pages
         cache = RadixPrefixCache(pool) if config.enable_prefix_cache else NullPrefixCache(pool)
         self.kvm = KVManager(pool, cache)
-        self.host_cache = _host_cache(self.config, cache, self.device_pool, l3, model)
+        self.host_cache = host_cache(self.config, cache, self.device_pool, l3, model_id(config.model, model, draft_head))
         self.sessions = (SessionManager(self.kvm, int(self.config.session_kv_fraction * pool.num_usable * pool.page_size))
                          if config.enable_prefix_cache else NullSessions())
         self.connector = connector or NullConnector()
@@ -272,36 +270,19 @@ class EngineCore:
                 self._integrity_error = str(exc) or "integrity check failed"
         error = self._integrity_error
         l2 = self.host_cache.pool
-        return WorkerStats(role, _pool_stats(self.device_pool.pages), _pool_stats(host_pool) if host_pool else None,
+        return WorkerStats(role, pool_stats(self.device_pool.pages), pool_stats(host_pool) if host_pool else None,
                            len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.loading),
-                           transfers, error, _pool_stats(l2) if l2 is not None else None, self.tier_stats(),
+                           transfers, error, pool_stats(l2) if l2 is not None else None, self.tier_stats(),
                            self.graph_stats(), self.spec_stats())
 
     def spec_stats(self) -> SpecStats:
-        c = self.speculator.counters
-        if c is None:
-            return SpecStats()
-        return SpecStats(c.verifies, tuple(sorted(c.accepted_per_verify.items())), tuple(sorted(c.drafted_at.items())),
-                         tuple(sorted(c.accepted_at.items())), c.draft_errors)
+        return spec_stats(self.speculator.counters)
 
     def graph_stats(self) -> GraphStats:
-        c = self.runner.counters
-        return GraphStats(c.replays, tuple(sorted((reason.value, n) for reason, n in c.fallbacks.items())))
+        return graph_stats(self.runner.counters)
 
     def tier_stats(self) -> TierStats:
-        c, l3 = self.host_cache.counters, self.host_cache.l3
-        store = l3.store_stats()
-        l3_fields = {} if store is None else dict(
-            l3_get_pages=store.hits, l3_get_seconds=store.get_seconds, l3_put_pages=store.put_pages,
-            l3_put_seconds=store.put_seconds, l3_errors=store.errors, l3_corrupt=store.corrupt,
-            prefetches=tuple(sorted(l3.counters.prefetches.items())))
-        return TierStats(hit_tokens_l1=self.scheduler.hit_tokens_l1, hit_tokens_l2=c.l2_hit_tokens,
-                         hit_tokens_l3=c.l3_hit_tokens, l1_to_l2_bytes=c.l1_to_l2_bytes,
-                         l1_to_l2_seconds=c.l1_to_l2_seconds, l2_to_l1_bytes=c.l2_to_l1_bytes,
-                         l2_to_l1_seconds=c.l2_to_l1_seconds, evicted_pages_l1=c.l1_evicted_pages,
-                         evicted_pages_l2=c.l2_evicted_pages, copy_errors=c.copy_errors,
-                         sessions_open=len(self.sessions.sessions), session_pages=self.sessions.pinned_pages(),
-                         **l3_fields)
+        return tier_stats(self.host_cache, self.scheduler.hit_tokens_l1, self.sessions)
 
     def close(self) -> None:
         self.connector.close()
@@ -346,12 +327,12 @@ class EngineCore:
         kept = ScheduledStep(relocation_version=scheduled.relocation_version,
                              loads_in_flight=scheduled.loads_in_flight)
         committed, emitted, outputs, feature_row = [], [], [], 0
-        for req, row, tokens in zip(scheduled.requests, scheduled.rows, self._row_tokens(scheduled, out.logits)):
+        for req, row, tokens in zip(scheduled.requests, scheduled.rows, row_tokens(scheduled, out.logits, self.speculator)):
             first, feature_row = feature_row, feature_row + len(row.token_ids)
             try:
                 if isinstance(tokens, Exception):
                     raise tokens
-                applied, reason = _apply_stop_rules(req, tokens)
+                applied, reason = apply_stop_rules(req, tokens)
             except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going
                 outputs += self._fail_request(req, internal_error(req.request_id, exc, "sampling and stop rules"))
                 continue
@@ -370,27 +351,6 @@ class EngineCore:
         self._speculate(lambda: self.speculator.draft(self.scheduler.running, self.kvm,
                                                       self.scheduler.max_request_tokens()))
         return outputs
-
-    def _row_tokens(self, scheduled: ScheduledStep, logits: torch.Tensor) -> list[list[int] | Exception | None]:
-        """Per row: the tokens it emits before stop rules, None for a row without logits (a prefill
-        chunk), or the exception that fails its request. Plain rows are sampled as one batch; a
-        verify row's drafts are verified by the speculator."""
-        tokens: list = [None] * len(scheduled.rows)
-        plain, plain_at, at = [], [], 0
-        for i, (req, row) in enumerate(zip(scheduled.requests, scheduled.rows)):
-            if row.num_draft_tokens:
-                try:
-                    tokens[i] = self.speculator.verify(req, logits[at:at + row.num_logits])
-                except Exception as exc:  # noqa: BLE001 - returned: the caller fails this request alone
-                    tokens[i] = exc
-            elif row.num_logits:
-                plain.append(i)
-                plain_at.append(at)
-            at += row.num_logits
-        rows = logits if len(plain_at) == logits.shape[0] else logits[plain_at]
-        for i, token in zip(plain, self._sample_rows([scheduled.requests[i] for i in plain], rows)):
-            tokens[i] = token if isinstance(token, Exception) else [token]
-        return tokens
 
     def _commit(self, req: Request, row: ForwardRow, num_emitted: int) -> int:
         """Commit the KV `row` left valid and return its end: all of it, or for a verify row the last
@@ -412,26 +372,6 @@ class EngineCore:
             log.exception("the draft head failed; this step's drafts are dropped")
             for req in self.scheduler.running:
                 req.clear_draft()
-
-    def _sample_rows(self, reqs: list[Request], logits: torch.Tensor) -> list[int | Exception]:
-        """One token per request, or the exception its row raised. The batch is sampled at once; only
-        when that raises is each row sampled alone (the sampler's draws do not depend on the batch)."""
-        try:
-            return self._sample(reqs, logits)
-        except Exception:  # noqa: BLE001 - some request's values broke the batch: find which
-            return [self._sample_alone(req, logits[i:i + 1]) for i, req in enumerate(reqs)]
-
-    def _sample_alone(self, req: Request, logits: torch.Tensor) -> int | Exception:
-        try:
-            return self._sample([req], logits)[0]
-        except Exception as exc:  # noqa: BLE001 - returned: the caller fails this request alone
-            return exc
-
-    @staticmethod
-    def _sample(reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        return sample(logits, [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
-                      [r.params.top_p for r in reqs], [r.sample_seed for r in reqs],
-                      [len(r.output_token_ids) for r in reqs]).tolist()
 
     def _on_finished(self, req: Request, reason: FinishReason) -> None:
         """`req` produced its last token: the release path, unless the connector holds its KV on."""
@@ -456,47 +396,3 @@ class EngineCore:
             self.kvm.check_integrity()
         if self.debug_kv or not self.busy():
             self.connector.check_integrity()
-
-
-def _apply_stop_rules(req: Request, tokens: list[int] | None) -> tuple[list[int], FinishReason | None]:
-    """Append `tokens` to `req`'s output one by one until a stop rule ends it; returns those appended
-    and the reason it ended (None: still running). None tokens: a prefill chunk, nothing to append."""
-    applied = []
-    for token in tokens or ():
-        req.output_token_ids.append(token)
-        applied.append(token)
-        reason = req.stop_rules.check(req.output_token_ids, req.num_tokens)
-        if reason is not None:
-            return applied, reason
-    return applied, None
-
-
-def _host_cache(config: EngineConfig, tree, device_pool: DevicePool, l3: L3Config | None,
-                model: torch.nn.Module) -> HostCache | NullHostCache:
-    """The L2 tier under `tree` when the resolved config asks for host pages, with L3 below it when
-    `l3` is given (L3 pages move through L2, so L3 needs it)."""
-    if not config.host_cache_pages:
-        require(l3 is None, "kv_store.l3 needs the host tier: set host_cache_ratio > 0 and keep the prefix cache on")
-        return NullHostCache()
-    host_kv = host_tensors(device_pool.kv, config.host_cache_pages)
-    tier = None
-    if l3 is not None:
-        from kv_store.l3.redis_store import RedisPageStore
-
-        namespace = KeyNamespace(model_id(config.model, model), device_pool.layout)
-        tier = L3Tier(RedisPageStore(l3, namespace), namespace, host_kv, l3)
-    return HostCache(tree, device_pool, host_kv, WritePolicy(config.write_policy), config.write_through_hits, l3=tier)
-
-
-def model_id(name: str, model: torch.nn.Module) -> str:
-    """`name` plus a digest of the weights' first bytes: L3 keys of two models never meet, even under one name."""
-    h = hashlib.blake2b(digest_size=8)
-    for _, tensor in itertools.islice(model.state_dict().items(), 4):
-        h.update(str(tuple(tensor.shape)).encode())
-        h.update(tensor.detach().flatten()[:4096].float().cpu().numpy().tobytes())
-    return f"{name}@{h.hexdigest()}"
-
-
-def _pool_stats(pool: PagePool) -> PoolStats:
-    u = pool.usage()
-    return PoolStats(u.total, u.free, u.private, u.cached, u.in_flight)

@@ -1,0 +1,40 @@
+"""The engine's counters as the heartbeat's frozen records (`cluster.protocol`)."""
+
+from __future__ import annotations
+
+from cluster.protocol import GraphStats, PoolStats, SpecStats, TierStats
+from kv_store.page_pool import PagePool
+
+
+def pool_stats(pool: PagePool) -> PoolStats:
+    u = pool.usage()
+    return PoolStats(u.total, u.free, u.private, u.cached, u.in_flight)
+
+
+def spec_stats(c) -> SpecStats:
+    """From a speculator's `SpecCounters` (None: speculation off)."""
+    if c is None:
+        return SpecStats()
+    return SpecStats(c.verifies, tuple(sorted(c.accepted_per_verify.items())), tuple(sorted(c.drafted_at.items())),
+                     tuple(sorted(c.accepted_at.items())), c.draft_errors)
+
+
+def graph_stats(c) -> GraphStats:
+    """From a graph runner's `GraphCounters`."""
+    return GraphStats(c.replays, tuple(sorted((reason.value, n) for reason, n in c.fallbacks.items())))
+
+
+def tier_stats(host_cache, hit_tokens_l1: int, sessions) -> TierStats:
+    c, l3 = host_cache.counters, host_cache.l3
+    store = l3.store_stats()
+    l3_fields = {} if store is None else dict(
+        l3_get_pages=store.hits, l3_get_seconds=store.get_seconds, l3_put_pages=store.put_pages,
+        l3_put_seconds=store.put_seconds, l3_errors=store.errors, l3_corrupt=store.corrupt,
+        prefetches=tuple(sorted(l3.counters.prefetches.items())))
+    return TierStats(hit_tokens_l1=hit_tokens_l1, hit_tokens_l2=c.l2_hit_tokens,
+                     hit_tokens_l3=c.l3_hit_tokens, l1_to_l2_bytes=c.l1_to_l2_bytes,
+                     l1_to_l2_seconds=c.l1_to_l2_seconds, l2_to_l1_bytes=c.l2_to_l1_bytes,
+                     l2_to_l1_seconds=c.l2_to_l1_seconds, evicted_pages_l1=c.l1_evicted_pages,
+                     evicted_pages_l2=c.l2_evicted_pages, copy_errors=c.copy_errors,
+                     sessions_open=len(sessions.sessions), session_pages=sessions.pinned_pages(),
+                     **l3_fields)

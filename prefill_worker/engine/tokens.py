@@ -1,0 +1,68 @@
+"""Which tokens one engine step emits: sampled for plain rows, verified drafts for verify rows, cut by
+the stop rules token by token. A fault here is one request's: it comes back as that row's exception,
+never raised for the batch (the engine fails that request alone)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sampling import sample
+from prefill_worker.engine.request import FinishReason, Request
+from prefill_worker.engine.scheduler import ScheduledStep
+
+
+def row_tokens(scheduled: ScheduledStep, logits: torch.Tensor, speculator) -> list[list[int] | Exception | None]:
+    """Per row: the tokens it emits before stop rules, None for a row without logits (a prefill
+    chunk), or the exception that fails its request. Plain rows are sampled as one batch; a verify
+    row's drafts are verified by `speculator`. `logits`: each row's `num_logits` rows, in row order."""
+    tokens: list = [None] * len(scheduled.rows)
+    plain, plain_at, at = [], [], 0
+    for i, (req, row) in enumerate(zip(scheduled.requests, scheduled.rows)):
+        if row.num_draft_tokens:
+            try:
+                tokens[i] = speculator.verify(req, logits[at:at + row.num_logits])
+            except Exception as exc:  # noqa: BLE001 - returned: the caller fails this request alone
+                tokens[i] = exc
+        elif row.num_logits:
+            plain.append(i)
+            plain_at.append(at)
+        at += row.num_logits
+    rows = logits if len(plain_at) == logits.shape[0] else logits[plain_at]
+    for i, token in zip(plain, sample_rows([scheduled.requests[i] for i in plain], rows)):
+        tokens[i] = token if isinstance(token, Exception) else [token]
+    return tokens
+
+
+def sample_rows(reqs: list[Request], logits: torch.Tensor) -> list[int | Exception]:
+    """One token per request, or the exception its row raised. The batch is sampled at once; only
+    when that raises is each row sampled alone (the sampler's draws do not depend on the batch)."""
+    try:
+        return _sample(reqs, logits)
+    except Exception:  # noqa: BLE001 - some request's values broke the batch: find which
+        return [_sample_alone(req, logits[i:i + 1]) for i, req in enumerate(reqs)]
+
+
+def _sample_alone(req: Request, logits: torch.Tensor) -> int | Exception:
+    try:
+        return _sample([req], logits)[0]
+    except Exception as exc:  # noqa: BLE001 - returned: the caller fails this request alone
+        return exc
+
+
+def _sample(reqs: list[Request], logits: torch.Tensor) -> list[int]:
+    return sample(logits, [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
+                  [r.params.top_p for r in reqs], [r.sample_seed for r in reqs],
+                  [len(r.output_token_ids) for r in reqs]).tolist()
+
+
+def apply_stop_rules(req: Request, tokens: list[int] | None) -> tuple[list[int], FinishReason | None]:
+    """Append `tokens` to `req`'s output one by one until a stop rule ends it; returns those appended
+    and the reason it ended (None: still running). None tokens: a prefill chunk, nothing to append."""
+    applied = []
+    for token in tokens or ():
+        req.output_token_ids.append(token)
+        applied.append(token)
+        reason = req.stop_rules.check(req.output_token_ids, req.num_tokens)
+        if reason is not None:
+            return applied, reason
+    return applied, None

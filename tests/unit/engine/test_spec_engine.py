@@ -343,3 +343,23 @@ def test_a_prefix_loaded_back_from_the_host_tier_brings_its_draft_kv(reference):
         runs[evict] = (turn2.output_token_ids, drafts)
         assert_pool_at_rest(engine)
     assert runs[True] == runs[False]  # same tokens, and the head drafted the same after the load-back
+
+
+def test_speculation_without_a_head_is_a_clear_config_error(monkeypatch, tmp_path):
+    from cluster.cli.args import with_default_draft
+    from cluster.config import ConfigError, EngineConfig
+    from prefill_worker.engine import EngineCore
+    import cluster.train.settings as train_settings
+
+    ours, _, arch = tiny_models()
+    with pytest.raises(ConfigError, match="draft_model"):
+        EngineCore(EngineConfig(num_pages=64, speculative="eagle"), ours, arch)
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        EngineConfig(speculative="eagle", num_draft_tokens=0)
+    monkeypatch.setattr(train_settings, "default_draft_dir", lambda model: None)
+    with pytest.raises(ConfigError, match="tandem train-eagle --model smollm2"):
+        with_default_draft(EngineConfig(speculative="eagle"))
+    monkeypatch.setattr(train_settings, "default_draft_dir", lambda model: tmp_path / model)
+    assert with_default_draft(EngineConfig(speculative="eagle")).draft_model == str(tmp_path / "smollm2")
+    assert with_default_draft(EngineConfig(speculative="eagle", draft_model="/x")).draft_model == "/x"
+    assert with_default_draft(EngineConfig()).draft_model == ""

@@ -134,8 +134,9 @@ class EagleSpeculator:
     # ---- verify ------------------------------------------------------------------------------------
     def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
         """The tokens `req`'s verify row emits (1 .. k + 1). logits [k + 1, V] float32: the target's at
-        its last token and each draft."""
-        drafts = req.draft_token_ids
+        its last token and each draft. The drafts are used up: `req` has none after this."""
+        drafts, draft_probs = req.draft_token_ids, req.draft_probs
+        req.clear_draft()
         if req.params.greedy:
             out = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
         else:
@@ -144,7 +145,7 @@ class EagleSpeculator:
             g = row_generator(req.sample_seed, len(req.output_token_ids), logits.device, VERIFY_STREAM)
             uniforms = torch.rand(len(drafts), generator=g, device=logits.device)
             noise = torch.empty_like(probs).exponential_(generator=g)
-            out = verify_sampled(probs, req.draft_probs, drafts, uniforms, noise)
+            out = verify_sampled(probs, draft_probs, drafts, uniforms, noise)
         self.counters.count(len(drafts), len(out) - 1)
         return out
 

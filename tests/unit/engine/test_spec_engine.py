@@ -126,9 +126,13 @@ def test_drafts_stop_at_max_tokens_and_eos_inside_an_accepted_run(spec_prompts, 
 def test_above_the_batch_cutoff_nothing_is_drafted_and_drafting_resumes_below_it(spec_prompts, reference):
     engine = make_spec_engine(speculative_max_batch=2)
     _script_drafts(engine, reference, accept=1.0)
-    reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in spec_prompts[:4]]
+    reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in spec_prompts[:2]]
     engine.step()
+    assert all(r.draft_token_ids for r in reqs)
+    reqs += [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in spec_prompts[2:4]]
+    engine.step()  # the first two verify their drafts; with four running, none drafts again
     assert len(engine.scheduler.running) == 4 and not any(r.draft_token_ids for r in reqs)
+    assert all(r.kv.kv_allocated_len == r.kv.kv_committed_len for r in reqs[:2])  # no slot left for a draft
     for r in reqs[2:]:
         engine.abort(r.request_id)
     engine.step()

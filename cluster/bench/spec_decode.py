@@ -9,6 +9,12 @@ reported and fails the command. The speculative engine's counters give the mean 
 (tokens per verify: accepted drafts + the target's own) and the acceptance rate per draft position.
 
     per batch size:  | plain | eagle | eagle | plain | ...  (--repeats rounds, alternating)
+
+With `--load-back`, it measures instead what a host-tier load-back does to acceptance: per prompt a
+first turn, then a second turn (the first turn's tokens + a follow-up) twice, on a fresh speculative
+engine each: once with the first turn's KV still on device, once after evicting it to the host tier
+(L2), so the second turn's prefix (draft KV included) comes back by load-back. The mean accepted
+lengths of the second turns are compared (the issue's bar: within 10%).
 """
 
 from __future__ import annotations
@@ -69,6 +75,38 @@ def measure(make_engine, prompts: list[list[int]], params: SamplingParams, batch
     return SpecRun(mode, batch, wall_s, tuple(tokens), s.verifies, s.accepted_per_verify, s.accepted_at, s.drafted_at)
 
 
+FOLLOW_UP = "\nPlease go on, with an example."
+
+
+def measure_load_back(make_engine, prompts: list[list[int]], follow_up: list[int], params: SamplingParams) -> dict:
+    """Mean accepted length of second turns whose first turn stayed on device vs was loaded back."""
+    result = {}
+    for evict in (False, True):
+        accepted, verifies, loaded_tokens = 0, 0, 0
+        for prompt in prompts:
+            engine = make_engine("eagle", 1)
+            [first] = engine.generate([prompt], params)
+            while engine.busy():  # host-tier backups of the first turn
+                engine.step()
+            if evict:
+                engine.kvm.prefix_cache.evict(engine.kvm.pool.num_usable)
+            before = engine.spec_stats()
+            [second] = engine.generate([prompt + first.output_token_ids + follow_up], params)
+            after = engine.spec_stats()
+            accepted += sum(a * n for a, n in after.accepted_per_verify) - sum(
+                a * n for a, n in before.accepted_per_verify)
+            verifies += after.verifies - before.verifies
+            loaded_tokens += second.host_hit_tokens
+            engine.check_integrity()
+            engine.close()
+        result["loaded_back" if evict else "on_device"] = {
+            "mean_accepted_length": 1 + accepted / verifies if verifies else 0.0, "verifies": verifies,
+            "host_hit_tokens": loaded_tokens}
+    on, off = result["on_device"]["mean_accepted_length"], result["loaded_back"]["mean_accepted_length"]
+    result["ratio"] = off / on if on else 0.0
+    return result
+
+
 def summarize(runs: list[SpecRun], config: EngineConfig) -> dict:
     by_batch: dict[int, dict] = {}
     for batch in sorted({r.batch for r in runs}):
@@ -125,10 +163,19 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
     def make_engine(mode: str, batch: int):
-        run_config = dataclasses.replace(config, max_running_requests=batch, host_cache_ratio=0.0,
+        run_config = dataclasses.replace(config, max_running_requests=batch, host_cache_ratio=2.0 if args.load_back else 0.0,
                                          speculative="eagle" if mode == "eagle" else "none")
         return EngineCore(run_config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
                           draft_head=head if mode == "eagle" else None)
+
+    if args.load_back:
+        follow_up = loaded.tokenizer.encode(FOLLOW_UP, add_special_tokens=False)
+        result = measure_load_back(make_engine, prompts, follow_up, params)
+        print(json.dumps(result, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
 
     runs = []
     for batch in args.batch_sizes or DEFAULT_SPEC_BATCH_SIZES:

@@ -39,3 +39,20 @@ def test_plain_and_eagle_agree_and_acceptance_is_summarised_per_batch():
     broken = [dataclasses.replace(r, tokens=((1,),) + r.tokens[1:]) if r.mode == "eagle" and r.batch == 1 else r
               for r in runs]
     assert not summarize(broken, base)["batches"][1]["identical_outputs"]
+
+
+def test_load_back_mode_compares_second_turns_on_device_and_loaded_back():
+    from cluster.bench.spec_decode import measure_load_back
+
+    ours, _, arch = tiny_models()
+    head = tiny_draft_head()
+
+    def make_engine(mode: str, batch: int):
+        config = EngineConfig(page_size=4, num_pages=128, host_cache_ratio=2.0, speculative="eagle")
+        return EngineCore(config, ours, arch, draft_head=head)
+    result = measure_load_back(make_engine, make_prompts(2, min_len=20, max_len=30, seed=3), [5, 6, 7],
+                               SamplingParams(max_tokens=10))
+    on, off = result["on_device"], result["loaded_back"]
+    assert on["host_hit_tokens"] == 0 < off["host_hit_tokens"]
+    assert on["verifies"] == off["verifies"] > 0  # the same drafts: the draft KV came back with the pages
+    assert result["ratio"] == off["mean_accepted_length"] / on["mean_accepted_length"] == 1.0

@@ -132,6 +132,13 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers generate reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    spec = p.add_argument_group("with --speculative eagle: plain vs speculative decoding, end to end, on held-out "
+                                "chat prompts (default batch sizes 1,16)")
+    spec.add_argument("--num-prompts", type=int, default=16, help="held-out chat prompts generated for per run")
+    spec.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt at most")
+    spec.add_argument("--repeats", type=int, default=2, help="rounds per batch size, alternating which system first")
+    spec.add_argument("--load-back", action="store_true",
+                      help="instead: acceptance of second turns whose first turn was loaded back from the host tier")
 
 
 def _add_llamacpp_args(p: argparse.ArgumentParser) -> None:
@@ -182,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(sub.add_parser("serve", help="serve the OpenAI-compatible API from a Ray cluster"))
     _add_run_args(sub.add_parser("run", help="offline generation"))
     _add_bench_args(sub.add_parser("bench", help="benchmarks"))
+    from cluster.train.cli import add_train_eagle_args
+
+    add_train_eagle_args(sub.add_parser("train-eagle", help="distil an EAGLE-3 draft head for a model (CPU)"))
     return parser
 
 
@@ -202,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.cli.run import run_offline
 
             return run_offline(args)
+        if args.command == "train-eagle":
+            from cluster.train.cli import run_train_eagle
+
+            return run_train_eagle(args)
         if args.bench == "transfer":
             from cluster.bench.transfer import bench_transfer
 
@@ -218,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.hicache import bench_hicache
 
             return bench_hicache(args)
+        if args.bench == "decode" and args.speculative != "none":
+            from cluster.bench.spec_decode import bench_spec_decode
+
+            return bench_spec_decode(args)
         if args.bench == "decode":
             from cluster.bench.decode import bench_decode
 

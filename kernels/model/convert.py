@@ -65,7 +65,7 @@ def is_converted(model_dir: Path, gguf: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     with open(path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -81,35 +81,35 @@ def ensure_smollm2(cache_root: Path | None = None) -> Path:
     if is_converted(final, gguf):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final.parent / f".{SMOLLM2_CACHE_NAME}.lock"):
+    with file_lock(final.parent / f".{SMOLLM2_CACHE_NAME}.lock"):
         if is_converted(final, gguf):  # another process finished while we waited
             return final
-        _sweep_tmp_dirs(final)
+        sweep_tmp_dirs(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_CACHE_NAME}.tmp-", dir=final.parent))
         try:
             convert_gguf(gguf, tmp)
             (tmp / MARKER_FILE).write_text(json.dumps(_expected_marker(gguf)))
-            _make_world_readable(tmp)
-            _publish(tmp, final)
+            make_world_readable(tmp)
+            publish_dir(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _sweep_tmp_dirs(final: Path) -> None:
+def sweep_tmp_dirs(final: Path) -> None:
     """Remove work dirs of crashed conversions (safe: we hold the lock)."""
     for stale in final.parent.glob(f".{final.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _make_world_readable(tmp: Path) -> None:
+def make_world_readable(tmp: Path) -> None:
     """mkdtemp makes 0700 dirs; a cache shared by several users/containers must be readable."""
     os.chmod(tmp, 0o755)
     for path in tmp.iterdir():
         os.chmod(path, 0o644)
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def publish_dir(tmp: Path, final: Path) -> None:
     """Rename ``tmp`` to ``final``, first moving an incomplete/stale ``final`` out of the way."""
     if final.exists():
         stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-stale-", dir=final.parent))

@@ -1,0 +1,68 @@
+"""`tandem train-eagle`'s flags and entry point (the flags import no torch: `tandem` parses every
+command's flags at start-up)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cluster.train.settings import DEFAULT_CHECKPOINT_EVERY, TrainSettings
+
+_DEFAULTS = TrainSettings()
+
+
+def add_train_eagle_args(p: argparse.ArgumentParser) -> None:
+    p.description = ("Distil an EAGLE-3 draft head for --model from its own greedy answers to the shipped chat "
+                     "prompts, on CPU, into the cache (reused when complete; an interrupted run resumes), then "
+                     "print its greedy chain acceptance at k=3 on held-out prompts.")
+    p.add_argument("--model", default=_DEFAULTS.model,
+                   help="target: 'smollm2' or a local HF dir (default %(default)s)")
+    p.add_argument("--cache-dir", type=Path, help="tandem cache root (default $TANDEM_CACHE_DIR or ~/.cache/tandem)")
+    p.add_argument("--output", type=Path, help="write the head to this directory instead of the cache")
+    p.add_argument("--num-prompts", type=int, default=_DEFAULTS.num_prompts,
+                   help="training prompts, of the shipped set (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=_DEFAULTS.max_new_tokens,
+                   help="target tokens generated per prompt (default %(default)s)")
+    p.add_argument("--draft-vocab-size", type=int, default=_DEFAULTS.draft_vocab_size,
+                   help="the head's vocabulary: the most frequent target tokens (default %(default)s)")
+    p.add_argument("--epochs", type=int, default=_DEFAULTS.epochs, help="passes over the data (default %(default)s)")
+    p.add_argument("--unroll-steps", type=int, default=_DEFAULTS.unroll_steps,
+                   help="draft steps unrolled in training (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=_DEFAULTS.batch_size,
+                   help="sequences per step (default %(default)s)")
+    p.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate (default %(default)s)")
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="default %(default)s")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY,
+                   help="save resume state every N steps (default %(default)s)")
+    p.add_argument("--force", action="store_true", help="retrain from scratch even when a complete head exists")
+
+
+def settings_from_args(args: argparse.Namespace) -> TrainSettings:
+    """Raises ValueError naming the bad flags."""
+    return TrainSettings(model=args.model, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                         draft_vocab_size=args.draft_vocab_size, epochs=args.epochs, unroll_steps=args.unroll_steps,
+                         batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+
+
+def run_train_eagle(args: argparse.Namespace) -> int:
+    import torch
+
+    from cluster.train.eagle import train_eagle
+
+    settings = settings_from_args(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    result = train_eagle(settings, cache_root=args.cache_dir, output=args.output, force=args.force,
+                         checkpoint_every=args.checkpoint_every)
+    print(f"draft head: {result.path}{' (cached)' if result.reused else ''}")
+    if result.acceptance:
+        from cluster.train.evaluate import Acceptance
+
+        acc = result.acceptance
+        print("held-out " + Acceptance(**{**acc, "step_accept": tuple(acc["step_accept"])}).summary())
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,162 @@
+"""Training a draft head on CPU: examples from (sample, aux, vocabulary), the deterministic batch
+schedule, the optimizer loop with resume state, and its loss.
+
+Determinism: the batch order of epoch e comes from a generator seeded with (seed, e), and the
+learning rate is a function of the step, so a run resumed from its state after step N continues
+exactly as if it had not stopped (same threads, same machine).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cluster.train.checkpoint import load_state, save_state, trainable
+from cluster.train.data import Sample
+from cluster.train.settings import TrainSettings
+from cluster.train.unroll import draft_rows, logits, unrolled_forward
+from cluster.train.vocab import DraftVocab
+from kernels.model.eagle import EagleDraftHead
+
+log = logging.getLogger("tandem.train")
+
+IGNORE = -1
+WARMUP_FRACTION = 0.05
+FINAL_LR_FRACTION = 0.05
+GRAD_CLIP = 0.5
+SORT_WINDOW_BATCHES = 8  # batches of similar length are cut from windows this many batches long
+
+
+@dataclass(frozen=True)
+class Example:
+    """One sequence's draft rows: row i reads input_ids[i] = t[i+1] and aux[i] = a[i] and should
+    predict labels[i], the draft id of t[i+2], or IGNORE (prompt text, no next token, or a token
+    outside the draft vocabulary)."""
+
+    input_ids: torch.Tensor  # [m] int64, m = n - 1
+    aux: torch.Tensor  # [m, 3h] float32
+    labels: torch.Tensor  # [m] int64
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+
+def make_example(sample: Sample, aux: torch.Tensor, t2d: torch.Tensor) -> Example:
+    """Rows of `sample` (tokens t, aux a ``[n, 3h]``, prompt length P); labelled from row P-1 on,
+    the first a speculative round uses (the target itself samples t[P], the first answer token)."""
+    tokens = torch.tensor(sample.token_ids, dtype=torch.int64)
+    input_ids, row_aux = draft_rows(tokens, aux)
+    labels = torch.full_like(input_ids, IGNORE)
+    first = sample.prompt_len - 1  # row P-1 predicts t[P+1]
+    labels[first:len(tokens) - 2] = t2d[tokens[first + 2:]]
+    return Example(input_ids, row_aux, labels)
+
+
+def pad_batch(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids ``[B, L]``, aux ``[B, L, 3h]``, labels ``[B, L]`` (IGNORE past each end)."""
+    length = max(e.length for e in examples)
+    ids = torch.zeros(len(examples), length, dtype=torch.int64)
+    aux = torch.zeros(len(examples), length, examples[0].aux.shape[1])
+    labels = torch.full((len(examples), length), IGNORE, dtype=torch.int64)
+    for b, e in enumerate(examples):
+        ids[b, :e.length], aux[b, :e.length], labels[b, :e.length] = e.input_ids, e.aux, e.labels
+    return ids, aux, labels
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Example indices per batch for `epoch`: a seeded shuffle, cut into windows of
+    SORT_WINDOW_BATCHES batches sorted by length (less padding), the batches then shuffled."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(lengths), generator=gen).tolist()
+    window = batch_size * SORT_WINDOW_BATCHES
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start:start + window], key=lambda i: lengths[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    return -(-num_examples // batch_size)
+
+
+def lr_at(step: int, total_steps: int, peak: float) -> float:
+    """Linear warm-up over WARMUP_FRACTION of the steps, then cosine down to FINAL_LR_FRACTION."""
+    warmup = max(1, int(total_steps * WARMUP_FRACTION))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return peak * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def unrolled_loss(head: EagleDraftHead, ids: torch.Tensor, aux: torch.Tensor, labels: torch.Tensor,
+                  num_steps: int, step_decay: float) -> tuple[torch.Tensor, list[float]]:
+    """Sum over steps s of step_decay**s x the mean cross-entropy of step s's valid rows (i >= s,
+    labelled); also each step's top-1 accuracy over those rows."""
+    total, accuracies = torch.zeros(()), []
+    for s, x in enumerate(unrolled_forward(head, ids, aux, num_steps)):
+        step_labels = labels.clone()
+        step_labels[:, :s] = IGNORE  # rows i < s have no step-s feature
+        rows = step_labels >= 0
+        if not rows.any():
+            accuracies.append(float("nan"))
+            continue
+        row_logits = logits(head, x[rows])  # [rows, draft_vocab]
+        total = total + step_decay ** s * F.cross_entropy(row_logits, step_labels[rows])
+        accuracies.append((row_logits.argmax(-1) == step_labels[rows]).float().mean().item())
+    return total, accuracies
+
+
+def make_optimizer(head: EagleDraftHead, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(list(trainable(head).values()), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def train_head(head: EagleDraftHead, examples: list[Example], settings: TrainSettings, state_path: Path,
+               checkpoint_every: int, stop_after: int | None = None) -> list[float]:
+    """Train `head` in place (resuming from `state_path` when it holds a state); the state is saved
+    every `checkpoint_every` steps and at the end. `stop_after`: stop once this many steps are done
+    (an interrupted run, for tests). Returns the loss of each step this call ran."""
+    from tqdm import tqdm
+
+    optimizer = make_optimizer(head, settings.lr)
+    per_epoch = steps_per_epoch(len(examples), settings.batch_size)
+    total = per_epoch * settings.epochs
+    done = load_state(state_path, head, optimizer)
+    if done:
+        log.info("resuming draft-head training after step %d of %d", done, total)
+    end = total if stop_after is None else min(total, stop_after)
+    losses: list[float] = []
+    head.train()
+    with tqdm(total=total, initial=done, desc="training", unit="step", file=sys.stderr, disable=None) as bar:
+        for step in range(done, end):
+            epoch, index = divmod(step, per_epoch)
+            batch = epoch_batches([e.length for e in examples], settings.batch_size, settings.seed, epoch)[index]
+            loss, accuracies = _step(head, optimizer, [examples[i] for i in batch], settings,
+                                     lr_at(step, total, settings.lr))
+            losses.append(loss)
+            bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in accuracies), refresh=False)
+            bar.update(1)
+            if (step + 1) % checkpoint_every == 0 or step + 1 == end:
+                save_state(state_path, step + 1, head, optimizer)
+    head.eval()
+    return losses
+
+
+def _step(head: EagleDraftHead, optimizer: torch.optim.Optimizer, batch: list[Example], settings: TrainSettings,
+          lr: float) -> tuple[float, list[float]]:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    ids, aux, labels = pad_batch(batch)
+    loss, accuracies = unrolled_loss(head, ids, aux, labels, settings.unroll_steps, settings.step_decay)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(trainable(head).values()), GRAD_CLIP)
+    optimizer.step()
+    return loss.item(), accuracies

@@ -1,0 +1,34 @@
+"""The training data plumbing on the tiny target: the engine's greedy answers come back in prompt
+order and equal HF's greedy decode, and aux states from grouped ragged passes equal one pass per
+sequence."""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.train.data import Sample, aux_states, generate
+from kernels.attention.metadata import build_attn_metadata
+from kernels.kv_layout import KVCacheTensors
+from tests.helpers import hf_greedy, make_prompts, tiny_models
+
+
+def test_answers_are_the_targets_greedy_continuations_in_prompt_order():
+    target, reference, arch = tiny_models()
+    prompts = make_prompts(3, min_len=4, max_len=30, seed=11)
+    samples = generate(target, arch, (), prompts, max_new_tokens=12, max_running=2)
+    for prompt, sample in zip(prompts, samples):
+        assert sample.token_ids[:sample.prompt_len] == tuple(prompt)
+        assert list(sample.answer) == hf_greedy(reference, prompt, 12)
+
+
+def test_grouped_aux_passes_equal_one_pass_per_sequence():
+    target, _, arch = tiny_models()
+    samples = [Sample(tuple(p), 2) for p in make_prompts(5, min_len=5, max_len=40, seed=12)]
+    grouped = aux_states(target, samples, (1, 0), tokens_per_pass=50)
+    for sample, aux in zip(samples, grouped):
+        n = len(sample.token_ids)
+        kv = KVCacheTensors.allocate(arch.num_layers, 12, 4, arch.num_kv_heads, arch.head_dim, torch.float32, "cpu")
+        meta, positions = build_attn_metadata(4, [n], [n], [list(range(1, 12))], [], "cpu")
+        _, _, alone = target.forward_with_aux(torch.tensor(sample.token_ids), positions, meta, kv, (1, 0))
+        assert aux.shape == (n, 2 * arch.hidden_size)
+        torch.testing.assert_close(aux, alone, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,92 @@
+"""Training on the tiny target: examples and their labels, the loss going down, the published
+checkpoint loading back into the same head, and resume ending where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cluster.train.checkpoint import new_head, trainable, write_published
+from cluster.train.data import Sample
+from cluster.train.trainer import IGNORE, epoch_batches, make_example, pad_batch, train_head, unrolled_loss
+from cluster.train.unroll import logits, unrolled_forward
+from cluster.train.vocab import DraftVocab
+from kernels.model.eagle import load_eagle_checkpoint
+from tests.helpers import tiny_models
+from tests.unit.train.conftest import tiny_corpus, tiny_examples, tiny_vocab
+
+
+def test_examples_label_answer_tokens_from_the_first_verify_on():
+    # prompt t[0..3), answer t[3..7); token 14 is outside the draft vocabulary
+    sample = Sample((10, 11, 12, 13, 14, 15, 16), prompt_len=3)
+    vocab = DraftVocab(torch.tensor([10, 11, 12, 13, 15, 16]), 20)
+    aux = torch.arange(7.0)[:, None].repeat(1, 3)
+    example = make_example(sample, aux, vocab.t2d())
+    assert example.input_ids.tolist() == [11, 12, 13, 14, 15, 16]  # row i reads t[i+1]
+    assert example.aux[:, 0].tolist() == [0, 1, 2, 3, 4, 5]  # and a[i]
+    # row i predicts t[i+2]; rows from P-1 = 2 on; 14 is not draftable; the last row has no label
+    assert example.labels.tolist() == [IGNORE, IGNORE, IGNORE, 4, 5, IGNORE]
+
+
+def test_batches_cover_every_example_once_per_epoch_and_depend_on_seed_and_epoch():
+    lengths = [5, 9, 3, 7, 1, 8, 2, 6, 4, 10, 11]
+    batches = epoch_batches(lengths, batch_size=3, seed=0, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(11))
+    assert all(len(b) <= 3 for b in batches)
+    assert batches == epoch_batches(lengths, batch_size=3, seed=0, epoch=0)
+    assert batches != epoch_batches(lengths, batch_size=3, seed=0, epoch=1)
+    assert batches != epoch_batches(lengths, batch_size=3, seed=1, epoch=0)
+
+
+def _mean_loss(head, examples, settings) -> float:
+    with torch.no_grad():
+        loss, _ = unrolled_loss(head, *pad_batch(examples), settings.unroll_steps, settings.step_decay)
+    return loss.item()
+
+
+def test_training_lowers_the_loss_and_the_published_head_loads_back_identical(settings, tmp_path):
+    samples, aux = tiny_corpus()
+    vocab = tiny_vocab(samples)
+    examples = tiny_examples(samples, aux, vocab)
+    target, _, arch = tiny_models()
+    head = new_head(target, vocab, settings.seed)
+    before = _mean_loss(head, examples, settings)
+    losses = train_head(head, examples, settings, tmp_path / "state.pt", checkpoint_every=100)
+    assert len(losses) == 3 * settings.epochs  # 12 examples, batches of 4
+    after = _mean_loss(head, examples, settings)
+    assert after < 0.8 * before, f"loss {before:.3f} -> {after:.3f}: training did not learn"
+
+    out = tmp_path / "head"
+    out.mkdir()
+    write_published(out, head, vocab, arch)
+    loaded = load_eagle_checkpoint(out, arch, target.model.embed_tokens, target.lm_head).eval()
+    assert loaded.arch == head.arch
+    assert torch.equal(loaded.token_map, vocab.target_ids)
+    ids, row_aux, _ = pad_batch(examples[:3])
+    with torch.no_grad():
+        for ours, theirs in zip(unrolled_forward(head, ids, row_aux, 3), unrolled_forward(loaded, ids, row_aux, 3)):
+            assert torch.equal(ours, theirs)
+            assert torch.equal(logits(head, ours), logits(loaded, theirs))
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(settings, tmp_path):
+    samples, aux = tiny_corpus()
+    vocab = tiny_vocab(samples)
+    examples = tiny_examples(samples, aux, vocab)
+    target = tiny_models()[0]
+    settings = dataclasses.replace(settings, epochs=2)  # 6 steps; interrupted after 4 (mid-epoch)
+
+    straight = new_head(target, vocab, settings.seed)
+    train_head(straight, examples, settings, tmp_path / "straight.pt", checkpoint_every=100)
+
+    state = tmp_path / "resumed.pt"
+    first = train_head(new_head(target, vocab, settings.seed), examples, settings, state, checkpoint_every=2,
+                       stop_after=4)
+    resumed = new_head(target, vocab, settings.seed)  # a new process: fresh weights, then the state
+    rest = train_head(resumed, examples, settings, state, checkpoint_every=2)
+    assert (len(first), len(rest)) == (4, 2)
+    for (name, a), b in zip(trainable(straight).items(), trainable(resumed).values()):
+        assert torch.equal(a, b), f"{name} differs after resume"
+    assert not torch.equal(trainable(straight)["fc.weight_t"], trainable(new_head(target, vocab, 0))["fc.weight_t"])
+

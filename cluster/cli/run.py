@@ -107,13 +107,16 @@ def _run_colocated(args, config, prompts, params) -> list[RunResult]:
     engine = load_engine(config)
     log.info("loaded %s in %.2fs (%d KV pages of %d tokens)", config.model, time.perf_counter() - t0,
              engine.config.num_pages, engine.config.page_size)
-    token_ids = [tokenize_prompt(engine.tokenizer, p, args.raw) for p in prompts]
-    t1 = time.perf_counter()
-    with _progress(len(prompts)) as bar:
-        reqs = engine.generate(token_ids, params, on_finish=lambda _: bar.update(1))
-    _log_throughput(reqs and [len(r.output_token_ids) for r in reqs], time.perf_counter() - t1)
-    return [RunResult(r.prompt_token_ids, r.output_token_ids, engine.output_text(r), r.finish_reason.value,
-                      r.cached_tokens) for r in reqs]
+    try:
+        token_ids = [tokenize_prompt(engine.tokenizer, p, args.raw) for p in prompts]
+        t1 = time.perf_counter()
+        with _progress(len(prompts)) as bar:
+            reqs = engine.generate(token_ids, params, on_finish=lambda _: bar.update(1))
+        _log_throughput(reqs and [len(r.output_token_ids) for r in reqs], time.perf_counter() - t1)
+        return [RunResult(r.prompt_token_ids, r.output_token_ids, engine.output_text(r), r.finish_reason.value,
+                          r.cached_tokens) for r in reqs]
+    finally:
+        engine.close()  # the host tier's copier thread must not outlive the interpreter's torch
 
 
 def _run_disaggregated(args, config, prompts, params) -> list[RunResult]:

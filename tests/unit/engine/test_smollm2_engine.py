@@ -100,6 +100,22 @@ def test_cli_run_json_matches_hf(tmp_path, capsys, chat_ids, hf_outputs):
     assert row["token_ids"] == hf_greedy(ref, raw_prompt, 8, eos_token_id=list(loaded.eos_token_ids))
 
 
+def test_cli_run_speculative_with_a_published_head_matches_hf(tmp_path, capsys, chat_ids, hf_outputs):
+    """`tandem run --speculative eagle --draft-model DIR` with an (untrained) EAGLE-3 head written in the
+    published layout: flags -> config -> head loaded beside the model -> the same greedy tokens as HF."""
+    from cluster.train.checkpoint import new_head, write_published
+    from cluster.train.vocab import most_frequent
+
+    loaded, _ = smollm2()
+    vocab = most_frequent(hf_outputs, 1024, loaded.arch.vocab_size)
+    write_published(tmp_path, new_head(loaded.model, vocab, seed=0), vocab, loaded.arch)
+    rc = main(["run", "--prompt", CHAT_PROMPTS[1], "--prompt", CHAT_PROMPTS[3], "--max-tokens", str(MAX_NEW),
+               "--num-pages", "256", "--json", "--speculative", "eagle", "--draft-model", str(tmp_path)])
+    assert rc == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in rows] == [hf_outputs[1], hf_outputs[3]]
+
+
 def test_cli_rejects_bad_input(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{not json\n')

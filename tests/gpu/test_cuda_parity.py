@@ -15,7 +15,6 @@ from kernels.model.tokenizer import apply_chat_template
 from tests.helpers import CHAT_PROMPTS, assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-BF16_LOGIT_ATOL = 0.25  # bf16 weights + activations over 30 layers; fp32 runs are held to 1e-4
 
 
 def _engine(model, arch, tokenizer=None, eos=(), **kw):
@@ -47,20 +46,40 @@ def test_smollm2_fp32_greedy_on_cuda_matches_hf(page_size):
     assert_pool_at_rest(engine)
 
 
-def test_smollm2_bf16_logits_close_to_fp32():
+def test_smollm2_bf16_logits_as_close_to_fp32_as_hf_bf16_is():
+    """bf16 rounding over 30 layers moves SmolLM2's logits by ~0.2-0.6 (HF's own bf16 does too), so
+    the reference is HF transformers' bf16-vs-fp32 deviation on the same GPU and prompts: ours may not
+    be more than 1.5x it on average, 2x at worst, and the greedy token agrees where fp32's margin is
+    clear."""
+    from transformers import AutoModelForCausalLM
+
     from kv_store.req_kv import ReleaseReason
     from prefill_worker.engine.runner import ForwardRow
 
     fp32 = load_model("smollm2", device="cuda")
     bf16 = load_model("smollm2", device="cuda", dtype=torch.bfloat16)
-    ids = apply_chat_template(fp32.tokenizer, CHAT_PROMPTS[4])
-    logits = []
-    for loaded, dtype in ((fp32, "float32"), (bf16, "bfloat16")):
-        engine = EngineCore(EngineConfig(device="cuda", dtype=dtype, num_pages=256), loaded.model, loaded.arch)
-        kv = engine.kvm.open("probe")
-        assert engine.kvm.try_allocate(kv, len(ids))
-        logits.append(engine.runner.forward([ForwardRow(ids, len(ids), list(kv.pages), True)]).logits[0])
-        engine.kvm.release(kv, ReleaseReason.ABORTED, [], cache=False)
-        engine.check_integrity()
-    assert (logits[0] - logits[1]).abs().max().item() < BF16_LOGIT_ATOL
-    assert logits[0].argmax() == logits[1].argmax()
+    hf = [AutoModelForCausalLM.from_pretrained(fp32.model_dir, dtype=dtype).to("cuda").eval()
+          for dtype in (torch.float32, torch.bfloat16)]
+    engines = [EngineCore(EngineConfig(device="cuda", dtype=dtype, num_pages=256), loaded.model, loaded.arch)
+               for loaded, dtype in ((fp32, "float32"), (bf16, "bfloat16"))]
+    ours_mean, ref_mean, ours_max, ref_max = 0.0, 0.0, 0.0, 0.0
+    for prompt in CHAT_PROMPTS:
+        ids = apply_chat_template(fp32.tokenizer, prompt)
+        logits = []
+        for engine in engines:
+            kv = engine.kvm.open("probe")
+            assert engine.kvm.try_allocate(kv, len(ids))
+            logits.append(engine.runner.forward([ForwardRow(ids, len(ids), list(kv.pages), True)]).logits[0].float())
+            engine.kvm.release(kv, ReleaseReason.ABORTED, [], cache=False)
+            engine.check_integrity()
+        with torch.no_grad():
+            ref = [model(torch.tensor([ids], device="cuda")).logits[0, -1].float() for model in hf]
+        assert (logits[0] - ref[0]).abs().max().item() < 1e-3  # fp32: ours is HF
+        ours, theirs = (logits[0] - logits[1]).abs(), (ref[0] - ref[1]).abs()
+        ours_mean, ref_mean = ours_mean + ours.mean().item(), ref_mean + theirs.mean().item()
+        ours_max, ref_max = max(ours_max, ours.max().item()), max(ref_max, theirs.max().item())
+        top2 = ref[0].topk(2).values
+        if (top2[0] - top2[1]).item() > 2 * ref_max:
+            assert logits[1].argmax() == ref[0].argmax()
+    assert ours_mean <= 1.5 * ref_mean, (ours_mean, ref_mean)
+    assert ours_max <= 2 * ref_max, (ours_max, ref_max)

@@ -35,7 +35,7 @@ from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
 from prefill_worker.engine.connector import KVConnector, NullConnector
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
-from prefill_worker.engine.graph_runner import GraphRunner
+from prefill_worker.engine.graph_runner import GraphRunner, graph_max_batch
 from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
 from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
 from prefill_worker.engine.sessions import NullSessions, SessionError, SessionManager
@@ -117,8 +117,7 @@ class EngineCore:
                                    host_cache=self.host_cache, sessions=self.sessions,
                                    relocation_version=lambda: self.device_pool.relocation_version)
         eager = ModelRunner(model, target_kv, config.page_size, self.device, self.speculator.aux_layer_ids)
-        self.runner = GraphRunner(eager, self.device_pool,
-                                  self.config.max_running_requests, self.config.max_model_len,
+        self.runner = GraphRunner(eager, self.device_pool, graph_max_batch(self.config), self.config.max_model_len,
                                   enabled=self.config.cuda_graph, sizes=self.config.graph_batch_sizes,
                                   loads_in_flight=self._loads_in_flight, cpu_compile=self.config.cpu_compile)
         self.requests: dict[str, Request] = {}

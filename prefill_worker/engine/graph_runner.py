@@ -3,7 +3,9 @@
 A step is *replayed* only when all of these hold; otherwise it runs eagerly (`ModelRunner.forward`)
 and the reason is counted (`GraphCounters`, `/metrics` `tandem:graph_fallbacks_total{reason}`):
 
-    not_decode        every row has exactly one new token and wants its logits
+    not_decode        every row wants logits for each of its new tokens: a decode row (one token), or
+                      on CUDA a speculative verify row (`ForwardRow.num_draft_tokens`), which replays
+                      as one decode row per token (see "Verify rows" below)
     batch_too_large   the batch fits a bucket (`batch_buckets`)
     context_too_long  every row's page table fits the captured width (`max_model_len` pages)
     load_in_flight    no host->device load still in flight writes a page the batch reads
@@ -15,6 +17,14 @@ and the reason is counted (`GraphCounters`, `/metrics` `tandem:graph_fallbacks_t
 A replay copies the batch into `StaticBuffers` (one set, sized for the largest bucket): rows
 `[0, n)` are the batch, rows `[n, bucket)` are padding — token 0 at position 0, sequence length 1,
 page table all page 0, slot 0 — so padding writes only scratch page 0 and reads nothing else.
+
+Verify rows: a verify row of n tokens at KV length S is the n decode rows (token i, length
+S - n + 1 + i) over the same page table. Each layer writes every row's K/V before any row attends,
+so row i sees exactly positions < S - n + 1 + i, as in the causal extend the eager step runs; logits
+and features come out in the same order. A bucket is then n rows per request (the engine sizes its
+buckets for `speculative_max_batch` x (k + 1)); the prefix's KV is read n times, which at decode
+batch sizes costs far less than the eager step's kernel launches. CPU steps keep the eager extend
+(`expand_verify`; tests switch it on there).
 
 On CUDA each bucket is captured once at start-up into a `torch.cuda.CUDAGraph` (all captures share
 one memory pool; capture time and memory are logged), with the attention planned for the captured
@@ -76,6 +86,15 @@ def batch_buckets(max_batch: int, sizes: Iterable[int] = ()) -> tuple[int, ...]:
         chosen = [s for s in (1, 2, 4) if s < max_batch]
         chosen += range(8, max_batch, BUCKET_STEP)
     return tuple(sorted({*chosen, max_batch}))
+
+
+def graph_max_batch(config) -> int:
+    """Rows of the largest bucket: `max_running_requests`, or with speculation the verify rows of
+    `speculative_max_batch` requests (k + 1 each) when that is more."""
+    if config.speculative == "none":
+        return config.max_running_requests
+    return max(config.max_running_requests,
+               min(config.max_running_requests, config.speculative_max_batch) * (config.num_draft_tokens + 1))
 
 
 def bucket_for(buckets: tuple[int, ...], batch: int) -> int | None:
@@ -163,6 +182,8 @@ class GraphRunner:
         self.counters = GraphCounters()
         self.gated = True
         """Test-only switch: False replays without the load and relocation gates (the hazard they stop)."""
+        self.expand_verify = eager.device.type == "cuda"
+        """Verify rows replay as decode rows (module docstring); off on CPU, where nothing is captured."""
         self.bufs = StaticBuffers.allocate(self.buckets[-1], -(-max_model_len // self.page_size), eager.device)
         self._graphs: dict[int, _Captured] = {}
         self._compiled: dict[int, Callable] = {}  # CPU: bucket -> compiled forward that replays it
@@ -177,7 +198,7 @@ class GraphRunner:
         reason, bucket = self._gate(step)
         if reason is None:
             self.counters.replays += 1
-            return self._replay(step.rows, bucket)
+            return self._replay(_decode_rows(step.rows), bucket)
         self.counters.fallbacks[reason] += 1
         if reason is Fallback.RELOCATED:
             step.refresh_rows(self.pool.relocation_version)
@@ -194,9 +215,9 @@ class GraphRunner:
         rows = step.rows
         if not self.enabled:
             return Fallback.DISABLED, 0
-        if not all(len(r.token_ids) == 1 and r.wants_logits for r in rows):
+        if not all(r.num_logits == len(r.token_ids) and (len(r.token_ids) == 1 or self.expand_verify) for r in rows):
             return Fallback.NOT_DECODE, 0
-        bucket = bucket_for(self.buckets, len(rows))
+        bucket = bucket_for(self.buckets, sum(len(r.token_ids) for r in rows))
         if bucket is None:
             return Fallback.BATCH_TOO_LARGE, 0
         if any(len(r.pages) > self.bufs.max_pages for r in rows):
@@ -288,6 +309,14 @@ def _rows_of(out: ForwardOut, n: int, clone: bool = False) -> ForwardOut:
     def take(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else (t[:n].clone() if clone else t[:n])
     return ForwardOut(take(out.logits), take(out.hidden), take(out.aux))
+
+
+def _decode_rows(rows: list[ForwardRow]) -> list[ForwardRow]:
+    """`rows` as one-token decode rows: a verify row of n tokens becomes n rows (module docstring)."""
+    if all(len(r.token_ids) == 1 for r in rows):
+        return rows
+    return [ForwardRow([t], r.seq_len - len(r.token_ids) + 1 + i, r.pages, True)
+            for r in rows for i, t in enumerate(r.token_ids)]
 
 
 def _touches(loads: frozenset, rows: list[ForwardRow]) -> bool:

@@ -120,6 +120,8 @@ class EngineCore:
         self.runner = GraphRunner(eager, self.device_pool, graph_max_batch(self.config), self.config.max_model_len,
                                   enabled=self.config.cuda_graph, sizes=self.config.graph_batch_sizes,
                                   loads_in_flight=self._loads_in_flight, cpu_compile=self.config.cpu_compile)
+        if self.speculator.num_kv_layers and self.config.cuda_graph:
+            self.speculator.use_graphs(self.runner.buckets, self.runner.bufs.max_pages)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.debug_kv = debug_kv_enabled(self.config)

@@ -122,6 +122,7 @@ class EagleSpeculator:
         self.kv: KVCacheTensors | None = None
         self.counters = SpecCounters()
         self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (x, draft logits) of its last row
+        self.graphs = None  # HeadGraphs, once `use_graphs` ran
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -130,6 +131,14 @@ class EagleSpeculator:
     def attach(self, kv_cache: KVCacheTensors) -> None:
         assert kv_cache.num_layers == 1, f"the draft head's KV is one layer, got {kv_cache.num_layers}"
         self.kv = kv_cache
+
+    def use_graphs(self, buckets: tuple[int, ...], max_pages: int) -> None:
+        """Replay the head's calls from CUDA graphs of these buckets (`draft_graphs`; captured here)."""
+        from prefill_worker.engine.draft_graphs import HeadGraphs
+
+        h = self.head.arch.layer.hidden_size
+        self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, buckets, max_pages, h,
+                                 self.head.post_attention_layernorm.weight.dtype)
 
     # ---- verify ------------------------------------------------------------------------------------
     def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
@@ -229,6 +238,10 @@ class EagleSpeculator:
     def _run(self, ids: list[int], features: torch.Tensor, query_lens: list[int], seq_lens: list[int],
              pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over one ragged batch; logits for each sequence's last row."""
+        if self.graphs is not None:
+            replayed = self.graphs.run(ids, features, query_lens, seq_lens, pages)
+            if replayed is not None:
+                return replayed
         logits_rows = (torch.tensor(query_lens).cumsum(0) - 1).tolist()
         meta, positions = build_attn_metadata(self.page_size, query_lens, seq_lens, pages, logits_rows, self.device)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)

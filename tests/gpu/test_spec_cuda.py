@@ -13,6 +13,7 @@ import torch
 from cluster.config import EngineConfig
 from kernels.model.eagle import DraftArch, DraftStyle, EagleDraftHead
 from prefill_worker.engine import EngineCore
+from prefill_worker.engine.graph_runner import Fallback
 from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -47,6 +48,9 @@ def test_speculative_greedy_on_cuda_matches_plain_and_hf(style, page_size):
         outputs[spec] = [r.output_token_ids for r in engine.generate(prompts, greedy(max_tokens=24))]
         if spec == "eagle":
             assert engine.speculator.counters.verifies > 0 and engine.speculator.counters.draft_errors == 0
+            # verify steps replay (as decode rows), only the prefill step runs eagerly; the head replays too
+            assert engine.runner.counters.fallbacks[Fallback.NOT_DECODE] <= 2, engine.runner.counters
+            assert engine.speculator.graphs.expand and engine.speculator.graphs.replays > 0
         assert engine.runner.counters.replays > 0
         assert_pool_at_rest(engine)
     assert outputs["eagle"] == outputs["none"] == expect

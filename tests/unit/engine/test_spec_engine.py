@@ -91,25 +91,34 @@ def test_greedy_is_lossless_with_random_and_scripted_drafts(spec_prompts, refere
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_verify_rows_replayed_as_decode_rows_give_the_same_tokens_and_features(spec_prompts, reference, page_size):
-    """The graph runner's verify path (what CUDA replays): each verify row as k + 1 decode rows in a
-    bucket, here "replayed" over the static buffers on the CPU. Tokens equal HF's; the head's drafts
-    (which read the replay's features) accept exactly as after the eager extend."""
+def test_verify_and_head_replayed_as_decode_rows_give_the_same_tokens_and_drafts(spec_prompts, reference, page_size):
+    """What CUDA replays, "replayed" over the static buffers on the CPU: each verify row as k + 1
+    decode rows in a bucket (`graph_runner`), and every draft-head call likewise (`draft_graphs`).
+    Tokens equal HF's; the drafts (which read the replayed features and head KV) accept exactly as
+    with the eager extend and eager head."""
     counts = []
     for expand in (False, True):
         engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE3), page_size=page_size, max_running_requests=4)
-        engine.runner.expand_verify = expand
+        engine.runner.expand_verify = engine.speculator.graphs.expand = expand
         replayed = []
         replay = engine.runner._replay
         engine.runner._replay = lambda rows, bucket: (replayed.append((len(rows), bucket)), replay(rows, bucket))[1]
+        drafts = []
+        draft = engine.speculator.draft
+
+        def spy(running, *args):
+            draft(running, *args)
+            drafts.append([tuple(r.draft_token_ids) for r in running])
+        engine.speculator.draft = spy
         out = [r.output_token_ids for r in engine.generate(spec_prompts, greedy(max_tokens=MAX_NEW))]
         assert out == [reference[tuple(p)] for p in spec_prompts]
-        counts.append(engine.speculator.counters.accepted_per_verify)
+        counts.append((engine.speculator.counters.accepted_per_verify, drafts))
         assert engine.runner.buckets[-1] == 4 * (engine.config.num_draft_tokens + 1)
         assert any(n > 4 for n, _ in replayed) == expand  # more rows than requests: verify rows expanded
         assert all(n <= bucket for n, bucket in replayed)
+        assert (engine.speculator.graphs.replays > 0) == expand  # the head's calls went through its buffers
         assert_pool_at_rest(engine)
-    assert counts[0] == counts[1] and sum(counts[0].values()) > 0
+    assert counts[0] == counts[1] and sum(counts[0][0].values()) > 0
 
 
 def test_seed_scenario_page_16_partial_acceptance_aborts_and_retracts_leak_nothing(reference, spec_prompts):

@@ -51,10 +51,10 @@ def trainable(head: EagleDraftHead) -> dict[str, torch.nn.Parameter]:
 def published_tensors(head: EagleDraftHead, vocab: DraftVocab) -> dict[str, torch.Tensor]:
     """The head's weights under the published EAGLE-3 names, [out, in], float32, contiguous."""
     def unpack(module, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        parts = module.weight_t.detach().float().split(module.out_features, dim=1)
+        parts = module.weight_t.detach().float().cpu().split(module.out_features, dim=1)
         out = {name + ".weight": part.t().contiguous() for name, part in zip(names, parts)}
         if module.bias is not None:  # Qwen2-style q/k/v biases
-            biases = module.split(module.bias.detach().float())
+            biases = module.split(module.bias.detach().float().cpu())
             out |= {name + ".bias": b.contiguous() for name, b in zip(names, biases)}
         return out
 
@@ -66,7 +66,7 @@ def published_tensors(head: EagleDraftHead, vocab: DraftVocab) -> dict[str, torc
     tensors |= unpack(mlp.down_proj, ("midlayer.mlp.down_proj",))
     for ours, name in (("input_layernorm", "midlayer.input_layernorm"), ("hidden_norm", "midlayer.hidden_norm"),
                        ("post_attention_layernorm", "midlayer.post_attention_layernorm"), ("norm", "norm")):
-        tensors[name + ".weight"] = getattr(head, ours).weight.detach().float().contiguous()
+        tensors[name + ".weight"] = getattr(head, ours).weight.detach().float().cpu().contiguous()
     tensors["d2t"] = vocab.d2t.contiguous()
     return tensors
 

@@ -34,6 +34,9 @@ def add_train_eagle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate (default %(default)s)")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="default %(default)s")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu",
+                   help="where the target answers and the head trains: cpu (default) or cuda; the same settings "
+                        "make the same head directory either way")
     p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY,
                    help="save resume state every N steps (default %(default)s)")
     p.add_argument("--force", action="store_true", help="retrain from scratch even when a complete head exists")
@@ -57,7 +60,7 @@ def run_train_eagle(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     result = train_eagle(settings, cache_root=args.cache_dir, output=args.output, force=args.force,
-                         checkpoint_every=args.checkpoint_every)
+                         checkpoint_every=args.checkpoint_every, device=args.device)
     print(f"draft head: {result.path}{' (cached)' if result.reused else ''}")
     if result.acceptance:
         from cluster.train.evaluate import Acceptance

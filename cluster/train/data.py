@@ -70,8 +70,8 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
     num_pages = 2 + min(max_running, len(prompts)) * -(-longest // page_size)
     # no prefix cache: the prompts share little beyond the system prompt, and a pool full of cached
     # answers makes every new page an eviction
-    config = EngineConfig(page_size=page_size, num_pages=num_pages, max_running_requests=max_running,
-                          enable_prefix_cache=False, host_cache_pages=0)
+    config = EngineConfig(device=next(model.parameters()).device.type, page_size=page_size, num_pages=num_pages,
+                          max_running_requests=max_running, enable_prefix_cache=False, host_cache_pages=0)
     engine = EngineCore(config, model, arch, eos_token_ids=eos_token_ids)
     try:
         with tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr, disable=None) as bar:

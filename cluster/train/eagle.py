@@ -36,10 +36,11 @@ class TrainResult:
 
 
 def train_eagle(settings: TrainSettings, cache_root: Path | None = None, output: Path | None = None,
-                force: bool = False, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> TrainResult:
+                force: bool = False, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, device: str = "cpu") -> TrainResult:
     """The head for `settings` in `output` (default: the cache dir of `settings`), trained unless a
     complete one is there (`force`: retrain from scratch). Raises ValueError for settings the target
-    cannot take (a draft vocabulary larger than its own, more prompts than shipped)."""
+    cannot take (a draft vocabulary larger than its own, more prompts than shipped). `device`: where
+    the target generates and the head trains (the published head is the same format either way)."""
     from cluster.train.data import load_prompts
 
     load_prompts("train", settings.num_prompts)  # a bad count fails before the model loads
@@ -48,7 +49,10 @@ def train_eagle(settings: TrainSettings, cache_root: Path | None = None, output:
     dest = Path(output) if output is not None else head_dir(settings, cache_root)
     reused = not force and is_complete(dest, settings)
     started = time.perf_counter()
-    ensure_head(dest, settings, lambda work, out: _build(settings, cache_root, checkpoint_every, work, out), force)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA device")
+    ensure_head(dest, settings, lambda work, out: _build(settings, cache_root, checkpoint_every, work, out, device),
+                force)
     if not reused:
         log.info("draft head trained in %.0fs: %s", time.perf_counter() - started, dest)
     eval_path = dest / EVAL_FILE
@@ -56,7 +60,8 @@ def train_eagle(settings: TrainSettings, cache_root: Path | None = None, output:
     return TrainResult(dest, reused, acceptance)
 
 
-def _build(settings: TrainSettings, cache_root: Path | None, checkpoint_every: int, work: Path, out: Path) -> None:
+def _build(settings: TrainSettings, cache_root: Path | None, checkpoint_every: int, work: Path, out: Path,
+           device: str) -> None:
     from cluster.train.checkpoint import STATE_FILE, new_head, write_published
     from cluster.train.data import aux_states
     from cluster.train.evaluate import chain_acceptance
@@ -65,13 +70,13 @@ def _build(settings: TrainSettings, cache_root: Path | None, checkpoint_every: i
     from kernels.model.loader import load_model
 
     torch.manual_seed(settings.seed)
-    target = load_model(settings.model, cache_dir=cache_root)
+    target = load_model(settings.model, device=device, backend="auto", cache_dir=cache_root)
     vocab_size = target.arch.vocab_size
     if settings.draft_vocab_size > vocab_size:
         raise ValueError(f"draft vocabulary {settings.draft_vocab_size} exceeds the target's {vocab_size} tokens")
     train_samples, eval_samples = _generations(work / GENERATIONS_FILE, target, settings)
     vocab = most_frequent([s.answer for s in train_samples], settings.draft_vocab_size, vocab_size)
-    head = new_head(target.model, vocab, settings.seed)
+    head = new_head(target.model, vocab, settings.seed).to(device)
     aux_ids = head.arch.aux_layer_ids
     log.info("aux hidden states (layers %s) of %d training sequences", aux_ids, len(train_samples))
     t2d = vocab.t2d()

@@ -70,7 +70,7 @@ def _accepted_per_position(head: EagleDraftHead, sample: Sample, aux: torch.Tens
         return []
     input_ids, row_aux = draft_rows(tokens, aux)
     xs = unrolled_forward(head, input_ids[None], row_aux[None], num_drafts)
-    drafts = [vocab.target_ids[logits(head, x[0]).argmax(-1)] for x in xs]  # [k] x [N-1]: row i's guess of t[i+2]
+    drafts = [vocab.target_ids[logits(head, x[0]).argmax(-1).cpu()] for x in xs]  # [k] x [N-1]: row i's guess of t[i+2]
     out = []
     for n in range(first, n_tokens - 1):
         count = 0

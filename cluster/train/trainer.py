@@ -100,7 +100,7 @@ def unrolled_loss(head: EagleDraftHead, ids: torch.Tensor, aux: torch.Tensor, la
                   num_steps: int, step_decay: float) -> tuple[torch.Tensor, list[float]]:
     """Sum over steps s of step_decay**s x the mean cross-entropy of step s's valid rows (i >= s,
     labelled); also each step's top-1 accuracy over those rows."""
-    total, accuracies = torch.zeros(()), []
+    total, accuracies = torch.zeros((), device=ids.device), []
     for s, x in enumerate(unrolled_forward(head, ids, aux, num_steps)):
         step_labels = labels.clone()
         step_labels[:, :s] = IGNORE  # rows i < s have no step-s feature
@@ -153,7 +153,8 @@ def _step(head: EagleDraftHead, optimizer: torch.optim.Optimizer, batch: list[Ex
           lr: float) -> tuple[float, list[float]]:
     for group in optimizer.param_groups:
         group["lr"] = lr
-    ids, aux, labels = pad_batch(batch)
+    device = head.lm_head.weight_t.device
+    ids, aux, labels = (t.to(device) for t in pad_batch(batch))
     loss, accuracies = unrolled_loss(head, ids, aux, labels, settings.unroll_steps, settings.step_decay)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

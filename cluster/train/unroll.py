@@ -36,7 +36,10 @@ def draft_rows(tokens: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, t
 def unrolled_forward(head: EagleDraftHead, input_ids: torch.Tensor, aux: torch.Tensor,
                      num_steps: int) -> list[torch.Tensor]:
     """input_ids ``[B, L]`` (row i's token t[i+1]), aux ``[B, L, 3h]`` (a[i]) -> each step's x
-    ``[B, L, h]``; draft logits are `logits(head, x)`. Differentiable; see the module docstring."""
+    ``[B, L, h]``; draft logits are `logits(head, x)`. Differentiable; see the module docstring. The
+    inputs move to the head's device."""
+    device = head.embed.weight.device
+    input_ids, aux = input_ids.to(device), aux.to(device)
     batch, length = input_ids.shape
     emb = head.embed(input_ids)  # [B, L, h]
     positions = torch.arange(length, device=input_ids.device)

@@ -198,7 +198,7 @@ class EagleSpeculator:
         draws: dict[Request, list] = {r: [] for r in active}
         j = 0
         while True:
-            drawn = [self._draw(r, logits[i], j) for i, r in enumerate(active)]
+            drawn = self._draw_rows(active, logits, j)
             for r, d in zip(active, drawn):
                 draws[r].append(d)
             j += 1
@@ -219,6 +219,13 @@ class EagleSpeculator:
             return 0
         left = min(req.params.max_tokens - len(req.output_token_ids), max_request_tokens - req.num_tokens)
         return max(0, min(self.k, left - 1))
+
+    def _draw_rows(self, reqs: list[Request], logits: torch.Tensor, j: int) -> list[tuple[int, torch.Tensor | None]]:
+        """Draft j + 1 of each of `reqs` from the head's logits [B, draft vocab] (`_draw`); the greedy
+        ones in one argmax and one device -> host copy."""
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        ids = dict(zip(greedy, self.head.to_target_ids(logits[greedy].argmax(-1)).tolist())) if greedy else {}
+        return [(ids[i], None) if i in ids else self._draw(r, logits[i], j) for i, r in enumerate(reqs)]
 
     def _draw(self, req: Request, logits: torch.Tensor, j: int) -> tuple[int, torch.Tensor | None]:
         """Draft j + 1 of `req` from the head's logits [draft vocab]: (target token id, the distribution

@@ -42,7 +42,7 @@ def _script_drafts(engine, reference: dict[tuple, list[int]], accept: float, see
         token = truth[i] if i < len(truth) else 0
         return (token if rng.random() < accept else (token + 1 + rng.randrange(vocab - 1)) % vocab), None
 
-    engine.speculator._draw = draw
+    engine.speculator._draw_rows = lambda reqs, logits, j: [draw(r, logits[i], j) for i, r in enumerate(reqs)]
 
 
 def _run(engine, prompts, params, abort_every: int = 0):

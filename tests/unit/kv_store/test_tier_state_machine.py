@@ -63,7 +63,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from cluster.config import WRITE_POLICIES, SamplingParams
 from kernels.kv_layout import KVCacheTensors
-from kv_store.copier import CopyJob, Direction, PageCopier
+from kv_store.copier import CopyJob, Direction, PageCopier, _StagedMove
 from kv_store.l3.config import L3Config, PrefetchPolicy
 from kv_store.radix_cache import TreeNode
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
@@ -194,6 +194,7 @@ class ManualCopier(PageCopier):
         self.device, self.host = device, host
         self.bytes_per_page = device.layout.page_bytes
         self._stream = None
+        self._move = _StagedMove(device, host)
         self.pending: list[CopyJob] = []
         self.stalled = False
         self.timeouts = 0

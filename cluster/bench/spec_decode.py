@@ -66,8 +66,16 @@ def run_engine(engine, prompts: list[list[int]], params: SamplingParams, batch: 
     return time.perf_counter() - start_s, [done[i] for i in range(len(prompts))]
 
 
+WARMUP_PROMPT = list(range(100, 132))
+"""An untimed request before each timed run (shares no prefix with a chat prompt): on CUDA the first
+steps of a process compile Triton kernels, which would otherwise land in whichever run goes first."""
+
+
 def measure(make_engine, prompts: list[list[int]], params: SamplingParams, batch: int, mode: str) -> SpecRun:
     engine = make_engine(mode, batch)
+    run_engine(engine, [WARMUP_PROMPT], dataclasses.replace(params, max_tokens=16, ignore_eos=True), 1)
+    if engine.speculator.counters is not None:  # acceptance of the timed run only
+        engine.speculator.counters = type(engine.speculator.counters)()
     wall_s, tokens = run_engine(engine, prompts, params, batch)
     engine.check_integrity()
     s = engine.spec_stats()

@@ -179,6 +179,10 @@ class EngineConfig:
     """Requests drafted for only while the running batch has at most this many: above it a verify
     costs more than the drafts save (measured, docs/design.md §6); the draft head's KV is kept
     current either way, so speculation resumes when the batch shrinks."""
+    speculative_adaptive: bool = True
+    """At or below `speculative_max_batch`, draft only where it pays: decode tokens/s with and without
+    drafts are measured per batch size while serving, and the faster wins (`engine/spec_policy.py`).
+    Off: always draft (what the bench times)."""
 
     def __post_init__(self):
         require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,

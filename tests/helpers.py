@@ -144,5 +144,5 @@ def make_spec_engine(head=None, page_size=4, num_pages=256, chunk_size=64, eos=(
     """`make_engine` with EAGLE speculation over `head` (default: `tiny_draft_head()`)."""
     ours, _, arch = tiny_models()
     config = EngineConfig(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size, speculative="eagle",
-                          **{"debug_kv": True, **kw})
+                          **{"debug_kv": True, "speculative_adaptive": False, **kw})
     return EngineCore(config, ours, arch, eos_token_ids=eos, draft_head=head or tiny_draft_head())

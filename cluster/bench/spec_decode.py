@@ -10,6 +10,10 @@ reported and fails the command. The speculative engine's counters give the mean 
 
     per batch size:  | plain | eagle | eagle | plain | ...  (--repeats rounds, alternating)
 
+The speculative engine drafts at every step (`speculative_adaptive` off: the mode timed alone).
+`--adaptive` times a third engine per round with the measured policy on (`engine/spec_policy.py`:
+it drafts only where drafting measured faster), reported as its speed-up over plain.
+
 With `--load-back`, it measures instead what a host-tier load-back does to acceptance: per prompt a
 first turn, then a second turn (the first turn's tokens + a follow-up) twice, on a fresh speculative
 engine each: once with the first turn's KV still on device, once after evicting it to the host tier
@@ -36,7 +40,7 @@ DEFAULT_SPEC_BATCH_SIZES = (1, 16)
 
 @dataclass(frozen=True)
 class SpecRun:
-    mode: str  # "plain" | "eagle"
+    mode: str  # "plain" | "eagle" | "adaptive" (eagle, drafting where measured to pay)
     batch: int
     wall_s: float
     tokens: tuple[tuple[int, ...], ...]  # per prompt
@@ -133,6 +137,12 @@ def summarize(runs: list[SpecRun], config: EngineConfig) -> dict:
             "identical_outputs": all(r.tokens == plain[0].tokens for r in plain + eagle),
             "output_tokens": sum(map(len, plain[0].tokens)),
         }
+        adaptive = [r for r in runs if r.batch == batch and r.mode == "adaptive"]
+        if adaptive:
+            adaptive_tps = statistics.median(r.tok_per_s for r in adaptive)
+            by_batch[batch] |= {"adaptive_tok_per_s": adaptive_tps, "adaptive_speedup": adaptive_tps / plain_tps,
+                                "adaptive_verifies": sum(r.verifies for r in adaptive)}
+            by_batch[batch]["identical_outputs"] &= all(r.tokens == plain[0].tokens for r in adaptive)
     return {"model": config.model, "device": config.device, "dtype": config.dtype, "draft_model": config.draft_model,
             "num_draft_tokens": config.num_draft_tokens, "batches": by_batch}
 
@@ -153,6 +163,9 @@ def print_summary(s: dict) -> None:
         rates = " ".join(f"{r:.2f}" for r in b["acceptance_rate_per_position"].values())
         print(f"{batch:>5} {b['plain_tok_per_s']:>12.1f} {b['eagle_tok_per_s']:>12.1f} {b['speedup']:>7.2f}x "
               f"{b['mean_accepted_length']:>10.2f} {rates:>24} {str(b['identical_outputs']):>11}")
+        if "adaptive_tok_per_s" in b:
+            print(f"{'':>5} adaptive: {b['adaptive_tok_per_s']:.1f} tok/s, {b['adaptive_speedup']:.2f}x plain, "
+                  f"{b['adaptive_verifies']} verifies (eagle: {b['verifies']})")
 
 
 def bench_spec_decode(args: argparse.Namespace) -> int:
@@ -172,9 +185,10 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
 
     def make_engine(mode: str, batch: int):
         run_config = dataclasses.replace(config, max_running_requests=batch, host_cache_ratio=2.0 if args.load_back else 0.0,
-                                         speculative="eagle" if mode == "eagle" else "none")
+                                         speculative="none" if mode == "plain" else "eagle",
+                                         speculative_adaptive=mode == "adaptive")
         return EngineCore(run_config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
-                          draft_head=head if mode == "eagle" else None)
+                          draft_head=None if mode == "plain" else head)
 
     if args.load_back:
         follow_up = loaded.tokenizer.encode(FOLLOW_UP, add_special_tokens=False)
@@ -188,7 +202,8 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     runs = []
     for batch in args.batch_sizes or DEFAULT_SPEC_BATCH_SIZES:
         for repeat in range(args.repeats):
-            for mode in (("plain", "eagle") if repeat % 2 == 0 else ("eagle", "plain")):
+            modes = ("plain", "eagle", "adaptive") if args.adaptive else ("plain", "eagle")
+            for mode in (modes if repeat % 2 == 0 else modes[::-1]):
                 runs.append(measure(make_engine, prompts, params, batch, mode))
     summary = summarize(runs, config)
     print_summary(summary)

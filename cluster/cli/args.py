@@ -41,6 +41,9 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
     "--num-draft-tokens": ("num_draft_tokens", dict(type=int, metavar="K", help="draft tokens per step")),
     "--speculative-max-batch": ("speculative_max_batch", dict(type=int, metavar="N",
                                                               help="draft only while at most N requests run")),
+    "--no-speculative-adaptive": ("speculative_adaptive", dict(
+        action="store_const", const=False, help="draft at every batch size up to --speculative-max-batch, "
+                                                 "even where measured decoding without drafts is faster")),
 }
 
 

@@ -137,6 +137,8 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--num-prompts", type=int, default=16, help="held-out chat prompts generated for per run")
     spec.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt at most")
     spec.add_argument("--repeats", type=int, default=2, help="rounds per batch size, alternating which system first")
+    spec.add_argument("--adaptive", action="store_true",
+                      help="also time EAGLE with the measured drafting policy (engine.speculative_adaptive)")
     spec.add_argument("--load-back", action="store_true",
                       help="instead: acceptance of second turns whose first turn was loaded back from the host tier")
 

@@ -223,6 +223,7 @@ class EngineCore:
 
     def _compute(self) -> tuple[bool, list[StepOutput]]:
         """Schedule and run one forward; returns whether any row ran, and the outputs."""
+        self.speculator.begin_step()
         scheduled = self.scheduler.schedule()
         scheduled.loads_in_flight = self._loads_in_flight()
         self.num_retractions += len(scheduled.retracted)

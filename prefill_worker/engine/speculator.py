@@ -47,6 +47,7 @@ from kernels.sampling import filtered_probs, row_generator
 from kernels.speculative import verify_greedy, verify_sampled
 from kv_store.req_kv import KVManager
 from prefill_worker.engine.request import Request, RequestStatus
+from prefill_worker.engine.spec_policy import AdaptivePolicy, FixedPolicy
 
 log = logging.getLogger("tandem.engine")
 
@@ -99,6 +100,9 @@ class NullSpeculator:
     def attach(self, kv_cache: KVCacheTensors) -> None:
         pass
 
+    def begin_step(self) -> None:
+        pass
+
     def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
         raise AssertionError(f"request {req.request_id} carries drafts, but speculation is off")
 
@@ -116,9 +120,11 @@ class EagleSpeculator:
     num_kv_layers = 1
 
     def __init__(self, head: EagleDraftHead, page_size: int, device: torch.device, num_draft_tokens: int,
-                 max_batch: int):
+                 max_batch: int, policy: AdaptivePolicy | FixedPolicy | None = None):
         self.head, self.page_size, self.device = head, page_size, device
         self.k, self.max_batch = num_draft_tokens, max_batch
+        self.policy = policy or FixedPolicy()
+        self._step = (0, 0, 0)  # this step's (decode rows, decode tokens, verifies before it), for the policy
         self.kv: KVCacheTensors | None = None
         self.counters = SpecCounters()
         self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (x, draft logits) of its last row
@@ -139,6 +145,11 @@ class EagleSpeculator:
         h = self.head.arch.layer.hidden_size
         self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, buckets, max_pages, h,
                                  self.head.post_attention_layernorm.weight.dtype)
+
+    def begin_step(self) -> None:
+        """A step starts (its time is measured from here to the end of `draft`)."""
+        self.policy.begin_step()
+        self._step = (0, 0, self.counters.verifies)
 
     # ---- verify ------------------------------------------------------------------------------------
     def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
@@ -165,6 +176,8 @@ class EagleSpeculator:
         token i + 1). Keeps each request's last row (x, draft logits) for `draft`."""
         self._last.clear()
         rows = [c for c in committed if c.end > c.start]
+        if all(c.start >= len(c.req.prompt_token_ids) for c in rows):  # a decode-only step: the policy counts it
+            self._step = (len(rows), sum(c.end - c.start for c in rows), self._step[2])
         if not rows:
             return
         features = self.head.combine(aux) if self.head.arch.style is DraftStyle.EAGLE3 else hidden  # [T, h]
@@ -180,9 +193,16 @@ class EagleSpeculator:
     @torch.inference_mode()
     def draft(self, running: list[Request], kvm: KVManager, max_request_tokens: int) -> None:
         """Drafts for the next step of every request in `running` that decodes next, whose catch-up
-        row ran this step, and whose draft slots can be allocated (else it decodes plainly)."""
-        if len(running) > self.max_batch:
-            return
+        row ran this step, and whose draft slots can be allocated (else it decodes plainly), while at
+        most `max_batch` run and the policy finds drafting pays at this batch size (`spec_policy`)."""
+        try:
+            if len(running) <= self.max_batch and self.policy.want_drafts(len(running)):
+                self._draft(running, kvm, max_request_tokens)
+        finally:
+            rows, tokens, verifies_before = self._step
+            self.policy.end_step(rows, tokens, self.counters.verifies > verifies_before)
+
+    def _draft(self, running: list[Request], kvm: KVManager, max_request_tokens: int) -> None:
         want: dict[Request, int] = {}
         for req in running:
             k = self._chain_length(req, max_request_tokens)
@@ -260,7 +280,9 @@ def make_speculator(config: EngineConfig, head: EagleDraftHead | None, device: t
     if config.speculative == "none":
         return NullSpeculator()
     assert head is not None, "speculative eagle needs a draft head (engine.draft_model)"
-    return EagleSpeculator(head, config.page_size, device, config.num_draft_tokens, config.speculative_max_batch)
+    policy = AdaptivePolicy() if config.speculative_adaptive else FixedPolicy()
+    return EagleSpeculator(head, config.page_size, device, config.num_draft_tokens, config.speculative_max_batch,
+                           policy)
 
 
 def load_draft_head(config: EngineConfig, model: torch.nn.Module, arch) -> EagleDraftHead:

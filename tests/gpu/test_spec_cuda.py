@@ -43,7 +43,7 @@ def test_speculative_greedy_on_cuda_matches_plain_and_hf(style, page_size):
     for spec in ("none", "eagle"):
         model = copy.deepcopy(ours).to("cuda")
         config = EngineConfig(device="cuda", num_pages=512, page_size=page_size, max_running_requests=8,
-                              max_model_len=256, debug_kv=True, speculative=spec)
+                              max_model_len=256, debug_kv=True, speculative=spec, speculative_adaptive=False)
         engine = EngineCore(config, model, arch, draft_head=_head(model, arch, style) if spec == "eagle" else None)
         outputs[spec] = [r.output_token_ids for r in engine.generate(prompts, greedy(max_tokens=24))]
         if spec == "eagle":

@@ -15,11 +15,13 @@ from tests.helpers import make_prompts, tiny_draft_head, tiny_models
 def _factory():
     ours, _, arch = tiny_models()
     head = tiny_draft_head()
-    base = EngineConfig(page_size=4, num_pages=256, host_cache_ratio=0.0, speculative_max_batch=8)
+    base = EngineConfig(page_size=4, num_pages=256, host_cache_ratio=0.0, speculative_max_batch=8,
+                        speculative_adaptive=False)
 
     def make_engine(mode: str, batch: int):
-        config = dataclasses.replace(base, max_running_requests=batch, speculative="eagle" if mode == "eagle" else "none")
-        return EngineCore(config, ours, arch, draft_head=head if mode == "eagle" else None)
+        config = dataclasses.replace(base, max_running_requests=batch, speculative="none" if mode == "plain" else "eagle",
+                                     speculative_adaptive=mode == "adaptive")
+        return EngineCore(config, ours, arch, draft_head=None if mode == "plain" else head)
     return base, make_engine
 
 
@@ -41,6 +43,18 @@ def test_plain_and_eagle_agree_and_acceptance_is_summarised_per_batch():
     assert not summarize(broken, base)["batches"][1]["identical_outputs"]
 
 
+def test_the_adaptive_engine_is_timed_beside_and_must_agree():
+    base, make_engine = _factory()
+    prompts, params = make_prompts(3, seed=7), SamplingParams(max_tokens=12)
+    runs = [measure(make_engine, prompts, params, 2, mode) for mode in ("plain", "eagle", "adaptive")]
+    b = summarize(runs, base)["batches"][2]
+    adaptive = runs[2]
+    assert b["identical_outputs"] and b["adaptive_verifies"] == adaptive.verifies > 0  # it explored drafting
+    assert b["adaptive_speedup"] == b["adaptive_tok_per_s"] / b["plain_tok_per_s"]
+    broken = runs[:2] + [dataclasses.replace(adaptive, tokens=((1,),) + adaptive.tokens[1:])]
+    assert not summarize(broken, base)["batches"][2]["identical_outputs"]
+
+
 def test_load_back_mode_compares_second_turns_on_device_and_loaded_back():
     from cluster.bench.spec_decode import measure_load_back
 
@@ -48,7 +62,8 @@ def test_load_back_mode_compares_second_turns_on_device_and_loaded_back():
     head = tiny_draft_head()
 
     def make_engine(mode: str, batch: int):
-        config = EngineConfig(page_size=4, num_pages=128, host_cache_ratio=2.0, speculative="eagle")
+        config = EngineConfig(page_size=4, num_pages=128, host_cache_ratio=2.0, speculative="eagle",
+                              speculative_adaptive=False)
         return EngineCore(config, ours, arch, draft_head=head)
     result = measure_load_back(make_engine, make_prompts(2, min_len=20, max_len=30, seed=3), [5, 6, 7],
                                SamplingParams(max_tokens=10))

@@ -324,7 +324,8 @@ def test_disaggregated_is_lossless_and_ships_the_prompts_draft_kv(spec_prompts, 
 
     ours, _, arch = tiny_models()
     head = tiny_draft_head()
-    config = EngineConfig(page_size=page_size, num_pages=512, chunk_size=16, debug_kv=True, speculative="eagle")
+    config = EngineConfig(page_size=page_size, num_pages=512, chunk_size=16, debug_kv=True, speculative="eagle",
+                          speculative_adaptive=False)
     clock = lambda: 0.0  # noqa: E731
     prefill = PrefillWorker(config, ours, arch, LocalTransport(), clock=clock, draft_head=head)
     decode = DecodeWorker(config, ours, arch, LocalTransport(), host_pages=512, clock=clock, draft_head=head)

@@ -185,13 +185,14 @@ class Scheduler:
         self.loading.append(req)
         return True
 
-    def _yield_tickets(self, head: Request) -> None:
+    def _yield_tickets(self, head: Request) -> bool:
         """`head` cannot be admitted: the requests queued behind it give up the loaded pages their
         tickets keep on device (they load again when their turn comes), so two half-loaded requests
-        never wait for each other's pages."""
-        for req in self.waiting:
-            if req is not head:
-                self._drop_ticket(req)
+        never wait for each other's pages. Whether any did (then `head` may fit next step)."""
+        holders = [req for req in self.waiting if req is not head and req.load_ticket is not None]
+        for req in holders:
+            self._drop_ticket(req)
+        return bool(holders)
 
     def _drop_ticket(self, req: Request) -> None:
         if req.load_ticket is not None:
@@ -200,17 +201,27 @@ class Scheduler:
 
     # ---- waiting ---------------------------------------------------------------------------------
     def _admit_waiting(self, budget: int, step: ScheduledStep) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            req = self.waiting[0]
+        """First come, first served: the head of the queue waits for pages, and so does everyone
+        behind it, while anything runs or loads (they free pages as they end) or while requests
+        behind it just gave up loaded pages (`_yield_tickets`). Past that, the head can only be
+        waiting for pages that session pins hold, and one of those sessions' next turn may be queued
+        behind it: then the requests behind the head may go first (the head drops its loaded pages
+        too), or that would never resolve."""
+        skipped = 0  # requests at the front that cannot be admitted before something frees pages
+        while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[skipped]
             if self._start_loading(req):
                 continue
             kv = self.kvm.try_open(req.request_id, budget, req.all_token_ids)
             if kv is None:
-                self._yield_tickets(req)
-                return
+                if self._yield_tickets(req) or self.running or self.loading:
+                    return
+                self._drop_ticket(req)
+                skipped += 1
+                continue
             self._drop_ticket(req)  # the loaded pages are locked by the request's own match now
             cached, n = kv.cache_protected_len, kv.kv_allocated_len - kv.cache_protected_len
-            self.waiting.popleft()
+            del self.waiting[skipped]
             if req.num_retractions == 0:
                 req.cached_tokens = cached
                 self.hit_tokens_l1 += max(0, cached - req.host_hit_tokens)

@@ -162,3 +162,30 @@ def test_a_decode_worker_serves_session_turns_through_the_worker_contract():
     worker.handle(p.CloseSession("s"))
     assert not worker.engine.sessions.sessions and not worker.engine.kvm.prefix_pins
     worker.check_integrity()
+
+
+def test_a_sessions_next_turn_is_not_stuck_behind_a_request_its_pins_keep_out():
+    """A request that cannot fit while an idle session pins its history, queued before that
+    session's next turn, with nothing running: first come, first served would wait forever (the
+    turn keeps the session pinned, the request keeps the turn queued). The turn goes first; the
+    request runs once the session closes. Outputs equal a cacheless engine's."""
+    engine = make_engine(page_size=1, num_pages=1 + 24, session_kv_fraction=0.6)
+    reference = make_engine(page_size=1, num_pages=1 + 64, enable_prefix_cache=False)
+    engine.open_session("s", capacity_tokens=13, idle_timeout_s=600)
+    first = run(engine, engine.add_request(list(range(3, 9)), greedy(max_tokens=3), "t0", session_id="s"))
+    assert engine.sessions.sessions["s"].pinned_tokens == 8
+    big_prompt = list(range(20, 38))  # 18 tokens; the pool has 24, the session pins 8, the tree gives up the rest
+    big = engine.add_request(big_prompt, greedy(max_tokens=2), "big")
+    turn_prompt = first.prompt_token_ids + first.output_token_ids + [40, 41]
+    turn = engine.add_request(turn_prompt, greedy(max_tokens=2), "t1", session_id="s")
+    for _ in range(100):
+        if turn.status is RequestStatus.FINISHED:
+            break
+        engine.step()
+    assert turn.status is RequestStatus.FINISHED, "the session's turn stayed queued behind a request it kept out"
+    assert big.status is RequestStatus.WAITING  # still kept out by the pins: it waited, nothing failed
+    engine.close_session("s")
+    run(engine, big)
+    expect = reference.generate([turn_prompt, big_prompt], [greedy(max_tokens=2), greedy(max_tokens=2)])
+    assert [turn.output_token_ids, big.output_token_ids] == [r.output_token_ids for r in expect]
+    assert_pool_at_rest(engine)

@@ -79,6 +79,7 @@ MIN_RULE_STEPS = 5000
 KV_CHECK_EVERY = 10  # rules between sampled KV comparisons
 KV_NODES_PER_CHECK = 6
 MAX_DRAIN_STEPS = 2000
+STUCK_STEPS = 50  # drain steps with requests queued and nothing running or loading before sessions idle out
 MAX_LIVE = 10  # requests in flight at most: what a run left unfinished is drained at teardown
 VERIFY_BATCH = 16  # finished requests per batched reference generate
 ATOL = 1e-5
@@ -640,7 +641,8 @@ class TierMachine(RuleBasedStateMachine):
                                   f"committed pages of running request {req.request_id}")
 
     def _drain(self) -> None:
-        copier = self.engine.host_cache.copier
+        copier, scheduler = self.engine.host_cache.copier, self.engine.scheduler
+        stuck = 0
         for _ in range(MAX_DRAIN_STEPS):
             if isinstance(copier, ManualCopier):
                 copier.stalled, copier.fail_next = False, 0
@@ -649,6 +651,12 @@ class TierMachine(RuleBasedStateMachine):
                 break
             if self.engine.host_cache.l3.busy() and not self.engine.scheduler.running:
                 time.sleep(L3_SETTLE_S)  # a prefetch on the L3 threads: give them the core
+            stuck = stuck + 1 if scheduler.waiting and not (scheduler.running or scheduler.loading) else 0
+            if stuck == STUCK_STEPS:  # the queue waits for pages idle sessions pin: let their timeouts pass
+                idle = [m.state for m in self.sessions.values() if m.turn is None]
+                if idle:
+                    self.clock_offset_s += (max(s.last_used + s.idle_timeout_s for s in idle)
+                                            - self.engine.sessions.clock() + 1e-3)
             self._step()
         assert not self.engine.busy(), (
             f"engine still busy after {MAX_DRAIN_STEPS} steps: livelock between retract, load and admit? "

@@ -84,6 +84,9 @@ class KVComplete:
     first_token: int
     cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache served
     timings: tuple[tuple[str, float], ...] = ()  # prefill-side monotonic timestamps (same host only)
+    draft_feature: bytes = b""
+    """With EAGLE: the draft head's feature at the prompt's last position (float32), from which the
+    decode worker drafts the request's first decode step; empty without speculation."""
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ class KVReceiver(NullConnector):
         if isinstance(msg, KVProgress):
             self._kv_progress(ib)
         elif isinstance(msg, KVComplete):
+            ib.request.draft_feature = msg.draft_feature
             self._kv_complete(ib, msg.first_token, msg.cached_tokens, dict(msg.timings))
         else:
             self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}", msg)

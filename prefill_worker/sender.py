@@ -38,6 +38,7 @@ class _Shipment:
     pages_sent: int = 0
     handles: set = field(default_factory=set)
     first_token: int | None = None  # set when the prompt is done and the token sampled
+    draft_feature: bytes = b""  # with EAGLE: the head's feature at the prompt's last position
     abort_reason: str | None = None  # set when the transfer is being abandoned
     failure: str = ""  # with abort_reason: FAILURE_INTERNAL when a fault of the request's own ended it
     bytes_sent: int = 0
@@ -117,6 +118,7 @@ class KVSender(NullConnector):
         shipment = self.shipments[req.request_id]
         if shipment.abort_reason is None:  # an abort during this step already took it out of the batch
             shipment.first_token = req.output_token_ids[-1]
+            shipment.draft_feature = self.engine.speculator.export_feature(req.request_id)
             req.timings["compute_done"] = self.clock()
         return True
 
@@ -218,7 +220,8 @@ class KVSender(NullConnector):
             if shipment.abort_reason is None:
                 shipment.session.advance(TransferState.DONE, self.clock())
                 req.timings["transfer_done"] = self.clock()
-                self.outbox.append(KVComplete(rid, shipment.first_token, req.cached_tokens, tuple(req.timings.items())))
+                self.outbox.append(KVComplete(rid, shipment.first_token, req.cached_tokens, tuple(req.timings.items()),
+                                              shipment.draft_feature))
                 self._done.append((req, FinishReason.LENGTH))
             else:
                 self.outbox.append(TransferAborted(rid, shipment.abort_reason, shipment.failure))

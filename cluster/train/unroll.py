@@ -60,7 +60,7 @@ def unrolled_forward(head: EagleDraftHead, input_ids: torch.Tensor, aux: torch.T
 
 def logits(head: EagleDraftHead, x: torch.Tensor) -> torch.Tensor:
     """Draft logits ``[..., draft_vocab]`` float32 for x ``[..., h]`` (as the head's forward computes them)."""
-    return head.lm_head(head.norm(x)).float()
+    return head.draft_logits(x)
 
 
 def _qkv(head: EagleDraftHead, attn_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -135,13 +135,18 @@ class EagleDraftHead(nn.Module):
             attn_in = torch.cat((self.input_layernorm(emb), self.hidden_norm(features)), dim=-1)  # [T, 2h]
             r = features + self.self_attn(attn_in, cos, sin, meta, k_cache, v_cache)
             x = r + self.mlp(self.post_attention_layernorm(r))
-            logits = self.lm_head(self.norm(x)[meta.logits_indices]).float()
         else:
             x = self.fc(torch.cat((emb, features), dim=-1))  # [T, h]
             x = x + self.self_attn(x, cos, sin, meta, k_cache, v_cache)
             x = x + self.mlp(self.post_attention_layernorm(x))
-            logits = self.lm_head(x[meta.logits_indices]).float()
-        return x, logits
+        return x, self.draft_logits(x[meta.logits_indices])
+
+    def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 draft logits ``[n, draft_vocab]`` of features ``x [n, h]`` (eagle3: through its own
+        final norm and lm_head; eagle: the target's lm_head)."""
+        if self.arch.style is DraftStyle.EAGLE3:
+            return self.lm_head(self.norm(x)).float()
+        return self.lm_head(x).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.token_map[draft_ids]

@@ -120,8 +120,7 @@ class EngineCore:
         self.runner = GraphRunner(eager, self.device_pool, graph_max_batch(self.config), self.config.max_model_len,
                                   enabled=self.config.cuda_graph, sizes=self.config.graph_batch_sizes,
                                   loads_in_flight=self._loads_in_flight, cpu_compile=self.config.cpu_compile)
-        if self.speculator.num_kv_layers and self.config.cuda_graph:
-            self.speculator.use_graphs(self.runner.buckets, self.runner.bufs.max_pages)
+        self.speculator.use_graphs(self.runner)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.debug_kv = debug_kv_enabled(self.config)
@@ -202,9 +201,13 @@ class EngineCore:
         self.host_cache.poll()
         self.sessions.reap()
         outputs = self.connector.before_step()
-        for req, kv in self.connector.take_arrived():
+        arrived = self.connector.take_arrived()
+        for req, kv in arrived:
             self.requests[req.request_id] = req
             self.scheduler.admit_loaded(req, kv)
+        if arrived:  # their first decode step verifies drafts too (from the prefill worker's head feature)
+            self._speculate(lambda: self.speculator.draft_arrived([r for r, _ in arrived], self.scheduler.running,
+                                                                  self.kvm, self.scheduler.max_request_tokens()))
         ran = False
         if self.scheduler.has_work():
             ran, computed = self._compute()

@@ -80,6 +80,9 @@ class Request:
     step; their KV slots are allocated (`kv.kv_allocated_len` covers them). Empty while not speculating."""
     draft_probs: object = None
     """With sampled drafts: the [k, vocab] distributions they were drawn from (None for greedy)."""
+    draft_feature: bytes = b""
+    """Arrived from a prefill worker: the head's feature to draft its first decode step from
+    (`KVComplete.draft_feature`); used up when the decode engine admits it."""
 
     def __post_init__(self):
         if not self.prompt_token_ids:

@@ -103,6 +103,16 @@ class NullSpeculator:
     def begin_step(self) -> None:
         pass
 
+    def use_graphs(self, runner) -> None:
+        pass
+
+    def export_feature(self, request_id: str) -> bytes:
+        return b""
+
+    def draft_arrived(self, arrived: list[Request], running: list[Request], kvm: KVManager,
+                      max_request_tokens: int) -> None:
+        pass
+
     def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
         raise AssertionError(f"request {req.request_id} carries drafts, but speculation is off")
 
@@ -138,13 +148,40 @@ class EagleSpeculator:
         assert kv_cache.num_layers == 1, f"the draft head's KV is one layer, got {kv_cache.num_layers}"
         self.kv = kv_cache
 
-    def use_graphs(self, buckets: tuple[int, ...], max_pages: int) -> None:
-        """Replay the head's calls from CUDA graphs of these buckets (`draft_graphs`; captured here)."""
+    def use_graphs(self, runner) -> None:
+        """Replay the head's calls from CUDA graphs of the target's buckets (`draft_graphs`; captured
+        here) when `runner` (the engine's GraphRunner) replays at all."""
         from prefill_worker.engine.draft_graphs import HeadGraphs
 
-        h = self.head.arch.layer.hidden_size
-        self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, buckets, max_pages, h,
-                                 self.head.post_attention_layernorm.weight.dtype)
+        if runner.enabled:
+            self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, runner.buckets,
+                                     runner.bufs.max_pages, self.head.arch.layer.hidden_size, self._dtype)
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.head.post_attention_layernorm.weight.dtype
+
+    # ---- across a prefill -> decode transfer ---------------------------------------------------------
+    def export_feature(self, request_id: str) -> bytes:
+        """The head's feature at `request_id`'s last committed position this step (float32 bytes; b""
+        when it has none): a prefill worker ships it, so the decode worker drafts the first step."""
+        last = self._last.get(request_id)
+        return b"" if last is None else last[0].detach().float().cpu().numpy().tobytes()
+
+    @torch.inference_mode()
+    def draft_arrived(self, arrived: list[Request], running: list[Request], kvm: KVManager,
+                      max_request_tokens: int) -> None:
+        """Drafts for requests that just arrived with a prefill worker's feature (`export_feature`),
+        under the same batch cutoff and policy as `draft`: their first decode step verifies too."""
+        seeded = []
+        for req in arrived:
+            feature, req.draft_feature = req.draft_feature, b""
+            if feature:
+                x = torch.frombuffer(bytearray(feature), dtype=torch.float32).to(self.device, self._dtype)
+                self._last[req.request_id] = (x, self.head.draft_logits(x[None])[0])
+                seeded.append(req)
+        if seeded and len(running) <= self.max_batch and self.policy.want_drafts(len(running)):
+            self._draft(seeded, kvm, max_request_tokens)
 
     def begin_step(self) -> None:
         """A step starts (its time is measured from here to the end of `draft`)."""

@@ -316,6 +316,9 @@ def _draft_kv_of_prompt(engine, prompt: list[int]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_disaggregated_is_lossless_and_ships_the_prompts_draft_kv(spec_prompts, reference, page_size):
+    """Through a prefill worker -> transfer -> decode worker: HF's tokens; the prompt's draft KV that
+    arrived equals a colocated engine's; and the head's feature at the prompt's end travels in
+    KVComplete, so every request's first decode step verifies drafts."""
     from cluster.config import EngineConfig
     from decode_worker.worker import DecodeWorker
     from kv_store.transfer.local import LocalTransport
@@ -330,10 +333,19 @@ def test_disaggregated_is_lossless_and_ships_the_prompts_draft_kv(spec_prompts, 
     prefill = PrefillWorker(config, ours, arch, LocalTransport(), clock=clock, draft_head=head)
     decode = DecodeWorker(config, ours, arch, LocalTransport(), host_pages=512, clock=clock, draft_head=head)
     _script_drafts(decode.engine, reference, accept=0.7)
+    first_step_drafts = []  # requests that arrived carrying the prefill worker's head feature, drafted at once
+    draft_arrived = decode.engine.speculator.draft_arrived
+
+    def spy(arrived, *args):
+        with_feature = [bool(r.draft_feature) for r in arrived]
+        draft_arrived(arrived, *args)
+        first_step_drafts.extend(f and len(r.draft_token_ids) == 3 for f, r in zip(with_feature, arrived))
+    decode.engine.speculator.draft_arrived = spy
     pair = StepPair(prefill, decode)
     results = pair.generate(spec_prompts, greedy(max_tokens=MAX_NEW))
     assert [r.token_ids for r in results] == [reference[tuple(p)] for p in spec_prompts]
     assert {0, 3} <= set(decode.engine.speculator.counters.accepted_per_verify)
+    assert first_step_drafts == [True] * len(spec_prompts)
 
     colocated = make_spec_engine(head, page_size=page_size, chunk_size=16)
     colocated.generate(spec_prompts, greedy(max_tokens=MAX_NEW))

@@ -52,10 +52,10 @@ class HeadGraphs:
         bucket = bucket_for(self.buckets, n) if self.expand else None
         if bucket is None or any(len(p) > self.bufs.max_pages for p in pages):
             return None
-        rows = [ForwardRow([0], seq_len - q + 1 + i, table, True)
+        token = iter(ids)
+        rows = [ForwardRow([next(token)], seq_len - q + 1 + i, table, True)
                 for q, seq_len, table in zip(query_lens, seq_lens, pages) for i in range(q)]
         self.bufs.fill(rows, bucket, self.page_size)
-        self.bufs.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.int64))
         self.features[:n].copy_(features)
         meta = self.bufs.meta(bucket, self.page_size, tuple(r.seq_len for r in rows) + (1,) * (bucket - n))
         last = torch.tensor(query_lens).cumsum(0) - 1

@@ -174,7 +174,13 @@ class EngineConfig:
     wrote); "" with `eagle`: the head `tandem train-eagle` cached for `model`, resolved where the
     model is loaded."""
     num_draft_tokens: int = 3
-    """Draft tokens proposed per request per step (the chain length k), in [1, 16]."""
+    """Draft tokens proposed per request per step (the chain length k), in [1, 16]; with
+    `speculative_topk` > 1 the depth of the draft tree."""
+    speculative_topk: int = 1
+    """Tree drafting: each level keeps the `speculative_topk` likeliest nodes (by the draft's
+    cumulative probability) and the target verifies all `speculative_topk * num_draft_tokens` at once
+    under a tree mask; 1 drafts a chain. Greedy requests only (sampled ones draft chains), and the
+    torch or triton attention backend (FlashInfer's tree mask is not wired in), in [1, 8]."""
     speculative_max_batch: int = 8
     """Requests drafted for only while the running batch has at most this many: above it a verify
     costs more than the drafts save (measured, docs/design.md §6); the draft head's KV is kept
@@ -209,6 +215,11 @@ class EngineConfig:
                 f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
         require(_is_int(self.num_draft_tokens) and 1 <= self.num_draft_tokens <= 16,
                 f"num_draft_tokens must be an integer in [1, 16], got {self.num_draft_tokens!r}")
+        require(_is_int(self.speculative_topk) and 1 <= self.speculative_topk <= 8,
+                f"speculative_topk must be an integer in [1, 8], got {self.speculative_topk!r}")
+        require(self.speculative_topk * self.num_draft_tokens <= 64,
+                f"speculative_topk x num_draft_tokens must be at most 64 tree nodes, got "
+                f"{self.speculative_topk} x {self.num_draft_tokens}")
         require(_is_int(self.speculative_max_batch) and self.speculative_max_batch >= 0,
                 f"speculative_max_batch must be an integer >= 0, got {self.speculative_max_batch!r}")
         require(self.max_model_len is None or self.max_model_len >= 2,

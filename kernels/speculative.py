@@ -13,11 +13,71 @@ lossless in distribution; greedy rows (`verify_greedy`) accept while the draft e
 argmax and are lossless token for token. The functions are pure: the randomness comes in as
 arguments (one uniform per draft position, one Exp(1) noise row per emitted-by-sampling position),
 so the engine can derive it statelessly per (seed, output position) like `kernels.sampling`.
+
+Trees (greedy only, `verify_tree_greedy`): the drafts form a tree over the verify row. Row 0 is the
+request's last token, row i + 1 is draft i, and ``parents[i]`` is the row of draft i's parent
+(``parents[i] <= i``; a chain is ``parents[i] == i``). The target scores every row once with a tree
+mask (each row sees the prefix and its own ancestors: `verify_tree_mask`) and RoPE positions by
+depth; verification walks from the root, following the child that equals the target's argmax.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.attention.metadata import TreeMask
+
+
+def is_chain(parents: list[int] | tuple[int, ...]) -> bool:
+    """Whether draft i's parent is always draft i - 1 (row i): a chain, verified causally."""
+    return all(p == i for i, p in enumerate(parents))
+
+
+def ancestor_mask(window_parents: list[int], rows: list[int]) -> tuple[tuple[bool, ...], ...]:
+    """``visible[i][j]``: window slot j is ``rows[i]`` or one of its ancestors; ``window_parents[j]``
+    is slot j's parent slot (-1: none in the window)."""
+    out = []
+    for row in rows:
+        seen = [False] * len(window_parents)
+        while row >= 0:
+            seen[row] = True
+            row = window_parents[row]
+        out.append(tuple(seen))
+    return tuple(out)
+
+
+def row_depths(parents: list[int] | tuple[int, ...]) -> list[int]:
+    """Depth of every verify row: 0 for the last token, its parent's + 1 for a draft."""
+    depths = [0]
+    for i, parent in enumerate(parents):
+        assert 0 <= parent <= i, f"draft {i}'s parent row {parent} is not before its own row {i + 1}"
+        depths.append(depths[parent] + 1)
+    return depths
+
+
+def verify_tree_mask(parents: list[int] | tuple[int, ...]) -> TreeMask:
+    """The verify row's attention: window = the row itself, each row sees its ancestors and itself,
+    at RoPE position (the row's first position) + depth."""
+    window = [-1, *parents]
+    return TreeMask(ancestor_mask(window, list(range(len(window)))), tuple(row_depths(parents)))
+
+
+def verify_tree_greedy(target_argmax: list[int], draft_tokens: list[int],
+                       parents: list[int] | tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """(tokens emitted, rows of the accepted drafts in order): from row 0, emit the target's argmax
+    and move to the child holding it, until no child does. ``target_argmax``: one id per row."""
+    assert len(target_argmax) == len(draft_tokens) + 1 == len(parents) + 1, "one target row per tree row"
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i + 1)
+    out, path, row = [], [], 0
+    while True:
+        want = target_argmax[row]
+        out.append(want)
+        row = next((c for c in children.get(row, ()) if draft_tokens[c - 1] == want), -1)
+        if row < 0:
+            return out, path
+        path.append(row)
 
 
 def verify_greedy(target_argmax: list[int], draft_tokens: list[int]) -> list[int]:

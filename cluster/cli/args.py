@@ -38,7 +38,11 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
                                                "the model verifies them (same output)")),
     "--draft-model": ("draft_model", dict(metavar="PATH", help="EAGLE head directory (default: the one "
                                                                  "`tandem train-eagle` cached for --model)")),
-    "--num-draft-tokens": ("num_draft_tokens", dict(type=int, metavar="K", help="draft tokens per step")),
+    "--num-draft-tokens": ("num_draft_tokens", dict(type=int, metavar="K",
+                                                    help="draft tokens per step (the tree's depth with --speculative-topk)")),
+    "--speculative-topk": ("speculative_topk", dict(type=int, metavar="W",
+                                                    help="tree drafting: W nodes per level, W x K verified at once "
+                                                         "(1: a chain; greedy requests)")),
     "--speculative-max-batch": ("speculative_max_batch", dict(type=int, metavar="N",
                                                               help="draft only while at most N requests run")),
     "--no-speculative-adaptive": ("speculative_adaptive", dict(

@@ -20,6 +20,8 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    supports_tree_mask: bool = True
+    """Whether `attention` honours `AttnMetadata`'s tree masks (speculative tree drafting)."""
 
     @abstractmethod
     def write_kv(
@@ -41,7 +43,8 @@ class AttentionBackend(ABC):
         meta: AttnMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Causal attention of each new token over its own sequence's positions ``[0, pos]``.
+        """Causal attention of each new token over its own sequence's positions ``[0, pos]``, or
+        with a tree mask (``meta.tree_mask``) over what its mask row names in the tree window.
 
         ``H`` must be a multiple of ``kvh`` (GQA: query head h reads KV head ``h // (H // kvh)``).
         Returns ``[T, H, hd]`` in q's dtype.

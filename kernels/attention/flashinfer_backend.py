@@ -191,6 +191,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     """
 
     name = "flashinfer"
+    supports_tree_mask = False  # its custom-mask prefill is not wired in: tree drafting needs torch or triton
 
     def __init__(self, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         assert workspace_bytes > 0, f"workspace_bytes={workspace_bytes} must be positive"
@@ -217,6 +218,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float
     ) -> torch.Tensor:
         shape = _shape_of(q, k_cache, v_cache, meta, scale)
+        assert meta.tree_mask is None, "flashinfer takes no tree masks here (tree drafting needs torch or triton)"
         if meta.num_tokens == 0 or meta.num_seqs == 0:
             return torch.empty_like(q)
         wrapper = self._wrapper_for(meta, shape, q.device)

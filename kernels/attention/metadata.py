@@ -8,6 +8,14 @@ Index layout of sequence ``b`` (``q = query_len``, ``s = seq_len`` after this st
 
 The new tokens' K/V are written to ``slot_mapping`` before attention reads pages, so every
 query row attends causally over positions ``[0, its own position]`` of its own sequence.
+
+A sequence may carry a `TreeMask` (speculative tree drafting, docs/design.md §6): its last ``w``
+positions (the window, ``w >= q``) hold tree nodes, and each new row sees every position before the
+window but, inside it, only the positions its mask row names (its ancestors and itself). Its RoPE
+positions come from the mask too (a node's depth), not from its slot::
+
+    slots       | fully visible                | window: visible per row (mask [q, w])        |
+                0                          s - w                                            s
 """
 
 from __future__ import annotations
@@ -16,6 +24,20 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """Attention of one sequence's new rows inside a tree window (module docstring). ``visible[i][j]``:
+    row i sees window position j (``s - w + j``); row i is at slot ``s - q + i`` and RoPE position
+    ``s - w + offsets[i]``. Every row must see itself (it is its own last ancestor)."""
+
+    visible: tuple[tuple[bool, ...], ...]  # [q][w]
+    offsets: tuple[int, ...]  # [q]
+
+    @property
+    def width(self) -> int:
+        return len(self.visible[0])
 
 
 @dataclass(frozen=True)
@@ -36,15 +58,22 @@ class AttnMetadata:
     logits_indices: torch.Tensor  # [num_logits] int64, rows of T whose logits are wanted
     query_lens_cpu: tuple[int, ...]  # [B] host copy of the new-token counts
     seq_lens_cpu: tuple[int, ...]  # [B] host copy of seq_lens
+    tree_mask: torch.Tensor | None = None
+    """Flat bool: the `TreeMask.visible` of every sequence with one, [q_b, w_b] row-major, in order."""
+    tree_mask_start: torch.Tensor | None = None  # [B] int64, where seq b's mask starts in tree_mask
+    tree_widths: torch.Tensor | None = None  # [B] int64, seq b's window width w_b (0: causal)
+    tree_widths_cpu: tuple[int, ...] = ()
+    """[B] host copy of tree_widths; () when no sequence has a tree mask."""
     decode_only: bool = field(init=False)
-    """Every sequence has exactly one new token (a pure decode step)."""
+    """Every sequence has exactly one new token and no tree mask (a pure decode step)."""
     max_seq_len: int = field(init=False)
     """max(seq_lens_cpu), 0 for no sequences."""
 
     def __post_init__(self):
         # Derived once, here: a backend that reads only these two (not the tuples) gives
         # torch.compile nothing to guard on per row, so one compiled step serves every batch size.
-        object.__setattr__(self, "decode_only", all(q == 1 for q in self.query_lens_cpu))
+        object.__setattr__(self, "decode_only",
+                           all(q == 1 for q in self.query_lens_cpu) and not any(self.tree_widths_cpu))
         object.__setattr__(self, "max_seq_len", max(self.seq_lens_cpu, default=0))
 
     @property
@@ -59,6 +88,15 @@ class AttnMetadata:
     def query_start_loc_cpu(self) -> tuple[int, ...]:
         """[B+1] host copy of query_start_loc, derived from query_lens_cpu (no sync)."""
         return (0, *accumulate(self.query_lens_cpu))
+
+    def tree_mask_of(self, b: int) -> torch.Tensor | None:
+        """Seq b's mask as a [q_b, w_b] bool view of `tree_mask`, or None when it attends causally."""
+        width = self.tree_widths_cpu[b] if self.tree_widths_cpu else 0
+        if not width:
+            return None
+        start = sum(q * w for q, w in zip(self.query_lens_cpu[:b], self.tree_widths_cpu[:b]))
+        q_len = self.query_lens_cpu[b]
+        return self.tree_mask[start:start + q_len * width].view(q_len, width)
 
 
 def _check_lengths(
@@ -80,15 +118,44 @@ def _check_lengths(
 
 
 def _positions_and_slots(
-    page_size: int, query_lens: list[int], seq_lens: list[int], page_tables: list[list[int]]
+    page_size: int, query_lens: list[int], seq_lens: list[int], page_tables: list[list[int]],
+    masks: list[TreeMask | None],
 ) -> tuple[list[int], list[int]]:
     positions: list[int] = []
     slots: list[int] = []
-    for q_len, s_len, pages in zip(query_lens, seq_lens, page_tables):
+    for q_len, s_len, pages, mask in zip(query_lens, seq_lens, page_tables, masks):
         for pos in range(s_len - q_len, s_len):
-            positions.append(pos)
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
+        if mask is None:
+            positions.extend(range(s_len - q_len, s_len))
+        else:
+            positions.extend(s_len - mask.width + offset for offset in mask.offsets)
     return positions, slots
+
+
+def _check_masks(query_lens: list[int], seq_lens: list[int], masks: list[TreeMask | None]) -> None:
+    assert len(masks) == len(query_lens), f"{len(masks)} tree masks for {len(query_lens)} sequences"
+    for b, (q_len, s_len, mask) in enumerate(zip(query_lens, seq_lens, masks)):
+        if mask is None:
+            continue
+        width = mask.width
+        assert len(mask.visible) == len(mask.offsets) == q_len and q_len <= width <= s_len, (
+            f"seq {b}: a tree mask of {len(mask.visible)} rows x {width} for {q_len} new tokens of {s_len}")
+        assert all(len(row) == width and row[width - q_len + i] and not any(row[width - q_len + i + 1:])
+                   for i, row in enumerate(mask.visible)), (
+            f"seq {b}: every tree mask row has the window's width, sees its own slot and none after it")
+
+
+def _flat_masks(query_lens: list[int], masks: list[TreeMask | None], device) -> dict:
+    """The AttnMetadata tree fields for `masks` (none when no sequence has one)."""
+    if not any(m is not None for m in masks):
+        return {}
+    widths = [0 if m is None else m.width for m in masks]
+    flat = [v for m in masks if m is not None for row in m.visible for v in row]
+    starts = [0, *accumulate(q * w for q, w in zip(query_lens, widths))][:-1]
+    return dict(tree_mask=torch.tensor(flat, dtype=torch.bool, device=device),
+                tree_mask_start=torch.tensor(starts, dtype=torch.int64, device=device),
+                tree_widths=torch.tensor(widths, dtype=torch.int64, device=device), tree_widths_cpu=tuple(widths))
 
 
 def build_attn_metadata(
@@ -99,6 +166,7 @@ def build_attn_metadata(
     logits_rows: list[int],
     device: torch.device | str,
     allow_scratch_page: bool = False,
+    masks: list[TreeMask | None] | None = None,
 ) -> tuple[AttnMetadata, torch.Tensor]:
     """Build metadata and positions ``[T] int64`` for a ragged step, from host lists.
 
@@ -106,11 +174,14 @@ def build_attn_metadata(
     tokens; rows are padded with page 0 to the longest table. ``logits_rows`` are indices into
     the T new tokens (e.g. the last row of each sampling sequence). ``allow_scratch_page`` lets
     padding sequences (graph padding rows) live on page 0; otherwise that is a bug and asserts.
+    ``masks[b]``: seq b's `TreeMask` (None: causal); None: every sequence is causal.
     """
     _check_lengths(page_size, query_lens, seq_lens, page_tables, allow_scratch_page)
+    masks = masks if masks is not None else [None] * len(query_lens)
+    _check_masks(query_lens, seq_lens, masks)
     num_tokens = sum(query_lens)
     assert all(0 <= r < num_tokens for r in logits_rows), f"logits_rows {logits_rows} outside [0, {num_tokens})"
-    positions, slots = _positions_and_slots(page_size, query_lens, seq_lens, page_tables)
+    positions, slots = _positions_and_slots(page_size, query_lens, seq_lens, page_tables, masks)
     max_pages = max((len(p) for p in page_tables), default=0)
     padded = [list(p) + [0] * (max_pages - len(p)) for p in page_tables]
 
@@ -126,5 +197,6 @@ def build_attn_metadata(
         logits_indices=as_tensor(logits_rows),
         query_lens_cpu=tuple(query_lens),
         seq_lens_cpu=tuple(seq_lens),
+        **_flat_masks(query_lens, masks, device),
     )
     return meta, as_tensor(positions)

@@ -17,7 +17,9 @@ Flash-style extend on CPU, sequence of ``s`` positions, ``p = s - q`` of them ca
     part      |  non-causal: every new token sees all   |   causal among the q   |
 
 Each part is one call of the CPU flash kernel, which returns its output and log-sum-exp per query;
-the parts merge by log-sum-exp in fp32. The kernel tiles queries and keys itself, so no score
+the parts merge by log-sum-exp in fp32. A sequence with a tree mask (metadata.TreeMask) is the
+same with its window in place of the new tokens: the window part takes the mask (additive, 0 or
+-inf) instead of the causal flag, and everything before the window is the non-causal prefix. The kernel tiles queries and keys itself, so no score
 tensor is ever ``O(q * s)``; chunking the prefix bounds the gathered K/V copy to ``C`` positions.
 
 Nothing here reads a device value back to the host; all sizes come from ``meta.*_cpu``.
@@ -52,12 +54,14 @@ class _ExtendSeq:
     row_end: int
     seq_len: int
     page_table: torch.Tensor  # [num_pages] int64, enough pages to cover seq_len
-    mask: torch.Tensor | None  # [q_len, seq_len] bool causal-with-offset; only off CPU with a prefix
+    mask: torch.Tensor | None  # [q_len, seq_len] bool causal-with-offset; only off CPU with a prefix or a tree
+    tree: torch.Tensor | None = None  # [q_len, width] bool: its tree window's mask (None: causal)
 
     @property
     def prefix_len(self) -> int:
-        """Positions ``[0, prefix_len)`` were in the cache before this step."""
-        return self.seq_len - (self.row_end - self.row_start)
+        """Positions ``[0, prefix_len)`` are seen by every new row: those before the new tokens, or
+        before the tree window."""
+        return self.seq_len - (self.row_end - self.row_start if self.tree is None else self.tree.shape[1])
 
 
 @dataclass(frozen=True)
@@ -102,20 +106,28 @@ def _plan_extend(meta: AttnMetadata, b: int) -> _ExtendSeq:
     device = meta.page_table.device
     q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
     row_start = meta.query_start_loc_cpu[b]
+    tree = meta.tree_mask_of(b)
     prefix_len = seq_len - q_len
     mask = None
-    if prefix_len > 0 and not _uses_cpu_flash(device):
+    if tree is not None and not _uses_cpu_flash(device):
+        seen = torch.ones(q_len, seq_len - tree.shape[1], dtype=torch.bool, device=device)
+        mask = torch.cat([seen, tree], dim=1)  # [q_len, seq_len]
+    elif prefix_len > 0 and not _uses_cpu_flash(device):
         q_pos = torch.arange(prefix_len, seq_len, device=device)  # [q_len]
         mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
     page_table = meta.page_table[b, : _num_pages(seq_len, meta.page_size)]
-    return _ExtendSeq(row_start, row_start + q_len, seq_len, page_table, mask)
+    return _ExtendSeq(row_start, row_start + q_len, seq_len, page_table, mask, tree)
+
+
+def _is_decode_row(meta: AttnMetadata, b: int) -> bool:
+    return meta.query_lens_cpu[b] == 1 and not (meta.tree_widths_cpu and meta.tree_widths_cpu[b])
 
 
 def _make_plan(meta: AttnMetadata) -> _Plan:
     if meta.decode_only:
         return _Plan(decode=_plan_decode_no_sync(meta, None), extends=())
-    decode_seqs = [b for b, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
-    extend_seqs = [b for b, q_len in enumerate(meta.query_lens_cpu) if q_len > 1]
+    decode_seqs = [b for b in range(meta.num_seqs) if _is_decode_row(meta, b)]
+    extend_seqs = [b for b, q_len in enumerate(meta.query_lens_cpu) if q_len and not _is_decode_row(meta, b)]
     decode = _plan_decode_no_sync(meta, decode_seqs) if decode_seqs else None
     return _Plan(decode=decode, extends=tuple(_plan_extend(meta, b) for b in extend_seqs))
 
@@ -138,10 +150,13 @@ def _gather_heads_first(cache: torch.Tensor, page_table: torch.Tensor, start: in
     return _gather_pages(cache, pages)[offset : offset + end - start].transpose(0, 1)[None]
 
 
-def _flash_cpu(q, k, v, scale: float, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_cpu(q, k, v, scale: float, is_causal: bool, attn_mask: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU flash attention of ``q [1, H, q_len, hd]`` over ``k, v [1, kvh, n, hd]`` (GQA read in
-    place): output ``[1, H, q_len, hd]`` in q's dtype and log-sum-exp ``[1, H, q_len]`` in fp32."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    place): output ``[1, H, q_len, hd]`` in q's dtype and log-sum-exp ``[1, H, q_len]`` in fp32.
+    ``attn_mask``: additive, ``[1, 1, q_len, n]`` in q's dtype."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask,
+                                                                      scale=scale)
 
 
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
@@ -213,16 +228,20 @@ class TorchAttentionBackend(AttentionBackend):
         return o.reshape(batch, -1, head_dim)  # [B_dec, H, hd]
 
     def _extend_flash_cpu(self, q, k_cache, v_cache, seq: _ExtendSeq, scale: float) -> torch.Tensor:
-        """A fresh prompt in one causal call; after a cached prefix flash-style, see the module
-        docstring. Returns ``[q_len, H, hd]``."""
+        """A fresh prompt in one causal call; after a cached prefix (or with a tree window)
+        flash-style, see the module docstring. Returns ``[q_len, H, hd]``."""
         q_seq = q[seq.row_start : seq.row_end].transpose(0, 1)[None]  # [1, H, q_len, hd]
-        k_new = _gather_heads_first(k_cache, seq.page_table, seq.prefix_len, seq.seq_len)  # [1, kvh, q_len, hd]
+        k_new = _gather_heads_first(k_cache, seq.page_table, seq.prefix_len, seq.seq_len)  # [1, kvh, q_len|w, hd]
         v_new = _gather_heads_first(v_cache, seq.page_table, seq.prefix_len, seq.seq_len)
-        if seq.prefix_len == 0:
+        if seq.prefix_len == 0 and seq.tree is None:
             # 4-D inputs and no mask: the fused kernel (flash on CPU); 3-D inputs fall to the math path.
             o = F.scaled_dot_product_attention(q_seq, k_new, v_new, is_causal=True, scale=scale, enable_gqa=True)
             return o[0].transpose(0, 1)
-        o, lse = _flash_cpu(q_seq, k_new, v_new, scale, is_causal=True)
+        if seq.tree is None:
+            o, lse = _flash_cpu(q_seq, k_new, v_new, scale, is_causal=True)
+        else:
+            bias = torch.zeros(seq.tree.shape, dtype=q.dtype, device=q.device).masked_fill_(~seq.tree, float("-inf"))
+            o, lse = _flash_cpu(q_seq, k_new, v_new, scale, is_causal=False, attn_mask=bias[None, None])
         out = o.float()  # [1, H, q_len, hd]; merged in fp32 so bf16 parts round once, at the end
         for start in range(0, seq.prefix_len, self.prefix_chunk_tokens):
             end = min(start + self.prefix_chunk_tokens, seq.prefix_len)

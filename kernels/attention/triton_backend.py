@@ -123,7 +123,7 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.num_tokens == 0 or meta.num_seqs == 0:
             return out
         tiles = self._tiles or default_tiles(q.shape[2], q.dtype)
-        if all(q_len == 1 for q_len in meta.query_lens_cpu):
+        if meta.decode_only:
             self._decode(q, k_cache, v_cache, meta, scale, out, tiles)
         else:
             self._extend(q, k_cache, v_cache, meta, scale, out, tiles)
@@ -160,15 +160,17 @@ class TritonAttentionBackend(AttentionBackend):
     def _extend(q, k_cache, v_cache, meta: AttnMetadata, scale: float, out: torch.Tensor, tiles: TileSizes) -> None:
         num_heads, head_dim = q.shape[1:]
         m_blocks = triton.cdiv(max(meta.query_lens_cpu), tiles.extend_block_m)
+        has_tree = meta.tree_mask is not None
+        tree = (meta.tree_mask, meta.tree_mask_start, meta.tree_widths) if has_tree else (meta.seq_lens,) * 3
         tk.extend_kernel[(m_blocks, meta.num_seqs, num_heads)](
-            q, k_cache, v_cache, out, meta.page_table, meta.query_start_loc, meta.seq_lens,
+            q, k_cache, v_cache, out, meta.page_table, meta.query_start_loc, meta.seq_lens, *tree,
             scale * tk.LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.page_table.stride(0),
             HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), GROUP=num_heads // k_cache.shape[2],
             PAGE_SIZE=meta.page_size, BLOCK_M=tiles.extend_block_m, BLOCK_N=tiles.extend_block_n,
-            DOT_DTYPE=_dot_dtype(k_cache.dtype), num_warps=tiles.num_warps,
+            DOT_DTYPE=_dot_dtype(k_cache.dtype), HAS_TREE=has_tree, num_warps=tiles.num_warps,
         )
 
 

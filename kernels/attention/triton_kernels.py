@@ -149,15 +149,19 @@ def decode_combine_kernel(
 @triton.jit
 def extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    tree_mask_ptr, tree_start_ptr, tree_width_ptr,
     scale_log2,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_page, stride_c_slot, stride_c_head,
     stride_pt_b,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     """Program (m, b, h): query rows ``[m * BLOCK_M, (m + 1) * BLOCK_M)`` of sequence b, head h,
-    causal over ``[0, own position]`` (flash attention, online softmax).
+    causal over ``[0, own position]`` (flash attention, online softmax). With ``HAS_TREE``, a
+    sequence of window width w > 0 (metadata.TreeMask) sees inside its last w positions only what
+    its mask rows (``tree_mask[start + i * w + j]``) name.
 
     A program past its sequence's q_len runs no KV block and stores nothing. Every row of a
     live block (padding rows too) sees position 0, so no row's running max stays -inf.
@@ -170,6 +174,9 @@ def extend_kernel(
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
     prefix = seq_len - q_len
+    if HAS_TREE:
+        tree_start = tl.load(tree_start_ptr + b)
+        tree_width = tl.load(tree_width_ptr + b)
 
     i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows within the sequence
     row_ok = i < q_len
@@ -195,6 +202,12 @@ def extend_kernel(
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
         visible = kv_ok[None, :] & (kv_pos[None, :] <= pos[:, None])
+        if HAS_TREE:
+            window = seq_len - tree_width
+            in_window = kv_pos[None, :] >= window
+            mask_off = tree_start + i[:, None] * tree_width + (kv_pos[None, :] - window)
+            seen = tl.load(tree_mask_ptr + mask_off, mask=visible & in_window & row_ok[:, None], other=0)
+            visible = visible & ((~in_window) | (seen != 0))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

@@ -104,7 +104,8 @@ class EngineCore:
                                                 arch.num_kv_heads, arch.head_dim, dtype, self.device)
         target_kv = KVCacheTensors(self.kv_cache.k[:arch.num_layers], self.kv_cache.v[:arch.num_layers])
         if self.speculator.num_kv_layers:
-            self.speculator.attach(KVCacheTensors(self.kv_cache.k[arch.num_layers:], self.kv_cache.v[arch.num_layers:]))
+            self.speculator.attach(KVCacheTensors(self.kv_cache.k[arch.num_layers:], self.kv_cache.v[arch.num_layers:]),
+                                   target_kv)
         self.device_pool = DevicePool(self.kv_cache)
         pool = self.device_pool.pages
         cache = RadixPrefixCache(pool) if config.enable_prefix_cache else NullPrefixCache(pool)

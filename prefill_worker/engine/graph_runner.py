@@ -5,7 +5,8 @@ and the reason is counted (`GraphCounters`, `/metrics` `tandem:graph_fallbacks_t
 
     not_decode        every row wants logits for each of its new tokens: a decode row (one token), or
                       on CUDA a speculative verify row (`ForwardRow.num_draft_tokens`), which replays
-                      as one decode row per token (see "Verify rows" below)
+                      as one decode row per token (see "Verify rows" below); a tree verify row
+                      (`draft_parents`) runs eagerly: its rows share slots that no page table orders
     batch_too_large   the batch fits a bucket (`batch_buckets`)
     context_too_long  every row's page table fits the captured width (`max_model_len` pages)
     load_in_flight    no host->device load still in flight writes a page the batch reads
@@ -215,7 +216,8 @@ class GraphRunner:
         rows = step.rows
         if not self.enabled:
             return Fallback.DISABLED, 0
-        if not all(r.num_logits == len(r.token_ids) and (len(r.token_ids) == 1 or self.expand_verify) for r in rows):
+        if not all(r.num_logits == len(r.token_ids) and r.draft_parents is None
+                   and (len(r.token_ids) == 1 or self.expand_verify) for r in rows):
             return Fallback.NOT_DECODE, 0
         bucket = bucket_for(self.buckets, sum(len(r.token_ids) for r in rows))
         if bucket is None:

@@ -80,6 +80,9 @@ class Request:
     step; their KV slots are allocated (`kv.kv_allocated_len` covers them). Empty while not speculating."""
     draft_probs: object = None
     """With sampled drafts: the [k, vocab] distributions they were drawn from (None for greedy)."""
+    draft_parents: list[int] | None = None
+    """Tree drafts: the verify row of each draft's parent (row 0 is the last token, row i + 1 draft i;
+    `kernels.speculative`); None for a chain."""
     draft_feature: bytes = b""
     """Arrived from a prefill worker: the head's feature to draft its first decode step from
     (`KVComplete.draft_feature`); used up when the decode engine admits it."""
@@ -104,7 +107,7 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def clear_draft(self) -> None:
-        self.draft_token_ids, self.draft_probs = [], None
+        self.draft_token_ids, self.draft_probs, self.draft_parents = [], None, None
 
     @property
     def num_uncomputed(self) -> int:

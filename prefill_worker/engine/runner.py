@@ -13,6 +13,7 @@ import torch
 
 from kernels.attention.metadata import build_attn_metadata
 from kernels.kv_layout import KVCacheTensors
+from kernels.speculative import verify_tree_mask
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class ForwardRow:
     num_draft_tokens: int = 0
     """A verify row (speculative decoding): its last `num_draft_tokens` tokens are drafts, and every
     one of its last `num_draft_tokens + 1` tokens gets logits."""
+    draft_parents: tuple[int, ...] | None = None
+    """A tree verify row: the row of each draft's parent (`kernels.speculative`); None: a chain."""
 
     @property
     def num_logits(self) -> int:
@@ -69,8 +72,9 @@ class ModelRunner:
         for r, q in zip(rows, query_lens):
             end += q
             logits_rows.extend(range(end - r.num_logits, end))
-        meta, positions = build_attn_metadata(
-            self.page_size, query_lens, [r.seq_len for r in rows], [r.pages for r in rows], logits_rows, self.device)
+        masks = [None if r.draft_parents is None else verify_tree_mask(r.draft_parents) for r in rows]
+        meta, positions = build_attn_metadata(self.page_size, query_lens, [r.seq_len for r in rows],
+                                              [r.pages for r in rows], logits_rows, self.device, masks=masks)
         input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64, device=self.device)
         return self.run_model(input_ids, positions, meta)
 

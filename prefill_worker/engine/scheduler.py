@@ -53,8 +53,10 @@ def _row(req: Request, seq_len: int) -> ForwardRow:
     kv, drafts = req.kv, req.draft_token_ids
     tokens = req.all_token_ids + drafts if drafts else req.all_token_ids
     wants_logits = seq_len == len(tokens)
+    tree = tuple(req.draft_parents) if wants_logits and req.draft_parents else None
     return ForwardRow(token_ids=tokens[kv.kv_committed_len:seq_len], seq_len=seq_len, pages=list(kv.pages),
-                      wants_logits=wants_logits, num_draft_tokens=len(drafts) if wants_logits else 0)
+                      wants_logits=wants_logits, num_draft_tokens=len(drafts) if wants_logits else 0,
+                      draft_parents=tree)
 
 
 class Scheduler:

@@ -1,7 +1,7 @@
 """Speculative decoding in the engine (docs/design.md §6): who proposes tokens, and how they are verified.
 
-`NullSpeculator` (off) and `EagleSpeculator` (chain drafting with an EAGLE head) are chosen by
-`engine.speculative`. One engine step with EAGLE, for a decoding request whose last token is ``t``
+`NullSpeculator` (off) and `EagleSpeculator` (chain or tree drafting with an EAGLE head) are chosen
+by `engine.speculative`. One engine step with EAGLE, for a decoding request whose last token is ``t``
 at position ``c`` (``c = kv_committed_len``) and whose drafts ``d_1 .. d_k`` came from the step before:
 
     schedule  its verify row: tokens [t, d_1 .. d_k] at positions [c, c + k] (slots allocated already)
@@ -27,6 +27,11 @@ target's feature (the catch-up runs for requests that just finished too, before 
 pages the prefix tree takes, the host tier copies back, or a transfer ships hold draft KV that is
 as good as if the head had run over them alone. (One caveat: the last position of a cached prefix
 was computed with its writer's next token, which a request sharing the prefix may not have.)
+
+Tree drafting (`engine.speculative_topk` w > 1, greedy requests): the drafts are a `DraftTree` of w
+nodes per level (`draft_tree`), the verify row scores all of them under a tree mask, and the accepted
+path's target K/V are moved to the slots right after the last token before the commit, so the
+committed KV is what a chain would have left; the catch-up reads the path's features.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ from kernels.attention.metadata import build_attn_metadata
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoint
 from kernels.sampling import filtered_probs, row_generator
-from kernels.speculative import verify_greedy, verify_sampled
+from kernels.speculative import row_depths, verify_greedy, verify_sampled, verify_tree_greedy
 from kv_store.req_kv import KVManager
+from prefill_worker.engine.draft_tree import DraftTree
 from prefill_worker.engine.request import Request, RequestStatus
 from prefill_worker.engine.spec_policy import AdaptivePolicy, FixedPolicy
 
@@ -97,7 +103,7 @@ class NullSpeculator:
     aux_layer_ids: tuple[int, ...] = ()
     counters = None
 
-    def attach(self, kv_cache: KVCacheTensors) -> None:
+    def attach(self, kv_cache: KVCacheTensors, target_kv: KVCacheTensors) -> None:
         pass
 
     def begin_step(self) -> None:
@@ -130,9 +136,11 @@ class EagleSpeculator:
     num_kv_layers = 1
 
     def __init__(self, head: EagleDraftHead, page_size: int, device: torch.device, num_draft_tokens: int,
-                 max_batch: int, policy: AdaptivePolicy | FixedPolicy | None = None):
+                 max_batch: int, policy: AdaptivePolicy | FixedPolicy | None = None, topk: int = 1):
         self.head, self.page_size, self.device = head, page_size, device
-        self.k, self.max_batch = num_draft_tokens, max_batch
+        self.k, self.max_batch, self.topk = num_draft_tokens, max_batch, topk
+        self.target_kv: KVCacheTensors | None = None
+        self._paths: dict[str, list[int]] = {}  # request id -> rows of its verified tree path (row 0 first)
         self.policy = policy or FixedPolicy()
         self._step = (0, 0, 0)  # this step's (decode rows, decode tokens, verifies before it), for the policy
         self.kv: KVCacheTensors | None = None
@@ -144,9 +152,10 @@ class EagleSpeculator:
     def aux_layer_ids(self) -> tuple[int, ...]:
         return self.head.arch.aux_layer_ids if self.head.arch.style is DraftStyle.EAGLE3 else ()
 
-    def attach(self, kv_cache: KVCacheTensors) -> None:
+    def attach(self, kv_cache: KVCacheTensors, target_kv: KVCacheTensors) -> None:
+        """`kv_cache`: the draft head's KV layer; `target_kv`: the target's (a tree's accepted path moves there)."""
         assert kv_cache.num_layers == 1, f"the draft head's KV is one layer, got {kv_cache.num_layers}"
-        self.kv = kv_cache
+        self.kv, self.target_kv = kv_cache, target_kv
 
     def use_graphs(self, runner) -> None:
         """Replay the head's calls from CUDA graphs of the target's buckets (`draft_graphs`; captured
@@ -192,8 +201,14 @@ class EagleSpeculator:
     def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
         """The tokens `req`'s verify row emits (1 .. k + 1). logits [k + 1, V] float32: the target's at
         its last token and each draft. The drafts are used up: `req` has none after this."""
-        drafts, draft_probs = req.draft_token_ids, req.draft_probs
+        drafts, draft_probs, parents = req.draft_token_ids, req.draft_probs, req.draft_parents
         req.clear_draft()
+        if parents is not None:
+            out, path = verify_tree_greedy(logits.argmax(dim=-1).tolist(), drafts, parents)
+            self._move_path(req, path)
+            self._paths[req.request_id] = [0, *path]
+            self.counters.count(max(row_depths(parents)), len(out) - 1)
+            return out
         if req.params.greedy:
             out = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
         else:
@@ -206,19 +221,33 @@ class EagleSpeculator:
         self.counters.count(len(drafts), len(out) - 1)
         return out
 
+    def _move_path(self, req: Request, path: list[int]) -> None:
+        """Move the target K/V of the accepted tree rows `path` to the slots right after the last token
+        (row r sits at position c + r; the m-th accepted goes to c + m + 1), so the committed KV is a chain."""
+        c, moves = req.kv.kv_committed_len, [(row, m + 1) for m, row in enumerate(path) if row != m + 1]
+        if not moves:
+            return
+        pages, size = req.kv.pages, self.page_size
+        src, dst = ([pages[(c + r) // size] * size + (c + r) % size for r in rows] for rows in zip(*moves))
+        src, dst = (torch.tensor(s, dtype=torch.int64, device=self.device) for s in (src, dst))
+        for cache in (*self.target_kv.k, *self.target_kv.v):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+
     # ---- catch up ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def catch_up(self, committed: list[Committed], hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         """Run the head over every committed position of the step: row i is (the target's feature at i,
         token i + 1). Keeps each request's last row (x, draft logits) for `draft`."""
         self._last.clear()
+        paths, self._paths = self._paths, {}
         rows = [c for c in committed if c.end > c.start]
         if all(c.start >= len(c.req.prompt_token_ids) for c in rows):  # a decode-only step: the policy counts it
             self._step = (len(rows), sum(c.end - c.start for c in rows), self._step[2])
         if not rows:
             return
         features = self.head.combine(aux) if self.head.arch.style is DraftStyle.EAGLE3 else hidden  # [T, h]
-        feats = torch.cat([features[c.feature_row:c.feature_row + c.end - c.start] for c in rows])
+        feats = torch.cat([features[_feature_rows(c, paths.get(c.req.request_id))] for c in rows])
         ids = [t for c in rows for t in c.req.all_token_ids[c.start + 1:c.end + 1]]
         x, logits = self._run(ids, feats, [c.end - c.start for c in rows], [c.end for c in rows],
                               [c.req.kv.pages for c in rows])
@@ -240,34 +269,55 @@ class EagleSpeculator:
             self.policy.end_step(rows, tokens, self.counters.verifies > verifies_before)
 
     def _draft(self, running: list[Request], kvm: KVManager, max_request_tokens: int) -> None:
-        want: dict[Request, int] = {}
+        """Grow every request's `DraftTree` (width `topk` for greedy requests, else a chain) one level
+        per head call; the slots for the verify (and the head rows) are allocated first."""
+        trees: dict[Request, DraftTree] = {}
         for req in running:
-            k = self._chain_length(req, max_request_tokens)
+            depth, width = self._chain_length(req, max_request_tokens), self.topk if req.params.greedy else 1
             kv = req.kv
-            if k and req.request_id in self._last and kvm.try_allocate(
-                    kv, max(kv.kv_allocated_len, kv.kv_committed_len + k + 1)):
-                want[req] = k
-        active = list(want)
+            if depth and req.request_id in self._last and kvm.try_allocate(
+                    kv, max(kv.kv_allocated_len, kv.kv_committed_len + depth * width + 1)):
+                trees[req] = DraftTree(depth, width)
+        active = list(trees)
         if not active:
             return
-        x = torch.stack([self._last[r.request_id][0] for r in active])  # [B, h]
+        x = torch.stack([self._last[r.request_id][0] for r in active])  # [B, h]: one row per request
         logits = torch.stack([self._last[r.request_id][1] for r in active])  # [B, draft vocab]
-        draws: dict[Request, list] = {r: [] for r in active}
-        j = 0
+        starts = list(range(len(active)))  # each request's first row in x / logits
+        d = 1
         while True:
-            drawn = self._draw_rows(active, logits, j)
-            for r, d in zip(active, drawn):
-                draws[r].append(d)
-            j += 1
-            keep = [i for i, r in enumerate(active) if j < want[r]]
+            parent_rows = self._grow(active, trees, logits, starts, d)
+            keep = [i for i, r in enumerate(active) if d < trees[r].depth]
             if not keep:
                 break
-            active = [active[i] for i in keep]  # row at position c + j - 1: (x of the row before, d_j)
-            x, logits = self._run([drawn[i][0] for i in keep], x[keep], [1] * len(keep),
-                                  [r.kv.kv_committed_len + j for r in active], [r.kv.pages for r in active])
-        for req, chain in draws.items():
-            req.draft_token_ids = [t for t, _ in chain]
-            req.draft_probs = None if req.params.greedy else torch.stack([q for _, q in chain])
+            active = [active[i] for i in keep]  # level d's head rows: (x of each node's parent, its token)
+            ids = [t for r in active for t in trees[r].tokens[trees[r].width * (d - 1):]]
+            feats = x[torch.tensor([row for i in keep for row in parent_rows[i]], device=x.device)]
+            widths = [trees[r].width for r in active]
+            x, logits = self._run(ids, feats, widths, [r.kv.kv_committed_len + len(trees[r].tokens) for r in active],
+                                  [r.kv.pages for r in active], [trees[r].head_mask(d) for r in active])
+            starts = [0, *torch.tensor(widths).cumsum(0).tolist()[:-1]]
+            d += 1
+        for req, tree in trees.items():
+            req.draft_token_ids, req.draft_parents = tree.tokens, tree.verify_parents()
+            req.draft_probs = None if req.params.greedy else torch.stack(tree.probs)
+
+    def _grow(self, reqs: list[Request], trees: dict[Request, DraftTree], logits: torch.Tensor,
+              starts: list[int], d: int) -> list[list[int]]:
+        """Level d of each tree, from the rows of level d - 1 (one row at the root) starting at
+        `starts[i]` of `logits`; returns, per request, the row of each new node's parent."""
+        chains = [i for i, r in enumerate(reqs) if trees[r].width == 1]
+        drawn = self._draw_rows([reqs[i] for i in chains], logits[[starts[i] for i in chains]], d - 1)
+        parent_rows: list[list[int]] = [[starts[i]] for i in range(len(reqs))]
+        for i, (token, probs) in zip(chains, drawn):
+            trees[reqs[i]].append(token, probs)
+        for i, req in enumerate(reqs):
+            tree = trees[req]
+            if tree.width > 1:
+                rows = logits[starts[i]:starts[i] + (1 if d == 1 else tree.width)]
+                grown = tree.grow(torch.log_softmax(rows.float(), dim=-1), self.head.to_target_ids)
+                parent_rows[i] = [starts[i] + r for r in grown]
+        return parent_rows
 
     def _chain_length(self, req: Request, max_request_tokens: int) -> int:
         """Drafts worth making for `req`: at most k, no more than its remaining tokens can use, and
@@ -300,16 +350,25 @@ class EagleSpeculator:
         return int(head.to_target_ids(draft_id)), full
 
     def _run(self, ids: list[int], features: torch.Tensor, query_lens: list[int], seq_lens: list[int],
-             pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over one ragged batch; logits for each sequence's last row."""
-        if self.graphs is not None:
+             pages: list[list[int]], masks: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over one ragged batch; logits for each sequence's last row, or with `masks` (a
+        draft level: `DraftTree.head_mask` per sequence) for every row."""
+        masked = masks is not None and any(m is not None for m in masks)
+        if self.graphs is not None and not masked:
             replayed = self.graphs.run(ids, features, query_lens, seq_lens, pages)
             if replayed is not None:
                 return replayed
-        logits_rows = (torch.tensor(query_lens).cumsum(0) - 1).tolist()
-        meta, positions = build_attn_metadata(self.page_size, query_lens, seq_lens, pages, logits_rows, self.device)
+        logits_rows = list(range(len(ids))) if masks is not None else (torch.tensor(query_lens).cumsum(0) - 1).tolist()
+        meta, positions = build_attn_metadata(self.page_size, query_lens, seq_lens, pages, logits_rows, self.device,
+                                              masks=masks if masked else None)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return self.head(input_ids, features, positions, meta, self.kv)
+
+
+def _feature_rows(c: Committed, path: list[int] | None) -> slice | list[int]:
+    """Rows of the step's features that `c` committed: its row's first n, or along a tree's path."""
+    n = c.end - c.start
+    return slice(c.feature_row, c.feature_row + n) if path is None else [c.feature_row + r for r in path[:n]]
 
 
 def make_speculator(config: EngineConfig, head: EagleDraftHead | None, device: torch.device):
@@ -318,8 +377,12 @@ def make_speculator(config: EngineConfig, head: EagleDraftHead | None, device: t
         return NullSpeculator()
     assert head is not None, "speculative eagle needs a draft head (engine.draft_model)"
     policy = AdaptivePolicy() if config.speculative_adaptive else FixedPolicy()
+    backend = head.self_attn.backend
+    if config.speculative_topk > 1 and not backend.supports_tree_mask:
+        raise ConfigError(f"speculative_topk {config.speculative_topk} (tree drafting) needs the torch or triton "
+                          f"attention backend; {backend.name} takes no tree mask (set attention_backend, or topk 1)")
     return EagleSpeculator(head, config.page_size, device, config.num_draft_tokens, config.speculative_max_batch,
-                           policy)
+                           policy, config.speculative_topk)
 
 
 def load_draft_head(config: EngineConfig, model: torch.nn.Module, arch) -> EagleDraftHead:

@@ -1,0 +1,190 @@
+"""EAGLE tree drafting in the engine (speculator.py + draft_tree.py) on the tiny Llama.
+
+Lossless: greedy output equals HF transformers' generate token for token with trees of width 2
+and 3, page sizes 1 and 16, with the random head's own trees and with scripted trees. A scripted
+tree puts the true continuation on a branch chosen at random at each level (the first child or
+another one) and random tokens elsewhere, so accepted paths go through later siblings and deeper
+levels: the accepted path's K/V must be moved to the slots right after the last token, or the
+following tokens go wrong. The seed scenario with trees: page 16, aborts between draft and verify,
+retracts of requests holding tree slots, integrity after every step, nothing leaked.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cluster.config import ConfigError, EngineConfig, SamplingParams
+from kernels.model.eagle import DraftStyle
+from prefill_worker.engine import speculator as speculator_module
+from prefill_worker.engine.request import RequestStatus
+from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, make_spec_engine, \
+    tiny_draft_head, tiny_models
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def tree_prompts():
+    return make_prompts(6, min_len=3, max_len=40, seed=11)
+
+
+@pytest.fixture(scope="module")
+def reference(tree_prompts):
+    _, ref, _ = tiny_models()
+    return {tuple(p): hf_greedy(ref, p, MAX_NEW) for p in tree_prompts}
+
+
+def script_trees(engine, reference: dict[tuple, list[int]], accept: float, seed: int = 0) -> list[int]:
+    """Replace the head's choice of tree nodes (its K/V and features still come from the real head):
+    at each level one child of the node on the true path gets the true token with probability
+    `accept`, the others random tokens. Returns a list that collects the accepted paths' rows."""
+    rng = random.Random(seed)
+    vocab = engine.arch.vocab_size
+    speculator = engine.speculator
+    grow = speculator._grow
+
+    def scripted(reqs, trees, logits, starts, d):
+        parent_rows = grow(reqs, trees, logits, starts, d)  # the real growth, then the tokens rewritten
+        for req in reqs:
+            tree = trees[req]
+            if tree.width == 1:
+                continue
+            truth = reference[tuple(req.prompt_token_ids)][len(req.output_token_ids):]
+            level = list(tree.level(d))
+            for n in level:
+                tree.tokens[n] = rng.randrange(vocab)
+            hits = [n for n in level if _on_true_path(tree, tree.parents[n], truth)]
+            if hits and d - 1 < len(truth) and rng.random() < accept:
+                tree.tokens[rng.choice(hits)] = truth[d - 1]
+        return parent_rows
+
+    speculator._grow = scripted
+    paths = []
+    verify = speculator.verify
+
+    def spy(req, logits):
+        out = verify(req, logits)
+        paths.append(speculator._paths.get(req.request_id, []))
+        return out
+    speculator.verify = spy
+    return paths
+
+
+def _on_true_path(tree, node: int, truth: list[int]) -> bool:
+    """Whether `node` (-1: the last token) and its ancestors carry the true continuation."""
+    chain = []
+    while node >= 0:
+        chain.append(node)
+        node = tree.parents[node]
+    return all(depth < len(truth) and tree.tokens[n] == truth[depth] for depth, n in enumerate(reversed(chain)))
+
+
+def _outputs(engine, prompts, params=None):
+    return [r.output_token_ids for r in engine.generate(prompts, params or greedy(max_tokens=MAX_NEW))]
+
+
+@pytest.mark.parametrize("topk", [2, 3])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_tree_drafting_is_lossless(tree_prompts, reference, topk, page_size):
+    expected = [reference[tuple(p)] for p in tree_prompts]
+    for scripted in (False, True):
+        engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE3), page_size=page_size, speculative_topk=topk)
+        paths = script_trees(engine, reference, accept=0.8, seed=topk) if scripted else None
+        assert _outputs(engine, tree_prompts) == expected
+        counters = engine.speculator.counters
+        assert counters.verifies > 0 and counters.draft_errors == 0
+        if scripted:
+            assert {0, 3} <= set(counters.accepted_per_verify), dict(counters.accepted_per_verify)
+            moved = [p for p in paths if any(row != m for m, row in enumerate(p))]
+            assert moved, "no accepted path went through a later sibling: the K/V move was never exercised"
+        assert_pool_at_rest(engine)
+
+
+def test_without_the_path_move_a_tree_breaks_greedy_output(tree_prompts, reference, monkeypatch):
+    """The mutation the test above must catch: accepted K/V left at their tree slots."""
+    monkeypatch.setattr(speculator_module.EagleSpeculator, "_move_path", lambda self, req, path: None)
+    engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE3), page_size=16, speculative_topk=2)
+    script_trees(engine, reference, accept=0.8, seed=2)
+    assert _outputs(engine, tree_prompts) != [reference[tuple(p)] for p in tree_prompts]
+
+
+def test_trees_for_greedy_requests_chains_for_sampled_ones_in_one_batch(tree_prompts, reference):
+    engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE), speculative_topk=2)
+    seen = {"tree": 0, "chain": 0}
+    draft = engine.speculator.draft
+
+    def spy(running, *args):
+        draft(running, *args)
+        for r in running:
+            if r.draft_token_ids:
+                kind = "tree" if r.draft_parents is not None else "chain"
+                assert (kind == "tree") == r.params.greedy
+                assert len(r.draft_token_ids) == (2 if r.params.greedy else 1) * len(set(_depths(r)))
+                seen[kind] += 1
+    engine.speculator.draft = spy
+    greedy_reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in tree_prompts[:3]]
+    sampled = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=i))
+               for i, p in enumerate(tree_prompts[3:])]
+    while any(r.status is not RequestStatus.FINISHED for r in greedy_reqs + sampled):
+        engine.step()
+    assert seen["tree"] and seen["chain"]
+    assert [r.output_token_ids for r in greedy_reqs] == [reference[tuple(p)] for p in tree_prompts[:3]]
+    assert all(len(r.output_token_ids) == MAX_NEW for r in sampled)
+    assert_pool_at_rest(engine)
+
+
+def _depths(req) -> list[int]:
+    parents = req.draft_parents or list(range(len(req.draft_token_ids)))
+    depths = [0]
+    for p in parents:
+        depths.append(depths[p] + 1)
+    return depths[1:]
+
+
+def test_seed_scenario_with_trees_page_16_aborts_and_retracts_leak_nothing(tree_prompts, reference):
+    prompts = tree_prompts * 3  # 18 requests share 6 prompts: prefix hits on pages with draft KV
+    engine = make_spec_engine(page_size=16, num_pages=15, speculative_max_batch=64, speculative_topk=3)
+    script_trees(engine, reference, accept=0.6, seed=3)
+    retracted_with_drafts = []
+    retract = engine.scheduler._retract
+
+    def spy(req, step):
+        retracted_with_drafts.append(req.draft_parents is not None)
+        retract(req, step)
+    engine.scheduler._retract = spy
+    reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in prompts]
+    aborted, steps = set(), 0
+    while any(r.status is not RequestStatus.FINISHED for r in reqs):
+        engine.step()  # debug_kv: integrity checked after every step
+        steps += 1
+        drafted = [r for r in reqs if r.draft_parents is not None]
+        if steps % 8 == 0 and drafted:
+            victim = drafted[0]  # between its draft and its verify: its tree slots are allocated
+            assert victim.kv.kv_allocated_len >= victim.kv.kv_committed_len + 1 + len(victim.draft_token_ids)
+            assert engine.abort(victim.request_id)
+            aborted.add(victim.request_id)
+    assert aborted and any(retracted_with_drafts), "no abort between draft and verify, or no retract of a tree"
+    for req in reqs:
+        if req.request_id not in aborted:
+            assert req.output_token_ids == reference[tuple(req.prompt_token_ids)]
+    assert_pool_at_rest(engine)
+
+
+def test_tree_drafting_needs_a_backend_that_takes_tree_masks():
+    head = tiny_draft_head()
+    head.self_attn.backend.supports_tree_mask = False  # an instance attribute: FlashInfer's answer
+    config = EngineConfig(speculative="eagle", speculative_topk=2, num_pages=64)
+    with pytest.raises(ConfigError, match="tree drafting"):
+        speculator_module.make_speculator(config, head, torch.device("cpu"))
+    assert speculator_module.make_speculator(EngineConfig(speculative="eagle"), head, torch.device("cpu")).topk == 1
+
+
+@pytest.mark.parametrize("bad", [0, 9, 2.5])
+def test_topk_is_validated(bad):
+    with pytest.raises(ConfigError, match="speculative_topk"):
+        EngineConfig(speculative="eagle", speculative_topk=bad)
+    with pytest.raises(ConfigError, match="64 tree nodes"):
+        EngineConfig(speculative="eagle", speculative_topk=8, num_draft_tokens=9)

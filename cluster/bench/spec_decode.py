@@ -12,7 +12,9 @@ reported and fails the command. The speculative engine's counters give the mean 
 
 The speculative engine drafts at every step (`speculative_adaptive` off: the mode timed alone).
 `--adaptive` times a third engine per round with the measured policy on (`engine/spec_policy.py`:
-it drafts only where drafting measured faster), reported as its speed-up over plain.
+it drafts only where drafting measured faster), reported as its speed-up over plain. With
+`--speculative-topk W` > 1 the eagle engine drafts trees, and a chain engine (W = 1, same depth) is
+timed in the same rounds too, so tree and chain compare on the same machine state.
 
 With `--load-back`, it measures instead what a host-tier load-back does to acceptance: per prompt a
 first turn, then a second turn (the first turn's tokens + a follow-up) twice, on a fresh speculative
@@ -40,7 +42,7 @@ DEFAULT_SPEC_BATCH_SIZES = (1, 16)
 
 @dataclass(frozen=True)
 class SpecRun:
-    mode: str  # "plain" | "eagle" | "adaptive" (eagle, drafting where measured to pay)
+    mode: str  # "plain" | "eagle" | "chain" (eagle with topk 1, beside a tree) | "adaptive" (eagle, where it pays)
     batch: int
     wall_s: float
     tokens: tuple[tuple[int, ...], ...]  # per prompt
@@ -124,27 +126,32 @@ def summarize(runs: list[SpecRun], config: EngineConfig) -> dict:
     for batch in sorted({r.batch for r in runs}):
         plain = [r for r in runs if r.batch == batch and r.mode == "plain"]
         eagle = [r for r in runs if r.batch == batch and r.mode == "eagle"]
-        verifies = sum(r.verifies for r in eagle)
-        accepted = sum(a * n for r in eagle for a, n in r.accepted_per_verify)
-        drafted = _sum_pairs(r.drafted_at for r in eagle)
-        taken = _sum_pairs(r.accepted_at for r in eagle)
-        plain_tps, eagle_tps = statistics.median(r.tok_per_s for r in plain), statistics.median(r.tok_per_s for r in eagle)
+        plain_tps = statistics.median(r.tok_per_s for r in plain)
         by_batch[batch] = {
-            "plain_tok_per_s": plain_tps, "eagle_tok_per_s": eagle_tps, "speedup": eagle_tps / plain_tps,
-            "plain_tok_per_s_all": [r.tok_per_s for r in plain], "eagle_tok_per_s_all": [r.tok_per_s for r in eagle],
-            "mean_accepted_length": 1 + accepted / verifies if verifies else 0.0, "verifies": verifies,
-            "acceptance_rate_per_position": {p: taken.get(p, 0) / n for p, n in sorted(drafted.items())},
-            "identical_outputs": all(r.tokens == plain[0].tokens for r in plain + eagle),
+            "plain_tok_per_s": plain_tps, "plain_tok_per_s_all": [r.tok_per_s for r in plain],
+            "eagle_tok_per_s_all": [r.tok_per_s for r in eagle], **_speculative("eagle", eagle, plain_tps, ""),
+            "identical_outputs": all(r.tokens == plain[0].tokens for r in runs if r.batch == batch),
             "output_tokens": sum(map(len, plain[0].tokens)),
         }
-        adaptive = [r for r in runs if r.batch == batch and r.mode == "adaptive"]
-        if adaptive:
-            adaptive_tps = statistics.median(r.tok_per_s for r in adaptive)
-            by_batch[batch] |= {"adaptive_tok_per_s": adaptive_tps, "adaptive_speedup": adaptive_tps / plain_tps,
-                                "adaptive_verifies": sum(r.verifies for r in adaptive)}
-            by_batch[batch]["identical_outputs"] &= all(r.tokens == plain[0].tokens for r in adaptive)
+        by_batch[batch]["speedup"] = by_batch[batch].pop("eagle_speedup")
+        for mode in ("chain", "adaptive"):
+            others = [r for r in runs if r.batch == batch and r.mode == mode]
+            if others:
+                by_batch[batch] |= _speculative(mode, others, plain_tps, f"{mode}_")
     return {"model": config.model, "device": config.device, "dtype": config.dtype, "draft_model": config.draft_model,
-            "num_draft_tokens": config.num_draft_tokens, "batches": by_batch}
+            "num_draft_tokens": config.num_draft_tokens, "speculative_topk": config.speculative_topk,
+            "batches": by_batch}
+
+
+def _speculative(mode: str, runs: list[SpecRun], plain_tps: float, prefix: str) -> dict:
+    """Speed and acceptance of one speculative mode's runs (keys prefixed, but `<mode>_tok_per_s`)."""
+    verifies = sum(r.verifies for r in runs)
+    accepted = sum(a * n for r in runs for a, n in r.accepted_per_verify)
+    drafted, taken = _sum_pairs(r.drafted_at for r in runs), _sum_pairs(r.accepted_at for r in runs)
+    tps = statistics.median(r.tok_per_s for r in runs)
+    return {f"{mode}_tok_per_s": tps, f"{mode}_speedup": tps / plain_tps, f"{prefix}verifies": verifies,
+            f"{prefix}mean_accepted_length": 1 + accepted / verifies if verifies else 0.0,
+            f"{prefix}acceptance_rate_per_position": {p: taken.get(p, 0) / n for p, n in sorted(drafted.items())}}
 
 
 def _sum_pairs(groups) -> dict[int, int]:
@@ -156,13 +163,18 @@ def _sum_pairs(groups) -> dict[int, int]:
 
 
 def print_summary(s: dict) -> None:
-    print(f"{s['model']} {s['device']} {s['dtype']}, k = {s['num_draft_tokens']}, head {s['draft_model']}")
+    tree = f", trees of {s['speculative_topk']} per level" if s["speculative_topk"] > 1 else ""
+    print(f"{s['model']} {s['device']} {s['dtype']}, k = {s['num_draft_tokens']}{tree}, head {s['draft_model']}")
     print(f"{'batch':>5} {'plain tok/s':>12} {'eagle tok/s':>12} {'speedup':>8} {'accept len':>10} "
           f"{'per position':>24} {'same tokens':>11}")
     for batch, b in s["batches"].items():
         rates = " ".join(f"{r:.2f}" for r in b["acceptance_rate_per_position"].values())
         print(f"{batch:>5} {b['plain_tok_per_s']:>12.1f} {b['eagle_tok_per_s']:>12.1f} {b['speedup']:>7.2f}x "
               f"{b['mean_accepted_length']:>10.2f} {rates:>24} {str(b['identical_outputs']):>11}")
+        if "chain_tok_per_s" in b:
+            rates = " ".join(f"{r:.2f}" for r in b["chain_acceptance_rate_per_position"].values())
+            print(f"{'':>5} chain (topk 1): {b['chain_tok_per_s']:.1f} tok/s, {b['chain_speedup']:.2f}x plain, "
+                  f"accept len {b['chain_mean_accepted_length']:.2f} ({rates})")
         if "adaptive_tok_per_s" in b:
             print(f"{'':>5} adaptive: {b['adaptive_tok_per_s']:.1f} tok/s, {b['adaptive_speedup']:.2f}x plain, "
                   f"{b['adaptive_verifies']} verifies (eagle: {b['verifies']})")
@@ -186,7 +198,8 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     def make_engine(mode: str, batch: int):
         run_config = dataclasses.replace(config, max_running_requests=batch, host_cache_ratio=2.0 if args.load_back else 0.0,
                                          speculative="none" if mode == "plain" else "eagle",
-                                         speculative_adaptive=mode == "adaptive")
+                                         speculative_adaptive=mode == "adaptive",
+                                         speculative_topk=1 if mode == "chain" else config.speculative_topk)
         return EngineCore(run_config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
                           draft_head=None if mode == "plain" else head)
 
@@ -202,7 +215,7 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     runs = []
     for batch in args.batch_sizes or DEFAULT_SPEC_BATCH_SIZES:
         for repeat in range(args.repeats):
-            modes = ("plain", "eagle", "adaptive") if args.adaptive else ("plain", "eagle")
+            modes = ("plain", "eagle") + ("chain",) * (config.speculative_topk > 1) + ("adaptive",) * args.adaptive
             for mode in (modes if repeat % 2 == 0 else modes[::-1]):
                 runs.append(measure(make_engine, prompts, params, batch, mode))
     summary = summarize(runs, config)

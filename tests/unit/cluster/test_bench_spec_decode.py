@@ -12,15 +12,16 @@ from prefill_worker.engine import EngineCore
 from tests.helpers import make_prompts, tiny_draft_head, tiny_models
 
 
-def _factory():
+def _factory(topk: int = 1):
     ours, _, arch = tiny_models()
     head = tiny_draft_head()
     base = EngineConfig(page_size=4, num_pages=256, host_cache_ratio=0.0, speculative_max_batch=8,
-                        speculative_adaptive=False)
+                        speculative_adaptive=False, speculative_topk=topk)
 
     def make_engine(mode: str, batch: int):
         config = dataclasses.replace(base, max_running_requests=batch, speculative="none" if mode == "plain" else "eagle",
-                                     speculative_adaptive=mode == "adaptive")
+                                     speculative_adaptive=mode == "adaptive",
+                                     speculative_topk=1 if mode == "chain" else topk)
         return EngineCore(config, ours, arch, draft_head=None if mode == "plain" else head)
     return base, make_engine
 
@@ -53,6 +54,20 @@ def test_the_adaptive_engine_is_timed_beside_and_must_agree():
     assert b["adaptive_speedup"] == b["adaptive_tok_per_s"] / b["plain_tok_per_s"]
     broken = runs[:2] + [dataclasses.replace(adaptive, tokens=((1,),) + adaptive.tokens[1:])]
     assert not summarize(broken, base)["batches"][2]["identical_outputs"]
+
+
+def test_a_tree_is_timed_beside_a_chain_of_the_same_depth():
+    base, make_engine = _factory(topk=3)
+    prompts, params = make_prompts(3, seed=9), SamplingParams(max_tokens=12)
+    runs = [measure(make_engine, prompts, params, 1, mode) for mode in ("plain", "eagle", "chain")]
+    summary = summarize(runs, base)
+    b = summary["batches"][1]
+    assert summary["speculative_topk"] == 3 and b["identical_outputs"]
+    assert b["verifies"] == runs[1].verifies > 0 and b["chain_verifies"] == runs[2].verifies > 0
+    assert b["chain_speedup"] == b["chain_tok_per_s"] / b["plain_tok_per_s"]
+    assert set(b["acceptance_rate_per_position"]) == set(b["chain_acceptance_rate_per_position"]) == {1, 2, 3}
+    broken = runs[:2] + [dataclasses.replace(runs[2], tokens=((1,),) + runs[2].tokens[1:])]
+    assert not summarize(broken, base)["batches"][1]["identical_outputs"]
 
 
 def test_load_back_mode_compares_second_turns_on_device_and_loaded_back():

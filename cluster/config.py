@@ -181,6 +181,10 @@ class EngineConfig:
     cumulative probability) and the target verifies all `speculative_topk * num_draft_tokens` at once
     under a tree mask; 1 drafts a chain. Greedy requests only (sampled ones draft chains), and the
     torch or triton attention backend (FlashInfer's tree mask is not wired in), in [1, 8]."""
+    speculative_tree_nodes: int = 0
+    """Tree drafting: the verify takes this many of the tree's candidates (each expanded node's
+    `speculative_topk` likeliest children), the likeliest by cumulative draft probability (EAGLE-2's
+    re-ranking); 0: `speculative_topk * num_draft_tokens`. In [0, 64]."""
     speculative_max_batch: int = 8
     """Requests drafted for only while the running batch has at most this many: above it a verify
     costs more than the drafts save (measured, docs/design.md §6); the draft head's KV is kept
@@ -217,6 +221,8 @@ class EngineConfig:
                 f"num_draft_tokens must be an integer in [1, 16], got {self.num_draft_tokens!r}")
         require(_is_int(self.speculative_topk) and 1 <= self.speculative_topk <= 8,
                 f"speculative_topk must be an integer in [1, 8], got {self.speculative_topk!r}")
+        require(_is_int(self.speculative_tree_nodes) and 0 <= self.speculative_tree_nodes <= 64,
+                f"speculative_tree_nodes must be an integer in [0, 64], got {self.speculative_tree_nodes!r}")
         require(self.speculative_topk * self.num_draft_tokens <= 64,
                 f"speculative_topk x num_draft_tokens must be at most 64 tree nodes, got "
                 f"{self.speculative_topk} x {self.num_draft_tokens}")

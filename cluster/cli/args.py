@@ -43,6 +43,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
     "--speculative-topk": ("speculative_topk", dict(type=int, metavar="W",
                                                     help="tree drafting: W nodes per level, W x K verified at once "
                                                          "(1: a chain; greedy requests)")),
+    "--speculative-tree-nodes": ("speculative_tree_nodes", dict(
+        type=int, metavar="N", help="tree drafting: verify the N likeliest candidates (0: W x K)")),
     "--speculative-max-batch": ("speculative_max_batch", dict(type=int, metavar="N",
                                                               help="draft only while at most N requests run")),
     "--no-speculative-adaptive": ("speculative_adaptive", dict(

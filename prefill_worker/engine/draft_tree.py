@@ -1,17 +1,20 @@
 """One request's drafts for its next verify, grown level by level (docs/design.md §6, tree drafting).
 
-A tree of width w and depth D has w nodes per level, D levels, node n at index n (level d holds
-nodes ``[w(d - 1), wd)``). Level 1 is the w likeliest tokens after the request's last token; level
-d + 1 the w likeliest children of level d's nodes by the draft's cumulative log-probability (EAGLE-2's
-expansion, without its re-ranking). Width 1 is a chain: greedy or sampled (`EagleSpeculator._draw`).
+EAGLE-2's dynamic tree with width w and depth D. Level 1 is the w likeliest tokens after the
+request's last token. Each level's w *frontier* nodes are expanded by the head: each gets its w
+likeliest children as *candidates*, scored by cumulative draft log-probability, and the w best of
+those become the next frontier. The verify takes the N best candidates of all levels (`select`; a
+child never scores above its parent, so they form a tree). Width 1 is a chain: greedy, or sampled
+(`EagleSpeculator._draw`), every node verified.
 
 Slots, for a request whose last token ``t`` sits at position c::
 
-    verify row   t at slot c (depth 0), node n at slot c + 1 + n, RoPE position c + its depth
-    head row     node n at slot c + n of the draft layer, RoPE position c + depth - 1
+    verify row   t at slot c (depth 0), selected node i at slot c + 1 + i, RoPE position c + depth
+    head row     frontier node f (in frontier order) at slot c + f of the draft layer, RoPE
+                 position c + depth - 1
 
-A level's head call is the last w slots of a window over every node drafted so far, each row seeing
-the nodes that are its ancestors (`head_mask`); for a chain that is the causal decode row it was.
+A level's head call is the last w slots of a window over the frontier so far, each row seeing its
+ancestors (`head_mask`); for a chain that is the causal decode row it was.
 """
 
 from __future__ import annotations
@@ -27,43 +30,62 @@ from kernels.speculative import ancestor_mask
 @dataclass
 class DraftTree:
     depth: int  # levels to draft
-    width: int  # nodes per level (1: a chain)
-    tokens: list[int] = field(default_factory=list)  # node n's token (a target id)
-    parents: list[int] = field(default_factory=list)  # node n's parent node (-1: the last token)
-    scores: torch.Tensor | None = None  # [w] cumulative draft log-probabilities of the newest level
+    width: int  # frontier nodes per level (1: a chain)
+    tokens: list[int] = field(default_factory=list)  # candidate n's token (a target id)
+    parents: list[int] = field(default_factory=list)  # candidate n's parent candidate (-1: the last token)
+    scores: list[float] = field(default_factory=list)  # candidate n's cumulative draft log-probability
+    frontier: list[int] = field(default_factory=list)  # the expanded candidates, level by level (w per level)
     probs: list[torch.Tensor] = field(default_factory=list)  # sampled chains: the distribution of each draft
 
-    def level(self, d: int) -> range:
-        return range(self.width * (d - 1), self.width * d)
+    @property
+    def levels(self) -> int:
+        return len(self.frontier) // self.width
+
+    def level_tokens(self, d: int) -> list[int]:
+        return [self.tokens[n] for n in self.frontier[self.width * (d - 1):self.width * d]]
 
     def head_mask(self, d: int) -> TreeMask | None:
-        """Attention of level d's head rows in the window of every node so far (None: a chain, causal)."""
+        """Attention of level d's head rows in the window of the frontier so far (None: a chain)."""
         if self.width == 1:
             return None
-        return TreeMask(ancestor_mask(self.parents, list(self.level(d))), (d - 1,) * self.width)
-
-    def verify_parents(self) -> list[int] | None:
-        """Each draft's parent as a verify row (`Request.draft_parents`); None for a chain."""
-        return None if self.width == 1 else [p + 1 for p in self.parents]
+        window = self.frontier[:self.width * d]
+        at = {n: f for f, n in enumerate(window)}
+        parents = [at.get(self.parents[n], -1) for n in window]
+        return TreeMask(ancestor_mask(parents, list(range(self.width * (d - 1), self.width * d))), (d - 1,) * self.width)
 
     def grow(self, logprobs: torch.Tensor, to_target_ids) -> list[int]:
-        """Add level d + 1 from ``logprobs [m, draft vocab]`` of level d's nodes (m = 1 at the root):
-        the w likeliest (node, token) pairs by cumulative log-probability. Returns each new node's
-        parent as a row of ``logprobs``."""
-        d = len(self.tokens) // self.width
-        total = logprobs if self.scores is None else logprobs + self.scores[:, None]
-        self.scores, flat = total.flatten().topk(self.width)
-        rows = torch.div(flat, logprobs.shape[1], rounding_mode="floor")
-        tokens = to_target_ids(flat % logprobs.shape[1]).tolist()
-        rows = rows.tolist()
-        above = list(self.level(d)) if d else [-1]
-        self.tokens += tokens
-        self.parents += [above[r] for r in rows]
-        return rows
+        """Level d + 1 from ``logprobs [m, draft vocab]`` of level d's frontier (m = 1 at the root):
+        each row's w likeliest children become candidates, the w best of them the new frontier.
+        Returns each new frontier node's parent as a row of ``logprobs``."""
+        d, w = self.levels, self.width
+        above = self.frontier[w * (d - 1):] if d else [-1]
+        base = torch.tensor([self.scores[n] if n >= 0 else 0.0 for n in above], device=logprobs.device)
+        values, ids = logprobs.topk(w, dim=-1)  # [m, w]
+        total = (values + base[:, None]).flatten()
+        best = total.topk(w).indices.tolist()
+        first = len(self.tokens)
+        self.tokens += to_target_ids(ids.flatten()).tolist()
+        self.parents += [above[i // w] for i in range(total.numel())]
+        self.scores += total.tolist()
+        self.frontier += [first + i for i in best]
+        return [i // w for i in best]
 
     def append(self, token: int, probs: torch.Tensor | None) -> None:
         """One more draft of a chain."""
         self.parents.append(len(self.tokens) - 1)
         self.tokens.append(token)
+        self.scores.append(0.0)
+        self.frontier.append(len(self.tokens) - 1)
         if probs is not None:
             self.probs.append(probs)
+
+    def select(self, num_nodes: int) -> tuple[list[int], list[int] | None]:
+        """(tokens, each one's parent as a verify row, or None for a chain) of the `num_nodes` best
+        candidates (all of a chain's), in candidate order: a parent before its children."""
+        if self.width == 1:
+            return self.tokens, None
+        ranked = sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], n))[:num_nodes]
+        chosen = sorted(ranked)
+        row = {n: i + 1 for i, n in enumerate(chosen)}
+        assert all(self.parents[n] < 0 or self.parents[n] in row for n in chosen), "a chosen node lost its parent"
+        return [self.tokens[n] for n in chosen], [row.get(self.parents[n], 0) for n in chosen]

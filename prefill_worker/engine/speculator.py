@@ -136,9 +136,11 @@ class EagleSpeculator:
     num_kv_layers = 1
 
     def __init__(self, head: EagleDraftHead, page_size: int, device: torch.device, num_draft_tokens: int,
-                 max_batch: int, policy: AdaptivePolicy | FixedPolicy | None = None, topk: int = 1):
+                 max_batch: int, policy: AdaptivePolicy | FixedPolicy | None = None, topk: int = 1,
+                 tree_nodes: int = 0):
         self.head, self.page_size, self.device = head, page_size, device
         self.k, self.max_batch, self.topk = num_draft_tokens, max_batch, topk
+        self.tree_nodes = tree_nodes  # nodes a tree's verify takes (0: topk x its depth)
         self.target_kv: KVCacheTensors | None = None
         self._paths: dict[str, list[int]] = {}  # request id -> rows of its verified tree path (row 0 first)
         self.policy = policy or FixedPolicy()
@@ -275,8 +277,9 @@ class EagleSpeculator:
         for req in running:
             depth, width = self._chain_length(req, max_request_tokens), self.topk if req.params.greedy else 1
             kv = req.kv
+            slots = depth * width if width == 1 else max(depth * width, self._num_nodes(depth))
             if depth and req.request_id in self._last and kvm.try_allocate(
-                    kv, max(kv.kv_allocated_len, kv.kv_committed_len + depth * width + 1)):
+                    kv, max(kv.kv_allocated_len, kv.kv_committed_len + slots + 1)):
                 trees[req] = DraftTree(depth, width)
         active = list(trees)
         if not active:
@@ -291,16 +294,20 @@ class EagleSpeculator:
             if not keep:
                 break
             active = [active[i] for i in keep]  # level d's head rows: (x of each node's parent, its token)
-            ids = [t for r in active for t in trees[r].tokens[trees[r].width * (d - 1):]]
+            ids = [t for r in active for t in trees[r].level_tokens(d)]
             feats = x[torch.tensor([row for i in keep for row in parent_rows[i]], device=x.device)]
             widths = [trees[r].width for r in active]
-            x, logits = self._run(ids, feats, widths, [r.kv.kv_committed_len + len(trees[r].tokens) for r in active],
+            x, logits = self._run(ids, feats, widths, [r.kv.kv_committed_len + len(trees[r].frontier) for r in active],
                                   [r.kv.pages for r in active], [trees[r].head_mask(d) for r in active])
             starts = [0, *torch.tensor(widths).cumsum(0).tolist()[:-1]]
             d += 1
         for req, tree in trees.items():
-            req.draft_token_ids, req.draft_parents = tree.tokens, tree.verify_parents()
+            req.draft_token_ids, req.draft_parents = tree.select(self._num_nodes(tree.depth))
             req.draft_probs = None if req.params.greedy else torch.stack(tree.probs)
+
+    def _num_nodes(self, depth: int) -> int:
+        """Nodes a tree of `depth` levels verifies: `tree_nodes`, or topk per level."""
+        return self.tree_nodes or self.topk * depth
 
     def _grow(self, reqs: list[Request], trees: dict[Request, DraftTree], logits: torch.Tensor,
               starts: list[int], d: int) -> list[list[int]]:
@@ -382,7 +389,7 @@ def make_speculator(config: EngineConfig, head: EagleDraftHead | None, device: t
         raise ConfigError(f"speculative_topk {config.speculative_topk} (tree drafting) needs the torch or triton "
                           f"attention backend; {backend.name} takes no tree mask (set attention_backend, or topk 1)")
     return EagleSpeculator(head, config.page_size, device, config.num_draft_tokens, config.speculative_max_batch,
-                           policy, config.speculative_topk)
+                           policy, config.speculative_topk, config.speculative_tree_nodes)
 
 
 def load_draft_head(config: EngineConfig, model: torch.nn.Module, arch) -> EagleDraftHead:

@@ -65,7 +65,7 @@ def test_a_tree_is_timed_beside_a_chain_of_the_same_depth():
     assert summary["speculative_topk"] == 3 and b["identical_outputs"]
     assert b["verifies"] == runs[1].verifies > 0 and b["chain_verifies"] == runs[2].verifies > 0
     assert b["chain_speedup"] == b["chain_tok_per_s"] / b["plain_tok_per_s"]
-    assert set(b["acceptance_rate_per_position"]) == set(b["chain_acceptance_rate_per_position"]) == {1, 2, 3}
+    assert set(b["acceptance_rate_per_position"]) <= set(b["chain_acceptance_rate_per_position"]) == {1, 2, 3}
     broken = runs[:2] + [dataclasses.replace(runs[2], tokens=((1,),) + runs[2].tokens[1:])]
     assert not summarize(broken, base)["batches"][1]["identical_outputs"]
 

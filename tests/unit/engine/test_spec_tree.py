@@ -37,28 +37,40 @@ def reference(tree_prompts):
     return {tuple(p): hf_greedy(ref, p, MAX_NEW) for p in tree_prompts}
 
 
-def script_trees(engine, reference: dict[tuple, list[int]], accept: float, seed: int = 0) -> list[int]:
+def script_trees(engine, reference: dict[tuple, list[int]], accept: float, seed: int = 0) -> list[list[int]]:
     """Replace the head's choice of tree nodes (its K/V and features still come from the real head):
-    at each level one child of the node on the true path gets the true token with probability
-    `accept`, the others random tokens. Returns a list that collects the accepted paths' rows."""
+    with probability `accept`, one child of the node on the true path, at a random place among the
+    new candidates, gets the true token and its parent's score (so the verify selects it and the
+    next level expands it); every other candidate gets a random token. Returns a list that collects
+    the accepted paths' rows."""
     rng = random.Random(seed)
     vocab = engine.arch.vocab_size
     speculator = engine.speculator
     grow = speculator._grow
 
     def scripted(reqs, trees, logits, starts, d):
+        sizes = {r: len(trees[r].tokens) for r in reqs}
         parent_rows = grow(reqs, trees, logits, starts, d)  # the real growth, then the tokens rewritten
-        for req in reqs:
+        for i, req in enumerate(reqs):
             tree = trees[req]
             if tree.width == 1:
                 continue
             truth = reference[tuple(req.prompt_token_ids)][len(req.output_token_ids):]
-            level = list(tree.level(d))
-            for n in level:
+            new = range(sizes[req], len(tree.tokens))
+            for n in new:
                 tree.tokens[n] = rng.randrange(vocab)
-            hits = [n for n in level if _on_true_path(tree, tree.parents[n], truth)]
-            if hits and d - 1 < len(truth) and rng.random() < accept:
-                tree.tokens[rng.choice(hits)] = truth[d - 1]
+            hits = [n for n in new if _on_true_path(tree, tree.parents[n], truth)]
+            if not hits or d - 1 >= len(truth) or rng.random() >= accept:
+                continue
+            n = rng.choice(hits)
+            parent = tree.parents[n]
+            tree.tokens[n], tree.scores[n] = truth[d - 1], tree.scores[parent] if parent >= 0 else 0.0
+            level = range(tree.width * (d - 1), tree.width * d)
+            if n not in tree.frontier:
+                j = rng.choice(level)
+                tree.frontier[j] = n
+                above = tree.frontier[tree.width * (d - 2):tree.width * (d - 1)] if d > 1 else [-1]
+                parent_rows[i][j - level.start] = starts[i] + above.index(parent)
         return parent_rows
 
     speculator._grow = scripted
@@ -122,7 +134,8 @@ def test_trees_for_greedy_requests_chains_for_sampled_ones_in_one_batch(tree_pro
             if r.draft_token_ids:
                 kind = "tree" if r.draft_parents is not None else "chain"
                 assert (kind == "tree") == r.params.greedy
-                assert len(r.draft_token_ids) == (2 if r.params.greedy else 1) * len(set(_depths(r)))
+                depths, k = _depths(r), engine.config.num_draft_tokens  # parents before children (or it raises)
+                assert max(depths) <= k and len(depths) <= (2 * k if r.params.greedy else max(depths))
                 seen[kind] += 1
     engine.speculator.draft = spy
     greedy_reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in tree_prompts[:3]]
@@ -145,9 +158,18 @@ def _depths(req) -> list[int]:
 
 
 def test_seed_scenario_with_trees_page_16_aborts_and_retracts_leak_nothing(tree_prompts, reference):
-    prompts = tree_prompts * 3  # 18 requests share 6 prompts: prefix hits on pages with draft KV
-    engine = make_spec_engine(page_size=16, num_pages=15, speculative_max_batch=64, speculative_topk=3)
-    script_trees(engine, reference, accept=0.6, seed=3)
+    """Pools of 13..17 pages: which step retracts whom depends on the tree shapes, so the scenario runs
+    on each, and must retract a request holding tree slots on at least one."""
+    retracted_trees = 0
+    for num_pages in range(13, 18):
+        retracted_trees += _seed_scenario(tree_prompts * 3, reference, num_pages)  # shared prompts: prefix hits
+    assert retracted_trees, "no retract of a request holding tree slots on any pool size"
+
+
+def _seed_scenario(prompts, reference, num_pages: int) -> int:
+    """Run it; returns how many retracted requests held tree drafts."""
+    engine = make_spec_engine(page_size=16, num_pages=num_pages, speculative_max_batch=64, speculative_topk=3)
+    script_trees(engine, reference, accept=0.6, seed=num_pages)
     retracted_with_drafts = []
     retract = engine.scheduler._retract
 
@@ -166,11 +188,12 @@ def test_seed_scenario_with_trees_page_16_aborts_and_retracts_leak_nothing(tree_
             assert victim.kv.kv_allocated_len >= victim.kv.kv_committed_len + 1 + len(victim.draft_token_ids)
             assert engine.abort(victim.request_id)
             aborted.add(victim.request_id)
-    assert aborted and any(retracted_with_drafts), "no abort between draft and verify, or no retract of a tree"
+    assert aborted, "no abort between draft and verify"
     for req in reqs:
         if req.request_id not in aborted:
             assert req.output_token_ids == reference[tuple(req.prompt_token_ids)]
     assert_pool_at_rest(engine)
+    return sum(retracted_with_drafts)
 
 
 def test_tree_drafting_needs_a_backend_that_takes_tree_masks():
@@ -188,3 +211,34 @@ def test_topk_is_validated(bad):
         EngineConfig(speculative="eagle", speculative_topk=bad)
     with pytest.raises(ConfigError, match="64 tree nodes"):
         EngineConfig(speculative="eagle", speculative_topk=8, num_draft_tokens=9)
+
+
+def test_draft_tree_expands_the_best_candidates_and_verifies_the_best_of_all_levels():
+    from prefill_worker.engine.draft_tree import DraftTree
+
+    def logprobs(*rows):
+        return torch.tensor(rows, dtype=torch.float32).log()
+
+    tree = DraftTree(depth=3, width=2)
+    assert tree.grow(logprobs([0.5, 0.3, 0.2, 0.0]), lambda ids: ids + 100) == [0, 0]
+    assert (tree.tokens, tree.parents, tree.frontier) == ([100, 101], [-1, -1], [0, 1])
+    assert tree.head_mask(1).visible == ((True, False), (False, True)) and tree.head_mask(1).offsets == (0, 0)
+    # children: of node 0 (0.5): 0.5 x {0.6, 0.4}; of node 1 (0.3): 0.3 x {0.9, 0.1}
+    rows = tree.grow(logprobs([0.6, 0.4, 0.0, 0.0], [0.9, 0.0, 0.1, 0.0]), lambda ids: ids + 100)
+    assert tree.tokens[2:] == [100, 101, 100, 102] and tree.parents[2:] == [0, 0, 1, 1]
+    assert tree.frontier[2:] == [2, 4] and rows == [0, 1]  # 0.30 and 0.27 beat 0.20 and 0.03
+    assert tree.head_mask(2).visible == ((True, False, True, False), (False, True, False, True))
+    assert tree.head_mask(2).offsets == (1, 1)
+    tokens, parents = tree.select(4)  # 0.5, 0.3, 0.30, 0.27 (candidate 3: 0.20 and 5: 0.03 left out)
+    assert tokens == [100, 101, 100, 100] and parents == [0, 0, 1, 2]
+    assert tree.select(6)[1] == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_chain_tree_is_the_chain():
+    from prefill_worker.engine.draft_tree import DraftTree
+
+    tree = DraftTree(depth=3, width=1)
+    for token in (7, 8, 9):
+        tree.append(token, None)
+    assert tree.select(2) == ([7, 8, 9], None) and tree.head_mask(2) is None
+    assert tree.level_tokens(2) == [8] and tree.parents == [-1, 0, 1]

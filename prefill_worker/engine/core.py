@@ -36,6 +36,7 @@ from kv_store.req_kv import KVManager
 from prefill_worker.engine.connector import KVConnector, NullConnector
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 from prefill_worker.engine.graph_runner import GraphRunner, graph_max_batch
+from prefill_worker.engine.tree_graphs import tree_verify_rows
 from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
 from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
 from prefill_worker.engine.sessions import NullSessions, SessionError, SessionManager
@@ -120,7 +121,9 @@ class EngineCore:
         eager = ModelRunner(model, target_kv, config.page_size, self.device, self.speculator.aux_layer_ids)
         self.runner = GraphRunner(eager, self.device_pool, graph_max_batch(self.config), self.config.max_model_len,
                                   enabled=self.config.cuda_graph, sizes=self.config.graph_batch_sizes,
-                                  loads_in_flight=self._loads_in_flight, cpu_compile=self.config.cpu_compile)
+                                  loads_in_flight=self._loads_in_flight, cpu_compile=self.config.cpu_compile,
+                                  tree_rows=tree_verify_rows(self.config),
+                                  tree_batch=max(1, min(self.config.max_running_requests, self.config.speculative_max_batch)))
         self.speculator.use_graphs(self.runner)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

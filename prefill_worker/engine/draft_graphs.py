@@ -23,7 +23,7 @@ import time
 import torch
 
 from kernels.kv_layout import KVCacheTensors
-from prefill_worker.engine.graph_runner import StaticBuffers, bucket_for
+from prefill_worker.engine.graph_runner import StaticBuffers, bucket_for, capture_graph
 from prefill_worker.engine.runner import ForwardRow
 
 log = logging.getLogger("tandem.engine")
@@ -80,17 +80,9 @@ class HeadGraphs:
         for bucket in reversed(self.buckets):
             self.bufs.fill([], bucket, self.page_size)  # all padding: scratch page 0
             capacity = (self.bufs.max_pages * self.page_size,) * bucket
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._body(bucket, self.bufs.meta(bucket, self.page_size, capacity))
-            torch.cuda.current_stream().wait_stream(side)
-            meta = self.bufs.meta(bucket, self.page_size, capacity)
-            self.head.self_attn.backend.prepare_graph_decode(meta)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._body(bucket, meta)
+            graph, out = capture_graph(lambda meta: self._body(bucket, meta),
+                                       lambda: self.bufs.meta(bucket, self.page_size, capacity),
+                                       self.head.self_attn.backend, device, pool)
             self._graphs[bucket] = (graph, out)
             pool = graph.pool()
         torch.cuda.synchronize(device)

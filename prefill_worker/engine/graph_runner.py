@@ -5,8 +5,9 @@ and the reason is counted (`GraphCounters`, `/metrics` `tandem:graph_fallbacks_t
 
     not_decode        every row wants logits for each of its new tokens: a decode row (one token), or
                       on CUDA a speculative verify row (`ForwardRow.num_draft_tokens`), which replays
-                      as one decode row per token (see "Verify rows" below); a tree verify row
-                      (`draft_parents`) runs eagerly: its rows share slots that no page table orders
+                      as one decode row per token (see "Verify rows" below); or every row a full
+                      tree verify row (`draft_parents`), which replays from the tree graphs
+                      (`tree_graphs.py`; CUDA with Triton attention)
     batch_too_large   the batch fits a bucket (`batch_buckets`)
     context_too_long  every row's page table fits the captured width (`max_model_len` pages)
     load_in_flight    no host->device load still in flight writes a page the batch reads
@@ -172,7 +173,10 @@ class GraphRunner:
 
     def __init__(self, eager: ModelRunner, pool: DevicePool, max_batch: int, max_model_len: int,
                  enabled: bool = True, sizes: Iterable[int] = (),
-                 loads_in_flight: Callable[[], frozenset] = frozenset, cpu_compile: bool = False):
+                 loads_in_flight: Callable[[], frozenset] = frozenset, cpu_compile: bool = False,
+                 tree_rows: int = 0, tree_batch: int = 1):
+        """`tree_rows`: tokens of a full tree verify row (`tree_graphs.tree_verify_rows`; 0: no trees),
+        replayed for up to `tree_batch` requests."""
         self.eager = eager
         self.pool = pool
         self.enabled = enabled
@@ -188,6 +192,12 @@ class GraphRunner:
         self.bufs = StaticBuffers.allocate(self.buckets[-1], -(-max_model_len // self.page_size), eager.device)
         self._graphs: dict[int, _Captured] = {}
         self._compiled: dict[int, Callable] = {}  # CPU: bucket -> compiled forward that replays it
+        self.trees = None  # TreeVerifyGraphs, when the engine drafts trees
+        if enabled and tree_rows:
+            from prefill_worker.engine.tree_graphs import TreeVerifyGraphs
+
+            capture = eager.device.type == "cuda" and eager.model.backend.name == "triton"
+            self.trees = TreeVerifyGraphs(eager, tree_batch, tree_rows, self.bufs.max_pages, capture)
         if enabled and eager.device.type == "cuda":
             self._capture_all()
         elif enabled and cpu_compile and COMPILED_CPU_BUCKET in self.buckets:
@@ -196,10 +206,10 @@ class GraphRunner:
     # ---- the step ----------------------------------------------------------------------------------
     def run(self, step: ScheduledStep) -> ForwardOut:
         """`step`'s forward (its rows refreshed when the pool relocated)."""
-        reason, bucket = self._gate(step)
+        reason, bucket, tree = self._gate(step)
         if reason is None:
             self.counters.replays += 1
-            return self._replay(_decode_rows(step.rows), bucket)
+            return self.trees.replay(step.rows, bucket) if tree else self._replay(_decode_rows(step.rows), bucket)
         self.counters.fallbacks[reason] += 1
         if reason is Fallback.RELOCATED:
             step.refresh_rows(self.pool.relocation_version)
@@ -212,25 +222,28 @@ class GraphRunner:
     def probe(self) -> None:
         self.eager.probe()
 
-    def _gate(self, step: ScheduledStep) -> tuple[Fallback | None, int]:
+    def _gate(self, step: ScheduledStep) -> tuple[Fallback | None, int, bool]:
+        """(why the step runs eagerly or None, the bucket it replays, whether from the tree graphs)."""
         rows = step.rows
         if not self.enabled:
-            return Fallback.DISABLED, 0
-        if not all(r.num_logits == len(r.token_ids) and r.draft_parents is None
-                   and (len(r.token_ids) == 1 or self.expand_verify) for r in rows):
-            return Fallback.NOT_DECODE, 0
-        bucket = bucket_for(self.buckets, sum(len(r.token_ids) for r in rows))
+            return Fallback.DISABLED, 0, False
+        tree_bucket = self.trees.takes(rows) if self.trees is not None else None
+        tree = tree_bucket is not None
+        if not tree and not all(r.num_logits == len(r.token_ids) and r.draft_parents is None
+                                and (len(r.token_ids) == 1 or self.expand_verify) for r in rows):
+            return Fallback.NOT_DECODE, 0, False
+        bucket = tree_bucket if tree else bucket_for(self.buckets, sum(len(r.token_ids) for r in rows))
         if bucket is None:
-            return Fallback.BATCH_TOO_LARGE, 0
+            return Fallback.BATCH_TOO_LARGE, 0, False
         if any(len(r.pages) > self.bufs.max_pages for r in rows):
-            return Fallback.CONTEXT_TOO_LONG, 0
+            return Fallback.CONTEXT_TOO_LONG, 0, False
         if self.gated:
             if step.relocation_version != self.pool.relocation_version:
-                return Fallback.RELOCATED, 0
+                return Fallback.RELOCATED, 0, False
             loads = self.loads_in_flight()
             if loads and _touches(loads, rows):
-                return Fallback.LOAD_IN_FLIGHT, 0
-        return None, bucket
+                return Fallback.LOAD_IN_FLIGHT, 0, False
+        return None, bucket, tree
 
     def _replay(self, rows: list[ForwardRow], bucket: int) -> ForwardOut:
         self.bufs.fill(rows, bucket, self.page_size)
@@ -286,24 +299,30 @@ class GraphRunner:
     def _capture(self, bucket: int, pool) -> _Captured:
         self.bufs.fill([], bucket, self.page_size)  # all padding: scratch page 0
         capacity = (self.bufs.max_pages * self.page_size,) * bucket
-
-        def meta() -> AttnMetadata:
-            # a new object each time: backends memoise plans per metadata object, and the captured
-            # plan must be built inside the capture (from the buffers), not reused from the warm-up
-            return self.bufs.meta(bucket, self.page_size, capacity)
-
-        side = torch.cuda.Stream(self.eager.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._body(bucket, meta())
-        torch.cuda.current_stream().wait_stream(side)
-        captured = meta()
-        self.eager.model.backend.prepare_graph_decode(captured)  # host-side planning stays out of the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = self._body(bucket, captured)
+        graph, out = capture_graph(lambda meta: self._body(bucket, meta),
+                                   lambda: self.bufs.meta(bucket, self.page_size, capacity),
+                                   self.eager.model.backend, self.eager.device, pool)
         return _Captured(graph, out)
+
+
+def capture_graph(body: Callable[[AttnMetadata], object], make_meta: Callable[[], AttnMetadata], backend,
+                  device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, its output tensors) of `body` over static buffers: two warm-up runs on a side stream,
+    then the capture (in memory pool `pool`, None: a new one). `make_meta` gives a new metadata object
+    each time: backends memoise plans per object, and the captured plan must be built for the
+    capture (`backend.prepare_graph_decode`, outside it), not reused from the warm-up."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body(make_meta())
+    torch.cuda.current_stream().wait_stream(side)
+    meta = make_meta()
+    backend.prepare_graph_decode(meta)  # host-side planning stays out of the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body(meta)
+    return graph, out
 
 
 def _rows_of(out: ForwardOut, n: int, clone: bool = False) -> ForwardOut:

@@ -20,7 +20,7 @@ from cluster.config import ConfigError, EngineConfig, SamplingParams
 from kernels.model.eagle import DraftStyle
 from prefill_worker.engine import speculator as speculator_module
 from prefill_worker.engine.request import RequestStatus
-from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, make_spec_engine, \
+from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, make_spec_engine, \
     tiny_draft_head, tiny_models
 
 MAX_NEW = 24
@@ -242,3 +242,67 @@ def test_a_chain_tree_is_the_chain():
         tree.append(token, None)
     assert tree.select(2) == ([7, 8, 9], None) and tree.head_mask(2) is None
     assert tree.level_tokens(2) == [8] and tree.parents == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tree_verify_replayed_over_the_tree_buffers_gives_the_same_tokens_and_acceptance(tree_prompts, reference,
+                                                                                         page_size):
+    """What CUDA replays from the tree graphs (`tree_graphs.py`), run over the same static buffers on
+    the CPU: full tree verify rows of a batch go through `TreeBuffers` (padding requests included),
+    and each such step's logits and features equal the eager tree verify's over the same rows;
+    tokens equal HF's and every verify accepts exactly what the eager tree verify accepts."""
+    results = []
+    for expand in (False, True):
+        engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE3), page_size=page_size, max_running_requests=5,
+                                  speculative_topk=2)
+        assert engine.runner.trees is not None and engine.runner.trees.q == 2 * 3 + 1
+        engine.runner.trees.expand = expand
+        engine.runner.trees.buckets = (2, 5)  # a lone request (the tail of the run) replays with a padding one
+        script_trees(engine, reference, accept=0.7, seed=page_size)
+        replayed = []
+        replay = engine.runner.trees.replay
+
+        def checked(rows, bucket):  # the replay's logits and features are the eager tree verify's
+            out = replay(rows, bucket)
+            again = engine.runner.eager.forward(rows)  # rewrites the same K/V into the same slots
+            for got, want in zip(out, again):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            replayed.append((len(rows), bucket))
+            return out
+        engine.runner.trees.replay = checked
+        assert _outputs(engine, tree_prompts) == [reference[tuple(p)] for p in tree_prompts]
+        assert bool(replayed) == expand and all(n <= bucket for n, bucket in replayed)
+        assert any(n < bucket for n, bucket in replayed) == expand  # padding requests rode along
+        results.append(engine.speculator.counters.accepted_per_verify)
+        assert_pool_at_rest(engine)
+    assert results[0] == results[1] and sum(results[0].values()) > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_every_tree_node_scores_what_hf_gives_its_branch(page_size):
+    """The target over one tree verify row (tree mask, RoPE by depth): each row's logits equal HF's
+    last logits over the prompt plus that row's branch (its ancestors and itself), run densely."""
+    from prefill_worker.engine.runner import ForwardRow
+
+    _, ref, _ = tiny_models()
+    engine = make_engine(page_size=page_size)
+    parents, drafts = [0, 0, 1, 1, 2, 3, 5], [40, 41, 42, 43, 44, 45, 46]
+    req = engine.add_request(list(range(3, 22)), greedy(max_tokens=4))
+    while not req.output_token_ids:  # prefilled, one token out: the next step would decode it
+        engine.step()
+    c = req.kv.kv_committed_len
+    assert engine.kvm.try_allocate(req.kv, c + len(drafts) + 1)
+    row = ForwardRow([req.all_token_ids[c]] + drafts, c + len(drafts) + 1, list(req.kv.pages), True,
+                     num_draft_tokens=len(drafts), draft_parents=tuple(parents))
+    logits = engine.runner.eager.forward([row]).logits  # [8, vocab]
+    for r in range(len(drafts) + 1):
+        branch, node = [], r
+        while node > 0:
+            branch.append(drafts[node - 1])
+            node = parents[node - 1]
+        ids = torch.tensor([req.all_token_ids[:c + 1] + branch[::-1]])
+        with torch.no_grad():
+            want = ref(ids).logits[0, -1]
+        torch.testing.assert_close(logits[r], want, atol=1e-4, rtol=1e-4)
+    engine.abort(req.request_id)
+    assert_pool_at_rest(engine)

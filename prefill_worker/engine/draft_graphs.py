@@ -88,3 +88,68 @@ class HeadGraphs:
         torch.cuda.synchronize(device)
         log.info("captured draft-head graphs for batch sizes %s in %.1f s, %.0f MiB", list(self.buckets),
                  time.perf_counter() - start_s, (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20)
+
+
+class HeadTreeGraphs:
+    """The head's tree level calls replayed per (level, bucket of requests): level d's call is w rows a
+    request at the end of a window of w x d slots (`DraftTree.head_mask`), a fixed shape, so it
+    replays over `tree_graphs.TreeBuffers` as the tree verify does (CUDA with Triton attention; on
+    CPU `expand`, tests, runs the same buffers eagerly). Calls of another shape run eagerly."""
+
+    def __init__(self, head: torch.nn.Module, kv: KVCacheTensors, page_size: int, device: torch.device,
+                 buckets: tuple[int, ...], max_pages: int, feature_dim: int, dtype: torch.dtype, width: int,
+                 depth: int):
+        from prefill_worker.engine.tree_graphs import TreeBuffers
+
+        self.head, self.kv, self.page_size, self.buckets, self.width = head, kv, page_size, buckets, width
+        self.levels = {d: TreeBuffers(buckets[-1], width, width * d, max_pages, device) for d in range(1, depth)}
+        self.features = torch.zeros(buckets[-1] * width, feature_dim, dtype=dtype, device=device)
+        self.replays = 0
+        self.expand = device.type == "cuda" and head.self_attn.backend.name == "triton"
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        if self.expand:
+            self._capture_all(device)
+
+    def run(self, level: int, ids: list[int], features: torch.Tensor, seq_lens: list[int], pages: list[list[int]],
+            masks: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x, draft logits) of every row of level `level`'s call, or None when no graph holds it."""
+        bufs, w = self.levels.get(level), self.width
+        if (not self.expand or bufs is None or any(m is None or len(m.offsets) != w for m in masks)
+                or any(len(p) > bufs.max_pages for p in pages)):
+            return None
+        bucket = bucket_for(self.buckets, len(seq_lens))
+        if bucket is None:
+            return None
+        n = len(ids)
+        bufs.fill([(ids[i * w:(i + 1) * w], s, p, m) for i, (s, p, m) in enumerate(zip(seq_lens, pages, masks))],
+                  bucket, self.page_size)
+        self.features[:n].copy_(features)
+        meta = bufs.meta(bucket, self.page_size, tuple(seq_lens) + (bufs.width,) * (bucket - len(seq_lens)))
+        self.replays += 1
+        captured = self._graphs.get((level, bucket))
+        if captured is None:
+            x, logits = self._body(bufs, bucket, meta)
+        else:
+            graph, (x, logits) = captured
+            graph.replay()
+        return x[:n].clone(), logits[:n].clone()
+
+    @torch.inference_mode()
+    def _body(self, bufs, bucket: int, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        n = bucket * self.width
+        return self.head(bufs.input_ids[:n], self.features[:n], bufs.positions[:n], meta, self.kv)
+
+    def _capture_all(self, device: torch.device) -> None:
+        start_s, pool = time.perf_counter(), None
+        for level, bufs in self.levels.items():
+            for bucket in reversed(self.buckets):
+                bufs.fill([], bucket, self.page_size)
+                capacity = (bufs.max_pages * self.page_size,) * bucket
+                graph, out = capture_graph(lambda meta: self._body(bufs, bucket, meta),
+                                           lambda: bufs.meta(bucket, self.page_size, capacity),
+                                           self.head.self_attn.backend, device, pool)
+                self._graphs[(level, bucket)] = (graph, out)
+                pool = graph.pool()
+        torch.cuda.synchronize(device)
+        log.info("captured draft-head tree level graphs (levels %s, batch sizes %s) in %.1f s", list(self.levels),
+                 list(self.buckets), time.perf_counter() - start_s)

@@ -149,6 +149,7 @@ class EagleSpeculator:
         self.counters = SpecCounters()
         self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (x, draft logits) of its last row
         self.graphs = None  # HeadGraphs, once `use_graphs` ran
+        self.tree_graphs = None  # HeadTreeGraphs, with trees, once `use_graphs` ran
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -162,11 +163,15 @@ class EagleSpeculator:
     def use_graphs(self, runner) -> None:
         """Replay the head's calls from CUDA graphs of the target's buckets (`draft_graphs`; captured
         here) when `runner` (the engine's GraphRunner) replays at all."""
-        from prefill_worker.engine.draft_graphs import HeadGraphs
+        from prefill_worker.engine.draft_graphs import HeadGraphs, HeadTreeGraphs
 
         if runner.enabled:
             self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, runner.buckets,
                                      runner.bufs.max_pages, self.head.arch.layer.hidden_size, self._dtype)
+        if runner.enabled and runner.trees is not None:
+            self.tree_graphs = HeadTreeGraphs(self.head, self.kv, self.page_size, self.device, runner.trees.buckets,
+                                              runner.bufs.max_pages, self.head.arch.layer.hidden_size, self._dtype,
+                                              self.topk, self.k)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -298,7 +303,7 @@ class EagleSpeculator:
             feats = x[torch.tensor([row for i in keep for row in parent_rows[i]], device=x.device)]
             widths = [trees[r].width for r in active]
             x, logits = self._run(ids, feats, widths, [r.kv.kv_committed_len + len(trees[r].frontier) for r in active],
-                                  [r.kv.pages for r in active], [trees[r].head_mask(d) for r in active])
+                                  [r.kv.pages for r in active], [trees[r].head_mask(d) for r in active], level=d)
             starts = [0, *torch.tensor(widths).cumsum(0).tolist()[:-1]]
             d += 1
         for req, tree in trees.items():
@@ -357,10 +362,14 @@ class EagleSpeculator:
         return int(head.to_target_ids(draft_id)), full
 
     def _run(self, ids: list[int], features: torch.Tensor, query_lens: list[int], seq_lens: list[int],
-             pages: list[list[int]], masks: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over one ragged batch; logits for each sequence's last row, or with `masks` (a
-        draft level: `DraftTree.head_mask` per sequence) for every row."""
+             pages: list[list[int]], masks: list | None = None, level: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over one ragged batch; logits for each sequence's last row, or with `masks` (draft
+        level `level`: `DraftTree.head_mask` per sequence) for every row."""
         masked = masks is not None and any(m is not None for m in masks)
+        if masked and self.tree_graphs is not None:
+            replayed = self.tree_graphs.run(level, ids, features, seq_lens, pages, masks)
+            if replayed is not None:
+                return replayed
         if self.graphs is not None and not masked:
             replayed = self.graphs.run(ids, features, query_lens, seq_lens, pages)
             if replayed is not None:

@@ -249,7 +249,8 @@ def test_tree_verify_replayed_over_the_tree_buffers_gives_the_same_tokens_and_ac
                                                                                          page_size):
     """What CUDA replays from the tree graphs (`tree_graphs.py`), run over the same static buffers on
     the CPU: full tree verify rows of a batch go through `TreeBuffers` (padding requests included),
-    and each such step's logits and features equal the eager tree verify's over the same rows;
+    and each such step's logits and features equal the eager tree verify's over the same rows; so do
+    the head's tree level calls (`HeadTreeGraphs`) against the eager masked head call;
     tokens equal HF's and every verify accepts exactly what the eager tree verify accepts."""
     results = []
     for expand in (False, True):
@@ -270,12 +271,35 @@ def test_tree_verify_replayed_over_the_tree_buffers_gives_the_same_tokens_and_ac
             replayed.append((len(rows), bucket))
             return out
         engine.runner.trees.replay = checked
+        head_replays = _check_head_levels(engine.speculator, expand)
         assert _outputs(engine, tree_prompts) == [reference[tuple(p)] for p in tree_prompts]
         assert bool(replayed) == expand and all(n <= bucket for n, bucket in replayed)
         assert any(n < bucket for n, bucket in replayed) == expand  # padding requests rode along
+        assert bool(head_replays) == expand and set(head_replays) <= {1, 2}  # levels 1 and 2 of 3
         results.append(engine.speculator.counters.accepted_per_verify)
         assert_pool_at_rest(engine)
     assert results[0] == results[1] and sum(results[0].values()) > 0
+
+
+def _check_head_levels(speculator, expand: bool) -> list[int]:
+    """Route the head's level calls through its tree buffers (`expand`) and compare each replayed one
+    with the eager masked call over the same inputs; returns the levels replayed."""
+    graphs = speculator.tree_graphs
+    graphs.expand, graphs.buckets = expand, (2, 5)
+    run_level, levels = graphs.run, []
+
+    def checked(level, ids, features, seq_lens, pages, masks):
+        out = run_level(level, ids, features, seq_lens, pages, masks)
+        if out is not None:
+            speculator.tree_graphs = None  # the eager head call; it rewrites the same draft K/V
+            want = speculator._run(ids, features, [len(m.offsets) for m in masks], seq_lens, pages, masks, level)
+            speculator.tree_graphs = graphs
+            for got, expected in zip(out, want):
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            levels.append(level)
+        return out
+    graphs.run = checked
+    return levels
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

@@ -13,6 +13,8 @@ from kernels.model.arch import LlamaArch
 from kernels.model.tiny import make_tiny_llama
 
 TINY_EOS = 2
+SPEC_MAX_NEW = 24
+"""Tokens the speculative engine tests generate per prompt (their `reference` fixture's length)."""
 
 
 @functools.lru_cache(maxsize=None)

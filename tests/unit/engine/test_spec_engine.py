@@ -23,10 +23,10 @@ from cluster.config import SamplingParams
 from kernels.model.eagle import DraftStyle
 from kernels.sampling import filtered_probs
 from prefill_worker.engine.request import RequestStatus
-from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, make_spec_engine, \
+from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_prompts, make_spec_engine, \
     tiny_draft_head, tiny_models
 
-MAX_NEW = 24
+MAX_NEW = SPEC_MAX_NEW  # the `reference` fixture's length
 
 
 def _script_drafts(engine, reference: dict[tuple, list[int]], accept: float, seed: int = 0) -> None:
@@ -58,17 +58,6 @@ def _run(engine, prompts, params, abort_every: int = 0):
             assert engine.abort(victim.request_id)
             aborted.add(victim.request_id)
     return reqs, aborted
-
-
-@pytest.fixture(scope="module")
-def spec_prompts():
-    return make_prompts(6, min_len=3, max_len=40, seed=5)
-
-
-@pytest.fixture(scope="module")
-def reference(spec_prompts):
-    _, ref, _ = tiny_models()
-    return {tuple(p): hf_greedy(ref, p, MAX_NEW) for p in spec_prompts}
 
 
 @pytest.mark.parametrize("style", list(DraftStyle))

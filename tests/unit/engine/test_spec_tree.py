@@ -20,21 +20,10 @@ from cluster.config import ConfigError, EngineConfig, SamplingParams
 from kernels.model.eagle import DraftStyle
 from prefill_worker.engine import speculator as speculator_module
 from prefill_worker.engine.request import RequestStatus
-from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, make_spec_engine, \
-    tiny_draft_head, tiny_models
+from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_spec_engine, tiny_draft_head, \
+    tiny_models
 
-MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def tree_prompts():
-    return make_prompts(6, min_len=3, max_len=40, seed=11)
-
-
-@pytest.fixture(scope="module")
-def reference(tree_prompts):
-    _, ref, _ = tiny_models()
-    return {tuple(p): hf_greedy(ref, p, MAX_NEW) for p in tree_prompts}
+MAX_NEW = SPEC_MAX_NEW  # the `reference` fixture's length
 
 
 def script_trees(engine, reference: dict[tuple, list[int]], accept: float, seed: int = 0) -> list[list[int]]:
@@ -100,12 +89,12 @@ def _outputs(engine, prompts, params=None):
 
 @pytest.mark.parametrize("topk", [2, 3])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_greedy_tree_drafting_is_lossless(tree_prompts, reference, topk, page_size):
-    expected = [reference[tuple(p)] for p in tree_prompts]
+def test_greedy_tree_drafting_is_lossless(spec_prompts, reference, topk, page_size):
+    expected = [reference[tuple(p)] for p in spec_prompts]
     for scripted in (False, True):
         engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE3), page_size=page_size, speculative_topk=topk)
         paths = script_trees(engine, reference, accept=0.8, seed=topk) if scripted else None
-        assert _outputs(engine, tree_prompts) == expected
+        assert _outputs(engine, spec_prompts) == expected
         counters = engine.speculator.counters
         assert counters.verifies > 0 and counters.draft_errors == 0
         if scripted:
@@ -115,15 +104,15 @@ def test_greedy_tree_drafting_is_lossless(tree_prompts, reference, topk, page_si
         assert_pool_at_rest(engine)
 
 
-def test_without_the_path_move_a_tree_breaks_greedy_output(tree_prompts, reference, monkeypatch):
+def test_without_the_path_move_a_tree_breaks_greedy_output(spec_prompts, reference, monkeypatch):
     """The mutation the test above must catch: accepted K/V left at their tree slots."""
     monkeypatch.setattr(speculator_module.EagleSpeculator, "_move_path", lambda self, req, path: None)
     engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE3), page_size=16, speculative_topk=2)
     script_trees(engine, reference, accept=0.8, seed=2)
-    assert _outputs(engine, tree_prompts) != [reference[tuple(p)] for p in tree_prompts]
+    assert _outputs(engine, spec_prompts) != [reference[tuple(p)] for p in spec_prompts]
 
 
-def test_trees_for_greedy_requests_chains_for_sampled_ones_in_one_batch(tree_prompts, reference):
+def test_trees_for_greedy_requests_chains_for_sampled_ones_in_one_batch(spec_prompts, reference):
     engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE), speculative_topk=2)
     seen = {"tree": 0, "chain": 0}
     draft = engine.speculator.draft
@@ -138,13 +127,13 @@ def test_trees_for_greedy_requests_chains_for_sampled_ones_in_one_batch(tree_pro
                 assert max(depths) <= k and len(depths) <= (2 * k if r.params.greedy else max(depths))
                 seen[kind] += 1
     engine.speculator.draft = spy
-    greedy_reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in tree_prompts[:3]]
+    greedy_reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in spec_prompts[:3]]
     sampled = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=i))
-               for i, p in enumerate(tree_prompts[3:])]
+               for i, p in enumerate(spec_prompts[3:])]
     while any(r.status is not RequestStatus.FINISHED for r in greedy_reqs + sampled):
         engine.step()
     assert seen["tree"] and seen["chain"]
-    assert [r.output_token_ids for r in greedy_reqs] == [reference[tuple(p)] for p in tree_prompts[:3]]
+    assert [r.output_token_ids for r in greedy_reqs] == [reference[tuple(p)] for p in spec_prompts[:3]]
     assert all(len(r.output_token_ids) == MAX_NEW for r in sampled)
     assert_pool_at_rest(engine)
 
@@ -157,12 +146,12 @@ def _depths(req) -> list[int]:
     return depths[1:]
 
 
-def test_seed_scenario_with_trees_page_16_aborts_and_retracts_leak_nothing(tree_prompts, reference):
+def test_seed_scenario_with_trees_page_16_aborts_and_retracts_leak_nothing(spec_prompts, reference):
     """Pools of 13..17 pages: which step retracts whom depends on the tree shapes, so the scenario runs
     on each, and must retract a request holding tree slots on at least one."""
     retracted_trees = 0
     for num_pages in range(13, 18):
-        retracted_trees += _seed_scenario(tree_prompts * 3, reference, num_pages)  # shared prompts: prefix hits
+        retracted_trees += _seed_scenario(spec_prompts * 3, reference, num_pages)  # shared prompts: prefix hits
     assert retracted_trees, "no retract of a request holding tree slots on any pool size"
 
 
@@ -245,7 +234,7 @@ def test_a_chain_tree_is_the_chain():
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_tree_verify_replayed_over_the_tree_buffers_gives_the_same_tokens_and_acceptance(tree_prompts, reference,
+def test_tree_verify_replayed_over_the_tree_buffers_gives_the_same_tokens_and_acceptance(spec_prompts, reference,
                                                                                          page_size):
     """What CUDA replays from the tree graphs (`tree_graphs.py`), run over the same static buffers on
     the CPU: full tree verify rows of a batch go through `TreeBuffers` (padding requests included),
@@ -272,7 +261,7 @@ def test_tree_verify_replayed_over_the_tree_buffers_gives_the_same_tokens_and_ac
             return out
         engine.runner.trees.replay = checked
         head_replays = _check_head_levels(engine.speculator, expand)
-        assert _outputs(engine, tree_prompts) == [reference[tuple(p)] for p in tree_prompts]
+        assert _outputs(engine, spec_prompts) == [reference[tuple(p)] for p in spec_prompts]
         assert bool(replayed) == expand and all(n <= bucket for n, bucket in replayed)
         assert any(n < bucket for n, bucket in replayed) == expand  # padding requests rode along
         assert bool(head_replays) == expand and set(head_replays) <= {1, 2}  # levels 1 and 2 of 3

@@ -319,3 +319,35 @@ def test_every_tree_node_scores_what_hf_gives_its_branch(page_size):
         torch.testing.assert_close(logits[r], want, atol=1e-4, rtol=1e-4)
     engine.abort(req.request_id)
     assert_pool_at_rest(engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_disaggregated_trees_are_lossless_from_the_first_decode_step(spec_prompts, reference, page_size):
+    """Prefill worker -> transfer -> decode worker drafting trees: HF's tokens, and each request's
+    first decode step (drafted from the head feature that came in KVComplete) verifies a tree."""
+    from decode_worker.worker import DecodeWorker
+    from kv_store.transfer.local import LocalTransport
+    from prefill_worker.worker import PrefillWorker
+    from tests.step_pair import StepPair
+
+    ours, _, arch = tiny_models()
+    head = tiny_draft_head()
+    config = EngineConfig(page_size=page_size, num_pages=512, chunk_size=16, debug_kv=True, speculative="eagle",
+                          speculative_adaptive=False, speculative_topk=3)
+    clock = lambda: 0.0  # noqa: E731
+    prefill = PrefillWorker(config, ours, arch, LocalTransport(), clock=clock, draft_head=head)
+    decode = DecodeWorker(config, ours, arch, LocalTransport(), host_pages=512, clock=clock, draft_head=head)
+    script_trees(decode.engine, reference, accept=0.7, seed=page_size)
+    first_trees = []
+    draft_arrived = decode.engine.speculator.draft_arrived
+
+    def spy(arrived, *args):
+        draft_arrived(arrived, *args)
+        first_trees.extend(r.draft_parents is not None for r in arrived)
+    decode.engine.speculator.draft_arrived = spy
+    results = StepPair(prefill, decode).generate(spec_prompts, greedy(max_tokens=MAX_NEW))
+    assert [r.token_ids for r in results] == [reference[tuple(p)] for p in spec_prompts]
+    assert first_trees == [True] * len(spec_prompts)
+    assert {0, 3} <= set(decode.engine.speculator.counters.accepted_per_verify)
+    for engine in (prefill.engine, decode.engine):
+        assert_pool_at_rest(engine)

@@ -223,6 +223,8 @@ class EngineConfig:
                 f"speculative_topk must be an integer in [1, 8], got {self.speculative_topk!r}")
         require(_is_int(self.speculative_tree_nodes) and 0 <= self.speculative_tree_nodes <= 64,
                 f"speculative_tree_nodes must be an integer in [0, 64], got {self.speculative_tree_nodes!r}")
+        require(self.speculative_tree_nodes == 0 or self.speculative_topk > 1,
+                f"speculative_tree_nodes {self.speculative_tree_nodes} takes a tree: set speculative_topk > 1")
         require(self.speculative_topk * self.num_draft_tokens <= 64,
                 f"speculative_topk x num_draft_tokens must be at most 64 tree nodes, got "
                 f"{self.speculative_topk} x {self.num_draft_tokens}")

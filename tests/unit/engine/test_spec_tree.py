@@ -202,6 +202,14 @@ def test_topk_is_validated(bad):
         EngineConfig(speculative="eagle", speculative_topk=8, num_draft_tokens=9)
 
 
+@pytest.mark.parametrize("bad", [-1, 65, 2.5])
+def test_tree_nodes_is_validated_and_needs_a_tree(bad):
+    with pytest.raises(ConfigError, match="speculative_tree_nodes"):
+        EngineConfig(speculative="eagle", speculative_tree_nodes=bad, speculative_topk=2)
+    with pytest.raises(ConfigError, match="takes a tree"):
+        EngineConfig(speculative="eagle", speculative_tree_nodes=6)
+
+
 def test_draft_tree_expands_the_best_candidates_and_verifies_the_best_of_all_levels():
     from prefill_worker.engine.draft_tree import DraftTree
 

@@ -179,8 +179,8 @@ class EngineConfig:
     speculative_topk: int = 1
     """Tree drafting: each level keeps the `speculative_topk` likeliest nodes (by the draft's
     cumulative probability) and the target verifies all `speculative_topk * num_draft_tokens` at once
-    under a tree mask; 1 drafts a chain. Greedy requests only (sampled ones draft chains), and the
-    torch or triton attention backend (FlashInfer's tree mask is not wired in), in [1, 8]."""
+    under a tree mask; 1 drafts a chain. Greedy and sampled requests alike; needs the torch or
+    triton attention backend (FlashInfer's tree mask is not wired in), in [1, 8]."""
     speculative_tree_nodes: int = 0
     """Tree drafting: the verify takes this many of the tree's candidates (each expanded node's
     `speculative_topk` likeliest children), the likeliest by cumulative draft probability (EAGLE-2's

@@ -14,11 +14,25 @@ argmax and are lossless token for token. The functions are pure: the randomness 
 arguments (one uniform per draft position, one Exp(1) noise row per emitted-by-sampling position),
 so the engine can derive it statelessly per (seed, output position) like `kernels.sampling`.
 
-Trees (greedy only, `verify_tree_greedy`): the drafts form a tree over the verify row. Row 0 is the
-request's last token, row i + 1 is draft i, and ``parents[i]`` is the row of draft i's parent
-(``parents[i] <= i``; a chain is ``parents[i] == i``). The target scores every row once with a tree
-mask (each row sees the prefix and its own ancestors: `verify_tree_mask`) and RoPE positions by
-depth; verification walks from the root, following the child that equals the target's argmax.
+Trees: the drafts form a tree over the verify row. Row 0 is the request's last token, row i + 1 is
+draft i, and ``parents[i]`` is the row of draft i's parent (``parents[i] <= i``; a chain is
+``parents[i] == i``). The target scores every row once with a tree mask (each row sees the prefix and
+its own ancestors: `verify_tree_mask`) and RoPE positions by depth; verification walks from the root.
+Greedy (`verify_tree_greedy`) follows the child that equals the target's argmax. Sampled
+(`verify_tree_sampled`): a tree's children are chosen, not drawn (the draft's likeliest tokens), so
+each is a draft whose distribution is a point mass, and speculative sampling against a point mass is
+"accept with probability p(d), else draw from p without d". At a row with target distribution p::
+
+    r = p
+    for each child c (token d_c), in order:
+        accept c with probability r(d_c) / sum(r)   -> emit d_c, continue from row c with its own p
+        r(d_c) = 0                                  (rejected: the residual loses d_c)
+    no child accepted: emit one token drawn from r / sum(r), and stop
+
+Child j is emitted with probability p(d_j) (the rejections before it leave exactly that share), any
+other token x with p(x): the row emits a draw from p, and the accepted child's row continues with the
+target's distribution after it, so the emitted run follows the target's joint (SpecInfer's multi-
+draft rule with deterministic drafts).
 """
 
 from __future__ import annotations
@@ -62,14 +76,20 @@ def verify_tree_mask(parents: list[int] | tuple[int, ...]) -> TreeMask:
     return TreeMask(ancestor_mask(window, list(range(len(window)))), tuple(row_depths(parents)))
 
 
+def _children(parents: list[int] | tuple[int, ...]) -> dict[int, list[int]]:
+    """Each tree row's child rows, in row order."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i + 1)
+    return children
+
+
 def verify_tree_greedy(target_argmax: list[int], draft_tokens: list[int],
                        parents: list[int] | tuple[int, ...]) -> tuple[list[int], list[int]]:
     """(tokens emitted, rows of the accepted drafts in order): from row 0, emit the target's argmax
     and move to the child holding it, until no child does. ``target_argmax``: one id per row."""
     assert len(target_argmax) == len(draft_tokens) + 1 == len(parents) + 1, "one target row per tree row"
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(parents):
-        children.setdefault(parent, []).append(i + 1)
+    children = _children(parents)
     out, path, row = [], [], 0
     while True:
         want = target_argmax[row]
@@ -78,6 +98,34 @@ def verify_tree_greedy(target_argmax: list[int], draft_tokens: list[int],
         if row < 0:
             return out, path
         path.append(row)
+
+
+def verify_tree_sampled(target_probs: torch.Tensor, draft_tokens: list[int], parents: list[int] | tuple[int, ...],
+                        uniforms: torch.Tensor, noise: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(tokens emitted, rows of the accepted drafts in order) by the multi-draft rule of the module
+    docstring. target_probs [n + 1, V] float32: the target's (filtered) distribution at every tree
+    row; draft_tokens, parents: the n drafts (chosen, not drawn); uniforms [n] in [0, 1): one per
+    draft, used when it is tested; noise [n + 1, V] Exp(1): row r's for the draw that ends at row r."""
+    n = len(draft_tokens)
+    assert target_probs.shape[0] == n + 1 == len(parents) + 1, "one target row per tree row"
+    children = _children(parents)
+    out, path, row = [], [], 0
+    while True:
+        residual, accepted = target_probs[row].clone(), -1
+        for child in children.get(row, ()):
+            token = draft_tokens[child - 1]
+            if uniforms[child - 1].item() * float(residual.sum()) < residual[token].item():
+                accepted = child
+                break
+            residual[token] = 0
+        if accepted < 0:
+            if float(residual.sum()) <= 0:  # the children held all of p's mass, each rejected with ~0 chance
+                residual = target_probs[row]
+            out.append(int((residual / noise[row]).argmax()))
+            return out, path
+        out.append(draft_tokens[accepted - 1])
+        path.append(accepted)
+        row = accepted
 
 
 def verify_greedy(target_argmax: list[int], draft_tokens: list[int]) -> list[int]:

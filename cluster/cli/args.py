@@ -42,7 +42,7 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
                                                     help="draft tokens per step (the tree's depth with --speculative-topk)")),
     "--speculative-topk": ("speculative_topk", dict(type=int, metavar="W",
                                                     help="tree drafting: W nodes per level, W x K verified at once "
-                                                         "(1: a chain; greedy requests)")),
+                                                         "(1: a chain)")),
     "--speculative-tree-nodes": ("speculative_tree_nodes", dict(
         type=int, metavar="N", help="tree drafting: verify the N likeliest candidates (0: W x K)")),
     "--speculative-max-batch": ("speculative_max_batch", dict(type=int, metavar="N",

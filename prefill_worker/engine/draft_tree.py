@@ -4,8 +4,10 @@ EAGLE-2's dynamic tree with width w and depth D. Level 1 is the w likeliest toke
 request's last token. Each level's w *frontier* nodes are expanded by the head: each gets its w
 likeliest children as *candidates*, scored by cumulative draft log-probability, and the w best of
 those become the next frontier. The verify takes the N best candidates of all levels (`select`; a
-child never scores above its parent, so they form a tree). Width 1 is a chain: greedy, or sampled
-(`EagleSpeculator._draw`), every node verified.
+child never scores above its parent, so they form a tree). Greedy and sampled requests grow the
+same trees (sampled ones are verified by the multi-draft rule, `kernels.speculative.
+verify_tree_sampled`, which needs no draft distribution). Width 1 is a chain: greedy, or drawn from
+the head's filtered distribution (`EagleSpeculator._draw`), every node verified.
 
 Slots, for a request whose last token ``t`` sits at position c::
 

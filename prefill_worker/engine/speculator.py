@@ -28,10 +28,12 @@ pages the prefix tree takes, the host tier copies back, or a transfer ships hold
 as good as if the head had run over them alone. (One caveat: the last position of a cached prefix
 was computed with its writer's next token, which a request sharing the prefix may not have.)
 
-Tree drafting (`engine.speculative_topk` w > 1, greedy requests): the drafts are a `DraftTree` of w
-nodes per level (`draft_tree`), the verify row scores all of them under a tree mask, and the accepted
-path's target K/V are moved to the slots right after the last token before the commit, so the
-committed KV is what a chain would have left; the catch-up reads the path's features.
+Tree drafting (`engine.speculative_topk` w > 1): the drafts are a `DraftTree` of w nodes per level
+(`draft_tree`; the head's likeliest tokens, for greedy and sampled requests alike), the verify row
+scores all of them under a tree mask, verification walks the tree (greedy: the target's argmax;
+sampled: the multi-draft rule of `kernels/speculative.py`), and the accepted path's target K/V are
+moved to the slots right after the last token before the commit, so the committed KV is what a chain
+would have left; the catch-up reads the path's features.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from kernels.attention.metadata import build_attn_metadata
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoint
 from kernels.sampling import filtered_probs, row_generator
-from kernels.speculative import row_depths, verify_greedy, verify_sampled, verify_tree_greedy
+from kernels.speculative import (row_depths, verify_greedy, verify_sampled, verify_tree_greedy,
+                                 verify_tree_sampled)
 from kv_store.req_kv import KVManager
 from prefill_worker.engine.draft_tree import DraftTree
 from prefill_worker.engine.request import Request, RequestStatus
@@ -210,20 +213,25 @@ class EagleSpeculator:
         its last token and each draft. The drafts are used up: `req` has none after this."""
         drafts, draft_probs, parents = req.draft_token_ids, req.draft_probs, req.draft_parents
         req.clear_draft()
+        greedy = req.params.greedy
+        if not greedy:
+            p = req.params
+            probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)  # [rows, V]
+            g = row_generator(req.sample_seed, len(req.output_token_ids), logits.device, VERIFY_STREAM)
+            uniforms = torch.rand(len(drafts), generator=g, device=logits.device)
+            noise = torch.empty_like(probs).exponential_(generator=g)
         if parents is not None:
-            out, path = verify_tree_greedy(logits.argmax(dim=-1).tolist(), drafts, parents)
+            if greedy:
+                out, path = verify_tree_greedy(logits.argmax(dim=-1).tolist(), drafts, parents)
+            else:
+                out, path = verify_tree_sampled(probs, drafts, parents, uniforms, noise)
             self._move_path(req, path)
             self._paths[req.request_id] = [0, *path]
             self.counters.count(max(row_depths(parents)), len(out) - 1)
             return out
-        if req.params.greedy:
+        if greedy:
             out = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
         else:
-            p = req.params
-            probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)  # [k + 1, V]
-            g = row_generator(req.sample_seed, len(req.output_token_ids), logits.device, VERIFY_STREAM)
-            uniforms = torch.rand(len(drafts), generator=g, device=logits.device)
-            noise = torch.empty_like(probs).exponential_(generator=g)
             out = verify_sampled(probs, draft_probs, drafts, uniforms, noise)
         self.counters.count(len(drafts), len(out) - 1)
         return out
@@ -276,11 +284,11 @@ class EagleSpeculator:
             self.policy.end_step(rows, tokens, self.counters.verifies > verifies_before)
 
     def _draft(self, running: list[Request], kvm: KVManager, max_request_tokens: int) -> None:
-        """Grow every request's `DraftTree` (width `topk` for greedy requests, else a chain) one level
-        per head call; the slots for the verify (and the head rows) are allocated first."""
+        """Grow every request's `DraftTree` (width `topk`; 1 is a chain) one level per head call; the
+        slots for the verify (and the head rows) are allocated first."""
         trees: dict[Request, DraftTree] = {}
         for req in running:
-            depth, width = self._chain_length(req, max_request_tokens), self.topk if req.params.greedy else 1
+            depth, width = self._chain_length(req, max_request_tokens), self.topk
             kv = req.kv
             slots = depth * width if width == 1 else max(depth * width, self._num_nodes(depth))
             if depth and req.request_id in self._last and kvm.try_allocate(
@@ -308,7 +316,7 @@ class EagleSpeculator:
             d += 1
         for req, tree in trees.items():
             req.draft_token_ids, req.draft_parents = tree.select(self._num_nodes(tree.depth))
-            req.draft_probs = None if req.params.greedy else torch.stack(tree.probs)
+            req.draft_probs = torch.stack(tree.probs) if tree.probs else None  # sampled chains
 
     def _num_nodes(self, depth: int) -> int:
         """Nodes a tree of `depth` levels verifies: `tree_nodes`, or topk per level."""

@@ -4,7 +4,8 @@ Lossless: greedy output equals the non-speculative engine's and HF transformers'
 token, for both head layouts, page sizes 1 and 16, random and scripted drafts (the scripted ones
 are the true continuation, corrupted at random, so verify rows accept partially: every accepted
 run length occurs). Sampled output follows the target's distribution (chi-squared on 10,000
-requests, exact reference from HF), and an accept-everything verifier fails the same test. The seed
+requests, exact reference from HF), and an accept-everything verifier fails the same test; so does
+sampled tree drafting (multi-draft rule), which a rule keeping rejected siblings fails. The seed
 scenario: many speculative rounds at page size 16 with partial acceptance, aborts between draft and
 verify, and retraction of requests holding draft slots, with integrity checked after every step and
 no page leaked at the end.
@@ -22,6 +23,7 @@ import torch
 from cluster.config import SamplingParams
 from kernels.model.eagle import DraftStyle
 from kernels.sampling import filtered_probs
+from prefill_worker.engine import speculator as speculator_module
 from prefill_worker.engine.request import RequestStatus
 from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_prompts, make_spec_engine, \
     tiny_draft_head, tiny_models
@@ -260,6 +262,91 @@ def test_sampled_speculation_follows_the_targets_distribution_and_a_biased_verif
     biased.speculator.verify = lambda req, logits: list(req.draft_token_ids) + [int(logits[-1].argmax())]
     stat, dof = _chi2(_sample_triples(biased, prompt, NUM_SAMPLES // 3), prompt, cache)
     assert stat > 5 * _critical(dof)
+
+
+def _script_sampled_trees(engine, cache: dict, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Tree nodes like a good head's: the real head grows the tree (its K/V and features are real),
+    then each parent's new children get its context's likeliest target tokens in order, each one
+    replaced by a token the target cannot produce one time in four, so children are accepted,
+    rejected, and accepted after a rejected sibling. Returns a list that collects each verify's
+    (parents, path)."""
+    rng = random.Random(seed)
+    speculator = engine.speculator
+    grow = speculator._grow
+
+    def scripted(reqs, trees, logits, starts, d):
+        sizes = {r: len(trees[r].tokens) for r in reqs}
+        parent_rows = grow(reqs, trees, logits, starts, d)
+        for req in reqs:
+            tree, siblings = trees[req], {}
+            for n in range(sizes[req], len(tree.tokens)):
+                siblings.setdefault(tree.parents[n], []).append(n)
+            for parent, kids in siblings.items():
+                p = _target_probs(tuple(req.all_token_ids) + _branch(tree, parent), cache)
+                likeliest, impossible = p.argsort(descending=True).tolist(), (p == 0).nonzero().flatten().tolist()
+                for j, n in enumerate(kids):
+                    tree.tokens[n] = likeliest[j] if rng.random() < 0.75 else impossible[j]
+        return parent_rows
+
+    speculator._grow = scripted
+    seen = []
+    verify_tree_sampled = speculator_module.verify_tree_sampled
+
+    def spy(probs, drafts, parents, uniforms, noise):
+        out, path = verify_tree_sampled(probs, drafts, parents, uniforms, noise)
+        seen.append((list(parents), path))
+        return out, path
+    speculator_module.verify_tree_sampled = spy
+    return seen
+
+
+def _branch(tree, node: int) -> tuple[int, ...]:
+    """The tokens from the tree's root down to `node` (-1: none)."""
+    tokens = []
+    while node >= 0:
+        tokens.append(tree.tokens[node])
+        node = tree.parents[node]
+    return tuple(reversed(tokens))
+
+
+def test_sampled_trees_follow_the_targets_distribution_and_a_rule_keeping_rejected_siblings_fails(monkeypatch):
+    monkeypatch.setattr(speculator_module, "verify_tree_sampled", speculator_module.verify_tree_sampled)
+    prompt, cache = [5, 17, 33, 8, 90], {}
+    engine = make_spec_engine(num_pages=1024, chunk_size=512, max_running_requests=64, speculative_max_batch=64,
+                              speculative_topk=2, debug_kv=False)
+    seen = _script_sampled_trees(engine, cache)
+    counts = _sample_triples(engine, prompt, NUM_SAMPLES)
+    stat, dof = _chi2(counts, prompt, cache)
+    c = engine.speculator.counters
+    assert c.accepted_per_verify[0] and c.accepted_per_verify[2], "need both rejections and full acceptance"
+    after_a_rejected_sibling = [path for parents, path in seen
+                                if path and any(p == 0 and i + 1 < path[0] for i, p in enumerate(parents))]
+    assert len(after_a_rejected_sibling) > NUM_SAMPLES // 20
+    assert stat < _critical(dof), f"chi2 {stat:.1f} > {_critical(dof):.1f} ({dof} dof)"
+
+    def keeps_rejected_siblings(probs, drafts, parents, uniforms, noise):
+        """Biased: each child accepted with its own p(d), as if it were the only one."""
+        out, path, row = [], [], 0
+        while True:
+            child = next((i + 1 for i, p in enumerate(parents)
+                          if p == row and uniforms[i] < probs[row, drafts[i]]), 0)
+            if not child:
+                return out + [int((probs[row] / noise[row]).argmax())], path
+            out, path, row = out + [drafts[child - 1]], path + [child], child
+
+    biased = make_spec_engine(num_pages=1024, chunk_size=512, max_running_requests=64, speculative_max_batch=64,
+                              speculative_topk=2, debug_kv=False)
+    _script_sampled_trees(biased, cache)
+    speculator_module.verify_tree_sampled = keeps_rejected_siblings
+    # its bias is in the first verified token (the second one): the joint's 60-odd cells dilute it at this size
+    pairs = Counter(triple[:2] for triple in _sample_triples(biased, prompt, NUM_SAMPLES // 5).elements())
+    p0, n, stat, cells = _target_probs(tuple(prompt), cache), sum(pairs.values()), 0.0, 0
+    for a in p0.nonzero().flatten().tolist():
+        p1 = _target_probs((*prompt, a), cache)
+        for b in p1.nonzero().flatten().tolist():
+            expected = float(p0[a] * p1[b]) * n
+            stat, cells = stat + (pairs[(a, b)] - expected) ** 2 / expected, cells + 1
+    assert stat > 5 * _critical(cells - 1)
 
 
 def test_acceptance_reaches_metrics_per_verify_and_per_draft_position(spec_prompts, reference):

@@ -214,27 +214,34 @@ class EagleSpeculator:
         drafts, draft_probs, parents = req.draft_token_ids, req.draft_probs, req.draft_parents
         req.clear_draft()
         greedy = req.params.greedy
-        if not greedy:
-            p = req.params
-            probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)  # [rows, V]
-            g = row_generator(req.sample_seed, len(req.output_token_ids), logits.device, VERIFY_STREAM)
-            uniforms = torch.rand(len(drafts), generator=g, device=logits.device)
-            noise = torch.empty_like(probs).exponential_(generator=g)
-        if parents is not None:
+        if parents is None:
             if greedy:
-                out, path = verify_tree_greedy(logits.argmax(dim=-1).tolist(), drafts, parents)
+                out = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
             else:
-                out, path = verify_tree_sampled(probs, drafts, parents, uniforms, noise)
-            self._move_path(req, path)
-            self._paths[req.request_id] = [0, *path]
-            self.counters.count(max(row_depths(parents)), len(out) - 1)
+                probs, uniforms, noise = self._verify_draws(req, logits, len(drafts))
+                out = verify_sampled(probs, draft_probs, drafts, uniforms, noise)
+            self.counters.count(len(drafts), len(out) - 1)
             return out
         if greedy:
-            out = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
+            out, path = verify_tree_greedy(logits.argmax(dim=-1).tolist(), drafts, parents)
         else:
-            out = verify_sampled(probs, draft_probs, drafts, uniforms, noise)
-        self.counters.count(len(drafts), len(out) - 1)
+            probs, uniforms, noise = self._verify_draws(req, logits, len(drafts))
+            out, path = verify_tree_sampled(probs, drafts, parents, uniforms, noise)
+        self._move_path(req, path)
+        self._paths[req.request_id] = [0, *path]
+        self.counters.count(max(row_depths(parents)), len(out) - 1)
         return out
+
+    @staticmethod
+    def _verify_draws(req: Request, logits: torch.Tensor,
+                      num_drafts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A sampled request's verification inputs: (the target's filtered probs [rows, V], one uniform
+        per draft, Exp(1) noise [rows, V]) from its verification stream at its output position."""
+        p = req.params
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
+        g = row_generator(req.sample_seed, len(req.output_token_ids), logits.device, VERIFY_STREAM)
+        uniforms = torch.rand(num_drafts, generator=g, device=logits.device)
+        return probs, uniforms, torch.empty_like(probs).exponential_(generator=g)
 
     def _move_path(self, req: Request, path: list[int]) -> None:
         """Move the target K/V of the accepted tree rows `path` to the slots right after the last token

@@ -140,7 +140,17 @@ def summarize(runs: list[SpecRun], config: EngineConfig) -> dict:
                 by_batch[batch] |= _speculative(mode, others, plain_tps, f"{mode}_")
     return {"model": config.model, "device": config.device, "dtype": config.dtype, "draft_model": config.draft_model,
             "num_draft_tokens": config.num_draft_tokens, "speculative_topk": config.speculative_topk,
-            "batches": by_batch}
+            "speculative_tree_nodes": config.speculative_tree_nodes, "batches": by_batch}
+
+
+def mode_config(config: EngineConfig, mode: str, batch: int) -> EngineConfig:
+    """`config` for one timed system: `plain` (no speculation), `eagle` (as configured, always
+    drafting), `chain` (the same depth, one node per level) or `adaptive`, at most `batch` running."""
+    tree = mode != "chain"
+    return dataclasses.replace(config, max_running_requests=batch, speculative="none" if mode == "plain" else "eagle",
+                               speculative_adaptive=mode == "adaptive",
+                               speculative_topk=config.speculative_topk if tree else 1,
+                               speculative_tree_nodes=config.speculative_tree_nodes if tree else 0)
 
 
 def _speculative(mode: str, runs: list[SpecRun], plain_tps: float, prefix: str) -> dict:
@@ -163,7 +173,8 @@ def _sum_pairs(groups) -> dict[int, int]:
 
 
 def print_summary(s: dict) -> None:
-    tree = f", trees of {s['speculative_topk']} per level" if s["speculative_topk"] > 1 else ""
+    nodes = s["speculative_tree_nodes"] or s["speculative_topk"] * s["num_draft_tokens"]
+    tree = f", trees of {s['speculative_topk']} per level, {nodes} verified" if s["speculative_topk"] > 1 else ""
     print(f"{s['model']} {s['device']} {s['dtype']}, k = {s['num_draft_tokens']}{tree}, head {s['draft_model']}")
     print(f"{'batch':>5} {'plain tok/s':>12} {'eagle tok/s':>12} {'speedup':>8} {'accept len':>10} "
           f"{'per position':>24} {'same tokens':>11}")
@@ -196,10 +207,7 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
     def make_engine(mode: str, batch: int):
-        run_config = dataclasses.replace(config, max_running_requests=batch, host_cache_ratio=2.0 if args.load_back else 0.0,
-                                         speculative="none" if mode == "plain" else "eagle",
-                                         speculative_adaptive=mode == "adaptive",
-                                         speculative_topk=1 if mode == "chain" else config.speculative_topk)
+        run_config = dataclasses.replace(mode_config(config, mode, batch), host_cache_ratio=2.0 if args.load_back else 0.0)
         return EngineCore(run_config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
                           draft_head=None if mode == "plain" else head)
 

@@ -6,23 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from cluster.bench.spec_decode import measure, summarize
+from cluster.bench.spec_decode import measure, mode_config, summarize
 from cluster.config import EngineConfig, SamplingParams
 from prefill_worker.engine import EngineCore
 from tests.helpers import make_prompts, tiny_draft_head, tiny_models
 
 
-def _factory(topk: int = 1):
+def _factory(topk: int = 1, tree_nodes: int = 0):
     ours, _, arch = tiny_models()
     head = tiny_draft_head()
     base = EngineConfig(page_size=4, num_pages=256, host_cache_ratio=0.0, speculative_max_batch=8,
-                        speculative_adaptive=False, speculative_topk=topk)
+                        speculative_adaptive=False, speculative_topk=topk, speculative_tree_nodes=tree_nodes)
 
     def make_engine(mode: str, batch: int):
-        config = dataclasses.replace(base, max_running_requests=batch, speculative="none" if mode == "plain" else "eagle",
-                                     speculative_adaptive=mode == "adaptive",
-                                     speculative_topk=1 if mode == "chain" else topk)
-        return EngineCore(config, ours, arch, draft_head=None if mode == "plain" else head)
+        return EngineCore(mode_config(base, mode, batch), ours, arch, draft_head=None if mode == "plain" else head)
     return base, make_engine
 
 
@@ -57,12 +54,12 @@ def test_the_adaptive_engine_is_timed_beside_and_must_agree():
 
 
 def test_a_tree_is_timed_beside_a_chain_of_the_same_depth():
-    base, make_engine = _factory(topk=3)
+    base, make_engine = _factory(topk=3, tree_nodes=5)
     prompts, params = make_prompts(3, seed=9), SamplingParams(max_tokens=12)
     runs = [measure(make_engine, prompts, params, 1, mode) for mode in ("plain", "eagle", "chain")]
     summary = summarize(runs, base)
     b = summary["batches"][1]
-    assert summary["speculative_topk"] == 3 and b["identical_outputs"]
+    assert summary["speculative_topk"] == 3 and summary["speculative_tree_nodes"] == 5 and b["identical_outputs"]
     assert b["verifies"] == runs[1].verifies > 0 and b["chain_verifies"] == runs[2].verifies > 0
     assert b["chain_speedup"] == b["chain_tok_per_s"] / b["plain_tok_per_s"]
     assert set(b["acceptance_rate_per_position"]) <= set(b["chain_acceptance_rate_per_position"]) == {1, 2, 3}

@@ -150,6 +150,11 @@ class EngineConfig:
     from inductor's cache under ~/.cache/tandem/inductor). SmolLM2 fp32 batch 1 on 2 cores: 24.5 vs
     37.5 ms a step, same greedy tokens; bigger buckets measured slower compiled, so they stay eager.
     Off by default: the start-up cost."""
+    cpu_prepack: bool = True
+    """CPU, float32: keep every linear weight in MKL's packed GEMM layout too
+    (`kernels/model/packed_linear.py`), about as much memory again as the weights; few-row matmuls
+    (decode batches, speculative verifies) then skip re-packing the weight on every call.
+    `--no-cpu-prepack` turns it off; a torch without MKL ignores it."""
     enable_prefix_cache: bool = True
     host_cache_ratio: float = 2.0
     """L2: host-memory KV pages, as a multiple of the device pool's (`num_pages`); 0 turns the host

@@ -33,6 +33,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
     "--cpu-compile": ("cpu_compile", dict(action="store_const", const=True,
                                           help="CPU: run single-request decode steps through torch.compile "
                                                "(compiled once at start-up)")),
+    "--no-cpu-prepack": ("cpu_prepack", dict(action="store_const", const=False,
+                                             help="CPU: do not keep weights in MKL's packed GEMM layout too")),
     "--speculative": ("speculative", dict(choices=SPECULATIVE_METHODS,
                                           help="speculative decoding: eagle drafts tokens with an EAGLE head, "
                                                "the model verifies them (same output)")),

@@ -4,12 +4,24 @@ Why transposed: on CPU, `x @ weight_t` runs 2-5x faster than `F.linear(x, weight
 few-row matmuls of decode (4-16 rows: MKL's path for a transposed right operand is slow there),
 and is no slower for prefill; on CUDA both layouts run at the same speed. Packing q/k/v and
 gate/up into one matmul halves the number of weight passes per layer.
+
+On a CPU with MKL, `prepack_cpu` goes one step further for inference: each weight is also stored in
+MKL's packed GEMM layout (`cblas_sgemm_pack`), so a matmul no longer re-packs the weight on every
+call. That is most of the cost of the few-row matmuls of a verify or a small decode batch. One
+row stays a plain matmul (MKL's vector path, no faster packed). The packed copy serves any row
+count (the layout does not depend on it), holds about as much memory as the weight, and is dropped as soon as the weight is
+replaced or changed in place (training), so it can never serve stale weights.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
+
+_CPU_PACK_ROWS_HINT = 8
+"""Row count MKL is told when packing; the layout it gives serves every row count (checked at pack)."""
 
 
 class PackedLinear(nn.Module):
@@ -23,12 +35,48 @@ class PackedLinear(nn.Module):
         self.out_features = tuple(out_features)
         self.weight_t = nn.Parameter(torch.empty(in_features, sum(out_features)))
         self.bias = nn.Parameter(torch.zeros(sum(out_features))) if bias else None
+        self._cpu_packed: tuple[torch.Tensor, tuple] | None = None  # (packed copy, (weight ref, its state))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in_features] -> [T, sum(out_features)]; `split` cuts it into the parts."""
+        packed = self._cpu_packed
+        if packed is not None and x.dim() == 2 and x.shape[0] > 1 and not torch.is_grad_enabled() and \
+                not torch.compiler.is_compiling():
+            if self.is_prepacked:
+                return torch.ops.mkl._mkl_linear(x, packed[0], self.weight_t.t(), self.bias, x.shape[0])
+            self._cpu_packed = None  # the weight changed since it was packed
         if self.bias is None:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed copy behind (it is of this module's weight)."""
+        return {**super().__getstate__(), "_cpu_packed": None}
+
+    @property
+    def is_prepacked(self) -> bool:
+        """Whether forward takes the packed copy (it exists and is of the current weight)."""
+        if self._cpu_packed is None:
+            return False
+        of, state = self._cpu_packed[1]
+        return of() is self.weight_t and state == self._weight_state()
+
+    def _weight_state(self) -> tuple:
+        """What changes with the weight's values: its storage and in-place version (a `.data` swap
+        such as `.half()`, or an optimizer step, each change one)."""
+        w = self.weight_t
+        return w.data_ptr(), w._version, w.dtype, w.device
+    def prepack_cpu(self) -> bool:
+        """Store the weight in MKL's packed layout too (see the module docstring); False where that
+        does not apply: not a float32 CPU weight, or a torch without MKL's packed GEMM."""
+        weight_t = self.weight_t
+        if weight_t.device.type != "cpu" or weight_t.dtype != torch.float32 or not cpu_packing_available():
+            return False
+        if not self.is_prepacked:
+            with torch.no_grad():
+                packed = torch.ops.mkl._mkl_reorder_linear_weight(weight_t.t().contiguous(), _CPU_PACK_ROWS_HINT)
+            self._cpu_packed = (packed, (weakref.ref(weight_t), self._weight_state()))
+        return True
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.out_features, dim=-1)
@@ -48,3 +96,38 @@ class PackedLinear(nn.Module):
         if biases is not None:
             packed["bias"] = torch.cat(biases, 0).to(device=device, dtype=dtype)
         return packed
+
+
+def prepack_cpu(module: nn.Module) -> int:
+    """`PackedLinear.prepack_cpu` on every PackedLinear in `module`; how many were packed."""
+    return sum(m.prepack_cpu() for m in module.modules() if isinstance(m, PackedLinear))
+
+
+_cpu_packing: bool | None = None
+
+
+def cpu_packing_available() -> bool:
+    """Whether this torch has MKL's packed GEMM and it gives x @ w for row counts other than the
+    one it was packed for (checked once, against a plain matmul in float64)."""
+    global _cpu_packing
+    if _cpu_packing is None:
+        _cpu_packing = _probe_cpu_packing()
+    return _cpu_packing
+
+
+def _probe_cpu_packing() -> bool:
+    if not torch.backends.mkl.is_available() or not hasattr(torch.ops.mkl, "_mkl_linear"):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 80, generator=gen)  # [out, in]
+    try:
+        with torch.no_grad():
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _CPU_PACK_ROWS_HINT)
+            for rows in (1, 3, _CPU_PACK_ROWS_HINT, 37):
+                x = torch.randn(rows, 80, generator=gen)
+                got = torch.ops.mkl._mkl_linear(x, packed, weight, None, rows).double()
+                if not torch.allclose(got, x.double() @ weight.double().t(), rtol=1e-4, atol=1e-4):
+                    return False
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True

@@ -28,6 +28,7 @@ from cluster.config import EngineConfig, SamplingParams
 from cluster.faults import FAILURE_INTERNAL, internal_error
 from cluster.protocol import GraphStats, SpecStats, TierStats, WorkerStats
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
+from kernels.model.packed_linear import prepack_cpu
 from kv_store.device_pool import DevicePool
 from kv_store.l3.config import L3Config
 from kv_store.page_pool import PagePool
@@ -96,6 +97,10 @@ class EngineCore:
         if config.speculative != "none" and draft_head is None:
             draft_head = load_draft_head(config, model, arch)
         self.speculator = make_speculator(config, draft_head, self.device)
+        if config.cpu_prepack and self.device.type == "cpu":
+            for module in (model, draft_head):
+                if module is not None:
+                    prepack_cpu(module)
         num_layers = arch.num_layers + self.speculator.num_kv_layers  # the draft head's KV: the last layer
         layout = kv_layout(num_layers, config.page_size, arch.num_kv_heads, arch.head_dim, config.dtype)
         self.config = config.resolve(layout.page_bytes, arch.max_position_embeddings)

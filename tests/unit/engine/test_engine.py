@@ -1,9 +1,13 @@
 """The colocated engine on the seeded tiny Llama, checked against HF transformers' generate."""
 
+import copy
+
 import pytest
 
 import prefill_worker.engine.core as core_mod
-from cluster.config import ConfigError, SamplingParams
+from cluster.config import ConfigError, EngineConfig, SamplingParams
+from kernels.model.packed_linear import PackedLinear
+from prefill_worker.engine import EngineCore
 from prefill_worker.engine.request import FinishReason
 from tests.helpers import TINY_EOS, assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, tiny_models
 
@@ -14,6 +18,21 @@ def test_batched_greedy_matches_hf(prompts, hf_outputs, page_size, chunk_size):
     out = engine.generate(prompts, greedy(max_tokens=24))
     assert [r.output_token_ids for r in out] == hf_outputs
     assert all(r.finish_reason is FinishReason.LENGTH for r in out)
+    assert_pool_at_rest(engine)
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+def test_cpu_engine_packs_weights_for_mkl_unless_told_not_to_and_output_is_hf(prompts, hf_outputs, prepack):
+    """A fresh copy of the model: the engine packs every linear (batched decode rows then take MKL's
+    packed GEMM) and the output is still HF's; `cpu_prepack=False` leaves the weights alone."""
+    ours, _, arch = tiny_models()
+    model = copy.deepcopy(ours)  # copies leave any packed copy behind
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert linears and not any(m.is_prepacked for m in linears)
+    engine = EngineCore(EngineConfig(page_size=4, num_pages=1024, debug_kv=True, cpu_prepack=prepack), model, arch)
+    assert all(m.is_prepacked == prepack for m in linears)
+    out = engine.generate(prompts, greedy(max_tokens=24))
+    assert [r.output_token_ids for r in out] == hf_outputs
     assert_pool_at_rest(engine)
 
 

@@ -215,3 +215,18 @@ def test_cached_prefix_extend_memory_stays_linear_in_context():
     assert len(flash_calls) == 1 + prefix_len // chunk, "one causal call for the new tokens, one per chunk"
     expected = reference(case, 0.125, last_rows=8)  # the last rows see every position; all would be slow
     torch.testing.assert_close(out[-8:].double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@GQA
+@PAGE_SIZES
+@DTYPES
+def test_short_extends_are_one_masked_flash_call_each(heads, kv_heads, page_size, dtype):
+    """Verify-sized extends over short sequences (around a decode row) take the one-call path: one
+    masked flash call per sequence and layer, no merge, and the reference's output."""
+    q_lens, prefix_lens = [4, 1, 7, 2, 32], [30, 12, 1, 47, 9]
+    case = make_case(q_lens, prefix_lens, page_size, heads, kv_heads, dtype, seed=11 * page_size + heads)
+    assert_matches_reference(case, TorchAttentionBackend())
+    _, recorder = recorded_attention(TorchAttentionBackend(), case, 0.125)
+    flash_calls = [op for op, _ in recorder.calls if op == FLASH_OP]
+    assert len(flash_calls) == 4 + 1, f"{len(flash_calls)} flash calls for 4 short extends and the decode row"
+    assert not {op for op in recorder.ops() if "sigmoid" in op or "logaddexp" in op}, "parts merged: the long path"

@@ -82,12 +82,19 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
     return [Sample(tuple(r.prompt_token_ids) + tuple(r.output_token_ids), len(r.prompt_token_ids)) for r in reqs]
 
 
-@torch.no_grad()
 def aux_states(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tuple[int, ...],
                tokens_per_pass: int = AUX_TOKENS_PER_PASS) -> list[torch.Tensor]:
     """Per sample, the hidden states entering `aux_layer_ids` at every position: ``[n, 3h]`` float32,
     from ragged prefill passes of whole sequences (`LlamaForCausalLM.forward_with_aux`)."""
-    out: list[torch.Tensor] = []
+    return [aux for aux, _ in target_states(model, samples, aux_layer_ids, tokens_per_pass)]
+
+
+@torch.no_grad()
+def target_states(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tuple[int, ...],
+                  tokens_per_pass: int = AUX_TOKENS_PER_PASS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sample, (aux states ``[n, 3h]``, the target's final-normed hidden ``[n, h]``), float32: the
+    target's logits for token j + 1 are its lm_head of hidden[j] (soft labels, `trainer`)."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
     for group in _groups(samples, tokens_per_pass):
         out += _aux_pass(model, [samples[i] for i in group], aux_layer_ids)
     return out
@@ -105,7 +112,8 @@ def _groups(samples: list[Sample], tokens_per_pass: int) -> list[list[int]]:
     return groups + [current] if current else groups
 
 
-def _aux_pass(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tuple[int, ...]) -> list[torch.Tensor]:
+def _aux_pass(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tuple[int, ...]
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from kernels.attention.metadata import build_attn_metadata
     from kernels.kv_layout import KVCacheTensors
 
@@ -121,5 +129,5 @@ def _aux_pass(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tupl
                                  param.dtype, param.device)
     meta, positions = build_attn_metadata(page_size, lens, lens, page_tables, [], param.device)
     ids = torch.tensor([t for s in samples for t in s.token_ids], dtype=torch.int64, device=param.device)
-    _, _, aux = model.forward_with_aux(ids, positions, meta, kv, aux_layer_ids)
-    return [part.float().cpu() for part in aux.split(lens)]
+    hidden, _, aux = model.forward_with_aux(ids, positions, meta, kv, aux_layer_ids)
+    return [(a.float().cpu(), h.float().cpu()) for a, h in zip(aux.split(lens), hidden.split(lens))]

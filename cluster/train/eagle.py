@@ -3,8 +3,9 @@ on CPU, into the cache (`cluster.train.settings` has the layout) or an explicit 
 
     1. the target answers the shipped training and evaluation prompts (colocated engine, greedy)
     2. the draft vocabulary: the most frequent answer tokens (`vocab`)
-    3. the target's aux hidden states over prompt + answer (`data.aux_states`)
-    4. training with 3 unrolled draft steps (`unroll`, `trainer`), resumable from the work dir
+    3. the target's aux hidden states over prompt + answer, and its final ones (`data.target_states`)
+    4. training with 3 unrolled draft steps (`unroll`, `trainer`) against the target's distribution
+       over the draft vocabulary (soft labels), resumable from the work dir
     5. greedy chain acceptance at k = 3 on the held-out answers (`evaluate`), saved as eval.json
     6. the head in the published EAGLE-3 format (`checkpoint`), then the completion marker
 """
@@ -63,7 +64,7 @@ def train_eagle(settings: TrainSettings, cache_root: Path | None = None, output:
 def _build(settings: TrainSettings, cache_root: Path | None, checkpoint_every: int, work: Path, out: Path,
            device: str) -> None:
     from cluster.train.checkpoint import STATE_FILE, new_head, write_published
-    from cluster.train.data import aux_states
+    from cluster.train.data import aux_states, target_states
     from cluster.train.evaluate import chain_acceptance
     from cluster.train.trainer import make_example, train_head
     from cluster.train.vocab import most_frequent
@@ -80,10 +81,12 @@ def _build(settings: TrainSettings, cache_root: Path | None, checkpoint_every: i
     aux_ids = head.arch.aux_layer_ids
     log.info("aux hidden states (layers %s) of %d training sequences", aux_ids, len(train_samples))
     t2d = vocab.t2d()
-    train_aux = aux_states(target.model, train_samples, aux_ids)
-    examples = [make_example(s, a, t2d) for s, a in zip(train_samples, train_aux)]
-    train_head(head, examples, settings, work / STATE_FILE, checkpoint_every)
-    del examples, train_aux
+    train_states = target_states(target.model, train_samples, aux_ids)
+    examples = [make_example(s, a, t2d, h if settings.soft_labels else None) for s, (a, h) in zip(train_samples, train_states)]
+    del train_states
+    target_head = target.model.lm_head.weight_t.detach()[:, vocab.target_ids.to(device)].float().clone()
+    train_head(head, examples, settings, work / STATE_FILE, checkpoint_every, target_head=target_head)
+    del examples
     acceptance = chain_acceptance(head, eval_samples, aux_states(target.model, eval_samples, aux_ids), vocab,
                                   NUM_DRAFTS)
     log.info("held-out: %s", acceptance.summary())

@@ -54,6 +54,10 @@ class TrainSettings:
     """AdamW peak learning rate: linear warm-up over the first 5% of steps, cosine down to 5% of it."""
     step_decay: float = 0.8
     """Loss weight of unrolled step s is step_decay ** s."""
+    soft_labels: bool = True
+    """Train against the target's whole distribution over the draft vocabulary at each position (its
+    softmax, EAGLE-3's loss) instead of only its greedy token: more signal per position, which is
+    what a head trained on a few hundred answers lacks. False: cross-entropy on the greedy tokens."""
     seed: int = 0
 
     def __post_init__(self):

@@ -42,21 +42,25 @@ class Example:
     input_ids: torch.Tensor  # [m] int64, m = n - 1
     aux: torch.Tensor  # [m, 3h] float32
     labels: torch.Tensor  # [m] int64
+    target_hidden: torch.Tensor | None = None
+    """[m, h] float32: row i's target final hidden at position i + 1, whose logits are the target's
+    distribution over t[i+2] (soft labels); None: hard labels only."""
 
     @property
     def length(self) -> int:
         return len(self.input_ids)
 
 
-def make_example(sample: Sample, aux: torch.Tensor, t2d: torch.Tensor) -> Example:
+def make_example(sample: Sample, aux: torch.Tensor, t2d: torch.Tensor, hidden: torch.Tensor | None = None) -> Example:
     """Rows of `sample` (tokens t, aux a ``[n, 3h]``, prompt length P); labelled from row P-1 on,
-    the first a speculative round uses (the target itself samples t[P], the first answer token)."""
+    the first a speculative round uses (the target itself samples t[P], the first answer token).
+    `hidden`: the target's final hidden ``[n, h]`` (`data.target_states`), for soft labels."""
     tokens = torch.tensor(sample.token_ids, dtype=torch.int64)
     input_ids, row_aux = draft_rows(tokens, aux)
     labels = torch.full_like(input_ids, IGNORE)
     first = sample.prompt_len - 1  # row P-1 predicts t[P+1]
     labels[first:len(tokens) - 2] = t2d[tokens[first + 2:]]
-    return Example(input_ids, row_aux, labels)
+    return Example(input_ids, row_aux, labels, None if hidden is None else hidden[1:])
 
 
 def pad_batch(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,6 +72,15 @@ def pad_batch(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torc
     for b, e in enumerate(examples):
         ids[b, :e.length], aux[b, :e.length], labels[b, :e.length] = e.input_ids, e.aux, e.labels
     return ids, aux, labels
+
+
+def pad_hidden(examples: list[Example]) -> torch.Tensor:
+    """The examples' target hidden states ``[B, L, h]`` (zeros past each end), as `pad_batch` pads."""
+    length = max(e.length for e in examples)
+    out = torch.zeros(len(examples), length, examples[0].target_hidden.shape[1])
+    for b, e in enumerate(examples):
+        out[b, :e.length] = e.target_hidden
+    return out
 
 
 def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -97,9 +110,10 @@ def lr_at(step: int, total_steps: int, peak: float) -> float:
 
 
 def unrolled_loss(head: EagleDraftHead, ids: torch.Tensor, aux: torch.Tensor, labels: torch.Tensor,
-                  num_steps: int, step_decay: float) -> tuple[torch.Tensor, list[float]]:
+                  num_steps: int, step_decay: float, soft: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Sum over steps s of step_decay**s x the mean cross-entropy of step s's valid rows (i >= s,
-    labelled); also each step's top-1 accuracy over those rows."""
+    labelled) against the labels, or with `soft` (``[B, L, draft_vocab]`` the target's probabilities,
+    `soft_labels`) against those; also each step's top-1 accuracy against the labels."""
     total, accuracies = torch.zeros((), device=ids.device), []
     for s, x in enumerate(unrolled_forward(head, ids, aux, num_steps)):
         step_labels = labels.clone()
@@ -109,7 +123,11 @@ def unrolled_loss(head: EagleDraftHead, ids: torch.Tensor, aux: torch.Tensor, la
             accuracies.append(float("nan"))
             continue
         row_logits = logits(head, x[rows])  # [rows, draft_vocab]
-        total = total + step_decay ** s * F.cross_entropy(row_logits, step_labels[rows])
+        if soft is None:
+            loss = F.cross_entropy(row_logits, step_labels[rows])
+        else:
+            loss = -(soft[rows] * F.log_softmax(row_logits, -1)).sum(-1).mean()
+        total = total + step_decay ** s * loss
         accuracies.append((row_logits.argmax(-1) == step_labels[rows]).float().mean().item())
     return total, accuracies
 
@@ -118,11 +136,22 @@ def make_optimizer(head: EagleDraftHead, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(list(trainable(head).values()), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
+def soft_labels(target_hidden: torch.Tensor, target_head: torch.Tensor) -> torch.Tensor:
+    """The target's distribution over the draft vocabulary: softmax of its logits at the draft
+    tokens, ``[..., h]`` hidden x ``[h, draft_vocab]`` (its lm_head's columns of the draft ids)."""
+    return (target_hidden @ target_head).float().softmax(-1)
+
+
 def train_head(head: EagleDraftHead, examples: list[Example], settings: TrainSettings, state_path: Path,
-               checkpoint_every: int, stop_after: int | None = None) -> list[float]:
+               checkpoint_every: int, stop_after: int | None = None,
+               target_head: torch.Tensor | None = None) -> list[float]:
     """Train `head` in place (resuming from `state_path` when it holds a state); the state is saved
     every `checkpoint_every` steps and at the end. `stop_after`: stop once this many steps are done
-    (an interrupted run, for tests). Returns the loss of each step this call ran."""
+    (an interrupted run, for tests). With `settings.soft_labels`, `target_head` ``[h, draft_vocab]``
+    (the target lm_head's columns of the draft ids) and every example's `target_hidden` give the
+    labels. Returns the loss of each step this call ran."""
+    if settings.soft_labels and (target_head is None or any(e.target_hidden is None for e in examples)):
+        raise ValueError("soft labels need the target's lm_head columns and every example's target hidden states")
     from tqdm import tqdm
 
     optimizer = make_optimizer(head, settings.lr)
@@ -139,7 +168,7 @@ def train_head(head: EagleDraftHead, examples: list[Example], settings: TrainSet
             epoch, index = divmod(step, per_epoch)
             batch = epoch_batches([e.length for e in examples], settings.batch_size, settings.seed, epoch)[index]
             loss, accuracies = _step(head, optimizer, [examples[i] for i in batch], settings,
-                                     lr_at(step, total, settings.lr))
+                                     lr_at(step, total, settings.lr), target_head)
             losses.append(loss)
             bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in accuracies), refresh=False)
             bar.update(1)
@@ -150,12 +179,13 @@ def train_head(head: EagleDraftHead, examples: list[Example], settings: TrainSet
 
 
 def _step(head: EagleDraftHead, optimizer: torch.optim.Optimizer, batch: list[Example], settings: TrainSettings,
-          lr: float) -> tuple[float, list[float]]:
+          lr: float, target_head: torch.Tensor | None) -> tuple[float, list[float]]:
     for group in optimizer.param_groups:
         group["lr"] = lr
     device = head.lm_head.weight_t.device
     ids, aux, labels = (t.to(device) for t in pad_batch(batch))
-    loss, accuracies = unrolled_loss(head, ids, aux, labels, settings.unroll_steps, settings.step_decay)
+    soft = soft_labels(pad_hidden(batch).to(device), target_head) if settings.soft_labels else None
+    loss, accuracies = unrolled_loss(head, ids, aux, labels, settings.unroll_steps, settings.step_decay, soft)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(trainable(head).values()), GRAD_CLIP)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.train.checkpoint import new_head, trainable
-from cluster.train.data import Sample, aux_states, generate
+from cluster.train.data import Sample, aux_states, generate, target_states
 from cluster.train.settings import TrainSettings
 from cluster.train.trainer import make_example
 from cluster.train.vocab import most_frequent
@@ -24,17 +24,32 @@ def tiny_corpus(num_prompts: int = 12, max_new_tokens: int = 20) -> tuple[list[S
     target, _, arch = tiny_models()
     prompts = make_prompts(num_prompts, min_len=3, max_len=24, seed=5, vocab=arch.vocab_size)
     samples = generate(target, arch, (), prompts, max_new_tokens, max_running=8)
-    aux_ids = (1, 1, 0)  # DraftArch.for_target's default for the 2-layer tiny target
-    return samples, aux_states(target, samples, aux_ids, tokens_per_pass=100)
+    return samples, aux_states(target, samples, AUX_IDS, tokens_per_pass=100)
+
+
+AUX_IDS = (1, 1, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_target_hidden(num_prompts: int = 12, max_new_tokens: int = 20) -> list[torch.Tensor]:
+    """The tiny target's final hidden states over each `tiny_corpus` sequence (soft labels)."""
+    samples, _ = tiny_corpus(num_prompts, max_new_tokens)
+    return [hidden for _, hidden in target_states(tiny_models()[0], samples, AUX_IDS, tokens_per_pass=100)]
+
+
+def tiny_target_head(vocab) -> torch.Tensor:
+    """The tiny target's lm_head columns of the draft ids ``[h, draft_vocab]``."""
+    return tiny_models()[0].lm_head.weight_t.detach()[:, vocab.target_ids].clone()
 
 
 def tiny_vocab(samples: list[Sample]):
     return most_frequent([s.answer for s in samples], DRAFT_VOCAB, tiny_models()[2].vocab_size)
 
 
-def tiny_examples(samples, aux, vocab):
+def tiny_examples(samples, aux, vocab, hidden=None):
     t2d = vocab.t2d()
-    return [make_example(s, a, t2d) for s, a in zip(samples, aux)]
+    hidden = hidden or [None] * len(samples)
+    return [make_example(s, a, t2d, h) for s, a, h in zip(samples, aux, hidden)]
 
 
 def random_head(vocab, seed: int = 3):

@@ -9,12 +9,15 @@ import torch
 
 from cluster.train.checkpoint import new_head, trainable, write_published
 from cluster.train.data import Sample
-from cluster.train.trainer import IGNORE, epoch_batches, make_example, pad_batch, train_head, unrolled_loss
+import pytest
+
+from cluster.train.trainer import (IGNORE, epoch_batches, make_example, pad_batch, pad_hidden, soft_labels, train_head,
+                                   unrolled_loss)
 from cluster.train.unroll import logits, unrolled_forward
 from cluster.train.vocab import DraftVocab
 from kernels.model.eagle import load_eagle_checkpoint
 from tests.helpers import tiny_models
-from tests.unit.train.conftest import tiny_corpus, tiny_examples, tiny_vocab
+from tests.unit.train.conftest import tiny_corpus, tiny_examples, tiny_target_head, tiny_target_hidden, tiny_vocab
 
 
 def test_examples_label_answer_tokens_from_the_first_verify_on():
@@ -39,23 +42,56 @@ def test_batches_cover_every_example_once_per_epoch_and_depend_on_seed_and_epoch
     assert batches != epoch_batches(lengths, batch_size=3, seed=1, epoch=0)
 
 
-def _mean_loss(head, examples, settings) -> float:
+def _mean_loss(head, examples, settings, soft=None) -> float:
     with torch.no_grad():
-        loss, _ = unrolled_loss(head, *pad_batch(examples), settings.unroll_steps, settings.step_decay)
+        loss, _ = unrolled_loss(head, *pad_batch(examples), settings.unroll_steps, settings.step_decay, soft)
     return loss.item()
 
 
-def test_training_lowers_the_loss_and_the_published_head_loads_back_identical(settings, tmp_path):
+def test_soft_labels_are_the_targets_distribution_at_the_row_that_predicts_the_label():
+    """The target answered greedily, so at every labelled row its distribution over the draft
+    vocabulary peaks at the label (the hidden state one position after the row's aux)."""
     samples, aux = tiny_corpus()
     vocab = tiny_vocab(samples)
-    examples = tiny_examples(samples, aux, vocab)
+    examples = tiny_examples(samples, aux, vocab, tiny_target_hidden())
+    probs = soft_labels(pad_hidden(examples), tiny_target_head(vocab))  # [B, L, draft_vocab]
+    _, _, labels = pad_batch(examples)
+    rows = labels >= 0
+    assert rows.sum() > 100
+    torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:2]))
+    agree = (probs[rows].argmax(-1) == labels[rows]).float().mean().item()
+    assert agree > 0.97, f"the target's likeliest draft token matches the label at {agree:.0%} of rows: misaligned?"
+
+
+def test_soft_labels_need_the_target_states(settings, tmp_path):
+    samples, aux = tiny_corpus()
+    vocab = tiny_vocab(samples)
+    head = new_head(tiny_models()[0], vocab, settings.seed)
+    with pytest.raises(ValueError, match="soft labels"):
+        train_head(head, tiny_examples(samples, aux, vocab), settings, tmp_path / "state.pt", checkpoint_every=100)
+
+
+@pytest.mark.parametrize("soft", [True, False], ids=["soft", "hard"])
+def test_training_lowers_the_loss_and_the_published_head_loads_back_identical(settings, tmp_path, soft):
+    samples, aux = tiny_corpus()
+    vocab = tiny_vocab(samples)
+    examples = tiny_examples(samples, aux, vocab, tiny_target_hidden() if soft else None)
+    settings = dataclasses.replace(settings, soft_labels=soft)
     target, _, arch = tiny_models()
     head = new_head(target, vocab, settings.seed)
-    before = _mean_loss(head, examples, settings)
-    losses = train_head(head, examples, settings, tmp_path / "state.pt", checkpoint_every=100)
+    probs = soft_labels(pad_hidden(examples), tiny_target_head(vocab)) if soft else None
+    # what the loss cannot go below: the labels' entropy (0 for hard labels), summed like the steps
+    floor = 0.0
+    if soft:
+        _, _, labels = pad_batch(examples)
+        entropy = -(probs * probs.log()).sum(-1)[labels >= 0].mean().item()
+        floor = entropy * sum(settings.step_decay ** s for s in range(settings.unroll_steps))
+    before = _mean_loss(head, examples, settings, probs) - floor
+    losses = train_head(head, examples, settings, tmp_path / "state.pt", checkpoint_every=100,
+                        target_head=tiny_target_head(vocab) if soft else None)
     assert len(losses) == 3 * settings.epochs  # 12 examples, batches of 4
-    after = _mean_loss(head, examples, settings)
-    assert after < 0.8 * before, f"loss {before:.3f} -> {after:.3f}: training did not learn"
+    after = _mean_loss(head, examples, settings, probs) - floor
+    assert after < 0.8 * before, f"loss above its floor {before:.3f} -> {after:.3f}: training did not learn"
 
     out = tmp_path / "head"
     out.mkdir()
@@ -73,18 +109,19 @@ def test_training_lowers_the_loss_and_the_published_head_loads_back_identical(se
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(settings, tmp_path):
     samples, aux = tiny_corpus()
     vocab = tiny_vocab(samples)
-    examples = tiny_examples(samples, aux, vocab)
+    examples = tiny_examples(samples, aux, vocab, tiny_target_hidden())
     target = tiny_models()[0]
+    target_head = tiny_target_head(vocab)
     settings = dataclasses.replace(settings, epochs=2)  # 6 steps; interrupted after 4 (mid-epoch)
 
     straight = new_head(target, vocab, settings.seed)
-    train_head(straight, examples, settings, tmp_path / "straight.pt", checkpoint_every=100)
+    train_head(straight, examples, settings, tmp_path / "straight.pt", checkpoint_every=100, target_head=target_head)
 
     state = tmp_path / "resumed.pt"
     first = train_head(new_head(target, vocab, settings.seed), examples, settings, state, checkpoint_every=2,
-                       stop_after=4)
+                       stop_after=4, target_head=target_head)
     resumed = new_head(target, vocab, settings.seed)  # a new process: fresh weights, then the state
-    rest = train_head(resumed, examples, settings, state, checkpoint_every=2)
+    rest = train_head(resumed, examples, settings, state, checkpoint_every=2, target_head=target_head)
     assert (len(first), len(rest)) == (4, 2)
     for (name, a), b in zip(trainable(straight).items(), trainable(resumed).values()):
         assert torch.equal(a, b), f"{name} differs after resume"

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from cluster.bench import collect_engines
 from cluster.config import EngineConfig, SamplingParams
 from kernels.kv_layout import TORCH_DTYPES
 from prefill_worker.engine.request import RequestStatus
@@ -272,6 +273,7 @@ def compare(models: Models, base: EngineConfig, spec: DecodeSpec, backends: tupl
         prompts = make_prompts(spec, arch.vocab_size)
         for batch in spec.batch_sizes:
             for mode in modes:
+                collect_engines()
                 engine = EngineCore(run_config(base, spec, backend, mode, batch), model, arch)
                 try:
                     rows.append(run_tandem(engine, prompts[:batch], spec, backend))

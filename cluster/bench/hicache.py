@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from cluster.bench import collect_engines
 from cluster.config import EngineConfig, SamplingParams
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 
@@ -186,6 +187,7 @@ def shared_model_factory() -> EngineFactory:
             loaded.append(load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],
                                      backend=config.attention_backend))
         m = loaded[0]
+        collect_engines()
         return EngineCore(config, m.model, m.arch, m.tokenizer, m.eos_token_ids, l3=l3)
 
     return make

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.bench import collect_engines
 from cluster.config import EngineConfig, SamplingParams
 from kernels.kv_layout import TORCH_DTYPES
 
@@ -207,6 +208,7 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
     def make_engine(mode: str, batch: int):
+        collect_engines()
         run_config = dataclasses.replace(mode_config(config, mode, batch), host_cache_ratio=2.0 if args.load_back else 0.0)
         return EngineCore(run_config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
                           draft_head=None if mode == "plain" else head)

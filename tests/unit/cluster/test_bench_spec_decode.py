@@ -83,3 +83,22 @@ def test_load_back_mode_compares_second_turns_on_device_and_loaded_back():
     assert on["host_hit_tokens"] == 0 < off["host_hit_tokens"]
     assert on["verifies"] == off["verifies"] > 0  # the same drafts: the draft KV came back with the pages
     assert result["ratio"] == off["mean_accepted_length"] / on["mean_accepted_length"] == 1.0
+
+
+def test_a_closed_engine_is_freed_before_the_next_one_is_made():
+    """An engine's parts refer to each other: without the collection a bench making one engine after
+    another held a KV pool per engine (and ran out of memory)."""
+    import weakref
+
+    from cluster.bench import collect_engines
+
+    _, make_engine = _factory()
+    engine = make_engine("eagle", 2)
+    engine.generate(make_prompts(2, seed=3), SamplingParams(max_tokens=4))
+    engine.check_integrity()
+    engine.close()
+    freed, kv = weakref.ref(engine), weakref.ref(engine.kv_cache.k[0])
+    del engine
+    assert freed() is not None, "freed without the collector: the test no longer shows the cycle"
+    collect_engines()
+    assert freed() is None and kv() is None

@@ -110,7 +110,8 @@ def lr_at(step: int, total_steps: int, peak: float) -> float:
 
 
 def unrolled_loss(head: EagleDraftHead, ids: torch.Tensor, aux: torch.Tensor, labels: torch.Tensor,
-                  num_steps: int, step_decay: float, soft: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+                  num_steps: int, step_decay: float, soft: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, list[float]]:
     """Sum over steps s of step_decay**s x the mean cross-entropy of step s's valid rows (i >= s,
     labelled) against the labels, or with `soft` (``[B, L, draft_vocab]`` the target's probabilities,
     `soft_labels`) against those; also each step's top-1 accuracy against the labels."""

@@ -119,32 +119,30 @@ def _plan_extend(meta: AttnMetadata, b: int, prefix_chunk_tokens: int) -> _Exten
     q_len, seq_len = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
     row_start = meta.query_start_loc_cpu[b]
     tree = meta.tree_mask_of(b)
-    prefix_len = seq_len - q_len
-    mask = None
-    if tree is not None and not _uses_cpu_flash(device):
-        seen = torch.ones(q_len, seq_len - tree.shape[1], dtype=torch.bool, device=device)
-        mask = torch.cat([seen, tree], dim=1)  # [q_len, seq_len]
-    elif prefix_len > 0 and not _uses_cpu_flash(device):
-        q_pos = torch.arange(prefix_len, seq_len, device=device)  # [q_len]
-        mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+    has_prefix = seq_len > q_len
+    mask = bias = None
+    if not _uses_cpu_flash(device):
+        if tree is not None or has_prefix:
+            mask = _visible(q_len, seq_len, tree, device)
+    elif has_prefix and q_len <= SHORT_EXTEND_ROWS and seq_len <= prefix_chunk_tokens:
+        bias = _additive(_visible(q_len, seq_len, tree, device), torch.float32)[None, None]
     page_table = meta.page_table[b, : _num_pages(seq_len, meta.page_size)]
-    bias = None
-    if _uses_cpu_flash(device) and prefix_len > 0 and q_len <= SHORT_EXTEND_ROWS and seq_len <= prefix_chunk_tokens:
-        bias = _short_extend_bias(q_len, seq_len, tree, device)
     return _ExtendSeq(row_start, row_start + q_len, seq_len, page_table, mask, tree, bias)
 
 
-def _short_extend_bias(q_len: int, seq_len: int, tree: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """``[1, 1, q_len, seq_len]`` float32, 0 where a new row sees a position and -inf elsewhere: every
-    position before the new rows (or before the tree window) and, after it, causal or the window's mask."""
+def _visible(q_len: int, seq_len: int, tree: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``[q_len, seq_len]`` bool: which positions each new row sees. Every position before the new
+    rows (or before the tree window) and, after it, causal or the window's mask."""
     if tree is None:
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)  # [q_len]
-        seen = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-    else:
-        before = torch.ones(q_len, seq_len - tree.shape[1], dtype=torch.bool, device=device)
-        seen = torch.cat([before, tree], dim=1)
-    bias = torch.zeros(q_len, seq_len, dtype=torch.float32, device=device).masked_fill_(~seen, float("-inf"))
-    return bias[None, None]
+        return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+    before = torch.ones(q_len, seq_len - tree.shape[1], dtype=torch.bool, device=device)
+    return torch.cat([before, tree], dim=1)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the CPU flash kernel takes one: 0 where visible, -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def _is_decode_row(meta: AttnMetadata, b: int) -> bool:
@@ -273,8 +271,8 @@ class TorchAttentionBackend(AttentionBackend):
         if seq.tree is None:
             o, lse = _flash_cpu(q_seq, k_new, v_new, scale, is_causal=True)
         else:
-            bias = torch.zeros(seq.tree.shape, dtype=q.dtype, device=q.device).masked_fill_(~seq.tree, float("-inf"))
-            o, lse = _flash_cpu(q_seq, k_new, v_new, scale, is_causal=False, attn_mask=bias[None, None])
+            o, lse = _flash_cpu(q_seq, k_new, v_new, scale, is_causal=False,
+                                attn_mask=_additive(seq.tree, q.dtype)[None, None])
         out = o.float()  # [1, H, q_len, hd]; merged in fp32 so bf16 parts round once, at the end
         for start in range(0, seq.prefix_len, self.prefix_chunk_tokens):
             end = min(start + self.prefix_chunk_tokens, seq.prefix_len)

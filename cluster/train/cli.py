@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster.train.settings import DEFAULT_CHECKPOINT_EVERY, TrainSettings
+from cluster.train.settings import DEFAULT_CHECKPOINT_EVERY, PRECISIONS, TrainSettings
 
 _DEFAULTS = TrainSettings()
 
@@ -34,6 +34,10 @@ def add_train_eagle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate (default %(default)s)")
     p.add_argument("--hard-labels", dest="soft_labels", action="store_false",
                    help="train on the target's greedy tokens only, not its distribution over the draft vocabulary")
+    p.add_argument("--precision", choices=PRECISIONS, default=_DEFAULTS.precision,
+                   help="bf16: training answers from a bfloat16 copy of the target and bfloat16 autocast training "
+                        "(aux states, labels and held-out answers stay the target's); auto: bf16 where the device "
+                        "multiplies bfloat16 natively (default %(default)s)")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="default %(default)s")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default="cpu",
@@ -48,7 +52,8 @@ def settings_from_args(args: argparse.Namespace) -> TrainSettings:
     """Raises ValueError naming the bad flags."""
     return TrainSettings(model=args.model, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                          draft_vocab_size=args.draft_vocab_size, epochs=args.epochs, unroll_steps=args.unroll_steps,
-                         batch_size=args.batch_size, lr=args.lr, soft_labels=args.soft_labels, seed=args.seed)
+                         batch_size=args.batch_size, lr=args.lr, soft_labels=args.soft_labels,
+                         precision=args.precision, seed=args.seed)
 
 
 def run_train_eagle(args: argparse.Namespace) -> int:

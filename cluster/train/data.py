@@ -58,9 +58,9 @@ def tokenize(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
 
 
 def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int]], max_new_tokens: int,
-             max_running: int = 64) -> list[Sample]:
-    """The target's greedy answers through the colocated engine (batched, as `tandem run` does),
-    in prompt order. The engine's KV is freed before returning; `model` is left as it was."""
+             max_running: int = 128) -> list[Sample]:
+    """The target's greedy answers through the colocated engine (batched, as `tandem run` does; in
+    `model`'s dtype), in prompt order. The engine's KV is freed before returning; `model` is left as it was."""
     from cluster.config import EngineConfig, SamplingParams
     from prefill_worker.engine import EngineCore
     from tqdm import tqdm
@@ -70,8 +70,10 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
     num_pages = 2 + min(max_running, len(prompts)) * -(-longest // page_size)
     # no prefix cache: the prompts share little beyond the system prompt, and a pool full of cached
     # answers makes every new page an eviction
-    config = EngineConfig(device=next(model.parameters()).device.type, page_size=page_size, num_pages=num_pages,
-                          max_running_requests=max_running, enable_prefix_cache=False, host_cache_pages=0)
+    param = next(model.parameters())
+    config = EngineConfig(device=param.device.type, dtype=str(param.dtype).removeprefix("torch."), page_size=page_size,
+                          num_pages=num_pages, max_running_requests=max_running, enable_prefix_cache=False,
+                          host_cache_pages=0)
     engine = EngineCore(config, model, arch, eos_token_ids=eos_token_ids)
     try:
         with tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr, disable=None) as bar:

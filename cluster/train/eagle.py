@@ -1,7 +1,8 @@
 """`tandem train-eagle`: distil an EAGLE-3 draft head for a target from the target's own greedy answers,
 on CPU, into the cache (`cluster.train.settings` has the layout) or an explicit directory.
 
-    1. the target answers the shipped training and evaluation prompts (colocated engine, greedy)
+    1. the target answers the shipped training and evaluation prompts (colocated engine, greedy;
+       the training answers from a bfloat16 copy where `precision` resolves to bf16)
     2. the draft vocabulary: the most frequent answer tokens (`vocab`)
     3. the target's aux hidden states over prompt + answer, and its final ones (`data.target_states`)
     4. training with 3 unrolled draft steps (`unroll`, `trainer`) against the target's distribution
@@ -66,7 +67,7 @@ def _build(settings: TrainSettings, cache_root: Path | None, checkpoint_every: i
     from cluster.train.checkpoint import STATE_FILE, new_head, write_published
     from cluster.train.data import aux_states, target_states
     from cluster.train.evaluate import chain_acceptance
-    from cluster.train.trainer import make_example, train_head
+    from cluster.train.trainer import make_example, train_head, uses_bf16
     from cluster.train.vocab import most_frequent
     from kernels.model.loader import load_model
 
@@ -75,7 +76,9 @@ def _build(settings: TrainSettings, cache_root: Path | None, checkpoint_every: i
     vocab_size = target.arch.vocab_size
     if settings.draft_vocab_size > vocab_size:
         raise ValueError(f"draft vocabulary {settings.draft_vocab_size} exceeds the target's {vocab_size} tokens")
-    train_samples, eval_samples = _generations(work / GENERATIONS_FILE, target, settings)
+    bf16 = uses_bf16(settings.precision, device)
+    log.info("precision %s: %s answers and training", settings.precision, "bfloat16" if bf16 else "float32")
+    train_samples, eval_samples = _generations(work / GENERATIONS_FILE, target, settings, bf16, cache_root, device)
     vocab = most_frequent([s.answer for s in train_samples], settings.draft_vocab_size, vocab_size)
     head = new_head(target.model, vocab, settings.seed).to(device)
     aux_ids = head.arch.aux_layer_ids
@@ -96,9 +99,13 @@ def _build(settings: TrainSettings, cache_root: Path | None, checkpoint_every: i
     (out / EVAL_FILE).write_text(json.dumps(acceptance.as_dict(), indent=2) + "\n")
 
 
-def _generations(path: Path, target, settings: TrainSettings):
-    """(train, eval) samples: read from `path` (an interrupted run's), else generated and saved there."""
+def _generations(path: Path, target, settings: TrainSettings, bf16: bool, cache_root: Path | None, device: str):
+    """(train, eval) samples: read from `path` (an interrupted run's), else generated and saved there.
+    The training answers come from a bfloat16 copy of the target when `bf16` (training text only:
+    the aux states and soft labels over it come from the target itself); the held-out answers,
+    which the acceptance is measured against, always from the target."""
     from cluster.train.data import Sample, generate, load_prompts, tokenize
+    from kernels.model.loader import load_model
 
     if path.is_file():
         saved = json.loads(path.read_text())
@@ -107,11 +114,14 @@ def _generations(path: Path, target, settings: TrainSettings):
     prompts = {"train": tokenize(target.tokenizer, load_prompts("train", settings.num_prompts)),
                "eval": tokenize(target.tokenizer, load_prompts("eval"))}
     started = time.perf_counter()
-    samples = generate(target.model, target.arch, target.eos_token_ids, prompts["train"] + prompts["eval"],
-                       settings.max_new_tokens)
-    num_answer = sum(len(s.answer) for s in samples)
-    log.info("target answered %d prompts (%d tokens) in %.0fs", len(samples), num_answer, time.perf_counter() - started)
-    train, held_out = samples[:len(prompts["train"])], samples[len(prompts["train"]):]
+    answerer = load_model(settings.model, device=device, dtype=torch.bfloat16, backend="auto",
+                          cache_dir=cache_root) if bf16 else target
+    train = generate(answerer.model, answerer.arch, answerer.eos_token_ids, prompts["train"], settings.max_new_tokens)
+    del answerer
+    held_out = generate(target.model, target.arch, target.eos_token_ids, prompts["eval"], settings.max_new_tokens)
+    num_answer = sum(len(s.answer) for s in train + held_out)
+    log.info("target answered %d prompts (%d tokens) in %.0fs", len(train) + len(held_out), num_answer,
+             time.perf_counter() - started)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({split: [[list(s.token_ids), s.prompt_len] for s in part]
                                for split, part in (("train", train), ("eval", held_out))}))

@@ -8,6 +8,7 @@ exactly as if it had not stopped (same threads, same machine).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
@@ -109,27 +110,44 @@ def lr_at(step: int, total_steps: int, peak: float) -> float:
     return peak * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def uses_bf16(precision: str, device: torch.device | str) -> bool:
+    """Whether `TrainSettings.precision` means bfloat16 answers and autocast training on `device`."""
+    if precision != "auto":
+        return precision == "bf16"
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    cpu = torch.cpu
+    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+
+
+def autocast(device: torch.device | str, bf16: bool) -> contextlib.AbstractContextManager:
+    """bfloat16 autocast on `device` when `bf16` (matmuls in bf16, reductions and losses in
+    float32, float32 weights), else nothing."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
 def unrolled_loss(head: EagleDraftHead, ids: torch.Tensor, aux: torch.Tensor, labels: torch.Tensor,
                   num_steps: int, step_decay: float, soft: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, list[float]]:
     """Sum over steps s of step_decay**s x the mean cross-entropy of step s's valid rows (i >= s,
-    labelled) against the labels, or with `soft` (``[B, L, draft_vocab]`` the target's probabilities,
-    `soft_labels`) against those; also each step's top-1 accuracy against the labels."""
+    labelled) against the labels, or with `soft` against the target's probabilities: ``[R,
+    draft_vocab]`` for the R labelled rows (``labels >= 0``, row-major; `soft_labels`); also each
+    step's top-1 accuracy against the labels."""
     total, accuracies = torch.zeros((), device=ids.device), []
+    labelled = labels >= 0
     for s, x in enumerate(unrolled_forward(head, ids, aux, num_steps)):
-        step_labels = labels.clone()
-        step_labels[:, :s] = IGNORE  # rows i < s have no step-s feature
-        rows = step_labels >= 0
+        rows = labelled.clone()
+        rows[:, :s] = False  # rows i < s have no step-s feature
         if not rows.any():
             accuracies.append(float("nan"))
             continue
-        row_logits = logits(head, x[rows])  # [rows, draft_vocab]
+        row_logits = logits(head, x[rows]).float()  # [rows, draft_vocab]
         if soft is None:
-            loss = F.cross_entropy(row_logits, step_labels[rows])
+            loss = F.cross_entropy(row_logits, labels[rows])
         else:
-            loss = -(soft[rows] * F.log_softmax(row_logits, -1)).sum(-1).mean()
+            loss = -(soft[rows[labelled]] * F.log_softmax(row_logits, -1)).sum(-1).mean()
         total = total + step_decay ** s * loss
-        accuracies.append((row_logits.argmax(-1) == step_labels[rows]).float().mean().item())
+        accuracies.append((row_logits.argmax(-1) == labels[rows]).float().mean().item())
     return total, accuracies
 
 
@@ -150,7 +168,8 @@ def train_head(head: EagleDraftHead, examples: list[Example], settings: TrainSet
     every `checkpoint_every` steps and at the end. `stop_after`: stop once this many steps are done
     (an interrupted run, for tests). With `settings.soft_labels`, `target_head` ``[h, draft_vocab]``
     (the target lm_head's columns of the draft ids) and every example's `target_hidden` give the
-    labels. Returns the loss of each step this call ran."""
+    labels; `settings.precision` decides bfloat16 autocast (`uses_bf16`). Returns the loss of each
+    step this call ran."""
     if settings.soft_labels and (target_head is None or any(e.target_hidden is None for e in examples)):
         raise ValueError("soft labels need the target's lm_head columns and every example's target hidden states")
     from tqdm import tqdm
@@ -163,13 +182,14 @@ def train_head(head: EagleDraftHead, examples: list[Example], settings: TrainSet
         log.info("resuming draft-head training after step %d of %d", done, total)
     end = total if stop_after is None else min(total, stop_after)
     losses: list[float] = []
+    bf16 = uses_bf16(settings.precision, head.lm_head.weight_t.device)
     head.train()
     with tqdm(total=total, initial=done, desc="training", unit="step", file=sys.stderr, disable=None) as bar:
         for step in range(done, end):
             epoch, index = divmod(step, per_epoch)
             batch = epoch_batches([e.length for e in examples], settings.batch_size, settings.seed, epoch)[index]
             loss, accuracies = _step(head, optimizer, [examples[i] for i in batch], settings,
-                                     lr_at(step, total, settings.lr), target_head)
+                                     lr_at(step, total, settings.lr), target_head, bf16)
             losses.append(loss)
             bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in accuracies), refresh=False)
             bar.update(1)
@@ -180,13 +200,16 @@ def train_head(head: EagleDraftHead, examples: list[Example], settings: TrainSet
 
 
 def _step(head: EagleDraftHead, optimizer: torch.optim.Optimizer, batch: list[Example], settings: TrainSettings,
-          lr: float, target_head: torch.Tensor | None) -> tuple[float, list[float]]:
+          lr: float, target_head: torch.Tensor | None, bf16: bool) -> tuple[float, list[float]]:
     for group in optimizer.param_groups:
         group["lr"] = lr
     device = head.lm_head.weight_t.device
     ids, aux, labels = (t.to(device) for t in pad_batch(batch))
-    soft = soft_labels(pad_hidden(batch).to(device), target_head) if settings.soft_labels else None
-    loss, accuracies = unrolled_loss(head, ids, aux, labels, settings.unroll_steps, settings.step_decay, soft)
+    # labels in float32 whatever the precision, for the labelled rows only (prompt rows and padding
+    # are a third or more of a batch of short answers)
+    soft = soft_labels(pad_hidden(batch).to(device)[labels >= 0], target_head) if settings.soft_labels else None
+    with autocast(device, bf16):
+        loss, accuracies = unrolled_loss(head, ids, aux, labels, settings.unroll_steps, settings.step_decay, soft)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(trainable(head).values()), GRAD_CLIP)

@@ -32,6 +32,9 @@ def test_non_numbers_are_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train-eagle", "--draft-vocab-size", "many"])
     assert "invalid int value: 'many'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train-eagle", "--precision", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
 
 
 def test_flags_default_to_the_default_settings():
@@ -41,8 +44,8 @@ def test_flags_default_to_the_default_settings():
 
 
 def test_bad_settings_name_every_bad_field():
-    with pytest.raises(ValueError, match=r"epochs=0, batch_size=0"):
-        TrainSettings(epochs=0, batch_size=0)
+    with pytest.raises(ValueError, match=r"epochs=0, batch_size=0, precision='fp8'"):
+        TrainSettings(epochs=0, batch_size=0, precision="fp8")
 
 
 def test_the_held_out_prompts_are_not_training_prompts_and_ship_with_the_package():

@@ -1,8 +1,10 @@
 """The training data plumbing on the tiny target: the engine's greedy answers come back in prompt
-order and equal HF's greedy decode, and aux states from grouped ragged passes equal one pass per
-sequence."""
+order and equal HF's greedy decode (a bfloat16 copy's those of HF in bfloat16), and aux states from
+grouped ragged passes equal one pass per sequence."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -19,6 +21,24 @@ def test_answers_are_the_targets_greedy_continuations_in_prompt_order():
     for prompt, sample in zip(prompts, samples):
         assert sample.token_ids[:sample.prompt_len] == tuple(prompt)
         assert list(sample.answer) == hf_greedy(reference, prompt, 12)
+
+
+def test_a_bfloat16_copy_answers_in_bfloat16():
+    """`precision` bf16: the engine takes the model's dtype (a float32 KV pool under bfloat16 weights
+    failed in attention), and its answers are the bfloat16 model's: HF's bfloat16 greedy decode, up to
+    the near-ties that two bfloat16 implementations may break differently."""
+    target, reference, arch = tiny_models()
+    target16, reference16 = copy.deepcopy(target).bfloat16(), copy.deepcopy(reference).bfloat16()
+    prompts = make_prompts(6, min_len=4, max_len=30, seed=11)
+    samples = generate(target16, arch, (), prompts, max_new_tokens=16, max_running=3)
+    same = total = 0
+    for prompt, sample in zip(prompts, samples):
+        expected = hf_greedy(reference16, prompt, 16)
+        assert sample.token_ids[:sample.prompt_len] == tuple(prompt) and len(sample.answer) == 16
+        assert sample.answer[0] == expected[0]
+        same += sum(a == b for a, b in zip(sample.answer, expected))
+        total += len(expected)
+    assert same >= 0.9 * total, f"bfloat16 answers match HF's bfloat16 greedy at {same} of {total} tokens"
 
 
 def test_grouped_aux_passes_equal_one_pass_per_sequence():

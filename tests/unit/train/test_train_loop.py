@@ -12,7 +12,7 @@ from cluster.train.data import Sample
 import pytest
 
 from cluster.train.trainer import (IGNORE, epoch_batches, make_example, pad_batch, pad_hidden, soft_labels, train_head,
-                                   unrolled_loss)
+                                   unrolled_loss, uses_bf16)
 from cluster.train.unroll import logits, unrolled_forward
 from cluster.train.vocab import DraftVocab
 from kernels.model.eagle import load_eagle_checkpoint
@@ -71,20 +71,21 @@ def test_soft_labels_need_the_target_states(settings, tmp_path):
         train_head(head, tiny_examples(samples, aux, vocab), settings, tmp_path / "state.pt", checkpoint_every=100)
 
 
-@pytest.mark.parametrize("soft", [True, False], ids=["soft", "hard"])
-def test_training_lowers_the_loss_and_the_published_head_loads_back_identical(settings, tmp_path, soft):
+@pytest.mark.parametrize("soft, precision", [(True, "fp32"), (True, "bf16"), (False, "fp32")],
+                         ids=["soft-fp32", "soft-bf16", "hard-fp32"])
+def test_training_lowers_the_loss_and_the_published_head_loads_back_identical(settings, tmp_path, soft, precision):
     samples, aux = tiny_corpus()
     vocab = tiny_vocab(samples)
     examples = tiny_examples(samples, aux, vocab, tiny_target_hidden() if soft else None)
-    settings = dataclasses.replace(settings, soft_labels=soft)
+    settings = dataclasses.replace(settings, soft_labels=soft, precision=precision)
     target, _, arch = tiny_models()
     head = new_head(target, vocab, settings.seed)
-    probs = soft_labels(pad_hidden(examples), tiny_target_head(vocab)) if soft else None
+    _, _, labels = pad_batch(examples)
+    probs = soft_labels(pad_hidden(examples)[labels >= 0], tiny_target_head(vocab)) if soft else None
     # what the loss cannot go below: the labels' entropy (0 for hard labels), summed like the steps
     floor = 0.0
     if soft:
-        _, _, labels = pad_batch(examples)
-        entropy = -(probs * probs.log()).sum(-1)[labels >= 0].mean().item()
+        entropy = -(probs * probs.log()).sum(-1).mean().item()
         floor = entropy * sum(settings.step_decay ** s for s in range(settings.unroll_steps))
     before = _mean_loss(head, examples, settings, probs) - floor
     losses = train_head(head, examples, settings, tmp_path / "state.pt", checkpoint_every=100,
@@ -104,6 +105,28 @@ def test_training_lowers_the_loss_and_the_published_head_loads_back_identical(se
         for ours, theirs in zip(unrolled_forward(head, ids, row_aux, 3), unrolled_forward(loaded, ids, row_aux, 3)):
             assert torch.equal(ours, theirs)
             assert torch.equal(logits(head, ours), logits(loaded, theirs))
+
+
+def test_precision_decides_autocast_and_bf16_training_stays_near_fp32(settings, tmp_path):
+    """bf16 runs the head's matmuls in bfloat16 (so its weights differ from an fp32 run's), while
+    the loss and the weights stay close to fp32 training: float32 master weights, float32 labels."""
+    assert uses_bf16("bf16", "cpu") and not uses_bf16("fp32", "cpu")
+    samples, aux = tiny_corpus()
+    vocab = tiny_vocab(samples)
+    examples = tiny_examples(samples, aux, vocab, tiny_target_hidden())
+    heads, losses = {}, {}
+    for precision in ("fp32", "bf16"):
+        heads[precision] = new_head(tiny_models()[0], vocab, settings.seed)
+        losses[precision] = train_head(heads[precision], examples, dataclasses.replace(settings, precision=precision),
+                                       tmp_path / f"{precision}.pt", checkpoint_every=100,
+                                       target_head=tiny_target_head(vocab))
+    fp32, bf16 = (trainable(heads[p]) for p in ("fp32", "bf16"))
+    assert any(not torch.equal(fp32[name], bf16[name]) for name in fp32), "bf16 training ran in float32"
+    assert all(bf16[name].dtype == torch.float32 for name in bf16)
+    for name in fp32:  # bf16 rounding moves the trajectory a little (~9% at most here), not away
+        assert ((fp32[name] - bf16[name]).norm() / fp32[name].norm()).item() < 0.2, name
+    for ours, theirs in zip(losses["bf16"], losses["fp32"]):
+        assert abs(ours - theirs) < 0.01 * theirs
 
 
 def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(settings, tmp_path):

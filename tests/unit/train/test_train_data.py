@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from cluster.train.data import Sample, aux_states, generate
@@ -52,3 +53,38 @@ def test_grouped_aux_passes_equal_one_pass_per_sequence():
         _, _, alone = target.forward_with_aux(torch.tensor(sample.token_ids), positions, meta, kv, (1, 0))
         assert aux.shape == (n, 2 * arch.hidden_size)
         torch.testing.assert_close(aux, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_training_answers_come_from_a_bfloat16_copy_and_held_out_ones_from_the_target(bf16, tmp_path, monkeypatch):
+    """`eagle._generations`: with bf16 the training prompts are answered by a bfloat16 copy the
+    loader makes (HF's bfloat16 greedy), the held-out prompts always by the target itself (HF's
+    float32 greedy: acceptance is measured against the target's own answers); saved for a resume."""
+    from types import SimpleNamespace
+
+    import kernels.model.loader as loader
+    from cluster.train import data, eagle
+    from cluster.train.settings import TrainSettings
+
+    target, reference, arch = tiny_models()
+    prompts = {"train": make_prompts(4, min_len=4, max_len=20, seed=21), "eval": make_prompts(2, min_len=4, max_len=20, seed=22)}
+    monkeypatch.setattr(data, "load_prompts", lambda split, limit=None: prompts[split][:limit])
+    monkeypatch.setattr(data, "tokenize", lambda tokenizer, ps: ps)
+    loads = []
+
+    def load_copy(spec, device="cpu", dtype=torch.float32, backend="torch", cache_dir=None):
+        loads.append(dtype)
+        return SimpleNamespace(model=copy.deepcopy(target).to(dtype), arch=arch, eos_token_ids=())
+
+    monkeypatch.setattr(loader, "load_model", load_copy)
+    settings = TrainSettings(num_prompts=4, max_new_tokens=10)
+    loaded = SimpleNamespace(model=target, arch=arch, eos_token_ids=(), tokenizer=None)
+    path = tmp_path / "generations.json"
+    train, held_out = eagle._generations(path, loaded, settings, bf16, None, "cpu")
+    assert loads == ([torch.bfloat16] if bf16 else [])
+    train_reference = copy.deepcopy(reference).bfloat16() if bf16 else reference
+    agree = sum(a == b for s, p in zip(train, prompts["train"]) for a, b in zip(s.answer, hf_greedy(train_reference, p, 10)))
+    assert agree >= 0.9 * 40
+    for sample, prompt in zip(held_out, prompts["eval"]):
+        assert list(sample.answer) == hf_greedy(reference, prompt, 10)
+    assert eagle._generations(path, None, settings, bf16, None, "cpu") == (train, held_out)  # a resume reads them back

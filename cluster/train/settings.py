@@ -60,14 +60,14 @@ class TrainSettings:
     soft_labels: bool = True
     """Train against the target's whole distribution over the draft vocabulary at each position (its
     softmax, EAGLE-3's loss) instead of only its greedy token: more signal per position, which is
-    what a head trained on a few hundred answers lacks. False: cross-entropy on the greedy tokens."""
+    what a head trained on a few thousand answers lacks. False: cross-entropy on the greedy tokens."""
     precision: str = "auto"
     """`bf16`: the training answers come from a bfloat16 copy of the target and the head trains
     under bfloat16 autocast (float32 weights and optimizer); the aux states, soft labels and
     held-out answers always come from the target as it serves (its own dtype). `fp32`: all float32.
     `auto`: bf16 where the device multiplies bfloat16 natively (AMX or AVX512-BF16 CPUs, CUDA
     with bf16), else fp32, so heads trained on different machines may differ (the cache is per
-    machine). On this project's 2-core CPU bf16 answers ~2.8x and trains ~1.7x faster."""
+    machine). On a 2-core AMX CPU bf16 answers ~2.8x and trains ~2x faster."""
     seed: int = 0
 
     def __post_init__(self):

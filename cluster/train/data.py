@@ -62,6 +62,7 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
     """The target's greedy answers through the colocated engine (batched, as `tandem run` does; in
     `model`'s dtype), in prompt order. The engine's KV is freed before returning; `model` is left as it was."""
     from cluster.config import EngineConfig, SamplingParams
+    from kernels.kv_layout import DTYPE_NAMES
     from prefill_worker.engine import EngineCore
     from tqdm import tqdm
 
@@ -71,7 +72,7 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
     # no prefix cache: the prompts share little beyond the system prompt, and a pool full of cached
     # answers makes every new page an eviction
     param = next(model.parameters())
-    config = EngineConfig(device=param.device.type, dtype=str(param.dtype).removeprefix("torch."), page_size=page_size,
+    config = EngineConfig(device=param.device.type, dtype=DTYPE_NAMES[param.dtype], page_size=page_size,
                           num_pages=num_pages, max_running_requests=max_running, enable_prefix_cache=False,
                           host_cache_pages=0)
     engine = EngineCore(config, model, arch, eos_token_ids=eos_token_ids)

@@ -130,16 +130,28 @@ class EagleDraftHead(nn.Module):
         assert kv_cache.num_layers == 1, f"a draft head's KV has one layer, got {kv_cache.num_layers}"
         emb = self.embed(input_ids)  # [T, h]
         cos, sin = self.rotary.cos_sin(positions, emb.dtype)
-        k_cache, v_cache = kv_cache.k[0], kv_cache.v[0]
-        if self.arch.style is DraftStyle.EAGLE3:
-            attn_in = torch.cat((self.input_layernorm(emb), self.hidden_norm(features)), dim=-1)  # [T, 2h]
-            r = features + self.self_attn(attn_in, cos, sin, meta, k_cache, v_cache)
-            x = r + self.mlp(self.post_attention_layernorm(r))
-        else:
-            x = self.fc(torch.cat((emb, features), dim=-1))  # [T, h]
-            x = x + self.self_attn(x, cos, sin, meta, k_cache, v_cache)
-            x = x + self.mlp(self.post_attention_layernorm(x))
+        residual, attn_in = self._attn_input(emb, features)
+        r = residual + self.self_attn(attn_in, cos, sin, meta, kv_cache.k[0], kv_cache.v[0])
+        x = r + self.mlp(self.post_attention_layernorm(r))
         return x, self.draft_logits(x[meta.logits_indices])
+
+    @torch.no_grad()
+    def write_kv(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, kv_cache: KVCacheTensors) -> None:
+        """Only the K/V `forward` would write for these rows (at ``slot_mapping``): for rows whose
+        output nothing reads, such as a catch-up's rows before each sequence's last. A row's K/V
+        depend on its own token, feature and position alone."""
+        emb = self.embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, emb.dtype)
+        _, k, v = self.self_attn.project(self._attn_input(emb, features)[1], cos, sin)
+        self.self_attn.backend.write_kv(kv_cache.k[0], kv_cache.v[0], k, v, slot_mapping)
+
+    def _attn_input(self, emb: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual the attention output adds to, the attention's input) ``[T, h]``, ``[T, h or 2h]``."""
+        if self.arch.style is DraftStyle.EAGLE3:
+            return features, torch.cat((self.input_layernorm(emb), self.hidden_norm(features)), dim=-1)
+        x = self.fc(torch.cat((emb, features), dim=-1))
+        return x, x
 
     def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 draft logits ``[n, draft_vocab]`` of features ``x [n, h]`` (eagle3: through its own

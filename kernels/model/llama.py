@@ -70,16 +70,21 @@ class LlamaAttention(nn.Module):
         k_cache: torch.Tensor,  # [num_pages, page_size, kvh, hd], mutated: new tokens' slots
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, hd]
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, H, hd]``, k and v ``[T, kvh, hd]`` of ``x [T, hidden]`` (q and k rotated)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 kvh) hd]
         qk_dim = (self.num_heads + self.num_kv_heads) * self.head_dim
         # q and k heads rotate in one call: they are adjacent in the packed output
         qk = apply_rotary(qkv[:, :qk_dim].view(num_tokens, -1, self.head_dim), cos, sin)  # [T, H + kvh, hd]
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [T, H, hd], [T, kvh, hd]
-        v = qkv[:, qk_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
-        self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, hd]
-        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+        return q, k, qkv[:, qk_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -356,7 +356,7 @@ class EngineCore:
             kept.rows.append(row)
             if row.num_logits:
                 emitted.append((req, applied, reason))
-        self._speculate(lambda: self.speculator.catch_up(committed, out.hidden, out.aux))
+        self._speculate(lambda: self.speculator.catch_up(committed, out.hidden, out.aux, len(self.scheduler.running)))
         self.connector.after_commit(kept)
         for req, applied, reason in emitted:
             if reason is not None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from itertools import accumulate
 from dataclasses import dataclass, field
 
 import torch
@@ -125,7 +126,8 @@ class NullSpeculator:
     def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
         raise AssertionError(f"request {req.request_id} carries drafts, but speculation is off")
 
-    def catch_up(self, committed: list[Committed], hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+    def catch_up(self, committed: list[Committed], hidden: torch.Tensor, aux: torch.Tensor | None,
+                 num_running: int) -> None:
         pass
 
     def draft(self, running: list[Request], kvm: KVManager, max_request_tokens: int) -> None:
@@ -258,9 +260,13 @@ class EagleSpeculator:
 
     # ---- catch up ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def catch_up(self, committed: list[Committed], hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+    def catch_up(self, committed: list[Committed], hidden: torch.Tensor, aux: torch.Tensor | None,
+                 num_running: int) -> None:
         """Run the head over every committed position of the step: row i is (the target's feature at i,
-        token i + 1). Keeps each request's last row (x, draft logits) for `draft`."""
+        token i + 1). Every row writes its draft K/V; the whole layer and the draft logits run only
+        for each request's last row, and only where that row is read: by `draft` (at most
+        `max_batch` of `num_running` requests run) or by `export_feature` (a prefill just ended). Keeps
+        those rows' (x, draft logits) for `draft`."""
         self._last.clear()
         paths, self._paths = self._paths, {}
         rows = [c for c in committed if c.end > c.start]
@@ -271,11 +277,30 @@ class EagleSpeculator:
         features = self.head.combine(aux) if self.head.arch.style is DraftStyle.EAGLE3 else hidden  # [T, h]
         feats = torch.cat([features[_feature_rows(c, paths.get(c.req.request_id))] for c in rows])
         ids = [t for c in rows for t in c.req.all_token_ids[c.start + 1:c.end + 1]]
-        x, logits = self._run(ids, feats, [c.end - c.start for c in rows], [c.end for c in rows],
-                              [c.req.kv.pages for c in rows])
-        ends = torch.tensor([c.end - c.start for c in rows], device=self.device).cumsum(0) - 1
-        for i, c in enumerate(rows):
-            self._last[c.req.request_id] = (x[ends[i]], logits[i])
+        drafting = num_running <= self.max_batch
+        read = [drafting or c.start < len(c.req.prompt_token_ids) for c in rows]  # each request's last row
+        if self.graphs is not None and self.graphs.expand and all(read) and len(ids) <= self.graphs.buckets[-1]:
+            # one replay (CUDA; a split call would launch more kernels than its rows cost)
+            x, logits = self._run(ids, feats, [c.end - c.start for c in rows], [c.end for c in rows],
+                                  [c.req.kv.pages for c in rows])
+            ends = torch.tensor([c.end - c.start for c in rows], device=self.device).cumsum(0) - 1
+            self._last.update((c.req.request_id, (x[ends[i]], logits[i])) for i, c in enumerate(rows))
+            return
+        positions = [p for c in rows for p in range(c.start, c.end)]  # row r's position, r indexing ids
+        tables = [c.req.kv.pages for c in rows for _ in range(c.start, c.end)]
+        ends = list(accumulate(c.end - c.start for c in rows))
+        lasts = [end - 1 for end, r in zip(ends, read) if r]
+        unread = sorted(set(range(len(ids))) - set(lasts))
+        if unread:
+            size = self.page_size
+            slots = [tables[r][positions[r] // size] * size + positions[r] % size for r in unread]
+            self.head.write_kv(self._longs([ids[r] for r in unread]), feats[unread],
+                               self._longs([positions[r] for r in unread]), self._longs(slots), self.kv)
+        if lasts:
+            readers = [c for c, r in zip(rows, read) if r]
+            x, logits = self._run([ids[r] for r in lasts], feats[lasts], [1] * len(lasts), [c.end for c in readers],
+                                  [c.req.kv.pages for c in readers])
+            self._last.update((c.req.request_id, (x[i], logits[i])) for i, c in enumerate(readers))
 
     # ---- draft -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -375,6 +400,9 @@ class EagleSpeculator:
         full = torch.zeros(head.arch.layer.vocab_size, dtype=q.dtype, device=q.device)
         full[head.token_map] = q
         return int(head.to_target_ids(draft_id)), full
+
+    def _longs(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _run(self, ids: list[int], features: torch.Tensor, query_lens: list[int], seq_lens: list[int],
              pages: list[list[int]], masks: list | None = None, level: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -487,3 +487,45 @@ def test_speculation_without_a_head_is_a_clear_config_error(monkeypatch, tmp_pat
     assert with_default_draft(EngineConfig(speculative="eagle")).draft_model == str(tmp_path / "smollm2")
     assert with_default_draft(EngineConfig(speculative="eagle", draft_model="/x")).draft_model == "/x"
     assert with_default_draft(EngineConfig()).draft_model == ""
+
+
+@pytest.mark.parametrize("style", list(DraftStyle))
+@pytest.mark.parametrize("max_batch", [1, 8], ids=["no-drafts-above-1", "drafting"])
+def test_every_committed_positions_draft_kv_is_the_heads_over_the_whole_sequence(spec_prompts, reference, style,
+                                                                                 max_batch):
+    """The catch-up runs the whole layer only for rows something reads (each request's last, when it
+    may draft or its prefill just ended) and writes the others' K/V alone; what it leaves in the
+    draft layer is what the head computes over the whole sequence in one pass, from the target's
+    features over it (reference: one prefill of the target). Chunked prefills, decode rows above
+    the batch cutoff and accepted drafts all included."""
+    from kernels.attention.metadata import build_attn_metadata
+    from kernels.kv_layout import KVCacheTensors
+
+    head = tiny_draft_head(style)
+    engine = make_spec_engine(head, chunk_size=16, speculative_max_batch=max_batch)
+    _script_drafts(engine, reference, accept=0.7)
+    prompts = spec_prompts[:3]
+    outputs = [r.output_token_ids for r in engine.generate(prompts, greedy(max_tokens=MAX_NEW))]
+    assert outputs == [reference[tuple(p)] for p in prompts]
+    assert (engine.speculator.counters.verifies > 0) == (max_batch > 1)
+    ours, _, arch = tiny_models()
+    size = engine.config.page_size
+    for prompt, output in zip(prompts, outputs):
+        tokens = prompt + output
+        n = len(tokens) - 1  # committed positions: the last token was never run
+        pages = list(range(1, 1 + -(-n // size)))
+        target_kv = KVCacheTensors.allocate(arch.num_layers, pages[-1] + 1, size, arch.num_kv_heads, arch.head_dim,
+                                            torch.float32, "cpu")
+        meta, positions = build_attn_metadata(size, [n], [n], [pages], [], "cpu")
+        hidden, _, aux = ours.forward_with_aux(torch.tensor(tokens[:n]), positions, meta, target_kv,
+                                               head.arch.aux_layer_ids)
+        features = head.combine(aux) if style is DraftStyle.EAGLE3 else hidden
+        kv = KVCacheTensors.allocate(1, pages[-1] + 1, size, arch.num_kv_heads, arch.head_dim, torch.float32, "cpu")
+        meta, positions = build_attn_metadata(size, [n], [n], [pages], [n - 1], "cpu")
+        head(torch.tensor(tokens[1:n + 1]), features, positions, meta, kv)
+        whole = engine.kvm.prefix_cache.match(tokens[:n], n)
+        assert whole.num_tokens >= n - size + 1
+        for ours_kv, ref_kv in ((engine.kv_cache.k[-1], kv.k[0]), (engine.kv_cache.v[-1], kv.v[0])):
+            got = ours_kv[whole.pages].flatten(0, 1)[:whole.num_tokens]
+            torch.testing.assert_close(got, ref_kv[pages].flatten(0, 1)[:whole.num_tokens], rtol=1e-4, atol=1e-4)
+    assert_pool_at_rest(engine)

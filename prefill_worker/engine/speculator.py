@@ -61,6 +61,10 @@ from prefill_worker.engine.spec_policy import AdaptivePolicy, FixedPolicy
 
 log = logging.getLogger("tandem.engine")
 
+CATCH_UP_SPLIT_ROWS = 32
+"""A catch-up with more unread rows than this writes their draft K/V alone (`EagleDraftHead.write_kv`)
+and runs the whole head layer for the read rows only; fewer cost less than a second call."""
+
 DRAFT_STREAM, VERIFY_STREAM = 1, 2
 """`kernels.sampling.row_generator` streams: draft draws and verification draws never share numbers."""
 
@@ -263,10 +267,11 @@ class EagleSpeculator:
     def catch_up(self, committed: list[Committed], hidden: torch.Tensor, aux: torch.Tensor | None,
                  num_running: int) -> None:
         """Run the head over every committed position of the step: row i is (the target's feature at i,
-        token i + 1). Every row writes its draft K/V; the whole layer and the draft logits run only
-        for each request's last row, and only where that row is read: by `draft` (at most
-        `max_batch` of `num_running` requests run) or by `export_feature` (a prefill just ended). Keeps
-        those rows' (x, draft logits) for `draft`."""
+        token i + 1). Every row writes its draft K/V. Only each request's last row is ever read, and
+        only by `draft` (at most `max_batch` of `num_running` requests run) or by `export_feature` (a
+        prefill just ended): with more than CATCH_UP_SPLIT_ROWS rows nothing reads, those rows write
+        their K/V alone and the whole layer and the draft logits run for the read rows only. Keeps
+        the last rows' (x, draft logits) for `draft`."""
         self._last.clear()
         paths, self._paths = self._paths, {}
         rows = [c for c in committed if c.end > c.start]
@@ -279,28 +284,30 @@ class EagleSpeculator:
         ids = [t for c in rows for t in c.req.all_token_ids[c.start + 1:c.end + 1]]
         drafting = num_running <= self.max_batch
         read = [drafting or c.start < len(c.req.prompt_token_ids) for c in rows]  # each request's last row
-        if self.graphs is not None and self.graphs.expand and all(read) and len(ids) <= self.graphs.buckets[-1]:
-            # one replay (CUDA; a split call would launch more kernels than its rows cost)
+        ends = list(accumulate(c.end - c.start for c in rows))
+        lasts = [end - 1 for end, r in zip(ends, read) if r]
+        if lasts and (len(ids) - len(lasts) <= CATCH_UP_SPLIT_ROWS or self._replays(len(ids))):
             x, logits = self._run(ids, feats, [c.end - c.start for c in rows], [c.end for c in rows],
                                   [c.req.kv.pages for c in rows])
-            ends = torch.tensor([c.end - c.start for c in rows], device=self.device).cumsum(0) - 1
-            self._last.update((c.req.request_id, (x[ends[i]], logits[i])) for i, c in enumerate(rows))
+            for i, (c, end) in enumerate(zip(rows, ends)):
+                self._last[c.req.request_id] = (x[end - 1], logits[i])
             return
         positions = [p for c in rows for p in range(c.start, c.end)]  # row r's position, r indexing ids
         tables = [c.req.kv.pages for c in rows for _ in range(c.start, c.end)]
-        ends = list(accumulate(c.end - c.start for c in rows))
-        lasts = [end - 1 for end, r in zip(ends, read) if r]
         unread = sorted(set(range(len(ids))) - set(lasts))
-        if unread:
-            size = self.page_size
-            slots = [tables[r][positions[r] // size] * size + positions[r] % size for r in unread]
-            self.head.write_kv(self._longs([ids[r] for r in unread]), feats[unread],
-                               self._longs([positions[r] for r in unread]), self._longs(slots), self.kv)
+        size = self.page_size
+        slots = [tables[r][positions[r] // size] * size + positions[r] % size for r in unread]
+        self.head.write_kv(self._longs([ids[r] for r in unread]), feats[unread],
+                           self._longs([positions[r] for r in unread]), self._longs(slots), self.kv)
         if lasts:
             readers = [c for c, r in zip(rows, read) if r]
             x, logits = self._run([ids[r] for r in lasts], feats[lasts], [1] * len(lasts), [c.end for c in readers],
                                   [c.req.kv.pages for c in readers])
             self._last.update((c.req.request_id, (x[i], logits[i])) for i, c in enumerate(readers))
+
+    def _replays(self, num_rows: int) -> bool:
+        """Whether a head call of `num_rows` rows replays from a CUDA graph (one launch, whatever it computes)."""
+        return self.graphs is not None and self.graphs.expand and num_rows <= self.graphs.buckets[-1]
 
     # ---- draft -------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -494,7 +494,7 @@ def test_speculation_without_a_head_is_a_clear_config_error(monkeypatch, tmp_pat
 def test_every_committed_positions_draft_kv_is_the_heads_over_the_whole_sequence(spec_prompts, reference, style,
                                                                                  max_batch):
     """The catch-up runs the whole layer only for rows something reads (each request's last, when it
-    may draft or its prefill just ended) and writes the others' K/V alone; what it leaves in the
+    may draft or its prefill just ended) and, past a few rows, writes the others' K/V alone; what it leaves in the
     draft layer is what the head computes over the whole sequence in one pass, from the target's
     features over it (reference: one prefill of the target). Chunked prefills, decode rows above
     the batch cutoff and accepted drafts all included."""
@@ -502,11 +502,17 @@ def test_every_committed_positions_draft_kv_is_the_heads_over_the_whole_sequence
     from kernels.kv_layout import KVCacheTensors
 
     head = tiny_draft_head(style)
-    engine = make_spec_engine(head, chunk_size=16, speculative_max_batch=max_batch)
+    engine = make_spec_engine(head, chunk_size=128, speculative_max_batch=max_batch)
     _script_drafts(engine, reference, accept=0.7)
-    prompts = spec_prompts[:3]
+    written = []  # rows of each call that wrote K/V alone
+    write_kv = head.write_kv
+    head.write_kv = lambda ids, *args: (written.append(len(ids)), write_kv(ids, *args))[1]
+    prompts = sorted(spec_prompts, key=len)[-3:]  # their prefill step has more rows than a split needs
+    assert sum(map(len, prompts)) - 3 > speculator_module.CATCH_UP_SPLIT_ROWS
     outputs = [r.output_token_ids for r in engine.generate(prompts, greedy(max_tokens=MAX_NEW))]
     assert outputs == [reference[tuple(p)] for p in prompts]
+    assert written[0] == sum(map(len, prompts)) - 3  # the prefill: all but each prompt's last row
+    assert (len(written) > 1) == (max_batch == 1)  # decode rows above the cutoff: no row is read
     assert (engine.speculator.counters.verifies > 0) == (max_batch > 1)
     ours, _, arch = tiny_models()
     size = engine.config.page_size

@@ -117,6 +117,11 @@ def _check_lengths(
         )
 
 
+def slot_of(page_table: list[int], position: int, page_size: int) -> int:
+    """The flat KV slot (page id x page_size + offset) holding `position` of a sequence over `page_table`."""
+    return page_table[position // page_size] * page_size + position % page_size
+
+
 def _positions_and_slots(
     page_size: int, query_lens: list[int], seq_lens: list[int], page_tables: list[list[int]],
     masks: list[TreeMask | None],
@@ -125,7 +130,7 @@ def _positions_and_slots(
     slots: list[int] = []
     for q_len, s_len, pages, mask in zip(query_lens, seq_lens, page_tables, masks):
         for pos in range(s_len - q_len, s_len):
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            slots.append(slot_of(pages, pos, page_size))
         if mask is None:
             positions.extend(range(s_len - q_len, s_len))
         else:

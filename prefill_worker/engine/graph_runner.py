@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.attention.metadata import AttnMetadata
+from kernels.attention.metadata import AttnMetadata, slot_of
 from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class StaticBuffers:
         pad = bucket - n
         seq_lens = [r.seq_len for r in rows] + [1] * pad
         positions = [s - 1 for s in seq_lens]
-        slots = [r.pages[(r.seq_len - 1) // page_size] * page_size + (r.seq_len - 1) % page_size for r in rows]
+        slots = [slot_of(r.pages, r.seq_len - 1, page_size) for r in rows]
         table = torch.zeros((bucket, self.max_pages), dtype=torch.int64)
         for i, r in enumerate(rows):
             table[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int64)

@@ -40,15 +40,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
 from pathlib import Path
 
 from cluster.config import ConfigError, EngineConfig
-from kernels.attention.metadata import build_attn_metadata
+from kernels.attention.metadata import build_attn_metadata, slot_of
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoint
 from kernels.sampling import filtered_probs, row_generator
@@ -255,9 +255,8 @@ class EagleSpeculator:
         c, moves = req.kv.kv_committed_len, [(row, m + 1) for m, row in enumerate(path) if row != m + 1]
         if not moves:
             return
-        pages, size = req.kv.pages, self.page_size
-        src, dst = ([pages[(c + r) // size] * size + (c + r) % size for r in rows] for rows in zip(*moves))
-        src, dst = (torch.tensor(s, dtype=torch.int64, device=self.device) for s in (src, dst))
+        src, dst = ([slot_of(req.kv.pages, c + r, self.page_size) for r in rows] for rows in zip(*moves))
+        src, dst = self._longs(src), self._longs(dst)
         for cache in (*self.target_kv.k, *self.target_kv.v):
             flat = cache.view(-1, *cache.shape[2:])
             flat.index_copy_(0, dst, flat.index_select(0, src))
@@ -295,8 +294,7 @@ class EagleSpeculator:
         positions = [p for c in rows for p in range(c.start, c.end)]  # row r's position, r indexing ids
         tables = [c.req.kv.pages for c in rows for _ in range(c.start, c.end)]
         unread = sorted(set(range(len(ids))) - set(lasts))
-        size = self.page_size
-        slots = [tables[r][positions[r] // size] * size + positions[r] % size for r in unread]
+        slots = [slot_of(tables[r], positions[r], self.page_size) for r in unread]
         self.head.write_kv(self._longs([ids[r] for r in unread]), feats[unread],
                            self._longs([positions[r] for r in unread]), self._longs(slots), self.kv)
         if lasts:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kernels.attention.metadata import AttnMetadata, TreeMask
+from kernels.attention.metadata import AttnMetadata, TreeMask, slot_of
 from kernels.speculative import verify_tree_mask
 from prefill_worker.engine.graph_runner import batch_buckets, bucket_for, capture_graph
 from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
@@ -60,7 +60,7 @@ class TreeBuffers:
         for i, (tokens, seq_len, pages, mask) in enumerate(seqs):
             ids += tokens
             positions += [seq_len - width + offset for offset in mask.offsets]
-            slots += [pages[p // page_size] * page_size + p % page_size for p in range(seq_len - q, seq_len)]
+            slots += [slot_of(pages, p, page_size) for p in range(seq_len - q, seq_len)]
             masks += [v for row in mask.visible for v in row]
             table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
         alone = [[j == width - q + i for j in range(width)] for i in range(q)]  # padding: each row sees itself

@@ -35,8 +35,8 @@ def add_train_eagle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hard-labels", dest="soft_labels", action="store_false",
                    help="train on the target's greedy tokens only, not its distribution over the draft vocabulary")
     p.add_argument("--precision", choices=PRECISIONS, default=_DEFAULTS.precision,
-                   help="bf16: training answers from a bfloat16 copy of the target and bfloat16 autocast training "
-                        "(aux states, labels and held-out answers stay the target's); auto: bf16 where the device "
+                   help="bf16: training answers, aux states and labels from a bfloat16 copy of the target and "
+                        "bfloat16 autocast training (held-out answers stay the target's); auto: bf16 where the device "
                         "multiplies bfloat16 natively (default %(default)s)")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="default %(default)s")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

@@ -57,9 +57,10 @@ def test_grouped_aux_passes_equal_one_pass_per_sequence():
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
 def test_training_answers_come_from_a_bfloat16_copy_and_held_out_ones_from_the_target(bf16, tmp_path, monkeypatch):
-    """`eagle._generations`: with bf16 the training prompts are answered by a bfloat16 copy the
-    loader makes (HF's bfloat16 greedy), the held-out prompts always by the target itself (HF's
-    float32 greedy: acceptance is measured against the target's own answers); saved for a resume."""
+    """`eagle._answerer` with bf16 is a bfloat16 copy the loader makes, else the target itself (no
+    load); `eagle._generations` answers the training prompts with it (HF's bfloat16 greedy), the
+    held-out prompts always with the target (HF's float32 greedy: acceptance is measured against
+    the target's own answers); saved for a resume."""
     from types import SimpleNamespace
 
     import kernels.model.loader as loader
@@ -79,12 +80,15 @@ def test_training_answers_come_from_a_bfloat16_copy_and_held_out_ones_from_the_t
     monkeypatch.setattr(loader, "load_model", load_copy)
     settings = TrainSettings(num_prompts=4, max_new_tokens=10)
     loaded = SimpleNamespace(model=target, arch=arch, eos_token_ids=(), tokenizer=None)
-    path = tmp_path / "generations.json"
-    train, held_out = eagle._generations(path, loaded, settings, bf16, None, "cpu")
+    answerer = eagle._answerer(loaded, settings, bf16, None, "cpu")
     assert loads == ([torch.bfloat16] if bf16 else [])
+    assert (answerer is loaded) != bf16
+    assert next(answerer.model.parameters()).dtype == (torch.bfloat16 if bf16 else torch.float32)
+    path = tmp_path / "generations.json"
+    train, held_out = eagle._generations(path, loaded, answerer, settings)
     train_reference = copy.deepcopy(reference).bfloat16() if bf16 else reference
     agree = sum(a == b for s, p in zip(train, prompts["train"]) for a, b in zip(s.answer, hf_greedy(train_reference, p, 10)))
     assert agree >= 0.9 * 40
     for sample, prompt in zip(held_out, prompts["eval"]):
         assert list(sample.answer) == hf_greedy(reference, prompt, 10)
-    assert eagle._generations(path, None, settings, bf16, None, "cpu") == (train, held_out)  # a resume reads them back
+    assert eagle._generations(path, None, None, settings) == (train, held_out)  # a resume reads them back

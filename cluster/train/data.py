@@ -95,7 +95,8 @@ def aux_states(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tup
 @torch.no_grad()
 def target_states(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tuple[int, ...],
                   tokens_per_pass: int = AUX_TOKENS_PER_PASS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sample, (aux states ``[n, 3h]``, the target's final-normed hidden ``[n, h]``), float32: the
+    """Per sample, (aux states ``[n, 3h]``, ``[n, 0]`` for no aux layers, the target's final-normed
+    hidden ``[n, h]``), float32: the
     target's logits for token j + 1 are its lm_head of hidden[j] (soft labels, `trainer`)."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     for group in _groups(samples, tokens_per_pass):
@@ -133,4 +134,5 @@ def _aux_pass(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tupl
     meta, positions = build_attn_metadata(page_size, lens, lens, page_tables, [], param.device)
     ids = torch.tensor([t for s in samples for t in s.token_ids], dtype=torch.int64, device=param.device)
     hidden, _, aux = model.forward_with_aux(ids, positions, meta, kv, aux_layer_ids)
+    aux = hidden.new_empty(len(ids), 0) if aux is None else aux  # no aux layers (an eagle head): [n, 0]
     return [(a.float().cpu(), h.float().cpu()) for a, h in zip(aux.split(lens), hidden.split(lens))]

@@ -494,10 +494,11 @@ def test_speculation_without_a_head_is_a_clear_config_error(monkeypatch, tmp_pat
 def test_every_committed_positions_draft_kv_is_the_heads_over_the_whole_sequence(spec_prompts, reference, style,
                                                                                  max_batch):
     """The catch-up runs the whole layer only for rows something reads (each request's last, when it
-    may draft or its prefill just ended) and, past a few rows, writes the others' K/V alone; what it leaves in the
-    draft layer is what the head computes over the whole sequence in one pass, from the target's
-    features over it (reference: one prefill of the target). Chunked prefills, decode rows above
+    may draft or its prefill just ended) and, past a few rows, writes the others' K/V alone; what
+    it leaves in the draft layer is what the head computes over the whole sequence in one pass,
+    from the target's features over it (reference: one prefill, `target_states`). Chunked prefills, decode rows above
     the batch cutoff and accepted drafts all included."""
+    from cluster.train.data import Sample, target_states
     from kernels.attention.metadata import build_attn_metadata
     from kernels.kv_layout import KVCacheTensors
 
@@ -519,13 +520,9 @@ def test_every_committed_positions_draft_kv_is_the_heads_over_the_whole_sequence
     for prompt, output in zip(prompts, outputs):
         tokens = prompt + output
         n = len(tokens) - 1  # committed positions: the last token was never run
-        pages = list(range(1, 1 + -(-n // size)))
-        target_kv = KVCacheTensors.allocate(arch.num_layers, pages[-1] + 1, size, arch.num_kv_heads, arch.head_dim,
-                                            torch.float32, "cpu")
-        meta, positions = build_attn_metadata(size, [n], [n], [pages], [], "cpu")
-        hidden, _, aux = ours.forward_with_aux(torch.tensor(tokens[:n]), positions, meta, target_kv,
-                                               head.arch.aux_layer_ids)
+        [(aux, hidden)] = target_states(ours, [Sample(tuple(tokens[:n]), len(prompt))], head.arch.aux_layer_ids)
         features = head.combine(aux) if style is DraftStyle.EAGLE3 else hidden
+        pages = list(range(1, 1 + -(-n // size)))
         kv = KVCacheTensors.allocate(1, pages[-1] + 1, size, arch.num_kv_heads, arch.head_dim, torch.float32, "cpu")
         meta, positions = build_attn_metadata(size, [n], [n], [pages], [n - 1], "cpu")
         head(torch.tensor(tokens[1:n + 1]), features, positions, meta, kv)

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+from pathlib import Path
 
 from cluster.config import ATTENTION_BACKENDS, DTYPES, SPECULATIVE_METHODS, WRITE_POLICIES, ConfigError, EngineConfig
+
+log = logging.getLogger("tandem.speculative")
 
 # flag -> (EngineConfig field, argparse options): the engine flags of `tandem run`, `tandem bench`
 # and `tandem serve`, declared once
@@ -39,7 +43,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
                                           help="speculative decoding: eagle drafts tokens with an EAGLE head, "
                                                "the model verifies them (same output)")),
     "--draft-model": ("draft_model", dict(metavar="PATH", help="EAGLE head directory (default: the one "
-                                                                 "`tandem train-eagle` cached for --model)")),
+                                                                 "`tandem train-eagle` cached for --model, else "
+                                                                 "the one shipped for smollm2)")),
     "--num-draft-tokens": ("num_draft_tokens", dict(type=int, metavar="K",
                                                     help="draft tokens per step (the tree's depth with --speculative-topk)")),
     "--speculative-topk": ("speculative_topk", dict(type=int, metavar="W",
@@ -74,15 +79,20 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
     return with_default_draft(dataclasses.replace(EngineConfig(), **{**engine_fields_from_args(args), **overrides}))
 
 
-def with_default_draft(config: EngineConfig) -> EngineConfig:
+def with_default_draft(config: EngineConfig, cache_root: Path | None = None) -> EngineConfig:
     """`config` with `draft_model` resolved: speculation without a head named uses the one
-    `tandem train-eagle` cached for the model on this machine (ConfigError when there is none)."""
-    if config.speculative == "none" or config.draft_model:
+    `tandem train-eagle` cached for the model on this machine, else the head the package ships for
+    it (`cluster.train.shipped.default_draft`; ConfigError when there is neither). Logs which."""
+    if config.speculative == "none":
         return config
-    from cluster.train.settings import default_draft_dir
+    if config.draft_model:
+        log.info("speculative %s: draft head %s (engine.draft_model)", config.speculative, config.draft_model)
+        return config
+    from cluster.train.shipped import default_draft
 
-    path = default_draft_dir(config.model)
-    if path is None:
+    found = default_draft(config.model, cache_root)
+    if found is None:
         raise ConfigError(f"--speculative {config.speculative}: no draft head for {config.model!r} on this machine; "
                           f"train one with `tandem train-eagle --model {config.model}` or pass --draft-model PATH")
-    return dataclasses.replace(config, draft_model=str(path))
+    log.info("speculative %s: draft head %s", config.speculative, found.description)
+    return dataclasses.replace(config, draft_model=str(found.path))

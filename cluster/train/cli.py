@@ -46,6 +46,9 @@ def add_train_eagle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY,
                    help="save resume state every N steps (default %(default)s)")
     p.add_argument("--force", action="store_true", help="retrain from scratch even when a complete head exists")
+    p.add_argument("--export-shipped", nargs="?", const="", metavar="DIR",
+                   help="then write the head in bfloat16, with its recipe and acceptance, as the head the package "
+                        "ships for --model (cluster/train/heads/smollm2/ for smollm2), replacing it; or into DIR")
 
 
 def settings_from_args(args: argparse.Namespace) -> TrainSettings:
@@ -62,6 +65,7 @@ def run_train_eagle(args: argparse.Namespace) -> int:
     from cluster.train.eagle import train_eagle
 
     settings = settings_from_args(args)
+    export_to = _export_dir(args.export_shipped, settings.model)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -74,5 +78,25 @@ def run_train_eagle(args: argparse.Namespace) -> int:
 
         acc = result.acceptance
         print("held-out " + Acceptance(**{**acc, "step_accept": tuple(acc["step_accept"])}).summary())
+    if export_to is not None:
+        from cluster.train.shipped import export_shipped
+
+        print(f"shipped head (bfloat16): {export_shipped(result.path, export_to)}")
     sys.stdout.flush()
     return 0
+
+
+def _export_dir(flag: str | None, model: str) -> Path | None:
+    """Where --export-shipped writes (None: not asked); ValueError before any training when the
+    package has no shipped head for `model` and no DIR was given."""
+    from cluster.train.shipped import shipped_dir
+
+    if flag is None:
+        return None
+    if flag:
+        return Path(flag)
+    dest = shipped_dir(model)
+    if dest is None:
+        raise ValueError(f"--export-shipped: the package ships a head only for smollm2, not {model!r}; "
+                         "give a directory (--export-shipped DIR)")
+    return dest

@@ -480,10 +480,10 @@ def test_speculation_without_a_head_is_a_clear_config_error(monkeypatch, tmp_pat
         EngineCore(EngineConfig(num_pages=64, speculative="eagle"), ours, arch)
     with pytest.raises(ConfigError, match="num_draft_tokens"):
         EngineConfig(speculative="eagle", num_draft_tokens=0)
-    monkeypatch.setattr(train_settings, "default_draft_dir", lambda model: None)
-    with pytest.raises(ConfigError, match="tandem train-eagle --model smollm2"):
-        with_default_draft(EngineConfig(speculative="eagle"))
-    monkeypatch.setattr(train_settings, "default_draft_dir", lambda model: tmp_path / model)
+    monkeypatch.setattr(train_settings, "default_draft_dir", lambda model, cache_root=None: None)
+    with pytest.raises(ConfigError, match="tandem train-eagle --model /no-head"):  # smollm2 has a shipped head
+        with_default_draft(EngineConfig(speculative="eagle", model="/no-head"))
+    monkeypatch.setattr(train_settings, "default_draft_dir", lambda model, cache_root=None: tmp_path / model)
     assert with_default_draft(EngineConfig(speculative="eagle")).draft_model == str(tmp_path / "smollm2")
     assert with_default_draft(EngineConfig(speculative="eagle", draft_model="/x")).draft_model == "/x"
     assert with_default_draft(EngineConfig()).draft_model == ""

@@ -1,5 +1,5 @@
 """Admission control: take a request now, or refuse it at once (429 + Retry-After) because it
-could not be served promptly. Decided at arrival, never later (DESIGN §8).
+could not be served within the TTFT budget. Decided at arrival, never later (DESIGN §8).
 
 Each prefill worker has a `PrefillLane`, the dispatcher's share of that worker:
 
@@ -12,23 +12,27 @@ the window leave room for it (`prefill_window_tokens`; one request larger than t
 So the transfer deadlines start when its prefill can start: queue time is the dispatcher's,
 bounded by admission, and never spent from a transfer deadline.
 
-The promise to an admitted request: its first token within the unloaded TTFT (measured by the
-router from requests that arrived with nothing else in flight) plus a margin, by default that TTFT
-again (2x unloaded; `max_queue_delay_s` sets it). Admission plans for half the margin, the wait
-budget, and two checks keep to it:
+The promise to an admitted request: its first token within the TTFT budget (`max_queue_delay_s`,
+30 s by default: an absolute figure a chat user tolerates, not a multiple of the unloaded TTFT,
+so ordinary load queues instead of being refused). Two checks keep to it:
 
-  prefill  a lane admits while the predicted wait of a new request, the prompt tokens ahead of it
-           (queued + in the window) over the lane's measured rate, is within the wait budget.
-           Before its first measurement, only the queue depth bounds it.
+  prefill  a lane admits while the request's predicted first token, the prompt tokens ahead of it
+           (queued + in the window) and its own over the lane's measured rate, is within
+           `PLAN_SHARE` of the budget (the rest absorbs what it cannot foresee: a prompt's real
+           cost, decode steps in the way, the transfer). The rate's first sample, a cold worker's
+           first prefill, is not taken. Before a measurement only the queue depth
+           (`max_queued_requests`, a memory bound) limits it.
   decode   a decode (or colocated) worker admits while it holds fewer requests, counted from
            arrival, than its `DecodeLimit`: at most `max_requests_per_worker` (so none waits for a
-           batch slot), lowered while its first tokens come later than unloaded + the wait budget.
+           batch slot), lowered only while first tokens come later than the budget, and never
+           below `LIMIT_FLOOR_SHARE` of the maximum.
 
 Pure: no I/O, no asyncio; time is passed in (`now`, monotonic seconds) so tests drive the clock.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,22 +42,24 @@ from router.policy import WorkerView
 from cluster.protocol import WorkerRole
 
 FALLBACK_RETRY_AFTER_S = 1.0  # no measurement to estimate from: the smallest Retry-After HTTP can say
-AIM_SHARE = 0.5  # of the promised margin that admission plans to use; the rest absorbs what it cannot foresee
+DEFAULT_TTFT_BUDGET_S = 30.0  # what a chat user tolerates before giving up on a first token
+PLAN_SHARE = 0.75  # of the TTFT budget that a predicted prefill wait + own prefill may use
+LIMIT_FLOOR_SHARE = 0.5  # of max_requests_per_worker: the adaptive decode limit never cuts below it
+COLD_SAMPLES = 1  # first completions of a prefill worker whose time is not a rate sample (first-call costs)
 
 
 @dataclass(frozen=True)
 class AdmissionParams:
     """When the dispatcher refuses a request at arrival instead of queueing it."""
 
-    max_queue_delay_s: float | None = None
-    """How much later than unloaded an admitted request may get its first token (> 0). Admission
-    plans for half of it (`wait_budget_s`): the bound on a new request's predicted prefill wait
-    (prompt tokens ahead / measured rate), and with the unloaded TTFT the target the decode workers'
-    limits adapt to. None: the measured unloaded TTFT, so admitted requests' TTFT stays within ~2x
-    the unloaded one."""
-    max_queued_requests: int = 8
-    """Admitted requests waiting in the dispatcher per prefill worker, at most (>= 0); before the
-    worker's first completed prefill it is the only bound."""
+    max_queue_delay_s: float = DEFAULT_TTFT_BUDGET_S
+    """The TTFT budget: an admitted request's first token comes within this many seconds of its
+    arrival (> 0). Admission plans a new request's predicted first token within `PLAN_SHARE` of it,
+    and the decode workers' limits are cut only while first tokens come later than it."""
+    max_queued_requests: int = 256
+    """Admitted requests waiting in the dispatcher per prefill worker, at most (>= 0): a memory bound
+    (a waiting request holds its prompt's token ids, nothing on a worker); before the worker's first
+    measured prefill it is the only bound."""
     prefill_window_tokens: int = 1024
     """Prompt tokens handed to one prefill worker and not yet delivered, at most (>= 1). Size it
     above the prefill chunk size so the worker's batches stay full."""
@@ -61,12 +67,10 @@ class AdmissionParams:
     """Requests one decode or colocated worker holds at once, from arrival to end (>= 1), at most:
     its batch size, so no admitted request waits for a decode slot. The adaptive limit stays below."""
     rate_smoothing: float = 0.2
-    """Weight of the newest sample in every smoothed measurement (prefill rate, unloaded and recent
-    TTFT), in (0, 1]."""
+    """Weight of the newest sample in every smoothed measurement (prefill rate, recent TTFT), in (0, 1]."""
 
     def __post_init__(self):
-        require(self.max_queue_delay_s is None or self.max_queue_delay_s > 0,
-                 f"max_queue_delay_s must be > 0 or None, got {self.max_queue_delay_s}")
+        require(self.max_queue_delay_s > 0, f"max_queue_delay_s must be > 0, got {self.max_queue_delay_s}")
         require(self.max_queued_requests >= 0, f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         require(self.prefill_window_tokens >= 1,
                  f"prefill_window_tokens must be >= 1, got {self.prefill_window_tokens}")
@@ -74,6 +78,10 @@ class AdmissionParams:
                  f"max_requests_per_worker must be >= 1, got {self.max_requests_per_worker}")
         require(0 < self.rate_smoothing <= 1, f"rate_smoothing must be in (0, 1], got {self.rate_smoothing}")
 
+    @property
+    def planned_ttft_s(self) -> float:
+        """The predicted first token a prefill lane admits up to."""
+        return PLAN_SHARE * self.max_queue_delay_s
 
 
 @dataclass(frozen=True)
@@ -99,13 +107,16 @@ class PrefillRate:
     Busy time runs while at least one prefill is at the worker; each completion closes the busy
     interval since the previous mark. Decayed sums of tokens, busy seconds and completions (the
     newest weighs `smoothing`) give the rate and the mean service time; prefills that complete in
-    the same step share one interval, so batching counts as the throughput it gives.
+    the same step share one interval, so batching counts as the throughput it gives. The first
+    `cold_samples` completions only set the mark: a fresh worker's first prefill pays first-call
+    costs (allocator growth, lazy tables) that would make every prediction after it pessimistic.
     """
 
-    def __init__(self, smoothing: float):
+    def __init__(self, smoothing: float, cold_samples: int = COLD_SAMPLES):
         self.smoothing = smoothing
         self.in_service = 0  # prefills at the worker
         self.in_service_tokens = 0  # their prompt tokens
+        self.cold_left = cold_samples  # delivered completions still to skip
         self._mark_s = 0.0
         self._tokens = self._busy_s = self._completions = 0.0
 
@@ -123,6 +134,10 @@ class PrefillRate:
         self.in_service -= 1
         self.in_service_tokens -= num_tokens
         if not delivered:
+            return
+        if self.cold_left:
+            self.cold_left -= 1
+            self._mark_s = now
             return
         keep = 1.0 - self.smoothing
         self._tokens = keep * self._tokens + num_tokens
@@ -144,57 +159,45 @@ class PrefillRate:
         return max(0.0, now - self._mark_s) if self.in_service else 0.0
 
 
-class UnloadedTtft:
-    """Smoothed time to first token of requests that arrived with nothing else in flight: the
-    unloaded figure that admission keeps the TTFT of admitted requests within twice of."""
-
-    def __init__(self, smoothing: float):
-        self.smoothing = smoothing
-        self.value_s: float | None = None
-
-    def observe(self, ttft_s: float) -> None:
-        old = self.value_s
-        self.value_s = ttft_s if old is None else old + self.smoothing * (ttft_s - old)
-
-
 class DecodeLimit:
     """How many requests one decode (or colocated) worker may hold, adapted to the TTFT they get.
 
     It starts at `max_limit` (nothing measured, no reason to refuse a burst) and moves on each
-    admitted request's first token, against the aimed TTFT (`ttft_aim_s`), like a congestion
-    window:
+    admitted request's first token, against the TTFT budget (`budget_s`), like a congestion window:
 
-        within the aim, the limit in use        grow by one per limit's worth of tokens
-        past the aim, and so is the smoothed    cut to `BACKOFF` x the requests it holds,
-          recent TTFT                             at most once per epoch
+        within the budget, the limit in use     grow by one per limit's worth of tokens
+        past the budget, and so is the          cut to `BACKOFF` x the requests it holds,
+          smoothed recent TTFT                    at most once per epoch
         otherwise                               hold
 
     Growth only while the limit binds (a worker below its limit says nothing about more); a cut
     from what the worker holds, not from a limit it never reached. Once per epoch: requests admitted
     under the limit a cut replaced were admitted too generously already; their late tokens say
-    nothing new. The smoothing keeps one noisy token from cutting. Between 1 and `max_limit`. It
-    catches what the prefill rate cannot show: a decode batch that delays first tokens, or slows
-    a prefill worker sharing its CPU.
+    nothing new. The smoothing keeps one noisy token from cutting. Between `floor` (`LIMIT_FLOOR_SHARE`
+    of the maximum: a worker that serves slowly still serves a full batch's worth of users, and the
+    prefill lanes' predictions bound the rest) and `max_limit`. It catches what the prefill rate
+    cannot show: a decode batch that delays first tokens, or slows a prefill worker sharing its CPU.
     """
 
     BACKOFF = 0.75
 
     def __init__(self, max_limit: int, smoothing: float):
         self.max_limit, self.smoothing = max_limit, smoothing
+        self.floor = max(1.0, float(math.ceil(LIMIT_FLOOR_SHARE * max_limit)))
         self.limit = float(max_limit)
         self.epoch = 0  # cuts so far
         self.recent_ttft_s: float | None = None
 
-    def observe(self, ttft_s: float, aim_s: float, admitted_epoch: int, num_active: int) -> None:
+    def observe(self, ttft_s: float, budget_s: float, admitted_epoch: int, num_active: int) -> None:
         """A first token came `ttft_s` after arrival, to a request admitted in `admitted_epoch`,
         while the worker holds `num_active` requests (that one included)."""
         old = self.recent_ttft_s
         self.recent_ttft_s = ttft_s if old is None else old + self.smoothing * (ttft_s - old)
-        if ttft_s <= aim_s:
+        if ttft_s <= budget_s:
             if num_active >= self.limit - 1:
                 self.limit = min(float(self.max_limit), self.limit + 1.0 / self.limit)
-        elif admitted_epoch == self.epoch and self.recent_ttft_s > aim_s:
-            self.limit = max(1.0, min(self.limit, num_active) * self.BACKOFF)
+        elif admitted_epoch == self.epoch and self.recent_ttft_s > budget_s:
+            self.limit = max(self.floor, min(self.limit, num_active) * self.BACKOFF)
             self.epoch += 1
 
     def refusal(self, num_active: int) -> Refusal | None:
@@ -202,7 +205,7 @@ class DecodeLimit:
         if num_active < int(self.limit):
             return None
         why = ("router.max_requests_per_worker" if int(self.limit) >= self.max_limit
-               else "its limit adapts to keep first tokens within twice the unloaded TTFT")
+               else "its limit was cut while first tokens came later than router.max_queue_delay_s")
         return Refusal(f"{num_active} requests already on this worker ({why})", FALLBACK_RETRY_AFTER_S)
 
 
@@ -275,38 +278,24 @@ class PrefillLane:
         at_worker_s = max(0.0, self.rate.in_service_tokens / rate - self.rate.busy_for_s(now))
         return at_worker_s + (self.ahead_tokens - self.rate.in_service_tokens) / rate
 
-    def refusal(self, params: AdmissionParams, now: float, unloaded_ttft_s: float | None) -> Refusal | None:
-        """Why this lane cannot admit one more request now; None when it can."""
+    def refusal(self, params: AdmissionParams, now: float, num_tokens: int) -> Refusal | None:
+        """Why this lane cannot admit one more request of `num_tokens` prompt tokens now; None when
+        it can: its predicted prefill end (the wait, then its own prompt) is within the plan."""
         if self.num_queued >= params.max_queued_requests and not self._has_room_now():
-            return Refusal(f"{self.num_queued} requests already queued for this prefill worker",
-                           FALLBACK_RETRY_AFTER_S)
+            return Refusal(f"{self.num_queued} requests already queued for this prefill worker "
+                           "(router.max_queued_requests)", FALLBACK_RETRY_AFTER_S)
         wait_s = self.predicted_wait_s(now)
-        if wait_s is None:
+        if wait_s is None or not self.ahead_tokens:  # unmeasured, or idle: nothing to wait behind
             return None
-        bound_s = wait_budget_s(params, unloaded_ttft_s) or self.rate.mean_service_s
-        if wait_s <= bound_s:
+        done_s = wait_s + num_tokens / self.rate.tokens_per_s
+        if done_s <= params.planned_ttft_s:
             return None
-        return Refusal(f"predicted prefill wait {wait_s:.2f}s exceeds {bound_s:.2f}s "
-                       f"({self.ahead_tokens} prompt tokens ahead)", wait_s - bound_s)
+        return Refusal(f"predicted prefill done in {done_s:.2f}s, past the {params.planned_ttft_s:.2f}s admission "
+                       f"plans for (router.max_queue_delay_s {params.max_queue_delay_s:g}s; "
+                       f"{self.ahead_tokens} prompt tokens ahead)", done_s - params.planned_ttft_s)
 
     def _has_room_now(self) -> bool:
         return not self._queue and self.window_tokens < self.max_window_tokens
-
-
-def wait_budget_s(params: AdmissionParams, unloaded_ttft_s: float | None) -> float | None:
-    """The wait admission plans for: `AIM_SHARE` of the promised margin (`max_queue_delay_s`, by
-    default the unloaded TTFT). Only a share, because what it cannot foresee (a prompt's real cost,
-    a decode step in the way, a limit that learns from late tokens only after them) comes on top,
-    and the promise is about the tail. None: nothing measured yet."""
-    margin_s = params.max_queue_delay_s or unloaded_ttft_s
-    return None if margin_s is None else AIM_SHARE * margin_s
-
-
-def ttft_aim_s(params: AdmissionParams, unloaded_ttft_s: float | None) -> float | None:
-    """The TTFT the decode limits steer admitted requests to: unloaded + the wait budget (1.5x
-    unloaded by default, inside the promised 2x). None until the unloaded TTFT is measured."""
-    budget_s = wait_budget_s(params, unloaded_ttft_s)
-    return None if unloaded_ttft_s is None or budget_s is None else unloaded_ttft_s + budget_s
 
 
 _NEEDED_ROLES = (("prefill", (WorkerRole.PREFILL,)), ("decode", (WorkerRole.DECODE, WorkerRole.COLOCATED)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.config import require, require_min
-from router.admission import AdmissionParams
+from router.admission import DEFAULT_TTFT_BUDGET_S, AdmissionParams
 from router.policy import Policy, PolicyParams
 
 POLICIES = tuple(p.value for p in Policy)
@@ -21,16 +21,16 @@ class RouterConfig(PolicyParams):
     """One of round_robin | least_load | cache_aware | kv_cost."""
     max_transfer_retries: int = 1
     """Re-routes of a request whose KV transfer failed before any token reached the client (>= 0)."""
-    max_queue_delay_s: float | None = None
-    """Admission: how much later than unloaded an admitted request may get its first token (> 0).
-    A new request is refused at once (429 + Retry-After) when its predicted wait for a prefill worker
-    (prompt tokens ahead / measured rate) exceeds it, or when its decode worker is at a limit that
-    shrinks while first tokens come later than unloaded + half of it. None: the TTFT measured for
-    requests that arrived with nothing else in flight, so admitted requests' TTFT stays within ~2x
-    the unloaded one."""
-    max_queued_requests: int = 8
-    """Admission: requests waiting in the router per prefill worker at most (>= 0); the only bound
-    until the worker's first prefill completes (no rate measured yet)."""
+    max_queue_delay_s: float = DEFAULT_TTFT_BUDGET_S
+    """Admission: the TTFT budget, seconds (> 0). A request is admitted and queues (in the router,
+    holding no KV) while its predicted first token is within it; past it, it gets 429 + Retry-After
+    at once. 30 s by default: an absolute bound a chat user tolerates, so ordinary load queues
+    rather than being refused. The decode workers' adaptive limits are cut only while first tokens
+    come later than it."""
+    max_queued_requests: int = 256
+    """Admission: requests waiting in the router per prefill worker at most (>= 0): a memory bound,
+    sized for hundreds of waiting requests; the only bound until the worker's first prefills are
+    measured."""
     prefill_window_tokens: int | None = None
     """Prompt tokens handed to one prefill worker and not yet delivered (>= 1); the rest wait in the
     router, holding no landing, so queue time never counts against a transfer deadline.
@@ -44,8 +44,8 @@ class RouterConfig(PolicyParams):
         super().__post_init__()
         require(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
         require_min(self, "", 0, "max_transfer_retries", "max_queued_requests")
-        require(self.max_queue_delay_s is None or self.max_queue_delay_s > 0,
-                f"max_queue_delay_s must be > 0 or null, got {self.max_queue_delay_s}")
+        require(isinstance(self.max_queue_delay_s, (int, float)) and self.max_queue_delay_s > 0,
+                f"max_queue_delay_s must be > 0, got {self.max_queue_delay_s}")
         for name in ("prefill_window_tokens", "max_requests_per_worker"):
             value = getattr(self, name)
             require(value is None or value >= 1, f"{name} must be >= 1 or null, got {value}")

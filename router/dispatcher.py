@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 
 from cluster import protocol as p
 from cluster.config import SamplingParams
-from router.admission import AdmissionParams, Overloaded, UnloadedTtft, admissible
+from router.admission import AdmissionParams, Overloaded, admissible
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 from router.flights import Flight, Phase, Transfer, observe_first_token, request_counters
 from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, choose
@@ -59,7 +59,6 @@ class Dispatcher:
         self.reserve_retry_s, self.landing_timeout_s = reserve_retry_s, landing_timeout_s
         self.admission, self.clock = admission, clock
         self.sessions, self.session_open_timeout_s = SessionTable(), session_open_timeout_s
-        self.unloaded_ttft = UnloadedTtft(admission.rate_smoothing)
         self.lives: dict[str, LiveWorker] = {}
         self.flights: dict[str, Flight] = {}
         self._by_wire: dict[str, Flight] = {}
@@ -125,8 +124,7 @@ class Dispatcher:
                                  session_id=session_id)
             self._route_turn(flight)
         else:
-            flight = Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
-                            found_idle=not self.flights)
+            flight = Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock())
             self._route(flight, admit=True)  # raises BackendError before anything is registered
         self.flights[request_id] = flight
         return self._stream(flight)
@@ -164,7 +162,7 @@ class Dispatcher:
         lives = [lv for lv in self.lives.values() if not lv.gone]
         views = [lv.view() for lv in lives]
         if admit:
-            views = self._admissible(lives, views)
+            views = self._admissible(lives, views, len(flight.prompt))
         request = RequestView(flight.request_id, tuple(flight.prompt), flight.params.max_tokens)
         try:
             route = choose(self.policy, request, views, self.state, self.policy_params)
@@ -195,11 +193,11 @@ class Dispatcher:
         self._by_wire[turn.wire_id] = turn
         turn.decode.send(p.Generate(turn.wire_id, tuple(turn.prompt), turn.params, turn.session_id))
 
-    def _admissible(self, lives: list[LiveWorker], views: list) -> list:
-        """The views of the workers that can take a new request now; raises QUEUE_FULL (429) when a
-        needed role has none."""
-        now, unloaded_s = self.clock(), self.unloaded_ttft.value_s
-        refusals = {live.worker_id: r for live in lives if (r := live.refusal(self.admission, now, unloaded_s))}
+    def _admissible(self, lives: list[LiveWorker], views: list, num_tokens: int) -> list:
+        """The views of the workers that can take a new request of `num_tokens` prompt tokens now;
+        raises QUEUE_FULL (429) when a needed role has none."""
+        now = self.clock()
+        refusals = {live.worker_id: r for live in lives if (r := live.refusal(self.admission, now, num_tokens))}
         try:
             return admissible(views, refusals)
         except Overloaded as exc:
@@ -236,7 +234,7 @@ class Dispatcher:
     def _unroute(self, flight: Flight) -> None:
         """Undo `_route`'s bookkeeping (the transfer, if any, ends on its own messages)."""
         self._by_wire.pop(flight.wire_id, None)
-        flight.found_idle, flight.limit_epoch = False, None  # a later route's TTFT is no admission sample
+        flight.limit_epoch = None  # a later route's TTFT is no admission sample
         if flight.prefill is not None:
             flight.prefill.lane.discard(flight)
         if flight.decode is not None:
@@ -336,7 +334,7 @@ class Dispatcher:
                 self._finish_error(flight, ErrorKind.UNAVAILABLE, msg.error)
             return
         if flight.tokens_sent == 0:
-            observe_first_token(flight, self.clock() - flight.submitted_at, self.unloaded_ttft, self.admission)
+            observe_first_token(flight, self.clock() - flight.submitted_at, self.admission)
         flight.phase = Phase.STREAMING
         flight.tokens_sent += len(msg.new_token_ids)
         if msg.finish_reason is None:

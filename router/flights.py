@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from cluster import protocol as p
 from cluster.config import SamplingParams
-from router.admission import AdmissionParams, UnloadedTtft, ttft_aim_s
+from router.admission import AdmissionParams
 from router.backend import GenerationChunk
 from router.workers import LiveWorker
 
@@ -53,7 +53,6 @@ class Flight:
     landing_bytes: int = 0
     submitted_at: float = 0.0  # dispatcher clock
     reserve_started_at: float | None = None  # first Reserve sent (the landing timeout counts from there)
-    found_idle: bool = False  # admitted with nothing else in flight: its TTFT is the unloaded figure
     limit_epoch: int | None = None  # its decode worker's `DecodeLimit.epoch` at admission (None: no sample)
 
     @property
@@ -84,14 +83,10 @@ class Transfer:
     prefill_sent: bool = False  # the prompt is at the prefill worker (its service time counts)
 
 
-def observe_first_token(flight: Flight, ttft_s: float, unloaded: UnloadedTtft, admission: AdmissionParams) -> None:
-    """Admission learns from each first token: the unloaded figure, and whether the decode
-    worker's limit kept its promise."""
-    if flight.found_idle:
-        unloaded.observe(ttft_s)
-    aim_s = ttft_aim_s(admission, unloaded.value_s)
-    if flight.limit_epoch is not None and aim_s is not None:
-        flight.decode.limit.observe(ttft_s, aim_s, flight.limit_epoch, flight.decode.num_active)
+def observe_first_token(flight: Flight, ttft_s: float, admission: AdmissionParams) -> None:
+    """Admission learns from each first token whether its decode worker's limit kept the promise."""
+    if flight.limit_epoch is not None:
+        flight.decode.limit.observe(ttft_s, admission.max_queue_delay_s, flight.limit_epoch, flight.decode.num_active)
 
 
 def request_counters():

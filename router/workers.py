@@ -73,10 +73,11 @@ class LiveWorker:
         return cls(info, PrefillLane(admission.prefill_window_tokens, admission.rate_smoothing),
                    DecodeLimit(admission.max_requests_per_worker, admission.rate_smoothing))
 
-    def refusal(self, admission: AdmissionParams, now: float, unloaded_ttft_s: float | None) -> Refusal | None:
-        """Why it cannot take one more new request now (its lane's or its limit's verdict)."""
+    def refusal(self, admission: AdmissionParams, now: float, num_tokens: int) -> Refusal | None:
+        """Why it cannot take one more new request of `num_tokens` prompt tokens now (its lane's or
+        its limit's verdict)."""
         if self.info.role is WorkerRole.PREFILL:
-            return self.lane.refusal(admission, now, unloaded_ttft_s)
+            return self.lane.refusal(admission, now, num_tokens)
         return self.limit.refusal(self.num_active)
 
     def death_notice(self) -> tuple[p.PeerDead, tuple[WorkerRole, ...]]:

@@ -73,11 +73,14 @@ def _add_overload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 32], metavar=("MIN", "MAX"))
     p.add_argument("--unloaded-requests", type=int, default=20, help="sent one at a time: the unloaded TTFT")
     p.add_argument("--capacity-rps", type=float, help="the server's sustainable requests/s (default: measured)")
-    p.add_argument("--capacity-clients", type=int, default=8, help="closed-loop clients of the capacity run")
+    p.add_argument("--capacity-clients", type=int, default=16, help="closed-loop clients of the capacity run")
     p.add_argument("--capacity-s", type=float, default=30.0, help="length of the capacity run")
     p.add_argument("--factor", type=float, default=4.0, help="overload arrival rate / capacity")
     p.add_argument("--duration-s", type=float, default=60.0, help="length of the overload run (arrivals)")
-    p.add_argument("--answer-within-s", type=float, default=2.0, help="first token or 429 this soon after arrival")
+    p.add_argument("--answer-within-s", type=float, default=2.0,
+                   help="a 429 this soon after arrival; a first token this soon after the TTFT budget")
+    p.add_argument("--ttft-budget-s", type=float,
+                   help="the server's TTFT budget (default: router.max_queue_delay_s of the server's config)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for /health/ready")
     p.add_argument("--json", action="store_true", help="print the result as JSON too")

@@ -556,7 +556,8 @@ def test_overload_is_refused_at_arrival_and_queued_requests_keep_their_transfer_
                 continue
 
     async def scenario(d):
-        assert_finished_cleanly(await collect(d.generate("t10-warm", chat(tok, 0), greedy(max_tokens=2))))
+        for warm in ("t10-cold", "t10-warm"):  # the first completion is a cold sample, not taken
+            assert_finished_cleanly(await collect(d.generate(warm, chat(tok, 0), greedy(max_tokens=2))))
         assert d.lives["prefill-short"].lane.rate.tokens_per_s, "the warm-up measured no prefill rate"
         streams, refused = {}, []
         start_s = time.monotonic()
@@ -576,9 +577,10 @@ def test_overload_is_refused_at_arrival_and_queued_requests_keep_their_transfer_
 
     results, refused, arrival_s, num_queued, reroutes = serve(
         # The warm-up measures ~60-100 prompt tokens/s here (one prefill's whole round trip, transfer
-        # included); a 4 s planning budget (half the margin) queues the 4th prompt (~120 tokens ahead)
-        # from 30 tokens/s up, and refuses part of the 960-token flood below 240 tokens/s.
-        cluster, tok, scenario, admission=AdmissionParams(max_queue_delay_s=8.0, prefill_window_tokens=window_tokens))
+        # included); a ~4 s plan (PLAN_SHARE of the budget, own prompt included) queues the 4th prompt
+        # (~160 tokens with its own) from 40 tokens/s up, and refuses part of the 960-token flood below
+        # 240 tokens/s.
+        cluster, tok, scenario, admission=AdmissionParams(max_queue_delay_s=5.4, prefill_window_tokens=window_tokens))
     assert refused, "nothing was refused: the flood was admitted whole"
     assert results and num_queued >= 1, (f"{len(results)} admitted, {num_queued} of them queued in the router; "
                                          f"refused: {refused[0]}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import ConfigError
-from router.admission import (FALLBACK_RETRY_AFTER_S, AdmissionParams, DecodeLimit, Overloaded, PrefillLane,
-                              PrefillRate, Refusal, UnloadedTtft, admissible, ttft_aim_s, wait_budget_s)
+from router.admission import (FALLBACK_RETRY_AFTER_S, PLAN_SHARE, AdmissionParams, DecodeLimit, Overloaded,
+                              PrefillLane, PrefillRate, Refusal, admissible)
 from router.policy import WorkerView
 from cluster.protocol import WorkerRole
 
@@ -16,15 +16,18 @@ def lane(window_tokens: int = 100, smoothing: float = 1.0) -> PrefillLane:
 
 
 def measured(rate_tokens_per_s: float, window_tokens: int = 1000) -> PrefillLane:
-    """A lane whose rate has one completion: `rate_tokens_per_s` * 1 s of service."""
+    """A lane whose rate has one sample: `rate_tokens_per_s` * 1 s of service (after a cold one)."""
     ln = lane(window_tokens)
+    ln.rate.started(-10.0, 1)
+    ln.rate.finished(-1.0, 1, delivered=True)  # a cold worker's first prefill: 1 token in 9 s, not a sample
+    assert ln.rate.tokens_per_s is None
     ln.rate.started(0.0, int(rate_tokens_per_s))
     ln.rate.finished(1.0, int(rate_tokens_per_s), delivered=True)
     return ln
 
 
 def test_rate_counts_busy_time_only_and_shares_a_step_between_batched_completions():
-    rate = PrefillRate(smoothing=0.5)
+    rate = PrefillRate(smoothing=0.5, cold_samples=0)
     assert rate.tokens_per_s is None and rate.mean_service_s is None
     rate.started(10.0, 100)
     rate.started(10.0, 100)  # batched with the first
@@ -38,8 +41,18 @@ def test_rate_counts_busy_time_only_and_shares_a_step_between_batched_completion
     assert rate.in_service == 0
 
 
+def test_rate_skips_the_cold_first_completion():
+    rate = PrefillRate(smoothing=1.0)  # default: one cold sample
+    rate.started(0.0, 100)
+    rate.finished(8.0, 100, delivered=True)  # first-call costs: 12.5 tokens/s, not what the worker does
+    assert rate.tokens_per_s is None and rate.cold_left == 0
+    rate.started(8.0, 100)
+    rate.finished(8.5, 100, delivered=True)
+    assert rate.tokens_per_s == pytest.approx(200.0)
+
+
 def test_rate_ignores_aborted_prefills_and_rejects_a_double_finish():
-    rate = PrefillRate(smoothing=1.0)
+    rate = PrefillRate(smoothing=1.0, cold_samples=0)
     rate.started(0.0, 40)
     rate.started(0.0, 30)
     rate.finished(1.0, 30, delivered=False)  # aborted: no sample
@@ -74,82 +87,77 @@ def test_lane_moves_queued_requests_into_the_window_in_order_while_they_fit():
 def test_lane_without_a_measurement_bounds_the_queue_depth_only():
     params = AdmissionParams(max_queued_requests=2)
     ln = lane(window_tokens=10)
-    assert ln.refusal(params, 0.0, None) is None
+    assert ln.refusal(params, 0.0, 10) is None
     ln.enqueue("a", 10)
     ln.take_ready()
     ln.enqueue("b", 10)
-    assert ln.refusal(params, 0.0, None) is None
+    assert ln.refusal(params, 0.0, 10) is None
     ln.enqueue("c", 10)
-    refusal = ln.refusal(params, 0.0, None)
-    assert refusal == Refusal("2 requests already queued for this prefill worker", FALLBACK_RETRY_AFTER_S)
+    refusal = ln.refusal(params, 0.0, 10)
+    assert refusal == Refusal("2 requests already queued for this prefill worker (router.max_queued_requests)", FALLBACK_RETRY_AFTER_S)
     # A queue bound of 0 still lets a request straight into an open window.
-    assert lane(window_tokens=10).refusal(AdmissionParams(max_queued_requests=0), 0.0, None) is None
+    assert lane(window_tokens=10).refusal(AdmissionParams(max_queued_requests=0), 0.0, 10) is None
 
 
-def test_lane_refuses_when_the_predicted_wait_exceeds_the_bound():
-    params = AdmissionParams(max_queue_delay_s=2.0)  # a wait budget of 1 s
+def test_lane_refuses_when_the_predicted_first_token_exceeds_the_plan():
+    params = AdmissionParams(max_queue_delay_s=2.0)  # plans for 1.5 s
+    assert params.planned_ttft_s == pytest.approx(PLAN_SHARE * 2.0) == 1.5
     ln = measured(100.0)  # 100 tokens/s
-    assert ln.refusal(params, 5.0, None) is None  # idle
+    assert ln.refusal(params, 5.0, 400) is None  # idle: even a prompt longer than the plan goes
     ln.enqueue("a", 80)
     ln.take_ready()
     ln.rate.started(5.0, 80)
     assert ln.predicted_wait_s(5.0) == pytest.approx(0.8)
-    ln.enqueue("b", 80)  # queued behind a: 1.6 s
-    refusal = ln.refusal(params, 5.0, None)
-    assert refusal is not None and refusal.retry_after_s == pytest.approx(0.6)
-    assert "wait 1.60s exceeds 1.00s" in refusal.reason
-    assert "160 prompt tokens ahead" in refusal.reason
-    # a has been served for 0.7 s: 0.1 s of it is left, plus b's 0.8 s.
-    assert ln.predicted_wait_s(5.7) == pytest.approx(0.9) and ln.refusal(params, 5.7, None) is None
+    assert ln.refusal(params, 5.0, 70) is None  # 0.8 s behind a + 0.7 s its own = 1.5 s
+    refusal = ln.refusal(params, 5.0, 80)  # 0.8 + 0.8 s
+    assert refusal is not None and refusal.retry_after_s == pytest.approx(0.1)
+    assert "done in 1.60s, past the 1.50s" in refusal.reason
+    assert "router.max_queue_delay_s 2s; 80 prompt tokens ahead" in refusal.reason
+    ln.enqueue("b", 80)  # queued behind a
+    assert ln.refusal(params, 5.0, 1) is not None  # 1.6 s + 0.01 s
+    # a has been served for 0.7 s: 0.1 s of it is left, plus b's 0.8 s, plus 0.5 s its own.
+    assert ln.predicted_wait_s(5.7) == pytest.approx(0.9) and ln.refusal(params, 5.7, 50) is None
     assert [item for item, _ in ln.take_ready()] == ["b"]  # in the window, its landing being reserved
     # a takes longer than the rate says: b, not yet at the worker, still counts in full.
     assert ln.predicted_wait_s(6.5) == pytest.approx(0.8)
 
 
-def test_lane_waits_at_most_half_the_margin_by_default_the_unloaded_ttft():
-    params = AdmissionParams()  # max_queue_delay_s None: the measured unloaded TTFT
-    ln = measured(100.0)  # mean service 1 s
-    ln.enqueue("a", 150)
-    assert ln.refusal(params, 2.0, None).reason.endswith("exceeds 1.00s (150 prompt tokens ahead)")
-    assert ln.refusal(params, 2.0, 3.0) is None  # 1.5 s <= half the unloaded TTFT
-    refusal = ln.refusal(params, 2.0, 2.0)
-    assert refusal is not None and refusal.retry_after_s == pytest.approx(0.5)
-    assert ln.refusal(AdmissionParams(max_queue_delay_s=3.2), 2.0, 1.0) is None  # the explicit margin wins
-    assert wait_budget_s(params, None) is None and wait_budget_s(params, 1.5) == 0.75
-    assert ttft_aim_s(params, None) is None and ttft_aim_s(params, 1.5) == 2.25
-    assert ttft_aim_s(AdmissionParams(max_queue_delay_s=0.5), 1.5) == 1.75
-
-
-def test_unloaded_ttft_is_smoothed():
-    unloaded = UnloadedTtft(smoothing=0.25)
-    unloaded.observe(2.0)
-    unloaded.observe(4.0)
-    assert unloaded.value_s == pytest.approx(2.5)
+def test_the_default_budget_queues_ordinary_load():
+    """30 s, not a multiple of an unloaded TTFT: many users' short prompts queue behind each other."""
+    params = AdmissionParams()
+    assert params.max_queue_delay_s == 30.0 and params.max_queued_requests >= 256
+    ln = measured(100.0)
+    for i in range(20):  # up to 19 x 64 tokens ahead at 100 tokens/s: 12.2 s + 0.64 s
+        assert ln.refusal(params, 2.0, 64) is None, i
+        ln.enqueue(i, 64)
+    ln.enqueue("x", 1000)  # 22.8 s ahead now: a 64-token prompt would be done at 23.4 s > 22.5 s
+    assert ln.refusal(params, 2.0, 64) is not None
 
 
 def test_decode_limit_backs_off_from_what_it_holds_once_per_epoch_and_grows_only_in_use():
     limit = DecodeLimit(max_limit=16, smoothing=0.5)
-    assert limit.limit == 16 and limit.refusal(15) is None  # a burst passes before anything is measured
+    assert limit.limit == 16 and limit.floor == 8 and limit.refusal(15) is None  # a burst passes unmeasured
     assert "router.max_requests_per_worker" in limit.refusal(16).reason
-    limit.observe(1.0, aim_s=1.5, admitted_epoch=0, num_active=8)
+    limit.observe(1.0, budget_s=1.5, admitted_epoch=0, num_active=16)
     assert limit.limit == 16  # never above the maximum
-    limit.observe(2.0, 1.5, admitted_epoch=0, num_active=8)  # one token past the aim, recent 1.5 s: noise, hold
+    limit.observe(2.0, 1.5, admitted_epoch=0, num_active=14)  # one token past the budget, recent 1.5 s: hold
     assert (limit.limit, limit.epoch, limit.recent_ttft_s) == (16, 0, 1.5)
-    limit.observe(2.5, 1.5, admitted_epoch=0, num_active=8)  # the recent TTFT (2 s) is past the aim too: cut
-    assert (limit.limit, limit.epoch) == (6.0, 1)  # from the 8 it held, not from 16 it never reached
-    refusal = limit.refusal(6)
-    assert "adapts" in refusal.reason and refusal.retry_after_s == FALLBACK_RETRY_AFTER_S
-    limit.observe(3.0, 1.5, admitted_epoch=0, num_active=7)  # admitted before the cut: no second cut
-    assert (limit.limit, limit.epoch) == (6.0, 1)
-    limit.observe(3.0, 1.5, admitted_epoch=1, num_active=6)  # admitted under the cut limit, still late: cut
-    assert (limit.limit, limit.epoch) == (4.5, 2)
+    limit.observe(2.5, 1.5, admitted_epoch=0, num_active=12)  # the recent TTFT (2 s) is past it too: cut
+    assert (limit.limit, limit.epoch) == (9.0, 1)  # from the 12 it held, not from 16
+    refusal = limit.refusal(9)
+    assert "cut while first tokens came later" in refusal.reason and refusal.retry_after_s == FALLBACK_RETRY_AFTER_S
+    limit.observe(3.0, 1.5, admitted_epoch=0, num_active=11)  # admitted before the cut: no second cut
+    assert (limit.limit, limit.epoch) == (9.0, 1)
+    limit.observe(3.0, 1.5, admitted_epoch=1, num_active=9)  # admitted under the cut limit, still late: cut
+    assert (limit.limit, limit.epoch) == (8.0, 2)  # 6.75, held at the floor
     limit.observe(1.0, 1.5, admitted_epoch=2, num_active=1)  # in time, but the limit was not in use: hold
-    assert limit.limit == 4.5
-    limit.observe(0.1, 1.5, admitted_epoch=2, num_active=4)  # in time at the limit: one per limit's worth
-    assert limit.limit == pytest.approx(4.5 + 1 / 4.5)
-    for epoch in range(2, 20):  # late again and again: never below one
+    assert limit.limit == 8.0
+    limit.observe(0.1, 1.5, admitted_epoch=2, num_active=8)  # in time at the limit: one per limit's worth
+    assert limit.limit == pytest.approx(8 + 1 / 8)
+    for epoch in range(2, 20):  # late again and again: never below half the maximum
         limit.observe(9.0, 1.5, admitted_epoch=epoch, num_active=1)
-    assert limit.limit == 1.0 and limit.refusal(0) is None and limit.refusal(1) is not None
+    assert limit.limit == 8.0 and limit.refusal(7) is None and limit.refusal(8) is not None
+    assert DecodeLimit(max_limit=1, smoothing=0.5).floor == 1.0
 
 
 def view(wid: str, role: WorkerRole, alive: bool = True) -> WorkerView:
@@ -185,7 +193,7 @@ def test_router_config_resolves_the_automatic_admission_knobs():
     from cluster.serve.config import RouterConfig, load_serve_config
 
     auto = RouterConfig().admission(prefill_chunk_size=512, decode_max_running=64)
-    assert auto == AdmissionParams(max_queue_delay_s=None, max_queued_requests=8, prefill_window_tokens=1024,
+    assert auto == AdmissionParams(max_queue_delay_s=30.0, max_queued_requests=256, prefill_window_tokens=1024,
                                    max_requests_per_worker=64)
     config = load_serve_config(None, {"router.max_queue_delay_s": 1, "router.prefill_window_tokens": 300,
                                       "router.max_requests_per_worker": 5, "router.max_queued_requests": 0})

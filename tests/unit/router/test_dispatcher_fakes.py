@@ -200,7 +200,7 @@ def test_requests_wait_in_the_dispatcher_until_the_prefill_worker_has_room_and_o
     assert (reroutes, refused) == (0, 1)
 
 
-def test_admission_refuses_by_the_predicted_wait_at_the_measured_rate():
+def test_admission_refuses_by_the_predicted_first_token_at_the_measured_rate():
     clock = FakeClock()
     prompt = list(range(3, 103))  # 100 tokens
 
@@ -210,31 +210,34 @@ def test_admission_refuses_by_the_predicted_wait_at_the_measured_rate():
             await prefilled(prefill, f"{rid}.0")
             return stream
 
+        async def complete(rid: str, stream) -> None:
+            prefill.emit(p.KVComplete(f"{rid}.0", FIRST_TOKEN))
+            await drain(stream)
+
+        await complete("c0", await admitted("c0"))  # the cold first prefill, 5 s: no rate sample
+        clock.now_s = 5.0
         first = await admitted("w0")
-        clock.now_s = 1.0  # 100 tokens in 1 s of service
-        prefill.emit(p.KVComplete("w0.0", FIRST_TOKEN))
-        await drain(first)
-        streams = [await admitted("w1"), await admitted("w2")]  # w2 waits 1 s for w1: within the bound
+        clock.now_s = 6.0  # 100 tokens in 1 s of service
+        await complete("w0", first)
+        streams = [await admitted("w1"), await admitted("w2")]  # w2: 1 s behind w1, 1 s its own: 2 <= 2.25 s
         with pytest.raises(BackendError) as full:
             d.generate("w3", prompt, SamplingParams(max_tokens=4))
-        assert full.value.kind is ErrorKind.QUEUE_FULL and full.value.retry_after_s == pytest.approx(1.0)
-        assert "predicted prefill wait 2.00s exceeds 1.00s" in full.value.message
-        clock.now_s = 1.5  # w1 and w2 have had 0.5 s of service
+        assert full.value.kind is ErrorKind.QUEUE_FULL and full.value.retry_after_s == pytest.approx(0.75)
+        assert "predicted prefill done in 3.00s, past the 2.25s admission plans for" in full.value.message
+        clock.now_s = 6.5  # w1 and w2 have had 0.5 s of service
         with pytest.raises(BackendError) as full:
             d.generate("w4", prompt, SamplingParams(max_tokens=4))
-        assert full.value.retry_after_s == pytest.approx(0.5)
-        clock.now_s = 2.0
-        prefill.emit(p.KVComplete("w1.0", FIRST_TOKEN))
-        await drain(streams[0])
+        assert full.value.retry_after_s == pytest.approx(0.25)
+        clock.now_s = 7.0
+        await complete("w1", streams[0])
         streams.append(await admitted("w5"))  # 1 s left of w2: admitted again
-        for rid, stream in (("w2.0", streams[1]), ("w5.0", streams[2])):
+        for rid, stream in (("w2", streams[1]), ("w5", streams[2])):
             clock.now_s += 1.0
-            prefill.emit(p.KVComplete(rid, FIRST_TOKEN))
-            await drain(stream)
+            await complete(rid, stream)
         assert not d.flights
         return d.lives["prefill-0"].lane.rate.tokens_per_s
 
-    rate = run_scenario(scenario, AdmissionParams(max_queue_delay_s=2.0), clock)  # a 1 s wait budget
+    rate = run_scenario(scenario, AdmissionParams(max_queue_delay_s=3.0), clock)  # plans for 2.25 s
     assert rate == pytest.approx(100.0)
 
 
@@ -272,10 +275,9 @@ def test_queued_requests_of_a_dead_prefill_worker_are_routed_afresh_not_re_prefi
     assert reroutes == 1  # q0 alone
 
 
-def test_a_decode_worker_whose_first_tokens_come_late_admits_fewer():
-    """The unloaded TTFT is learnt from a request alone in flight; once first tokens come later than
-    aimed at (unloaded + the wait budget, max_queue_delay_s / 2), their decode worker's limit is
-    cut below what it holds, and the next arrival beyond it is refused."""
+def test_a_decode_worker_whose_first_tokens_come_later_than_the_budget_admits_fewer_down_to_half():
+    """Once first tokens come later than the TTFT budget (smoothed), their decode worker's limit is
+    cut below what it holds, never below half its maximum, and the next arrival beyond it is refused."""
     clock = FakeClock()
     prompt = [5, 6, 7]
 
@@ -287,29 +289,29 @@ def test_a_decode_worker_whose_first_tokens_come_late_admits_fewer():
 
         alone = d.generate("a0", prompt, SamplingParams(max_tokens=4))
         clock.now_s = 1.0
-        await complete("a0", alone)
-        assert d.unloaded_ttft.value_s == 1.0  # the aim is now 1 + 30 / 2 = 16 s
+        await complete("a0", alone)  # TTFT 1 s: within the budget
+        limit = d.lives["decode-0"].limit
         streams = {rid: d.generate(rid, prompt, SamplingParams(max_tokens=4)) for rid in
-                   ["z", *(f"b{i}" for i in range(7))]}  # z stays in flight: none of the b's is alone
+                   ["z", *(f"b{i}" for i in range(15))]}
         with pytest.raises(BackendError) as full:
-            d.generate("b7", prompt, SamplingParams(max_tokens=4))
+            d.generate("b15", prompt, SamplingParams(max_tokens=4))
         assert "router.max_requests_per_worker" in full.value.message
         clock.now_s = 40.0  # 39 s to the first token
-        limit = d.lives["decode-0"].limit
-        await complete("b0", streams.pop("b0"))
-        await complete("b1", streams.pop("b1"))
-        assert (limit.limit, limit.epoch) == (8.0, 0)  # late, but the smoothed TTFT (14.7 s) is within the aim
-        await complete("b2", streams.pop("b2"))  # smoothed 19.5 s: cut, from the 6 it holds (z, b2..b6)
-        assert (limit.limit, limit.epoch) == (4.5, 1)
-        await complete("b3", streams.pop("b3"))  # admitted under the old limit: no second cut
-        assert (limit.limit, limit.epoch) == (4.5, 1)
-        with pytest.raises(BackendError) as full:  # 4 in flight (z, b4..b6), the limit is 4
+        for i in range(6):  # smoothed TTFT 8.6, 14.7, 19.5, 23.4, 26.5, 29.0 s: within 30 s, hold
+            await complete(f"b{i}", streams.pop(f"b{i}"))
+            assert (limit.limit, limit.epoch) == (16.0, 0), i
+        await complete("b6", streams.pop("b6"))  # smoothed 31 s: cut from the 10 it holds, to the floor 8
+        assert (limit.limit, limit.epoch) == (8.0, 1)
+        await complete("b7", streams.pop("b7"))  # admitted under the old limit: no second cut
+        assert (limit.limit, limit.epoch) == (8.0, 1)
+        with pytest.raises(BackendError) as full:  # 8 in flight (z, b8..b14), the limit is 8
             d.generate("c0", prompt, SamplingParams(max_tokens=4))
-        assert "adapts" in full.value.message
-        for rid in list(streams):
-            await complete(rid, streams.pop(rid))
+        assert "cut while first tokens came later than router.max_queue_delay_s" in full.value.message
+        await complete("b8", streams.pop("b8"))
         d.generate("c1", prompt, SamplingParams(max_tokens=4))  # room again
         await d.abort("c1")
+        for rid in list(streams):
+            await complete(rid, streams.pop(rid))
         return d.refusals.labels(role="decode")._value.get()
 
-    assert run_scenario(scenario, AdmissionParams(max_queue_delay_s=30.0, max_requests_per_worker=8), clock) == 2
+    assert run_scenario(scenario, AdmissionParams(max_queue_delay_s=30.0, max_requests_per_worker=16), clock) == 2

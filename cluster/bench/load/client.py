@@ -5,7 +5,8 @@ flight, and times every request from its streamed frames.
                       --itl, itl, ...--> last content frame (latency = sent -> last content frame)
 
 A request that fails (HTTP status, an error frame, a broken stream, no content at all) becomes a
-failed sample with its error text; it never stops the run. Times are `time.perf_counter()` offsets
+failed sample with its error text; it never stops the run (a pooled connection the server had closed
+is not a failure: the transport sends such a request again, by the rule in transport.py). Times are `time.perf_counter()` offsets
 from the client's run start; `ClientRun.start_wall_s` anchors them on the wall clock, so runs of
 several clients (processes, nodes) can be merged on one time axis.
 """
@@ -91,6 +92,7 @@ class ClientRun:
     outputs: tuple[RequestOutput, ...]
     start_wall_s: float  # time.time() at the run's start (offset 0 of the arrivals)
     duration_s: float  # run start -> the last request's end
+    num_retries: int = 0  # requests sent again on a fresh connection (transport.py: when, and why it is safe)
 
 
 # ---- one request ---------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ async def run_client(target: Target, jobs: list[Job], shape: LoadShape, codec: T
         per_job = await asyncio.gather(*tasks)
         duration_s = time.perf_counter() - run_start_s
     progress.close()
-    return ClientRun(tuple(o for outputs in per_job for o in outputs), start_wall_s, duration_s)
+    return ClientRun(tuple(o for outputs in per_job for o in outputs), start_wall_s, duration_s, transport.num_retries)
 
 
 async def _run_job(job: Job, send, codec: TextCodec | None) -> list[RequestOutput]:

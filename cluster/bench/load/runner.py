@@ -157,6 +157,7 @@ def run_point(clients, target: Target, jobs: list, shape: LoadShape, num_clients
         result["turns"] = per_turn(outputs)
     if relay is not None:
         result["relay"] = relay
+    result["connection_retries"] = sum(run.num_retries for run in runs)
     return result, outputs
 
 
@@ -170,6 +171,9 @@ def print_run(result: dict, reporting: Reporting) -> None:
     if relay and relay["p50_s"] is not None:
         print(f"token relay worker -> gateway (bucket resolution): p50 {relay['p50_s'] * 1e3:.1f} ms, "
               f"p99 {relay['p99_s'] * 1e3:.1f} ms, {relay['num_tokens']} tokens in {relay['num_messages']} messages")
+    if result.get("connection_retries"):
+        print(f"{result['connection_retries']} requests met a pooled connection the server had closed and were sent "
+              f"again on a fresh one (no response of theirs had begun)")
     errors = sorted({e for e in result["errors"] if e})
     if errors:
         print(f"{result['failed']} requests failed; first distinct errors:\n  " + "\n  ".join(e[:300] for e in errors[:3]),

@@ -6,6 +6,30 @@ request, which is what bounds the rate one client can drive), else `HttpxTranspo
 same for both: a status other than 200 raises `HTTPStatusError` (status and the start of the body);
 connection failures raise what the library raises; the caller turns either into a failed request.
 Both read every stream to its end, so the connection goes back to the keep-alive pool.
+
+Servers close idle keep-alive connections whenever they like (llama.cpp's `llama-server` even closes
+each one right after a streamed response, without saying `Connection: close`), so a request can meet
+a pooled connection that the server has just closed. The rule, the same for both adapters — a request
+is sent again, once, on a fresh connection (never a pooled one), when all three hold:
+
+    1. its connection was reused: taken from the pool, it had carried an earlier request;
+    2. the failure is that connection's end: closed, reset or broken while the request was written or
+       its answer awaited (not a timeout, not an HTTP status, not a malformed answer);
+    3. no response had begun: not even its status line had arrived (the smallest unit either library
+       reports; a connection that ends after a partial status line looks the same).
+
+Why that never sends twice a request the server processed: a server closes a keep-alive connection
+only while it is idle, between requests, and drops what arrives on it unread, so a request that met
+such a close was never read. A server that reads a request answers its status line first; a streamed
+completion's comes before its first token (tandem, llama-server, vLLM). What the rule cannot tell
+apart is a server that reads a request and dies before any status line: that request may run twice
+on the server (a completion has no effect but its compute) and is counted once here. A request on a
+fresh connection, or one whose response had begun, is never sent again: it fails as it is.
+`num_retries` counts the requests sent again.
+
+Beside the retry, pooled connections expire after `KEEPALIVE_EXPIRY_S` on the client's side, below
+the 5 s idle timeout of uvicorn (tandem, vLLM) and of llama-server's cpp-httplib, the shortest common
+defaults, so the client itself drops most connections before a server would.
 """
 
 from __future__ import annotations
@@ -14,6 +38,7 @@ import importlib.util
 from collections.abc import AsyncIterator
 
 BODY_SNIPPET_BYTES = 300
+KEEPALIVE_EXPIRY_S = 3.0  # a pooled connection idle this long is closed by the client
 
 
 class HTTPStatusError(RuntimeError):
@@ -27,28 +52,64 @@ def _sse_payload(line: str) -> str | None:
     return line[5:].strip() if line.startswith("data:") else None
 
 
+class _Attempt:
+    """What one try of a request saw of its connection, set by the library's trace hooks."""
+
+    def __init__(self):
+        self.reused = False  # aiohttp: the connector handed it a pooled connection
+        self.connected = False  # httpx: it opened a new connection
+
+    async def on_httpcore_event(self, event: str, info: dict) -> None:
+        if event == "connection.connect_tcp.started":
+            self.connected = True
+
+
 class AiohttpTransport:
-    """aiohttp session with at most `max_connections` (None: unbounded) keep-alive connections."""
+    """aiohttp session with at most `max_connections` (None: unbounded) keep-alive connections, and a
+    second one that opens a fresh connection for every request sent again (module docstring)."""
 
     name = "aiohttp"
 
     def __init__(self, base_url: str, max_connections: int | None):
         self.base_url, self.max_connections = base_url.rstrip("/"), max_connections
-        self.session = None
+        self.session = self.fresh_session = None
+        self.num_retries = 0
 
     async def __aenter__(self) -> AiohttpTransport:
         import aiohttp
 
         limit = self.max_connections or 0  # aiohttp: 0 is unbounded
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit),
-                                             timeout=aiohttp.ClientTimeout(total=None))
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_reuseconn.append(_on_aiohttp_reuse)
+        timeout = aiohttp.ClientTimeout(total=None)
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=KEEPALIVE_EXPIRY_S),
+            timeout=timeout, trace_configs=[trace])
+        self.fresh_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, force_close=True),
+                                                   timeout=timeout)
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self.session.close()
+        await self.fresh_session.close()
+
+    async def _post(self, path: str, body: dict, headers: dict):
+        """The response, its status line and headers read; sent again once by the module's rule."""
+        import aiohttp
+
+        attempt = _Attempt()
+        try:
+            return await self.session.post(self.base_url + path, json=body, headers=headers, trace_request_ctx=attempt)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, _connection_reset_error(aiohttp)) as exc:
+            # ServerDisconnectedError carries what the parser made of a partial response, else a string
+            nothing_parsed = not isinstance(exc, aiohttp.ServerDisconnectedError) or isinstance(exc.message, str)
+            if not attempt.reused or isinstance(exc, aiohttp.ClientConnectorError) or not nothing_parsed:
+                raise
+        self.num_retries += 1
+        return await self.fresh_session.post(self.base_url + path, json=body, headers=headers)
 
     async def sse_data(self, path: str, body: dict, headers: dict) -> AsyncIterator[str]:
-        async with self.session.post(self.base_url + path, json=body, headers=headers) as resp:
+        async with await self._post(path, body, headers) as resp:
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, await resp.read())
             async for raw in resp.content:  # one line per item
@@ -57,33 +118,71 @@ class AiohttpTransport:
                     yield payload
 
 
+def _connection_reset_error(aiohttp) -> type:
+    """A write to a closing transport: aiohttp >= 3.10 raises its own type, older ones ClientOSError."""
+    return getattr(aiohttp, "ClientConnectionResetError", aiohttp.ClientOSError)
+
+
+async def _on_aiohttp_reuse(session, context, params) -> None:
+    if isinstance(context.trace_request_ctx, _Attempt):
+        context.trace_request_ctx.reused = True
+
+
 class HttpxTransport:
-    """httpx (a tandem dependency) with at most `max_connections` (None: unbounded) connections."""
+    """httpx (a tandem dependency) with at most `max_connections` (None: unbounded) connections, and a
+    second client that keeps none alive, for the requests sent again (module docstring)."""
 
     name = "httpx"
 
     def __init__(self, base_url: str, max_connections: int | None):
         self.base_url, self.max_connections = base_url.rstrip("/"), max_connections
-        self.client = None
+        self.client = self.fresh_client = None
+        self.num_retries = 0
 
     async def __aenter__(self) -> HttpxTransport:
         import httpx
 
-        limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections)
+        limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(None), limits=limits)
+        self.fresh_client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(None),
+            limits=httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=0))
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self.client.aclose()
+        await self.fresh_client.aclose()
+
+    async def _send(self, path: str, body: dict, headers: dict):
+        """The response, its status line and headers read; sent again once by the module's rule."""
+        import httpx
+
+        attempt = _Attempt()
+        request = self.client.build_request("POST", path, json=body, headers=headers,
+                                            extensions={"trace": attempt.on_httpcore_event})
+        try:
+            return await self.client.send(request, stream=True)
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+            # httpcore's words for an end of stream before any response; other protocol errors parsed bytes
+            nothing_parsed = not isinstance(exc, httpx.RemoteProtocolError) or "without sending a response" in str(exc)
+            if attempt.connected or not nothing_parsed:
+                raise
+        self.num_retries += 1
+        return await self.fresh_client.send(self.fresh_client.build_request("POST", path, json=body, headers=headers),
+                                            stream=True)
 
     async def sse_data(self, path: str, body: dict, headers: dict) -> AsyncIterator[str]:
-        async with self.client.stream("POST", path, json=body, headers=headers) as resp:
+        resp = await self._send(path, body, headers)
+        try:
             if resp.status_code != 200:
                 raise HTTPStatusError(resp.status_code, await resp.aread())
             async for line in resp.aiter_lines():
                 payload = _sse_payload(line)
                 if payload is not None:
                     yield payload
+        finally:
+            await resp.aclose()
 
 
 def make_transport(base_url: str, max_connections: int | None, prefer: str = "auto"):

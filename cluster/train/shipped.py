@@ -37,7 +37,8 @@ HEAD_FILES = ("config.json", "model.safetensors", RECIPE_FILE)
 
 @dataclass(frozen=True)
 class DefaultDraft:
-    """A head found for a model without a `draft_model`: where it is and, for the log, what it is."""
+    """A head found for a model without a `draft_model`: where it is and, for the log, what it is
+    ("shipped head for smollm2, recipe v2, held-out acceptance ... (path)")."""
 
     path: Path
     description: str
@@ -67,7 +68,7 @@ def default_draft(model_spec: str, cache_root: Path | None = None, root: Path = 
     or None. Loads nothing. `cache_root`: the tandem cache (default $TANDEM_CACHE_DIR or ~/.cache/tandem)."""
     cached = train_settings.default_draft_dir(model_spec, cache_root)
     if cached is not None:
-        return DefaultDraft(cached, f"trained on this machine by `tandem train-eagle` ({cached})")
+        return DefaultDraft(cached, f"head trained on this machine by `tandem train-eagle` ({cached})")
     return shipped_head(model_spec, root)
 
 
@@ -76,29 +77,32 @@ def export_shipped(source: Path, dest: Path) -> Path:
     model.safetensors, eval.json, the marker) into `dest` in the shipped layout, replacing what is
     there: floating tensors as bfloat16, d2t as int32. Raises ValueError when `source` is not a
     finished head. Returns `dest`."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     from cluster.train.eagle import EVAL_FILE
+    from kernels.model.convert import make_world_readable, publish_dir
 
     marker = _read_json(source / train_settings.MARKER_FILE, "its completion marker (training unfinished?)")
     acceptance = _read_json(source / EVAL_FILE, "its held-out acceptance")
     config = _read_json(source / "config.json", "its config")
-    tensors = {name: _shipped_tensor(name, t, torch) for name, t in load_file(str(source / "model.safetensors")).items()}
+    stored = load_file(str(source / "model.safetensors"))
+    tensors = {name: _shipped_tensor(name, tensor) for name, tensor in stored.items()}
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16"}, indent=2) + "\n")
         (tmp / RECIPE_FILE).write_text(json.dumps(_recipe(marker, acceptance), indent=2) + "\n")
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp.rename(dest)
+        make_world_readable(tmp)
+        publish_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
-def _shipped_tensor(name: str, tensor, torch):
+def _shipped_tensor(name: str, tensor):
+    import torch
+
     if tensor.is_floating_point():
         return tensor.to(torch.bfloat16).contiguous()
     if name == "d2t":  # offsets below the target's vocabulary size: int32 holds any real one

@@ -1,24 +1,28 @@
 """`tandem bench llamacpp`: `tandem serve` against llama.cpp's OpenAI server on the same fp32 weights.
 
-llama.cpp runs as llama-cpp-python's server (`python -m llama_cpp.server`), a bench-only tool that is
-not a tandem dependency (README: how to install it). The two servers run one after the other, never
-both loaded at once (`--repeats N`: N rounds, in the order llama.cpp-tandem, then tandem-llama.cpp, ...,
-every figure taken over all rounds' samples together, since a shared host's speed can drift by 2x
-within an hour), on the same thread count (`--threads`: llama.cpp's `n_threads` and
-`n_threads_batch`, every tandem worker's `torch_threads`), and get the same requests over
-`/v1/completions`, greedy:
+The peer is llama.cpp's C++ `llama-server` (`--peer llama-server`, the default: parallel slots with
+continuous batching, what a CPU user would run), or llama-cpp-python's Python server only when asked
+(`--peer llama-cpp-python`); llamacpp_peers.py finds and starts them. Neither is a tandem dependency.
+The two servers run one after the other, never both loaded at once (`--repeats N`: N rounds, in the
+order llama.cpp-tandem, then tandem-llama.cpp, ..., every figure taken over all rounds' samples
+together, since a shared host's speed can drift by 2x within an hour), on the same thread count
+(`--threads`: llama.cpp's `-t`/`-tb`, every tandem worker's `torch_threads`), and get the same
+requests over `/v1/completions`, greedy, through the load harness's transport (a pooled connection
+the server closed is retried on a fresh one: load/transport.py):
 
     single stream   `--itl-runs` streams of `--prompt-len` -> `--output-len` tokens, one at a time:
                     inter-token latency = gaps between streamed text frames (p50 over all gaps)
     cold TTFT       `--ttft-runs` fresh `--ttft-prompt-len`-token prompts (no prefix cache can help),
                     one at a time: best and median time to the first text frame
     concurrency C   `--num-requests` streams, `--concurrency` closed-loop clients: output tok/s
+    memory          after those runs, RSS and PSS summed over every process of each server (tandem:
+                    its gateway, workers and Ray; proc_memory.py)
 
 Prompts are text made of seeded random words, each word one token of the model's vocabulary that
 encodes back to itself, so a prompt of N words is exactly N tokens; the bench checks that tandem's
-tokenizer and llama.cpp's (`/extras/tokenize`) both produce the same ids for every prompt.
-tandem ignores EOS (exact lengths); llama.cpp's server cannot without a Python logits processor
-on every token, so its streams may end early and count what arrived.
+tokenizer and llama.cpp's (its tokenize endpoint) both produce the same ids for every prompt. Both
+servers get `ignore_eos` and stream exact lengths; llama-cpp-python's server cannot ignore EOS
+without a Python logits processor on every token, so its streams may end early and count what arrived.
 
 The weights: the bundled SmolLM2 GGUF is quantized (Q4_1, Q8_0 embeddings). tandem loads it
 dequantized to float32; llama.cpp gets the same values as an f32 GGUF, each tensor dequantized with
@@ -30,15 +34,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,18 +48,15 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.bench.serve import (QUEUE_ALL_SETS, STOP_TIMEOUT_S, SpawnedServer, load_config, sse_frames,
-                                 wait_ready)
+from cluster.bench.llamacpp_peers import PeerUnavailable, make_peer, wait_peer_ready
+from cluster.bench.load.transport import make_transport
+from cluster.bench.proc_memory import ProcessMemory, memory_of, process_tree, tandem_serve_processes
+from cluster.bench.serve import QUEUE_ALL_SETS, SpawnedServer, load_config, wait_ready
 
 log = logging.getLogger("tandem.bench")
 
 F32_GGUF_NAME = "smollm2-135m-instruct-f32.gguf"
 SOURCE_KEY = "tandem.f32_source"  # "<source file name>:<bytes>": which GGUF this file was made from
-SERVER_MODULES = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
-INSTALL_HINT = (
-    "llama-cpp-python with its server extra is not installed in this environment; it is a bench-only tool, "
-    "not a tandem dependency. Install it once (it builds llama.cpp from source, about 15 minutes on 2 cores):\n"
-    "    CMAKE_ARGS=\"-DGGML_NATIVE=ON\" .venv/bin/pip install 'llama-cpp-python[server]'")
 ITL_TARGET = 1.5  # tandem's single-stream ITL p50 <= this x llama.cpp's
 TTFT_TARGET = 2.0  # tandem's cold TTFT <= this x llama.cpp's
 SYSTEMS = ("llama.cpp", "tandem")
@@ -66,7 +64,7 @@ SYSTEMS = ("llama.cpp", "tandem")
 
 @dataclass(frozen=True)
 class BenchSpec:
-    threads: int  # llama.cpp n_threads / n_threads_batch, and every tandem worker's torch_threads
+    threads: int  # llama.cpp -t / -tb (n_threads / n_threads_batch), and every tandem worker's torch_threads
     prompt_len: int = 128  # tokens per prompt of the single-stream and concurrency runs
     output_len: int = 128  # tokens asked for per request of those runs
     itl_runs: int = 3
@@ -116,13 +114,18 @@ class SystemRun:
     ttft: tuple[StreamResult, ...]
     concurrent_elapsed_s: float
     concurrent_output_tokens: int
+    memory: ProcessMemory | None = None  # every process of the server, after the runs
+    peer: str = ""  # llama.cpp's: which server (llamacpp_peers.PEERS)
 
 
 def merge_runs(runs: list[SystemRun]) -> SystemRun:
     """One system's rounds as one run: every stream of every round, the concurrency runs' tokens and
-    seconds summed (so its tok/s is total tokens / total time, not a mean of rates)."""
+    seconds summed (so its tok/s is total tokens / total time, not a mean of rates), the memory of the
+    round that held the most."""
+    memories = [run.memory for run in runs if run.memory is not None]
     return SystemRun(runs[0].system, tuple(r for run in runs for r in run.itl), tuple(r for run in runs for r in run.ttft),
-                     sum(run.concurrent_elapsed_s for run in runs), sum(run.concurrent_output_tokens for run in runs))
+                     sum(run.concurrent_elapsed_s for run in runs), sum(run.concurrent_output_tokens for run in runs),
+                     max(memories, key=lambda m: m.rss_bytes, default=None), runs[0].peer)
 
 
 def round_order(round_index: int) -> tuple[str, str]:
@@ -218,54 +221,6 @@ def make_prompts(spec: BenchSpec, tokenizer) -> Prompts:
 
 
 # ---- the servers ---------------------------------------------------------------------------------
-def missing_server_modules() -> list[str]:
-    """Modules `python -m llama_cpp.server` needs that this interpreter cannot import."""
-    return [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
-
-
-class LlamaCppServer(SpawnedServer):
-    """llama-cpp-python's OpenAI server as a child process on a free port, its output in a temp log."""
-
-    def __init__(self, gguf_path: Path, spec: BenchSpec, extra_args: list[str]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        log_fd, self.log_path = tempfile.mkstemp(prefix="llamacpp-server-", suffix=".log")
-        # logits_all False: the server's default (True) computes the LM head over every prompt token
-        # interrupt_requests False: its default cuts a running stream short when another request arrives
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path), "--host", "127.0.0.1",
-               "--port", str(port), "--n_threads", str(spec.threads), "--n_threads_batch", str(spec.threads),
-               "--n_ctx", str(max(2048, spec.context_len)), "--logits_all", "false",
-               "--interrupt_requests", "false", "--verbose", "false", *extra_args]
-        self.proc = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        os.close(log_fd)
-        log.info("started llama.cpp server (pid %d) on port %d; its log: %s", self.proc.pid, port, self.log_path)
-
-    def stop(self) -> int:
-        """SIGTERM (SIGKILL to the group on timeout). uvicorn re-raises SIGTERM after a clean shutdown,
-        so death by SIGTERM counts as a clean exit (0), as does 0; the log is kept otherwise."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        if self.proc.returncode in (0, -signal.SIGTERM):
-            os.unlink(self.log_path)
-            return 0
-        print(f"llama.cpp server exited with code {self.proc.returncode}; its log ends:\n{self.log_tail()}",
-              file=sys.stderr)
-        return self.proc.returncode
-
-
-def wait_llamacpp_ready(server: LlamaCppServer, timeout_s: float) -> None:
-    """Until `/v1/models` answers (the server loads the model before it listens)."""
-    wait_ready(server, {}, timeout_s, path="/v1/models", name="llama.cpp server")
-
-
 def tandem_serve_flags(args: argparse.Namespace, threads: int) -> list[str]:
     """The default `tandem serve` that queues what it is sent, every worker on `threads` torch threads."""
     sets = [*QUEUE_ALL_SETS, *(f"{group}.torch_threads={threads}" for group in ("prefill", "decode", "colocated")),
@@ -274,14 +229,17 @@ def tandem_serve_flags(args: argparse.Namespace, threads: int) -> list[str]:
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-async def stream_completion(client, prompt: str, max_tokens: int, extra_body: dict) -> StreamResult:
+async def stream_completion(transport, headers: dict, prompt: str, max_tokens: int, extra_body: dict) -> StreamResult:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra_body}
     frame_times_s, texts, usage_tokens = [], [], None
     start_s = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"/v1/completions answered {resp.status_code}: {(await resp.aread())[:500]!r}")
-        async for frame in sse_frames(resp):
+    async with contextlib.aclosing(transport.sse_data("/v1/completions", body, headers)) as payloads:
+        async for data in payloads:
+            if data == "[DONE]":
+                continue  # read on to the end: the connection goes back to the pool
+            frame = json.loads(data)
+            if "error" in frame:
+                raise RuntimeError(f"/v1/completions sent an error frame: {frame['error']}")
             if frame.get("usage"):
                 usage_tokens = frame["usage"]["completion_tokens"]
             text = "".join(choice.get("text") or "" for choice in frame.get("choices", ()))
@@ -296,19 +254,19 @@ async def stream_completion(client, prompt: str, max_tokens: int, extra_body: di
 
 async def measure(url: str, headers: dict, prompts: Prompts, spec: BenchSpec, extra_body: dict) -> SystemRun:
     """Warm-up, single streams, cold TTFTs, then the closed-loop concurrency run, against one server."""
-    import httpx
+    async with make_transport(url, spec.concurrency) as transport:
+        async def stream(prompt: str, max_tokens: int) -> StreamResult:
+            return await stream_completion(transport, headers, prompt, max_tokens, extra_body)
 
-    limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(None), limits=limits) as client:
-        await stream_completion(client, " hello world", 4, extra_body)  # first-call costs
-        itl = [await stream_completion(client, p, spec.output_len, extra_body) for p in prompts.itl]
-        ttft = [await stream_completion(client, p, 2, extra_body) for p in prompts.ttft]
+        await stream(" hello world", 4)  # first-call costs
+        itl = [await stream(p, spec.output_len) for p in prompts.itl]
+        ttft = [await stream(p, 2) for p in prompts.ttft]
         pending = iter(prompts.concurrent)  # shared by the clients; one loop thread, so no lock
         results: list[StreamResult] = []
 
         async def client_loop() -> None:
             for prompt in pending:
-                results.append(await stream_completion(client, prompt, spec.output_len, extra_body))
+                results.append(await stream(prompt, spec.output_len))
 
         start_s = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(spec.concurrency)))
@@ -316,26 +274,25 @@ async def measure(url: str, headers: dict, prompts: Prompts, spec: BenchSpec, ex
     return SystemRun("", tuple(itl), tuple(ttft), elapsed_s, sum(r.output_tokens for r in results))
 
 
-def check_llamacpp_tokens(url: str, prompts: Prompts) -> None:
+def check_peer_tokens(peer, url: str, prompts: Prompts) -> None:
     """llama.cpp must see the very token ids tandem's tokenizer gives each prompt."""
-    import httpx
-
     for text in prompts.all():
-        got = httpx.post(f"{url}/extras/tokenize", json={"input": text}, timeout=60).json()["tokens"]
+        got = peer.token_ids(url, text)
         if tuple(got) != prompts.token_ids[text]:
-            raise RuntimeError(f"llama.cpp tokenizes a prompt differently ({len(got)} ids vs "
+            raise RuntimeError(f"{peer.name} tokenizes a prompt differently ({len(got)} ids vs "
                                f"{len(prompts.token_ids[text])}): not the same tokenizer?")
 
 
-def run_llamacpp(gguf_path: Path, prompts: Prompts, spec: BenchSpec, args: argparse.Namespace) -> SystemRun:
-    server = LlamaCppServer(gguf_path, spec, args.llamacpp_arg)
+def run_peer(peer, gguf_path: Path, prompts: Prompts, spec: BenchSpec, args: argparse.Namespace) -> SystemRun:
+    server = peer.start(gguf_path, spec.threads, spec.concurrency, spec.context_len)
     try:
-        wait_llamacpp_ready(server, args.ready_timeout_s)
-        check_llamacpp_tokens(server.url, prompts)
-        run = asyncio.run(measure(server.url, {}, prompts, spec, {"repeat_penalty": 1.0}))
+        wait_peer_ready(peer, server, args.ready_timeout_s)
+        check_peer_tokens(peer, server.url, prompts)
+        run = asyncio.run(measure(server.url, {}, prompts, spec, peer.extra_body))
+        memory = memory_of(process_tree(server.proc.pid))
     finally:
         server.stop()
-    return dataclasses.replace(run, system="llama.cpp")
+    return dataclasses.replace(run, system="llama.cpp", memory=memory, peer=peer.name)
 
 
 def run_tandem(prompts: Prompts, spec: BenchSpec, args: argparse.Namespace) -> SystemRun:
@@ -346,11 +303,12 @@ def run_tandem(prompts: Prompts, spec: BenchSpec, args: argparse.Namespace) -> S
         wait_ready(server, headers, args.ready_timeout_s)
         run = asyncio.run(measure(server.url, headers, prompts, spec, {"ignore_eos": True,
                                                                        "stream_options": {"include_usage": True}}))
+        memory = memory_of(tandem_serve_processes(server.proc.pid, Path(server.log_path).read_text(errors="replace")))
     finally:
         exit_code = server.stop()
     if exit_code != 0:
         raise RuntimeError(f"tandem serve exited with code {exit_code}")
-    return dataclasses.replace(run, system="tandem")
+    return dataclasses.replace(run, system="tandem", memory=memory)
 
 
 # ---- the summary ---------------------------------------------------------------------------------
@@ -363,7 +321,8 @@ def system_figures(run: SystemRun) -> dict:
             "ttft_best_s": min(ttfts_s), "ttft_median_s": statistics.median(ttfts_s), "ttft_all_s": ttfts_s,
             "concurrent_output_tokens": run.concurrent_output_tokens,
             "concurrent_elapsed_s": run.concurrent_elapsed_s,
-            "concurrent_output_tokens_per_s": run.concurrent_output_tokens / run.concurrent_elapsed_s}
+            "concurrent_output_tokens_per_s": run.concurrent_output_tokens / run.concurrent_elapsed_s,
+            "memory": None if run.memory is None else dataclasses.asdict(run.memory)}
 
 
 def ratio(tandem: float | None, llamacpp: float | None) -> float | None:
@@ -385,14 +344,20 @@ def summarize(runs: dict[str, SystemRun], spec: BenchSpec) -> dict:
         "concurrent_output_tokens_per_s": {"ratio": ratio(ours["concurrent_output_tokens_per_s"],
                                                           theirs["concurrent_output_tokens_per_s"]),
                                            "target_max": None},
+        "rss": {"ratio": ratio(_rss(ours), _rss(theirs)), "target_max": None},
     }
     for entry in ratios.values():
         limit = entry["target_max"]
         entry["met"] = None if limit is None or entry["ratio"] is None else entry["ratio"] <= limit
     text_ours, text_theirs = runs["tandem"].itl[0].text, runs["llama.cpp"].itl[0].text
-    return {"spec": dataclasses.asdict(spec), "systems": figures, "ratios_tandem_over_llamacpp": ratios,
+    return {"spec": dataclasses.asdict(spec), "peer": runs["llama.cpp"].peer, "systems": figures,
+            "ratios_tandem_over_llamacpp": ratios,
             "greedy_first_stream": {"common_prefix_chars": common_prefix_len(text_ours, text_theirs),
                                     "tandem_chars": len(text_ours), "llamacpp_chars": len(text_theirs)}}
+
+
+def _rss(figures: dict) -> int | None:
+    return None if figures["memory"] is None else figures["memory"]["rss_bytes"]
 
 
 def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
@@ -406,24 +371,38 @@ def format_table(summary: dict) -> str:
             (f"cold TTFT {spec['ttft_prompt_len']} tok, median (ms)", "ttft_median_s", 1e3, "ttft_median"),
             (f"concurrency {spec['concurrency']} output tok/s", "concurrent_output_tokens_per_s", 1.0,
              "concurrent_output_tokens_per_s")]
+    rss_mib = {name: None if _rss(sys_[name]) is None else _rss(sys_[name]) / 2**20 for name in SYSTEMS}
     lines = [f"{'threads ' + str(spec['threads']):<36}{'llama.cpp':>11}{'tandem':>10}{'ratio':>9}{'target':>10}"]
     for label, key, scale, ratio_key in rows:
         entry = rat[ratio_key]
         target = "" if entry["target_max"] is None else f"<={entry['target_max']}x " + ("ok" if entry["met"] else "MISS")
         lines.append(f"{label:<36}{_fmt(sys_['llama.cpp'][key], scale):>11}{_fmt(sys_['tandem'][key], scale):>10}"
                      f"{_fmt(entry['ratio'], digits=2) + 'x':>9}  {target}")
+    lines.append(f"{'server RSS, all processes (MiB)':<36}{_fmt(rss_mib['llama.cpp'], digits=0):>11}"
+                 f"{_fmt(rss_mib['tandem'], digits=0):>10}{_fmt(rat['rss']['ratio'], digits=2) + 'x':>9}")
     greedy = summary["greedy_first_stream"]
     lines.append(f"greedy text of the first stream: first {greedy['common_prefix_chars']} chars identical "
                  f"(tandem {greedy['tandem_chars']}, llama.cpp {greedy['llamacpp_chars']} chars)")
     tokens = {name: sys_[name]["itl_output_tokens"] for name in SYSTEMS}
     lines.append(f"single-stream output tokens per run (asked {spec['output_len']}): {tokens}")
+    lines.append(f"llama.cpp's server: {summary['peer']}")
+    lines += [f"{name} memory after the runs: {_memory_text(sys_[name]['memory'])}" for name in SYSTEMS]
     return "\n".join(lines)
 
 
+def _memory_text(memory: dict | None) -> str:
+    if memory is None:
+        return "n/a"
+    pss = "n/a" if memory["pss_bytes"] is None else f"{memory['pss_bytes'] / 2**20:.0f}"
+    return (f"RSS {memory['rss_bytes'] / 2**20:.0f} MiB, PSS {pss} MiB, summed over "
+            f"{memory['num_processes']} processes")
+
+
 def bench_llamacpp(args: argparse.Namespace) -> int:
-    missing = missing_server_modules()
-    if missing:
-        print(f"tandem bench llamacpp: cannot import {', '.join(missing)}.\n{INSTALL_HINT}", file=sys.stderr)
+    try:
+        peer = make_peer(args)
+    except PeerUnavailable as exc:
+        print(f"tandem bench llamacpp: {exc}", file=sys.stderr)
         return 2
     from kernels.model.loader import resolve_model_dir
     from kernels.model.tokenizer import load_tokenizer
@@ -438,12 +417,12 @@ def bench_llamacpp(args: argparse.Namespace) -> int:
         raise ValueError(f"tandem serves {model!r}: pass --gguf with the same weights in f32 for llama.cpp")
     gguf_path = Path(args.gguf) if args.gguf else ensure_f32_gguf()
     prompts = make_prompts(spec, load_tokenizer(resolve_model_dir(model)))
-    log.info("llama.cpp (%s) and tandem serve, one after the other, %d round(s); %d threads each", gguf_path.name,
-             args.repeats, spec.threads)
+    log.info("llama.cpp's %s (%s) and tandem serve, one after the other, %d round(s); %d threads each", peer.name,
+             gguf_path.name, args.repeats, spec.threads)
     rounds: dict[str, list[SystemRun]] = {name: [] for name in SYSTEMS}
     for i in range(args.repeats):
         for name in round_order(i):
-            run = run_llamacpp(gguf_path, prompts, spec, args) if name == "llama.cpp" else run_tandem(prompts, spec, args)
+            run = run_peer(peer, gguf_path, prompts, spec, args) if name == "llama.cpp" else run_tandem(prompts, spec, args)
             rounds[name].append(run)
     summary = summarize({name: merge_runs(runs) for name, runs in rounds.items()}, spec)
     summary["rounds"] = args.repeats

@@ -147,14 +147,20 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_llamacpp_args(p: argparse.ArgumentParser) -> None:
-    p.description = ("llama.cpp's server (llama-cpp-python, installed for the bench only), then `tandem serve`, one "
-                     "after the other on --threads threads each, over the same /v1/completions requests: single-"
-                     "stream inter-token latency, cold TTFT of a long fresh prompt, output tok/s at --concurrency.")
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp n_threads and every tandem worker's torch threads")
+    p.description = ("llama.cpp's server (llama-server, C++, with --concurrency parallel slots; not a tandem "
+                     "dependency), then `tandem serve`, one after the other on --threads threads each, over the same "
+                     "/v1/completions requests: single-stream inter-token latency, cold TTFT of a long fresh prompt, "
+                     "output tok/s at --concurrency, and the memory of every process of each server.")
+    p.add_argument("--peer", choices=("llama-server", "llama-cpp-python"), default="llama-server",
+                   help="llama.cpp's server: llama-server (C++, continuous batching) or llama-cpp-python's "
+                        "(Python, one request at a time)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="the llama-server binary (default: $TANDEM_LLAMA_SERVER, else llama-server on PATH)")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp -t / -tb and every tandem worker's torch threads")
     p.add_argument("--config", metavar="FILE", help="cluster YAML of the tandem server")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to `tandem serve`")
     p.add_argument("--llamacpp-arg", action="append", default=[], metavar="ARG",
-                   help="passed to `python -m llama_cpp.server` (repeatable; --llamacpp-arg=--flash_attn ...)")
+                   help="passed to the llama.cpp server's command line (repeatable; --llamacpp-arg=-fa ...)")
     p.add_argument("--gguf", metavar="FILE", help="llama.cpp's model (default: the bundled SmolLM2 as f32, made once)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the single-stream / concurrent runs")
     p.add_argument("--output-len", type=int, default=128, help="output tokens asked for in those runs")

@@ -1,11 +1,18 @@
-"""`tandem bench llamacpp` (cluster/bench/llamacpp.py) without llama.cpp: the f32 GGUF conversion checked
-against gguf's own reader and the float values it was quantized from, its cache, the prompts (exact
-token counts with SmolLM2's tokenizer), the tandem flags as `tandem serve` parses them, the summary's
-ratios against the targets, and the message when llama-cpp-python is missing. No pool is involved."""
+"""`tandem bench llamacpp` (cluster/bench/llamacpp.py, llamacpp_peers.py, proc_memory.py) without llama.cpp:
+the f32 GGUF conversion checked against gguf's own reader and the float values it was quantized from,
+its cache, the prompts (exact token counts with SmolLM2's tokenizer), the tandem flags as `tandem
+serve` parses them, the summary's ratios against the targets, how llama-server is found and the
+command line it gets (a stand-in script records it), the messages when a peer is missing, and the
+memory summed over a server's processes. No pool is involved."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +20,8 @@ import pytest
 import cluster.bench.llamacpp as bench
 from cluster.bench.llamacpp import (BenchSpec, StreamResult, SystemRun, ensure_f32_gguf, f32_gguf_source,
                                     format_table, make_prompts, summarize, tandem_serve_flags, write_f32_gguf)
+from cluster.bench.llamacpp_peers import LLAMA_SERVER_ENV, PEERS, LlamaServerPeer, find_llama_server
+from cluster.bench.proc_memory import ProcessMemory, memory_of, process_tree, tandem_serve_processes
 from cluster.bench.serve import load_config
 from cluster.cli.main import build_parser, main
 
@@ -132,9 +141,11 @@ def _stream(gaps_ms: list[float], ttft_s: float = 0.1, text: str = "") -> Stream
 def test_summary_ratios_against_the_targets():
     spec = BenchSpec(threads=2, itl_runs=2, ttft_runs=3, concurrency=16)
     llamacpp = SystemRun("llama.cpp", (_stream([10, 10, 12], text=" the cat sat"), _stream([10, 30])),
-                         tuple(_stream([], ttft_s=t) for t in (1.0, 1.2, 1.1)), 10.0, 1000)
+                         tuple(_stream([], ttft_s=t) for t in (1.0, 1.2, 1.1)), 10.0, 1000,
+                         ProcessMemory(1, 1000 * 2**20, 900 * 2**20), "llama-server")
     tandem = SystemRun("tandem", (_stream([14, 16, 15], text=" the cat ran"), _stream([15, 40])),
-                       tuple(_stream([], ttft_s=t) for t in (2.4, 2.0, 2.3)), 10.0, 500)
+                       tuple(_stream([], ttft_s=t) for t in (2.4, 2.0, 2.3)), 10.0, 500,
+                       ProcessMemory(9, 3000 * 2**20, None))
     summary = summarize({"llama.cpp": llamacpp, "tandem": tandem}, spec)
 
     theirs, ours = summary["systems"]["llama.cpp"], summary["systems"]["tandem"]
@@ -148,18 +159,80 @@ def test_summary_ratios_against_the_targets():
     assert ratios["ttft_best"]["ratio"] == pytest.approx(2.0) and ratios["ttft_best"]["met"] is True
     assert ratios["ttft_median"]["ratio"] == pytest.approx(2.3 / 1.1) and ratios["ttft_median"]["met"] is False
     assert ratios["concurrent_output_tokens_per_s"] == {"ratio": 0.5, "target_max": None, "met": None}
+    assert ratios["rss"] == {"ratio": 3.0, "target_max": None, "met": None}
     assert summary["greedy_first_stream"] == {"common_prefix_chars": 9, "tandem_chars": 12, "llamacpp_chars": 12}
+    assert summary["peer"] == "llama-server" and ours["memory"]["num_processes"] == 9
     table = format_table(summary)
     assert "single stream ITL p50 (ms)" in table and "1.50x" in table and "MISS" in table
+    assert "server RSS, all processes (MiB)" in table and "3.00x" in table
+    assert "tandem memory after the runs: RSS 3000 MiB, PSS n/a MiB, summed over 9 processes" in table
+    assert "llama.cpp memory after the runs: RSS 1000 MiB, PSS 900 MiB, summed over 1 processes" in table
 
 
-def test_missing_llama_cpp_says_how_to_install_it(monkeypatch, capsys):
-    real_find_spec = bench.importlib.util.find_spec
-    monkeypatch.setattr(bench.importlib.util, "find_spec",
+def test_missing_llama_cpp_python_says_how_to_install_it(monkeypatch, capsys):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a))
-    assert main(["bench", "llamacpp"]) == 2
+    assert main(["bench", "llamacpp", "--peer", "llama-cpp-python"]) == 2
     err = capsys.readouterr().err
     assert "cannot import llama_cpp" in err and "pip install 'llama-cpp-python[server]'" in err
+
+
+def _executable(path, text: str = "#!/bin/sh\nexit 0\n"):
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def test_llama_server_is_found_by_the_flag_then_the_environment_then_path(tmp_path, monkeypatch):
+    on_path, in_env, flagged = (_executable(tmp_path / d / "llama-server") for d in ("bin", "env", "flag")
+                                if (tmp_path / d).mkdir() is None)
+    monkeypatch.setenv("PATH", str(on_path.parent))
+    monkeypatch.delenv(LLAMA_SERVER_ENV, raising=False)
+    assert find_llama_server(None) == on_path
+    monkeypatch.setenv(LLAMA_SERVER_ENV, str(in_env))
+    assert find_llama_server(None) == in_env
+    assert find_llama_server(str(flagged)) == flagged
+    with pytest.raises(FileNotFoundError, match="--llama-server .*: not an executable file"):
+        find_llama_server(str(tmp_path / "absent"))
+    monkeypatch.setenv(LLAMA_SERVER_ENV, str(tmp_path / "bin"))  # a directory
+    with pytest.raises(FileNotFoundError, match=f"\\${LLAMA_SERVER_ENV} .*: not an executable file"):
+        find_llama_server(None)
+
+
+def test_missing_llama_server_names_the_three_ways_to_give_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv(LLAMA_SERVER_ENV, raising=False)
+    assert main(["bench", "llamacpp"]) == 2
+    err = capsys.readouterr().err
+    assert "--llama-server PATH" in err and f"${LLAMA_SERVER_ENV}" in err and "llama-server on PATH" in err
+    assert "--peer llama-cpp-python" in err
+
+
+def test_every_peer_can_be_named_and_llama_server_is_the_default():
+    parser = build_parser()
+    assert parser.parse_args(["bench", "llamacpp"]).peer == "llama-server"
+    assert [parser.parse_args(["bench", "llamacpp", "--peer", name]).peer for name in PEERS] == list(PEERS)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "llamacpp", "--peer", "vllm"])
+
+
+def test_llama_server_gets_the_fair_cpu_command_line(tmp_path):
+    """A stand-in binary writes its argv and exits: what the bench would run, flag by flag."""
+    argv_file = tmp_path / "argv.json"
+    fake = _executable(tmp_path / "llama-server",
+                       f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))\n")
+    args = build_parser().parse_args(["bench", "llamacpp", "--llama-server", str(fake), "--llamacpp-arg=-fa"])
+    peer = PEERS[args.peer].from_args(args)
+    assert isinstance(peer, LlamaServerPeer) and peer.extra_body["ignore_eos"] is True
+    server = peer.start(tmp_path / "model.gguf", threads=2, num_slots=16, tokens_per_sequence=1034)
+    assert server.proc.wait(60) == 0 and server.stop() == 0
+    argv = json.loads(argv_file.read_text())
+    port = server.url.rsplit(":", 1)[1]
+    assert argv == ["-m", str(tmp_path / "model.gguf"), "--host", "127.0.0.1", "--port", port, "-t", "2", "-tb", "2",
+                    "-np", "16", "-c", "16544", "--kv-unified", "-ctk", "f32", "-ctv", "f32", "--no-webui", "-fa"]
 
 
 def test_repeated_rounds_alternate_which_server_goes_first_and_pool_every_sample(monkeypatch, tmp_path):
@@ -172,12 +245,12 @@ def test_repeated_rounds_alternate_which_server_goes_first_and_pool_every_sample
             return SystemRun(name, streams, (_stream([], ttft_s=len(order)),), 2.0, tokens)
         return run
 
-    monkeypatch.setattr(bench, "missing_server_modules", lambda: [])
+    monkeypatch.setattr(bench, "make_peer", lambda args: SimpleNamespace(name="llama-server"))
     monkeypatch.setattr(bench, "ensure_f32_gguf", lambda: tmp_path / "model.gguf")
     monkeypatch.setattr("kernels.model.loader.resolve_model_dir", lambda model: tmp_path)
     monkeypatch.setattr("kernels.model.tokenizer.load_tokenizer", lambda path: None)
     monkeypatch.setattr(bench, "make_prompts", lambda spec, tokenizer: None)
-    monkeypatch.setattr(bench, "run_llamacpp", fake_run("llama.cpp", 10, 100))
+    monkeypatch.setattr(bench, "run_peer", lambda peer, *args: fake_run("llama.cpp", 10, 100)(*args))
     monkeypatch.setattr(bench, "run_tandem", fake_run("tandem", 20, 300))
     out = tmp_path / "summary.json"
     assert main(["bench", "llamacpp", "--repeats", "3", "--json", str(out)]) == 0
@@ -195,6 +268,31 @@ def test_repeated_rounds_alternate_which_server_goes_first_and_pool_every_sample
 
 
 def test_repeats_below_one_are_refused(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "missing_server_modules", lambda: [])
+    monkeypatch.setattr(bench, "make_peer", lambda args: SimpleNamespace(name="llama-server"))
     assert main(["bench", "llamacpp", "--repeats", "0"]) == 2
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_memory_is_summed_over_a_process_tree_and_the_ray_session_the_log_names():
+    # a parent in its own session with a child; a second session stands for tandem's Ray instance
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    ray_like = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(process_tree(parent.pid)) < 2:
+            assert time.monotonic() < deadline, "the child did not start"
+            time.sleep(0.05)
+        tree = process_tree(parent.pid)
+        assert parent.pid in tree and len(tree) == 2 and os.getpid() not in tree
+        memory = memory_of(tree)
+        assert memory.num_processes == 2 and memory.rss_bytes > 2 * 2**20
+        assert memory.pss_bytes is None or 0 < memory.pss_bytes <= memory.rss_bytes
+        log = f"INFO started a local Ray instance at 127.0.0.1:1 (2 CPUs; loopback only, token auth; OS session {ray_like.pid})"
+        assert tandem_serve_processes(parent.pid, log) == tree | {ray_like.pid}
+        assert tandem_serve_processes(parent.pid, "no Ray here") == tree
+    finally:
+        for proc in (parent, ray_like):
+            os.killpg(proc.pid, 9)
+            proc.wait(30)
+    assert memory_of({parent.pid}) == ProcessMemory(0, 0, 0), "an exited process counts as nothing"

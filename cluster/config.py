@@ -60,6 +60,34 @@ SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
 """Seeds are 64-bit signed integers (as OpenAI-style clients and vLLM accept)."""
 
 
+GENERATION_CONFIG_MODES = ("auto", "none")
+DEFAULT_KV_MEMORY_GIB = 2.0  # an engine made alone (tandem run, benches, tests), when neither size is given
+DEFAULT_HOST_CACHE_RATIO = 2.0  # an engine made alone, and `tandem serve` on CUDA
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request's unset sampling fields become; a field the request sets always wins. The
+    OpenAI API's own defaults, or the model's recommended ones (`gateway.generation_config`)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: off."""
+    source: str = "the OpenAI API's defaults"
+    """Where these values come from, for the start-up log and /v1/models."""
+
+    def __post_init__(self):
+        require(math.isfinite(self.temperature) and self.temperature >= 0,
+                f"default temperature must be a finite number >= 0, got {self.temperature}")
+        require(math.isfinite(self.top_p) and 0 < self.top_p <= 1, f"default top_p must be in (0, 1], got {self.top_p}")
+        require(_is_int(self.top_k) and self.top_k >= 0, f"default top_k must be an integer >= 0, got {self.top_k}")
+
+    def describe(self) -> str:
+        return (f"temperature={self.temperature:g} top_p={self.top_p:g} top_k={self.top_k or 'off'} "
+                f"(from {self.source}; a request's own fields win)")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops."""
@@ -131,8 +159,10 @@ class EngineConfig:
     """Tokens per KV page; a power of two."""
     num_pages: int | None = None
     """KV pages in the device pool including scratch page 0; None: sized from `kv_memory_gib`."""
-    kv_memory_gib: float = 2.0
-    """Memory for the KV pool when `num_pages` is None."""
+    kv_memory_gib: float | None = None
+    """Memory for the KV pool when `num_pages` is None. None: `tandem serve` sizes the pool from its
+    memory budget (`memory.budget_gib`, cluster/serve/memory.py); an engine made alone takes
+    `DEFAULT_KV_MEMORY_GIB`."""
     chunk_size: int = 512
     """Prefill tokens per scheduler step (chunked prefill); decode tokens are not counted."""
     max_running_requests: int = 64
@@ -150,15 +180,20 @@ class EngineConfig:
     from inductor's cache under ~/.cache/tandem/inductor). SmolLM2 fp32 batch 1 on 2 cores: 24.5 vs
     37.5 ms a step, same greedy tokens; bigger buckets measured slower compiled, so they stay eager.
     Off by default: the start-up cost."""
-    cpu_prepack: bool = True
+    cpu_prepack: bool | None = None
     """CPU, float32: keep every linear weight in MKL's packed GEMM layout too
     (`kernels/model/packed_linear.py`), about as much memory again as the weights; few-row matmuls
     (decode batches, speculative verifies) then skip re-packing the weight on every call.
-    `--no-cpu-prepack` turns it off; a torch without MKL ignores it."""
+    None: on where the engine decodes, off on a prefill worker (its matmuls have hundreds of rows,
+    which amortise the re-packing, so the copy would cost memory for nothing). `--no-cpu-prepack`
+    turns it off; a torch without MKL ignores it."""
     enable_prefix_cache: bool = True
-    host_cache_ratio: float = 2.0
+    host_cache_ratio: float | None = None
     """L2: host-memory KV pages, as a multiple of the device pool's (`num_pages`); 0 turns the host
-    tier off. Ignored without the prefix cache."""
+    tier off. Ignored without the prefix cache. None: `tandem serve` turns it off on CPU workers
+    (there the device pool and the host tier are the same RAM: L2 would only hold copies a bigger
+    L1 holds too) and uses `DEFAULT_HOST_CACHE_RATIO` on CUDA; an engine made alone takes
+    `DEFAULT_HOST_CACHE_RATIO`."""
     host_cache_pages: int | None = None
     """L2 pages including a scratch page 0, overriding `host_cache_ratio`; 0 turns the host tier off."""
     write_policy: str = "write_through"
@@ -204,13 +239,14 @@ class EngineConfig:
                  f"page_size must be a power of two >= 1, got {self.page_size}")
         require(self.num_pages is None or self.num_pages >= 2,
                  f"num_pages must be >= 2 (scratch page + one usable), got {self.num_pages}")
-        require(self.kv_memory_gib > 0, f"kv_memory_gib must be > 0, got {self.kv_memory_gib}")
+        require(self.kv_memory_gib is None or self.kv_memory_gib > 0, f"kv_memory_gib must be > 0, got {self.kv_memory_gib}")
         require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
         require(self.max_running_requests >= 1, f"max_running_requests must be >= 1, got {self.max_running_requests}")
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(self.attention_backend in ATTENTION_BACKENDS,
                  f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        require(self.host_cache_ratio >= 0, f"host_cache_ratio must be >= 0, got {self.host_cache_ratio}")
+        require(self.host_cache_ratio is None or self.host_cache_ratio >= 0,
+                f"host_cache_ratio must be >= 0, got {self.host_cache_ratio}")
         require(self.host_cache_pages is None or self.host_cache_pages == 0 or self.host_cache_pages >= 2,
                  f"host_cache_pages must be 0 (off) or >= 2 (scratch page + one usable), got {self.host_cache_pages}")
         require(self.write_policy in WRITE_POLICIES,
@@ -240,13 +276,16 @@ class EngineConfig:
 
     def resolve(self, bytes_per_page: int, max_position_embeddings: int) -> "EngineConfig":
         """Fill the auto fields from the loaded model; returns a new config."""
-        num_pages = self.num_pages or max(2, int(self.kv_memory_gib * 2**30) // bytes_per_page)
+        kv_bytes = (self.kv_memory_gib or DEFAULT_KV_MEMORY_GIB) * 2**30
+        num_pages = self.num_pages or max(2, int(kv_bytes) // bytes_per_page)
         host_pages = self.host_cache_pages
         if host_pages is None:
-            host_pages = int(num_pages * self.host_cache_ratio)
+            ratio = DEFAULT_HOST_CACHE_RATIO if self.host_cache_ratio is None else self.host_cache_ratio
+            host_pages = int(num_pages * ratio)
         if not self.enable_prefix_cache or host_pages < 2:
             host_pages = 0
         max_model_len = self.max_model_len or max_position_embeddings
         require(max_model_len <= max_position_embeddings,
                  f"max_model_len {max_model_len} exceeds the model's {max_position_embeddings} positions")
-        return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len, host_cache_pages=host_pages)
+        return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len, host_cache_pages=host_pages,
+                                   cpu_prepack=self.cpu_prepack is not False)

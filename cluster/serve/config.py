@@ -23,10 +23,11 @@ from typing import Any
 import yaml
 
 from cluster.cli.args import add_engine_args, engine_fields_from_args
-from cluster.config import ConfigError, EngineConfig, require, require_min
+from cluster.config import GENERATION_CONFIG_MODES, ConfigError, EngineConfig, require, require_min
 from kv_store.config import KVStoreConfig
 from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig
+from cluster.serve.memory import MemoryConfig
 from router.config import POLICIES, RouterConfig
 from router.gateway.config import API_KEY_ENV, GatewayConfig
 
@@ -57,8 +58,9 @@ class WorkerGroupConfig:
     """torch intra-op threads per worker (>= 1)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The group's engine: the top-level `engine` section merged with the group's own `engine:` overrides."""
-    host_pages: int = 4096
-    """Decode workers' host-tier landing pages (>= 1); ignored by other roles."""
+    host_pages: int | None = None
+    """Decode workers' host-tier landing pages (>= 2); ignored by other roles. None: twice what the
+    prefill workers' windows can have in flight to one decode worker (cluster/serve/memory.py)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Ray custom resources per worker, name -> amount (0, or >= 0.0001: Ray's precision; 0 is not asked for),
     added to its bundle and asked for by its actor: `{tandem_prefill: 1}` places the group only on nodes
@@ -70,7 +72,9 @@ class WorkerGroupConfig:
         for name, amount in self.resources.items():
             _check_resource(name, amount)
         require_min(self, "", 0, "count", "num_cpus", "num_gpus")
-        require_min(self, "", 1, "torch_threads", "host_pages")
+        require_min(self, "", 1, "torch_threads")
+        require(self.host_pages is None or self.host_pages >= 2,
+                f"host_pages must be >= 2 (scratch page + one usable) or null, got {self.host_pages}")
         require(self.num_cpus > 0 or self.num_gpus > 0,
                  "num_cpus and num_gpus are both 0: a placement-group bundle needs some resource")
         require(self.count == 0 or self.num_gpus > 0 or not self.engine.device.startswith("cuda"),
@@ -177,6 +181,8 @@ class ServeConfig:
     """The HTTP front end."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Ray and worker supervision."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """What tandem may hold in RAM per node; the KV pools are sized from it (cluster/serve/memory.py)."""
 
     def __post_init__(self):
         engines = {"engine": self.engine, **{f"{g}.engine": getattr(self, g).engine for g in _GROUPS
@@ -206,7 +212,7 @@ class ServeConfig:
             group = dataclasses.asdict(getattr(self, name))
             group["engine"] = {k: v for k, v in group["engine"].items() if v != top[k]}
             out[name] = group
-        for name in ("transport", "router", "gateway", "cluster"):
+        for name in ("transport", "router", "gateway", "cluster", "memory"):
             out[name] = dataclasses.asdict(getattr(self, name))
         l3 = self.kv_store.l3
         out["kv_store"] = {"l3": dataclasses.asdict(l3) if l3 is not None else None}
@@ -285,7 +291,7 @@ def _build_serve(raw: Mapping[str, Any]) -> ServeConfig:
     for name in _GROUPS:
         built[name] = _build_group(name, _section(raw, name, ""), dataclasses.asdict(engine))
     for name, cls in (("transport", TransportConfig), ("router", RouterConfig),
-                      ("gateway", GatewayConfig), ("cluster", ClusterConfig)):
+                      ("gateway", GatewayConfig), ("cluster", ClusterConfig), ("memory", MemoryConfig)):
         built[name] = _make(cls, _section(raw, name, ""), f"{name}.")
     built["kv_store"] = _build_kv_store(_section(raw, "kv_store", ""))
     return _make(ServeConfig, {"model": model}, "", built)
@@ -367,6 +373,7 @@ def _check(hint: Any, value: Any, name: str) -> Any:
 
 _FLAG_FIELDS = {
     "address": "cluster.address", "host": "gateway.host", "port": "gateway.port", "api_key": "gateway.api_key",
+    "generation_config": "gateway.generation_config", "memory_budget_gib": "memory.budget_gib",
     "policy": "router.policy", "num_prefill": "prefill.count", "num_decode": "decode.count",
     "num_colocated": "colocated.count",
 }
@@ -391,6 +398,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="gateway interface (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="gateway port (default 8000)")
     p.add_argument("--api-key", help=f"require this bearer token on /v1/* (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES,
+                   help="unset temperature/top_p/top_k of a request: the model's recommended sampling (auto, "
+                        "the default) or the OpenAI API's defaults (none); a request's own fields always win")
+    p.add_argument("--memory-budget-gib", type=float, metavar="GIB",
+                   help="RAM every process tandem starts on this node may hold together; the KV pools get what "
+                        "is left after the weights (default: a quarter of RAM, at most 8 GiB)")
     p.add_argument("--policy", choices=POLICIES, help="routing policy (default cache_aware)")
     p.add_argument("--num-prefill", type=int, metavar="N", help="prefill workers (default 1)")
     p.add_argument("--num-decode", type=int, metavar="N", help="decode workers (default 1)")

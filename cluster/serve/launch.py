@@ -29,18 +29,26 @@ class ServeStartError(RuntimeError):
 
 
 def serve(config: ServeConfig) -> int:
+    from cluster.serve.memory import ModelShape, node_ram_bytes, plan_memory
+    from kernels.model.generation_config import sampling_defaults
     from kernels.model.loader import resolve_model_dir
     from kernels.model.tokenizer import load_tokenizer
 
-    # Before Ray starts: a bad model spec fails here, fast and with a plain message.
-    tokenizer = load_tokenizer(resolve_model_dir(config.model))
+    # Before Ray starts: a bad model spec (or generation config) fails here, fast and with a plain message.
+    model_dir = resolve_model_dir(config.model)
+    tokenizer = load_tokenizer(model_dir)
+    sampling = sampling_defaults(config.gateway.generation_config, config.model, model_dir)
+    log.info("unset sampling fields: %s", sampling.describe())
+    config, plan = plan_memory(config, ModelShape.read(model_dir), node_ram_bytes())
+    for line in plan.describe():
+        log.info("%s", line)
     guard = _SignalGuard()
     guard.install()  # a signal while Ray starts: KeyboardInterrupt, and LocalRay.start stops what it started
     local_ray = _start_local_ray(config) if config.cluster.address is None else None
     try:
         _connect_ray(config, local_ray)
         guard.install()  # again: Ray's driver installs its own SIGTERM handler in ray.init
-        return _serve_on_ray(config, tokenizer, guard)
+        return _serve_on_ray(config, tokenizer, sampling, guard)
     finally:
         guard.stopping = True
         if local_ray is not None:
@@ -50,7 +58,7 @@ def serve(config: ServeConfig) -> int:
             local_ray.stop()
 
 
-def _serve_on_ray(config: ServeConfig, tokenizer, guard: _SignalGuard) -> int:
+def _serve_on_ray(config: ServeConfig, tokenizer, sampling, guard: _SignalGuard) -> int:
     import ray
 
     controller = None
@@ -58,7 +66,7 @@ def _serve_on_ray(config: ServeConfig, tokenizer, guard: _SignalGuard) -> int:
         controller = _start_controller(config)
         records = ray.get(controller.views.remote())
         log.info("workers ready: %s", ", ".join(f"{r.worker_id} ({r.session})" for r in records))
-        asyncio.run(_serve_gateway(config, controller, records, tokenizer, guard))
+        asyncio.run(_serve_gateway(config, controller, records, tokenizer, sampling, guard))
         return 0
     finally:
         if controller is not None:
@@ -150,7 +158,7 @@ class _SignalGuard:
         log.info("signal %d: already shutting down", signum)
 
 
-async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, guard: _SignalGuard) -> None:
+async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, sampling, guard: _SignalGuard) -> None:
     from cluster.serve.actors import ControllerViews
     from router.dispatcher import Dispatcher
     from router.gateway import GatewayServer, build_app
@@ -172,7 +180,7 @@ async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, gu
             log.warning("aborted %d requests still running at shutdown", aborted)
         await dispatcher.close()
 
-    app = build_app(dispatcher, config.gateway, on_shutdown=on_shutdown)
+    app = build_app(dispatcher, config.gateway, sampling=sampling, on_shutdown=on_shutdown)
     # The gateway's own server: the connection bounds of `config.gateway` apply as in every other use.
     server = GatewayServer(app, config.gateway, graceful_timeout_s=config.cluster.drain_timeout_s,
                            log_level="info", access_log=False)

@@ -54,8 +54,10 @@ def build_worker(spec: WorkerSpec, transport=None):
     if spec.role == "prefill":
         from prefill_worker.worker import PrefillWorker
 
-        # A prefill worker never decodes: compiling its decode step would only delay its start.
-        args = (dataclasses.replace(spec.engine, cpu_compile=False), *args[1:])
+        # A prefill worker never decodes: compiling its decode step would only delay its start, and
+        # packed weights for few-row matmuls would only cost memory (unless asked for by name).
+        prepack = bool(spec.engine.cpu_prepack)
+        args = (dataclasses.replace(spec.engine, cpu_compile=False, cpu_prepack=prepack), *args[1:])
         return PrefillWorker(*args, deadlines=spec.transport, **model), transport
     from decode_worker.worker import DecodeWorker
 

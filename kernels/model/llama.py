@@ -211,8 +211,11 @@ class LlamaForCausalLM(nn.Module):
         return tensor.device if param.is_meta else param.device
 
     def _cast_like(self, tensor: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
+        """`tensor` as `param`'s device and dtype, in memory of its own: a checkpoint read with mmap
+        would otherwise stay mapped (and resident) whole for as long as one of its tensors lives."""
         self._check_shape(name, tensor.shape, param.shape)
-        return tensor.to(device=self._target_device(param, tensor), dtype=param.dtype)
+        out = tensor.to(device=self._target_device(param, tensor), dtype=param.dtype)
+        return out.clone() if out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() else out
 
     @staticmethod
     def _check_shape(name: str, checkpoint: torch.Size, model: torch.Size) -> None:

@@ -97,7 +97,7 @@ class EngineCore:
         if config.speculative != "none" and draft_head is None:
             draft_head = load_draft_head(config, model, arch)
         self.speculator = make_speculator(config, draft_head, self.device)
-        if config.cpu_prepack and self.device.type == "cpu":
+        if config.cpu_prepack is not False and self.device.type == "cpu":  # None: on (a prefill worker says False)
             for module in (model, draft_head):
                 if module is not None:
                     prepack_cpu(module)

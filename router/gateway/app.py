@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
-from cluster.config import SamplingParams
+from cluster.config import SamplingDefaults, SamplingParams
 from router.gateway.config import GatewayConfig
 from kernels.model.tokenizer import encode_prompt
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
@@ -61,11 +61,11 @@ _PARSERS = {Endpoint.COMPLETION: parse_completion, Endpoint.CHAT: parse_chat}
 class Gateway:
     """The request handling of one app: admission, parsing, and runs through the backend."""
 
-    def __init__(self, backend: Any, config: GatewayConfig, state: Any):
+    def __init__(self, backend: Any, config: GatewayConfig, state: Any, sampling: SamplingDefaults):
         self.backend, self.config, self._state = backend, config, state
         self.served_name = config.served_model_name or backend.model_name
         self.limits = ModelLimits(self.served_name, backend.max_model_len, len(backend.tokenizer),
-                                  config.default_max_tokens, config.max_prompt_tokens)
+                                  config.default_max_tokens, config.max_prompt_tokens, sampling)
         self.metrics = GatewayMetrics(backend, getattr(backend, "extra_collectors", ()))
         self._probe_metrics = GatewayMetrics(backend)  # readiness probes are not traffic: never scraped
         self.created = int(time.time())
@@ -272,9 +272,11 @@ def _too_large(limit: int) -> APIError:
                     close_connection=True)  # the rest of the body is never read
 
 
-def build_app(backend: Any, config: GatewayConfig, *,
+def build_app(backend: Any, config: GatewayConfig, *, sampling: SamplingDefaults = SamplingDefaults(),
               on_shutdown: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
-    """A new app serving `backend` (a `router.backend.Backend`) as configured by `config`.
+    """A new app serving `backend` (a `router.backend.Backend`) as configured by `config`, filling
+    requests' unset sampling fields from `sampling` (`config.generation_config` resolved for the
+    model: `kernels.model.generation_config.sampling_defaults`).
 
     Nothing is shared between apps: each has its own Prometheus registry (plus the backend's
     `extra_collectors`, when it has that attribute). `on_shutdown` is awaited at lifespan shutdown,
@@ -289,7 +291,7 @@ def build_app(backend: Any, config: GatewayConfig, *,
 
     app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
-    gateway = app.state.gateway = Gateway(backend, config, app.state)
+    gateway = app.state.gateway = Gateway(backend, config, app.state, sampling)
     app.add_middleware(HostGuard, policy=HostPolicy.for_bind(config.host, config.allowed_hosts))
     install_handlers(app)
     _add_routes(app, gateway)
@@ -319,8 +321,11 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(401, 403)})
     async def models(request: Request) -> Response:
         gateway.check_api_key(request)
+        defaults = gateway.limits.sampling
         card = {"id": gateway.served_name, "object": "model", "created": gateway.created, "owned_by": "tandem",
-                "max_model_len": gateway.limits.max_model_len}
+                "max_model_len": gateway.limits.max_model_len,
+                "generation_defaults": {"temperature": defaults.temperature, "top_p": defaults.top_p,
+                                        "top_k": defaults.top_k, "source": defaults.source}}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health", responses={200: {"model": HealthStatus}, **errors(403, 503)})

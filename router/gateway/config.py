@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.config import require
+from cluster.config import GENERATION_CONFIG_MODES, require
 
 API_KEY_ENV = "TANDEM_API_KEY"
 """Environment variable read for `gateway.api_key` when neither the file nor an override sets that key."""
@@ -28,6 +28,11 @@ class GatewayConfig:
     """Prompts longer than this get 400; None: only the model's context limits them."""
     default_max_tokens: int = 256
     """Completion tokens when the request names no max_tokens (capped by the context left)."""
+    generation_config: str = "auto"
+    """What fills a request's unset temperature, top_p and top_k: `auto`, the model's recommended
+    sampling (a local HF dir's generation_config.json; for the bundled SmolLM2 its model card's
+    temperature 0.2, top_p 0.9); `none`, the OpenAI API's defaults (temperature 1). A field the
+    request sets always wins. The start-up log and /v1/models say what applies."""
     max_pending_requests: int = 256
     """Requests in flight at most (counted once their body is read and valid); more get 429."""
     ready_timeout_s: float = 30.0
@@ -58,6 +63,8 @@ class GatewayConfig:
         require(self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
                  f"gateway.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
         require(self.default_max_tokens >= 1, f"gateway.default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        require(self.generation_config in GENERATION_CONFIG_MODES,
+                f"gateway.generation_config must be one of {GENERATION_CONFIG_MODES}, got {self.generation_config!r}")
         require(self.max_pending_requests >= 1,
                  f"gateway.max_pending_requests must be >= 1, got {self.max_pending_requests}")
         require(self.ready_timeout_s > 0, f"gateway.ready_timeout_s must be > 0, got {self.ready_timeout_s}")

@@ -32,6 +32,8 @@ ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                  480.0, 960.0, 1920.0, 7680.0)
 KV_TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TEMPERATURE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 1.0, 1.2, 1.5, 2.0)
+TOP_P_BUCKETS = (0.1, 0.2, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -55,6 +57,12 @@ class GatewayMetrics:
                                ["kind"], registry=r)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens of started requests.", registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated.", registry=r)
+        # What the engines were asked for, after the generation config filled unset fields (vLLM's
+        # request_params_* histograms).
+        self.temperature = Histogram("tandem:request_params_temperature", "Sampling temperature of started requests.",
+                                     buckets=TEMPERATURE_BUCKETS, registry=r)
+        self.top_p = Histogram("tandem:request_params_top_p", "Nucleus (top_p) of started requests.",
+                               buckets=TOP_P_BUCKETS, registry=r)
         self.cache_queries = Counter("tandem:prefix_cache_queries", "Prompt tokens looked up in a prefix cache.",
                                      registry=r)
         self.cache_hits = Counter("tandem:prefix_cache_hits", "Prompt tokens served by a prefix cache.", registry=r)

@@ -139,12 +139,21 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class GenerationDefaults(BaseModel):
+    """What a request's unset sampling fields become (`gateway.generation_config`)."""
+    temperature: float
+    top_p: float
+    top_k: int
+    source: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int
+    generation_defaults: GenerationDefaults
 
 
 class ModelList(BaseModel):

@@ -21,11 +21,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cluster.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, ConfigError, \
-    SamplingParams
+    SamplingDefaults, SamplingParams
 from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from router.gateway.errors import APIError, invalid
 
-DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default; ask for 0 to get greedy decoding
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
 MAX_SESSION_IDLE_TIMEOUT_S = 3600.0
@@ -46,6 +45,7 @@ class ModelLimits:
     vocab_size: int  # prompt token ids must lie in [0, vocab_size)
     default_max_tokens: int  # when the request names none (capped by the context left)
     max_prompt_tokens: int | None  # None: only max_model_len limits the prompt
+    sampling: SamplingDefaults = SamplingDefaults()  # what unset sampling fields become
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits,
     _check_off(payload, "logprobs", 0)
     prompt_ids = [*history, *_completion_prompt(payload, tokenizer, limits.vocab_size)]
     max_tokens = _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
-    return _request(Endpoint.COMPLETION, payload, prompt_ids, max_tokens, limits.vocab_size)
+    return _request(Endpoint.COMPLETION, payload, prompt_ids, max_tokens, limits)
 
 
 def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
@@ -138,7 +138,7 @@ def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
         max_tokens = _max_tokens(payload, "max_completion_tokens", len(prompt_ids), limits)
     else:
         max_tokens = _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
-    return replace(_request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits.vocab_size), messages=messages)
+    return replace(_request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits), messages=messages)
 
 
 def session_id_of(payload: dict) -> str:
@@ -198,24 +198,26 @@ def _check_off(payload: dict, name: str, off: Any, what: str | None = None) -> N
 
 
 def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_tokens: int,
-             vocab_size: int) -> GenerateRequest:
+             limits: ModelLimits) -> GenerateRequest:
     stream = bool(_typed(payload, "stream", bool))
     options = _typed(payload, "stream_options", dict) or {}
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise invalid("`stream_options.include_usage` must be a boolean", param="stream_options.include_usage")
-    return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens, vocab_size), stream,
+    return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens, limits), stream,
                            bool(include_usage), session_id_of(payload))
 
 
-def _sampling_params(payload: dict, max_tokens: int, vocab_size: int) -> SamplingParams:
-    """Every sampling field checked here, each error naming its param; SamplingParams re-checks."""
+def _sampling_params(payload: dict, max_tokens: int, limits: ModelLimits) -> SamplingParams:
+    """Every sampling field checked here, each error naming its param; SamplingParams re-checks.
+    Unset temperature, top_p and top_k come from `limits.sampling`."""
+    vocab_size, defaults = limits.vocab_size, limits.sampling
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_temperature(payload),
-            top_p=_top_p(payload),
-            top_k=_top_k(payload, vocab_size),
+            temperature=_temperature(payload, defaults.temperature),
+            top_p=_top_p(payload, defaults.top_p),
+            top_k=_top_k(payload, vocab_size, defaults.top_k),
             seed=_bounded_integer(payload, "seed", SEED_MIN, SEED_MAX),
             stop=_stop_strings(payload),
             stop_token_ids=_stop_token_ids(payload, vocab_size),
@@ -224,27 +226,29 @@ def _sampling_params(payload: dict, max_tokens: int, vocab_size: int) -> Samplin
         raise invalid(str(exc)) from None
 
 
-def _temperature(payload: dict) -> float:
+def _temperature(payload: dict, default: float) -> float:
     temperature = _number(payload, "temperature")
     if temperature is not None and temperature < 0:
         raise invalid(f"temperature must be >= 0, got {temperature}", param="temperature")
-    return DEFAULT_TEMPERATURE if temperature is None else float(temperature)
+    return default if temperature is None else float(temperature)
 
 
-def _top_p(payload: dict) -> float:
+def _top_p(payload: dict, default: float) -> float:
     top_p = _number(payload, "top_p")
     if top_p is not None and not 0 < top_p <= 1:
         raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    return 1.0 if top_p is None else float(top_p)
+    return default if top_p is None else float(top_p)
 
 
-def _top_k(payload: dict, vocab_size: int) -> int:
+def _top_k(payload: dict, vocab_size: int, default: int) -> int:
     """The engine's top_k: 0 is off. OpenAI-style clients say -1 for off; a top_k of the vocabulary
     or more keeps every token, which is off too (and never reaches a tensor as a huge integer)."""
     top_k = _integer(payload, "top_k")
     if top_k is not None and top_k < -1:
         raise invalid(f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k}", param="top_k")
-    return 0 if top_k is None or top_k <= 0 or top_k >= vocab_size else top_k
+    if top_k is None:
+        top_k = default
+    return 0 if top_k <= 0 or top_k >= vocab_size else top_k
 
 
 def _bounded_integer(payload: dict, name: str, low: int, high: int) -> int | None:

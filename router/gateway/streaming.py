@@ -77,6 +77,8 @@ class GenerationRun:
             self._backend_done = True  # an error chunk is the last one
             raise from_error_kind(self._first.error_kind, self._first.error)
         self._metrics.prompt_tokens.inc(len(self._request.prompt_token_ids))
+        self._metrics.temperature.observe(self._request.params.temperature)
+        self._metrics.top_p.observe(self._request.params.top_p)
 
     async def events(self) -> AsyncIterator[str | Finished | APIError]:
         """Text deltas (`str`, never empty), then exactly one `Finished` or `APIError`."""

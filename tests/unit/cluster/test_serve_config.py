@@ -50,7 +50,7 @@ def test_no_flags_is_the_laptop_cluster():
     assert cfg.cluster.address is None and cfg.cluster.namespace == "tandem"
     assert (cfg.prefill.count, cfg.decode.count, cfg.colocated.count) == (1, 1, 0)
     assert cfg.prefill.engine.device == cfg.decode.engine.device == "cpu"
-    assert cfg.prefill.num_gpus == 0.0 and cfg.decode.host_pages == 4096
+    assert cfg.prefill.num_gpus == 0.0 and cfg.decode.host_pages is None  # sized by the memory plan
     assert cfg.model == cfg.engine.model == "smollm2"
     assert (cfg.gateway.host, cfg.gateway.port, cfg.gateway.api_key) == ("127.0.0.1", 8000, None)
     assert cfg.router.policy == "cache_aware" and cfg.transport.protocol == "tcp"
@@ -136,7 +136,7 @@ def test_cuda_device_gives_groups_a_gpu_unless_told():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"gatway.port": 1}, r"^unknown key 'gatway' \(valid: model, engine, prefill, decode, colocated, transport, "
-                         r"kv_store, router, gateway, cluster\)$"),
+                         r"kv_store, router, gateway, cluster, memory\)$"),
     ({"kv_store.l4": {}}, r"^unknown key 'kv_store\.l4' \(valid: l3\)$"),
     ({"kv_store.l3.url": "http://x"}, r"^kv_store\.l3\.url must start with redis:// or rediss://"),
     ({"kv_store.l3.prefetch_policy": "eager"}, r"^kv_store\.l3\.prefetch_policy must be one of"),
@@ -272,8 +272,8 @@ def test_to_dict_round_trips_through_yaml(tmp_path):
         cluster=ClusterConfig(address="auto", max_restarts=0),
         kv_store=KVStoreConfig(l3=L3Config(url="rediss://:pw@10.0.0.5:6380/2", prefetch_policy="timeout")))
     data = cfg.to_dict()
-    assert data["prefill"]["engine"] == {"chunk_size": 64, "num_pages": None, "kv_memory_gib": 2.0}
-    assert "model" not in data["engine"] and data["decode"]["engine"] == {"num_pages": None, "kv_memory_gib": 2.0}
+    assert data["prefill"]["engine"] == {"chunk_size": 64, "num_pages": None, "kv_memory_gib": None}
+    assert "model" not in data["engine"] and data["decode"]["engine"] == {"num_pages": None, "kv_memory_gib": None}
     path = write_yaml(tmp_path, yaml.safe_dump(data))
     assert load_serve_config(path) == cfg
     assert load_serve_config(write_yaml(tmp_path, yaml.safe_dump(ServeConfig().to_dict()))) == ServeConfig()

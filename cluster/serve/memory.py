@@ -1,0 +1,235 @@
+"""The memory budget of `tandem serve`: one figure per node, the RAM every process tandem starts
+there may hold (Ray's daemons, the controller, the gateway, the workers), from which the KV pools
+are sized after the weights, like vLLM's `--gpu-memory-utilization` or llama.cpp's context size.
+
+    budget (memory.budget_gib; auto: a quarter of physical RAM, at most AUTO_BUDGET_MAX_GIB)
+      - NODE_OVERHEAD: Ray's daemons and agents, the controller actor, the gateway process
+      - per worker: WORKER_OVERHEAD (torch, tokenizer, transfer engine, allocator slack)
+                    + its weights (+ the MKL-packed copy where `cpu_prepack` is on: decode workers)
+      = KV, shared out:   a decode worker's landing buffer (what its prefill workers' windows can
+                          have in flight, twice), then device pools by weight: prefill 1, decode and
+                          colocated DECODE_SHARE (they hold every running request's whole context)
+
+Only CPU workers are planned: their pools live in the budgeted RAM. A CUDA worker's pool is device
+memory (`engine.kv_memory_gib`, or `DEFAULT_KV_MEMORY_GIB`), and its host tier keeps
+`DEFAULT_HOST_CACHE_RATIO`. On a CPU the host tier is off unless asked for (`host_cache_ratio` or
+`host_cache_pages` set): it is the same RAM as the device pool. A size set by hand (`num_pages`,
+`kv_memory_gib`, `decode.host_pages`) is kept and counted. With `--address`, every worker is planned
+as if on the gateway's node (set the sizes per group for a multi-node cluster).
+
+Pure: the caller reads the model's shapes (`ModelShape.read`) and the node's RAM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.config import DEFAULT_HOST_CACHE_RATIO, ConfigError, EngineConfig, require
+from cluster.protocol import KVLayout
+
+GIB = 2**30
+AUTO_BUDGET_SHARE = 0.25
+AUTO_BUDGET_MAX_GIB = 8.0
+NODE_OVERHEAD_BYTES = int(1.0 * GIB)  # measured: Ray ~0.4 GiB, controller ~0.25, gateway ~0.35 (after load)
+WORKER_OVERHEAD_BYTES = int(0.5 * GIB)  # measured: a worker's RSS beyond weights and KV, SmolLM2 on 2 cores
+DECODE_SHARE = 2.0  # a decode or colocated pool's share of the KV against a prefill worker's 1
+MIN_KV_BYTES_PER_WORKER = 32 * 2**20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                            "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """What tandem may hold in RAM (the `memory:` section of a cluster YAML)."""
+
+    budget_gib: float | None = None
+    """RAM every process tandem starts on a node may hold together, GiB (> 0): the KV pools of its
+    CPU workers are what is left after the processes' own overhead and the weights. None (auto): a
+    quarter of the node's physical memory, at most 8 GiB. The start-up log prints the plan."""
+
+    def __post_init__(self):
+        require(self.budget_gib is None or (isinstance(self.budget_gib, (int, float)) and self.budget_gib > 0),
+                f"memory.budget_gib must be > 0 or null, got {self.budget_gib!r}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of the model: its parameters and its KV shape."""
+
+    num_params: int
+    num_linear_params: int  # in matmul weights (the lm_head included): what a packed copy duplicates
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def read(cls, model_dir: Path) -> "ModelShape":
+        """From config.json and the safetensors headers (no weight is read)."""
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        num_params = num_linear = 0
+        embed = 0
+        for shard in sorted(Path(model_dir).glob("*.safetensors")):
+            for name, info in _safetensors_header(shard).items():
+                if name == "__metadata__":
+                    continue
+                count = math.prod(info["shape"])
+                num_params += count
+                if name.endswith("embed_tokens.weight"):
+                    embed = count
+                elif len(info["shape"]) == 2:
+                    num_linear += count
+        if config.get("tie_word_embeddings", False):  # the lm_head is a transposed copy of the embedding
+            num_params += embed
+            num_linear += embed
+        heads = config["num_attention_heads"]
+        return cls(num_params, num_linear, config["num_hidden_layers"], config.get("num_key_value_heads", heads),
+                   config.get("head_dim") or config["hidden_size"] // heads)
+
+    def page_bytes(self, engine: EngineConfig) -> int:
+        extra = 1 if engine.speculative != "none" else 0  # the draft head's KV layer
+        return KVLayout(num_layers=self.num_layers + extra, page_size=engine.page_size, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, dtype=engine.dtype, element_bytes=DTYPE_BYTES[engine.dtype]).page_bytes
+
+    def weight_bytes(self, engine: EngineConfig, prepacked: bool) -> int:
+        size = DTYPE_BYTES[engine.dtype]
+        return (self.num_params + (self.num_linear_params if prepacked else 0)) * size
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker group's share: page counts are per worker and include each pool's scratch page."""
+
+    role: str
+    count: int
+    on_cpu: bool  # its weights and device pool are in RAM (else on a GPU, outside the budget)
+    weight_bytes: int  # the weights' bytes (twice the matmul weights where packed)
+    kv_pages: int
+    landing_pages: int
+    host_pages: int
+    page_bytes: int
+    page_size: int
+
+    @property
+    def ram_bytes(self) -> int:
+        """What one worker of the group holds in RAM by this plan."""
+        device = self.weight_bytes + self.kv_pages * self.page_bytes if self.on_cpu else 0
+        return WORKER_OVERHEAD_BYTES + device + (self.landing_pages + self.host_pages) * self.page_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int
+    budget_source: str
+    workers: tuple[WorkerPlan, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return NODE_OVERHEAD_BYTES + sum(w.count * w.ram_bytes for w in self.workers)
+
+    def describe(self) -> list[str]:
+        """The start-up log's lines."""
+        lines = [f"memory budget {self.budget_bytes / GIB:.1f} GiB on this node ({self.budget_source}); "
+                 f"planned {self.total_bytes / GIB:.2f} GiB: Ray, controller and gateway ~{NODE_OVERHEAD_BYTES / GIB:.1f} GiB"]
+        for w in self.workers:
+            where = "" if w.on_cpu else " on the GPU (outside this budget)"
+            kv = f"KV {w.kv_pages * w.page_bytes / GIB:.2f} GiB = {(w.kv_pages - 1) * w.page_size:,} tokens{where}"
+            extra = f", landing {w.landing_pages * w.page_bytes / GIB:.2f} GiB" if w.landing_pages else ""
+            host = (f"host tier {w.host_pages * w.page_bytes / GIB:.2f} GiB = {(w.host_pages - 1) * w.page_size:,} tokens"
+                    if w.host_pages else "host tier off")
+            lines.append(f"  {w.role} x{w.count}: each ~{w.ram_bytes / GIB:.2f} GiB in RAM: process "
+                         f"~{WORKER_OVERHEAD_BYTES / GIB:.1f} GiB, weights {w.weight_bytes / GIB:.2f} GiB, {kv}{extra}, {host}")
+        return lines
+
+
+def node_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def auto_budget(ram_bytes: int) -> tuple[int, str]:
+    budget = min(AUTO_BUDGET_SHARE * ram_bytes, AUTO_BUDGET_MAX_GIB * GIB)
+    return int(budget), f"auto: a quarter of {ram_bytes / GIB:.1f} GiB, at most {AUTO_BUDGET_MAX_GIB:g} GiB"
+
+
+def plan_memory(config, shape: ModelShape, ram_bytes: int):
+    """(`config` with every worker group's automatic sizes resolved, its `MemoryPlan`). `config` is a
+    `ServeConfig`. Raises ConfigError when the budget cannot hold the processes and the weights."""
+    if config.memory.budget_gib is not None:
+        budget, source = int(config.memory.budget_gib * GIB), "memory.budget_gib"
+    else:
+        budget, source = auto_budget(ram_bytes)
+    groups = {name: getattr(config, name) for name in ("prefill", "decode", "colocated") if getattr(config, name).count}
+    fixed = {name: _fixed_part(name, group, shape, config) for name, group in groups.items()}
+    left = budget - NODE_OVERHEAD_BYTES - sum(group.count * fixed[name][0] for name, group in groups.items())
+    weights = {name: (1.0 if name == "prefill" else DECODE_SHARE) * group.count
+               for name, group in groups.items() if _kv_planned(group.engine)}
+    num_planned = sum(g.count for n, g in groups.items() if n in weights)
+    if left < MIN_KV_BYTES_PER_WORKER * num_planned:
+        before_kv = (budget - left) / GIB
+        raise ConfigError(f"the memory budget ({budget / GIB:.2f} GiB, {source}) cannot hold the processes and "
+                          f"weights ({before_kv:.2f} GiB before any KV pool): set memory.budget_gib to at least "
+                          f"{before_kv + 0.5:.1f}, or run fewer workers")
+    resolved, plans = {}, []
+    for name, group in groups.items():
+        engine = group.engine
+        page_bytes = shape.page_bytes(engine)
+        _, landing_pages, prepacked = fixed[name]
+        kv_pages = None
+        if name in weights:
+            share = left * (weights[name] / group.count) / sum(weights.values())
+            kv_pages = max(2, int(share // page_bytes))
+            engine = dataclasses.replace(engine, num_pages=kv_pages)
+        if engine.host_cache_ratio is None and engine.host_cache_pages is None and engine.device == "cpu":
+            engine = dataclasses.replace(engine, host_cache_ratio=0.0)
+        sized = engine.resolve(page_bytes, 1 << 30)
+        plans.append(WorkerPlan(name, group.count, engine.device == "cpu", shape.weight_bytes(engine, prepacked),
+                                sized.num_pages, landing_pages, sized.host_cache_pages, page_bytes, engine.page_size))
+        resolved[name] = dataclasses.replace(group, engine=engine,
+                                             host_pages=landing_pages if name == "decode" else group.host_pages)
+    return dataclasses.replace(config, **resolved), MemoryPlan(budget, source, tuple(plans))
+
+
+def _kv_planned(engine: EngineConfig) -> bool:
+    return engine.device == "cpu" and engine.num_pages is None and engine.kv_memory_gib is None
+
+
+def _fixed_part(name: str, group, shape: ModelShape, config) -> tuple[int, int, bool]:
+    """(bytes one worker holds before its planned pool, its landing pages, whether its weights are
+    packed twice)."""
+    engine = group.engine
+    prepacked = engine.device == "cpu" and engine.dtype == "float32" and (
+        engine.cpu_prepack if engine.cpu_prepack is not None else name != "prefill")
+    page_bytes = shape.page_bytes(engine)
+    landing = 0
+    if name == "decode":
+        landing = group.host_pages or _landing_pages(config, engine)
+    fixed = WORKER_OVERHEAD_BYTES + landing * page_bytes
+    sized = engine.resolve(page_bytes, 1 << 30)  # sizes set by hand (or the defaults off the budget)
+    if engine.device == "cpu":
+        fixed += shape.weight_bytes(engine, prepacked)
+        if not _kv_planned(engine):
+            fixed += sized.num_pages * page_bytes
+        if engine.host_cache_ratio is not None or engine.host_cache_pages is not None:  # asked for on a CPU
+            fixed += sized.host_cache_pages * page_bytes
+    else:
+        fixed += sized.host_cache_pages * page_bytes  # a CUDA worker's host tier is RAM
+    return fixed, landing, prepacked
+
+
+def _landing_pages(config, engine: EngineConfig) -> int:
+    """Twice what the prefill workers' windows can have in flight to one decode worker (+ page 0)."""
+    window = config.router.prefill_window_tokens or 2 * config.prefill.engine.chunk_size
+    tokens = 2 * window * max(1, config.prefill.count) / max(1, config.decode.count)
+    return int(math.ceil(tokens / engine.page_size)) + 1

@@ -189,7 +189,7 @@ def plan_memory(config, shape: ModelShape, ram_bytes: int):
         kv_pages = None
         if name in weights:
             share = left * (weights[name] / group.count) / sum(weights.values())
-            kv_pages = max(2, int(share // page_bytes))
+            kv_pages = max(2, int(share // (page_bytes * (1 + _planned_host_ratio(engine)))))
             engine = dataclasses.replace(engine, num_pages=kv_pages)
         if engine.host_cache_ratio is None and engine.host_cache_pages is None and engine.device == "cpu":
             engine = dataclasses.replace(engine, host_cache_ratio=0.0)
@@ -199,6 +199,11 @@ def plan_memory(config, shape: ModelShape, ram_bytes: int):
         resolved[name] = dataclasses.replace(group, engine=engine,
                                              host_pages=landing_pages if name == "decode" else group.host_pages)
     return dataclasses.replace(config, **resolved), MemoryPlan(budget, source, tuple(plans))
+
+
+def _planned_host_ratio(engine: EngineConfig) -> float:
+    """Host pages per device page that come out of a planned pool's share (a ratio asked for)."""
+    return engine.host_cache_ratio if engine.host_cache_pages is None and engine.host_cache_ratio else 0.0
 
 
 def _kv_planned(engine: EngineConfig) -> bool:
@@ -221,8 +226,8 @@ def _fixed_part(name: str, group, shape: ModelShape, config) -> tuple[int, int, 
         fixed += shape.weight_bytes(engine, prepacked)
         if not _kv_planned(engine):
             fixed += sized.num_pages * page_bytes
-        if engine.host_cache_ratio is not None or engine.host_cache_pages is not None:  # asked for on a CPU
-            fixed += sized.host_cache_pages * page_bytes
+        if engine.host_cache_pages is not None or (engine.host_cache_ratio is not None and not _kv_planned(engine)):
+            fixed += sized.host_cache_pages * page_bytes  # asked for on a CPU (a ratio of a planned pool: its share)
     else:
         fixed += sized.host_cache_pages * page_bytes  # a CUDA worker's host tier is RAM
     return fixed, landing, prepacked

@@ -141,8 +141,11 @@ class MemoryPlan:
 
     def describe(self) -> list[str]:
         """The start-up log's lines."""
+        over = (f" -- MORE than the budget: sizes set by hand (num_pages, kv_memory_gib, host_cache_*, "
+                f"decode.host_pages) exceed it" if self.total_bytes > self.budget_bytes else "")
         lines = [f"memory budget {self.budget_bytes / GIB:.1f} GiB on this node ({self.budget_source}); "
-                 f"planned {self.total_bytes / GIB:.2f} GiB: Ray, controller and gateway ~{NODE_OVERHEAD_BYTES / GIB:.1f} GiB"]
+                 f"planned {self.total_bytes / GIB:.2f} GiB{over}: Ray, controller and gateway "
+                 f"~{NODE_OVERHEAD_BYTES / GIB:.1f} GiB"]
         for w in self.workers:
             where = "" if w.on_cpu else " on the GPU (outside this budget)"
             kv = f"KV {w.kv_pages * w.page_bytes / GIB:.2f} GiB = {(w.kv_pages - 1) * w.page_size:,} tokens{where}"
@@ -176,7 +179,7 @@ def plan_memory(config, shape: ModelShape, ram_bytes: int):
     weights = {name: (1.0 if name == "prefill" else DECODE_SHARE) * group.count
                for name, group in groups.items() if _kv_planned(group.engine)}
     num_planned = sum(g.count for n, g in groups.items() if n in weights)
-    if left < MIN_KV_BYTES_PER_WORKER * num_planned:
+    if num_planned and left < MIN_KV_BYTES_PER_WORKER * num_planned:
         before_kv = (budget - left) / GIB
         raise ConfigError(f"the memory budget ({budget / GIB:.2f} GiB, {source}) cannot hold the processes and "
                           f"weights ({before_kv:.2f} GiB before any KV pool): set memory.budget_gib to at least "

@@ -19,9 +19,9 @@ so ordinary load queues instead of being refused). Two checks keep to it:
   prefill  a lane admits while the request's predicted first token, the prompt tokens ahead of it
            (queued + in the window) and its own over the lane's measured rate, is within
            `PLAN_SHARE` of the budget (the rest absorbs what it cannot foresee: a prompt's real
-           cost, decode steps in the way, the transfer). The rate's first sample, a cold worker's
-           first prefill, is not taken. Before a measurement only the queue depth
-           (`max_queued_requests`, a memory bound) limits it.
+           cost, decode steps in the way, the transfer). The rate is measured under load only
+           (`PrefillRate`). Before a measurement, and whenever the lane is idle, only the queue
+           depth (`max_queued_requests`, a memory bound) limits it.
   decode   a decode (or colocated) worker admits while it holds fewer requests, counted from
            arrival, than its `DecodeLimit`: at most `max_requests_per_worker` (so none waits for a
            batch slot), lowered only while first tokens come later than the budget, and never
@@ -102,14 +102,18 @@ class Overloaded(Exception):
 
 
 class PrefillRate:
-    """Prompt tokens per second one prefill worker turns into delivered KV, measured on completions.
+    """Prompt tokens per second one prefill worker turns into delivered KV under load, measured on
+    completions.
 
     Busy time runs while at least one prefill is at the worker; each completion closes the busy
-    interval since the previous mark. Decayed sums of tokens, busy seconds and completions (the
-    newest weighs `smoothing`) give the rate and the mean service time; prefills that complete in
-    the same step share one interval, so batching counts as the throughput it gives. The first
-    `cold_samples` completions only set the mark: a fresh worker's first prefill pays first-call
-    costs (allocator growth, lazy tables) that would make every prediction after it pessimistic.
+    interval since the previous mark. Decayed sums of tokens and busy seconds (the newest weighs
+    `smoothing`) give the rate; prefills that complete in the same step share one interval, so
+    batching counts as the throughput it gives. Only busy periods (from idle to idle) in which two
+    or more prefills were at the worker at once give samples: a lone prefill's time is mostly fixed
+    costs (round trips, the transfer's set-up) that overlap under load, so a rate from a few lone
+    chat prompts would refuse what the loaded worker serves in time, and a prediction only matters
+    under load. (A lone completion always ends its period, so none is held for later.) The first `cold_samples` completions are no samples either: a fresh worker's first prefill pays
+    first-call costs (allocator growth, lazy tables).
     """
 
     def __init__(self, smoothing: float, cold_samples: int = COLD_SAMPLES):
@@ -118,14 +122,16 @@ class PrefillRate:
         self.in_service_tokens = 0  # their prompt tokens
         self.cold_left = cold_samples  # delivered completions still to skip
         self._mark_s = 0.0
-        self._tokens = self._busy_s = self._completions = 0.0
+        self._loaded = False  # the current busy period has had two or more prefills at once
+        self._tokens = self._busy_s = 0.0
 
     def started(self, now: float, num_tokens: int) -> None:
         """A prompt of `num_tokens` reached the worker."""
         if self.in_service == 0:  # idle time between busy periods is not service time
-            self._mark_s = now
+            self._mark_s, self._loaded = now, False
         self.in_service += 1
         self.in_service_tokens += num_tokens
+        self._loaded = self._loaded or self.in_service >= 2
 
     def finished(self, now: float, num_tokens: int, delivered: bool) -> None:
         """A prefill left the worker, its KV delivered, or not (aborted: no sample; its time falls
@@ -135,24 +141,18 @@ class PrefillRate:
         self.in_service_tokens -= num_tokens
         if not delivered:
             return
+        busy_s, self._mark_s = max(0.0, now - self._mark_s), now
         if self.cold_left:
             self.cold_left -= 1
-            self._mark_s = now
-            return
-        keep = 1.0 - self.smoothing
-        self._tokens = keep * self._tokens + num_tokens
-        self._busy_s = keep * self._busy_s + max(0.0, now - self._mark_s)
-        self._completions = keep * self._completions + 1.0
-        self._mark_s = now
+        elif self._loaded:
+            keep = 1.0 - self.smoothing
+            self._tokens = keep * self._tokens + num_tokens
+            self._busy_s = keep * self._busy_s + busy_s
 
     @property
     def tokens_per_s(self) -> float | None:
-        """None until a completion took measurable time."""
+        """None until a loaded completion took measurable time."""
         return self._tokens / self._busy_s if self._busy_s > 0 else None
-
-    @property
-    def mean_service_s(self) -> float | None:
-        return self._busy_s / self._completions if self._busy_s > 0 else None
 
     def busy_for_s(self, now: float) -> float:
         """Service time the prefills at the worker have had since the last completion (0 when idle)."""

@@ -21,14 +21,17 @@ def measured(rate_tokens_per_s: float, window_tokens: int = 1000) -> PrefillLane
     ln.rate.started(-10.0, 1)
     ln.rate.finished(-1.0, 1, delivered=True)  # a cold worker's first prefill: 1 token in 9 s, not a sample
     assert ln.rate.tokens_per_s is None
-    ln.rate.started(0.0, int(rate_tokens_per_s))
-    ln.rate.finished(1.0, int(rate_tokens_per_s), delivered=True)
+    half = int(rate_tokens_per_s) // 2
+    ln.rate.started(0.0, half)
+    ln.rate.started(0.0, half)  # two at once: a loaded period, whose completions are samples
+    ln.rate.finished(0.5, half, delivered=True)
+    ln.rate.finished(1.0, half, delivered=True)
     return ln
 
 
 def test_rate_counts_busy_time_only_and_shares_a_step_between_batched_completions():
     rate = PrefillRate(smoothing=0.5, cold_samples=0)
-    assert rate.tokens_per_s is None and rate.mean_service_s is None
+    assert rate.tokens_per_s is None
     rate.started(10.0, 100)
     rate.started(10.0, 100)  # batched with the first
     assert (rate.in_service, rate.in_service_tokens) == (2, 200)
@@ -36,17 +39,21 @@ def test_rate_counts_busy_time_only_and_shares_a_step_between_batched_completion
     rate.finished(12.0, 100, delivered=True)  # +100 tokens in 0 s: decayed sums 150 tokens / 1 s
     assert rate.tokens_per_s == pytest.approx(150.0)
     rate.started(100.0, 50)  # idle from 12 to 100 s: not service time
-    rate.finished(101.0, 50, delivered=True)
-    assert rate.tokens_per_s == pytest.approx((75 + 50) / (0.5 + 1.0))
-    assert rate.in_service == 0
+    rate.finished(101.0, 50, delivered=True)  # alone the whole period: no sample
+    assert rate.tokens_per_s == pytest.approx(150.0) and rate.in_service == 0
+    rate.started(200.0, 50)
+    rate.started(200.5, 50)  # company: a loaded period
+    rate.finished(201.5, 50, delivered=True)
+    rate.finished(202.0, 50, delivered=True)  # alone at the end, but in a loaded period: a sample
+    assert rate.tokens_per_s == pytest.approx((0.25 * 150 + 0.5 * 50 + 50) / (0.25 * 1 + 0.5 * 1.5 + 0.5))
 
 
 def test_rate_skips_the_cold_first_completion():
     rate = PrefillRate(smoothing=1.0)  # default: one cold sample
     rate.started(0.0, 100)
+    rate.started(0.0, 100)
     rate.finished(8.0, 100, delivered=True)  # first-call costs: 12.5 tokens/s, not what the worker does
     assert rate.tokens_per_s is None and rate.cold_left == 0
-    rate.started(8.0, 100)
     rate.finished(8.5, 100, delivered=True)
     assert rate.tokens_per_s == pytest.approx(200.0)
 
@@ -58,7 +65,7 @@ def test_rate_ignores_aborted_prefills_and_rejects_a_double_finish():
     rate.finished(1.0, 30, delivered=False)  # aborted: no sample
     assert rate.tokens_per_s is None and rate.busy_for_s(1.5) == 1.5
     rate.finished(2.0, 40, delivered=True)  # the aborted one's time falls to this completion
-    assert rate.tokens_per_s == pytest.approx(20.0) and rate.mean_service_s == pytest.approx(2.0)
+    assert rate.tokens_per_s == pytest.approx(20.0)
     assert rate.busy_for_s(3.0) == 0.0  # idle
     with pytest.raises(AssertionError, match="twice"):
         rate.finished(3.0, 1, delivered=True)

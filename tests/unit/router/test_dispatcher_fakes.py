@@ -216,19 +216,24 @@ def test_admission_refuses_by_the_predicted_first_token_at_the_measured_rate():
 
         await complete("c0", await admitted("c0"))  # the cold first prefill, 5 s: no rate sample
         clock.now_s = 5.0
-        first = await admitted("w0")
-        clock.now_s = 6.0  # 100 tokens in 1 s of service
-        await complete("w0", first)
+        alone = await admitted("x0")
+        clock.now_s = 6.0
+        await complete("x0", alone)  # alone at the worker: no sample either
+        pair = [await admitted("w0a"), await admitted("w0b")]  # two at once: a loaded period
+        clock.now_s = 7.0  # 100 tokens in 1 s of service
+        await complete("w0a", pair[0])
+        clock.now_s = 8.0
+        await complete("w0b", pair[1])
         streams = [await admitted("w1"), await admitted("w2")]  # w2: 1 s behind w1, 1 s its own: 2 <= 2.25 s
         with pytest.raises(BackendError) as full:
             d.generate("w3", prompt, SamplingParams(max_tokens=4))
         assert full.value.kind is ErrorKind.QUEUE_FULL and full.value.retry_after_s == pytest.approx(0.75)
         assert "predicted prefill done in 3.00s, past the 2.25s admission plans for" in full.value.message
-        clock.now_s = 6.5  # w1 and w2 have had 0.5 s of service
+        clock.now_s = 8.5  # w1 and w2 have had 0.5 s of service
         with pytest.raises(BackendError) as full:
             d.generate("w4", prompt, SamplingParams(max_tokens=4))
         assert full.value.retry_after_s == pytest.approx(0.25)
-        clock.now_s = 7.0
+        clock.now_s = 9.0
         await complete("w1", streams[0])
         streams.append(await admitted("w5"))  # 1 s left of w2: admitted again
         for rid, stream in (("w2", streams[1]), ("w5", streams[2])):

@@ -83,7 +83,7 @@ def test_a_request_without_sampling_fields_gets_the_generation_config_and_a_requ
             **body})
         assert resp.status_code == 200, resp.text
         after = server.metrics()
-        moved = {name: metric(after, f"tandem:request_params_{name}_{part}")
+        moved = {f"{name}_{part}": metric(after, f"tandem:request_params_{name}_{part}")
                  - metric(before, f"tandem:request_params_{name}_{part}")
                  for name in ("temperature", "top_p") for part in ("count", "sum")}
         assert moved["temperature_count"] == moved["top_p_count"] == 1, moved

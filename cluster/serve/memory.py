@@ -36,8 +36,11 @@ from cluster.protocol import KVLayout
 GIB = 2**30
 AUTO_BUDGET_SHARE = 0.25
 AUTO_BUDGET_MAX_GIB = 8.0
-NODE_OVERHEAD_BYTES = int(1.0 * GIB)  # measured: Ray ~0.4 GiB, controller ~0.25, gateway ~0.35 (after load)
-WORKER_OVERHEAD_BYTES = int(0.5 * GIB)  # measured: a worker's RSS beyond weights and KV, SmolLM2 on 2 cores
+# Measured (RSS) on a default `tandem serve` after a 16-stream load, SmolLM2 on 2 cores: Ray's daemons
+# and agents ~0.5 GiB, the controller ~0.3, the gateway ~0.45; a worker beyond its weights and pools
+# 0.58 (prefill) to 0.74 GiB (decode: graph buffers, the transfer engine's registrations).
+NODE_OVERHEAD_BYTES = int(1.25 * GIB)
+WORKER_OVERHEAD_BYTES = int(0.65 * GIB)
 DECODE_SHARE = 2.0  # a decode or colocated pool's share of the KV against a prefill worker's 1
 MIN_KV_BYTES_PER_WORKER = 32 * 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

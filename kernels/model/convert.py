@@ -139,3 +139,24 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     model.generation_config.save_pretrained(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(out_dir)
+
+
+def resolve_model_dir(spec: str, cache_dir: Path | None = None) -> Path:
+    """Local directory of ``spec``; ``cache_dir`` is the tandem cache root used for "smollm2".
+
+    Raises FileNotFoundError naming what is missing for a bad local path.
+    """
+    if spec == SMOLLM2_SPEC:
+        return ensure_smollm2(cache_dir)
+    model_dir = Path(spec).expanduser()
+    if not model_dir.is_dir():
+        raise FileNotFoundError(
+            f"model {spec!r} is neither a known name ({SMOLLM2_SPEC}) nor an existing directory"
+        )
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {model_dir} has no config.json: not a Hugging Face model dir?")
+    if not any(model_dir.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"model directory {model_dir} has no *.safetensors weights (only safetensors are supported)"
+        )
+    return model_dir

@@ -17,7 +17,7 @@ import torch
 
 from kernels.attention import get_backend, resolve_backend
 from kernels.model.arch import LlamaArch
-from kernels.model.convert import SMOLLM2_SPEC, ensure_smollm2
+from kernels.model.convert import SMOLLM2_SPEC, ensure_smollm2, resolve_model_dir  # noqa: F401 (re-exported)
 from kernels.model.llama import LlamaForCausalLM
 from kernels.model.tiny import make_tiny_llama, tiny_llama_config
 from kernels.model.tokenizer import load_tokenizer
@@ -42,27 +42,6 @@ class LoadedModel:
     tokenizer: Any  # transformers tokenizer
     model_dir: Path
     eos_token_ids: tuple[int, ...]  # every id that ends generation
-
-
-def resolve_model_dir(spec: str, cache_dir: Path | None = None) -> Path:
-    """Local directory of ``spec``; ``cache_dir`` is the tandem cache root used for "smollm2".
-
-    Raises FileNotFoundError naming what is missing for a bad local path.
-    """
-    if spec == SMOLLM2_SPEC:
-        return ensure_smollm2(cache_dir)
-    model_dir = Path(spec).expanduser()
-    if not model_dir.is_dir():
-        raise FileNotFoundError(
-            f"model {spec!r} is neither a known name ({SMOLLM2_SPEC}) nor an existing directory"
-        )
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {model_dir} has no config.json: not a Hugging Face model dir?")
-    if not any(model_dir.glob("*.safetensors")):
-        raise FileNotFoundError(
-            f"model directory {model_dir} has no *.safetensors weights (only safetensors are supported)"
-        )
-    return model_dir
 
 
 def _read_state_dict(model_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:

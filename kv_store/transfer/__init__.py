@@ -2,37 +2,25 @@
 
 `LocalTransport` copies between in-process endpoints (colocated mode, unit tests);
 `MooncakeTransport` uses mooncake-transfer-engine (imported only when one is built).
+
+The names below load on first use: `kv_store.transfer.config` is read by the gateway and the
+controller, which must not pay for torch (the interface's tensors).
 """
 
-from kv_store.transfer.bandwidth import BandwidthResult, measure_write_bandwidth
-from kv_store.transfer.base import (
-    MemoryRegion,
-    PeerUnreachable,
-    RegistrationError,
-    Transport,
-    TransferError,
-    TransferFailed,
-    TransferHandle,
-    TransferStatus,
-    WriteOp,
-    coalesce,
-)
-from kv_store.transfer.local import LocalTransport
-from kv_store.transfer.mooncake import MooncakeTransport
+import importlib
 
-__all__ = [
-    "BandwidthResult",
-    "LocalTransport",
-    "MemoryRegion",
-    "MooncakeTransport",
-    "PeerUnreachable",
-    "RegistrationError",
-    "Transport",
-    "TransferError",
-    "TransferFailed",
-    "TransferHandle",
-    "TransferStatus",
-    "WriteOp",
-    "coalesce",
-    "measure_write_bandwidth",
-]
+_HOMES = {
+    "BandwidthResult": "bandwidth", "measure_write_bandwidth": "bandwidth",
+    "MemoryRegion": "base", "PeerUnreachable": "base", "RegistrationError": "base", "Transport": "base",
+    "TransferError": "base", "TransferFailed": "base", "TransferHandle": "base", "TransferStatus": "base",
+    "WriteOp": "base", "coalesce": "base",
+    "LocalTransport": "local", "MooncakeTransport": "mooncake",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

@@ -13,7 +13,8 @@ are sized after the weights, like vLLM's `--gpu-memory-utilization` or llama.cpp
 Only CPU workers are planned: their pools live in the budgeted RAM. A CUDA worker's pool is device
 memory (`engine.kv_memory_gib`, or `DEFAULT_KV_MEMORY_GIB`), and its host tier keeps
 `DEFAULT_HOST_CACHE_RATIO`. On a CPU the host tier is off unless asked for (`host_cache_ratio` or
-`host_cache_pages` set): it is the same RAM as the device pool. A size set by hand (`num_pages`,
+`host_cache_pages` set): it is the same RAM as the device pool; with L3 it is a staging area of
+`L3_STAGING_HOST_RATIO` (L3's pages land in host pages before they load). A size set by hand (`num_pages`,
 `kv_memory_gib`, `decode.host_pages`) is kept and counted. With `--address`, every worker is planned
 as if on the gateway's node (set the sizes per group for a multi-node cluster).
 
@@ -41,6 +42,7 @@ AUTO_BUDGET_MAX_GIB = 8.0
 # 0.58 (prefill) to 0.74 GiB (decode: graph buffers, the transfer engine's registrations).
 NODE_OVERHEAD_BYTES = int(1.25 * GIB)
 WORKER_OVERHEAD_BYTES = int(0.65 * GIB)
+L3_STAGING_HOST_RATIO = 0.5  # host pages per device page on a CPU with L3 and no host tier asked for
 DECODE_SHARE = 2.0  # a decode or colocated pool's share of the KV against a prefill worker's 1
 MIN_KV_BYTES_PER_WORKER = 32 * 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -176,7 +178,8 @@ def plan_memory(config, shape: ModelShape, ram_bytes: int):
         budget, source = int(config.memory.budget_gib * GIB), "memory.budget_gib"
     else:
         budget, source = auto_budget(ram_bytes)
-    groups = {name: getattr(config, name) for name in ("prefill", "decode", "colocated") if getattr(config, name).count}
+    groups = {name: _with_host_tier(getattr(config, name), config.kv_store.l3 is not None)
+              for name in ("prefill", "decode", "colocated") if getattr(config, name).count}
     fixed = {name: _fixed_part(name, group, shape, config) for name, group in groups.items()}
     left = budget - NODE_OVERHEAD_BYTES - sum(group.count * fixed[name][0] for name, group in groups.items())
     weights = {name: (1.0 if name == "prefill" else DECODE_SHARE) * group.count
@@ -197,14 +200,22 @@ def plan_memory(config, shape: ModelShape, ram_bytes: int):
             share = left * (weights[name] / group.count) / sum(weights.values())
             kv_pages = max(2, int(share // (page_bytes * (1 + _planned_host_ratio(engine)))))
             engine = dataclasses.replace(engine, num_pages=kv_pages)
-        if engine.host_cache_ratio is None and engine.host_cache_pages is None and engine.device == "cpu":
-            engine = dataclasses.replace(engine, host_cache_ratio=0.0)
         sized = engine.resolve(page_bytes, 1 << 30)
         plans.append(WorkerPlan(name, group.count, engine.device == "cpu", shape.weight_bytes(engine, prepacked),
                                 sized.num_pages, landing_pages, sized.host_cache_pages, page_bytes, engine.page_size))
         resolved[name] = dataclasses.replace(group, engine=engine,
                                              host_pages=landing_pages if name == "decode" else group.host_pages)
     return dataclasses.replace(config, **resolved), MemoryPlan(budget, source, tuple(plans))
+
+
+def _with_host_tier(group, with_l3: bool):
+    """`group` with its CPU engine's host tier decided when not asked for: off, or with L3 a staging
+    area of `L3_STAGING_HOST_RATIO` (pages fetched from L3 land in host pages first)."""
+    engine = group.engine
+    if engine.device != "cpu" or engine.host_cache_ratio is not None or engine.host_cache_pages is not None:
+        return group
+    ratio = L3_STAGING_HOST_RATIO if with_l3 else 0.0
+    return dataclasses.replace(group, engine=dataclasses.replace(engine, host_cache_ratio=ratio))
 
 
 def _planned_host_ratio(engine: EngineConfig) -> float:

@@ -10,8 +10,8 @@ import pytest
 
 from cluster.config import ConfigError
 from cluster.serve.config import load_serve_config
-from cluster.serve.memory import (GIB, NODE_OVERHEAD_BYTES, WORKER_OVERHEAD_BYTES, ModelShape, auto_budget,
-                                  plan_memory)
+from cluster.serve.memory import (GIB, L3_STAGING_HOST_RATIO, NODE_OVERHEAD_BYTES, WORKER_OVERHEAD_BYTES, ModelShape,
+                                  auto_budget, plan_memory)
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64, 162.8M parameters with its tied lm_head copy.
 SHAPE = ModelShape(num_params=162_826_560, num_linear_params=134_479_872, num_layers=30, num_kv_heads=3, head_dim=64)
@@ -85,3 +85,10 @@ def test_model_shape_reads_the_safetensors_headers_only(tmp_path):
     shape = ModelShape.read(tmp_path)
     assert shape == ModelShape(num_params=3200 + 2048 + 32 + 3200, num_linear_params=2048 + 3200, num_layers=2,
                                num_kv_heads=2, head_dim=8)
+
+
+def test_with_l3_a_cpu_worker_keeps_a_staging_host_tier_out_of_its_share():
+    config, p = plan(**{"memory.budget_gib": 6, "kv_store.l3.url": "redis://127.0.0.1:6379/0"})
+    for group, w in zip((config.prefill, config.decode), p.workers):
+        assert group.engine.host_cache_ratio == L3_STAGING_HOST_RATIO and w.host_pages == int(w.kv_pages * 0.5)
+    assert p.total_bytes <= 6 * GIB

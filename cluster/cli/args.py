@@ -86,7 +86,7 @@ def with_default_draft(config: EngineConfig, cache_root: Path | None = None) -> 
     if config.speculative == "none":
         return config
     if config.draft_model:
-        log.info("speculative %s: draft head %s (engine.draft_model)", config.speculative, config.draft_model)
+        log.info("speculative %s uses the head in %s (engine.draft_model)", config.speculative, config.draft_model)
         return config
     from cluster.train.shipped import default_draft
 
@@ -94,5 +94,5 @@ def with_default_draft(config: EngineConfig, cache_root: Path | None = None) -> 
     if found is None:
         raise ConfigError(f"--speculative {config.speculative}: no draft head for {config.model!r} on this machine; "
                           f"train one with `tandem train-eagle --model {config.model}` or pass --draft-model PATH")
-    log.info("speculative %s: draft head %s", config.speculative, found.description)
+    log.info("speculative %s uses the %s", config.speculative, found.description)
     return dataclasses.replace(config, draft_model=str(found.path))

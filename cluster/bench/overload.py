@@ -78,13 +78,13 @@ async def send_one(client, prompt: list[int], output_len: int, headers: dict, ar
             if resp.status_code != 200:
                 text = (await resp.aread())[:300].decode(errors="replace")
                 now_s = time.perf_counter() - arrival_s
-                return Outcome(resp.status_code, now_s, now_s, lag_s, _retry_after(resp), text)
+                return Outcome(resp.status_code, now_s, now_s, lag_s, retry_after_s=_retry_after(resp), error=text)
             first_s, error = await _read_stream(resp, output_len, arrival_s)
     except httpx.HTTPError as exc:
         now_s = time.perf_counter() - arrival_s
         return Outcome(0, now_s, now_s, lag_s, error=f"{type(exc).__name__}: {exc}")
     end_s = time.perf_counter() - arrival_s
-    return Outcome(200, end_s if first_s is None else first_s, end_s, lag_s, output_len, error=error)
+    return Outcome(200, end_s if first_s is None else first_s, end_s, lag_s, num_tokens=output_len, error=error)
 
 
 async def _read_stream(resp, output_len: int, arrival_s: float) -> tuple[float | None, str]:

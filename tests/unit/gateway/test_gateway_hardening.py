@@ -13,6 +13,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.config import SamplingDefaults
 from cluster.serve.config import GatewayConfig
 from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
@@ -292,7 +293,7 @@ def test_tandem_serve_runs_the_gateway_through_gateway_server(monkeypatch):
     monkeypatch.setattr(gateway, "GatewayServer", RecordingServer)
     guard = launch._SignalGuard()
     config = _serve_config(port=0, header_timeout_s=2.0, max_connections=300)
-    asyncio.run(launch._serve_gateway(config, object(), [Record()], _Vocabulary(), guard))
+    asyncio.run(launch._serve_gateway(config, object(), [Record()], _Vocabulary(), SamplingDefaults(), guard))
     server = served[-1]
     assert served[0] == "dispatcher started" and isinstance(server, RecordingServer)
     assert server.config is config.gateway and guard.server is server.uvicorn_server
@@ -305,7 +306,8 @@ def test_tandem_serve_runs_the_gateway_through_gateway_server(monkeypatch):
         taken.listen()
         config = _serve_config(port=taken.getsockname()[1])
         with pytest.raises(launch.ServeStartError, match="cannot listen on 127.0.0.1"):
-            asyncio.run(launch._serve_gateway(config, object(), [Record()], _Vocabulary(), launch._SignalGuard()))
+            asyncio.run(launch._serve_gateway(config, object(), [Record()], _Vocabulary(), SamplingDefaults(),
+                                              launch._SignalGuard()))
 
 
 def _serve_config(**gateway_fields):

@@ -583,7 +583,7 @@ def test_overload_is_refused_at_arrival_and_queued_requests_keep_their_transfer_
         # included); a ~4 s plan (PLAN_SHARE of the budget, own prompt included) queues the 4th prompt
         # (~160 tokens with its own) from 40 tokens/s up, and refuses part of the 960-token flood below
         # 240 tokens/s.
-        cluster, tok, scenario, admission=AdmissionParams(max_queue_delay_s=5.4, prefill_window_tokens=window_tokens))
+        cluster, tok, scenario, admission=AdmissionParams(max_queue_delay_s=6.75, prefill_window_tokens=window_tokens))
     assert refused, "nothing was refused: the flood was admitted whole"
     assert results and num_queued >= 1, (f"{len(results)} admitted, {num_queued} of them queued in the router; "
                                          f"refused: {refused[0]}")

@@ -107,8 +107,8 @@ def test_lane_without_a_measurement_bounds_the_queue_depth_only():
 
 
 def test_lane_refuses_when_the_predicted_first_token_exceeds_the_plan():
-    params = AdmissionParams(max_queue_delay_s=2.0)  # plans for 1.5 s
-    assert params.planned_ttft_s == pytest.approx(PLAN_SHARE * 2.0) == 1.5
+    params = AdmissionParams(max_queue_delay_s=2.5)  # plans for 1.5 s
+    assert params.planned_ttft_s == pytest.approx(PLAN_SHARE * 2.5) == pytest.approx(1.5)
     ln = measured(100.0)  # 100 tokens/s
     assert ln.refusal(params, 5.0, 400) is None  # idle: even a prompt longer than the plan goes
     ln.enqueue("a", 80)
@@ -119,7 +119,7 @@ def test_lane_refuses_when_the_predicted_first_token_exceeds_the_plan():
     refusal = ln.refusal(params, 5.0, 80)  # 0.8 + 0.8 s
     assert refusal is not None and refusal.retry_after_s == pytest.approx(0.1)
     assert "done in 1.60s, past the 1.50s" in refusal.reason
-    assert "router.max_queue_delay_s 2s; 80 prompt tokens ahead" in refusal.reason
+    assert "router.max_queue_delay_s 2.5s; 80 prompt tokens ahead" in refusal.reason
     ln.enqueue("b", 80)  # queued behind a
     assert ln.refusal(params, 5.0, 1) is not None  # 1.6 s + 0.01 s
     # a has been served for 0.7 s: 0.1 s of it is left, plus b's 0.8 s, plus 0.5 s its own.
@@ -137,7 +137,7 @@ def test_the_default_budget_queues_ordinary_load():
     for i in range(20):  # up to 19 x 64 tokens ahead at 100 tokens/s: 12.2 s + 0.64 s
         assert ln.refusal(params, 2.0, 64) is None, i
         ln.enqueue(i, 64)
-    ln.enqueue("x", 1000)  # 22.8 s ahead now: a 64-token prompt would be done at 23.4 s > 22.5 s
+    ln.enqueue("x", 500)  # 17.8 s ahead now: a 64-token prompt would be done at 18.4 s > 18 s
     assert ln.refusal(params, 2.0, 64) is not None
 
 

@@ -242,7 +242,7 @@ def test_admission_refuses_by_the_predicted_first_token_at_the_measured_rate():
         assert not d.flights
         return d.lives["prefill-0"].lane.rate.tokens_per_s
 
-    rate = run_scenario(scenario, AdmissionParams(max_queue_delay_s=3.0), clock)  # plans for 2.25 s
+    rate = run_scenario(scenario, AdmissionParams(max_queue_delay_s=3.75), clock)  # plans for 2.25 s
     assert rate == pytest.approx(100.0)
 
 

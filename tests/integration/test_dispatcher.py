@@ -26,7 +26,7 @@ from kernels.model.tokenizer import apply_chat_template
 from decode_worker.worker import InboundPhase
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.config import TransportConfig
-from router.admission import AdmissionParams
+from router.admission import PLAN_SHARE, AdmissionParams
 from router.backend import BackendError, ErrorKind
 from router.dispatcher import Dispatcher, Phase, WorkerInfo
 from cluster.protocol import WorkerRole
@@ -561,7 +561,11 @@ def test_overload_is_refused_at_arrival_and_queued_requests_keep_their_transfer_
         warm = [d.generate(f"t10-warm{i}", chat(tok, i), greedy(max_tokens=2)) for i in range(2)]
         for stream in warm:
             assert_finished_cleanly(await collect(stream))
-        assert d.lives["prefill-short"].lane.rate.tokens_per_s, "the warm-up measured no prefill rate"
+        rate = d.lives["prefill-short"].lane.rate.tokens_per_s
+        assert rate, "the warm-up measured no prefill rate"
+        # A budget whose plan holds ~400 prompt tokens at the measured rate (whatever this machine's
+        # speed): ~10 of the 24 prompts (~960 tokens) are admitted, the 4th on queue, the rest refused.
+        d.admission = dataclasses.replace(d.admission, max_queue_delay_s=400 / rate / PLAN_SHARE)
         streams, refused = {}, []
         start_s = time.monotonic()
         for i, prompt in enumerate(prompts):
@@ -579,11 +583,7 @@ def test_overload_is_refused_at_arrival_and_queued_requests_keep_their_transfer_
         return dict(zip(streams, gather.result())), refused, arrival_s, num_queued, d.reroutes._value.get()
 
     results, refused, arrival_s, num_queued, reroutes = serve(
-        # The warm-up measures ~60-100 prompt tokens/s here (one prefill's whole round trip, transfer
-        # included); a ~4 s plan (PLAN_SHARE of the budget, own prompt included) queues the 4th prompt
-        # (~160 tokens with its own) from 40 tokens/s up, and refuses part of the 960-token flood below
-        # 240 tokens/s.
-        cluster, tok, scenario, admission=AdmissionParams(max_queue_delay_s=6.75, prefill_window_tokens=window_tokens))
+        cluster, tok, scenario, admission=AdmissionParams(prefill_window_tokens=window_tokens))
     assert refused, "nothing was refused: the flood was admitted whole"
     assert results and num_queued >= 1, (f"{len(results)} admitted, {num_queued} of them queued in the router; "
                                          f"refused: {refused[0]}")

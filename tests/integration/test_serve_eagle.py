@@ -1,0 +1,79 @@
+"""`tandem serve --speculative eagle` on a fresh machine: with an empty cache (no head trained here)
+it starts on the head the package ships for smollm2, says so in its log, answers chat requests at
+temperature 0 with exactly HF transformers' greedy tokens on the same weights, and /metrics shows
+drafts verified and accepted on the way."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
+from tests.integration.serve_harness import metric, start_server
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 48
+PROMPTS = [CHAT_PROMPTS[i] for i in (1, 2, 3, 7)]
+
+
+@pytest.fixture(scope="module")
+def fresh_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("empty-tandem-cache")
+
+
+@pytest.fixture(scope="module")
+def eagle_server(tmp_path_factory, fresh_cache):
+    # --no-speculative-adaptive: draft at every step, not only where the engine measured it pays
+    # (output is the same either way), so the drafts verified below are a count of this head's work
+    server = start_server(tmp_path_factory.mktemp("serve-eagle"),
+                          ["--speculative", "eagle", "--no-speculative-adaptive"],
+                          env={"TANDEM_CACHE_DIR": str(fresh_cache)})
+    try:
+        yield server
+    finally:
+        server.terminate()
+
+
+@pytest.fixture(scope="module")
+def hf_answers():
+    """(token ids, text) of HF's greedy answer to each prompt, stopping at SmolLM2's EOS like the server."""
+    from kernels.model.tokenizer import apply_chat_template, decode
+
+    loaded, reference = smollm2()
+    answers = []
+    for prompt in PROMPTS:
+        ids = hf_greedy(reference, apply_chat_template(loaded.tokenizer, prompt), MAX_NEW,
+                        eos_token_id=list(loaded.eos_token_ids))
+        answers.append((ids, decode(loaded.tokenizer, ids)))
+    return answers
+
+
+def test_a_fresh_cache_serves_with_the_shipped_head_and_says_so(eagle_server, fresh_cache):
+    deadline = time.monotonic() + 30  # worker logs reach the server's through Ray, a little later
+    while "speculative eagle uses the shipped head for smollm2, recipe v" not in eagle_server.log_tail(10 ** 6):
+        assert time.monotonic() < deadline, f"no log line names the shipped head:\n{eagle_server.log_tail()}"
+        time.sleep(1)
+    assert not (fresh_cache / "eagle").exists(), "nothing may be trained or cached for the head"
+
+
+def test_greedy_answers_equal_hf_greedy_and_drafts_were_verified(eagle_server, hf_answers):
+    server = eagle_server
+    before = server.metrics()
+    for prompt, (ids, text) in zip(PROMPTS, hf_answers):
+        resp = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
+            "model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_NEW,
+            "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["choices"][0]["message"]["content"] == text, prompt
+        assert body["usage"]["completion_tokens"] == len(ids), prompt
+    after = server.metrics()
+    drafted = metric(after, "tandem:spec_draft_tokens_total") - metric(before, "tandem:spec_draft_tokens_total")
+    accepted = metric(after, "tandem:spec_accepted_tokens_total") - metric(before, "tandem:spec_accepted_tokens_total")
+    produced = sum(len(ids) for ids, _ in hf_answers)
+    assert drafted >= produced, f"only {drafted} drafts verified for {produced} tokens: was drafting on?"
+    # a working head gets a good share accepted (the shipped one: ~half at k = 3); a broken one ~none
+    assert accepted >= 0.2 * produced, f"{accepted} of {drafted} drafts accepted for {produced} tokens"

@@ -20,7 +20,7 @@ from kernels.model.arch import LlamaArch
 from kernels.model.convert import SMOLLM2_SPEC, ensure_smollm2, resolve_model_dir  # noqa: F401 (re-exported)
 from kernels.model.llama import LlamaForCausalLM
 from kernels.model.tiny import make_tiny_llama, tiny_llama_config
-from kernels.model.tokenizer import load_tokenizer
+from kernels.model.tokenizer import load_hf_tokenizer
 
 __all__ = [
     "LoadedModel",
@@ -83,7 +83,7 @@ def load_model(
     model_dir = resolve_model_dir(spec, cache_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)
     model = build_model(model_dir, hf_config, device, dtype, backend)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_hf_tokenizer(model_dir)
     return LoadedModel(
         model=model,
         arch=model.arch,

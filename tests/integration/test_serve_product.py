@@ -72,6 +72,14 @@ def test_models_and_the_start_up_log_say_which_sampling_fills_unset_fields(serve
         in server.log_tail(200_000)
 
 
+def test_the_gateway_process_holds_no_torch(server):
+    """The gateway tokenizes without transformers (which would load torch: ~300 MB of a RAM budget)."""
+    httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+        "model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).raise_for_status()
+    maps = open(f"/proc/{server.proc.pid}/maps").read()
+    assert "libtorch" not in maps, "the gateway process loaded torch"
+
+
 def test_a_request_without_sampling_fields_gets_the_generation_config_and_a_request_with_them_wins(server):
     """What the engines were asked for (the sampling parameters of each started request, counted by
     the gateway when it hands them to the dispatcher): 0.2 / 0.9 for a request that sets nothing,

@@ -25,10 +25,11 @@ TEXTS = ["The capital of France is Paris. It is lovely in spring!",
 
 @functools.lru_cache(maxsize=None)
 def tokenizer():
-    from kernels.model.loader import resolve_model_dir
-    from kernels.model.tokenizer import load_tokenizer
+    from transformers import AutoTokenizer  # the engine's (the loader's): its token helpers pick the cases
 
-    return load_tokenizer(resolve_model_dir("smollm2"))
+    from kernels.model.loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir("smollm2"))
 
 
 @functools.lru_cache(maxsize=None)

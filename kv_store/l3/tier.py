@@ -118,7 +118,8 @@ class L3Tier:
         self._writes.put((list(keys), payloads))
 
     def start_prefetch(self, token_ids, first_page: int, keys: list[str]) -> Prefetch:
-        deadline = time.monotonic() + self.config.prefetch_timeout_s
+        config = self.config
+        deadline = time.monotonic() + config.prefetch_timeout_s + config.prefetch_timeout_per_page_s * len(keys)
         prefetch = Prefetch(next(self._ids), tuple(token_ids), first_page, keys, deadline)
         self._reads.put(prefetch)
         return prefetch

@@ -148,6 +148,7 @@ def test_keys_differ_when_tokens_or_parent_differ(a, b, parent):
 @pytest.mark.parametrize("field, value", [
     ("backend", "memcached"), ("url", "http://127.0.0.1:6379"), ("url", "redis://"), ("url", "redis://h:99999"),
     ("url", "redis://h/x"), ("prefetch_min_pages", 0), ("prefetch_policy", "eager"), ("prefetch_timeout_s", 0),
+    ("prefetch_timeout_per_page_s", -0.1), ("prefetch_timeout_per_page_s", 2),
     ("op_timeout_s", float("nan")), ("key_prefix", ""), ("key_prefix", "a b"), ("ttl_s", 0), ("ttl_s", 1.5),
     ("max_pipeline_pages", 0), ("error_backoff_s", -1),
 ])

@@ -5,10 +5,11 @@ output never changes. Reference: a tiny engine with no cache at all."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
-from kv_store.l3.config import L3Config
+from kv_store.l3.config import L3Config, PrefetchPolicy
 from kv_store.residency import Residency
 from tests.helpers import greedy, make_engine, make_prompts
 from tests.redis_server import RedisServer
@@ -103,3 +104,20 @@ def test_redis_down_is_a_miss_and_serving_goes_on(l3, tmp_path, shared_and_refer
     assert all(n.residency is Residency.BOTH for n in engine.kvm.prefix_cache.nodes())
     engine.check_integrity()
     engine.close()
+
+
+def test_the_timeout_policy_waits_longer_for_a_longer_prefix(l3):
+    """The default policy: a request waits prefetch_timeout_s plus prefetch_timeout_per_page_s per
+    page it asked L3 for, so a long prefix is not given up in the time a short one takes."""
+    assert L3Config(url=l3.url).policy is PrefetchPolicy.TIMEOUT
+    config = dataclasses.replace(l3, prefetch_policy="timeout", prefetch_timeout_s=1.0, prefetch_timeout_per_page_s=0.01)
+    engine = engine_with(config)
+    tier = engine.host_cache.l3.l3
+    waits = []
+    for num_pages in (4, 200):
+        before = time.monotonic()
+        prefetch = tier.start_prefetch(list(range(num_pages * PAGE)), 0, [f"k{i}" for i in range(num_pages)])
+        waits.append(prefetch.deadline - before)
+        prefetch.wait(5)
+    assert waits[0] == pytest.approx(1.04, abs=0.05) and waits[1] == pytest.approx(3.0, abs=0.05)
+    engine.check_integrity()

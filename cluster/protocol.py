@@ -133,6 +133,7 @@ class PoolStats:
 class TierStats:
     """Cumulative figures of a worker's KV hierarchy (L1 device, L2 host, L3 remote store)."""
 
+    l3: bool = False  # the host tier reads and writes the cluster's L3 store (routing credits its prefixes)
     hit_tokens_l1: int = 0  # prompt tokens found on device at first admission
     hit_tokens_l2: int = 0  # ... loaded back from the host tier
     hit_tokens_l3: int = 0  # ... fetched from the remote store

@@ -67,6 +67,7 @@ class WorkerView:
     num_waiting: int
     kv_usage: float  # device KV pages in use / usable, in [0, 1]
     pending_prefill_tokens: int = 0  # prompt tokens routed here whose prefill has not completed (caller-tracked)
+    shares_l3: bool = False  # its host tier reads the cluster's L3 store: any prefix prefilled anywhere is near
 
     def __post_init__(self):
         if not isinstance(self.role, WorkerRole):
@@ -114,6 +115,11 @@ class PolicyParams:
     decode_kv_usage_weight: float = 8.0
     """kv_cost: cost, in running requests, of a decode worker's device KV being full (>= 0); scaled by
     kv_usage, since a full pool means retraction or preemption ahead."""
+    l3_load_cost: float = 0.2
+    """What a prompt token costs a worker that shares L3 to fetch from there instead of prefilling it
+    (in [0, 1]; device hits cost 0, prefill 1), for a prefix the router routed to any worker: cache_aware
+    and kv_cost count such a prefix as cached at 1 - this. On a CPU a 1k-token prefix came back from
+    Redis in ~0.5 s against ~4 s to prefill it (0.12); a little dearer here for a store shared by many."""
 
     def __post_init__(self):
         require(0.0 <= self.cache_threshold <= 1.0, f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
@@ -129,6 +135,7 @@ class PolicyParams:
                  f"decode_waiting_weight must be >= 0, got {self.decode_waiting_weight}")
         require(self.decode_kv_usage_weight >= 0,
                  f"decode_kv_usage_weight must be >= 0, got {self.decode_kv_usage_weight}")
+        require(0.0 <= self.l3_load_cost <= 1.0, f"l3_load_cost must be in [0, 1], got {self.l3_load_cost}")
 
 
 
@@ -140,8 +147,9 @@ class _Stage(enum.Enum):
 
 
 class RouterState:
-    """What the router remembers between requests: round-robin turns and one approximate prefix tree
-    per prefill-capable worker that has been routed to.
+    """What the router remembers between requests: round-robin turns, one approximate prefix tree per
+    prefill-capable worker that has been routed to, and one of every prompt routed anywhere (what an
+    L3 store shared by the workers may hold: it outlives any one worker's cache).
 
     Mutated only by `record` and `forget_worker`, both called by the one caller that owns the state
     (not thread-safe: serialize `choose` + `record` per state). Read by `choose`.
@@ -153,6 +161,7 @@ class RouterState:
         self.max_tree_tokens = max_tree_tokens
         self._turns = {stage: 0 for stage in _Stage}
         self._trees: dict[str, ApproxPrefixTree] = {}
+        self._shared = ApproxPrefixTree(max_tree_tokens)
 
     def turn(self, stage: _Stage) -> int:
         """Routes recorded so far that made a `stage` choice."""
@@ -162,6 +171,18 @@ class RouterState:
         """Prompt prefix the router believes `worker_id` has cached; 0 for a worker never routed to."""
         tree = self._trees.get(worker_id)
         return tree.match_len(prompt_token_ids) if tree is not None else 0
+
+    def shared_match_len(self, prompt_token_ids: Sequence[int]) -> int:
+        """Prompt prefix routed to any worker so far (what a shared L3 store may hold)."""
+        return self._shared.match_len(prompt_token_ids)
+
+    def effective_match(self, w: WorkerView, prompt_token_ids: Sequence[int], params: PolicyParams) -> float:
+        """Prompt tokens `w` would not prefill, each weighted by what it saves: its own match in
+        full, and, where `w` shares L3, what L3 may add beyond it at 1 - l3_load_cost."""
+        own = self.match_len(w.worker_id, prompt_token_ids)
+        if not w.shares_l3:
+            return float(own)
+        return own + (1.0 - params.l3_load_cost) * max(0, self.shared_match_len(prompt_token_ids) - own)
 
     def record(self, request: RequestView, route: Route) -> None:
         """Account for `route` having been taken: advance the turns of the choices it made and insert
@@ -174,6 +195,7 @@ class RouterState:
         if tree is None:
             tree = self._trees[prefiller] = ApproxPrefixTree(self.max_tree_tokens)
         tree.insert(request.prompt_token_ids)
+        self._shared.insert(request.prompt_token_ids)
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop the tree of a worker whose cache is gone (died, restarted). No-op for an unknown id."""
@@ -182,10 +204,10 @@ class RouterState:
     def snapshot(self) -> tuple:
         """Turns and every tree's contents with recency; equal snapshots mean equal state."""
         trees = tuple(sorted((wid, tree.snapshot()) for wid, tree in self._trees.items()))
-        return (tuple(sorted((s.value, n) for s, n in self._turns.items())), trees)
+        return (tuple(sorted((s.value, n) for s, n in self._turns.items())), trees, self._shared.snapshot())
 
     def check_integrity(self) -> None:
-        for tree in self._trees.values():
+        for tree in (*self._trees.values(), self._shared):
             tree.check_integrity()
 
 
@@ -268,23 +290,24 @@ def _least_load(pool: _Pool, request: RequestView, state: RouterState, params: P
 
 
 def _cache_aware(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
-    """Longest prefix match if it covers >= cache_threshold of the prompt and load is balanced;
-    otherwise least load. Equal matches go to the less loaded worker."""
+    """Longest (effective) prefix match if it covers >= cache_threshold of the prompt and load is
+    balanced; otherwise least load. Equal matches go to the less loaded worker."""
     if _is_imbalanced(pool, params):
         return _Pick(_least_loaded(pool, params), "cache_aware: load imbalanced, least load")
     prompt = request.prompt_token_ids
-    matched = {w.worker_id: state.match_len(w.worker_id, prompt) for w in pool}
+    matched = {w.worker_id: state.effective_match(w, prompt, params) for w in pool}
     best = min(pool, key=lambda w: (-matched[w.worker_id], _load(w, params), w.kv_usage, w.worker_id))
-    hit = f"{matched[best.worker_id]}/{len(prompt)} prompt tokens cached"
+    hit = f"{matched[best.worker_id]:.0f}/{len(prompt)} prompt tokens cached"
     if matched[best.worker_id] / len(prompt) >= params.cache_threshold:
         return _Pick(best, f"cache_aware: {hit}")
     return _Pick(_least_loaded(pool, params), f"cache_aware: best {hit}, below threshold, least load")
 
 
-def _prefill_cost_tokens(w: WorkerView, request: RequestView, state: RouterState) -> int:
-    """kv_cost's prefill cost: (prompt tokens not in w's tree) + w.pending_prefill_tokens."""
+def _prefill_cost_tokens(w: WorkerView, request: RequestView, state: RouterState, params: PolicyParams) -> float:
+    """kv_cost's prefill cost: prompt tokens w would prefill (its L3 fetches at l3_load_cost each) +
+    w.pending_prefill_tokens."""
     prompt = request.prompt_token_ids
-    return len(prompt) - state.match_len(w.worker_id, prompt) + w.pending_prefill_tokens
+    return len(prompt) - state.effective_match(w, prompt, params) + w.pending_prefill_tokens
 
 
 def _decode_cost(w: WorkerView, params: PolicyParams) -> float:
@@ -294,9 +317,9 @@ def _decode_cost(w: WorkerView, params: PolicyParams) -> float:
 
 
 def _kv_cost_prefill(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
-    best = min(pool, key=lambda w: (_prefill_cost_tokens(w, request, state), _load(w, params), w.kv_usage,
+    best = min(pool, key=lambda w: (_prefill_cost_tokens(w, request, state, params), _load(w, params), w.kv_usage,
                                     w.worker_id))
-    return _Pick(best, f"kv_cost: prefill cost {_prefill_cost_tokens(best, request, state)} tokens")
+    return _Pick(best, f"kv_cost: prefill cost {_prefill_cost_tokens(best, request, state, params):.0f} tokens")
 
 
 def _kv_cost_decode(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
@@ -307,7 +330,7 @@ def _kv_cost_decode(pool: _Pool, request: RequestView, state: RouterState, param
 def _kv_cost_local(pool: _Pool, request: RequestView, state: RouterState, params: PolicyParams) -> _Pick:
     """One worker does both: prefill cost + tokens_per_load_unit * decode cost, in tokens."""
     def cost(w: WorkerView) -> float:
-        return _prefill_cost_tokens(w, request, state) + params.tokens_per_load_unit * _decode_cost(w, params)
+        return _prefill_cost_tokens(w, request, state, params) + params.tokens_per_load_unit * _decode_cost(w, params)
     best = min(pool, key=lambda w: (cost(w), w.worker_id))
     return _Pick(best, f"kv_cost: local cost {cost(best):.1f} tokens")
 
@@ -336,9 +359,12 @@ def choose(policy: Policy, request: RequestView, workers: Sequence[WorkerView], 
       round_robin  prefill: PREFILL pool[prefill turn % n]; decode (or local): pool[decode turn % n]
       least_load   argmin load = num_running + num_waiting + pending_prefill_tokens / tokens_per_load_unit,
                    ties by kv_usage, then worker_id
-      cache_aware  prefill-capable worker with the longest match in its tree if matched / prompt_len >=
+      cache_aware  prefill-capable worker with the longest match if matched / prompt_len >=
                    cache_threshold and load is balanced, else least_load; decode: least_load
       kv_cost      prefill: argmin (prompt_len - matched) + pending_prefill_tokens  [tokens]
+
+    matched (`RouterState.effective_match`): the worker's own tree's match, plus, for a worker that
+    shares L3, what was routed to any worker beyond it at (1 - l3_load_cost) a token.
                    decode:  argmin num_running + decode_waiting_weight * num_waiting
                                    + decode_kv_usage_weight * kv_usage              [requests]
                    local:   argmin prefill cost + tokens_per_load_unit * decode cost [tokens]

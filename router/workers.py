@@ -163,7 +163,8 @@ class LiveWorker:
         return WorkerView(self.worker_id, self.info.role, not self.gone, num_running=self.num_active,
                           num_waiting=stats.num_waiting if stats else 0,
                           kv_usage=_usage(stats.device) if stats else 0.0,
-                          pending_prefill_tokens=self.pending_prefill_tokens)
+                          pending_prefill_tokens=self.pending_prefill_tokens,
+                          shares_l3=bool(stats and stats.tiers.l3))
 
     def gauge(self) -> WorkerGauge:
         """What the gateway exports per worker."""

@@ -28,7 +28,7 @@ def tier_stats(host_cache, hit_tokens_l1: int, sessions) -> TierStats:
     c, l3 = host_cache.counters, host_cache.l3
     store = l3.store_stats()
     l3_fields = {} if store is None else dict(
-        l3_get_pages=store.hits, l3_get_seconds=store.get_seconds, l3_put_pages=store.put_pages,
+        l3=True, l3_get_pages=store.hits, l3_get_seconds=store.get_seconds, l3_put_pages=store.put_pages,
         l3_put_seconds=store.put_seconds, l3_errors=store.errors, l3_corrupt=store.corrupt,
         prefetches=tuple(sorted(l3.counters.prefetches.items())))
     return TierStats(hit_tokens_l1=hit_tokens_l1, hit_tokens_l2=c.l2_hit_tokens,

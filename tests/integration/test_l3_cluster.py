@@ -161,6 +161,7 @@ def test_prefix_written_by_one_prefill_worker_is_served_to_the_other_from_l3(hos
     assert (last_a.decode_worker, last_b.decode_worker) == ("decode-0", "decode-0")
     assert not last_a.error and not last_b.error
     assert [tokens_a, tokens_b] == expected
+    assert all(after_b[w].l3 for w in hosts), "every worker reports it shares L3 (routing credits it)"
     assert last_a.cached_tokens == 0
     written = sum(delta(after_a[w], before[w], "l3_put_pages") for w in hosts)
     assert written >= shared_pages, f"{written} pages written to L3 for a {shared_pages}-page prefix"

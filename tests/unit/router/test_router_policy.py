@@ -168,6 +168,45 @@ def test_kv_cost_prefers_the_cached_prefix_unless_its_backlog_outweighs_it(state
     assert (route.prefill_id, route.matched_prefix_tokens) == ("p1", 0)
 
 
+# ---- L3: a prefix routed anywhere is near for every worker that shares the store --------------------
+
+
+def l3_workers(**overrides) -> list[WorkerView]:
+    ids = ("p0", "p1", "d0")
+    return make_workers(**{w: dict(shares_l3=True, **overrides.pop(w, {})) for w in ids}, **overrides)
+
+
+def test_kv_cost_credits_l3_at_its_load_cost_so_a_backlog_spreads_a_shared_prefix(state):
+    route_and_record(Policy.KV_COST, make_request(SHARED + [1] * 20), l3_workers(), state)  # -> p0
+    req = make_request(SHARED + [2] * 20)  # p0: 20 to prefill; p1: 20 + 80 from L3 at 0.2 = 36
+    assert choose(Policy.KV_COST, req, l3_workers(p0=dict(pending_prefill_tokens=15)), state, PARAMS).prefill_id == "p0"
+    route = choose(Policy.KV_COST, req, l3_workers(p0=dict(pending_prefill_tokens=17)), state, PARAMS)
+    assert (route.prefill_id, route.matched_prefix_tokens) == ("p1", 0)  # 20 + 17 > 36: p1 fetches the prefix
+    assert "prefill cost 36 tokens" in route.reason
+    # without L3 the same backlog keeps the request on p0 (p1 would prefill all 100 tokens)
+    assert choose(Policy.KV_COST, req, make_workers(p0=dict(pending_prefill_tokens=17)), state, PARAMS).prefill_id == "p0"
+    free_l3 = PolicyParams(l3_load_cost=0.0)
+    assert state.effective_match(l3_workers()[1], req.prompt_token_ids, free_l3) == 80
+
+
+def test_cache_aware_counts_an_l3_prefix_toward_the_threshold_and_survives_the_worker_that_made_it(state):
+    route_and_record(Policy.CACHE_AWARE, make_request(SHARED + [1] * 20), l3_workers(), state)  # -> p0
+    state.forget_worker("p0")  # p0 restarted: its cache is gone, L3 still holds the prefix
+    req = make_request(SHARED + [2] * 20)
+    route = choose(Policy.CACHE_AWARE, req, l3_workers(p1=dict(num_running=3)), state, PARAMS)
+    assert route.prefill_id == "p0" and "64/100 prompt tokens cached" in route.reason  # 0.8 * 80 >= 0.5 * 100
+    plain = choose(Policy.CACHE_AWARE, req, make_workers(p1=dict(num_running=3)), state, PARAMS)
+    assert "below threshold, least load" in plain.reason  # no L3: nothing cached anywhere now
+
+
+def test_the_l3_credit_never_beats_a_worker_s_own_device_match(state):
+    route_and_record(Policy.CACHE_AWARE, make_request(SHARED + [1] * 20), l3_workers(), state)  # -> p0
+    req = make_request(SHARED + [2] * 20)
+    busier_p0 = l3_workers(p0=dict(num_running=4))
+    assert choose(Policy.CACHE_AWARE, req, busier_p0, state, PARAMS).prefill_id == "p0"  # 80 > 64
+    assert state.effective_match(busier_p0[0], req.prompt_token_ids, PARAMS) == 80
+
+
 def test_kv_cost_decode_weighs_waiting_and_kv_usage(state):
     params = PolicyParams(decode_waiting_weight=2.0, decode_kv_usage_weight=10.0)
     workers = make_workers(prefill=1, decode=3,
@@ -278,7 +317,7 @@ def test_record_advances_prefill_turn_only_on_disaggregated_routes(state):
 @pytest.mark.parametrize("field,value", [
     ("cache_threshold", 1.5), ("cache_threshold", -0.1), ("balance_abs_threshold", -1),
     ("balance_rel_threshold", 0.9), ("max_tree_tokens", 0), ("tokens_per_load_unit", 0),
-    ("decode_waiting_weight", -1.0), ("decode_kv_usage_weight", -1.0),
+    ("decode_waiting_weight", -1.0), ("decode_kv_usage_weight", -1.0), ("l3_load_cost", 1.5), ("l3_load_cost", -0.1),
 ])
 def test_policy_params_bounds_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):

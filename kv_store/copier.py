@@ -1,10 +1,16 @@
-"""Page copies between the device tier and the host tier, off the scheduler's thread (DESIGN §5).
+"""Page copies between the device tier and the host tier (DESIGN §5).
 
-One background thread per copier runs the jobs in submission order; `submit` returns at once and
-a job's completion is an event the scheduler polls (`CopyJob.done`) or, rarely, waits on. On CUDA
-the thread issues the copies on its own stream (so they overlap the decode stream) and records one
+On CUDA one background thread per copier runs the jobs in submission order; `submit` returns at
+once and a job's completion is an event the scheduler polls (`CopyJob.done`) or, rarely, waits on.
+The thread issues the copies on its own stream (so they overlap the decode stream) and records one
 CUDA event per layer as it lands (`CopyJob.layer_events`, for layer-wise waiting), then
 synchronizes that stream before the job counts as done.
+
+On a CPU device the copies run inline: `submit` does the job on the caller's thread (the
+scheduler's, between forwards) and returns it done. A second thread there does not overlap
+anything: it takes a core from the forward's OpenMP team, whose every parallel region then waits
+for the descheduled thread (`tandem bench hicache --only retract` on 2 cores: retract with
+offload ran 0.77x the speed of recomputing). Inline, a copy costs its memcpy time and no more.
 
 How a layer's pages move (`_KernelMove` or `_StagedMove`, chosen per copier):
 - kernel (CUDA, host tier pinned): one `kernels.kv_copy` launch per layer, K and V together; the
@@ -79,22 +85,29 @@ class PageCopier:
     host tensor pinned, `kernels.kv_copy` importable) and staged elsewhere; True asks for the kernel
     anyway (tests run it interpreted on CPU tensors); False never uses it. A kernel copy that raises
     is redone staged, and the copier stays staged from then on (`uses_kernel` turns False).
+    `inline`: None runs jobs on the caller's thread for a CPU device and on the copier's own thread
+    for a CUDA one (see the module docstring); True or False asks for one or the other.
     """
 
     def __init__(self, device: KVCacheTensors, host: KVCacheTensors, name: str = "kv-copier",
-                 use_kernel: bool | None = None):
+                 use_kernel: bool | None = None, inline: bool | None = None):
         assert device.layout == host.layout, f"device/host layouts differ: {device.layout} vs {host.layout}"
         self.device, self.host = device, host
         self.bytes_per_page = device.layout.page_bytes
         dev = device.k[0].device
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._move = _first_move(device, host, use_kernel)
+        self.inline = dev.type == "cpu" if inline is None else inline
+        self._closed = False
         self._jobs: queue.Queue = queue.Queue()
-        # The thread holds only a weak reference: an engine dropped without close() frees its KV
-        # tensors, and the finalizer stops the thread.
-        self._thread = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)), name=name, daemon=True)
-        self._thread.start()
-        weakref.finalize(self, self._jobs.put, _STOP)
+        self._thread = None
+        if not self.inline:
+            # The thread holds only a weak reference: an engine dropped without close() frees its KV
+            # tensors, and the finalizer stops the thread.
+            self._thread = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)), name=name,
+                                            daemon=True)
+            self._thread.start()
+            weakref.finalize(self, self._jobs.put, _STOP)
 
     @property
     def uses_kernel(self) -> bool:
@@ -104,14 +117,19 @@ class PageCopier:
     def submit(self, direction: Direction, src_pages: list[int], dst_pages: list[int]) -> CopyJob:
         assert len(src_pages) == len(dst_pages), "a copy needs one destination page per source page"
         job = CopyJob(direction, tuple(src_pages), tuple(dst_pages), len(src_pages) * self.bytes_per_page)
-        if not self._thread.is_alive():
+        if self._closed or (self._thread is not None and not self._thread.is_alive()):
             raise RuntimeError("the KV copier is closed")
+        if self.inline:
+            self._run_job(job)
+            job._done.set()
+            return job
         self._jobs.put(job)
         return job
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Finish the queued jobs, then stop the thread."""
-        if self._thread.is_alive():
+        self._closed = True
+        if self._thread is not None and self._thread.is_alive():
             self._jobs.put(_STOP)
             self._thread.join(timeout_s)
 

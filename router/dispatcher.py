@@ -313,6 +313,9 @@ class Dispatcher:
         transfer = self._transfers.pop(wire_id, None)
         if transfer is None:
             return
+        flight = self._by_wire.get(wire_id)
+        if delivered and flight is not None:
+            self.state.record_prefilled(flight.prompt)
         lane = transfer.prefill.lane
         lane.leave_window(transfer.prompt_len)
         if transfer.prefill_sent:
@@ -335,6 +338,8 @@ class Dispatcher:
             return
         if flight.tokens_sent == 0:
             observe_first_token(flight, self.clock() - flight.submitted_at, self.admission)
+            if flight.prefill is None:  # its decode worker prefilled it
+                self.state.record_prefilled(flight.prompt)
         flight.phase = Phase.STREAMING
         flight.tokens_sent += len(msg.new_token_ids)
         if msg.finish_reason is None:

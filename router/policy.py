@@ -148,8 +148,10 @@ class _Stage(enum.Enum):
 
 class RouterState:
     """What the router remembers between requests: round-robin turns, one approximate prefix tree per
-    prefill-capable worker that has been routed to, and one of every prompt routed anywhere (what an
-    L3 store shared by the workers may hold: it outlives any one worker's cache).
+    prefill-capable worker that has been routed to, and one of every prompt prefilled anywhere (what
+    an L3 store shared by the workers may hold: it outlives any one worker's cache). A prompt joins
+    the shared tree when its prefill completed (`record_prefilled`), not when it is routed: until
+    then no store has it, and a second worker sent the same prefix would prefill it again.
 
     Mutated only by `record` and `forget_worker`, both called by the one caller that owns the state
     (not thread-safe: serialize `choose` + `record` per state). Read by `choose`.
@@ -173,7 +175,7 @@ class RouterState:
         return tree.match_len(prompt_token_ids) if tree is not None else 0
 
     def shared_match_len(self, prompt_token_ids: Sequence[int]) -> int:
-        """Prompt prefix routed to any worker so far (what a shared L3 store may hold)."""
+        """Prompt prefix prefilled by any worker so far (what a shared L3 store may hold)."""
         return self._shared.match_len(prompt_token_ids)
 
     def effective_match(self, w: WorkerView, prompt_token_ids: Sequence[int], params: PolicyParams) -> float:
@@ -195,7 +197,10 @@ class RouterState:
         if tree is None:
             tree = self._trees[prefiller] = ApproxPrefixTree(self.max_tree_tokens)
         tree.insert(request.prompt_token_ids)
-        self._shared.insert(request.prompt_token_ids)
+
+    def record_prefilled(self, prompt_token_ids: Sequence[int]) -> None:
+        """A worker finished prefilling this prompt: its pages are on their way to a shared store."""
+        self._shared.insert(tuple(prompt_token_ids))
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop the tree of a worker whose cache is gone (died, restarted). No-op for an unknown id."""
@@ -364,7 +369,7 @@ def choose(policy: Policy, request: RequestView, workers: Sequence[WorkerView], 
       kv_cost      prefill: argmin (prompt_len - matched) + pending_prefill_tokens  [tokens]
 
     matched (`RouterState.effective_match`): the worker's own tree's match, plus, for a worker that
-    shares L3, what was routed to any worker beyond it at (1 - l3_load_cost) a token.
+    shares L3, what any worker prefilled beyond it at (1 - l3_load_cost) a token.
                    decode:  argmin num_running + decode_waiting_weight * num_waiting
                                    + decode_kv_usage_weight * kv_usage              [requests]
                    local:   argmin prefill cost + tokens_per_load_unit * decode cost [tokens]

@@ -151,6 +151,7 @@ def test_prefix_written_by_one_prefill_worker_is_served_to_the_other_from_l3(hos
     async def scenario(d):
         before = await settle(d, hosts)
         a = await run(d, "l3-a", prompt_a)
+        assert d.state.shared_match_len(prompt_b) == len(shared), "the router did not note A's prefill"
         after_a = await settle(d, hosts)
         assert server.client().exists(*keys) == shared_pages, "the shared prefix is not all in Redis"
         b = await run(d, "l3-b", prompt_b)

@@ -1,7 +1,9 @@
 """L3 through the product: `tandem serve` (defaults but for the L3 URL, KV checked after every
 scheduler step) over a real `redis-server` on loopback. A ~1k-token prompt served once is in Redis;
 after a restart, the same prompt's prefix comes back from L3 (usage and the tier metric say so) and
-the answer is still HF transformers' greedy one. With Redis killed, requests are still answered."""
+the answer is still HF transformers' greedy one. With two prefill workers taking turns, a long
+shared prefix is prefilled once: the other worker fetches it from L3. With Redis killed, requests
+are still answered."""
 
 from __future__ import annotations
 
@@ -30,15 +32,18 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def start(tmp_path_factory, redis_server):
-    """start() starts `tandem serve` with L3 on the module's Redis; start.running() is the last one
-    started while it still runs, else a new one. Every server started is stopped after."""
+    """start(args) stops the server running (one at a time: they share the machine) and starts
+    `tandem serve` with L3 on the module's Redis; start.running() is the one running, or a new one."""
     started = []
 
     class Start:
-        def __call__(self):
+        def __call__(self, args=()):
+            for server in started:
+                if server.proc.poll() is None:
+                    assert server.terminate() == 0, server.log_tail()
             server = start_server(tmp_path_factory.mktemp("serve-l3"),
-                                  ["--set", "kv_store.l3.backend=redis", "--set", f"kv_store.l3.url={redis_server.url}"],
-                                  env={"TANDEM_DEBUG_KV": "1"})
+                                  ["--set", "kv_store.l3.backend=redis", "--set", f"kv_store.l3.url={redis_server.url}",
+                                   *args], env={"TANDEM_DEBUG_KV": "1"})
             started.append(server)
             return server
 
@@ -47,7 +52,8 @@ def start(tmp_path_factory, redis_server):
 
     yield Start()
     for server in started:
-        assert server.terminate() == 0, server.log_tail()
+        if server.proc.poll() is None:
+            assert server.terminate() == 0, server.log_tail()
 
 
 def natural_prompt(num_tokens: int, salt: str) -> list[int]:
@@ -89,9 +95,10 @@ def eventually(check, what: str, timeout_s: float = 20) -> None:
 
 
 def wait_for_pages_in_redis(redis_server, num_pages: int, timeout_s: float = 60) -> None:
+    client = redis_server.client()
     deadline = time.monotonic() + timeout_s
-    while redis_server.client().dbsize() < num_pages:
-        assert time.monotonic() < deadline, f"only {redis_server.client().dbsize()} pages in Redis"
+    while client.dbsize() < num_pages:
+        assert time.monotonic() < deadline, f"only {client.dbsize()} pages in Redis"
         time.sleep(0.5)
 
 
@@ -116,8 +123,37 @@ def test_after_a_restart_the_prompt_is_served_from_l3_with_hf_greedy_output(star
     assert metric(second.metrics(), "tandem:l3_prefetches_total", outcome="completed") == 1
 
 
+def test_two_prefill_workers_prefill_a_shared_prefix_once_and_share_it_through_l3(start, redis_server):
+    """16 requests with one 1k-token prefix and different questions, sent in turn to two prefill
+    workers (round robin): the prefix is prefilled once in all, the second worker's first request
+    fetches it from L3, and every answer is HF's greedy one."""
+    server = start(["--num-prefill", "2", "--policy", "round_robin"])
+    redis_server.client().flushall()  # only this test's pages from here on
+    prefix = natural_prompt(PROMPT_TOKENS - 24, "shared")
+    loaded, _ = smollm2()
+    suffixes = [loaded.tokenizer.encode(f" Question {i}: what is {i} times {i + 3}?", add_special_tokens=False)
+                for i in range(16)]
+    prompts = [prefix + suffix for suffix in suffixes]
+    before = server.metrics()
+    bodies = [complete(server, prompts[0])]
+    wait_for_pages_in_redis(redis_server, len(prefix) // PAGE)  # A's prefix written before B asks
+    bodies += [complete(server, prompt) for prompt in prompts[1:]]
+    after = server.metrics()
+    assert [text(b) for b in bodies[:3]] == [hf_text(p) for p in prompts[:3]]
+    whole_prefix = len(prefix) // PAGE * PAGE
+    assert cached(bodies[1]) >= whole_prefix, f"the second worker's first request cached {cached(bodies[1])}"
+    prefilled = sum(b["usage"]["prompt_tokens"] - cached(b) for b in bodies)
+    least = len(prefix) + sum(len(s) for s in suffixes)
+    assert prefilled <= 1.2 * least, f"{prefilled} tokens prefilled; the prefix once and the questions: {least}"
+    l3_hits = {w: metric(after, "tandem:prefix_cache_hit_tokens_total", tier="l3", worker=w) -
+               metric(before, "tandem:prefix_cache_hit_tokens_total", tier="l3", worker=w)
+               for w in ("prefill-0", "prefill-1")}
+    # the worker A went to had the prefix on device; the other (round robin: B's) fetched it once
+    assert sorted(l3_hits.values()) == [0, whole_prefix], l3_hits
+
+
 def test_with_redis_killed_requests_are_still_answered(start, redis_server):
-    server = start.running()  # the restart test's second server, or a new one when run alone
+    server = start.running()  # the server of the test before, or a new one when run alone
     prompt, other = natural_prompt(300, "killed"), natural_prompt(200, "other")
     redis_server.kill()
     for p in (prompt, prompt, other):

@@ -176,11 +176,22 @@ def l3_workers(**overrides) -> list[WorkerView]:
     return make_workers(**{w: dict(shares_l3=True, **overrides.pop(w, {})) for w in ids}, **overrides)
 
 
+def prefilled_on_p0(policy: Policy, state: RouterState) -> None:
+    first = make_request(SHARED + [1] * 20)
+    assert route_and_record(policy, first, l3_workers(), state).prefill_id == "p0"
+    state.record_prefilled(first.prompt_token_ids)
+
+
 def test_kv_cost_credits_l3_at_its_load_cost_so_a_backlog_spreads_a_shared_prefix(state):
-    route_and_record(Policy.KV_COST, make_request(SHARED + [1] * 20), l3_workers(), state)  # -> p0
-    req = make_request(SHARED + [2] * 20)  # p0: 20 to prefill; p1: 20 + 80 from L3 at 0.2 = 36
+    first = make_request(SHARED + [1] * 20)
+    route_and_record(Policy.KV_COST, first, l3_workers(), state)  # -> p0
+    req = make_request(SHARED + [2] * 20)
+    busy_p0 = l3_workers(p0=dict(pending_prefill_tokens=17))
+    # routed, not yet prefilled: no store has the prefix, so p1 would prefill all of it
+    assert choose(Policy.KV_COST, req, busy_p0, state, PARAMS).prefill_id == "p0"
+    state.record_prefilled(first.prompt_token_ids)  # p0: 20 to prefill; p1: 20 + 80 from L3 at 0.2 = 36
     assert choose(Policy.KV_COST, req, l3_workers(p0=dict(pending_prefill_tokens=15)), state, PARAMS).prefill_id == "p0"
-    route = choose(Policy.KV_COST, req, l3_workers(p0=dict(pending_prefill_tokens=17)), state, PARAMS)
+    route = choose(Policy.KV_COST, req, busy_p0, state, PARAMS)
     assert (route.prefill_id, route.matched_prefix_tokens) == ("p1", 0)  # 20 + 17 > 36: p1 fetches the prefix
     assert "prefill cost 36 tokens" in route.reason
     # without L3 the same backlog keeps the request on p0 (p1 would prefill all 100 tokens)
@@ -190,7 +201,7 @@ def test_kv_cost_credits_l3_at_its_load_cost_so_a_backlog_spreads_a_shared_prefi
 
 
 def test_cache_aware_counts_an_l3_prefix_toward_the_threshold_and_survives_the_worker_that_made_it(state):
-    route_and_record(Policy.CACHE_AWARE, make_request(SHARED + [1] * 20), l3_workers(), state)  # -> p0
+    prefilled_on_p0(Policy.CACHE_AWARE, state)
     state.forget_worker("p0")  # p0 restarted: its cache is gone, L3 still holds the prefix
     req = make_request(SHARED + [2] * 20)
     route = choose(Policy.CACHE_AWARE, req, l3_workers(p1=dict(num_running=3)), state, PARAMS)
@@ -200,7 +211,7 @@ def test_cache_aware_counts_an_l3_prefix_toward_the_threshold_and_survives_the_w
 
 
 def test_the_l3_credit_never_beats_a_worker_s_own_device_match(state):
-    route_and_record(Policy.CACHE_AWARE, make_request(SHARED + [1] * 20), l3_workers(), state)  # -> p0
+    prefilled_on_p0(Policy.CACHE_AWARE, state)
     req = make_request(SHARED + [2] * 20)
     busier_p0 = l3_workers(p0=dict(num_running=4))
     assert choose(Policy.CACHE_AWARE, req, busier_p0, state, PARAMS).prefill_id == "p0"  # 80 > 64

@@ -110,7 +110,8 @@ def test_the_timeout_policy_waits_longer_for_a_longer_prefix(l3):
     """The default policy: a request waits prefetch_timeout_s plus prefetch_timeout_per_page_s per
     page it asked L3 for, so a long prefix is not given up in the time a short one takes."""
     assert L3Config(url=l3.url).policy is PrefetchPolicy.TIMEOUT
-    config = dataclasses.replace(l3, prefetch_policy="timeout", prefetch_timeout_s=1.0, prefetch_timeout_per_page_s=0.01)
+    config = dataclasses.replace(l3, prefetch_policy="timeout", prefetch_timeout_s=1.0,
+                                 prefetch_timeout_per_page_s=0.01)
     engine = engine_with(config)
     tier = engine.host_cache.l3.l3
     waits = []

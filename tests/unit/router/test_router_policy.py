@@ -195,7 +195,8 @@ def test_kv_cost_credits_l3_at_its_load_cost_so_a_backlog_spreads_a_shared_prefi
     assert (route.prefill_id, route.matched_prefix_tokens) == ("p1", 0)  # 20 + 17 > 36: p1 fetches the prefix
     assert "prefill cost 36 tokens" in route.reason
     # without L3 the same backlog keeps the request on p0 (p1 would prefill all 100 tokens)
-    assert choose(Policy.KV_COST, req, make_workers(p0=dict(pending_prefill_tokens=17)), state, PARAMS).prefill_id == "p0"
+    plain = make_workers(p0=dict(pending_prefill_tokens=17))
+    assert choose(Policy.KV_COST, req, plain, state, PARAMS).prefill_id == "p0"
     free_l3 = PolicyParams(l3_load_cost=0.0)
     assert state.effective_match(l3_workers()[1], req.prompt_token_ids, free_l3) == 80
 

@@ -134,6 +134,7 @@ class TierStats:
     """Cumulative figures of a worker's KV hierarchy (L1 device, L2 host, L3 remote store)."""
 
     l3: bool = False  # the host tier reads and writes the cluster's L3 store (routing credits its prefixes)
+    page_size: int = 0  # tokens per KV page (routing sizes its picture of the worker's tiers with it)
     hit_tokens_l1: int = 0  # prompt tokens found on device at first admission
     hit_tokens_l2: int = 0  # ... loaded back from the host tier
     hit_tokens_l3: int = 0  # ... fetched from the remote store

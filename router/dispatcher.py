@@ -169,7 +169,8 @@ class Dispatcher:
         except NoWorkerAvailable as exc:
             raise BackendError(ErrorKind.UNAVAILABLE, f"no worker can serve requests now: {exc}",
                                retry_after_s=5.0) from None
-        self.state.record(request, route)
+        prefiller = route.decode_id if route.prefill_id is None else route.prefill_id
+        self.state.record(request, route, next((v for v in views if v.worker_id == prefiller), None))
         flight.decode = self.lives[route.decode_id]
         flight.prefill = self.lives[route.prefill_id] if route.prefill_id else None
         flight.decode.num_active += 1

@@ -68,6 +68,8 @@ class WorkerView:
     kv_usage: float  # device KV pages in use / usable, in [0, 1]
     pending_prefill_tokens: int = 0  # prompt tokens routed here whose prefill has not completed (caller-tracked)
     shares_l3: bool = False  # its host tier reads the cluster's L3 store: any prefix prefilled anywhere is near
+    device_tokens: int = 0  # tokens its device pool holds (0: unknown, its tree is not bounded by it)
+    host_tokens: int = 0  # tokens its prefix-cache host tier (L2) holds
 
     def __post_init__(self):
         if not isinstance(self.role, WorkerRole):
@@ -115,6 +117,11 @@ class PolicyParams:
     decode_kv_usage_weight: float = 8.0
     """kv_cost: cost, in running requests, of a decode worker's device KV being full (>= 0); scaled by
     kv_usage, since a full pool means retraction or preemption ahead."""
+    host_load_cost: float = 0.1
+    """What a prompt token costs a worker to load back from its own host tier instead of prefilling it
+    (in [0, 1]): a prefix that the router's picture of that worker's device pool lost, but its host
+    tier still holds, counts as cached at 1 - this. A memory copy, far cheaper than a forward, but
+    the request waits for it."""
     l3_load_cost: float = 0.2
     """What a prompt token costs a worker that shares L3 to fetch from there instead of prefilling it
     (in [0, 1]; device hits cost 0, prefill 1), for a prefix the router routed to any worker: cache_aware
@@ -136,6 +143,7 @@ class PolicyParams:
         require(self.decode_kv_usage_weight >= 0,
                  f"decode_kv_usage_weight must be >= 0, got {self.decode_kv_usage_weight}")
         require(0.0 <= self.l3_load_cost <= 1.0, f"l3_load_cost must be in [0, 1], got {self.l3_load_cost}")
+        require(0.0 <= self.host_load_cost <= 1.0, f"host_load_cost must be in [0, 1], got {self.host_load_cost}")
 
 
 
@@ -147,11 +155,13 @@ class _Stage(enum.Enum):
 
 
 class RouterState:
-    """What the router remembers between requests: round-robin turns, one approximate prefix tree per
-    prefill-capable worker that has been routed to, and one of every prompt prefilled anywhere (what
-    an L3 store shared by the workers may hold: it outlives any one worker's cache). A prompt joins
-    the shared tree when its prefill completed (`record_prefilled`), not when it is routed: until
-    then no store has it, and a second worker sent the same prefix would prefill it again.
+    """What the router remembers between requests: round-robin turns, two approximate prefix trees per
+    prefill-capable worker that has been routed to (what its device pool holds, and what its device
+    pool and host tier hold, each an LRU tree sized to that worker's capacity in tokens as it
+    reports it), and one of every prompt prefilled anywhere (what an L3 store shared by the workers
+    may hold: it outlives any one worker's cache). A prompt joins the shared tree when its prefill
+    completed (`record_prefilled`), not when it is routed: until then no store has it, and a second
+    worker sent the same prefix would prefill it again.
 
     Mutated only by `record` and `forget_worker`, both called by the one caller that owns the state
     (not thread-safe: serialize `choose` + `record` per state). Read by `choose`.
@@ -162,7 +172,8 @@ class RouterState:
                  f"max_tree_tokens must be an integer >= 1, got {max_tree_tokens!r}")
         self.max_tree_tokens = max_tree_tokens
         self._turns = {stage: 0 for stage in _Stage}
-        self._trees: dict[str, ApproxPrefixTree] = {}
+        self._trees: dict[str, ApproxPrefixTree] = {}  # device pool + host tier (the same tree without one)
+        self._device_trees: dict[str, ApproxPrefixTree] = {}  # device pool, where a host tier is reported
         self._shared = ApproxPrefixTree(max_tree_tokens)
 
     def turn(self, stage: _Stage) -> int:
@@ -170,33 +181,55 @@ class RouterState:
         return self._turns[stage]
 
     def match_len(self, worker_id: str, prompt_token_ids: Sequence[int]) -> int:
-        """Prompt prefix the router believes `worker_id` has cached; 0 for a worker never routed to."""
+        """Prompt prefix the router believes `worker_id` has cached, on device or in its host tier; 0
+        for a worker never routed to."""
         tree = self._trees.get(worker_id)
         return tree.match_len(prompt_token_ids) if tree is not None else 0
+
+    def device_match_len(self, worker_id: str, prompt_token_ids: Sequence[int]) -> int:
+        """The part of `match_len` the router believes is still in `worker_id`'s device pool."""
+        tree = self._device_trees.get(worker_id)
+        return tree.match_len(prompt_token_ids) if tree is not None else self.match_len(worker_id, prompt_token_ids)
 
     def shared_match_len(self, prompt_token_ids: Sequence[int]) -> int:
         """Prompt prefix prefilled by any worker so far (what a shared L3 store may hold)."""
         return self._shared.match_len(prompt_token_ids)
 
     def effective_match(self, w: WorkerView, prompt_token_ids: Sequence[int], params: PolicyParams) -> float:
-        """Prompt tokens `w` would not prefill, each weighted by what it saves: its own match in
-        full, and, where `w` shares L3, what L3 may add beyond it at 1 - l3_load_cost."""
+        """Prompt tokens `w` would not prefill, each weighted by what it saves: its device match in
+        full, what its host tier adds at 1 - host_load_cost, and, where `w` shares L3, what L3 may
+        add beyond both at 1 - l3_load_cost."""
+        device = self.device_match_len(w.worker_id, prompt_token_ids)
         own = self.match_len(w.worker_id, prompt_token_ids)
+        matched = device + (1.0 - params.host_load_cost) * (own - device)
         if not w.shares_l3:
-            return float(own)
-        return own + (1.0 - params.l3_load_cost) * max(0, self.shared_match_len(prompt_token_ids) - own)
+            return matched
+        return matched + (1.0 - params.l3_load_cost) * max(0, self.shared_match_len(prompt_token_ids) - own)
 
-    def record(self, request: RequestView, route: Route) -> None:
+    def record(self, request: RequestView, route: Route, prefiller_view: WorkerView | None = None) -> None:
         """Account for `route` having been taken: advance the turns of the choices it made and insert
-        the prompt into the tree of the worker that prefills it (`prefill_id`, else `decode_id`)."""
+        the prompt into the trees of the worker that prefills it (`prefill_id`, else `decode_id`).
+        `prefiller_view` (that worker's view) sizes its trees when they are made: by the device and
+        host tokens it reports, else `max_tree_tokens`."""
         if route.prefill_id is not None:
             self._turns[_Stage.PREFILL] += 1
         self._turns[_Stage.DECODE] += 1
         prefiller = route.decode_id if route.prefill_id is None else route.prefill_id
-        tree = self._trees.get(prefiller)
-        if tree is None:
-            tree = self._trees[prefiller] = ApproxPrefixTree(self.max_tree_tokens)
-        tree.insert(request.prompt_token_ids)
+        if prefiller not in self._trees:
+            self._make_trees(prefiller, prefiller_view)
+        for trees in (self._trees, self._device_trees):
+            if prefiller in trees:
+                trees[prefiller].insert(request.prompt_token_ids)
+
+    def _make_trees(self, worker_id: str, view: WorkerView | None) -> None:
+        device = min(view.device_tokens, self.max_tree_tokens) if view is not None and view.device_tokens else 0
+        host = view.host_tokens if view is not None and device else 0
+        if not device:  # capacity unknown: one tree, bounded only by max_tree_tokens
+            self._trees[worker_id] = ApproxPrefixTree(self.max_tree_tokens)
+            return
+        self._trees[worker_id] = ApproxPrefixTree(min(device + host, self.max_tree_tokens))
+        if host:
+            self._device_trees[worker_id] = ApproxPrefixTree(device)
 
     def record_prefilled(self, prompt_token_ids: Sequence[int]) -> None:
         """A worker finished prefilling this prompt: its pages are on their way to a shared store."""
@@ -205,14 +238,16 @@ class RouterState:
     def forget_worker(self, worker_id: str) -> None:
         """Drop the tree of a worker whose cache is gone (died, restarted). No-op for an unknown id."""
         self._trees.pop(worker_id, None)
+        self._device_trees.pop(worker_id, None)
 
     def snapshot(self) -> tuple:
         """Turns and every tree's contents with recency; equal snapshots mean equal state."""
         trees = tuple(sorted((wid, tree.snapshot()) for wid, tree in self._trees.items()))
-        return (tuple(sorted((s.value, n) for s, n in self._turns.items())), trees, self._shared.snapshot())
+        device = tuple(sorted((wid, tree.snapshot()) for wid, tree in self._device_trees.items()))
+        return (tuple(sorted((s.value, n) for s, n in self._turns.items())), trees, device, self._shared.snapshot())
 
     def check_integrity(self) -> None:
-        for tree in (*self._trees.values(), self._shared):
+        for tree in (*self._trees.values(), *self._device_trees.values(), self._shared):
             tree.check_integrity()
 
 
@@ -368,8 +403,9 @@ def choose(policy: Policy, request: RequestView, workers: Sequence[WorkerView], 
                    cache_threshold and load is balanced, else least_load; decode: least_load
       kv_cost      prefill: argmin (prompt_len - matched) + pending_prefill_tokens  [tokens]
 
-    matched (`RouterState.effective_match`): the worker's own tree's match, plus, for a worker that
-    shares L3, what any worker prefilled beyond it at (1 - l3_load_cost) a token.
+    matched (`RouterState.effective_match`): the worker's device match, what its host tier adds at
+    (1 - host_load_cost) a token, and, for a worker that shares L3, what any worker prefilled beyond
+    both at (1 - l3_load_cost) a token.
                    decode:  argmin num_running + decode_waiting_weight * num_waiting
                                    + decode_kv_usage_weight * kv_usage              [requests]
                    local:   argmin prefill cost + tokens_per_load_unit * decode cost [tokens]

@@ -164,7 +164,7 @@ class LiveWorker:
                           num_waiting=stats.num_waiting if stats else 0,
                           kv_usage=_usage(stats.device) if stats else 0.0,
                           pending_prefill_tokens=self.pending_prefill_tokens,
-                          shares_l3=bool(stats and stats.tiers.l3))
+                          shares_l3=bool(stats and stats.tiers.l3), **_cache_tokens(stats))
 
     def gauge(self) -> WorkerGauge:
         """What the gateway exports per worker."""
@@ -191,6 +191,15 @@ class LiveWorker:
                             if self.info.role is WorkerRole.PREFILL else
                             {"limit": int(self.limit.limit), "cuts": self.limit.epoch})
         return out
+
+
+def _cache_tokens(stats: p.WorkerStats | None) -> dict[str, int]:
+    """Tokens a worker's device pool and prefix-cache host tier hold (0: not reported yet)."""
+    page = stats.tiers.page_size if stats else 0
+    if not page:
+        return {}
+    host = stats.host_cache.total - 1 if stats.host_cache is not None else 0  # less each pool's scratch page
+    return {"device_tokens": (stats.device.total - 1) * page, "host_tokens": max(0, host) * page}
 
 
 def _usage(stats: p.PoolStats | None) -> float | None:

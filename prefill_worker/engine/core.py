@@ -296,7 +296,7 @@ class EngineCore:
         return graph_stats(self.runner.counters)
 
     def tier_stats(self) -> TierStats:
-        return tier_stats(self.host_cache, self.scheduler.hit_tokens_l1, self.sessions)
+        return tier_stats(self.host_cache, self.scheduler.hit_tokens_l1, self.sessions, self.config.page_size)
 
     def close(self) -> None:
         self.connector.close()

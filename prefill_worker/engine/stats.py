@@ -24,14 +24,14 @@ def graph_stats(c) -> GraphStats:
     return GraphStats(c.replays, tuple(sorted((reason.value, n) for reason, n in c.fallbacks.items())))
 
 
-def tier_stats(host_cache, hit_tokens_l1: int, sessions) -> TierStats:
+def tier_stats(host_cache, hit_tokens_l1: int, sessions, page_size: int) -> TierStats:
     c, l3 = host_cache.counters, host_cache.l3
     store = l3.store_stats()
     l3_fields = {} if store is None else dict(
         l3=True, l3_get_pages=store.hits, l3_get_seconds=store.get_seconds, l3_put_pages=store.put_pages,
         l3_put_seconds=store.put_seconds, l3_errors=store.errors, l3_corrupt=store.corrupt,
         prefetches=tuple(sorted(l3.counters.prefetches.items())))
-    return TierStats(hit_tokens_l1=hit_tokens_l1, hit_tokens_l2=c.l2_hit_tokens,
+    return TierStats(page_size=page_size, hit_tokens_l1=hit_tokens_l1, hit_tokens_l2=c.l2_hit_tokens,
                      hit_tokens_l3=c.l3_hit_tokens, l1_to_l2_bytes=c.l1_to_l2_bytes,
                      l1_to_l2_seconds=c.l1_to_l2_seconds, l2_to_l1_bytes=c.l2_to_l1_bytes,
                      l2_to_l1_seconds=c.l2_to_l1_seconds, evicted_pages_l1=c.l1_evicted_pages,

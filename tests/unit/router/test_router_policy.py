@@ -219,6 +219,39 @@ def test_the_l3_credit_never_beats_a_worker_s_own_device_match(state):
     assert state.effective_match(busier_p0[0], req.prompt_token_ids, PARAMS) == 80
 
 
+# ---- the host tier: what a worker's device pool lost but its host tier keeps -----------------------
+
+
+def test_a_prefix_pushed_out_of_the_device_pool_counts_at_the_host_tier_load_cost(state):
+    """p0 reports room for 100 device tokens and 400 in its host tier: after two other 100-token
+    prompts the first one's 80-token prefix is only in its host tier, and counts at 1 - 0.1."""
+    sized = make_workers(p0=dict(device_tokens=100, host_tokens=400), p1=dict(device_tokens=100, host_tokens=400))
+    first = make_request(SHARED + [1] * 20, "a")
+    route = choose(Policy.KV_COST, first, sized, state, PARAMS)
+    state.record(first, route, sized[0])
+    req = make_request(SHARED + [2] * 20)
+    assert state.effective_match(sized[0], req.prompt_token_ids, PARAMS) == 80  # still on device
+    for i in (3, 4):
+        other = make_request([i] * 100, f"o{i}")
+        state.record(other, Route("p0", "d0", 0, "test"), sized[0])
+    assert state.device_match_len("p0", req.prompt_token_ids) == 0 and state.match_len("p0", req.prompt_token_ids) == 80
+    assert state.effective_match(sized[0], req.prompt_token_ids, PARAMS) == pytest.approx(72)
+    # kv_cost: p0 would prefill 100 - 72 = 28 tokens; p1 all 100, so p0 wins until its backlog passes 72
+    assert choose(Policy.KV_COST, req, sized, state, PARAMS).prefill_id == "p0"
+    for i in (5, 6, 7, 8, 9):  # past the host tier too: gone from p0 altogether
+        state.record(make_request([i] * 100, f"o{i}"), Route("p0", "d0", 0, "test"), sized[0])
+    assert state.match_len("p0", req.prompt_token_ids) == 0
+    state.check_integrity()
+
+
+def test_a_worker_without_a_host_tier_keeps_one_tree_sized_to_its_device_pool(state):
+    view = make_workers(p0=dict(device_tokens=100))[0]
+    state.record(make_request(SHARED + [1] * 20), Route("p0", "d0", 0, "test"), view)
+    state.record(make_request([3] * 100), Route("p0", "d0", 0, "test"), view)
+    assert state.match_len("p0", SHARED) == 0  # 200 tokens routed to a 100-token pool
+    assert state.effective_match(view, tuple(SHARED), PARAMS) == 0
+
+
 def test_kv_cost_decode_weighs_waiting_and_kv_usage(state):
     params = PolicyParams(decode_waiting_weight=2.0, decode_kv_usage_weight=10.0)
     workers = make_workers(prefill=1, decode=3,
@@ -330,6 +363,7 @@ def test_record_advances_prefill_turn_only_on_disaggregated_routes(state):
     ("cache_threshold", 1.5), ("cache_threshold", -0.1), ("balance_abs_threshold", -1),
     ("balance_rel_threshold", 0.9), ("max_tree_tokens", 0), ("tokens_per_load_unit", 0),
     ("decode_waiting_weight", -1.0), ("decode_kv_usage_weight", -1.0), ("l3_load_cost", 1.5), ("l3_load_cost", -0.1),
+    ("host_load_cost", 1.5), ("host_load_cost", -0.1),
 ])
 def test_policy_params_bounds_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):

@@ -28,3 +28,13 @@ def engines_intact(monkeypatch):
     yield engines
     for engine in list(engines):
         engine.check_integrity()  # KV pools (and a receiver's host tier) consistent after the test
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real `redis-server` on loopback for the module (tests/redis_server.py), stopped after it."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()

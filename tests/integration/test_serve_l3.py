@@ -14,20 +14,12 @@ import pytest
 
 from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
 from tests.integration.serve_harness import metric, start_server
-from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 
 PROMPT_TOKENS = 1000
 MAX_NEW = 12
 PAGE = 16
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,10 @@ from tests.redis_server import RedisServer
 PAGE = 4
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield srv
-    srv.stop()
-
-
 @pytest.fixture
-def l3(server):
-    server.client().flushall()
-    return L3Config(url=server.url, prefetch_policy="wait_complete", prefetch_min_pages=2, error_backoff_s=0.0)
+def l3(redis_server):
+    redis_server.client().flushall()
+    return L3Config(url=redis_server.url, prefetch_policy="wait_complete", prefetch_min_pages=2, error_backoff_s=0.0)
 
 
 def engine_with(l3: L3Config, **kw):
@@ -68,14 +61,14 @@ def test_a_prefix_written_by_one_engine_is_served_from_l3_on_another(l3, shared_
     second.close()
 
 
-def test_corrupt_and_missing_values_are_counted_misses_never_used(l3, server, shared_and_reference):
+def test_corrupt_and_missing_values_are_counted_misses_never_used(l3, redis_server, shared_and_reference):
     shared, prompt, expect = shared_and_reference
     first = engine_with(l3)
     first.generate([shared], greedy(max_tokens=1))
     settle(first)
     keys = first.host_cache.l3.node_keys(next(iter(first.kvm.prefix_cache.root.children.values())))
     first.close()
-    client = server.client()
+    client = redis_server.client()
     prefix = l3.key_prefix
     value = client.get(prefix + keys[10])
     client.set(prefix + keys[10], value[:-1] + bytes([value[-1] ^ 0xFF]))  # one flipped byte: checksum fails

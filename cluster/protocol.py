@@ -237,6 +237,18 @@ class Prefill:
 
 
 @dataclass(frozen=True)
+class PrefillAnswer:
+    """Driver -> prefill: a request this worker prefilled has finished on its decode worker; compute
+    the KV of `token_ids` (its prompt, then the answer but its last token) into this worker's prefix
+    cache, so the conversation's next turn, which resends both, finds its whole history here. Nothing
+    is sent back."""
+
+    request_id: str  # the worker's own id for the work, unique among its requests
+    token_ids: tuple[int, ...]
+    prompt_len: int  # the part this worker prefilled before
+
+
+@dataclass(frozen=True)
 class Generate:
     """Driver -> decode: serve the request alone (local prefill: no prefill worker alive, or a turn of a
     streaming session, whose history is pinned on this worker)."""

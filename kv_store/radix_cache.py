@@ -128,6 +128,21 @@ class RadixPrefixCache:
         pages = [p for node in path for p in node.pages]
         return PrefixMatch(pos, pages, path[-1] if path else self.root)
 
+    def cached_len(self, token_ids) -> int:
+        """Whole-page prefix of `token_ids` the tree holds in any tier. Read-only: no split, no LRU
+        touch, no hit counted."""
+        node, pos, limit = self.root, 0, len(token_ids) // self.page_size * self.page_size
+        while pos < limit:
+            child = node.children.get(tuple(token_ids[pos:pos + self.page_size]))
+            if child is None:
+                break
+            n = self._common_pages(child.key, token_ids, pos, limit)
+            pos += n * self.page_size
+            if n < self.num_pages(child):
+                break
+            node = child
+        return pos
+
     def walk(self, token_ids, max_tokens: int, admit: Callable[[TreeNode], bool]) -> tuple[int, list[TreeNode]]:
         """(tokens matched, the nodes matched in order) along `token_ids[:max_tokens]`, following only
         nodes `admit` accepts. A match ending inside a node splits it; a node with a copy in flight
@@ -395,6 +410,9 @@ class NullPrefixCache:
 
     def match(self, token_ids, max_tokens: int) -> PrefixMatch:
         return PrefixMatch(0, [], self.root)
+
+    def cached_len(self, token_ids) -> int:
+        return 0
 
     def lock(self, node: TreeNode) -> None:
         assert node is self.root, "NullPrefixCache only ever hands out its root"

@@ -114,8 +114,11 @@ class KVSender(NullConnector):
                 self._confined(req.request_id, self._ship, req, shipment)
 
     def request_finished(self, req: Request, reason: FinishReason) -> bool:
-        """The first token is sampled: hold the KV until every write has retired."""
-        shipment = self.shipments[req.request_id]
+        """The first token is sampled: hold the KV until every write has retired. A request with
+        nothing to ship (an answer's prefill, `PrefillWorker.prefill_answer`) is released at once."""
+        shipment = self.shipments.get(req.request_id)
+        if shipment is None:
+            return False
         if shipment.abort_reason is None:  # an abort during this step already took it out of the batch
             shipment.first_token = req.output_token_ids[-1]
             shipment.draft_feature = self.engine.speculator.export_feature(req.request_id)
@@ -124,7 +127,9 @@ class KVSender(NullConnector):
 
     def request_failed(self, req: Request, error: str) -> bool:
         """A fault of its own ends the transfer: the decode worker hears `TransferAborted`, and the KV
-        is released once no write reads it."""
+        is released once no write reads it. A request with nothing to ship is released at once."""
+        if req.request_id not in self.shipments:
+            return False
         self.abort_transfer(req.request_id, FailureReason.ABORTED, error, FAILURE_INTERNAL)
         return True
 

@@ -1,7 +1,8 @@
 """Prefill worker: the engine with a `KVSender`, behind the worker contract (`cluster.protocol.Worker`).
 
-It takes `Prefill` (compute a prompt's KV into a decode worker's landing), `AbortTransfer` and
-`PeerDead`; what it sends back (KVProgress, KVComplete, TransferAborted) goes to the decode worker
+It takes `Prefill` (compute a prompt's KV into a decode worker's landing), `PrefillAnswer` (cache a
+finished turn's answer for the conversation's next turn), `AbortTransfer` and `PeerDead`; what it
+sends back (KVProgress, KVComplete, TransferAborted) goes to the decode worker
 through the dispatcher. Its sampled token is not a client's: it reaches the decode worker inside
 `KVComplete`.
 """
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from cluster import protocol as p
+from cluster.config import SamplingParams
 from cluster.faults import FAILURE_INTERNAL
 from cluster.protocol import WorkerRole
 from kv_store.l3.config import L3Config
@@ -22,6 +24,9 @@ from kv_store.transfer.session import FailureReason, TransferDeadlines
 from prefill_worker.engine.core import EngineCore
 from prefill_worker.engine.hosted import EngineWorker
 from prefill_worker.sender import KVSender
+
+
+ANSWER_PARAMS = SamplingParams(max_tokens=1)  # an answer's prefill samples one token, which nobody reads
 
 
 class PrefillWorker(EngineWorker):
@@ -43,6 +48,8 @@ class PrefillWorker(EngineWorker):
                 self.submit(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.landing)
             except ValueError as exc:
                 return [p.TransferAborted(msg.request_id, f"rejected: {exc}")]
+        elif isinstance(msg, p.PrefillAnswer):
+            self.prefill_answer(msg.request_id, msg.token_ids, msg.prompt_len)
         elif isinstance(msg, p.AbortTransfer):
             self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, msg.reason)
         elif isinstance(msg, p.PeerDead):
@@ -56,6 +63,8 @@ class PrefillWorker(EngineWorker):
         worker hears `TransferAborted` (from a later step), and the KV is released once no write reads it."""
         if msg.request_id not in self.sender.shipments:  # failed before its transfer opened
             self.engine.abort(msg.request_id)
+        if isinstance(msg, p.PrefillAnswer):  # nobody waits for it
+            return []
         self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, error, FAILURE_INTERNAL)
         return []
 
@@ -77,3 +86,20 @@ class PrefillWorker(EngineWorker):
         # Prefill samples only the first token; the decode worker applies the stop rules to it.
         req = self.engine.add_request(prompt_token_ids, dataclasses.replace(params, max_tokens=1, stop=()), request_id)
         self.sender.open(req, landing)
+
+    def prefill_answer(self, request_id: str, token_ids, prompt_len: int) -> bool:
+        """Queue the prefill of `token_ids`' whole pages that the prefix cache lacks, at most one chunk of
+        them, as a request that ships nothing: released into the cache like any finished request.
+        False when there is nothing to compute (the answer adds no whole page, or it is cached already)
+        or the engine cannot take it."""
+        ps, chunk = self.engine.config.page_size, self.engine.config.chunk_size
+        whole = len(token_ids) // ps * ps
+        cached = self.engine.kvm.prefix_cache.cached_len(token_ids)
+        if whole <= max(cached, prompt_len // ps * ps):
+            return False
+        upto = max(whole if whole - cached <= chunk else (cached + chunk) // ps * ps, cached + ps)
+        try:
+            self.engine.add_request(list(token_ids[:upto]), ANSWER_PARAMS, request_id)
+        except ValueError:  # longer than this worker holds, or the id is taken: the next turn prefills it
+            return False
+        return True

@@ -35,6 +35,12 @@ class RouterConfig(PolicyParams):
     """Prompt tokens handed to one prefill worker and not yet delivered (>= 1); the rest wait in the
     router, holding no landing, so queue time never counts against a transfer deadline.
     None: twice prefill.engine.chunk_size."""
+    prefill_answers: bool = True
+    """When a request prefilled by a prefill worker finishes, that worker prefills the answer too (its
+    whole pages, at most one chunk) into its prefix cache, so a conversation's next turn, which resends
+    prompt and answer, finds its whole history cached there. The answer was decoded on another worker:
+    without this, every turn re-prefills the previous answer before its new message. Costs the prefill
+    worker the answer's tokens once, off the next turn's path unless the user replies at once."""
     max_requests_per_worker: int | None = None
     """Admission: requests one decode (or colocated) worker holds at once, from arrival (>= 1), at
     most; more get 429. None: the group's engine.max_running_requests, so none waits for a decode

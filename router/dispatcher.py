@@ -49,7 +49,7 @@ class Dispatcher:
                  max_pending: int = 256, max_transfer_retries: int = 1, refresh_interval_s: float = 0.5,
                  collect_timeout_s: float = 0.5, reserve_retry_s: float = 0.05, landing_timeout_s: float = 30.0,
                  admission: AdmissionParams = AdmissionParams(), session_open_timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 prefill_answers: bool = True, clock: Callable[[], float] = time.monotonic):
         self.source, self.tokenizer = source, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.policy, self.policy_params = policy, policy_params
@@ -57,7 +57,7 @@ class Dispatcher:
         self.max_pending, self.max_transfer_retries = max_pending, max_transfer_retries
         self.refresh_interval_s, self.collect_timeout_s = refresh_interval_s, collect_timeout_s
         self.reserve_retry_s, self.landing_timeout_s = reserve_retry_s, landing_timeout_s
-        self.admission, self.clock = admission, clock
+        self.admission, self.clock, self.prefill_answers = admission, clock, prefill_answers
         self.sessions, self.session_open_timeout_s = SessionTable(), session_open_timeout_s
         self.lives: dict[str, LiveWorker] = {}
         self.flights: dict[str, Flight] = {}
@@ -65,8 +65,8 @@ class Dispatcher:
         self._transfers: dict[str, Transfer] = {}
         self._tasks: list[asyncio.Task] = []
         self.relay, self.polls = relay_metrics()
-        self.reroutes, self.refusals = request_counters()
-        self.extra_collectors = [self.relay, self.polls, self.reroutes, self.refusals]
+        self.reroutes, self.refusals, self.answers = request_counters()
+        self.extra_collectors = [self.relay, self.polls, self.reroutes, self.refusals, self.answers]
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -343,11 +343,27 @@ class Dispatcher:
                 self.state.record_prefilled(flight.prompt)
         flight.phase = Phase.STREAMING
         flight.tokens_sent += len(msg.new_token_ids)
+        flight.output += msg.new_token_ids
         if msg.finish_reason is None:
             flight.queue.put_nowait(GenerationChunk(tuple(msg.new_token_ids)))
             return
         flight.queue.put_nowait(flight.last_chunk(msg, live.worker_id))
+        if msg.finish_reason != "abort":
+            self._cache_history(flight, live)
         self._end(flight)
+
+    def _cache_history(self, flight: Flight, decoder: LiveWorker) -> None:
+        """A request finished: its decode worker's prefix cache took the prompt and the output's KV (all
+        but the last token, which has none). Its prefill worker gets the answer too (`PrefillAnswer`),
+        so that a conversation's next turn, routed there, finds its whole history cached."""
+        history = flight.prompt + flight.output[:-1]
+        self.state.record_cached(decoder.view(), history)
+        prefill = flight.prefill
+        if not self.prefill_answers or prefill is None or prefill.gone or len(flight.output) < 2:
+            return
+        prefill.send(p.PrefillAnswer(f"{flight.wire_id}:answer", tuple(history), len(flight.prompt)))
+        self.state.record_cached(prefill.view(), history)
+        self.answers.inc()
 
     # ---- endings -----------------------------------------------------------------------------------
     def _abort_on_worker(self, flight: Flight) -> None:

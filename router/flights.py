@@ -50,6 +50,7 @@ class Flight:
     prefill: LiveWorker | None = None
     decode: LiveWorker | None = None
     tokens_sent: int = 0
+    output: list[int] = field(default_factory=list)  # token ids streamed so far
     landing_bytes: int = 0
     submitted_at: float = 0.0  # dispatcher clock
     reserve_started_at: float | None = None  # first Reserve sent (the landing timeout counts from there)
@@ -90,7 +91,8 @@ def observe_first_token(flight: Flight, ttft_s: float, admission: AdmissionParam
 
 
 def request_counters():
-    """(re-routes, refusals at arrival by role): what happened to requests on their way to a worker."""
+    """(re-routes, refusals at arrival by role, answers sent to be prefilled): what happened to requests
+    on their way to a worker, and after."""
     from prometheus_client import Counter
 
     reroutes = Counter("tandem:request_reroutes_total",
@@ -99,4 +101,7 @@ def request_counters():
     refusals = Counter("tandem:requests_refused_total",
                        "Requests refused at arrival because the workers could not serve them promptly (429)",
                        ["role"], registry=None)
-    return reroutes, refusals
+    answers = Counter("tandem:answer_prefills_total",
+                      "Finished answers sent to their prefill worker to be cached for the conversation's next turn",
+                      registry=None)
+    return reroutes, refusals, answers

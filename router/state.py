@@ -28,14 +28,14 @@ class Stage(enum.Enum):
 
 class RouterState:
     """What the router remembers between requests: round-robin turns, two approximate prefix trees per
-    prefill-capable worker that has been routed to (what its device pool holds, and what its device
+    worker that has prefilled or decoded something (what its device pool holds, and what its device
     pool and host tier hold, each an LRU tree sized to that worker's capacity in tokens as it
     reports it), and one of every prompt prefilled anywhere (what an L3 store shared by the workers
     may hold: it outlives any one worker's cache). A prompt joins the shared tree when its prefill
     completed (`record_prefilled`), not when it is routed: until then no store has it, and a second
     worker sent the same prefix would prefill it again.
 
-    Mutated only by `record` and `forget_worker`, both called by the one caller that owns the state
+    Mutated only by the `record*` methods and `forget_worker`, called by the one caller that owns the state
     (not thread-safe: serialize `choose` + `record` per state). Read by `choose`.
     """
 
@@ -102,6 +102,15 @@ class RouterState:
         self._trees[worker_id] = ApproxPrefixTree(min(device + host, self.max_tree_tokens))
         if host:
             self._device_trees[worker_id] = ApproxPrefixTree(device)
+
+    def record_cached(self, worker: WorkerView, token_ids: Sequence[int]) -> None:
+        """`worker`'s prefix cache holds (or is computing) `token_ids`: a finished request's prompt and
+        output on the worker that decoded it, or on its prefill worker, which prefills the answer."""
+        if worker.worker_id not in self._trees:
+            self._make_trees(worker.worker_id, worker)
+        for trees in (self._trees, self._device_trees):
+            if worker.worker_id in trees:
+                trees[worker.worker_id].insert(tuple(token_ids))
 
     def record_prefilled(self, prompt_token_ids: Sequence[int]) -> None:
         """A worker finished prefilling this prompt: its pages are on their way to a shared store."""

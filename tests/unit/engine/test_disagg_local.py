@@ -20,7 +20,7 @@ from router.backend import ErrorKind
 from tests import dispatch_harness
 from tests.debug_worker import DigestKV, KVDigest, build_debug_worker
 from tests.dispatch_harness import RecordingLink, queue_all, run, start_hosts, stop_hosts
-from tests.helpers import greedy, make_engine, make_prompts
+from tests.helpers import greedy, hf_greedy, make_engine, make_prompts, tiny_models
 
 
 @pytest.fixture
@@ -248,3 +248,29 @@ def test_a_prompt_larger_than_the_whole_host_tier_is_rejected_not_retried_foreve
     big, fits = serve(hosts, scenario)
     assert big[1].error_kind is ErrorKind.REJECTED and "needs 4 host-tier pages" in big[1].error
     assert len(fits[0]) == 2 and not fits[1].error
+
+
+@pytest.mark.parametrize("prefill_answers", [True, False])
+def test_a_finished_answer_is_prefilled_where_its_prompt_was_so_the_next_turn_finds_its_history(
+        make_hosts, prompts, prefill_answers):
+    """The decode worker computed the answer's KV; the prefill worker, which the next turn goes to,
+    computes it too (`PrefillAnswer`), so the next turn's prompt (prompt, answer, new message) is
+    cached up to the answer's last whole page instead of the first prompt's."""
+    hosts = make_hosts(page_size=4, chunk_size=16)
+    first = prompts[4]
+    _, ref, _ = tiny_models()
+
+    async def scenario(d, views):
+        answer, _ = await run(d, "t1", first, greedy(max_tokens=13))
+        await at_rest(*hosts.values())  # the answer's prefill (if sent) has run and been released
+        turn_two = first + answer + [5, 6, 7, 8, 9]
+        out, last = await run(d, "t2", turn_two, greedy(max_tokens=8))
+        await at_rest(*hosts.values())
+        return answer, turn_two, out, last, d.answers._value.get()
+
+    answer, turn_two, out, last, answers_sent = serve(hosts, scenario, prefill_answers=prefill_answers)
+    assert len(answer) == 13 and out == hf_greedy(ref, turn_two, 8)
+    history = len(first) + len(answer) - 1  # the answer's last token has no KV
+    cached = history // 4 * 4 if prefill_answers else len(first) // 4 * 4
+    assert history // 4 > len(first) // 4 and last.cached_tokens == cached
+    assert answers_sent == (2 if prefill_answers else 0)  # both turns' answers, or none

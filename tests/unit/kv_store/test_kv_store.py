@@ -123,6 +123,18 @@ def test_match_leaves_one_token_to_compute(kvm):
     kvm.release(b, ReleaseReason.ABORTED, toks)
 
 
+def test_cached_len_counts_whole_pages_held_without_touching_the_tree(kvm):
+    finish_cached(kvm, "a", list(range(12)))
+    finish_cached(kvm, "b", list(range(8)) + [50, 51, 52, 53])  # splits a's node after two pages
+    tree = kvm.prefix_cache
+    before = [(n.id, n.key, n.last_access, n.hits) for n in tree.nodes()]
+    assert tree.cached_len(list(range(14))) == 12 and tree.cached_len(list(range(11))) == 8
+    assert tree.cached_len(list(range(6)) + [9, 9]) == 4  # diverges inside the second page
+    assert tree.cached_len(list(range(8)) + [50, 51, 52, 53, 1]) == 12 and tree.cached_len([9] * 8) == 0
+    assert [(n.id, n.key, n.last_access, n.hits) for n in tree.nodes()] == before
+    assert NullPrefixCache(kvm.pool).cached_len(list(range(12))) == 0
+
+
 def test_duplicate_insert_frees_private_copy(kvm):
     toks = list(range(8))
     a, b = kvm.open("a"), kvm.open("b")

@@ -1,8 +1,9 @@
 """The host tier (L2) through the product: `tandem serve` whose prefill worker has a small device pool
 (64 pages) and a host tier (4x), KV checked after every scheduler step. Two chat conversations take
 turns until their histories outgrow the prefill worker's device pool: each later turn still finds
-its history cached (evicted to L2, loaded back), the prefill worker's L2 hits move, and every
-answer is HF transformers' greedy one on the same prompt ids."""
+its whole history cached, the previous answer included (decoded on the decode worker, prefilled on
+the prefill worker after the turn: `PrefillAnswer`), evicted to L2 and loaded back; the prefill
+worker's L2 hits move, and every answer is HF transformers' greedy one on the same prompt ids."""
 
 from __future__ import annotations
 
@@ -44,13 +45,15 @@ def test_two_conversations_outgrowing_the_device_pool_reuse_their_history_from_l
 
     loaded, reference = smollm2()
     histories: list[list[dict]] = [[], []]
-    last_prompt_len = [0, 0]
+    last_history: list[list[int]] = [[], []]  # the previous turn's prompt ids + its answer's ids but the last
+    beyond_prompt = 0  # turns whose cached prefix reached past the previous prompt's whole pages
     before = server.metrics()
     for turn in range(TURNS):
         for conv in (0, 1):
             messages = histories[conv] + [{"role": "user", "content": user_turn(conv, turn)}]
             ids = apply_chat_template(loaded.tokenizer, messages)
-            expected = loaded.tokenizer.decode(hf_greedy(reference, ids, MAX_NEW), skip_special_tokens=True)
+            expected_ids = hf_greedy(reference, ids, MAX_NEW)
+            expected = loaded.tokenizer.decode(expected_ids, skip_special_tokens=True)
             resp = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
                 "model": "smollm2", "messages": messages, "max_tokens": MAX_NEW, "temperature": 0,
                 "ignore_eos": True})
@@ -60,12 +63,18 @@ def test_two_conversations_outgrowing_the_device_pool_reuse_their_history_from_l
             assert body["usage"]["prompt_tokens"] == len(ids)
             assert answer == expected, (conv, turn)
             cached = (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            if turn:  # the previous turn's prompt, in whole pages, is this one's cached prefix
-                assert cached >= last_prompt_len[conv] // PAGE * PAGE, (conv, turn, cached, last_prompt_len[conv])
+            if turn:  # the previous prompt and answer, as far as this prompt repeats them, in whole pages
+                prev = last_history[conv]
+                same = next((i for i, (a, b) in enumerate(zip(prev, ids)) if a != b), min(len(prev), len(ids)))
+                assert cached >= same // PAGE * PAGE, (conv, turn, cached, same)
+                beyond_prompt += cached > (len(prev) - MAX_NEW + 1) // PAGE * PAGE
             histories[conv] = messages + [{"role": "assistant", "content": answer}]
-            last_prompt_len[conv] = len(ids)
-    assert sum(last_prompt_len) > (PREFILL_PAGES - 1) * PAGE, "the histories never outgrew the device pool"
+            last_history[conv] = ids + expected_ids[:-1]
+    assert sum(map(len, last_history)) > (PREFILL_PAGES - 1) * PAGE, "the histories never outgrew the device pool"
+    assert beyond_prompt == 2 * (TURNS - 1), "a turn found only the previous prompt cached, not its answer"
     after = server.metrics()
     l2 = metric(after, "tandem:prefix_cache_hit_tokens_total", tier="l2", role="prefill") - \
         metric(before, "tandem:prefix_cache_hit_tokens_total", tier="l2", role="prefill")
     assert l2 > 0, "no prompt token came back from the host tier"
+    answers = metric(after, "tandem:answer_prefills_total") - metric(before, "tandem:answer_prefills_total")
+    assert answers == 2 * TURNS

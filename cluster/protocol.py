@@ -154,6 +154,7 @@ class TierStats:
     prefetches: tuple[tuple[str, int], ...] = ()  # (outcome, count): completed, partial, short, no_room, failed
     sessions_open: int = 0
     session_pages: int = 0  # device pages sessions hold between turns
+    session_offloads: int = 0  # idle sessions whose history was let go to the host tier for a request's pages
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,8 @@ class KVReceiver(NullConnector):
     def _start_load(self, ib: _Inbound) -> None:
         req = ib.request
         kv = self.kvm.try_open(req.request_id, len(req.prompt_token_ids))
+        while kv is None and self.engine.sessions.offload_idle():  # idle sessions' histories go to L2 first
+            kv = self.kvm.try_open(req.request_id, len(req.prompt_token_ids))
         if kv is None:
             return  # no room yet: retry next step
         ib.device_kv = kv

@@ -139,10 +139,11 @@ class HostCache:
     def leave_l1(self, node: TreeNode) -> int:
         """`node` (unlocked, nothing of its below it on device) gives up its device pages: kept on the
         host (written back first when it has no host copy), or dropped when the host has no room.
-        Returns the device pages freed."""
+        Returns the device pages freed. A host-pinned node (`TreeNode.host_pins`) is never dropped: with
+        no host room it stays on device."""
         if node.residency is Residency.DEVICE and not self._write_back(node):
-            if node.residency is Residency.WRITING:
-                return 0  # the copy timed out: its pages stay where they are
+            if node.residency is Residency.WRITING or node.host_pins:
+                return 0  # the copy timed out, or it may not be lost: its pages stay where they are
             freed = self.tree.drop_subtree(node)
             self.counters.l1_evicted_pages += freed
             return freed
@@ -394,10 +395,11 @@ class HostCache:
 
     def evict(self, num_pages: int) -> int:
         """Free `num_pages` host pages (fewer if not enough are evictable): copies of nodes still on
-        device first, then unlocked host-only leaves, least recently used first each. Returns the
-        number freed."""
+        device first, then unlocked host-only leaves, least recently used first each; never the copy
+        of a host-pinned node. Returns the number freed."""
         nodes = list(self.tree.nodes())
-        copies = sorted((n for n in nodes if n.residency is Residency.BOTH), key=lambda n: n.last_access)
+        copies = sorted((n for n in nodes if n.residency is Residency.BOTH and not n.host_pins),
+                        key=lambda n: n.last_access)
         freed = 0
         for node in copies:
             if freed >= num_pages:
@@ -418,7 +420,7 @@ class HostCache:
 
     @staticmethod
     def _host_leaf(node: TreeNode) -> bool:
-        return node.residency is Residency.HOST and node.lock_ref == 0 and not node.children
+        return node.residency is Residency.HOST and node.lock_ref == node.host_pins == 0 and not node.children
 
 
 def host_tensors(like: KVCacheTensors, num_pages: int) -> KVCacheTensors:

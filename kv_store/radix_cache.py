@@ -39,6 +39,7 @@ class TreeNode:
     pages: list[int]  # device page ids; [] when the node is not on device
     children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
     lock_ref: int = 0
+    host_pins: int = 0  # holders keeping its copy in the tree in some tier, not on device (offloaded sessions)
     last_access: int = 0
     host_pages: list[int] = field(default_factory=list)  # host page ids; [] when the host copy is not valid
     residency: Residency = Residency.DEVICE
@@ -64,7 +65,7 @@ class L1Only:
         self.tree = tree
 
     def leave_l1(self, node: TreeNode) -> int:
-        return self.tree.drop_subtree(node)
+        return 0 if node.host_pins else self.tree.drop_subtree(node)
 
     def on_insert(self, node: TreeNode) -> None:
         pass
@@ -177,6 +178,19 @@ class RadixPrefixCache:
         while node is not self.root:
             assert node.lock_ref > 0, f"tree node {node.id} unlocked more often than locked: release ran twice?"
             node.lock_ref -= 1
+            node = node.parent
+
+    def pin_host(self, node: TreeNode) -> None:
+        """Keep `node` and its ancestors in the tree, in any tier (one reference each): they may leave
+        the device, written back to the host tier, but are never dropped from it."""
+        while node is not self.root:
+            node.host_pins += 1
+            node = node.parent
+
+    def unpin_host(self, node: TreeNode) -> None:
+        while node is not self.root:
+            assert node.host_pins > 0, f"tree node {node.id} host-unpinned more often than pinned"
+            node.host_pins -= 1
             node = node.parent
 
     def holds(self, node: TreeNode) -> bool:
@@ -293,8 +307,9 @@ class RadixPrefixCache:
         freed = 0
         for child in list(node.children.values()):
             freed += self.drop_subtree(child)
-        assert node.lock_ref == 0 and not node.residency.in_transit, (
-            f"tree node {node.id} dropped while locked ({node.lock_ref}) or {node.residency.value}")
+        assert node.lock_ref == 0 and node.host_pins == 0 and not node.residency.in_transit, (
+            f"tree node {node.id} dropped while locked ({node.lock_ref}), host-pinned ({node.host_pins}) "
+            f"or {node.residency.value}")
         if node.pages:
             self.pool.evict(node.pages, node.id)
             freed += len(node.pages)
@@ -316,11 +331,13 @@ class RadixPrefixCache:
         return self.tier.device_pages_held()
 
     # ---- checks --------------------------------------------------------------------------------
-    def check_integrity(self, expected_locks: dict[int, int] | None = None) -> None:
-        """Tree shape, residency, page ownership, and (given per-node lock counts) lock references.
+    def check_integrity(self, expected_locks: dict[int, int] | None = None,
+                        expected_host_pins: dict[int, int] | None = None) -> None:
+        """Tree shape, residency, page ownership, and (given per-node counts) lock references and host pins.
 
         `expected_locks` maps node id -> number of holders (live requests, transfer pins) locking
-        that node; the tier adds its own. Each node's lock_ref must equal the sum over its subtree.
+        that node; the tier adds its own. Each node's lock_ref must equal the sum over its subtree;
+        likewise host_pins with `expected_host_pins`.
         """
         ps = self.page_size
         seen_pages: set[int] = set()
@@ -337,6 +354,8 @@ class RadixPrefixCache:
             for node in self.tier.holders():
                 locks[node.id] = locks.get(node.id, 0) + 1
             self._check_locks(self.root, locks)
+        if expected_host_pins is not None:
+            self._check_locks(self.root, dict(expected_host_pins), field="host_pins")
 
     def _check_node(self, node: TreeNode, seen_pages: set[int]) -> None:
         ps, n = self.page_size, self.num_pages(node)
@@ -357,12 +376,13 @@ class RadixPrefixCache:
         assert node.lock_ref >= 0, f"tree node {node.id} lock_ref {node.lock_ref} < 0"
         self.tier.check_node(node)
 
-    def _check_locks(self, node: TreeNode, expected: dict[int, int]) -> int:
-        total = expected.get(node.id, 0) + sum(self._check_locks(c, expected) for c in node.children.values())
+    def _check_locks(self, node: TreeNode, expected: dict[int, int], field: str = "lock_ref") -> int:
+        total = expected.get(node.id, 0) + sum(self._check_locks(c, expected, field) for c in node.children.values())
         if node is not self.root:
-            assert node.lock_ref == total, (
-                f"tree node {node.id} lock_ref {node.lock_ref} but {total} holders (requests, transfer pins, tier "
-                "copies) lock it or a descendant: a release or unpin skipped unlock, or unlocked twice?")
+            assert getattr(node, field) == total, (
+                f"tree node {node.id} {field} {getattr(node, field)} but {total} holders (requests, transfer pins, "
+                "session pins, tier copies) hold it or a descendant: a release or unpin skipped unlock, or "
+                "unlocked twice?")
         return total
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -381,7 +401,8 @@ class RadixPrefixCache:
         assert not node.residency.in_transit, f"tree node {node.id} split while {node.residency.value}"
         ps = self.page_size
         upper = TreeNode(id=next(self._ids), parent=node.parent, key=node.key[:num_pages * ps],
-                         pages=node.pages[:num_pages], lock_ref=node.lock_ref, last_access=node.last_access,
+                         pages=node.pages[:num_pages], lock_ref=node.lock_ref, host_pins=node.host_pins,
+                         last_access=node.last_access,
                          host_pages=node.host_pages[:num_pages], residency=node.residency, hits=node.hits,
                          in_l3=node.in_l3, fetched_from_l3=node.fetched_from_l3, l3_keys=node.l3_keys[:num_pages])
         self.pool.retag_cached(upper.pages, node.id, upper.id)
@@ -442,5 +463,5 @@ class NullPrefixCache:
     def pages_held_by_tier(self) -> int:
         return 0
 
-    def check_integrity(self, expected_locks=None) -> None:
+    def check_integrity(self, expected_locks=None, expected_host_pins=None) -> None:
         assert not self.root.children, "NullPrefixCache grew a tree"

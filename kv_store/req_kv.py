@@ -108,6 +108,8 @@ class KVManager:
         """handle -> what it pins, for every transfer handle not yet retired."""
         self.prefix_pins: dict[object, TreeNode] = {}
         """key -> the tree node a long-lived holder (a session between turns) keeps locked."""
+        self.offloaded_pins: dict[object, TreeNode] = {}
+        """key -> the tree node such a holder keeps in the tree, free to leave the device (`offload_prefix`)."""
 
     def open(self, req_id: object) -> ReqKV:
         if req_id in self.live:
@@ -253,16 +255,30 @@ class KVManager:
     def pin_prefix(self, key: object, node: TreeNode) -> None:
         """Keep the path root -> `node` in the tree and on device for `key` (replacing `key`'s pin)."""
         self.prefix_cache.lock(node)
-        old = self.prefix_pins.get(key)
+        had = key in self.prefix_pins or key in self.offloaded_pins
+        if had:
+            self.unpin_prefix(key)
         self.prefix_pins[key] = node
-        if old is not None:
-            self.prefix_cache.unlock(old)
+
+    def offload_prefix(self, key: object) -> None:
+        """`key`'s pinned path may leave the device: the tier writes it to the host and keeps it there
+        (`RadixPrefixCache.pin_host`) until `pin_prefix` or `unpin_prefix`; a match loads it back."""
+        node = self.prefix_pins.pop(key, None)
+        if node is None:
+            raise KVOwnershipError(f"prefix pin {key!r} offloaded while not pinned on device")
+        self.prefix_cache.pin_host(node)
+        self.prefix_cache.unlock(node)
+        self.offloaded_pins[key] = node
 
     def unpin_prefix(self, key: object) -> None:
         node = self.prefix_pins.pop(key, None)
+        if node is not None:
+            self.prefix_cache.unlock(node)
+            return
+        node = self.offloaded_pins.pop(key, None)
         if node is None:
             raise KVOwnershipError(f"prefix pin {key!r} dropped twice, or never taken")
-        self.prefix_cache.unlock(node)
+        self.prefix_cache.unpin_host(node)
 
     def pinned_pages(self, handle: object) -> list[int]:
         """Every page `handle` keeps from moving: its cached path, then its own lent pages."""
@@ -285,11 +301,15 @@ class KVManager:
         for key, node in self.prefix_pins.items():
             assert self.prefix_cache.holds(node) and node.residency.on_device, (
                 f"prefix pinned by {key!r} left the device tier (tree node {node.id}): evicted while pinned?")
+        host_pins: dict[int, int] = {}
+        for key, node in self.offloaded_pins.items():
+            assert self.prefix_cache.holds(node), f"prefix offloaded by {key!r} left the tree (node {node.id})"
+            host_pins[node.id] = host_pins.get(node.id, 0) + 1
         for node in holders:
             locks[node.id] = locks.get(node.id, 0) + 1
         for handle, pin in self.transfer_pins.items():
             self._check_pin(handle, pin)
-        self.prefix_cache.check_integrity(locks)
+        self.prefix_cache.check_integrity(locks, host_pins)
         owned = sum(self._check_request(kv) for kv in self.live.values())
         loading = self.prefix_cache.pages_held_by_tier()
         usage = self.pool.usage()

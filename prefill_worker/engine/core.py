@@ -117,7 +117,8 @@ class EngineCore:
         cache = RadixPrefixCache(pool) if config.enable_prefix_cache else NullPrefixCache(pool)
         self.kvm = KVManager(pool, cache)
         self.host_cache = host_cache(self.config, cache, self.device_pool, l3, model_id(config.model, model, draft_head))
-        self.sessions = (SessionManager(self.kvm, int(self.config.session_kv_fraction * pool.num_usable * pool.page_size))
+        self.sessions = (SessionManager(self.kvm, int(self.config.session_kv_fraction * pool.num_usable * pool.page_size),
+                                        offload=bool(self.config.host_cache_pages))
                          if config.enable_prefix_cache else NullSessions())
         self.connector = connector or NullConnector()
         self.scheduler = Scheduler(self.config, self.kvm, can_retract=self.connector.can_retract,

@@ -139,6 +139,8 @@ class Scheduler:
             if n == 0:
                 return 0
         while not self.kvm.try_allocate(req.kv, max(req.kv.kv_allocated_len, req.kv.kv_committed_len + n)):
+            if self.sessions.offload_idle():  # an idle session's history goes to the host tier first
+                continue
             candidates = [r for r in self.running if r is req or self.retractable(r)]
             victim = max(candidates, key=lambda r: r.arrival)
             if victim is req and not self.retractable(req):
@@ -215,6 +217,8 @@ class Scheduler:
             if self._start_loading(req):
                 continue
             kv = self.kvm.try_open(req.request_id, budget, req.all_token_ids)
+            if kv is None and self.sessions.offload_idle():  # an idle session's history goes to the host tier
+                continue
             if kv is None:
                 if self._yield_tickets(req) or self.running or self.loading:
                     return

@@ -12,6 +12,12 @@ Budget and admission: the sessions of one engine may reserve at most `session_kv
 device pool (`capacity_tokens` each, reserved at open); a turn whose prompt plus `max_tokens` would
 exceed its session's capacity is refused. A session idle past its `idle_timeout_s` is reaped: its pin
 is dropped, so its KV follows the tree's eviction into the host tier (and L3) like any cached prefix.
+
+Offload (a worker with a host tier): when the scheduler cannot find device pages for a request, the
+idle session used least recently is offloaded first (`offload_idle`): its pin stops holding the
+device (`KVManager.offload_prefix`), so eviction writes its history to the host tier, which keeps it
+while the session is open. Its next turn matches the history there and loads it back like any L2
+hit; at that turn's end the new history is pinned on device again.
 """
 
 from __future__ import annotations
@@ -41,15 +47,19 @@ class Session:
     last_used: float
     state: SessionState = SessionState.IDLE
     turn: str = ""  # the request id of the running turn
-    pinned_tokens: int = 0  # page-aligned history on device, pinned
+    pinned_tokens: int = 0  # page-aligned history, pinned (on device, or offloaded: in the tree, any tier)
+    offloaded: bool = False  # its pin lets the history leave the device (`SessionManager.offload_idle`)
 
 
 class SessionManager:
     """Sessions of one engine. Not thread-safe: the engine's thread owns it."""
 
-    def __init__(self, kvm: KVManager, budget_tokens: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, kvm: KVManager, budget_tokens: int, clock: Callable[[], float] = time.monotonic,
+                 offload: bool = False):
         self.kvm, self.budget_tokens, self.clock = kvm, budget_tokens, clock
+        self.offload = offload  # a host tier keeps offloaded histories; without one there is nowhere to go
         self.sessions: dict[str, Session] = {}
+        self.num_offloaded = 0  # offloads so far
 
     @property
     def reserved_tokens(self) -> int:
@@ -122,6 +132,19 @@ class SessionManager:
             self.close(session_id)
         return due
 
+    def offload_idle(self) -> bool:
+        """Offload the idle session used least recently whose history holds device pages; False when
+        none does (or there is no host tier)."""
+        idle = [s for s in self.sessions.values()
+                if s.state is SessionState.IDLE and s.pinned_tokens and not s.offloaded]
+        if not self.offload or not idle:
+            return False
+        session = min(idle, key=lambda s: s.last_used)
+        self.kvm.offload_prefix(session.id)
+        session.offloaded = True
+        self.num_offloaded += 1
+        return True
+
     def next_deadline(self) -> float | None:
         idle = [s.last_used + s.idle_timeout_s for s in self.sessions.values() if s.state is SessionState.IDLE]
         return min(idle, default=None)
@@ -132,7 +155,8 @@ class SessionManager:
         return deadline is not None and self.clock() >= deadline
 
     def pinned_pages(self) -> int:
-        return sum(s.pinned_tokens for s in self.sessions.values()) // self.kvm.page_size
+        """Device pages session pins hold (offloaded histories hold none)."""
+        return sum(s.pinned_tokens for s in self.sessions.values() if not s.offloaded) // self.kvm.page_size
 
     def _repin(self, session: Session, history: list[int]) -> None:
         """Pin the part of `history` the tree holds on device (all of it, unless a load was in flight)."""
@@ -142,7 +166,7 @@ class SessionManager:
             self.kvm.pin_prefix(session.id, path[-1])
         elif session.pinned_tokens:
             self.kvm.unpin_prefix(session.id)
-        session.pinned_tokens = pos
+        session.pinned_tokens, session.offloaded = pos, False
 
 
 class NullSessions:
@@ -150,7 +174,7 @@ class NullSessions:
 
     def __init__(self):
         self.sessions: dict[str, Session] = {}
-        self.reserved_tokens = 0
+        self.reserved_tokens = self.num_offloaded = 0
 
     def open(self, session_id: str, capacity_tokens: int, idle_timeout_s: float):
         raise SessionError("sessions need the prefix cache (this worker runs with enable_prefix_cache off)")
@@ -174,6 +198,9 @@ class NullSessions:
         return None
 
     def reap_due(self) -> bool:
+        return False
+
+    def offload_idle(self) -> bool:
         return False
 
     def pinned_pages(self) -> int:

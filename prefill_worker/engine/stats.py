@@ -37,4 +37,5 @@ def tier_stats(host_cache, hit_tokens_l1: int, sessions, page_size: int) -> Tier
                      l2_to_l1_seconds=c.l2_to_l1_seconds, evicted_pages_l1=c.l1_evicted_pages,
                      evicted_pages_l2=c.l2_evicted_pages, copy_errors=c.copy_errors,
                      sessions_open=len(sessions.sessions), session_pages=sessions.pinned_pages(),
+                     session_offloads=sessions.num_offloaded,
                      **l3_fields)

@@ -169,6 +169,8 @@ def _tier_metrics(gauges: list) -> Iterable[Metric]:
     sessions = GaugeMetricFamily("tandem:sessions_open", "Streaming sessions open.", labels=labels)
     session_pages = GaugeMetricFamily("tandem:session_kv_pages", "Device KV pages held by sessions between turns.",
                                       labels=labels)
+    offloads = CounterMetricFamily("tandem:session_offloads", "Idle sessions whose history was let go from "
+                                   "device to the host tier because a request needed the pages.", labels=labels)
     l2 = GaugeMetricFamily("tandem:l2_kv_cache_usage_perc", "L2 host-cache KV pages in use, fraction.", labels=labels)
     for g in gauges:
         key = [g.worker_id, g.role]
@@ -183,8 +185,9 @@ def _tier_metrics(gauges: list) -> Iterable[Metric]:
             prefetch.add_metric(key + [outcome], count)
         sessions.add_metric(key, g.tiers.sessions_open)
         session_pages.add_metric(key, g.tiers.session_pages)
+        offloads.add_metric(key, g.tiers.session_offloads)
     yield from (family for family, _ in families)
-    yield from (prefetch, sessions, session_pages, l2)
+    yield from (prefetch, sessions, session_pages, offloads, l2)
 
 
 def _graph_metrics(gauges: list) -> Iterable[Metric]:

@@ -189,3 +189,38 @@ def test_a_sessions_next_turn_is_not_stuck_behind_a_request_its_pins_keep_out():
     expect = reference.generate([turn_prompt, big_prompt], [greedy(max_tokens=2), greedy(max_tokens=2)])
     assert [turn.output_token_ids, big.output_token_ids] == [r.output_token_ids for r in expect]
     assert_pool_at_rest(engine)
+
+
+def test_an_idle_sessions_history_goes_to_the_host_tier_for_other_requests_and_comes_back_for_its_turn():
+    """Pages are short and an idle session pins its history: with a host tier the session is offloaded
+    (its history written to L2, the device pages given to the others) instead of the others waiting;
+    its next turn loads the history back from L2 (nothing recomputed) and is pinned on device again.
+    Outputs equal a cacheless engine's."""
+    engine = make_engine(page_size=4, num_pages=1 + 24, chunk_size=32, host_cache_pages=1 + 48,
+                         session_kv_fraction=0.6)
+    reference = make_engine(page_size=4, num_pages=512, enable_prefix_cache=False)
+    engine.open_session("s", capacity_tokens=56, idle_timeout_s=600)
+    first = run(engine, engine.add_request(list(range(3, 35)), greedy(max_tokens=5), "t0", session_id="s"))
+    history = first.prompt_token_ids + first.output_token_ids
+    assert engine.sessions.sessions["s"].pinned_tokens == 36 and engine.tier_stats().session_pages == 9
+    others = [engine.add_request(list(range(40 + 50 * i, 40 + 50 * i + 60)), greedy(max_tokens=4), f"o{i}")
+              for i in range(2)]  # 64 tokens each: neither fits beside the pinned history (24 pages in all)
+    for _ in range(200):  # bounded: without the offload they would wait for the session forever
+        if all(o.status is RequestStatus.FINISHED for o in others):
+            break
+        engine.step()
+    assert all(o.status is RequestStatus.FINISHED for o in others), "the others waited for the idle session"
+    stats = engine.tier_stats()
+    assert stats.session_offloads == 1 and stats.session_pages == 0 and engine.sessions.sessions["s"].offloaded
+    l2_before = stats.hit_tokens_l2
+    turn_prompt = history + [7, 8, 9]
+    turn = run(engine, engine.add_request(turn_prompt, greedy(max_tokens=5), "t1", session_id="s"))
+    assert turn.cached_tokens == 36 and engine.tier_stats().hit_tokens_l2 - l2_before == 36  # all from L2
+    session = engine.sessions.sessions["s"]
+    assert not session.offloaded and session.pinned_tokens == (len(turn_prompt) + 5 - 1) // 4 * 4
+    expect = reference.generate([first.prompt_token_ids, *(o.prompt_token_ids for o in others), turn_prompt],
+                                [greedy(max_tokens=5), greedy(max_tokens=4), greedy(max_tokens=4), greedy(max_tokens=5)])
+    assert [r.output_token_ids for r in (first, *others, turn)] == [r.output_token_ids for r in expect]
+    engine.close_session("s")
+    assert_pool_at_rest(engine)
+    reference.check_integrity()

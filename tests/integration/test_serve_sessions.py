@@ -1,0 +1,88 @@
+"""Streaming sessions and the host tier through the product: `tandem serve` whose decode worker (where
+sessions live) has a small device pool (64 pages) and a host tier (4x), KV checked after every
+scheduler step. A session's history is pinned on device between turns; when plain requests need
+those pages while the session is idle, its history goes to L2 instead of them waiting, and the
+session's next turn finds it there (cached, loaded back, nothing recomputed). Every answer is HF
+transformers' greedy one on the same ids."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
+from tests.integration.serve_harness import metric, start_server
+
+pytestmark = pytest.mark.slow
+
+PAGE = 16
+DECODE_PAGES = 64  # 1,008 usable tokens
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("serve-sessions"), [
+        "--set", f"decode.engine.num_pages={DECODE_PAGES}", "--set", "decode.engine.host_cache_ratio=4"],
+        env={"TANDEM_DEBUG_KV": "1"})
+    try:
+        yield server
+    finally:
+        assert server.terminate() == 0, server.log_tail()
+
+
+def natural_ids(num_tokens: int, salt: str) -> list[int]:
+    loaded, _ = smollm2()
+    ids = loaded.tokenizer.encode(salt + " " + " ".join(CHAT_PROMPTS * 8), add_special_tokens=False)[:num_tokens]
+    assert len(ids) == num_tokens
+    return ids
+
+
+def hf_ids(prompt: list[int]) -> list[int]:
+    _, reference = smollm2()
+    return hf_greedy(reference, prompt, MAX_NEW)
+
+
+def complete(server, prompt: list[int], **fields) -> dict:
+    resp = httpx.post(f"{server.base_url}/v1/completions", timeout=300, json={
+        "model": "smollm2", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, **fields})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def answer_is_hf(body: dict, prompt: list[int]) -> bool:
+    loaded, _ = smollm2()
+    return body["choices"][0]["text"] == loaded.tokenizer.decode(hf_ids(prompt), skip_special_tokens=True)
+
+
+def test_an_idle_sessions_history_makes_room_through_l2_and_its_next_turn_finds_it(server):
+    resp = httpx.post(f"{server.base_url}/v1/sessions", timeout=60,
+                      json={"capacity_tokens": 480, "idle_timeout_s": 600})
+    assert resp.status_code == 200, resp.text
+    session_id = resp.json()["id"]
+    first = natural_ids(300, "A session about travel.")
+    assert answer_is_hf(complete(server, first, session_id=session_id), first)
+    history = first + hf_ids(first)
+    # three plain requests of 412 tokens each: 78 pages, beside a history pinning 19 of 63
+    plain = [natural_ids(400, f"Plain request {i}.") for i in range(3)]
+    before = server.metrics()
+    with ThreadPoolExecutor(3) as pool:
+        bodies = list(pool.map(lambda prompt: complete(server, prompt), plain))
+    assert all(answer_is_hf(body, prompt) for body, prompt in zip(bodies, plain))
+    middle = server.metrics()
+    offloads = metric(middle, "tandem:session_offloads_total", role="decode") - \
+        metric(before, "tandem:session_offloads_total", role="decode")
+    assert offloads == 1, "the idle session kept its device pages while requests needed them"
+    new = natural_ids(20, "And next?")
+    turn = complete(server, new, session_id=session_id)
+    full = history + new
+    assert answer_is_hf(turn, full)
+    history_pages = (len(history) - 1) // PAGE * PAGE  # the first turn's last token has no KV
+    assert turn["usage"]["prompt_tokens"] == len(full)
+    assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] >= history_pages
+    l2 = metric(server.metrics(), "tandem:prefix_cache_hit_tokens_total", tier="l2", role="decode") - \
+        metric(middle, "tandem:prefix_cache_hit_tokens_total", tier="l2", role="decode")
+    assert l2 >= history_pages, "the history did not come back from the host tier"
+    assert httpx.delete(f"{server.base_url}/v1/sessions/{session_id}", timeout=60).status_code == 200

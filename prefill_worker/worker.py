@@ -88,14 +88,15 @@ class PrefillWorker(EngineWorker):
         self.sender.open(req, landing)
 
     def prefill_answer(self, request_id: str, token_ids, prompt_len: int) -> bool:
-        """Queue the prefill of `token_ids`' whole pages that the prefix cache lacks, at most one chunk of
-        them, as a request that ships nothing: released into the cache like any finished request.
-        False when there is nothing to compute (the answer adds no whole page, or it is cached already)
-        or the engine cannot take it."""
+        """Queue the prefill of `token_ids`' whole pages past the cached prompt, at most one chunk of them,
+        as a request that ships nothing: released into the cache like any finished request. False when
+        there is nothing to compute (the answer adds no whole page, or it is cached already), when the
+        prompt's pages are no longer cached (extending them would recompute the prompt, which the
+        cache just let go), or when the engine cannot take it."""
         ps, chunk = self.engine.config.page_size, self.engine.config.chunk_size
         whole = len(token_ids) // ps * ps
         cached = self.engine.kvm.prefix_cache.cached_len(token_ids)
-        if whole <= max(cached, prompt_len // ps * ps):
+        if whole <= cached or cached < prompt_len // ps * ps:
             return False
         upto = max(whole if whole - cached <= chunk else (cached + chunk) // ps * ps, cached + ps)
         try:

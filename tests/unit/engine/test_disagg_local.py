@@ -16,6 +16,8 @@ from cluster import protocol as p
 from cluster.config import EngineConfig
 from cluster.worker_host.thread import WorkerHost
 from kv_store.transfer.config import TransportConfig
+from kv_store.transfer.local import LocalTransport
+from prefill_worker.worker import PrefillWorker
 from router.backend import ErrorKind
 from tests import dispatch_harness
 from tests.debug_worker import DigestKV, KVDigest, build_debug_worker
@@ -274,3 +276,26 @@ def test_a_finished_answer_is_prefilled_where_its_prompt_was_so_the_next_turn_fi
     cached = history // 4 * 4 if prefill_answers else len(first) // 4 * 4
     assert history // 4 > len(first) // 4 and last.cached_tokens == cached
     assert answers_sent == (2 if prefill_answers else 0)  # both turns' answers, or none
+
+
+def test_an_answer_is_prefilled_only_past_a_prompt_still_cached_and_at_most_one_chunk_of_it():
+    ours, _, arch = tiny_models()
+    worker = PrefillWorker(EngineConfig(page_size=4, num_pages=64, chunk_size=16, debug_kv=True), ours, arch,
+                           LocalTransport())
+    engine, tree = worker.engine, worker.engine.kvm.prefix_cache
+    prompt = make_prompts(1, min_len=30, max_len=30, seed=5)[0]
+    engine.generate([prompt], greedy(max_tokens=1))  # a prompt this worker prefilled: 28 tokens cached
+    answer = [7] * 40
+
+    def cached_after(request_id: str, token_ids: list[int], prompt_len: int = 30) -> tuple[bool, int]:
+        queued = worker.prefill_answer(request_id, token_ids, prompt_len)
+        while engine.busy():
+            engine.step()
+        return queued, tree.cached_len(token_ids)
+
+    assert cached_after("a0", prompt + answer[:1]) == (False, 28)  # 31 tokens: no whole page past the prompt's
+    assert cached_after("a1", prompt + answer[:9]) == (True, 36)
+    assert cached_after("a2", prompt + answer) == (True, 36 + 16)  # 32 tokens left: one chunk of them
+    assert cached_after("a3", [9] * 30 + answer, 30) == (False, 0)  # its prompt is not cached: nothing recomputed
+    worker.check_integrity()
+    worker.close()

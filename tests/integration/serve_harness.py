@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +143,16 @@ def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, re
         server.terminate(30)
         raise
     return server
+
+
+@contextlib.contextmanager
+def serving(tmp_path_factory, name: str, args: list[str], env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A module's one server: started ready, stopped cleanly (exit code 0) when the module is done."""
+    server = start_server(tmp_path_factory.mktemp(name), args, env=env)
+    try:
+        yield server
+    finally:
+        assert server.terminate() == 0, server.log_tail()
 
 
 def metric(samples: dict, name: str, **labels) -> float:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
-from tests.integration.serve_harness import metric, start_server
+from tests.integration.serve_harness import metric, serving
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +23,10 @@ TURNS = 3
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("serve-l2"), [
-        "--set", f"prefill.engine.num_pages={PREFILL_PAGES}", "--set", "prefill.engine.host_cache_ratio=4"],
-        env={"TANDEM_DEBUG_KV": "1"})
-    try:
+    with serving(tmp_path_factory, "serve-l2", ["--set", f"prefill.engine.num_pages={PREFILL_PAGES}",
+                                                "--set", "prefill.engine.host_cache_ratio=4"],
+                 env={"TANDEM_DEBUG_KV": "1"}) as server:
         yield server
-    finally:
-        assert server.terminate() == 0, server.log_tail()
 
 
 def user_turn(conversation: int, turn: int) -> str:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
-from tests.integration.serve_harness import metric, start_server
+from tests.integration.serve_harness import metric, serving
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +24,10 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("serve-sessions"), [
-        "--set", f"decode.engine.num_pages={DECODE_PAGES}", "--set", "decode.engine.host_cache_ratio=4"],
-        env={"TANDEM_DEBUG_KV": "1"})
-    try:
+    with serving(tmp_path_factory, "serve-sessions", ["--set", f"decode.engine.num_pages={DECODE_PAGES}",
+                                                      "--set", "decode.engine.host_cache_ratio=4"],
+                 env={"TANDEM_DEBUG_KV": "1"}) as server:
         yield server
-    finally:
-        assert server.terminate() == 0, server.log_tail()
 
 
 def natural_ids(num_tokens: int, salt: str) -> list[int]:

@@ -116,12 +116,26 @@ async def wait_for(condition, what: str, timeout_s: float = REST_TIMEOUT_S) -> N
         await asyncio.sleep(0.01)
 
 
+REST_SETTLE_S = 0.2
+
+
+async def settled(why_busy, timeout_s: float, settle_s: float = REST_SETTLE_S) -> None:
+    """Wait until `why_busy()` is empty at two looks `settle_s` apart: work the dispatcher already sent
+    when a request ended (its answer's prefill, `PrefillAnswer`) may reach a worker just after it
+    looked idle."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        while why := why_busy():
+            assert time.monotonic() < deadline, f"not at rest after {timeout_s}s: {why}"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(settle_s)
+        if not why_busy():
+            return
+
+
 async def all_at_rest(hosts: dict[str, WorkerHost], timeout_s: float = REST_TIMEOUT_S) -> None:
     """Wait until no worker holds anything for any request (`why_not_at_rest`), all at one look."""
-    deadline = time.monotonic() + timeout_s
-    while busy := {wid: why for wid, h in hosts.items() if (why := why_not_at_rest(h.worker))}:
-        assert time.monotonic() < deadline, f"not at rest after {timeout_s}s: {busy}"
-        await asyncio.sleep(0.01)
+    await settled(lambda: {wid: why for wid, h in hosts.items() if (why := why_not_at_rest(h.worker))}, timeout_s)
 
 
 def queue_all(n: int) -> AdmissionParams:

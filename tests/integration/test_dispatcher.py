@@ -31,7 +31,7 @@ from router.backend import BackendError, ErrorKind
 from router.dispatcher import Dispatcher, Phase, WorkerInfo
 from cluster.protocol import WorkerRole
 from tests.debug_worker import Stall, build_debug_worker
-from tests.dispatch_harness import wait_for
+from tests.dispatch_harness import settled, wait_for
 from tests.helpers import CHAT_PROMPTS, greedy, make_smollm2_engine, why_not_at_rest
 
 pytestmark = pytest.mark.slow
@@ -205,11 +205,7 @@ def assert_finished_cleanly(chunks) -> None:
 async def wait_at_rest(*hosts: WorkerHost, timeout_s: float = REST_TIMEOUT_S) -> None:
     """Every worker idle, no PRIVATE or IN_FLIGHT page, host tier all free, no locked tree node,
     integrity OK. Async: the dispatcher must keep relaying (a landing returns on a relayed message)."""
-    deadline = time.monotonic() + timeout_s
-    for host in hosts:
-        while why := why_not_at_rest(host.worker):
-            assert time.monotonic() < deadline, f"{host.worker_id} not at rest after {timeout_s}s: {why}"
-            await asyncio.sleep(0.02)
+    await settled(lambda: {h.worker_id: why for h in hosts if (why := why_not_at_rest(h.worker))}, timeout_s)
     for host in hosts:
         assert not host.crashed, host.crashed
         host.worker.check_integrity()

@@ -21,7 +21,7 @@ from prefill_worker.worker import PrefillWorker
 from router.backend import ErrorKind
 from tests import dispatch_harness
 from tests.debug_worker import DigestKV, KVDigest, build_debug_worker
-from tests.dispatch_harness import RecordingLink, queue_all, run, start_hosts, stop_hosts
+from tests.dispatch_harness import REST_SETTLE_S, RecordingLink, queue_all, run, start_hosts, stop_hosts
 from tests.helpers import greedy, hf_greedy, make_engine, make_prompts, tiny_models
 
 
@@ -65,17 +65,22 @@ async def fresh_stats(host: WorkerHost) -> p.WorkerStats:
 
 async def at_rest(*hosts: WorkerHost, timeout_s: float = 10.0, pump=lambda: None) -> None:
     """No PRIVATE or IN_FLIGHT page, host tier all free, no transfer, integrity OK (the workers' own
-    stats). `pump` runs before each look (e.g. ends writes a stalled transport still holds)."""
+    stats), at two looks `REST_SETTLE_S` apart (an answer's prefill, sent as a request ended, may
+    reach the prefill worker just after it looked idle). `pump` runs before each look (e.g. ends
+    writes a stalled transport still holds)."""
     deadline = time.monotonic() + timeout_s
-    for host in hosts:
-        while True:
-            pump()
-            s = await fresh_stats(host)
-            if (s.device.private == s.device.in_flight == s.num_transfers == s.num_running == 0
-                    and (s.host is None or s.host.free == s.host.total)):
-                break
-            assert time.monotonic() < deadline, f"{host.worker_id} not at rest: {s}"
-        assert not s.integrity_error, s.integrity_error
+    for look in range(2):
+        for host in hosts:
+            while True:
+                pump()
+                s = await fresh_stats(host)
+                if (s.device.private == s.device.in_flight == s.num_transfers == s.num_running == 0
+                        and (s.host is None or s.host.free == s.host.total)):
+                    break
+                assert time.monotonic() < deadline, f"{host.worker_id} not at rest: {s}"
+            assert not s.integrity_error, s.integrity_error
+        if not look:
+            await asyncio.sleep(REST_SETTLE_S)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

@@ -42,6 +42,10 @@ log = logging.getLogger("tandem.serve")
 
 LOOPBACK = "127.0.0.1"
 _SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_WORKER_NICENESS_ENV = "RAY_worker_niceness"
+"""Ray's raylet starts worker processes at nice 15 unless told otherwise; tandem's workers are the
+serving processes, so they run at the gateway's priority (a process cannot lower its own nice value
+back without privileges, so the raylet must start them so)."""
 
 
 class LocalRayError(RuntimeError):
@@ -71,7 +75,8 @@ class LocalRay:
         with os.fdopen(os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as token_file:
             token_file.write(secrets.token_hex(32))  # what `ray get-auth-token --generate` makes
         saved_env = _apply_env({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path),
-                                _SINGLE_NODE_ENV: "0", "RAY_AUTH_TOKEN": None, "RAY_ADDRESS": None})
+                                _SINGLE_NODE_ENV: "0", "RAY_AUTH_TOKEN": None, "RAY_ADDRESS": None,
+                                _WORKER_NICENESS_ENV: "0"})
         session_id = None
         try:
             session_id, address = _start_head(workdir, num_cpus, num_gpus, dict(resources or {}), timeout_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 
@@ -78,6 +79,14 @@ def test_the_gateway_process_holds_no_torch(server):
         "model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).raise_for_status()
     maps = open(f"/proc/{server.proc.pid}/maps").read()
     assert "libtorch" not in maps, "the gateway process loaded torch"
+
+
+def test_workers_run_at_the_gateway_s_priority(server):
+    """Ray starts its workers at nice 15 unless told otherwise: below the gateway and any client on the
+    machine, which then take the workers' cores whenever they run."""
+    gateway = os.getpriority(os.PRIO_PROCESS, server.proc.pid)
+    workers = {w["worker_id"]: os.getpriority(os.PRIO_PROCESS, w["pid"]) for w in server.workers()}
+    assert len(workers) == 2 and set(workers.values()) == {gateway}, (gateway, workers)
 
 
 def test_a_request_without_sampling_fields_gets_the_generation_config_and_a_request_with_them_wins(server):

@@ -254,9 +254,8 @@ class KVManager:
 
     def pin_prefix(self, key: object, node: TreeNode) -> None:
         """Keep the path root -> `node` in the tree and on device for `key` (replacing `key`'s pin)."""
-        self.prefix_cache.lock(node)
-        had = key in self.prefix_pins or key in self.offloaded_pins
-        if had:
+        self.prefix_cache.lock(node)  # before the old pin goes: a path both share never looks unpinned
+        if key in self.prefix_pins or key in self.offloaded_pins:
             self.unpin_prefix(key)
         self.prefix_pins[key] = node
 

@@ -342,7 +342,6 @@ class Dispatcher:
             if flight.prefill is None:  # its decode worker prefilled it
                 self.state.record_prefilled(flight.prompt)
         flight.phase = Phase.STREAMING
-        flight.tokens_sent += len(msg.new_token_ids)
         flight.output += msg.new_token_ids
         if msg.finish_reason is None:
             flight.queue.put_nowait(GenerationChunk(tuple(msg.new_token_ids)))

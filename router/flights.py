@@ -49,12 +49,15 @@ class Flight:
     attempt: int = 0
     prefill: LiveWorker | None = None
     decode: LiveWorker | None = None
-    tokens_sent: int = 0
     output: list[int] = field(default_factory=list)  # token ids streamed so far
     landing_bytes: int = 0
     submitted_at: float = 0.0  # dispatcher clock
     reserve_started_at: float | None = None  # first Reserve sent (the landing timeout counts from there)
     limit_epoch: int | None = None  # its decode worker's `DecodeLimit.epoch` at admission (None: no sample)
+
+    @property
+    def tokens_sent(self) -> int:
+        return len(self.output)
 
     @property
     def wire_id(self) -> str:

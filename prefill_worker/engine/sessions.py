@@ -48,7 +48,6 @@ class Session:
     state: SessionState = SessionState.IDLE
     turn: str = ""  # the request id of the running turn
     pinned_tokens: int = 0  # page-aligned history, pinned (on device, or offloaded: in the tree, any tier)
-    offloaded: bool = False  # its pin lets the history leave the device (`SessionManager.offload_idle`)
 
 
 class SessionManager:
@@ -136,14 +135,17 @@ class SessionManager:
         """Offload the idle session used least recently whose history holds device pages; False when
         none does (or there is no host tier)."""
         idle = [s for s in self.sessions.values()
-                if s.state is SessionState.IDLE and s.pinned_tokens and not s.offloaded]
+                if s.state is SessionState.IDLE and s.pinned_tokens and not self.is_offloaded(s.id)]
         if not self.offload or not idle:
             return False
         session = min(idle, key=lambda s: s.last_used)
         self.kvm.offload_prefix(session.id)
-        session.offloaded = True
         self.num_offloaded += 1
         return True
+
+    def is_offloaded(self, session_id: str) -> bool:
+        """Whether the session's history is free to leave the device (`offload_idle`, until its next turn ends)."""
+        return session_id in self.kvm.offloaded_pins
 
     def next_deadline(self) -> float | None:
         idle = [s.last_used + s.idle_timeout_s for s in self.sessions.values() if s.state is SessionState.IDLE]
@@ -156,7 +158,7 @@ class SessionManager:
 
     def pinned_pages(self) -> int:
         """Device pages session pins hold (offloaded histories hold none)."""
-        return sum(s.pinned_tokens for s in self.sessions.values() if not s.offloaded) // self.kvm.page_size
+        return sum(s.pinned_tokens for s in self.sessions.values() if not self.is_offloaded(s.id)) // self.kvm.page_size
 
     def _repin(self, session: Session, history: list[int]) -> None:
         """Pin the part of `history` the tree holds on device (all of it, unless a load was in flight)."""
@@ -166,7 +168,7 @@ class SessionManager:
             self.kvm.pin_prefix(session.id, path[-1])
         elif session.pinned_tokens:
             self.kvm.unpin_prefix(session.id)
-        session.pinned_tokens, session.offloaded = pos, False
+        session.pinned_tokens = pos
 
 
 class NullSessions:

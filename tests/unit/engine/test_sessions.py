@@ -211,13 +211,13 @@ def test_an_idle_sessions_history_goes_to_the_host_tier_for_other_requests_and_c
         engine.step()
     assert all(o.status is RequestStatus.FINISHED for o in others), "the others waited for the idle session"
     stats = engine.tier_stats()
-    assert stats.session_offloads == 1 and stats.session_pages == 0 and engine.sessions.sessions["s"].offloaded
+    assert stats.session_offloads == 1 and stats.session_pages == 0 and engine.sessions.is_offloaded("s")
     l2_before = stats.hit_tokens_l2
     turn_prompt = history + [7, 8, 9]
     turn = run(engine, engine.add_request(turn_prompt, greedy(max_tokens=5), "t1", session_id="s"))
     assert turn.cached_tokens == 36 and engine.tier_stats().hit_tokens_l2 - l2_before == 36  # all from L2
     session = engine.sessions.sessions["s"]
-    assert not session.offloaded and session.pinned_tokens == (len(turn_prompt) + 5 - 1) // 4 * 4
+    assert not engine.sessions.is_offloaded("s") and session.pinned_tokens == (len(turn_prompt) + 5 - 1) // 4 * 4
     expect = reference.generate([first.prompt_token_ids, *(o.prompt_token_ids for o in others), turn_prompt],
                                 [greedy(max_tokens=5), greedy(max_tokens=4), greedy(max_tokens=4), greedy(max_tokens=5)])
     assert [r.output_token_ids for r in (first, *others, turn)] == [r.output_token_ids for r in expect]

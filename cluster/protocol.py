@@ -191,6 +191,7 @@ class WorkerStats:
     tiers: TierStats = TierStats()
     graphs: GraphStats = GraphStats()
     spec: SpecStats = SpecStats()
+    step_threads: tuple[tuple[int, int], ...] = ()  # (torch threads, steps run on that many), with a core share
 
 
 @dataclass(frozen=True)

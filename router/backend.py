@@ -95,6 +95,7 @@ class WorkerGauge:
     tiers: TierStats | None = None  # cumulative KV-hierarchy figures; None before the first heartbeat
     graphs: GraphStats | None = None  # cumulative graph-runner figures; None before the first heartbeat
     spec: SpecStats | None = None  # cumulative speculative-decoding figures; None before the first heartbeat
+    step_threads: tuple[tuple[int, int], ...] = ()  # (torch threads, steps run on that many); () without a core share
 
 
 class Backend(Protocol):

@@ -176,7 +176,7 @@ class LiveWorker:
                            host_kv_usage=_usage(stats.host) if stats else None, restarts=self.info.restarts,
                            host_cache_usage=_usage(stats.host_cache) if stats and stats.host_cache else None,
                            tiers=stats.tiers if stats else None, graphs=stats.graphs if stats else None,
-                           spec=stats.spec if stats else None)
+                           spec=stats.spec if stats else None, step_threads=stats.step_threads if stats else ())
 
     def details(self) -> dict:
         """Identity, last heartbeat stats and (prefill workers) what admission measured, as plain

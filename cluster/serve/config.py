@@ -127,6 +127,11 @@ class ClusterConfig:
     """Graceful shutdown: in-flight requests get this long to finish (>= 0)."""
     placement_strategy: str = "PACK"
     """Placement-group strategy of the worker bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD."""
+    lend_idle_cores: bool = True
+    """CPU workers on one node lend their torch threads to each other: a worker with compute to do
+    steps on its own `torch_threads` plus those of the node's workers that have none (a lone decode
+    stream on both cores while the prefill worker waits), never more than their sum
+    (`cluster/worker_host/cores.py`). false: each worker keeps to its own."""
 
     def __post_init__(self):
         require(self.address is None or _valid_address(self.address),

@@ -22,9 +22,12 @@ A slot's life:   STARTING --ready--> ALIVE --beat fails--> DEAD --restart--> STA
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
+import os
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +40,7 @@ from cluster import protocol as p
 from cluster.serve.actors import ACTOR_CONCURRENCY, WorkerActor
 from cluster.serve.config import ServeConfig, WorkerGroupConfig
 from cluster.worker_host.build import WorkerSpec
+from cluster.worker_host.cores import CoreShareSpec, core_share_path
 from cluster.worker_host.process import death_cause
 
 log = logging.getLogger("tandem.controller")
@@ -150,6 +154,7 @@ class Controller:
         self.slots: dict[str, _Slot] = {}
         self._pgs: list = []
         self._stopping = False
+        self._cores_path = core_share_path(uuid.uuid4().hex[:12])  # this run's, on every node
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> list[WorkerRecord]:
@@ -203,13 +208,15 @@ class Controller:
         for pg in self._pgs:
             remove_placement_group(pg)
         self._pgs.clear()
+        with contextlib.suppress(FileNotFoundError):  # a killed worker leaves its node's file behind
+            os.unlink(self._cores_path)
 
     # ---- internals ---------------------------------------------------------------------------------
     async def _launch(self, slot: _Slot) -> None:
         cfg = self.config
         spec = WorkerSpec(slot.role, slot.group.engine, host_pages=slot.group.host_pages,
                           transport=cfg.transport, heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
-                          torch_threads=slot.group.torch_threads, l3=cfg.kv_store.l3)
+                          torch_threads=slot.group.torch_threads, l3=cfg.kv_store.l3, core_share=self._core_share(slot))
         actor = ray.remote(WorkerActor).options(
             num_cpus=slot.group.num_cpus, num_gpus=slot.group.num_gpus, resources=custom_resources(slot.group),
             max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
@@ -225,6 +232,13 @@ class Controller:
             raise
         slot.state, slot.last_beat, slot.stats = SlotState.ALIVE, time.monotonic(), None
         log.info("%s incarnation %d ready (session %s)", slot.worker_id, slot.incarnation, slot.session)
+
+    def _core_share(self, slot: _Slot) -> CoreShareSpec | None:
+        """The slot's place in its node's core-share file (its index among all slots: the same on
+        every incarnation), for CPU workers when `cluster.lend_idle_cores` is on."""
+        if not self.config.cluster.lend_idle_cores or slot.group.engine.device != "cpu":
+            return None
+        return CoreShareSpec(self._cores_path, list(self.slots).index(slot.worker_id))
 
     async def _await_ready(self, slot: _Slot) -> tuple[str, int, int]:
         """The new incarnation's `ready()` answer (its error, if it failed to start). Raises TimeoutError

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from cluster.config import EngineConfig
+from cluster.worker_host.cores import CoreShareSpec
 from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig
 
@@ -22,6 +23,7 @@ class WorkerSpec:
     heartbeat_interval_s: float = 0.5
     torch_threads: int = 1
     l3: L3Config | None = None  # the shared L3 store under the host cache; None: none
+    core_share: CoreShareSpec | None = None  # lend/borrow torch threads with the node's other workers (cores.py)
 
 
 def build_worker(spec: WorkerSpec, transport=None):

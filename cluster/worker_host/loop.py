@@ -5,6 +5,9 @@ whatever its role: it knows only the worker contract (`cluster.protocol.Worker`)
     worker.step() while worker.busy() -> its messages sent
     a heartbeat with worker.stats() every `heartbeat_interval_s`
 
+With a core share (`spec.core_share`, CPU workers under `tandem serve`), each step runs on the
+threads `cores.ThreadFollower` gives: its own share plus the idle workers' on its node.
+
 A fault while handling a message about one request fails that request (`worker.fail`: its client
 gets an "internal" error, what it held is released) and the loop goes on; the engine confines a
 fault in a step to its request the same way. Any other exception ends the loop (the host reports it
@@ -13,15 +16,27 @@ as `WorkerCrashed`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from cluster import protocol as p
 from cluster.faults import internal_error
 from cluster.worker_host.build import WorkerSpec
+from cluster.worker_host.cores import CoreShare, ThreadFollower
 
 
 def run_loop(spec: WorkerSpec, worker: p.Worker, conn) -> None:
     """Serve `worker` over `conn` until Shutdown; an exception that is no one request's fault ends it."""
+    if spec.core_share is None:
+        return _serve(spec, worker, conn, None)
+    share = CoreShare(spec.core_share, spec.torch_threads)
+    try:
+        return _serve(spec, worker, conn, ThreadFollower(share))
+    finally:
+        share.close()
+
+
+def _serve(spec: WorkerSpec, worker: p.Worker, conn, threads: ThreadFollower | None) -> None:
     heartbeat_interval_s, last_beat = spec.heartbeat_interval_s, 0.0
     while True:
         if worker.has_compute():
@@ -30,6 +45,8 @@ def run_loop(spec: WorkerSpec, worker: p.Worker, conn) -> None:
             timeout = 0.002  # only transfers/loads in flight: don't spin a core the transport needs
         else:
             timeout = min(0.05, heartbeat_interval_s)
+        if threads is not None and timeout:
+            threads.before(False)  # about to wait: lend this worker's threads meanwhile
         while conn.poll(timeout):
             msg = conn.recv()
             if isinstance(msg, p.Shutdown):
@@ -37,10 +54,15 @@ def run_loop(spec: WorkerSpec, worker: p.Worker, conn) -> None:
             _send_all(conn, _handle_confined(worker, msg))
             timeout = 0.0
         if worker.busy():
+            if threads is not None:
+                threads.before(worker.has_compute())
             _send_all(conn, worker.step())
         now = time.monotonic()
         if now - last_beat >= heartbeat_interval_s:
-            conn.send(p.Heartbeat(worker.stats()))
+            stats = worker.stats()
+            if threads is not None:
+                stats = dataclasses.replace(stats, step_threads=threads.step_threads())
+            conn.send(p.Heartbeat(stats))
             last_beat = now
 
 

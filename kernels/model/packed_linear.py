@@ -5,14 +5,16 @@ few-row matmuls of decode (4-16 rows: MKL's path for a transposed right operand 
 and is no slower for prefill; on CUDA both layouts run at the same speed. Packing q/k/v and
 gate/up into one matmul halves the number of weight passes per layer.
 
-On a CPU with MKL, `prepack_cpu` goes one step further for inference: each float32 weight is also
-stored in MKL's packed GEMM layout (`cblas_sgemm_pack`), so a matmul no longer re-packs the weight
-on every call, which is most of the cost of the few-row matmuls of a verify or a small decode
-batch (SmolLM2's 30 layers over 4 rows on 2 cores: ~28 vs ~35 ms). One row stays a plain matmul
-(MKL's vector path, no faster packed). The packed copy serves any row count (the layout does not
-depend on it: checked once per process), holds about as much memory as the weight, and is
-bypassed as soon as the weight is replaced or changed in place, under autograd and inside
-`torch.compile`, so it never serves stale weights.
+On a CPU with oneDNN (torch's mkldnn), `prepack_cpu` goes one step further for inference: each
+float32 (and, where the CPU has native bf16 dot products, bfloat16) weight is also stored in
+oneDNN's blocked layout for its matmul, reordered once, so no call re-packs it and every call
+splits the weight over all of torch's threads. That is most of a decode step on a CPU: SmolLM2's
+121 matmuls on 2 cores, float32, one run, alternating: 1 row 23 vs 31 ms (MKL's vector path keeps
+to one thread), 4 rows 21 vs 64 ms, 16 rows 29 vs 69 ms, 512 rows 515 vs 800 ms. The packed copy
+serves any row count (the layout is chosen for `_CPU_PACK_ROWS_HINT` rows but is correct for all:
+checked once per process), holds about as much memory as the weight, and is bypassed as soon as the
+weight is replaced or changed in place, under autograd and inside `torch.compile`, so it never
+serves stale weights.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import weakref
 import torch
 from torch import nn
 
-_CPU_PACK_ROWS_HINT = 8
-"""Row count MKL is told when packing; the layout it gives serves every row count (`cpu_packing_available`)."""
+_CPU_PACK_ROWS_HINT = 16
+"""Row count oneDNN is told when packing; the layout it gives serves every row count
+(`cpu_packing_available`). 16 measured best from 1 to 512 rows (1 and 128 were slower at 4-16 rows)."""
 
 
 class PackedLinear(nn.Module):
@@ -42,10 +45,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in_features] -> [T, sum(out_features)]; `split` cuts it into the parts."""
         packed = self._cpu_packed
-        if packed is not None and x.dim() == 2 and x.shape[0] > 1 and not torch.is_grad_enabled() and \
-                not torch.compiler.is_compiling():
+        if packed is not None and x.dim() == 2 and x.shape[0] and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             if self.is_prepacked:
-                return torch.ops.mkl._mkl_linear(x, packed[0], self.weight_t.t(), self.bias, x.shape[0])
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed[0], self.bias, "none", [], "")
             self._cpu_packed = None  # the weight changed since it was packed
         if self.bias is None:
             return x @ self.weight_t
@@ -68,15 +70,16 @@ class PackedLinear(nn.Module):
         such as `.half()`, or an optimizer step, each change one)."""
         w = self.weight_t
         return w.data_ptr(), w._version, w.dtype, w.device
+
     def prepack_cpu(self) -> bool:
-        """Store the weight in MKL's packed layout too (see the module docstring); False where that
-        does not apply: not a float32 CPU weight, or a torch without MKL's packed GEMM."""
+        """Store the weight in oneDNN's packed layout too (see the module docstring); False where that
+        does not apply: not a CPU weight of a dtype this CPU packs (`cpu_packing_available`)."""
         weight_t = self.weight_t
-        if weight_t.device.type != "cpu" or weight_t.dtype != torch.float32 or not cpu_packing_available():
+        if weight_t.device.type != "cpu" or not cpu_packing_available(weight_t.dtype):
             return False
         if not self.is_prepacked:
             with torch.no_grad():
-                packed = torch.ops.mkl._mkl_reorder_linear_weight(weight_t.t().contiguous(), _CPU_PACK_ROWS_HINT)
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), _CPU_PACK_ROWS_HINT)
             self._cpu_packed = (packed, (weakref.ref(weight_t), self._weight_state()))
         return True
 
@@ -105,30 +108,38 @@ def prepack_cpu(module: nn.Module) -> int:
     return sum(m.prepack_cpu() for m in module.modules() if isinstance(m, PackedLinear))
 
 
-_cpu_packing: bool | None = None
+_cpu_packing: dict[torch.dtype, bool] = {}
 
 
-def cpu_packing_available() -> bool:
-    """Whether this torch has MKL's packed GEMM and it gives x @ w for row counts other than the
-    one it was packed for (checked once, against a plain matmul in float64)."""
-    global _cpu_packing
-    if _cpu_packing is None:
-        _cpu_packing = _probe_cpu_packing()
-    return _cpu_packing
+def cpu_packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch has oneDNN's packed linear for `dtype` weights (float32; bfloat16 only on
+    a CPU with native bf16 dot products) and it gives x @ w for row counts other than the one it was
+    packed for (checked once per dtype, against a float64 matmul)."""
+    if dtype not in _cpu_packing:
+        _cpu_packing[dtype] = _probe_cpu_packing(dtype)
+    return _cpu_packing[dtype]
 
 
-def _probe_cpu_packing() -> bool:
-    if not torch.backends.mkl.is_available() or not hasattr(torch.ops.mkl, "_mkl_linear"):
+def _probe_cpu_packing(dtype: torch.dtype) -> bool:
+    mkldnn = torch.backends.mkldnn
+    if not mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
+    if dtype == torch.bfloat16:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+    elif dtype != torch.float32:
+        return False
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(96, 80, generator=gen)  # [out, in]
+    weight = torch.randn(96, 80, generator=gen).to(dtype)  # [out, in]
     try:
         with torch.no_grad():
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _CPU_PACK_ROWS_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _CPU_PACK_ROWS_HINT)
             for rows in (1, 3, _CPU_PACK_ROWS_HINT, 37):
-                x = torch.randn(rows, 80, generator=gen)
-                got = torch.ops.mkl._mkl_linear(x, packed, weight, None, rows).double()
-                if not torch.allclose(got, x.double() @ weight.double().t(), rtol=1e-4, atol=1e-4):
+                x = torch.randn(rows, 80, generator=gen).to(dtype)
+                got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").double()
+                want = x.double() @ weight.double().t()
+                if not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
                     return False
     except (RuntimeError, NotImplementedError):
         return False

@@ -143,6 +143,7 @@ class BackendGauges:
         yield from (usage, host, alive, restarts)
         yield from _tier_metrics(gauges)
         yield from _graph_metrics(gauges)
+        yield from _thread_metrics(gauges)
         yield from _spec_metrics(gauges)
 
 
@@ -204,6 +205,16 @@ def _graph_metrics(gauges: list) -> Iterable[Metric]:
         for reason, count in g.graphs.fallbacks:
             fallbacks.add_metric([g.worker_id, g.role, reason], count)
     yield from (replays, fallbacks)
+
+
+def _thread_metrics(gauges: list) -> Iterable[Metric]:
+    """Per-worker steps by the torch threads they ran on (workers that share their node's cores)."""
+    steps = CounterMetricFamily("tandem:worker_steps", "Steps run, by the torch threads each ran on (a worker "
+                                "borrows the threads of idle workers on its node).", labels=["worker", "role", "threads"])
+    for g in gauges:
+        for threads, count in g.step_threads:
+            steps.add_metric([g.worker_id, g.role, str(threads)], count)
+    yield steps
 
 
 def _spec_metrics(gauges: list) -> Iterable[Metric]:

@@ -1,4 +1,4 @@
-"""PackedLinear's MKL-packed CPU copy: the same products as the weight, never a stale one."""
+"""PackedLinear's oneDNN-packed CPU copy: the same products as the weight, never a stale one."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def reference(linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_this_torch_has_the_packed_gemm():
-    """CI's x86 torch carries MKL: without the probe passing there, the path would silently be off."""
-    assert cpu_packing_available() == torch.backends.mkl.is_available()
+    """CI's x86 torch carries oneDNN: without the probe passing there, the path would silently be off."""
+    assert cpu_packing_available() == torch.backends.mkldnn.is_available()
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -39,6 +39,7 @@ def test_packed_products_match_float64_for_every_row_count(bias):
             torch.testing.assert_close(linear(x).double(), reference(linear, x), atol=1e-4, rtol=1e-4)
         wide = torch.randn(5, 96, generator=gen)[:, ::2]  # a non-contiguous input
         torch.testing.assert_close(linear(wide).double(), reference(linear, wide), atol=1e-4, rtol=1e-4)
+        assert linear(torch.empty(0, 48)).shape == (0, 64)
 
 
 def test_a_changed_weight_is_never_served_from_the_stale_copy():
@@ -67,7 +68,22 @@ def test_training_takes_the_differentiable_matmul():
     assert linear.weight_t.grad is not None
 
 
-def test_prepack_applies_to_float32_cpu_weights_only():
-    model = torch.nn.Sequential(make_linear(bias=False), make_linear(bias=True).to(torch.bfloat16))
-    assert prepack_cpu(model) == 1
-    assert model[0].is_prepacked and not model[1].is_prepacked
+def test_prepack_applies_to_the_dtypes_this_cpu_packs():
+    """float32 always; bfloat16 where the CPU has native bf16 dot products; float16 never."""
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    model = torch.nn.Sequential(make_linear(bias=False), make_linear(bias=True).to(torch.bfloat16),
+                                make_linear(bias=True).to(torch.float16))
+    assert prepack_cpu(model) == 1 + bf16
+    assert model[0].is_prepacked and model[1].is_prepacked == bf16 and not model[2].is_prepacked
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no native bf16 dot products")
+def test_bfloat16_packed_products_match_the_plain_matmul():
+    linear = make_linear(bias=True).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(rows, 48, generator=gen).to(torch.bfloat16) for rows in (1, 5, 16, 40)]
+    with torch.inference_mode():
+        plain = [linear(x) for x in xs]
+        assert linear.prepack_cpu() and linear.is_prepacked
+        for x, want in zip(xs, plain):
+            torch.testing.assert_close(linear(x), want, atol=0.05, rtol=0.02)

@@ -6,7 +6,7 @@ continuous batching, what a CPU user would run), or llama-cpp-python's Python se
 The two servers run one after the other, never both loaded at once (`--repeats N`: N rounds, in the
 order llama.cpp-tandem, then tandem-llama.cpp, ..., every figure taken over all rounds' samples
 together, since a shared host's speed can drift by 2x within an hour), on the same thread count
-(`--threads`: llama.cpp's `-t`/`-tb`, every tandem worker's `torch_threads`), and get the same
+(`--threads`: llama.cpp's `-t`/`-tb`; tandem's workers share as many, `tandem_serve_flags`), and get the same
 requests over `/v1/completions`, greedy, through the load harness's transport (a pooled connection
 the server closed is retried on a fresh one: load/transport.py):
 
@@ -64,7 +64,7 @@ SYSTEMS = ("llama.cpp", "tandem")
 
 @dataclass(frozen=True)
 class BenchSpec:
-    threads: int  # llama.cpp -t / -tb (n_threads / n_threads_batch), and every tandem worker's torch_threads
+    threads: int  # llama.cpp -t / -tb (n_threads / n_threads_batch), and tandem's workers' threads in all
     prompt_len: int = 128  # tokens per prompt of the single-stream and concurrency runs
     output_len: int = 128  # tokens asked for per request of those runs
     itl_runs: int = 3
@@ -222,9 +222,15 @@ def make_prompts(spec: BenchSpec, tokenizer) -> Prompts:
 
 # ---- the servers ---------------------------------------------------------------------------------
 def tandem_serve_flags(args: argparse.Namespace, threads: int) -> list[str]:
-    """The default `tandem serve` that queues what it is sent, every worker on `threads` torch threads."""
-    sets = [*QUEUE_ALL_SETS, *(f"{group}.torch_threads={threads}" for group in ("prefill", "decode", "colocated")),
-            *args.set]
+    """The default `tandem serve` that queues what it is sent, its workers on `threads` cores in all,
+    like llama.cpp: each of its W workers gets `threads // W` torch threads (at least 1), and a busy
+    worker borrows the idle ones' (`cluster.lend_idle_cores`). Giving every worker all `threads`
+    would oversubscribe the cores whenever two compute at once."""
+    given = [*(["--config", args.config] if args.config else []), *(f for s in args.set for f in ("--set", s))]
+    config = load_config(given)
+    groups = [g for g in ("prefill", "decode", "colocated") if getattr(config, g).count]
+    share = max(1, threads // sum(getattr(config, g).count for g in groups))
+    sets = [*QUEUE_ALL_SETS, *(f"{g}.torch_threads={share}" for g in groups), *args.set]
     return [*(["--config", args.config] if args.config else []), *(f for s in sets for f in ("--set", s))]
 
 

@@ -127,11 +127,20 @@ def test_prompts_are_exact_token_counts_of_words_and_seeded():
     assert make_prompts(spec, tokenizer) == prompts
 
 
-def test_tandem_flags_give_every_worker_the_threads_and_the_users_sets_win():
-    args = build_parser().parse_args(["bench", "llamacpp", "--threads", "3", "--set", "decode.torch_threads=5"])
+def test_tandem_workers_share_the_threads_and_the_users_sets_win():
+    args = build_parser().parse_args(["bench", "llamacpp", "--threads", "4"])
     config = load_config(tandem_serve_flags(args, args.threads))
-    assert (config.prefill.torch_threads, config.decode.torch_threads, config.colocated.torch_threads) == (3, 5, 3)
+    assert (config.prefill.torch_threads, config.decode.torch_threads) == (2, 2)  # 4 cores, 2 workers
+    assert config.cluster.lend_idle_cores  # a busy worker borrows the idle one's
     assert config.router.max_queued_requests == 100000  # queues the concurrency run instead of refusing it
+    args = build_parser().parse_args(["bench", "llamacpp", "--threads", "2", "--set", "prefill.count=0",
+                                      "--set", "decode.count=0", "--set", "colocated.count=1",
+                                      "--set", "decode.torch_threads=5"])
+    config = load_config(tandem_serve_flags(args, args.threads))
+    assert (config.colocated.torch_threads, config.decode.torch_threads) == (2, 5)  # one worker: all of them
+    args = build_parser().parse_args(["bench", "llamacpp", "--threads", "1"])
+    config = load_config(tandem_serve_flags(args, args.threads))
+    assert (config.prefill.torch_threads, config.decode.torch_threads) == (1, 1)  # never fewer than one
 
 
 def _stream(gaps_ms: list[float], ttft_s: float = 0.1, text: str = "") -> StreamResult:

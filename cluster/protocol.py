@@ -335,6 +335,10 @@ class Worker(Protocol):
     def has_compute(self) -> bool:
         """Whether `step` would run a forward pass (else it only polls transfers and loads)."""
 
+    def wait_s(self) -> float:
+        """Busy without compute: how long the loop may wait for a message before the next `step`
+        (short while transfers or loads need polling; longer while only messages can move things)."""
+
     def stats(self) -> WorkerStats:
         """The heartbeat's view; runs the integrity check (a failure is reported in `error`)."""
 

@@ -160,6 +160,18 @@ class KVReceiver(NullConnector):
     def busy(self) -> bool:
         return bool(self.inbound or self._pending_outputs or self.outbox)
 
+    def only_landings(self) -> bool:
+        """Whether every inbound request waits for its peer's word (landing or abandoning), with
+        nothing else to hand over: only a message (or a deadline) can move one."""
+        return not self._pending_outputs and not self.outbox and all(
+            ib.phase in (InboundPhase.LANDING, InboundPhase.ABANDONING) for ib in self.inbound.values())
+
+    def next_deadline_s(self) -> float:
+        """Seconds to the nearest landing's deadline (inf: none)."""
+        now = self.clock()
+        return min((ib.session.deadline - now for ib in self.inbound.values() if ib.phase is InboundPhase.LANDING),
+                   default=float("inf"))
+
     def check_integrity(self) -> None:
         self.host.check_integrity()
 

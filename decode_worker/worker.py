@@ -26,6 +26,9 @@ from prefill_worker.engine.sessions import SessionError
 
 __all__ = ["ColocatedWorker", "DecodeWorker", "InboundPhase"]
 
+LANDING_WAIT_S = 0.05
+"""The longest a decode worker with only landings in flight waits for a message between steps."""
+
 
 def token_output(out: StepOutput) -> p.TokenOutput:
     reason = out.finish_reason.value if out.finish_reason is not None else None
@@ -114,6 +117,15 @@ class DecodeWorker(ColocatedWorker):
 
     def stats(self) -> p.WorkerStats:
         return self.engine.stats(self.role.value, self.receiver.host.pool, len(self.receiver.inbound))
+
+    def wait_s(self) -> float:
+        """Landings only (the peer's messages move them and wake the loop): up to the nearest
+        deadline, at most `LANDING_WAIT_S`. Polling them every 2 ms instead cost the loop ~40% of a
+        core through a 1k-token prefill beside it, which slowed that prefill 2x on 2 cores."""
+        engine = self.engine
+        if not self.receiver.only_landings() or engine.host_cache.busy() or engine.sessions.reap_due():
+            return super().wait_s()
+        return max(super().wait_s(), min(LANDING_WAIT_S, self.receiver.next_deadline_s()))
 
     def max_request_tokens(self) -> int:
         """The context limit, the device pool, and the host tier its prompt lands in."""

@@ -42,7 +42,7 @@ def _serve(spec: WorkerSpec, worker: p.Worker, conn, threads: ThreadFollower | N
         if worker.has_compute():
             timeout = 0.0  # compute to do: only drain what is already there
         elif worker.busy():
-            timeout = 0.002  # only transfers/loads in flight: don't spin a core the transport needs
+            timeout = worker.wait_s()  # only transfers/loads in flight: poll them, don't spin a core
         else:
             timeout = min(0.05, heartbeat_interval_s)
         if threads is not None and timeout:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from prefill_worker.engine.core import EngineCore
 
+POLL_S = 0.002
+"""Busy without compute (writes or loads in flight): the loop steps this often to poll them, and
+no more often, so it does not spin a core the transport or the other workers need."""
+
 
 class EngineWorker:
     def __init__(self, engine: EngineCore):
@@ -15,6 +19,9 @@ class EngineWorker:
 
     def has_compute(self) -> bool:
         return self.engine.scheduler.has_work()
+
+    def wait_s(self) -> float:
+        return POLL_S
 
     def max_request_tokens(self) -> int:
         return self.engine.max_request_tokens()

@@ -285,3 +285,34 @@ def test_worker_host_builds_on_its_loop_thread_and_raises_a_failed_build():
 
     with pytest.raises(ValueError, match="no such model"):
         WorkerHost(WorkerSpec("colocated", CONFIG), "colocated-1", build=build_fails)
+
+
+def test_a_decode_worker_with_only_landings_waits_for_messages_instead_of_polling(clean):
+    """Landings move only on the peer's messages (which wake the loop) or a deadline: the loop waits
+    up to LANDING_WAIT_S (never past the nearest deadline); anything to poll brings it back to POLL_S."""
+    from decode_worker.worker import LANDING_WAIT_S
+    from prefill_worker.engine.hosted import POLL_S
+
+    _, _, arch = tiny_models()
+    now = [100.0]
+    prefill = PrefillWorker(CONFIG, tiny_models()[0], arch, LocalTransport())
+    decode = DecodeWorker(CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256, clock=lambda: now[0])
+    pair = StepPair(prefill, decode)
+    result = pair.submit("req-0", good_prompts(1)[0], greedy(max_tokens=4))
+    assert decode.busy() and not decode.has_compute()
+    assert decode.wait_s() == LANDING_WAIT_S
+    [landing] = decode.receiver.inbound.values()
+    now[0] = landing.session.deadline - 0.01
+    assert decode.wait_s() == pytest.approx(0.01)  # its deadline comes first
+    now[0] = landing.session.deadline - 0.0001
+    assert decode.wait_s() == POLL_S  # never below the poll interval
+    now[0] = 100.0
+    while landing.phase.value == "landing":
+        pair._to_decode(prefill.step())  # the prefill side runs; its KVComplete arrives
+    assert decode.wait_s() == POLL_S  # a load to start: poll again
+    while pair.busy():
+        pair.step()
+    assert result.token_ids == clean[0][:4]
+    for worker in (prefill, decode):
+        assert_pool_at_rest(worker.engine)
+        worker.close()

@@ -174,19 +174,21 @@ class EngineConfig:
     path run eagerly); False (`--no-cuda-graph`) runs every step eagerly."""
     graph_batch_sizes: tuple[int, ...] = ()
     """Batch-size buckets to capture; empty: 1, 2, 4, 8, 16, 24, 32, ... up to max_running_requests."""
-    cpu_compile: bool = False
-    """CPU, with `cuda_graph`: replayed single-request steps (bucket 1) run the model through
-    `torch.compile` (inductor), compiled at start-up (about 50 s on 2 cores for SmolLM2, about 25 s
-    from inductor's cache under ~/.cache/tandem/inductor). SmolLM2 fp32 batch 1 on 2 cores: 24.5 vs
-    37.5 ms a step, same greedy tokens; bigger buckets measured slower compiled, so they stay eager.
-    Off by default: the start-up cost."""
+    cpu_compile: bool | None = None
+    """CPU, with `cuda_graph`: replayed single-request steps (bucket 1) run each decoder layer through
+    one `torch.compile`d function (inductor; `kernels/model/compiled.py`), compiled at start-up (about
+    6 s on 2 cores for SmolLM2, about 3 s from inductor's cache under ~/.cache/tandem/inductor).
+    SmolLM2 fp32 batch 1 on 2 cores: ~25 vs ~40 ms a step eager, same greedy tokens; bigger buckets
+    stay eager (oneDNN's matmuls serve several rows well). None: on in `tandem serve`'s CPU workers
+    that decode (decode, colocated), off in an engine made alone (tests, benches: `--cpu-compile`)
+    and on prefill workers. `--no-cpu-compile` turns it off."""
     cpu_prepack: bool | None = None
-    """CPU, float32: keep every linear weight in MKL's packed GEMM layout too
-    (`kernels/model/packed_linear.py`), about as much memory again as the weights; few-row matmuls
-    (decode batches, speculative verifies) then skip re-packing the weight on every call.
-    None: on where the engine decodes, off on a prefill worker (its matmuls have hundreds of rows,
-    which amortise the re-packing, so the copy would cost memory for nothing). `--no-cpu-prepack`
-    turns it off; a torch without MKL ignores it."""
+    """CPU, float32 (and bfloat16 where the CPU has native bf16 dot products): keep every linear
+    weight in oneDNN's packed layout too (`kernels/model/packed_linear.py`), about as much memory
+    again as the weights; every eager matmul then runs on all of torch's threads without re-packing
+    the weight. None: on where the engine decodes, off on a prefill worker (its matmuls have
+    hundreds of rows, where the packed copy gains ~10%, not worth a second copy of the weights).
+    `--no-cpu-prepack` turns it off; a torch without oneDNN ignores it."""
     enable_prefix_cache: bool = True
     host_cache_ratio: float | None = None
     """L2: host-memory KV pages, as a multiple of the device pool's (`num_pages`); 0 turns the host
@@ -288,4 +290,4 @@ class EngineConfig:
         require(max_model_len <= max_position_embeddings,
                  f"max_model_len {max_model_len} exceeds the model's {max_position_embeddings} positions")
         return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len, host_cache_pages=host_pages,
-                                   cpu_prepack=self.cpu_prepack is not False)
+                                   cpu_prepack=self.cpu_prepack is not False, cpu_compile=bool(self.cpu_compile))

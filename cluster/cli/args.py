@@ -36,9 +36,11 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
                                            help="run every decode step eagerly (no graph replay)")),
     "--cpu-compile": ("cpu_compile", dict(action="store_const", const=True,
                                           help="CPU: run single-request decode steps through torch.compile "
-                                               "(compiled once at start-up)")),
+                                               "(compiled once at start-up; on by default in tandem serve)")),
+    "--no-cpu-compile": ("cpu_compile", dict(action="store_const", const=False,
+                                             help="CPU: run every decode step eagerly (no compile at start-up)")),
     "--no-cpu-prepack": ("cpu_prepack", dict(action="store_const", const=False,
-                                             help="CPU: do not keep weights in MKL's packed GEMM layout too")),
+                                             help="CPU: do not keep weights in oneDNN's packed layout too")),
     "--speculative": ("speculative", dict(choices=SPECULATIVE_METHODS,
                                           help="speculative decoding: eagle drafts tokens with an EAGLE head, "
                                                "the model verifies them (same output)")),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -214,7 +215,10 @@ class Controller:
     # ---- internals ---------------------------------------------------------------------------------
     async def _launch(self, slot: _Slot) -> None:
         cfg = self.config
-        spec = WorkerSpec(slot.role, slot.group.engine, host_pages=slot.group.host_pages,
+        engine = slot.group.engine
+        if engine.cpu_compile is None:  # served decode steps compile on a CPU unless told not to (EngineConfig)
+            engine = dataclasses.replace(engine, cpu_compile=slot.role != "prefill")
+        spec = WorkerSpec(slot.role, engine, host_pages=slot.group.host_pages,
                           transport=cfg.transport, heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
                           torch_threads=slot.group.torch_threads, l3=cfg.kv_store.l3, core_share=self._core_share(slot))
         actor = ray.remote(WorkerActor).options(

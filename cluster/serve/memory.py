@@ -5,7 +5,7 @@ are sized after the weights, like vLLM's `--gpu-memory-utilization` or llama.cpp
     budget (memory.budget_gib; auto: a quarter of physical RAM, at most AUTO_BUDGET_MAX_GIB)
       - NODE_OVERHEAD: Ray's daemons and agents, the controller actor, the gateway process
       - per worker: WORKER_OVERHEAD (torch, tokenizer, transfer engine, allocator slack)
-                    + its weights (+ the MKL-packed copy where `cpu_prepack` is on: decode workers)
+                    + its weights (+ the oneDNN-packed copy where `cpu_prepack` is on: decode workers)
       = KV, shared out:   a decode worker's landing buffer (what its prefill workers' windows can
                           have in flight, twice), then device pools by weight: prefill 1, decode and
                           colocated DECODE_SHARE (they hold every running request's whole context)
@@ -91,8 +91,7 @@ class ModelShape:
                     embed = count
                 elif len(info["shape"]) == 2:
                     num_linear += count
-        if config.get("tie_word_embeddings", False):  # the lm_head is a transposed copy of the embedding
-            num_params += embed
+        if config.get("tie_word_embeddings", False):  # the lm_head is the embedding: held once, packed once
             num_linear += embed
         heads = config["num_attention_heads"]
         return cls(num_params, num_linear, config["num_hidden_layers"], config.get("num_key_value_heads", heads),

@@ -19,6 +19,7 @@ from cluster.train.vocab import DraftVocab
 from kernels.model.arch import LlamaArch
 from kernels.model.eagle import DraftArch, DraftStyle, EagleDraftHead
 from kernels.model.llama import LlamaForCausalLM
+from kernels.model.packed_linear import PackedLinear
 
 WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
@@ -34,9 +35,9 @@ def new_head(target: LlamaForCausalLM, vocab: DraftVocab, seed: int) -> EagleDra
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in trainable(head).items():
-            if name.endswith("weight_t"):
+            if name.endswith(".weight") and isinstance(head.get_submodule(name.rsplit(".", 1)[0]), PackedLinear):
                 param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
-        head.lm_head.weight_t.copy_(target.lm_head.weight_t[:, vocab.target_ids].float())
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab.target_ids].float())
         head.norm.weight.copy_(target.model.norm.weight.float())
     head.token_map = vocab.target_ids.clone()
     head.embed.weight.requires_grad_(False)
@@ -51,8 +52,8 @@ def trainable(head: EagleDraftHead) -> dict[str, torch.nn.Parameter]:
 def published_tensors(head: EagleDraftHead, vocab: DraftVocab) -> dict[str, torch.Tensor]:
     """The head's weights under the published EAGLE-3 names, [out, in], float32, contiguous."""
     def unpack(module, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        parts = module.weight_t.detach().float().cpu().split(module.out_features, dim=1)
-        out = {name + ".weight": part.t().contiguous() for name, part in zip(names, parts)}
+        parts = module.weight.detach().float().cpu().split(module.out_features, dim=0)
+        out = {name + ".weight": part.contiguous() for name, part in zip(names, parts)}
         if module.bias is not None:  # Qwen2-style q/k/v biases
             biases = module.split(module.bias.detach().float().cpu())
             out |= {name + ".bias": b.contiguous() for name, b in zip(names, biases)}

@@ -92,7 +92,7 @@ def _build(settings: TrainSettings, cache_root: Path | None, checkpoint_every: i
     examples = [make_example(s, a, t2d, h if soft else None) for s, (a, h) in zip(train_samples, train_states)]
     del train_states
     # the target's lm_head columns of the draft ids: its logits over the draft vocabulary (soft labels)
-    target_head = target.model.lm_head.weight_t.detach()[:, vocab.target_ids.to(device)].float() if soft else None
+    target_head = target.model.lm_head.weight.detach()[vocab.target_ids.to(device)].t().float() if soft else None
     train_head(head, examples, settings, work / STATE_FILE, checkpoint_every, target_head=target_head)
     del examples
     acceptance = chain_acceptance(head, eval_samples, aux_states(target.model, eval_samples, aux_ids), vocab,

@@ -182,7 +182,7 @@ def train_head(head: EagleDraftHead, examples: list[Example], settings: TrainSet
         log.info("resuming draft-head training after step %d of %d", done, total)
     end = total if stop_after is None else min(total, stop_after)
     losses: list[float] = []
-    bf16 = uses_bf16(settings.precision, head.lm_head.weight_t.device)
+    bf16 = uses_bf16(settings.precision, head.lm_head.weight.device)
     head.train()
     with tqdm(total=total, initial=done, desc="training", unit="step", file=sys.stderr, disable=None) as bar:
         for step in range(done, end):
@@ -203,7 +203,7 @@ def _step(head: EagleDraftHead, optimizer: torch.optim.Optimizer, batch: list[Ex
           lr: float, target_head: torch.Tensor | None, bf16: bool) -> tuple[float, list[float]]:
     for group in optimizer.param_groups:
         group["lr"] = lr
-    device = head.lm_head.weight_t.device
+    device = head.lm_head.weight.device
     ids, aux, labels = (t.to(device) for t in pad_batch(batch))
     # labels in float32 whatever the precision, for the labelled rows only (prompt rows and padding
     # are a third or more of a batch of short answers)

@@ -38,7 +38,10 @@ def build_worker(spec: WorkerSpec, transport=None):
     from kernels.model.loader import load_model
 
     torch.set_num_threads(spec.torch_threads)
-    spec = dataclasses.replace(spec, engine=with_default_draft(spec.engine))  # this node's cached head
+    engine = with_default_draft(spec.engine)  # this node's cached head
+    if spec.role == "prefill":  # it never decodes: compiling its decode step would only delay its start
+        engine = dataclasses.replace(engine, cpu_compile=False)
+    spec = dataclasses.replace(spec, engine=engine)
     loaded = load_model(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype],
                         backend=spec.engine.attention_backend)
     model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, l3=spec.l3)
@@ -56,10 +59,8 @@ def build_worker(spec: WorkerSpec, transport=None):
     if spec.role == "prefill":
         from prefill_worker.worker import PrefillWorker
 
-        # A prefill worker never decodes: compiling its decode step would only delay its start, and
-        # packed weights for few-row matmuls would only cost memory (unless asked for by name).
-        prepack = bool(spec.engine.cpu_prepack)
-        args = (dataclasses.replace(spec.engine, cpu_compile=False, cpu_prepack=prepack), *args[1:])
+        # Packed weights would cost a prefill worker a second copy for ~10% (unless asked for by name).
+        args = (dataclasses.replace(spec.engine, cpu_prepack=bool(spec.engine.cpu_prepack)), *args[1:])
         return PrefillWorker(*args, deadlines=spec.transport, **model), transport
     from decode_worker.worker import DecodeWorker
 

@@ -172,7 +172,7 @@ class EagleDraftHead(nn.Module):
             module = self.get_submodule(ours)
             weights = [_take(tensors, n + ".weight") for n in names]
             biases = [_take(tensors, n + ".bias") for n in names] if module.bias is not None else None
-            for key, value in PackedLinear.pack(weights, biases, module, module.weight_t.device).items():
+            for key, value in PackedLinear.pack(weights, biases, module, module.weight.device).items():
                 _check_shape(f"{ours}.{key}", value, getattr(module, key))
                 loaded[f"{ours}.{key}"] = value
         for ours, name in _published_norms(style).items():

@@ -108,6 +108,19 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
+def run_layer(layer: LlamaDecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
+              k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """One decoder layer (a function of the layer, so one compiled form serves every layer)."""
+    return layer(x, cos, sin, meta, k_cache, v_cache)
+
+
+def run_head(model: LlamaForCausalLM, x: torch.Tensor, logits_indices: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final norm of every row, and float32 logits of rows `logits_indices`."""
+    hidden = model.model.norm(x)
+    return hidden, model.lm_head(hidden[logits_indices]).float()
+
+
 class LlamaForCausalLM(nn.Module):
     """Ragged-batch Llama forward over paged KV. Loads HF checkpoints with ``load_hf_state_dict``."""
 
@@ -116,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.backend = backend if backend is not None else get_backend("torch")
         self.model = LlamaModel(arch, self.backend)
-        # Tied checkpoints get a transposed copy of the embedding: the two layouts differ.
+        # Tied checkpoints: `load_hf_state_dict` makes lm_head's weight the embedding itself (one tensor).
         self.lm_head = PackedLinear(arch.hidden_size, (arch.vocab_size,), bias=False)
         self.rotary = RotaryTable(arch)
 
@@ -137,11 +150,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                         kv_cache: KVCacheTensors, aux_layer_ids: tuple[int, ...]
+                         kv_cache: KVCacheTensors, aux_layer_ids: tuple[int, ...], layer_fn=run_layer, head_fn=run_head,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`forward`, plus the hidden states entering layers `aux_layer_ids` (each the previous layer's
         output; layer 0's is the embedding), concatenated in that order: ``[T, len(ids) * hidden]``,
-        or None for no ids. EAGLE-3 draft heads read them (`kernels/model/eagle.py`)."""
+        or None for no ids. EAGLE-3 draft heads read them (`kernels/model/eagle.py`).
+        `layer_fn` / `head_fn`: `run_layer` / `run_head` or their compiled forms (`kernels/model/compiled.py`)."""
         assert kv_cache.num_layers == self.arch.num_layers, (
             f"KV cache has {kv_cache.num_layers} layers, model {self.arch.num_layers}: cache built for another model?"
         )
@@ -152,9 +166,8 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.model.layers, kv_cache.k, kv_cache.v)):
             if i in aux_layer_ids:
                 entering[i] = x
-            x = layer(x, cos, sin, meta, k_cache, v_cache)
-        hidden = self.model.norm(x)  # [T, hidden]
-        logits = self.lm_head(hidden[meta.logits_indices]).float()  # [num_logits, vocab]
+            x = layer_fn(layer, x, cos, sin, meta, k_cache, v_cache)
+        hidden, logits = head_fn(self, x, meta.logits_indices)  # [T, hidden], [num_logits, vocab]
         aux = torch.cat([entering[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
         return hidden, logits, aux
 
@@ -171,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         """
         given = {k: v for k, v in state_dict.items() if not _ignored_key(k, self.arch)}
         packing = self._hf_packing()
-        direct = [n for n, _ in self.named_parameters() if not n.endswith((".weight_t", ".bias")) or
+        direct = [n for n, _ in self.named_parameters() if not n.endswith((".weight", ".bias")) or
                   n.rsplit(".", 1)[0] not in packing]
         expected = set(direct)
         for module_name, parts in packing.items():
@@ -186,14 +199,16 @@ class LlamaForCausalLM(nn.Module):
             loaded[name] = self._cast_like(given[name], self.get_parameter(name), name)
         for module_name, parts in packing.items():
             module = self.get_submodule(module_name)
-            device = self._target_device(module.weight_t, given[parts[0] + ".weight"])
+            device = self._target_device(module.weight, given[parts[0] + ".weight"])
             weights = [given[p + ".weight"] for p in parts]
             biases = [given[p + ".bias"] for p in parts] if module.bias is not None else None
             self._check_shape(module_name, torch.Size((sum(w.shape[0] for w in weights), weights[0].shape[1])),
-                              module.weight_t.shape[::-1])
+                              module.weight.shape)
             for key, tensor in PackedLinear.pack(weights, biases, module, device).items():
                 loaded[f"{module_name}.{key}"] = tensor
         self.load_state_dict(loaded, strict=True, assign=True)
+        if self.arch.tie_word_embeddings:  # the same [vocab, hidden] values: hold them once
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def _hf_packing(self) -> dict[str, tuple[str, ...]]:
         """Our PackedLinear module name -> the HF module names it packs, in order."""

@@ -127,7 +127,7 @@ class EngineCore:
         eager = ModelRunner(model, target_kv, config.page_size, self.device, self.speculator.aux_layer_ids)
         self.runner = GraphRunner(eager, self.device_pool, graph_max_batch(self.config), self.config.max_model_len,
                                   enabled=self.config.cuda_graph, sizes=self.config.graph_batch_sizes,
-                                  loads_in_flight=self._loads_in_flight, cpu_compile=self.config.cpu_compile,
+                                  loads_in_flight=self._loads_in_flight, cpu_compile=bool(self.config.cpu_compile),
                                   tree_rows=tree_verify_rows(self.config),
                                   tree_batch=max(1, min(self.config.max_running_requests, self.config.speculative_max_batch)))
         self.speculator.use_graphs(self.runner)

@@ -89,6 +89,30 @@ def test_workers_run_at_the_gateway_s_priority(server):
     assert len(workers) == 2 and set(workers.values()) == {gateway}, (gateway, workers)
 
 
+def test_a_lone_stream_decodes_compiled_on_the_idle_prefill_worker_s_core_too_and_matches_hf(server):
+    """The default decode worker compiles its single-request step at start-up and, while the prefill
+    worker has nothing to compute, steps on its core too (2 threads, never more): its greedy text is
+    still HF transformers' on the same prompt ids."""
+    from tests.helpers import hf_greedy, smollm2
+
+    loaded, reference = smollm2()
+    ids = loaded.tokenizer.encode("The three primary colors are", add_special_tokens=False)
+    before = server.metrics()
+    resp = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+        "model": "smollm2", "prompt": ids, "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == loaded.tokenizer.decode(hf_greedy(reference, ids, 48))
+    after = server.metrics()
+
+    def moved(name: str, **labels) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert "compiled the CPU decode step for batch size 1" in server.log_tail(200_000)
+    assert moved("tandem:graph_replays_total", role="decode") >= 40  # single-request steps, compiled
+    assert moved("tandem:worker_steps_total", role="decode", threads="2") >= 40, after
+    assert not [k for k in after if k[0] == "tandem:worker_steps_total" and int(dict(k[1])["threads"]) > 2]
+
+
 def test_a_request_without_sampling_fields_gets_the_generation_config_and_a_request_with_them_wins(server):
     """What the engines were asked for (the sampling parameters of each started request, counted by
     the gateway when it hands them to the dispatcher): 0.2 / 0.9 for a request that sets nothing,

@@ -13,8 +13,8 @@ from cluster.serve.config import load_serve_config
 from cluster.serve.memory import (GIB, L3_STAGING_HOST_RATIO, NODE_OVERHEAD_BYTES, WORKER_OVERHEAD_BYTES, ModelShape,
                                   auto_budget, plan_memory)
 
-# SmolLM2-135M's shape: 30 layers, 3 KV heads of 64, 162.8M parameters with its tied lm_head copy.
-SHAPE = ModelShape(num_params=162_826_560, num_linear_params=134_479_872, num_layers=30, num_kv_heads=3, head_dim=64)
+# SmolLM2-135M's shape: 30 layers, 3 KV heads of 64, 134.5M parameters (its lm_head is the embedding).
+SHAPE = ModelShape(num_params=134_515_008, num_linear_params=134_479_872, num_layers=30, num_kv_heads=3, head_dim=64)
 PAGE_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, fp32: 737,280
 
 
@@ -83,7 +83,7 @@ def test_model_shape_reads_the_safetensors_headers_only(tmp_path):
     raw = json.dumps(header).encode()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
     shape = ModelShape.read(tmp_path)
-    assert shape == ModelShape(num_params=3200 + 2048 + 32 + 3200, num_linear_params=2048 + 3200, num_layers=2,
+    assert shape == ModelShape(num_params=3200 + 2048 + 32, num_linear_params=2048 + 3200, num_layers=2,
                                num_kv_heads=2, head_dim=8)
 
 

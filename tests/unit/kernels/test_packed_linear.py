@@ -12,14 +12,14 @@ def make_linear(bias: bool, seed: int = 0) -> PackedLinear:
     gen = torch.Generator().manual_seed(seed)
     linear = PackedLinear(48, (40, 24), bias=bias)
     with torch.no_grad():
-        linear.weight_t.copy_(torch.randn(48, 64, generator=gen))
+        linear.weight.copy_(torch.randn(64, 48, generator=gen))
         if bias:
             linear.bias.copy_(torch.randn(64, generator=gen))
     return linear
 
 
 def reference(linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-    out = x.double() @ linear.weight_t.detach().double()
+    out = x.double() @ linear.weight.detach().double().t()
     return out + linear.bias.detach().double() if linear.bias is not None else out
 
 
@@ -47,7 +47,7 @@ def test_a_changed_weight_is_never_served_from_the_stale_copy():
     x = torch.randn(4, 48, generator=torch.Generator().manual_seed(2))
     assert linear.prepack_cpu()
     with torch.no_grad():
-        linear.weight_t.mul_(-2.0)  # in place, as an optimizer step
+        linear.weight.mul_(-2.0)  # in place, as an optimizer step
     assert not linear.is_prepacked
     with torch.inference_mode():
         torch.testing.assert_close(linear(x).double(), reference(linear, x), atol=1e-4, rtol=1e-4)
@@ -64,8 +64,8 @@ def test_training_takes_the_differentiable_matmul():
     assert linear.prepack_cpu()
     x = torch.randn(6, 48, requires_grad=True)
     linear(x).sum().backward()
-    torch.testing.assert_close(x.grad, linear.weight_t.detach().sum(1).expand(6, 48))
-    assert linear.weight_t.grad is not None
+    torch.testing.assert_close(x.grad, linear.weight.detach().sum(0).expand(6, 48))
+    assert linear.weight.grad is not None
 
 
 def test_prepack_applies_to_the_dtypes_this_cpu_packs():

@@ -39,7 +39,7 @@ def tiny_target_hidden(num_prompts: int = 12, max_new_tokens: int = 20) -> list[
 
 def tiny_target_head(vocab) -> torch.Tensor:
     """The tiny target's lm_head columns of the draft ids ``[h, draft_vocab]``."""
-    return tiny_models()[0].lm_head.weight_t.detach()[:, vocab.target_ids].clone()
+    return tiny_models()[0].lm_head.weight.detach()[vocab.target_ids].t().clone()
 
 
 def tiny_vocab(samples: list[Sample]):

@@ -57,8 +57,11 @@ log = logging.getLogger("tandem.bench")
 
 F32_GGUF_NAME = "smollm2-135m-instruct-f32.gguf"
 SOURCE_KEY = "tandem.f32_source"  # "<source file name>:<bytes>": which GGUF this file was made from
-ITL_TARGET = 1.5  # tandem's single-stream ITL p50 <= this x llama.cpp's
-TTFT_TARGET = 2.0  # tandem's cold TTFT <= this x llama.cpp's
+ITL_TARGET = 1.1  # tandem's single-stream ITL p50 <= this x llama.cpp's
+TTFT_TARGET = 1.3  # tandem's cold TTFT <= this x llama.cpp's
+TOKS_TARGET = 1.2  # tandem's output tok/s at the concurrency run >= this x llama.cpp's
+P99_ITL_TARGET = 0.5  # tandem's p99 inter-token gap at the concurrency run <= this x llama.cpp's
+READY_TARGET_S = 15.0  # tandem serve: start to ready, seconds (after a first start has filled its caches)
 SYSTEMS = ("llama.cpp", "tandem")
 
 
@@ -116,6 +119,8 @@ class SystemRun:
     concurrent_output_tokens: int
     memory: ProcessMemory | None = None  # every process of the server, after the runs
     peer: str = ""  # llama.cpp's: which server (llamacpp_peers.PEERS)
+    concurrent: tuple[StreamResult, ...] = ()  # the concurrency run's streams
+    ready_s: tuple[float, ...] = ()  # start to ready, per round
 
 
 def merge_runs(runs: list[SystemRun]) -> SystemRun:
@@ -125,7 +130,8 @@ def merge_runs(runs: list[SystemRun]) -> SystemRun:
     memories = [run.memory for run in runs if run.memory is not None]
     return SystemRun(runs[0].system, tuple(r for run in runs for r in run.itl), tuple(r for run in runs for r in run.ttft),
                      sum(run.concurrent_elapsed_s for run in runs), sum(run.concurrent_output_tokens for run in runs),
-                     max(memories, key=lambda m: m.rss_bytes, default=None), runs[0].peer)
+                     max(memories, key=lambda m: m.rss_bytes, default=None), runs[0].peer,
+                     tuple(r for run in runs for r in run.concurrent), tuple(s for run in runs for s in run.ready_s))
 
 
 def round_order(round_index: int) -> tuple[str, str]:
@@ -277,7 +283,8 @@ async def measure(url: str, headers: dict, prompts: Prompts, spec: BenchSpec, ex
         start_s = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(spec.concurrency)))
         elapsed_s = time.perf_counter() - start_s
-    return SystemRun("", tuple(itl), tuple(ttft), elapsed_s, sum(r.output_tokens for r in results))
+    return SystemRun("", tuple(itl), tuple(ttft), elapsed_s, sum(r.output_tokens for r in results),
+                     concurrent=tuple(results))
 
 
 def check_peer_tokens(peer, url: str, prompts: Prompts) -> None:
@@ -290,23 +297,27 @@ def check_peer_tokens(peer, url: str, prompts: Prompts) -> None:
 
 
 def run_peer(peer, gguf_path: Path, prompts: Prompts, spec: BenchSpec, args: argparse.Namespace) -> SystemRun:
+    start_s = time.perf_counter()
     server = peer.start(gguf_path, spec.threads, spec.concurrency, spec.context_len)
     try:
         wait_peer_ready(peer, server, args.ready_timeout_s)
+        ready_s = time.perf_counter() - start_s
         check_peer_tokens(peer, server.url, prompts)
         run = asyncio.run(measure(server.url, {}, prompts, spec, peer.extra_body))
         memory = memory_of(process_tree(server.proc.pid))
     finally:
         server.stop()
-    return dataclasses.replace(run, system="llama.cpp", memory=memory, peer=peer.name)
+    return dataclasses.replace(run, system="llama.cpp", memory=memory, peer=peer.name, ready_s=(ready_s,))
 
 
 def run_tandem(prompts: Prompts, spec: BenchSpec, args: argparse.Namespace) -> SystemRun:
     key = os.environ.get("TANDEM_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    start_s = time.perf_counter()
     server = SpawnedServer(tandem_serve_flags(args, spec.threads))
     try:
         wait_ready(server, headers, args.ready_timeout_s)
+        ready_s = time.perf_counter() - start_s
         run = asyncio.run(measure(server.url, headers, prompts, spec, {"ignore_eos": True,
                                                                        "stream_options": {"include_usage": True}}))
         memory = memory_of(tandem_serve_processes(server.proc.pid, Path(server.log_path).read_text(errors="replace")))
@@ -314,14 +325,19 @@ def run_tandem(prompts: Prompts, spec: BenchSpec, args: argparse.Namespace) -> S
         exit_code = server.stop()
     if exit_code != 0:
         raise RuntimeError(f"tandem serve exited with code {exit_code}")
-    return dataclasses.replace(run, system="tandem", memory=memory)
+    return dataclasses.replace(run, system="tandem", memory=memory, ready_s=(ready_s,))
 
 
 # ---- the summary ---------------------------------------------------------------------------------
 def system_figures(run: SystemRun) -> dict:
     gaps_s = [g for r in run.itl for g in r.frame_gaps_s]
     ttfts_s = [r.ttft_s for r in run.ttft]
-    return {"itl_p50_s": float(np.percentile(gaps_s, 50)) if gaps_s else None,
+    busy_gaps_s = [g for r in run.concurrent for g in r.frame_gaps_s]
+    busy_ttfts_s = [r.ttft_s for r in run.concurrent]
+    return {"itl_p50_s": _percentile(gaps_s, 50),
+            "concurrent_itl_p50_s": _percentile(busy_gaps_s, 50), "concurrent_itl_p99_s": _percentile(busy_gaps_s, 99),
+            "concurrent_ttft_p50_s": _percentile(busy_ttfts_s, 50),
+            "ready_s": max(run.ready_s) if run.ready_s else None, "ready_all_s": list(run.ready_s),
             "itl_mean_s": statistics.fmean(gaps_s) if gaps_s else None,
             "itl_num_gaps": len(gaps_s), "itl_output_tokens": [r.output_tokens for r in run.itl],
             "ttft_best_s": min(ttfts_s), "ttft_median_s": statistics.median(ttfts_s), "ttft_all_s": ttfts_s,
@@ -329,6 +345,10 @@ def system_figures(run: SystemRun) -> dict:
             "concurrent_elapsed_s": run.concurrent_elapsed_s,
             "concurrent_output_tokens_per_s": run.concurrent_output_tokens / run.concurrent_elapsed_s,
             "memory": None if run.memory is None else dataclasses.asdict(run.memory)}
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
 
 
 def ratio(tandem: float | None, llamacpp: float | None) -> float | None:
@@ -343,18 +363,26 @@ def summarize(runs: dict[str, SystemRun], spec: BenchSpec) -> dict:
     """Figures per system, tandem / llama.cpp ratios with the targets, and the greedy texts' agreement."""
     figures = {name: system_figures(run) for name, run in runs.items()}
     ours, theirs = figures["tandem"], figures["llama.cpp"]
+    def entry(key: str, target_max: float | None = None, target_min: float | None = None) -> dict:
+        value = ratio(ours[key], theirs[key])
+        met = None if value is None or (target_max is None and target_min is None) else \
+            (target_max is None or value <= target_max) and (target_min is None or value >= target_min)
+        return {"ratio": value, "target_max": target_max, "target_min": target_min, "met": met}
+
     ratios = {
-        "itl_p50": {"ratio": ratio(ours["itl_p50_s"], theirs["itl_p50_s"]), "target_max": ITL_TARGET},
-        "ttft_best": {"ratio": ratio(ours["ttft_best_s"], theirs["ttft_best_s"]), "target_max": TTFT_TARGET},
-        "ttft_median": {"ratio": ratio(ours["ttft_median_s"], theirs["ttft_median_s"]), "target_max": TTFT_TARGET},
-        "concurrent_output_tokens_per_s": {"ratio": ratio(ours["concurrent_output_tokens_per_s"],
-                                                          theirs["concurrent_output_tokens_per_s"]),
-                                           "target_max": None},
-        "rss": {"ratio": ratio(_rss(ours), _rss(theirs)), "target_max": None},
+        "itl_p50": entry("itl_p50_s", ITL_TARGET),
+        "ttft_best": entry("ttft_best_s", TTFT_TARGET),
+        "ttft_median": entry("ttft_median_s", TTFT_TARGET),
+        "concurrent_output_tokens_per_s": entry("concurrent_output_tokens_per_s", target_min=TOKS_TARGET),
+        "concurrent_itl_p50": entry("concurrent_itl_p50_s"),
+        "concurrent_itl_p99": entry("concurrent_itl_p99_s", P99_ITL_TARGET),
+        "concurrent_ttft_p50": entry("concurrent_ttft_p50_s"),
+        "ready": entry("ready_s"),
+        "rss": {"ratio": ratio(_rss(ours), _rss(theirs)), "target_max": None, "target_min": None, "met": None},
     }
-    for entry in ratios.values():
-        limit = entry["target_max"]
-        entry["met"] = None if limit is None or entry["ratio"] is None else entry["ratio"] <= limit
+    ready = ours["ready_s"]
+    ratios["ready"]["tandem_target_max_s"] = READY_TARGET_S
+    ratios["ready"]["tandem_met"] = None if ready is None else ready <= READY_TARGET_S
     text_ours, text_theirs = runs["tandem"].itl[0].text, runs["llama.cpp"].itl[0].text
     return {"spec": dataclasses.asdict(spec), "peer": runs["llama.cpp"].peer, "systems": figures,
             "ratios_tandem_over_llamacpp": ratios,
@@ -372,18 +400,20 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 def format_table(summary: dict) -> str:
     spec, sys_, rat = summary["spec"], summary["systems"], summary["ratios_tandem_over_llamacpp"]
+    conc = spec["concurrency"]
     rows = [("single stream ITL p50 (ms)", "itl_p50_s", 1e3, "itl_p50"),
             (f"cold TTFT {spec['ttft_prompt_len']} tok, best (ms)", "ttft_best_s", 1e3, "ttft_best"),
             (f"cold TTFT {spec['ttft_prompt_len']} tok, median (ms)", "ttft_median_s", 1e3, "ttft_median"),
-            (f"concurrency {spec['concurrency']} output tok/s", "concurrent_output_tokens_per_s", 1.0,
-             "concurrent_output_tokens_per_s")]
+            (f"concurrency {conc} output tok/s", "concurrent_output_tokens_per_s", 1.0, "concurrent_output_tokens_per_s"),
+            (f"concurrency {conc} ITL p50 (ms)", "concurrent_itl_p50_s", 1e3, "concurrent_itl_p50"),
+            (f"concurrency {conc} ITL p99 (ms)", "concurrent_itl_p99_s", 1e3, "concurrent_itl_p99"),
+            (f"concurrency {conc} TTFT p50 (ms)", "concurrent_ttft_p50_s", 1e3, "concurrent_ttft_p50"),
+            ("start to ready, slowest round (s)", "ready_s", 1.0, "ready")]
     rss_mib = {name: None if _rss(sys_[name]) is None else _rss(sys_[name]) / 2**20 for name in SYSTEMS}
     lines = [f"{'threads ' + str(spec['threads']):<36}{'llama.cpp':>11}{'tandem':>10}{'ratio':>9}{'target':>10}"]
     for label, key, scale, ratio_key in rows:
-        entry = rat[ratio_key]
-        target = "" if entry["target_max"] is None else f"<={entry['target_max']}x " + ("ok" if entry["met"] else "MISS")
         lines.append(f"{label:<36}{_fmt(sys_['llama.cpp'][key], scale):>11}{_fmt(sys_['tandem'][key], scale):>10}"
-                     f"{_fmt(entry['ratio'], digits=2) + 'x':>9}  {target}")
+                     f"{_fmt(rat[ratio_key]['ratio'], digits=2) + 'x':>9}  {_target_text(rat[ratio_key])}")
     lines.append(f"{'server RSS, all processes (MiB)':<36}{_fmt(rss_mib['llama.cpp'], digits=0):>11}"
                  f"{_fmt(rss_mib['tandem'], digits=0):>10}{_fmt(rat['rss']['ratio'], digits=2) + 'x':>9}")
     greedy = summary["greedy_first_stream"]
@@ -394,6 +424,30 @@ def format_table(summary: dict) -> str:
     lines.append(f"llama.cpp's server: {summary['peer']}")
     lines += [f"{name} memory after the runs: {_memory_text(sys_[name]['memory'])}" for name in SYSTEMS]
     return "\n".join(lines)
+
+
+def _target_text(entry: dict) -> str:
+    if "tandem_target_max_s" in entry:
+        met = entry["tandem_met"]
+        return f"tandem <={entry['tandem_target_max_s']:.0f}s " + ("n/a" if met is None else "ok" if met else "MISS")
+    if entry["target_max"] is None and entry["target_min"] is None:
+        return ""
+    bound = f"<={entry['target_max']}x" if entry["target_max"] is not None else f">={entry['target_min']}x"
+    return f"{bound} " + ("n/a" if entry["met"] is None else "ok" if entry["met"] else "MISS")
+
+
+ROUND_KEYS = (("single stream ITL p50 (ms)", "itl_p50_s", 1e3), ("cold TTFT median (ms)", "ttft_median_s", 1e3),
+              ("concurrency output tok/s", "concurrent_output_tokens_per_s", 1.0),
+              ("concurrency ITL p99 (ms)", "concurrent_itl_p99_s", 1e3), ("start to ready (s)", "ready_s", 1.0))
+
+
+def round_lines(per_round: dict[str, list[dict]]) -> list[str]:
+    """Each key figure round by round (the spread behind the pooled figures above)."""
+    lines = ["per round (llama.cpp | tandem):"]
+    for label, key, scale in ROUND_KEYS:
+        cells = [" ".join(_fmt(f[key], scale) for f in per_round[name]) for name in SYSTEMS]
+        lines.append(f"  {label:<34}{cells[0]} | {cells[1]}")
+    return lines
 
 
 def _memory_text(memory: dict | None) -> str:
@@ -432,7 +486,9 @@ def bench_llamacpp(args: argparse.Namespace) -> int:
             rounds[name].append(run)
     summary = summarize({name: merge_runs(runs) for name, runs in rounds.items()}, spec)
     summary["rounds"] = args.repeats
+    summary["per_round"] = {name: [system_figures(run) for run in runs] for name, runs in rounds.items()}
     print(format_table(summary))
+    print("\n".join(round_lines(summary["per_round"])))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0

@@ -7,6 +7,8 @@ memory summed over a server's processes. No pool is involved."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -19,7 +21,8 @@ import pytest
 
 import cluster.bench.llamacpp as bench
 from cluster.bench.llamacpp import (BenchSpec, StreamResult, SystemRun, ensure_f32_gguf, f32_gguf_source,
-                                    format_table, make_prompts, summarize, tandem_serve_flags, write_f32_gguf)
+                                    format_table, make_prompts, round_lines, summarize, system_figures,
+                                    tandem_serve_flags, write_f32_gguf)
 from cluster.bench.llamacpp_peers import LLAMA_SERVER_ENV, PEERS, LlamaServerPeer, find_llama_server
 from cluster.bench.proc_memory import ProcessMemory, memory_of, process_tree, tandem_serve_processes
 from cluster.bench.serve import load_config
@@ -151,31 +154,46 @@ def test_summary_ratios_against_the_targets():
     spec = BenchSpec(threads=2, itl_runs=2, ttft_runs=3, concurrency=16)
     llamacpp = SystemRun("llama.cpp", (_stream([10, 10, 12], text=" the cat sat"), _stream([10, 30])),
                          tuple(_stream([], ttft_s=t) for t in (1.0, 1.2, 1.1)), 10.0, 1000,
-                         ProcessMemory(1, 1000 * 2**20, 900 * 2**20), "llama-server")
-    tandem = SystemRun("tandem", (_stream([14, 16, 15], text=" the cat ran"), _stream([15, 40])),
-                       tuple(_stream([], ttft_s=t) for t in (2.4, 2.0, 2.3)), 10.0, 500,
-                       ProcessMemory(9, 3000 * 2**20, None))
+                         ProcessMemory(1, 1000 * 2**20, 900 * 2**20), "llama-server",
+                         concurrent=(_stream([100] * 99 + [300], ttft_s=3.0), _stream([100], ttft_s=4.0)),
+                         ready_s=(1.2,))
+    tandem = SystemRun("tandem", (_stream([10.5, 11, 10.6], text=" the cat ran"), _stream([10.8, 40])),
+                       tuple(_stream([], ttft_s=t) for t in (1.2, 1.1, 1.5)), 10.0, 1250,
+                       ProcessMemory(9, 3000 * 2**20, None),
+                       concurrent=(_stream([50] * 100, ttft_s=2.0), _stream([60], ttft_s=3.0)), ready_s=(11.0, 16.0))
     summary = summarize({"llama.cpp": llamacpp, "tandem": tandem}, spec)
 
     theirs, ours = summary["systems"]["llama.cpp"], summary["systems"]["tandem"]
-    assert theirs["itl_p50_s"] == pytest.approx(0.010) and ours["itl_p50_s"] == pytest.approx(0.015)
+    assert theirs["itl_p50_s"] == pytest.approx(0.010) and ours["itl_p50_s"] == pytest.approx(0.0108)
     assert theirs["itl_num_gaps"] == 5 and theirs["itl_output_tokens"] == [4, 3]
     assert (theirs["ttft_best_s"], theirs["ttft_median_s"]) == (1.0, 1.1)
-    assert (ours["ttft_best_s"], ours["ttft_median_s"]) == (2.0, 2.3)
-    assert ours["concurrent_output_tokens_per_s"] == 50.0 and theirs["concurrent_output_tokens_per_s"] == 100.0
+    assert (ours["ttft_best_s"], ours["ttft_median_s"]) == (1.1, 1.2)
+    assert ours["concurrent_output_tokens_per_s"] == 125.0 and theirs["concurrent_output_tokens_per_s"] == 100.0
+    assert theirs["concurrent_itl_p99_s"] == pytest.approx(0.102, abs=0.002)  # 1 gap of 101 is slow
+    assert ours["concurrent_itl_p50_s"] == pytest.approx(0.050) and ours["concurrent_ttft_p50_s"] == 2.5
+    assert ours["ready_s"] == 16.0 and ours["ready_all_s"] == [11.0, 16.0]  # the slowest round
     ratios = summary["ratios_tandem_over_llamacpp"]
-    assert ratios["itl_p50"]["ratio"] == pytest.approx(1.5) and ratios["itl_p50"]["met"] is True
-    assert ratios["ttft_best"]["ratio"] == pytest.approx(2.0) and ratios["ttft_best"]["met"] is True
-    assert ratios["ttft_median"]["ratio"] == pytest.approx(2.3 / 1.1) and ratios["ttft_median"]["met"] is False
-    assert ratios["concurrent_output_tokens_per_s"] == {"ratio": 0.5, "target_max": None, "met": None}
-    assert ratios["rss"] == {"ratio": 3.0, "target_max": None, "met": None}
+    assert ratios["itl_p50"]["ratio"] == pytest.approx(1.08) and ratios["itl_p50"]["met"] is True  # <= 1.1x
+    assert ratios["ttft_best"]["ratio"] == pytest.approx(1.1) and ratios["ttft_best"]["met"] is True  # <= 1.3x
+    assert ratios["ttft_median"]["ratio"] == pytest.approx(1.2 / 1.1) and ratios["ttft_median"]["met"] is True
+    tok = ratios["concurrent_output_tokens_per_s"]
+    assert tok["ratio"] == 1.25 and tok["target_min"] == 1.2 and tok["met"] is True  # >= 1.2x
+    assert ratios["concurrent_itl_p99"]["target_max"] == 0.5 and ratios["concurrent_itl_p99"]["met"] is True
+    assert ratios["ready"]["tandem_met"] is False  # 16 s > 15 s
+    assert ratios["rss"]["ratio"] == 3.0 and ratios["rss"]["met"] is None
     assert summary["greedy_first_stream"] == {"common_prefix_chars": 9, "tandem_chars": 12, "llamacpp_chars": 12}
     assert summary["peer"] == "llama-server" and ours["memory"]["num_processes"] == 9
     table = format_table(summary)
-    assert "single stream ITL p50 (ms)" in table and "1.50x" in table and "MISS" in table
+    assert "single stream ITL p50 (ms)" in table and "1.08x" in table and ">=1.2x ok" in table
+    assert "concurrency 16 ITL p99 (ms)" in table and "tandem <=15s MISS" in table
     assert "server RSS, all processes (MiB)" in table and "3.00x" in table
     assert "tandem memory after the runs: RSS 3000 MiB, PSS n/a MiB, summed over 9 processes" in table
     assert "llama.cpp memory after the runs: RSS 1000 MiB, PSS 900 MiB, summed over 1 processes" in table
+    lines = round_lines({"llama.cpp": [system_figures(llamacpp)], "tandem": [system_figures(tandem)]})
+    assert any(line.startswith("  concurrency output tok/s") and line.endswith("100.0 | 125.0") for line in lines)
+    slow = dataclasses.replace(tandem, concurrent=(_stream([500] * 100),), concurrent_output_tokens=900)
+    ratios = summarize({"llama.cpp": llamacpp, "tandem": slow}, spec)["ratios_tandem_over_llamacpp"]
+    assert ratios["concurrent_output_tokens_per_s"]["met"] is False and ratios["concurrent_itl_p99"]["met"] is False
 
 
 def test_missing_llama_cpp_python_says_how_to_install_it(monkeypatch, capsys):

@@ -25,9 +25,10 @@ servers get `ignore_eos` and stream exact lengths; llama-cpp-python's server can
 without a Python logits processor on every token, so its streams may end early and count what arrived.
 
 The weights: the bundled SmolLM2 GGUF is quantized (Q4_1, Q8_0 embeddings). tandem loads it
-dequantized to float32; llama.cpp gets the same values as an f32 GGUF, each tensor dequantized with
+dequantized to float32 (`--dtype bfloat16`: cast to bf16); llama.cpp gets the same values as an f32
+(bf16: matrices bf16, norms f32) GGUF, each tensor dequantized with
 gguf's reference dequantizer and the metadata copied, written once into
-`cache_root/models/smollm2-135m-instruct-f32.gguf` (stamped with its source, rebuilt when stale).
+`cache_root/models/smollm2-135m-instruct-{f32,bf16}.gguf` (stamped with its source, rebuilt when stale).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ from cluster.bench.serve import QUEUE_ALL_SETS, SpawnedServer, load_config, wait
 
 log = logging.getLogger("tandem.bench")
 
-F32_GGUF_NAME = "smollm2-135m-instruct-f32.gguf"
+GGUF_NAMES = {"float32": "smollm2-135m-instruct-f32.gguf", "bfloat16": "smollm2-135m-instruct-bf16.gguf"}
+"""llama.cpp's copy of the bundled SmolLM2 per `--dtype`, in the cache."""
+F32_GGUF_NAME = GGUF_NAMES["float32"]
 SOURCE_KEY = "tandem.f32_source"  # "<source file name>:<bytes>": which GGUF this file was made from
 ITL_TARGET = 1.1  # tandem's single-stream ITL p50 <= this x llama.cpp's
 TTFT_TARGET = 1.3  # tandem's cold TTFT <= this x llama.cpp's
@@ -140,11 +143,16 @@ def round_order(round_index: int) -> tuple[str, str]:
     return SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
 
 
-# ---- the f32 GGUF --------------------------------------------------------------------------------
-def write_f32_gguf(source: Path, out_path: Path, source_tag: str) -> None:
+# ---- llama.cpp's GGUF ----------------------------------------------------------------------------
+def write_gguf(source: Path, out_path: Path, source_tag: str, dtype: str = "float32") -> None:
     """`source` with every tensor dequantized to float32 (gguf's reference dequantizer, the values
-    tandem loads) and all its metadata, `general.file_type` = ALL_F32 and `SOURCE_KEY` = `source_tag`."""
+    tandem loads) and all its metadata, `SOURCE_KEY` = `source_tag`. bfloat16: every matrix rounded
+    to bf16 (to nearest even, as torch's cast rounds the same values for tandem), the 1-D norm
+    weights kept in f32 as llama.cpp's own converter keeps them; `general.file_type` says which."""
     import gguf
+
+    if dtype not in GGUF_NAMES:
+        raise ValueError(f"no GGUF of dtype {dtype!r} (one of {sorted(GGUF_NAMES)})")
 
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(out_path, reader.fields["general.architecture"].contents())
@@ -153,19 +161,24 @@ def write_f32_gguf(source: Path, out_path: Path, source_tag: str) -> None:
             continue  # the header's own fields, the one the writer adds, the one that changes
         is_array = field.types[0] == gguf.GGUFValueType.ARRAY
         writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if is_array else None)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    bf16 = dtype == "bfloat16"
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
     writer.add_string(SOURCE_KEY, source_tag)
     for tensor in reader.tensors:  # numpy shape = ggml's ne reversed, so the writer restores ne
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        writer.add_tensor(tensor.name, np.ascontiguousarray(values, dtype=np.float32))
+        values = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if bf16 and values.ndim >= 2:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(tensor.name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def f32_gguf_source(path: Path) -> str | None:
-    """The `SOURCE_KEY` stamp of an f32 GGUF; None when the file is absent, unreadable or unstamped."""
+def gguf_source(path: Path) -> str | None:
+    """The `SOURCE_KEY` stamp of a GGUF `write_gguf` wrote; None when the file is absent, unreadable or unstamped."""
     import gguf
 
     try:
@@ -175,21 +188,22 @@ def f32_gguf_source(path: Path) -> str | None:
     return None if field is None else field.contents()
 
 
-def ensure_f32_gguf(cache_root: Path | None = None) -> Path:
-    """The f32 GGUF of the bundled SmolLM2, converted once (a tmp file renamed into place)."""
+def ensure_gguf(cache_root: Path | None = None, dtype: str = "float32") -> Path:
+    """The `dtype` GGUF of the bundled SmolLM2 for llama.cpp, converted once (a tmp file renamed into place)."""
     from kernels.model.convert import default_cache_root, smollm2_gguf_path
 
     source = smollm2_gguf_path()
     tag = f"{source.name}:{source.stat().st_size}"
-    final = (cache_root or default_cache_root()) / "models" / F32_GGUF_NAME
-    if f32_gguf_source(final) == tag:
+    name = GGUF_NAMES[dtype]
+    final = (cache_root or default_cache_root()) / "models" / name
+    if gguf_source(final) == tag:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    log.info("writing the f32 GGUF for llama.cpp (once): %s -> %s", source.name, final)
-    fd, tmp = tempfile.mkstemp(prefix=f".{F32_GGUF_NAME}.tmp-", dir=final.parent)
+    log.info("writing the %s GGUF for llama.cpp (once): %s -> %s", dtype, source.name, final)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=final.parent)
     os.close(fd)
     try:
-        write_f32_gguf(source, Path(tmp), tag)
+        write_gguf(source, Path(tmp), tag, dtype)
         os.chmod(tmp, 0o644)
         os.replace(tmp, final)  # atomic: a concurrent reader sees the old file or the whole new one
     finally:
@@ -236,7 +250,9 @@ def tandem_serve_flags(args: argparse.Namespace, threads: int) -> list[str]:
     config = load_config(given)
     groups = [g for g in ("prefill", "decode", "colocated") if getattr(config, g).count]
     share = max(1, threads // sum(getattr(config, g).count for g in groups))
-    sets = [*QUEUE_ALL_SETS, *(f"{g}.torch_threads={share}" for g in groups), *args.set]
+    dtype = getattr(args, "dtype", "float32")
+    sets = [*QUEUE_ALL_SETS, *(f"{g}.torch_threads={share}" for g in groups),
+            *([f"engine.dtype={dtype}"] if dtype != "float32" else []), *args.set]
     return [*(["--config", args.config] if args.config else []), *(f for s in sets for f in ("--set", s))]
 
 
@@ -474,8 +490,8 @@ def bench_llamacpp(args: argparse.Namespace) -> int:
                      args.ttft_runs, args.concurrency, args.num_requests, args.seed)
     model = load_config(tandem_serve_flags(args, spec.threads)).model
     if model != "smollm2" and args.gguf is None:
-        raise ValueError(f"tandem serves {model!r}: pass --gguf with the same weights in f32 for llama.cpp")
-    gguf_path = Path(args.gguf) if args.gguf else ensure_f32_gguf()
+        raise ValueError(f"tandem serves {model!r}: pass --gguf with the same weights for llama.cpp")
+    gguf_path = Path(args.gguf) if args.gguf else ensure_gguf(dtype=args.dtype)
     prompts = make_prompts(spec, load_tokenizer(resolve_model_dir(model)))
     log.info("llama.cpp's %s (%s) and tandem serve, one after the other, %d round(s); %d threads each", peer.name,
              gguf_path.name, args.repeats, spec.threads)

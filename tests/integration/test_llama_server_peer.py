@@ -13,7 +13,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from cluster.bench.llamacpp import ensure_f32_gguf
+from cluster.bench.llamacpp import ensure_gguf
 from cluster.bench.llamacpp_peers import LlamaServerPeer, find_llama_server, wait_peer_ready
 from cluster.bench.load.client import LoadShape, Target, run_client
 from cluster.bench.load.datasets import SampleRequest
@@ -30,7 +30,7 @@ def llama_server():
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     peer = LlamaServerPeer(binary, [])
-    server = peer.start(ensure_f32_gguf(), threads=2, num_slots=NUM_SLOTS, tokens_per_sequence=64)
+    server = peer.start(ensure_gguf(), threads=2, num_slots=NUM_SLOTS, tokens_per_sequence=64)
     try:
         wait_peer_ready(peer, server, 300)
         yield peer, server

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import cluster.bench.llamacpp as bench
-from cluster.bench.llamacpp import (BenchSpec, StreamResult, SystemRun, ensure_f32_gguf, f32_gguf_source,
+from cluster.bench.llamacpp import (BenchSpec, StreamResult, SystemRun, ensure_gguf, gguf_source,
                                     format_table, make_prompts, round_lines, summarize, system_figures,
-                                    tandem_serve_flags, write_f32_gguf)
+                                    tandem_serve_flags, write_gguf)
 from cluster.bench.llamacpp_peers import LLAMA_SERVER_ENV, PEERS, LlamaServerPeer, find_llama_server
 from cluster.bench.proc_memory import ProcessMemory, memory_of, process_tree, tandem_serve_processes
 from cluster.bench.serve import load_config
@@ -69,7 +69,7 @@ def _fields(reader) -> dict:
 def test_f32_gguf_has_the_dequantized_values_and_the_metadata(tmp_path):
     original = _original_tensors()
     _write_source(tmp_path / "src.gguf", original)
-    write_f32_gguf(tmp_path / "src.gguf", tmp_path / "f32.gguf", "src.gguf:123")
+    write_gguf(tmp_path / "src.gguf", tmp_path / "f32.gguf", "src.gguf:123")
 
     source, out = gguf.GGUFReader(tmp_path / "src.gguf"), gguf.GGUFReader(tmp_path / "f32.gguf")
     assert [t.name for t in out.tensors] == [t.name for t in source.tensors]
@@ -84,9 +84,30 @@ def test_f32_gguf_has_the_dequantized_values_and_the_metadata(tmp_path):
 
     expected = {**_fields(source), "general.file_type": int(gguf.LlamaFileType.ALL_F32), bench.SOURCE_KEY: "src.gguf:123"}
     assert _fields(out) == expected
-    assert f32_gguf_source(tmp_path / "f32.gguf") == "src.gguf:123"
-    assert f32_gguf_source(tmp_path / "absent.gguf") is None
-    assert f32_gguf_source(tmp_path / "src.gguf") is None  # a GGUF this bench did not write
+    assert gguf_source(tmp_path / "f32.gguf") == "src.gguf:123"
+    assert gguf_source(tmp_path / "absent.gguf") is None
+    assert gguf_source(tmp_path / "src.gguf") is None  # a GGUF this bench did not write
+
+
+def test_bf16_gguf_rounds_the_matrices_as_torch_does_and_keeps_the_norms_f32(tmp_path):
+    import torch
+
+    _write_source(tmp_path / "src.gguf", _original_tensors())
+    write_gguf(tmp_path / "src.gguf", tmp_path / "bf16.gguf", "src.gguf:123", "bfloat16")
+    source, out = gguf.GGUFReader(tmp_path / "src.gguf"), gguf.GGUFReader(tmp_path / "bf16.gguf")
+    assert _fields(out)["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_BF16)
+    for src_tensor, out_tensor in zip(source.tensors, out.tensors):
+        assert list(out_tensor.shape) == list(src_tensor.shape), src_tensor.name
+        f32 = gguf.quants.dequantize(src_tensor.data, src_tensor.tensor_type).astype(np.float32)
+        got = gguf.quants.dequantize(out_tensor.data, out_tensor.tensor_type)
+        if f32.ndim >= 2:  # tandem's bf16 engine casts the same float32 values with torch
+            assert out_tensor.tensor_type == gguf.GGMLQuantizationType.BF16, src_tensor.name
+            np.testing.assert_array_equal(got, torch.from_numpy(f32).to(torch.bfloat16).float().numpy())
+        else:
+            assert out_tensor.tensor_type == gguf.GGMLQuantizationType.F32, src_tensor.name
+            np.testing.assert_array_equal(got, f32)
+    with pytest.raises(ValueError, match="float16"):
+        write_gguf(tmp_path / "src.gguf", tmp_path / "f16.gguf", "src.gguf:123", "float16")
 
 
 def test_f32_gguf_is_written_once_and_again_when_its_source_changes(tmp_path, monkeypatch):
@@ -94,21 +115,21 @@ def test_f32_gguf_is_written_once_and_again_when_its_source_changes(tmp_path, mo
     source.parent.mkdir()
     _write_source(source, _original_tensors())
     monkeypatch.setattr("kernels.model.convert.smollm2_gguf_path", lambda: source)
-    path = ensure_f32_gguf(tmp_path / "cache")
+    path = ensure_gguf(tmp_path / "cache")
     assert path == tmp_path / "cache" / "models" / bench.F32_GGUF_NAME
-    assert f32_gguf_source(path) == f"SmolLM2.gguf:{source.stat().st_size}"
+    assert gguf_source(path) == f"SmolLM2.gguf:{source.stat().st_size}"
 
     def refuse(*_):
         raise AssertionError("converted again although the cached file is current")
 
-    monkeypatch.setattr(bench, "write_f32_gguf", refuse)
-    assert ensure_f32_gguf(tmp_path / "cache") == path
+    monkeypatch.setattr(bench, "write_gguf", refuse)
+    assert ensure_gguf(tmp_path / "cache") == path
     monkeypatch.undo()
     monkeypatch.setattr("kernels.model.convert.smollm2_gguf_path", lambda: source)
     with open(source, "ab") as handle:  # a different source: the stamp no longer matches
         handle.write(b"\0" * 32)
-    assert ensure_f32_gguf(tmp_path / "cache") == path
-    assert f32_gguf_source(path) == f"SmolLM2.gguf:{source.stat().st_size}"
+    assert ensure_gguf(tmp_path / "cache") == path
+    assert gguf_source(path) == f"SmolLM2.gguf:{source.stat().st_size}"
     assert sorted(p.name for p in path.parent.iterdir()) == [bench.F32_GGUF_NAME]  # no tmp file left
 
 
@@ -135,6 +156,10 @@ def test_tandem_workers_share_the_threads_and_the_users_sets_win():
     config = load_config(tandem_serve_flags(args, args.threads))
     assert (config.prefill.torch_threads, config.decode.torch_threads) == (2, 2)  # 4 cores, 2 workers
     assert config.cluster.lend_idle_cores  # a busy worker borrows the idle one's
+    assert config.decode.engine.dtype == "float32"
+    args = build_parser().parse_args(["bench", "llamacpp", "--dtype", "bfloat16"])
+    config = load_config(tandem_serve_flags(args, args.threads))
+    assert config.prefill.engine.dtype == config.decode.engine.dtype == "bfloat16"
     assert config.router.max_queued_requests == 100000  # queues the concurrency run instead of refusing it
     args = build_parser().parse_args(["bench", "llamacpp", "--threads", "2", "--set", "prefill.count=0",
                                       "--set", "decode.count=0", "--set", "colocated.count=1",
@@ -273,7 +298,7 @@ def test_repeated_rounds_alternate_which_server_goes_first_and_pool_every_sample
         return run
 
     monkeypatch.setattr(bench, "make_peer", lambda args: SimpleNamespace(name="llama-server"))
-    monkeypatch.setattr(bench, "ensure_f32_gguf", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(bench, "ensure_gguf", lambda dtype: tmp_path / "model.gguf")
     monkeypatch.setattr("kernels.model.loader.resolve_model_dir", lambda model: tmp_path)
     monkeypatch.setattr("kernels.model.tokenizer.load_tokenizer", lambda path: None)
     monkeypatch.setattr(bench, "make_prompts", lambda spec, tokenizer: None)
@@ -292,6 +317,7 @@ def test_repeated_rounds_alternate_which_server_goes_first_and_pool_every_sample
     assert theirs["concurrent_output_tokens_per_s"] == pytest.approx(300 / 6.0)  # total tokens / total seconds
     assert ours["concurrent_output_tokens_per_s"] == pytest.approx(900 / 6.0)
     assert summary["rounds"] == 3
+    assert [f["itl_p50_s"] for f in summary["per_round"]["tandem"]] == pytest.approx([0.022, 0.023, 0.026])
 
 
 def test_repeats_below_one_are_refused(monkeypatch, capsys):

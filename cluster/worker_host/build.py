@@ -35,15 +35,15 @@ def build_worker(spec: WorkerSpec, transport=None):
 
     from cluster.cli.args import with_default_draft
     from kernels.kv_layout import TORCH_DTYPES
-    from kernels.model.loader import load_model
+    from kernels.model.loader import load_for_serving
 
     torch.set_num_threads(spec.torch_threads)
     engine = with_default_draft(spec.engine)  # this node's cached head
     if spec.role == "prefill":  # it never decodes: compiling its decode step would only delay its start
         engine = dataclasses.replace(engine, cpu_compile=False)
     spec = dataclasses.replace(spec, engine=engine)
-    loaded = load_model(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype],
-                        backend=spec.engine.attention_backend)
+    loaded = load_for_serving(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype],
+                              backend=spec.engine.attention_backend)
     model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, l3=spec.l3)
     if spec.role == "colocated":
         from decode_worker.worker import ColocatedWorker

@@ -20,7 +20,7 @@ from kernels.model.arch import LlamaArch
 from kernels.model.convert import SMOLLM2_SPEC, ensure_smollm2, resolve_model_dir  # noqa: F401 (re-exported)
 from kernels.model.llama import LlamaForCausalLM
 from kernels.model.tiny import make_tiny_llama, tiny_llama_config
-from kernels.model.tokenizer import load_hf_tokenizer
+from kernels.model.tokenizer import load_hf_tokenizer, load_tokenizer
 
 __all__ = [
     "LoadedModel",
@@ -92,6 +92,37 @@ def load_model(
         model_dir=model_dir,
         eos_token_ids=eos_token_ids(hf_config, tokenizer, model_dir),
     )
+
+
+ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "rms_norm_eps", "max_position_embeddings")
+"""config.json fields `LlamaArch.from_hf_config` reads without a default."""
+
+
+def read_config(model_dir: Path) -> Any:
+    """config.json as an attribute namespace where it names every field the architecture needs
+    without a default (`ARCH_FIELDS`), else transformers' AutoConfig (which fills model defaults)."""
+    from types import SimpleNamespace
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if all(key in raw for key in ARCH_FIELDS):
+        return SimpleNamespace(**raw)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def load_for_serving(spec: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                     backend: str = "torch", cache_dir: Path | None = None) -> LoadedModel:
+    """`load_model` for a worker: the config read as JSON (`read_config`) and the gateway's tokenizer
+    (`load_tokenizer`: the `tokenizers` library), so a worker never imports transformers, which took
+    ~2.5 s of each worker's start on 2 cores (both workers start at once). Same weights, same ids."""
+    model_dir = resolve_model_dir(spec, cache_dir)
+    hf_config = read_config(model_dir)
+    model = build_model(model_dir, hf_config, device, dtype, backend)
+    tokenizer = load_tokenizer(model_dir)
+    return LoadedModel(model=model, arch=model.arch, hf_config=hf_config, tokenizer=tokenizer, model_dir=model_dir,
+                       eos_token_ids=eos_token_ids(hf_config, tokenizer, model_dir))
 
 
 def _as_id_list(value: Any) -> list[int]:

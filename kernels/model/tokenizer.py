@@ -58,6 +58,12 @@ class ServingTokenizer:
     def __len__(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of tokenizer_config.json's `eos_token` (None without one), as transformers gives it."""
+        text = self.special_tokens.get("eos_token")
+        return None if text is None else self._tokenizer.token_to_id(text)
+
     def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, list]:
         """{"input_ids": ids} of one text, or a list of ids per text of a list."""
         if isinstance(text, str):

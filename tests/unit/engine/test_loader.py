@@ -120,3 +120,30 @@ def test_concurrent_conversions_run_once(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert calls == [1] and len(set(results)) == 1 and len(results) == 3
+
+
+def test_a_worker_loads_the_same_model_without_importing_transformers(smollm2_dir, tmp_path):
+    """`load_for_serving` (what a worker builds from) reads config.json and the fast tokenizer
+    directly: the same architecture, eos ids and weights as `load_model`, and transformers (~2.5 s
+    of a worker's start) is never imported; a config that lacks a field falls back to AutoConfig."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from kernels.model.loader import load_for_serving, read_config
+
+    code = ("import sys; from kernels.model.loader import load_for_serving; m = load_for_serving('smollm2'); "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[3]).stdout.split()
+    full, light = load_model("smollm2"), load_for_serving("smollm2")
+    assert out == ["False"], out
+    assert light.arch == full.arch and light.eos_token_ids == full.eos_token_ids
+    assert all(torch.equal(a, b) for a, b in zip(light.model.state_dict().values(), full.model.state_dict().values()))
+    ids = full.tokenizer.encode("Hello there, how are you?")
+    assert light.tokenizer.decode(ids, skip_special_tokens=True) == full.tokenizer.decode(ids, skip_special_tokens=True)
+    raw = json.loads((smollm2_dir / "config.json").read_text())
+    del raw["rms_norm_eps"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert type(read_config(tmp_path)).__name__ == "LlamaConfig"  # transformers fills the default

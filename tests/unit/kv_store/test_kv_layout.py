@@ -1,4 +1,4 @@
-"""A CPU KV pool: zeroed, cache-line aligned, and resident only as far as it is used."""
+"""A CPU KV pool: zeroed, each tensor its own storage, and resident only as far as it is used."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_a_cpu_pool_is_zero_aligned_and_costs_memory_only_where_written():
+def test_a_cpu_pool_is_zeroed_owns_its_storage_and_costs_memory_only_where_written():
     before = resident_bytes()
     kv = KVCacheTensors.allocate(8, 4096, 16, 4, 64, torch.float32, "cpu")  # 1 GiB of K and V
     layer_bytes = kv.k[0].numel() * 4
     assert resident_bytes() - before < layer_bytes  # nothing touched yet: not resident
-    assert all(t.data_ptr() % 64 == 0 and t.is_contiguous() for t in (*kv.k, *kv.v))
+    assert all(t.is_contiguous() and not t._is_view() and t.storage_offset() == 0
+               and t.untyped_storage().nbytes() == layer_bytes for t in (*kv.k, *kv.v))
     ends = sorted((t.data_ptr(), t.data_ptr() + layer_bytes) for t in (*kv.k, *kv.v))
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))  # disjoint: registrable
     assert not any(bool(t.any()) for t in (kv.k[0], kv.v[7]))  # zeros (read back without writing)

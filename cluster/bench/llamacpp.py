@@ -40,32 +40,21 @@ import dataclasses
 import json
 import logging
 import os
-import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from cluster.bench.llamacpp_gguf import ensure_gguf
 from cluster.bench.llamacpp_peers import PeerUnavailable, make_peer, wait_peer_ready
+from cluster.bench.llamacpp_report import SYSTEMS, format_table, round_lines, summarize, system_figures
 from cluster.bench.load.transport import make_transport
 from cluster.bench.proc_memory import ProcessMemory, memory_of, process_tree, tandem_serve_processes
 from cluster.bench.serve import QUEUE_ALL_SETS, SpawnedServer, load_config, wait_ready
 
 log = logging.getLogger("tandem.bench")
-
-GGUF_NAMES = {"float32": "smollm2-135m-instruct-f32.gguf", "bfloat16": "smollm2-135m-instruct-bf16.gguf"}
-"""llama.cpp's copy of the bundled SmolLM2 per `--dtype`, in the cache."""
-F32_GGUF_NAME = GGUF_NAMES["float32"]
-SOURCE_KEY = "tandem.f32_source"  # "<source file name>:<bytes>": which GGUF this file was made from
-ITL_TARGET = 1.1  # tandem's single-stream ITL p50 <= this x llama.cpp's
-TTFT_TARGET = 1.3  # tandem's cold TTFT <= this x llama.cpp's
-TOKS_TARGET = 1.2  # tandem's output tok/s at the concurrency run >= this x llama.cpp's
-P99_ITL_TARGET = 0.5  # tandem's p99 inter-token gap at the concurrency run <= this x llama.cpp's
-READY_TARGET_S = 15.0  # tandem serve: start to ready, seconds (after a first start has filled its caches)
-SYSTEMS = ("llama.cpp", "tandem")
 
 
 @dataclass(frozen=True)
@@ -141,74 +130,6 @@ def round_order(round_index: int) -> tuple[str, str]:
     """Which server runs first in a round: llama.cpp, tandem, then tandem, llama.cpp, and so on (ABBA),
     so a machine that drifts slower or faster over the run hits both alike."""
     return SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
-
-
-# ---- llama.cpp's GGUF ----------------------------------------------------------------------------
-def write_gguf(source: Path, out_path: Path, source_tag: str, dtype: str = "float32") -> None:
-    """`source` with every tensor dequantized to float32 (gguf's reference dequantizer, the values
-    tandem loads) and all its metadata, `SOURCE_KEY` = `source_tag`. bfloat16: every matrix rounded
-    to bf16 (to nearest even, as torch's cast rounds the same values for tandem), the 1-D norm
-    weights kept in f32 as llama.cpp's own converter keeps them; `general.file_type` says which."""
-    import gguf
-
-    if dtype not in GGUF_NAMES:
-        raise ValueError(f"no GGUF of dtype {dtype!r} (one of {sorted(GGUF_NAMES)})")
-
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(out_path, reader.fields["general.architecture"].contents())
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
-            continue  # the header's own fields, the one the writer adds, the one that changes
-        is_array = field.types[0] == gguf.GGUFValueType.ARRAY
-        writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if is_array else None)
-    bf16 = dtype == "bfloat16"
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
-    writer.add_string(SOURCE_KEY, source_tag)
-    for tensor in reader.tensors:  # numpy shape = ggml's ne reversed, so the writer restores ne
-        values = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if bf16 and values.ndim >= 2:
-            writer.add_tensor(tensor.name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16),
-                              raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            writer.add_tensor(tensor.name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def gguf_source(path: Path) -> str | None:
-    """The `SOURCE_KEY` stamp of a GGUF `write_gguf` wrote; None when the file is absent, unreadable or unstamped."""
-    import gguf
-
-    try:
-        field = gguf.GGUFReader(path).fields.get(SOURCE_KEY)
-    except (OSError, ValueError):
-        return None
-    return None if field is None else field.contents()
-
-
-def ensure_gguf(cache_root: Path | None = None, dtype: str = "float32") -> Path:
-    """The `dtype` GGUF of the bundled SmolLM2 for llama.cpp, converted once (a tmp file renamed into place)."""
-    from kernels.model.convert import default_cache_root, smollm2_gguf_path
-
-    source = smollm2_gguf_path()
-    tag = f"{source.name}:{source.stat().st_size}"
-    name = GGUF_NAMES[dtype]
-    final = (cache_root or default_cache_root()) / "models" / name
-    if gguf_source(final) == tag:
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    log.info("writing the %s GGUF for llama.cpp (once): %s -> %s", dtype, source.name, final)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=final.parent)
-    os.close(fd)
-    try:
-        write_gguf(source, Path(tmp), tag, dtype)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)  # atomic: a concurrent reader sees the old file or the whole new one
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return final
 
 
 # ---- prompts -------------------------------------------------------------------------------------
@@ -342,136 +263,6 @@ def run_tandem(prompts: Prompts, spec: BenchSpec, args: argparse.Namespace) -> S
     if exit_code != 0:
         raise RuntimeError(f"tandem serve exited with code {exit_code}")
     return dataclasses.replace(run, system="tandem", memory=memory, ready_s=(ready_s,))
-
-
-# ---- the summary ---------------------------------------------------------------------------------
-def system_figures(run: SystemRun) -> dict:
-    gaps_s = [g for r in run.itl for g in r.frame_gaps_s]
-    ttfts_s = [r.ttft_s for r in run.ttft]
-    busy_gaps_s = [g for r in run.concurrent for g in r.frame_gaps_s]
-    busy_ttfts_s = [r.ttft_s for r in run.concurrent]
-    return {"itl_p50_s": _percentile(gaps_s, 50),
-            "concurrent_itl_p50_s": _percentile(busy_gaps_s, 50), "concurrent_itl_p99_s": _percentile(busy_gaps_s, 99),
-            "concurrent_ttft_p50_s": _percentile(busy_ttfts_s, 50),
-            "ready_s": max(run.ready_s) if run.ready_s else None, "ready_all_s": list(run.ready_s),
-            "itl_mean_s": statistics.fmean(gaps_s) if gaps_s else None,
-            "itl_num_gaps": len(gaps_s), "itl_output_tokens": [r.output_tokens for r in run.itl],
-            "ttft_best_s": min(ttfts_s), "ttft_median_s": statistics.median(ttfts_s), "ttft_all_s": ttfts_s,
-            "concurrent_output_tokens": run.concurrent_output_tokens,
-            "concurrent_elapsed_s": run.concurrent_elapsed_s,
-            "concurrent_output_tokens_per_s": run.concurrent_output_tokens / run.concurrent_elapsed_s,
-            "memory": None if run.memory is None else dataclasses.asdict(run.memory)}
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-def ratio(tandem: float | None, llamacpp: float | None) -> float | None:
-    return None if tandem is None or not llamacpp else tandem / llamacpp
-
-
-def common_prefix_len(a: str, b: str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def summarize(runs: dict[str, SystemRun], spec: BenchSpec) -> dict:
-    """Figures per system, tandem / llama.cpp ratios with the targets, and the greedy texts' agreement."""
-    figures = {name: system_figures(run) for name, run in runs.items()}
-    ours, theirs = figures["tandem"], figures["llama.cpp"]
-    def entry(key: str, target_max: float | None = None, target_min: float | None = None) -> dict:
-        value = ratio(ours[key], theirs[key])
-        met = None if value is None or (target_max is None and target_min is None) else \
-            (target_max is None or value <= target_max) and (target_min is None or value >= target_min)
-        return {"ratio": value, "target_max": target_max, "target_min": target_min, "met": met}
-
-    ratios = {
-        "itl_p50": entry("itl_p50_s", ITL_TARGET),
-        "ttft_best": entry("ttft_best_s", TTFT_TARGET),
-        "ttft_median": entry("ttft_median_s", TTFT_TARGET),
-        "concurrent_output_tokens_per_s": entry("concurrent_output_tokens_per_s", target_min=TOKS_TARGET),
-        "concurrent_itl_p50": entry("concurrent_itl_p50_s"),
-        "concurrent_itl_p99": entry("concurrent_itl_p99_s", P99_ITL_TARGET),
-        "concurrent_ttft_p50": entry("concurrent_ttft_p50_s"),
-        "ready": entry("ready_s"),
-        "rss": {"ratio": ratio(_rss(ours), _rss(theirs)), "target_max": None, "target_min": None, "met": None},
-    }
-    ready = ours["ready_s"]
-    ratios["ready"]["tandem_target_max_s"] = READY_TARGET_S
-    ratios["ready"]["tandem_met"] = None if ready is None else ready <= READY_TARGET_S
-    text_ours, text_theirs = runs["tandem"].itl[0].text, runs["llama.cpp"].itl[0].text
-    return {"spec": dataclasses.asdict(spec), "peer": runs["llama.cpp"].peer, "systems": figures,
-            "ratios_tandem_over_llamacpp": ratios,
-            "greedy_first_stream": {"common_prefix_chars": common_prefix_len(text_ours, text_theirs),
-                                    "tandem_chars": len(text_ours), "llamacpp_chars": len(text_theirs)}}
-
-
-def _rss(figures: dict) -> int | None:
-    return None if figures["memory"] is None else figures["memory"]["rss_bytes"]
-
-
-def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value * scale:.{digits}f}"
-
-
-def format_table(summary: dict) -> str:
-    spec, sys_, rat = summary["spec"], summary["systems"], summary["ratios_tandem_over_llamacpp"]
-    conc = spec["concurrency"]
-    rows = [("single stream ITL p50 (ms)", "itl_p50_s", 1e3, "itl_p50"),
-            (f"cold TTFT {spec['ttft_prompt_len']} tok, best (ms)", "ttft_best_s", 1e3, "ttft_best"),
-            (f"cold TTFT {spec['ttft_prompt_len']} tok, median (ms)", "ttft_median_s", 1e3, "ttft_median"),
-            (f"concurrency {conc} output tok/s", "concurrent_output_tokens_per_s", 1.0, "concurrent_output_tokens_per_s"),
-            (f"concurrency {conc} ITL p50 (ms)", "concurrent_itl_p50_s", 1e3, "concurrent_itl_p50"),
-            (f"concurrency {conc} ITL p99 (ms)", "concurrent_itl_p99_s", 1e3, "concurrent_itl_p99"),
-            (f"concurrency {conc} TTFT p50 (ms)", "concurrent_ttft_p50_s", 1e3, "concurrent_ttft_p50"),
-            ("start to ready, slowest round (s)", "ready_s", 1.0, "ready")]
-    rss_mib = {name: None if _rss(sys_[name]) is None else _rss(sys_[name]) / 2**20 for name in SYSTEMS}
-    lines = [f"{'threads ' + str(spec['threads']):<36}{'llama.cpp':>11}{'tandem':>10}{'ratio':>9}{'target':>10}"]
-    for label, key, scale, ratio_key in rows:
-        lines.append(f"{label:<36}{_fmt(sys_['llama.cpp'][key], scale):>11}{_fmt(sys_['tandem'][key], scale):>10}"
-                     f"{_fmt(rat[ratio_key]['ratio'], digits=2) + 'x':>9}  {_target_text(rat[ratio_key])}")
-    lines.append(f"{'server RSS, all processes (MiB)':<36}{_fmt(rss_mib['llama.cpp'], digits=0):>11}"
-                 f"{_fmt(rss_mib['tandem'], digits=0):>10}{_fmt(rat['rss']['ratio'], digits=2) + 'x':>9}")
-    greedy = summary["greedy_first_stream"]
-    lines.append(f"greedy text of the first stream: first {greedy['common_prefix_chars']} chars identical "
-                 f"(tandem {greedy['tandem_chars']}, llama.cpp {greedy['llamacpp_chars']} chars)")
-    tokens = {name: sys_[name]["itl_output_tokens"] for name in SYSTEMS}
-    lines.append(f"single-stream output tokens per run (asked {spec['output_len']}): {tokens}")
-    lines.append(f"llama.cpp's server: {summary['peer']}")
-    lines += [f"{name} memory after the runs: {_memory_text(sys_[name]['memory'])}" for name in SYSTEMS]
-    return "\n".join(lines)
-
-
-def _target_text(entry: dict) -> str:
-    if "tandem_target_max_s" in entry:
-        met = entry["tandem_met"]
-        return f"tandem <={entry['tandem_target_max_s']:.0f}s " + ("n/a" if met is None else "ok" if met else "MISS")
-    if entry["target_max"] is None and entry["target_min"] is None:
-        return ""
-    bound = f"<={entry['target_max']}x" if entry["target_max"] is not None else f">={entry['target_min']}x"
-    return f"{bound} " + ("n/a" if entry["met"] is None else "ok" if entry["met"] else "MISS")
-
-
-ROUND_KEYS = (("single stream ITL p50 (ms)", "itl_p50_s", 1e3), ("cold TTFT median (ms)", "ttft_median_s", 1e3),
-              ("concurrency output tok/s", "concurrent_output_tokens_per_s", 1.0),
-              ("concurrency ITL p99 (ms)", "concurrent_itl_p99_s", 1e3), ("start to ready (s)", "ready_s", 1.0))
-
-
-def round_lines(per_round: dict[str, list[dict]]) -> list[str]:
-    """Each key figure round by round (the spread behind the pooled figures above)."""
-    lines = ["per round (llama.cpp | tandem):"]
-    for label, key, scale in ROUND_KEYS:
-        cells = [" ".join(_fmt(f[key], scale) for f in per_round[name]) for name in SYSTEMS]
-        lines.append(f"  {label:<34}{cells[0]} | {cells[1]}")
-    return lines
-
-
-def _memory_text(memory: dict | None) -> str:
-    if memory is None:
-        return "n/a"
-    pss = "n/a" if memory["pss_bytes"] is None else f"{memory['pss_bytes'] / 2**20:.0f}"
-    return (f"RSS {memory['rss_bytes'] / 2**20:.0f} MiB, PSS {pss} MiB, summed over "
-            f"{memory['num_processes']} processes")
 
 
 def bench_llamacpp(args: argparse.Namespace) -> int:

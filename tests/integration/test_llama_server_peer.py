@@ -13,7 +13,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from cluster.bench.llamacpp import ensure_gguf
+from cluster.bench.llamacpp_gguf import ensure_gguf
 from cluster.bench.llamacpp_peers import LlamaServerPeer, find_llama_server, wait_peer_ready
 from cluster.bench.load.client import LoadShape, Target, run_client
 from cluster.bench.load.datasets import SampleRequest

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 import cluster.bench.llamacpp as bench
-from cluster.bench.llamacpp import (BenchSpec, StreamResult, SystemRun, ensure_gguf, gguf_source,
-                                    format_table, make_prompts, round_lines, summarize, system_figures,
-                                    tandem_serve_flags, write_gguf)
+import cluster.bench.llamacpp_gguf as llama_gguf
+from cluster.bench.llamacpp import BenchSpec, StreamResult, SystemRun, make_prompts, tandem_serve_flags
+from cluster.bench.llamacpp_gguf import ensure_gguf, gguf_source, write_gguf
+from cluster.bench.llamacpp_report import format_table, round_lines, summarize, system_figures
 from cluster.bench.llamacpp_peers import LLAMA_SERVER_ENV, PEERS, LlamaServerPeer, find_llama_server
 from cluster.bench.proc_memory import ProcessMemory, memory_of, process_tree, tandem_serve_processes
 from cluster.bench.serve import load_config
@@ -82,7 +83,7 @@ def test_f32_gguf_has_the_dequantized_values_and_the_metadata(tmp_path):
         np.testing.assert_allclose(values, original[src_tensor.name], atol=0.35, rtol=0)
     np.testing.assert_array_equal(np.array(out.tensors[2].data), original["blk.0.attn_norm.weight"])
 
-    expected = {**_fields(source), "general.file_type": int(gguf.LlamaFileType.ALL_F32), bench.SOURCE_KEY: "src.gguf:123"}
+    expected = {**_fields(source), "general.file_type": int(gguf.LlamaFileType.ALL_F32), llama_gguf.SOURCE_KEY: "src.gguf:123"}
     assert _fields(out) == expected
     assert gguf_source(tmp_path / "f32.gguf") == "src.gguf:123"
     assert gguf_source(tmp_path / "absent.gguf") is None
@@ -116,13 +117,13 @@ def test_f32_gguf_is_written_once_and_again_when_its_source_changes(tmp_path, mo
     _write_source(source, _original_tensors())
     monkeypatch.setattr("kernels.model.convert.smollm2_gguf_path", lambda: source)
     path = ensure_gguf(tmp_path / "cache")
-    assert path == tmp_path / "cache" / "models" / bench.F32_GGUF_NAME
+    assert path == tmp_path / "cache" / "models" / llama_gguf.F32_GGUF_NAME
     assert gguf_source(path) == f"SmolLM2.gguf:{source.stat().st_size}"
 
     def refuse(*_):
         raise AssertionError("converted again although the cached file is current")
 
-    monkeypatch.setattr(bench, "write_gguf", refuse)
+    monkeypatch.setattr(llama_gguf, "write_gguf", refuse)
     assert ensure_gguf(tmp_path / "cache") == path
     monkeypatch.undo()
     monkeypatch.setattr("kernels.model.convert.smollm2_gguf_path", lambda: source)
@@ -130,7 +131,7 @@ def test_f32_gguf_is_written_once_and_again_when_its_source_changes(tmp_path, mo
         handle.write(b"\0" * 32)
     assert ensure_gguf(tmp_path / "cache") == path
     assert gguf_source(path) == f"SmolLM2.gguf:{source.stat().st_size}"
-    assert sorted(p.name for p in path.parent.iterdir()) == [bench.F32_GGUF_NAME]  # no tmp file left
+    assert sorted(p.name for p in path.parent.iterdir()) == [llama_gguf.F32_GGUF_NAME]  # no tmp file left
 
 
 def test_prompts_are_exact_token_counts_of_words_and_seeded():

@@ -32,7 +32,7 @@ MAX_MODEL_LEN = 1024  # the tiny Llama's max_position_embeddings
 
 
 def load_tiny(*_args, **_kw):
-    """`load_model` for the tiny Llama: a fresh copy per worker (same seeded weights, so one L3 namespace)."""
+    """`load_for_serving` for the tiny Llama: a fresh copy per worker (same seeded weights, so one L3 namespace)."""
     from kernels.model.arch import LlamaArch
     from kernels.model.loader import LoadedModel
     from kernels.model.tiny import make_tiny_llama
@@ -46,7 +46,7 @@ def start_hosts(config: EngineConfig, workers, build=build_worker, **spec_fields
     `build` (`build_worker` or a test's wrapper of it). `spec_fields`: the rest of every `WorkerSpec`
     (`transport` deadlines, `l3`). The model is loaded while the hosts are built, not later."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("kernels.model.loader.load_model", load_tiny)
+        mp.setattr("kernels.model.loader.load_for_serving", load_tiny)  # what `build_worker` loads with
         return {wid: WorkerHost(WorkerSpec(role, config, host_pages=host_pages, heartbeat_interval_s=0.02,
                                            **spec_fields),
                                 wid, build=functools.partial(build, transport=LocalTransport()))

@@ -77,12 +77,12 @@ class GatewayStack:
 
     def __init__(self, **gateway_fields):
         self.tokenizer = byte_tokenizer()
-        real_load = loader.load_model
+        real_load = loader.load_for_serving  # what `build_worker` loads with
 
         def load(spec, *args, **kwargs):
             return _tiny_loaded(self.tokenizer) if spec == TINY_MODEL else real_load(spec, *args, **kwargs)
 
-        with mock.patch.object(loader, "load_model", load):
+        with mock.patch.object(loader, "load_for_serving", load):
             self.hosts = {"prefill-0": WorkerHost(WorkerSpec("prefill", ENGINE), "prefill-0"),
                           "decode-0": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=64), "decode-0")}
         self.max_model_len = min(h.max_request_tokens for h in self.hosts.values())

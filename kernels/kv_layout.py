@@ -7,10 +7,7 @@ it is allocated like every other page but never handed to a request (kv_store ow
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-
-import numpy as np
 
 import torch
 
@@ -58,20 +55,10 @@ class KVCacheTensors:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> "KVCacheTensors":
-        """Zero-filled cache. ``num_pages`` includes the scratch page 0.
-
-        On a CPU each layer's K and V is a zeroed block the OS maps on demand (numpy's calloc of a
-        large block is a fresh anonymous mapping): it costs no time to allocate (a 1.6 GB pool took
-        0.6 s of a worker's start to zero-fill) and is resident only as far as it is used. Each is
-        its own allocation: views of one shared block made the compiled decode step treat every
-        layer's cache as an alias of all the others (a 1.6 GB copy per step)."""
+        """Zero-filled cache. ``num_pages`` includes the scratch page 0."""
         assert num_pages >= 2, f"num_pages={num_pages}: page 0 is scratch, so at least 2 are needed"
         assert page_size >= 1 and num_layers >= 1, f"bad page_size={page_size} or num_layers={num_layers}"
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        if torch.device(device).type == "cpu":
-            k = [_zeroed_on_demand(shape, dtype) for _ in range(num_layers)]
-            v = [_zeroed_on_demand(shape, dtype) for _ in range(num_layers)]
-            return cls(k=k, v=v)
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return cls(k=k, v=v)
@@ -93,12 +80,3 @@ class KVCacheTensors:
         """The wire description of these tensors (`KVLayout.page_bytes` is the one bytes-per-page formula)."""
         page = self.k[0]
         return kv_layout(self.num_layers, page.shape[1], page.shape[2], page.shape[3], DTYPE_NAMES[page.dtype])
-
-
-def _zeroed_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose pages the OS maps (zero-filled) on first touch. It owns exactly its
-    storage (not a view, no offset, nothing beyond it): a compiled step that writes a tensor whose
-    storage holds more than the tensor copies that storage back whole on every call."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    storage = torch.frombuffer(np.zeros(nbytes, dtype=np.uint8), dtype=torch.uint8).untyped_storage()
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)

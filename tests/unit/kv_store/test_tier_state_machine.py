@@ -256,7 +256,7 @@ class TierMachine(RuleBasedStateMachine):
         super().__init__()
         self.engine = None
         self.redis = None  # a client of the L3 server, when this run has L3
-        self.clock_offset_s = 0.0  # the sessions' clock: a start time + this (only the rules advance it)
+        self.clock_offset_s = 0.0  # the sessions' clock: monotonic time + this (the idle-out rule advances it)
         self.sessions: dict[str, SessionModel] = {}
         self.num_sessions = 0
         self.l3_corruptions = 0
@@ -287,10 +287,7 @@ class TierMachine(RuleBasedStateMachine):
                                   max_running_requests=6, host_cache_pages=max(2, int(num_pages * l2_ratio)),
                                   write_policy=policy, write_through_hits=hits, session_kv_fraction=session_fraction,
                                   l3=l3_config)
-        # Time moves only when a rule moves it: on a wall clock, a slow run idled sessions out behind
-        # the model's back (a 10 s idle timeout passed during a 5-minute run).
-        start_s = time.monotonic()
-        self.engine.sessions.clock = lambda: start_s + self.clock_offset_s
+        self.engine.sessions.clock = lambda: time.monotonic() + self.clock_offset_s
         host = self.engine.host_cache
         if copier == "manual":  # the real copier's thread is idle: nothing was submitted yet
             host.copier.close()

@@ -65,13 +65,12 @@ class CoreShare:
             self._mem = mmap.mmap(fd, MAX_SLOTS)
         finally:
             os.close(fd)
-        self._busy: bool | None = None
         self._mark(False)
 
     def threads(self, busy: bool) -> int:
         """Record whether this worker has compute to do; the threads its next step may use: its
         share, plus every idle worker's on this node when it is busy."""
-        if busy != self._busy:
+        if busy != bool(self._mem[self.spec.slot] & _BUSY):
             self._mark(busy)
         if not busy:
             return self.share
@@ -93,7 +92,6 @@ class CoreShare:
 
     def _mark(self, busy: bool) -> None:
         self._mem[self.spec.slot] = self.share | (_BUSY if busy else 0)
-        self._busy = busy
 
 
 class ThreadFollower:
@@ -104,18 +102,16 @@ class ThreadFollower:
         import torch
 
         self.share, self._torch = share, torch
-        self.current = torch.get_num_threads()
         self.steps: Counter[int] = Counter()
 
     def before(self, busy: bool) -> int:
         """Call with True right before a step that computes (counted), False before waiting."""
         n = self.share.threads(busy)
         if busy:
-            if n != self.current:
+            if n != self._torch.get_num_threads():
                 self._torch.set_num_threads(n)
-                self.current = n
             self.steps[n] += 1
-        return self.current
+        return self._torch.get_num_threads()
 
     def step_threads(self) -> tuple[tuple[int, int], ...]:
         """(threads, steps run on that many), by threads: `WorkerStats.step_threads`."""

@@ -11,7 +11,8 @@ Sessions (prefill_worker/engine/sessions.py): opens (refused exactly when the se
 exceeded), turns (the test's own copy of the history plus new tokens; refused past the session's
 capacity), aborted turns (history unchanged), closes, and idling out (the sessions' `clock` is the
 monotonic clock plus an offset the machine advances). After every rule each open idle session pins
-a page-aligned prefix of its history, on device; a finished turn reused at least what was pinned
+a page-aligned prefix of its history, on device (or, offloaded for a request that needed its pages,
+kept in the tree in any tier); a finished turn reused at least what was pinned
 when it was queued; turn outputs are compared with the reference like every request's.
 
 L3 (kv_store/l3), in about half the runs (a drawn prefetch policy, prefetch_min_pages 1 or 2),
@@ -678,7 +679,15 @@ class TierMachine(RuleBasedStateMachine):
             assert state.pinned_tokens <= max(len(model.history) - 1, 0), (
                 f"session {session_id} pins {state.pinned_tokens} tokens of a {len(model.history)}-token history")
             if not state.pinned_tokens:
-                assert session_id not in engine.kvm.prefix_pins
+                assert session_id not in engine.kvm.prefix_pins and session_id not in engine.kvm.offloaded_pins
+                continue
+            if engine.sessions.is_offloaded(session_id):  # let go to the host tier for a request that needed pages
+                node = engine.kvm.offloaded_pins[session_id]
+                assert session_id not in engine.kvm.prefix_pins and engine.kvm.prefix_cache.holds(node), (
+                    f"offloaded session {session_id}'s history left the tree (node {node.id} {node.residency})")
+                assert path_tokens(node) == model.history[:state.pinned_tokens], (
+                    f"session {session_id}'s offloaded path is not its history")
+                coverage["sessions_offloaded_checked"] += 1
                 continue
             node = engine.kvm.prefix_pins[session_id]
             pages = engine.kvm.prefix_cache.path_pages(node)

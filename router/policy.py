@@ -8,10 +8,11 @@ caller then calls `state.forget_worker(worker_id)`.
 
 Route shapes:
 
-    disaggregated   at least one alive PREFILL and one alive DECODE worker:
-                    prefill among PREFILL workers, decode among DECODE workers
+    disaggregated   at least one alive PREFILL and one alive DECODE worker, and a prompt longer than
+                    `local_prefill_max_tokens`: prefill among PREFILL workers, decode among DECODE workers
     local prefill   otherwise: one alive DECODE or COLOCATED worker computes the prompt itself
-                    (prefill_id None); COLOCATED workers only ever take this shape
+                    (prefill_id None; a short prompt: among the DECODE workers); COLOCATED workers
+                    only ever take this shape
 
 Imports stdlib, `cluster.config`, `cluster.protocol` and `router.state` (the router's memory) only.
 """
@@ -126,7 +127,18 @@ class PolicyParams:
     and kv_cost count such a prefix as cached at 1 - this. On a CPU a 1k-token prefix came back from
     Redis in ~0.5 s against ~4 s to prefill it (0.12); a little dearer here for a store shared by many."""
 
+    local_prefill_max_tokens: int | None = None
+    """Conditional disaggregation: with prefill and decode workers alive, a prompt of at most this many
+    tokens is prefilled by the decode worker chosen for it (a local-prefill route: no KV transfer, the
+    decode worker's own chunked prefill) instead of by a prefill worker (>= 0; 0 or None here: every
+    prompt goes to a prefill worker; `tandem serve` resolves None by the decode workers' device,
+    cluster/serve/config.py). A short prompt's transfer and hand-off cost more than its prefill slows
+    the decode batch it joins; a long one is worth a worker of its own."""
+
     def __post_init__(self):
+        value = self.local_prefill_max_tokens
+        require(value is None or (isinstance(value, int) and value >= 0),
+                f"local_prefill_max_tokens must be an integer >= 0 or null, got {value!r}")
         require(0.0 <= self.cache_threshold <= 1.0, f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         require(isinstance(self.balance_abs_threshold, int) and self.balance_abs_threshold >= 0,
                  f"balance_abs_threshold must be an integer >= 0, got {self.balance_abs_threshold!r}")
@@ -309,13 +321,14 @@ def choose(policy: Policy, request: RequestView, workers: Sequence[WorkerView], 
     pools = _pools(workers)
     strategy = _STRATEGIES[policy]
     prompt = request.prompt_token_ids
-    if pools.shape is _RouteShape.DISAGGREGATED:
+    if pools.shape is _RouteShape.DISAGGREGATED and len(prompt) > (params.local_prefill_max_tokens or 0):
         p = strategy.prefill(pools.prefill, request, state, params)
         d = strategy.decode(pools.serving, request, state, params)
         return Route(prefill_id=p.worker.worker_id, decode_id=d.worker.worker_id,
                      matched_prefix_tokens=state.match_len(p.worker.worker_id, prompt),
                      reason=f"prefill {p.why}; decode {d.why}")
     s = strategy.local(pools.serving, request, state, params)
+    short = pools.shape is _RouteShape.DISAGGREGATED  # prefill workers are alive: the prompt is short
     return Route(prefill_id=None, decode_id=s.worker.worker_id,
                  matched_prefix_tokens=state.match_len(s.worker.worker_id, prompt),
-                 reason=f"local prefill {s.why}")
+                 reason=f"local prefill{f' (prompt <= {params.local_prefill_max_tokens} tokens)' if short else ''} {s.why}")

@@ -76,7 +76,10 @@ def test_bench_overload_gets_fast_429s_and_no_other_failure(capsys):
     Retry-After that comes at once, and nothing else fails."""
     code = tandem_main(["bench", "overload", "--unloaded-requests", "2", "--capacity-rps", "5", "--duration-s", "3",
                         "--input-len", "8", "24", "--output-len", "3", "6", "--seed", "1", "--json",
-                        "--set", "router.max_queue_delay_s=2"])  # a 30 s budget would queue all 60 arrivals
+                        "--set", "router.max_queue_delay_s=2",  # a 30 s budget would queue all 60 arrivals
+                        # the prefill worker's lane predicts each prompt's first token (short prompts
+                        # prefilled on the decode worker meet only its slot limit: 64 here)
+                        "--set", "router.local_prefill_max_tokens=0"])
     out = capsys.readouterr().out
     assert code == 0, out
     summary = json.loads(out.strip().splitlines()[-1])

@@ -43,7 +43,7 @@ engine: {num_pages: 256, chunk_size: 128, max_model_len: 1024}
 prefill: {count: 1, num_cpus: 1, resources: {tandem_prefill: 1}}
 decode: {count: 1, num_cpus: 1, host_pages: 256, resources: {tandem_decode: 1}}
 transport: {hostname: auto}
-router: {max_queue_delay_s: 600, max_queued_requests: 64}
+router: {max_queue_delay_s: 600, max_queued_requests: 64, local_prefill_max_tokens: 0}  # every prompt crosses nodes
 cluster: {heartbeat_timeout_s: 10.0, drain_timeout_s: 5.0, worker_start_timeout_s: 120.0}
 """
 PROMPTS = ["The three primary colors are", "A KV cache stores"]

@@ -28,7 +28,8 @@ model: smollm2
 engine: {{num_pages: 512, chunk_size: 128, max_model_len: 2048}}
 prefill: {{count: 2, num_cpus: 1}}
 decode: {{count: 1, num_cpus: 1, host_pages: 512}}
-router: {{policy: cache_aware, max_queue_delay_s: 600, max_queued_requests: 64}}  # bursts here test function, not overload
+router: {{policy: cache_aware, max_queue_delay_s: 600, max_queued_requests: 64,  # bursts here test function, not overload
+         local_prefill_max_tokens: 0}}  # every prompt crosses: this module tests disaggregation
 gateway: {{max_prompt_tokens: {MAX_PROMPT_TOKENS}, max_body_bytes: {MAX_BODY_BYTES}}}
 cluster: {{heartbeat_timeout_s: 10.0, drain_timeout_s: 10.0}}
 """

@@ -24,7 +24,9 @@ TURNS = 3
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with serving(tmp_path_factory, "serve-l2", ["--set", f"prefill.engine.num_pages={PREFILL_PAGES}",
-                                                "--set", "prefill.engine.host_cache_ratio=4"],
+                                                "--set", "prefill.engine.host_cache_ratio=4",
+                                                # every turn goes to the prefill worker, whose L2 this tests
+                                                "--set", "router.local_prefill_max_tokens=0"],
                  env={"TANDEM_DEBUG_KV": "1"}) as server:
         yield server
 

@@ -1,5 +1,5 @@
 """`tandem serve` exactly as a new user starts it (no flags but a free port), over HTTP: ordinary
-concurrent load is queued, not refused; overload gets answers and fast 429s, nothing else; a request
+concurrent load is queued, not refused; short prompts prefill on the decode worker, long ones cross; overload gets answers and fast 429s, nothing else; a request
 that leaves sampling unset gets the model's recommended sampling, and one that sets it wins."""
 
 from __future__ import annotations
@@ -111,6 +111,30 @@ def test_a_lone_stream_decodes_compiled_on_the_idle_prefill_worker_s_core_too_an
     assert moved("tandem:graph_replays_total", role="decode") >= 40  # single-request steps, compiled
     assert moved("tandem:worker_steps_total", role="decode", threads="2") >= 40, after
     assert not [k for k in after if k[0] == "tandem:worker_steps_total" and int(dict(k[1])["threads"]) > 2]
+
+
+def test_a_short_prompt_prefills_on_the_decode_worker_and_a_long_one_crosses_from_the_prefill_worker(server):
+    """Conditional disaggregation by default on a CPU: a prompt of at most 256 tokens is prefilled by
+    the decode worker (no KV crosses), a longer one by the prefill worker (its KV crosses); both
+    answers are HF transformers' greedy ones on the same ids."""
+    from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
+
+    loaded, reference = smollm2()
+    text = " ".join(CHAT_PROMPTS * 8)
+    for num_tokens, crosses in ((200, False), (400, True)):
+        ids = loaded.tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
+        assert len(ids) == num_tokens
+        before = server.metrics()
+        resp = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+            "model": "smollm2", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == loaded.tokenizer.decode(hf_greedy(reference, ids, 8))
+        after = server.metrics()
+        moved = metric(after, "tandem:kv_transfer_bytes_total") - metric(before, "tandem:kv_transfer_bytes_total")
+        routes = {dict(k[1])["prefill_worker"]: after[k] - before.get(k, 0) for k in after
+                  if k[0] == "tandem:requests_routed_total" and after[k] != before.get(k, 0)}
+        assert (moved > 0) is crosses, (num_tokens, moved, routes)
+        assert len(routes) == 1 and (next(iter(routes)).startswith("prefill")) is crosses, (num_tokens, routes)
 
 
 def test_a_request_without_sampling_fields_gets_the_generation_config_and_a_request_with_them_wins(server):

@@ -12,6 +12,8 @@ from kv_store.l3.config import L3Config
 from kv_store.transfer.session import TransferDeadlines, TransferState
 from cluster.serve.config import (
     API_KEY_ENV,
+    CPU_DECODE_CHUNK_SIZE,
+    CPU_LOCAL_PREFILL_MAX_TOKENS,
     ClusterConfig,
     ConfigError,
     GatewayConfig,
@@ -125,6 +127,24 @@ def test_group_engine_merges_over_top_engine(tmp_path):
     assert (cfg.prefill.engine.chunk_size, cfg.prefill.engine.max_running_requests) == (1024, 16)
     assert (cfg.decode.engine.chunk_size, cfg.decode.engine.max_running_requests) == (256, 128)
     assert cfg.colocated.engine == cfg.engine
+
+
+def test_cpu_decode_workers_prefill_short_prompts_themselves_in_small_chunks(tmp_path):
+    """On a CPU: prompts up to CPU_LOCAL_PREFILL_MAX_TOKENS prefill on the decode worker, in chunks of
+    CPU_DECODE_CHUNK_SIZE unless a config names a chunk size; on CUDA every prompt goes to a prefill
+    worker and the decode group keeps the engine's chunk size."""
+    cpu = load_serve_config()
+    assert cpu.router.local_prefill_max_tokens == CPU_LOCAL_PREFILL_MAX_TOKENS == 256
+    assert (cpu.decode.engine.chunk_size, cpu.prefill.engine.chunk_size) == (CPU_DECODE_CHUNK_SIZE, 512)
+    cuda = load_serve_config(overrides={"engine.device": "cuda"})
+    assert cuda.router.local_prefill_max_tokens == 0 and cuda.decode.engine.chunk_size == 512
+    assert load_serve_config(overrides={"router.local_prefill_max_tokens": 0}).router.local_prefill_max_tokens == 0
+    top = load_serve_config(overrides={"engine.chunk_size": 256})
+    assert top.decode.engine.chunk_size == top.prefill.engine.chunk_size == 256
+    assert load_serve_config(overrides={"decode.engine.chunk_size": 512}).decode.engine.chunk_size == 512
+    yaml_top = load_serve_config(write_yaml(tmp_path, "engine:\n  chunk_size: 128\n"))
+    assert yaml_top.decode.engine.chunk_size == 128
+    assert serve_config_from_args(parse("--chunk-size", "96")).decode.engine.chunk_size == 96
 
 
 def test_cuda_device_gives_groups_a_gpu_unless_told():
@@ -273,7 +293,8 @@ def test_to_dict_round_trips_through_yaml(tmp_path):
         kv_store=KVStoreConfig(l3=L3Config(url="rediss://:pw@10.0.0.5:6380/2", prefetch_policy="timeout")))
     data = cfg.to_dict()
     assert data["prefill"]["engine"] == {"chunk_size": 64, "num_pages": None, "kv_memory_gib": None}
-    assert "model" not in data["engine"] and data["decode"]["engine"] == {"num_pages": None, "kv_memory_gib": None}
+    assert "model" not in data["engine"]
+    assert data["decode"]["engine"] == {"chunk_size": 512, "num_pages": None, "kv_memory_gib": None}
     path = write_yaml(tmp_path, yaml.safe_dump(data))
     assert load_serve_config(path) == cfg
     assert load_serve_config(write_yaml(tmp_path, yaml.safe_dump(ServeConfig().to_dict()))) == ServeConfig()

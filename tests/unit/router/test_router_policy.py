@@ -295,6 +295,22 @@ def test_local_cache_aware_follows_the_decode_workers_own_caches(state):
 
 
 @pytest.mark.parametrize("policy", list(Policy))
+def test_a_short_prompt_prefills_on_its_decode_worker_and_a_longer_one_on_a_prefill_worker(policy, state):
+    """Conditional disaggregation (`local_prefill_max_tokens`): at the threshold the decode worker
+    computes the prompt itself; one token past it, a prefill worker does; 0 or None: always remote."""
+    workers = make_workers(prefill=2, decode=2, colocated=1)
+    params = PolicyParams(local_prefill_max_tokens=len(SHARED))
+    short = route_and_record(policy, make_request(SHARED, "short"), workers, state, params)
+    assert short.local_prefill and short.decode_id in ("d0", "d1"), short  # never the colocated worker
+    assert "prompt <= 80 tokens" in short.reason
+    assert state.match_len(short.decode_id, SHARED) == 80 and state.match_len("p0", SHARED) == 0
+    longer = route_and_record(policy, make_request(SHARED + [9], "longer"), workers, state, params)
+    assert longer.prefill_id in ("p0", "p1") and longer.decode_id in ("d0", "d1"), longer
+    for off in (PolicyParams(local_prefill_max_tokens=0), PolicyParams()):
+        assert choose(policy, make_request([1, 2]), workers, state, off).prefill_id in ("p0", "p1")
+
+
+@pytest.mark.parametrize("policy", list(Policy))
 def test_colocated_workers_never_take_a_disaggregated_route(policy, state):
     workers = make_workers(prefill=1, decode=1, colocated=1, p0=dict(num_running=5), d0=dict(num_running=5))
     route = choose(policy, make_request([1, 2]), workers, state, PARAMS)
@@ -363,7 +379,8 @@ def test_record_advances_prefill_turn_only_on_disaggregated_routes(state):
     ("cache_threshold", 1.5), ("cache_threshold", -0.1), ("balance_abs_threshold", -1),
     ("balance_rel_threshold", 0.9), ("max_tree_tokens", 0), ("tokens_per_load_unit", 0),
     ("decode_waiting_weight", -1.0), ("decode_kv_usage_weight", -1.0), ("l3_load_cost", 1.5), ("l3_load_cost", -0.1),
-    ("host_load_cost", 1.5), ("host_load_cost", -0.1),
+    ("host_load_cost", 1.5), ("host_load_cost", -0.1), ("local_prefill_max_tokens", -1),
+    ("local_prefill_max_tokens", 2.5),
 ])
 def test_policy_params_bounds_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):

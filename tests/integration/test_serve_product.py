@@ -57,6 +57,17 @@ async def stream_one(client: httpx.AsyncClient, body: dict) -> dict:
         return {"status": 200, "answer_s": first_s, "completion_tokens": usage and usage["completion_tokens"]}
 
 
+def assert_greedy_is_hf(server, ids: list[int], max_tokens: int) -> None:
+    """One greedy completion of `ids` over HTTP: its text is HF transformers' greedy one."""
+    from tests.helpers import hf_greedy, smollm2
+
+    loaded, reference = smollm2()
+    resp = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+        "model": "smollm2", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == loaded.tokenizer.decode(hf_greedy(reference, ids, max_tokens))
+
+
 def run_concurrently(server, bodies: list[dict]) -> list[dict]:
     async def run() -> list[dict]:
         limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
@@ -93,15 +104,11 @@ def test_a_lone_stream_decodes_compiled_on_the_idle_prefill_worker_s_core_too_an
     """The default decode worker compiles its single-request step at start-up and, while the prefill
     worker has nothing to compute, steps on its core too (2 threads, never more): its greedy text is
     still HF transformers' on the same prompt ids."""
-    from tests.helpers import hf_greedy, smollm2
+    from tests.helpers import smollm2
 
-    loaded, reference = smollm2()
-    ids = loaded.tokenizer.encode("The three primary colors are", add_special_tokens=False)
+    ids = smollm2()[0].tokenizer.encode("The three primary colors are", add_special_tokens=False)
     before = server.metrics()
-    resp = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
-        "model": "smollm2", "prompt": ids, "max_tokens": 48, "temperature": 0, "ignore_eos": True})
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["text"] == loaded.tokenizer.decode(hf_greedy(reference, ids, 48))
+    assert_greedy_is_hf(server, ids, 48)
     after = server.metrics()
 
     def moved(name: str, **labels) -> float:
@@ -117,18 +124,14 @@ def test_a_short_prompt_prefills_on_the_decode_worker_and_a_long_one_crosses_fro
     """Conditional disaggregation by default on a CPU: a prompt of at most 256 tokens is prefilled by
     the decode worker (no KV crosses), a longer one by the prefill worker (its KV crosses); both
     answers are HF transformers' greedy ones on the same ids."""
-    from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
+    from tests.helpers import CHAT_PROMPTS, smollm2
 
-    loaded, reference = smollm2()
     text = " ".join(CHAT_PROMPTS * 8)
     for num_tokens, crosses in ((200, False), (400, True)):
-        ids = loaded.tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
+        ids = smollm2()[0].tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
         assert len(ids) == num_tokens
         before = server.metrics()
-        resp = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
-            "model": "smollm2", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["choices"][0]["text"] == loaded.tokenizer.decode(hf_greedy(reference, ids, 8))
+        assert_greedy_is_hf(server, ids, 8)
         after = server.metrics()
         moved = metric(after, "tandem:kv_transfer_bytes_total") - metric(before, "tandem:kv_transfer_bytes_total")
         routes = {dict(k[1])["prefill_worker"]: after[k] - before.get(k, 0) for k in after

@@ -8,11 +8,12 @@ caller then calls `state.forget_worker(worker_id)`.
 
 Route shapes:
 
-    disaggregated   at least one alive PREFILL and one alive DECODE worker, and a prompt longer than
-                    `local_prefill_max_tokens`: prefill among PREFILL workers, decode among DECODE workers
+    disaggregated   at least one alive PREFILL and one alive DECODE worker, and more than
+                    `local_prefill_max_tokens` of the prompt uncached on the decode worker the local
+                    pick would take: prefill among PREFILL workers, decode among DECODE workers
     local prefill   otherwise: one alive DECODE or COLOCATED worker computes the prompt itself
-                    (prefill_id None; a short prompt: among the DECODE workers); COLOCATED workers
-                    only ever take this shape
+                    (prefill_id None; a short uncached part: among the DECODE workers); COLOCATED
+                    workers only ever take this shape
 
 Imports stdlib, `cluster.config`, `cluster.protocol` and `router.state` (the router's memory) only.
 """
@@ -128,12 +129,14 @@ class PolicyParams:
     Redis in ~0.5 s against ~4 s to prefill it (0.12); a little dearer here for a store shared by many."""
 
     local_prefill_max_tokens: int | None = None
-    """Conditional disaggregation: with prefill and decode workers alive, a prompt of at most this many
-    tokens is prefilled by the decode worker chosen for it (a local-prefill route: no KV transfer, the
-    decode worker's own chunked prefill) instead of by a prefill worker (>= 0; 0 or None here: every
-    prompt goes to a prefill worker; `tandem serve` resolves None by the decode workers' device,
-    cluster/serve/config.py). A short prompt's transfer and hand-off cost more than its prefill slows
-    the decode batch it joins; a long one is worth a worker of its own."""
+    """Conditional disaggregation: with prefill and decode workers alive, a prompt whose uncached part on
+    the decode worker the policy's local pick chooses (its length less that worker's match: a
+    conversation's next turn finds its history where it was decoded) is at most this many tokens is
+    prefilled by that decode worker (a local-prefill route: no KV transfer, the decode worker's own
+    chunked prefill) instead of by a prefill worker (>= 0; 0 or None here: every prompt goes to a
+    prefill worker; `tandem serve` resolves None by the decode workers' device, cluster/serve/config.py).
+    A short prefill costs the decode batch it joins less than the transfer and hand-off; a long one
+    is worth a worker of its own."""
 
     def __post_init__(self):
         value = self.local_prefill_max_tokens
@@ -321,14 +324,15 @@ def choose(policy: Policy, request: RequestView, workers: Sequence[WorkerView], 
     pools = _pools(workers)
     strategy = _STRATEGIES[policy]
     prompt = request.prompt_token_ids
-    if pools.shape is _RouteShape.DISAGGREGATED and len(prompt) > (params.local_prefill_max_tokens or 0):
+    s = strategy.local(pools.serving, request, state, params)
+    matched = state.match_len(s.worker.worker_id, prompt)
+    local_max = params.local_prefill_max_tokens or 0  # 0: every prompt crosses, even one wholly cached
+    if pools.shape is _RouteShape.DISAGGREGATED and not (local_max and len(prompt) - matched <= local_max):
         p = strategy.prefill(pools.prefill, request, state, params)
         d = strategy.decode(pools.serving, request, state, params)
         return Route(prefill_id=p.worker.worker_id, decode_id=d.worker.worker_id,
                      matched_prefix_tokens=state.match_len(p.worker.worker_id, prompt),
                      reason=f"prefill {p.why}; decode {d.why}")
-    s = strategy.local(pools.serving, request, state, params)
-    short = pools.shape is _RouteShape.DISAGGREGATED  # prefill workers are alive: the prompt is short
-    return Route(prefill_id=None, decode_id=s.worker.worker_id,
-                 matched_prefix_tokens=state.match_len(s.worker.worker_id, prompt),
-                 reason=f"local prefill{f' (prompt <= {params.local_prefill_max_tokens} tokens)' if short else ''} {s.why}")
+    short = pools.shape is _RouteShape.DISAGGREGATED  # prefill workers are alive: what it lacks is short
+    return Route(prefill_id=None, decode_id=s.worker.worker_id, matched_prefix_tokens=matched,
+                 reason=f"local prefill{f' ({len(prompt) - matched} uncached tokens <= {params.local_prefill_max_tokens})' if short else ''} {s.why}")

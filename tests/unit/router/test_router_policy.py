@@ -302,12 +302,28 @@ def test_a_short_prompt_prefills_on_its_decode_worker_and_a_longer_one_on_a_pref
     params = PolicyParams(local_prefill_max_tokens=len(SHARED))
     short = route_and_record(policy, make_request(SHARED, "short"), workers, state, params)
     assert short.local_prefill and short.decode_id in ("d0", "d1"), short  # never the colocated worker
-    assert "prompt <= 80 tokens" in short.reason
+    assert "80 uncached tokens <= 80" in short.reason
     assert state.match_len(short.decode_id, SHARED) == 80 and state.match_len("p0", SHARED) == 0
-    longer = route_and_record(policy, make_request(SHARED + [9], "longer"), workers, state, params)
+    longer = route_and_record(policy, make_request(list(range(300, 381)), "longer"), workers, state, params)
     assert longer.prefill_id in ("p0", "p1") and longer.decode_id in ("d0", "d1"), longer
     for off in (PolicyParams(local_prefill_max_tokens=0), PolicyParams()):
         assert choose(policy, make_request([1, 2]), workers, state, off).prefill_id in ("p0", "p1")
+        assert choose(policy, make_request(SHARED), workers, state, off).prefill_id in ("p0", "p1")  # cached
+
+
+def test_the_threshold_counts_what_the_decode_worker_lacks(state):
+    """A conversation's next turn: its history is on the decode worker that decoded it, so only the new
+    tokens count against `local_prefill_max_tokens`; more new tokens than that cross."""
+    workers = make_workers(prefill=1, decode=1)
+    params = PolicyParams(local_prefill_max_tokens=40)
+    route_and_record(Policy.CACHE_AWARE, make_request(SHARED, "turn-1"), workers, state)  # disaggregated
+    state.record_cached(workers[1], SHARED)  # finished: its prompt (and answer) join the decoder's tree
+    turn = route_and_record(Policy.CACHE_AWARE, make_request(SHARED + list(range(500, 540)), "turn-2"),
+                            workers, state, params)
+    assert (turn.prefill_id, turn.decode_id, turn.matched_prefix_tokens) == (None, "d0", 80), turn
+    long_turn = choose(Policy.CACHE_AWARE, make_request(SHARED + list(range(600, 641)), "turn-3"), workers, state,
+                       params)
+    assert long_turn.prefill_id == "p0", long_turn
 
 
 @pytest.mark.parametrize("policy", list(Policy))

@@ -39,7 +39,9 @@ def _alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("serve-default"),
-                          ["--policy", "round_robin", "--num-prefill", "2", *SMALL])
+                          ["--policy", "round_robin", "--num-prefill", "2", *SMALL,
+                           # every prompt crosses: a shared prefix would otherwise stay on the decode worker
+                           "--set", "router.local_prefill_max_tokens=0"])
     try:
         yield server
     finally:

@@ -119,7 +119,8 @@ def test_two_prefill_workers_prefill_a_shared_prefix_once_and_share_it_through_l
     """16 requests with one 1k-token prefix and different questions, sent in turn to two prefill
     workers (round robin): the prefix is prefilled once in all, the second worker's first request
     fetches it from L3, and every answer is HF's greedy one."""
-    server = start(["--num-prefill", "2", "--policy", "round_robin"])
+    # every prompt crosses: with the prefix on the decode worker, a question alone would stay there
+    server = start(["--num-prefill", "2", "--policy", "round_robin", "--set", "router.local_prefill_max_tokens=0"])
     redis_server.client().flushall()  # only this test's pages from here on
     prefix = natural_prompt(PROMPT_TOKENS - 24, "shared")
     loaded, _ = smollm2()

@@ -1,5 +1,6 @@
 """`tandem serve` exactly as a new user starts it (no flags but a free port), over HTTP: ordinary
-concurrent load is queued, not refused; short prompts prefill on the decode worker, long ones cross; overload gets answers and fast 429s, nothing else; a request
+concurrent load is queued, not refused; short prompts (and a next turn) prefill on the decode worker,
+long new ones cross; overload gets answers and fast 429s, nothing else; a request
 that leaves sampling unset gets the model's recommended sampling, and one that sets it wins."""
 
 from __future__ import annotations
@@ -121,14 +122,15 @@ def test_a_lone_stream_decodes_compiled_on_the_idle_prefill_worker_s_core_too_an
 
 
 def test_a_short_prompt_prefills_on_the_decode_worker_and_a_long_one_crosses_from_the_prefill_worker(server):
-    """Conditional disaggregation by default on a CPU: a prompt of at most 256 tokens is prefilled by
-    the decode worker (no KV crosses), a longer one by the prefill worker (its KV crosses); both
-    answers are HF transformers' greedy ones on the same ids."""
+    """Conditional disaggregation by default on a CPU: a prompt of which at most 256 tokens are not on
+    the decode worker yet is prefilled there (no KV crosses): a short one, and a long one that
+    continues it (a conversation's next turn); a long new one is prefilled by the prefill worker (its
+    KV crosses). Every answer is HF transformers' greedy one on the same ids."""
     from tests.helpers import CHAT_PROMPTS, smollm2
 
     text = " ".join(CHAT_PROMPTS * 8)
-    for num_tokens, crosses in ((200, False), (400, True)):
-        ids = smollm2()[0].tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
+    for salt, num_tokens, crosses in (("", 200, False), ("Another topic.", 400, True), ("", 420, False)):
+        ids = smollm2()[0].tokenizer.encode(f"{salt} {text}" if salt else text, add_special_tokens=False)[:num_tokens]
         assert len(ids) == num_tokens
         before = server.metrics()
         assert_greedy_is_hf(server, ids, 8)

@@ -140,7 +140,7 @@ class PolicyParams:
 
     def __post_init__(self):
         value = self.local_prefill_max_tokens
-        require(value is None or (isinstance(value, int) and value >= 0),
+        require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0),
                 f"local_prefill_max_tokens must be an integer >= 0 or null, got {value!r}")
         require(0.0 <= self.cache_threshold <= 1.0, f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         require(isinstance(self.balance_abs_threshold, int) and self.balance_abs_threshold >= 0,
@@ -333,6 +333,8 @@ def choose(policy: Policy, request: RequestView, workers: Sequence[WorkerView], 
         return Route(prefill_id=p.worker.worker_id, decode_id=d.worker.worker_id,
                      matched_prefix_tokens=state.match_len(p.worker.worker_id, prompt),
                      reason=f"prefill {p.why}; decode {d.why}")
-    short = pools.shape is _RouteShape.DISAGGREGATED  # prefill workers are alive: what it lacks is short
+    short = ""  # prefill workers are alive: what the decode worker lacks of the prompt is short
+    if pools.shape is _RouteShape.DISAGGREGATED:
+        short = f" ({len(prompt) - matched} uncached tokens <= {local_max})"
     return Route(prefill_id=None, decode_id=s.worker.worker_id, matched_prefix_tokens=matched,
-                 reason=f"local prefill{f' ({len(prompt) - matched} uncached tokens <= {params.local_prefill_max_tokens})' if short else ''} {s.why}")
+                 reason=f"local prefill{short} {s.why}")

@@ -396,7 +396,7 @@ def test_record_advances_prefill_turn_only_on_disaggregated_routes(state):
     ("balance_rel_threshold", 0.9), ("max_tree_tokens", 0), ("tokens_per_load_unit", 0),
     ("decode_waiting_weight", -1.0), ("decode_kv_usage_weight", -1.0), ("l3_load_cost", 1.5), ("l3_load_cost", -0.1),
     ("host_load_cost", 1.5), ("host_load_cost", -0.1), ("local_prefill_max_tokens", -1),
-    ("local_prefill_max_tokens", 2.5),
+    ("local_prefill_max_tokens", 2.5), ("local_prefill_max_tokens", True),
 ])
 def test_policy_params_bounds_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):

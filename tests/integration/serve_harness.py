@@ -160,6 +160,14 @@ def metric(samples: dict, name: str, **labels) -> float:
     return sum(v for (n, lbls), v in samples.items() if n == name and labels.items() <= dict(lbls).items())
 
 
+def eventually(check, what: str, timeout_s: float = 20) -> None:
+    """Wait until `check()` holds: a worker's counters reach /metrics with its next heartbeat."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.5)
+
+
 def streams_across_a_fault(base_url: str, api_key: str, n: int, fault, timeout_s: float) -> list[str]:
     """`n` greedy 200-token streams ("List i fruits:"); once one has streamed a chunk, `fault()` runs
     (blocking, in a thread); returns each stream's finish reason or "error: <message>", all of which

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
-from tests.integration.serve_harness import metric, start_server
+from tests.integration.serve_harness import eventually, metric, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -77,13 +77,6 @@ def hf_text(prompt: list[int]) -> str:
     """HF transformers' greedy continuation of `prompt`, as text (the independent reference)."""
     loaded, reference = smollm2()
     return loaded.tokenizer.decode(hf_greedy(reference, prompt, MAX_NEW), skip_special_tokens=True)
-
-
-def eventually(check, what: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.5)
 
 
 def wait_for_pages_in_redis(redis_server, num_pages: int, timeout_s: float = 60) -> None:

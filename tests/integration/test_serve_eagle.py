@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
-from tests.integration.serve_harness import metric, start_server
+from tests.integration.serve_harness import eventually, metric, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -70,10 +70,12 @@ def test_greedy_answers_equal_hf_greedy_and_drafts_were_verified(eagle_server, h
         body = resp.json()
         assert body["choices"][0]["message"]["content"] == text, prompt
         assert body["usage"]["completion_tokens"] == len(ids), prompt
+    produced = sum(len(ids) for ids, _ in hf_answers)
+    drafted_since = lambda: metric(server.metrics(), "tandem:spec_draft_tokens_total") - metric(  # noqa: E731
+        before, "tandem:spec_draft_tokens_total")
+    eventually(lambda: drafted_since() >= produced, f"{produced} drafts verified (was drafting on?)")
     after = server.metrics()
     drafted = metric(after, "tandem:spec_draft_tokens_total") - metric(before, "tandem:spec_draft_tokens_total")
     accepted = metric(after, "tandem:spec_accepted_tokens_total") - metric(before, "tandem:spec_accepted_tokens_total")
-    produced = sum(len(ids) for ids, _ in hf_answers)
-    assert drafted >= produced, f"only {drafted} drafts verified for {produced} tokens: was drafting on?"
     # a working head gets a good share accepted (the shipped one: ~half at k = 3); a broken one ~none
     assert accepted >= 0.2 * produced, f"{accepted} of {drafted} drafts accepted for {produced} tokens"

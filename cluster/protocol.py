@@ -310,6 +310,16 @@ class Shutdown:
     pass
 
 
+@dataclass(frozen=True)
+class RelayTo:
+    """Dispatcher -> worker host: send every later message to the gateway (but heartbeats and a crash
+    report) over a TCP connection to `host:port`, opened with `hello` (`cluster/relay.py`)."""
+
+    host: str
+    port: int
+    hello: bytes
+
+
 class Worker(Protocol):
     """What a worker host (`cluster/worker_host/loop.py`) knows of the worker it runs, whatever its role.
 

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 
 from cluster import protocol as p
 from cluster.config import SamplingParams
+from cluster.relay import RelayServer, hello, new_secret
 from router.admission import AdmissionParams, Overloaded, admissible
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 from router.flights import Flight, Phase, Transfer, observe_first_token, request_counters
@@ -47,9 +48,12 @@ class Dispatcher:
     def __init__(self, source: ViewSource, *, tokenizer, model_name: str, max_model_len: int,
                  policy: Policy = Policy.CACHE_AWARE, policy_params: PolicyParams = PolicyParams(),
                  max_pending: int = 256, max_transfer_retries: int = 1, refresh_interval_s: float = 0.5,
-                 collect_timeout_s: float = 0.5, reserve_retry_s: float = 0.05, landing_timeout_s: float = 30.0,
+                 collect_timeout_s: float = 5.0, reserve_retry_s: float = 0.05, landing_timeout_s: float = 30.0,
                  admission: AdmissionParams = AdmissionParams(), session_open_timeout_s: float = 10.0,
-                 prefill_answers: bool = True, clock: Callable[[], float] = time.monotonic):
+                 prefill_answers: bool = True, relay_host: str | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """`relay_host`: where the token relay listens (`cluster/relay.py`; workers whose link
+        `relays` connect to it); None: every message comes through the collect long-poll."""
         self.source, self.tokenizer = source, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.policy, self.policy_params = policy, policy_params
@@ -67,9 +71,15 @@ class Dispatcher:
         self.relay, self.polls = relay_metrics()
         self.reroutes, self.refusals, self.answers = request_counters()
         self.extra_collectors = [self.relay, self.polls, self.reroutes, self.refusals, self.answers]
+        self.relay_host, self._relay_secret = relay_host, new_secret()
+        self._relay_server: RelayServer | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
+        if self.relay_host is not None:
+            self._relay_server = RelayServer(self.relay_host, self._relay_secret, self._relay_sink)
+            port = await self._relay_server.start()
+            log.info("token relay listening on %s:%d", self.relay_host, port)
         await self.refresh()
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="dispatcher-refresh"))
 
@@ -84,6 +94,8 @@ class Dispatcher:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._relay_server is not None:
+            await self._relay_server.close()
 
     async def drain(self, timeout_s: float) -> int:
         """Wait up to `timeout_s` for in-flight requests to finish; abort the rest. Returns how
@@ -405,7 +417,14 @@ class Dispatcher:
         live = LiveWorker.admitting(info, self.admission)
         self.lives[info.worker_id] = live
         live.start(self._on_message, self._worker_gone, self.collect_timeout_s, self.polls)
+        if self._relay_server is not None and getattr(info.link, "relays", False):  # its first message
+            live.send(p.RelayTo(self.relay_host, self._relay_server.port, hello(self._relay_secret, live.peer_id)))
         log.info("worker %s (%s, incarnation %d) joined", info.worker_id, info.role.value, info.incarnation)
+
+    def _relay_sink(self, peer_id: str):
+        """The sink for a relay connection from worker incarnation `peer_id`; None: not a live one."""
+        live = next((lv for lv in self.lives.values() if lv.peer_id == peer_id and not lv.gone), None)
+        return None if live is None else live.relay_sink(self._on_message, self.polls)
 
     def _worker_gone(self, live: LiveWorker, why: str) -> None:
         """Fail or re-route what it held, tell the survivors, forget its prefix tree."""

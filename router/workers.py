@@ -5,6 +5,7 @@ Per worker incarnation, `LiveWorker` runs two tasks on the dispatcher's loop:
 
     dispatcher --send(msg)--> outq --sender: link.send(batch), in order--> worker
     dispatcher <--on_message(live, msg)-- collector: link.collect(timeout) (long-poll) <-- worker
+    dispatcher <--on_message(live, msg)-- `relay_sink` <-- its relay connection (when it has one)
 
 A link that raises (send or collect) means the worker is gone: the dispatcher hears it through
 `on_gone` and the tasks end.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +26,8 @@ from router.backend import WorkerGauge
 from router.policy import WorkerView
 from cluster.protocol import WorkerRole
 
+log = logging.getLogger("tandem.dispatcher")
+
 
 class WorkerLink(Protocol):
     async def send(self, msgs: list) -> None:
@@ -32,6 +36,10 @@ class WorkerLink(Protocol):
     async def collect(self, timeout_s: float) -> list:
         """Messages the worker sent since the last call (waits up to `timeout_s` for one).
         Raises when the worker is gone."""
+
+    relays: bool
+    """Whether the worker at the other end can send its messages over the token relay
+    (`cluster/relay.py`: a `WorkerHost`'s queues can, a worker process's pipe cannot)."""
 
 
 @dataclass(frozen=True)
@@ -152,9 +160,24 @@ class LiveWorker:
                 self._on_gone(self, f"collect failed: {type(exc).__name__}: {exc}")
                 return
             if msgs:
-                polls.labels(role=self.info.role.value).inc()
+                polls.labels(role=self.info.role.value, via="collect").inc()
             for msg in msgs:
                 on_message(self, msg)
+
+    def relay_sink(self, on_message, polls):
+        """(on_messages, on_closed) for its relay connection (`cluster/relay.py`): each frame's
+        messages go to `on_message` as the collector's do; a closed relay loses nothing (the worker
+        sends on through the long-poll), and its death shows up there."""
+        def on_messages(msgs: list) -> None:
+            if msgs:
+                polls.labels(role=self.info.role.value, via="relay").inc()
+            for msg in msgs:
+                on_message(self, msg)
+
+        def on_closed(why: str) -> None:
+            if not self.gone:
+                log.info("the relay from %s closed (%s)", self.worker_id, why)
+        return on_messages, on_closed
 
     # ---- what others see ---------------------------------------------------------------------------
     def view(self) -> WorkerView:
@@ -215,7 +238,8 @@ def relay_metrics():
     delay = Histogram("tandem:token_relay_seconds",
                       "Worker -> gateway delay of a token message (wall clocks; exact on one host)",
                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0), registry=None)
-    polls = Counter("tandem:worker_polls_total", "Collect calls to a worker that returned messages (one call each)",
-                    ["role"], registry=None)
+    polls = Counter("tandem:worker_polls_total", "Batches of a worker's messages by how they came: a collect call or a "
+                    "relay frame (each carries all the worker sent since the previous one)", ["role", "via"],
+                    registry=None)
     return delay, polls
 

@@ -89,7 +89,7 @@ class GatewayStack:
         self.config = GatewayConfig(port=0, **gateway_fields)
         self.dispatcher = Dispatcher(_Workers(self.hosts), tokenizer=self.tokenizer, model_name=TINY_MODEL,
                                      max_model_len=self.max_model_len, refresh_interval_s=0.05,
-                                     collect_timeout_s=0.05)
+                                     collect_timeout_s=0.05, relay_host="127.0.0.1")  # as `tandem serve`
         self.app = build_app(self.dispatcher, self.config, on_shutdown=self.dispatcher.close)
         self.server = GatewayServer(self.app, self.config, graceful_timeout_s=10)
         self.port = self.server.bind()

@@ -50,7 +50,7 @@ class RelaySnapshot:
     buckets: dict[float, float]
     num_messages: float
     num_tokens: float
-    num_polls: float  # collect calls to decode workers that returned messages
+    num_polls: float  # batches of decode workers' messages (collect calls or relay frames)
 
     def minus(self, before: RelaySnapshot) -> RelaySnapshot:
         return RelaySnapshot({le: n - before.buckets.get(le, 0.0) for le, n in self.buckets.items()},

@@ -51,6 +51,8 @@ class WorkerActor:
 class RayWorkerLink:
     """`router.dispatcher.WorkerLink` over an actor handle. A dead actor raises `RayActorError`."""
 
+    relays = True  # the actor's `WorkerHost` opens the token relay when told (`cluster/relay.py`)
+
     def __init__(self, handle) -> None:
         self.handle = handle
 

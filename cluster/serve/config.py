@@ -145,6 +145,12 @@ class ClusterConfig:
     steps on its own `torch_threads` plus those of the node's workers that have none (a lone decode
     stream on both cores while the prefill worker waits), never more than their sum
     (`cluster/worker_host/cores.py`). false: each worker keeps to its own."""
+    token_relay: bool = True
+    """Workers send their messages to the gateway (tokens, transfer progress) over one TCP connection
+    each, which they open to the gateway (`cluster/relay.py`), instead of answering a Ray call per
+    scheduler step. It listens where the transfer engine binds (`transport.hostname`: loopback by
+    default; "auto": the gateway node's address) and takes only connections that present the
+    secret the gateway made at start. false: Ray calls only."""
 
     def __post_init__(self):
         require(self.address is None or _valid_address(self.address),

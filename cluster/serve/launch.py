@@ -158,6 +158,17 @@ class _SignalGuard:
         log.info("signal %d: already shutting down", signum)
 
 
+def _relay_host(config: ServeConfig) -> str | None:
+    """Where the token relay listens (`cluster.token_relay`): where the transfer engine binds."""
+    if not config.cluster.token_relay:
+        return None
+    if config.transport.hostname == "auto":
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return config.transport.hostname
+
+
 async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, sampling, guard: _SignalGuard) -> None:
     from cluster.serve.actors import ControllerViews
     from router.dispatcher import Dispatcher
@@ -171,7 +182,7 @@ async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, sa
         policy=Policy(rc.policy), policy_params=rc,
         max_pending=config.gateway.max_pending_requests, max_transfer_retries=rc.max_transfer_retries,
         refresh_interval_s=config.cluster.heartbeat_interval_s, landing_timeout_s=config.transport.bootstrapping_s,
-        prefill_answers=rc.prefill_answers,
+        prefill_answers=rc.prefill_answers, relay_host=_relay_host(config),
         admission=rc.admission(config.prefill.engine.chunk_size, min(
             g.engine.max_running_requests for g in (config.decode, config.colocated) if g.count)))
 

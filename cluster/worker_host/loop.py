@@ -5,6 +5,9 @@ whatever its role: it knows only the worker contract (`cluster.protocol.Worker`)
     worker.step() while worker.busy() -> its messages sent
     a heartbeat with worker.stats() every `heartbeat_interval_s`
 
+Messages go out through the connection (`send_many`: one relay frame per batch once the dispatcher
+sent `RelayTo`, `cluster/relay.py`). An idle worker sleeps until a message or its next heartbeat.
+
 With a core share (`spec.core_share`, CPU workers under `tandem serve`), each step runs on the
 threads `cores.ThreadFollower` gives: its own share plus the idle workers' on its node.
 
@@ -43,15 +46,18 @@ def _serve(spec: WorkerSpec, worker: p.Worker, conn, threads: ThreadFollower | N
             timeout = 0.0  # compute to do: only drain what is already there
         elif worker.busy():
             timeout = worker.wait_s()  # only transfers/loads in flight: poll them, don't spin a core
-        else:
-            timeout = min(0.05, heartbeat_interval_s)
+        else:  # idle: a message wakes it; else the next heartbeat (and a session reaped that late at most)
+            timeout = max(0.0, min(heartbeat_interval_s, last_beat + heartbeat_interval_s - time.monotonic()))
         if threads is not None and timeout:
             threads.before(False)  # about to wait: lend this worker's threads meanwhile
         while conn.poll(timeout):
             msg = conn.recv()
             if isinstance(msg, p.Shutdown):
                 return
-            _send_all(conn, _handle_confined(worker, msg))
+            if isinstance(msg, p.RelayTo):  # only a `QueueConn`'s link sends one (`cluster/relay.py`)
+                conn.relay_to(msg)
+            else:
+                _send_all(conn, _handle_confined(worker, msg))
             timeout = 0.0
         if worker.busy():
             if threads is not None:
@@ -80,5 +86,4 @@ def _handle_confined(worker: p.Worker, msg) -> list:
 
 
 def _send_all(conn, msgs: list) -> None:
-    for msg in msgs:
-        conn.send(msg)
+    conn.send_many(msgs)

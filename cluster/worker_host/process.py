@@ -66,6 +66,10 @@ class _LockedConn:
         with self._lock:
             self._conn.send(msg)
 
+    def send_many(self, msgs: list) -> None:
+        for msg in msgs:
+            self.send(msg)
+
     def poll(self, timeout: float) -> bool:
         return self._conn.poll(timeout)
 
@@ -117,6 +121,8 @@ class PipeLink:
     everything else waits for `collect`. Sends are serialised by a lock (the dispatcher's sender and
     other senders share the pipe).
     """
+
+    relays = False  # messages come back through the pipe only
 
     def __init__(self, conn, name: str, aside: Callable[[object], bool] | None = None) -> None:
         self._conn, self._send_lock, self._cond = conn, threading.Lock(), threading.Condition()

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster import protocol as p
+from cluster.relay import RelaySender
 from cluster.worker_host.build import WorkerSpec, build_worker
 from cluster.worker_host.loop import run_loop
 
@@ -46,6 +47,7 @@ class QueueConn:
         self.stats: p.WorkerStats | None = None
         self.stats_unix_s = time.time()  # the loop refreshes it between steps, every heartbeat interval
         self.closed = False
+        self._relay: RelaySender | None = None  # the loop thread's alone (`relay_to`, `send_many`)
 
     # ---- the loop's side ---------------------------------------------------------------------------
     def send(self, msg) -> None:
@@ -54,8 +56,38 @@ class QueueConn:
                 if msg.stats is not None:
                     self.stats, self.stats_unix_s = msg.stats, time.time()
                 return
-            self._outbox.append(msg)
+            if isinstance(msg, p.WorkerCrashed):  # the collect long-poll reports it, then the loop's end
+                self._outbox.append(msg)
+                self._cond.notify_all()
+                return
+        self.send_many([msg])
+
+    def send_many(self, msgs: list) -> None:
+        """`msgs` (none a heartbeat) in one relay frame, or onto the outbox when there is no relay;
+        a relay that fails is dropped and the outbox takes these and every later message."""
+        if not msgs:
+            return
+        relay = self._relay
+        if relay is not None:
+            try:
+                relay.send(msgs)
+                return
+            except OSError as exc:
+                log.warning("the relay to the gateway failed (%s); back to the collect long-poll", exc)
+                self._relay = None
+                relay.close()
+        with self._cond:
+            self._outbox.extend(msgs)
             self._cond.notify_all()
+
+    def relay_to(self, msg: p.RelayTo) -> None:
+        """Open the relay (`cluster/relay.py`); the loop thread calls this, and only it sends. When the
+        gateway cannot be reached, messages keep going through the outbox."""
+        try:
+            self._relay = RelaySender(msg.host, msg.port, msg.hello)
+        except OSError as exc:
+            log.warning("cannot open the relay to %s:%d (%s); tokens go through the collect long-poll",
+                        msg.host, msg.port, exc)
 
     def poll(self, timeout: float) -> bool:
         with self._cond:
@@ -85,6 +117,8 @@ class QueueConn:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
+        if self._relay is not None:
+            self._relay.close()
 
 
 @dataclass(frozen=True)
@@ -172,6 +206,8 @@ class WorkerHost:
 
 class HostLink:
     """`router.dispatcher.WorkerLink` to a `WorkerHost` in this process (tests, single-process use)."""
+
+    relays = True  # its `WorkerHost` opens the token relay when told (`cluster/relay.py`)
 
     def __init__(self, host: WorkerHost) -> None:
         self.host = host

@@ -103,8 +103,9 @@ def test_workers_run_at_the_gateway_s_priority(server):
 
 def test_a_lone_stream_decodes_compiled_on_the_idle_prefill_worker_s_core_too_and_matches_hf(server):
     """The default decode worker compiles its single-request step at start-up and, while the prefill
-    worker has nothing to compute, steps on its core too (2 threads, never more): its greedy text is
-    still HF transformers' on the same prompt ids."""
+    worker has nothing to compute, steps on its core too (2 threads, never more), and sends its tokens
+    over the token relay, not Ray calls: its greedy text is still HF transformers' on the same
+    prompt ids."""
     from tests.helpers import smollm2
 
     ids = smollm2()[0].tokenizer.encode("The three primary colors are", add_special_tokens=False)
@@ -120,6 +121,9 @@ def test_a_lone_stream_decodes_compiled_on_the_idle_prefill_worker_s_core_too_an
 
     assert "compiled the CPU decode step for batch size 1" in server.log_tail(200_000)
     assert moved("tandem:worker_steps_total", role="decode", threads="2") >= 40, after
+    # every token came over the decode worker's relay connection, none through a Ray collect call
+    assert moved("tandem:worker_polls_total", role="decode", via="relay") >= 40
+    assert moved("tandem:worker_polls_total", role="decode", via="collect") == 0
     assert not [k for k in after if k[0] == "tandem:worker_steps_total" and int(dict(k[1])["threads"]) > 2]
 
 

@@ -1,5 +1,5 @@
 """How a fault while serving one request is reported: its client gets a short message with an error
-id and failure kind "internal"; the log gets the traceback under the same id (never the client, whose
+id and failure `Failure.INTERNAL`; the log gets the traceback under the same id (never the client, whose
 message must not carry source paths)."""
 
 from __future__ import annotations
@@ -8,10 +8,6 @@ import logging
 import uuid
 
 log = logging.getLogger("tandem.worker")
-
-FAILURE_INTERNAL = "internal"
-"""`TokenOutput.failure` of a request ended by a fault while serving it: a retry would meet it again."""
-
 
 def internal_error(request_id: str, exc: BaseException, where: str) -> str:
     """Log `exc` (with its traceback) as request `request_id`'s fault in `where` under a fresh error

@@ -98,6 +98,14 @@ class KVProgress:
     pages_written: int
 
 
+class Failure(enum.Enum):
+    """Why a request ended with an error, which decides what the dispatcher does with it."""
+
+    TRANSFER = "transfer"  # its KV transfer failed: re-routed while no token reached the client
+    REJECTED = "rejected"  # it can never be served as asked (a closed session, say): the client's error
+    INTERNAL = "internal"  # a fault of its own while serving it: a retry would meet it again
+
+
 @dataclass(frozen=True)
 class TransferAborted:
     """Prefill -> decode: this request's transfer ended without completing, and no write to its
@@ -105,7 +113,7 @@ class TransferAborted:
 
     request_id: str
     reason: str
-    failure: str = ""  # "": the transfer failed (worth a retry); "internal": a fault of the request's own
+    failure: Failure = Failure.TRANSFER  # or INTERNAL: a fault of the request's own ended it
 
 
 @dataclass(frozen=True)
@@ -302,7 +310,7 @@ class TokenOutput:
     cached_tokens: int = 0
     timings: tuple[tuple[str, float], ...] = ()  # on the finishing output: where the request spent time
     emitted_unix_s: float = 0.0  # wall clock when the worker sent it (token relay latency)
-    failure: str = ""  # with `error`: "transfer" (the KV transfer failed) | "rejected" (can never be served)
+    failure: Failure | None = None  # with `error`: why (None exactly when `error` is empty)
 
 
 @dataclass(frozen=True)

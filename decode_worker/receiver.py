@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.config import SamplingParams
-from cluster.faults import FAILURE_INTERNAL, internal_error
-from cluster.protocol import AbortTransfer, KVComplete, KVProgress, Landing, TransferAborted
+from cluster.faults import internal_error
+from cluster.protocol import AbortTransfer, Failure, KVComplete, KVProgress, Landing, TransferAborted
 from kv_store.host_tier import HostTier
 from kv_store.req_kv import ReleaseReason, ReqKV
 from kv_store.residency import Residency, move_residency
@@ -202,7 +202,7 @@ class KVReceiver(NullConnector):
         if ib.request.status is not RequestStatus.FINISHED:
             ib.request.error = error
             ib.request.finish(FinishReason.ABORT)
-            self._pending_outputs.append(step_output(ib.request, [], FinishReason.ABORT, error, FAILURE_INTERNAL))
+            self._pending_outputs.append(step_output(ib.request, [], FinishReason.ABORT, error, Failure.INTERNAL))
 
     # ---- inbound transitions -----------------------------------------------------------------------
     def _check_deadline(self, ib: _Inbound, now: float) -> None:
@@ -273,7 +273,7 @@ class KVReceiver(NullConnector):
         ib.session.fail(reason, detail)
         ib.move(InboundPhase.ABANDONING)
         self.outbox.append((ib.peer, AbortTransfer(ib.request.request_id, detail or reason.value)))
-        self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}")
+        self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}", Failure.TRANSFER)
 
     def _landing_free(self, ib: _Inbound, reason: FailureReason, detail: str,
                       aborted: TransferAborted | None = None) -> None:
@@ -281,10 +281,10 @@ class KVReceiver(NullConnector):
         (with the prefill worker's own error when a fault of the request's ended it there)."""
         if ib.phase is InboundPhase.LANDING:
             ib.session.fail(reason, detail)
-            if aborted is not None and aborted.failure:
+            if aborted is not None and aborted.failure is not Failure.TRANSFER:
                 self._report(ib.request, FinishReason.ABORT, aborted.reason, aborted.failure)
             else:
-                self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}")
+                self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}", Failure.TRANSFER)
         self.host.release(self.host.abandon(ib.request.request_id), ReleaseReason.TRANSFER_FAILED)
         del self.inbound[ib.request.request_id]
 
@@ -295,7 +295,7 @@ class KVReceiver(NullConnector):
         del self.inbound[ib.request.request_id]
         self._report(ib.request, reason, "")
 
-    def _report(self, req: Request, reason: FinishReason, error: str, failure: str = "") -> None:
+    def _report(self, req: Request, reason: FinishReason, error: str, failure: Failure | None = None) -> None:
         """End a request that never joined the batch. Its only token (if any) is the first one."""
         req.error = error
         req.finish(reason)

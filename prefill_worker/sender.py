@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.faults import FAILURE_INTERNAL, internal_error
-from cluster.protocol import KVComplete, KVProgress, Landing, TransferAborted
+from cluster.faults import internal_error
+from cluster.protocol import Failure, KVComplete, KVProgress, Landing, TransferAborted
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
@@ -40,7 +40,7 @@ class _Shipment:
     first_token: int | None = None  # set when the prompt is done and the token sampled
     draft_feature: bytes = b""  # with EAGLE: the head's feature at the prompt's last position
     abort_reason: str | None = None  # set when the transfer is being abandoned
-    failure: str = ""  # with abort_reason: FAILURE_INTERNAL when a fault of the request's own ended it
+    failure: Failure = Failure.TRANSFER  # with abort_reason: INTERNAL when a fault of the request's own ended it
     bytes_sent: int = 0
     pages_at_handle: dict = field(default_factory=dict)  # handle -> pages written once it retires
     pages_done: int = 0
@@ -72,9 +72,10 @@ class KVSender(NullConnector):
         session.advance(TransferState.WAITING, self.clock())
         self.shipments[req.request_id] = _Shipment(landing, session)
 
-    def abort_transfer(self, request_id: str, reason: FailureReason, detail: str = "", failure: str = "") -> None:
+    def abort_transfer(self, request_id: str, reason: FailureReason, detail: str = "",
+                       failure: Failure = Failure.TRANSFER) -> None:
         """Stop shipping `request_id`: no new writes; released once outstanding writes are terminal.
-        `failure`: FAILURE_INTERNAL when a fault of the request's own ends it (its client is not re-routed)."""
+        `failure`: INTERNAL when a fault of the request's own ends it (its client is not re-routed)."""
         shipment = self.shipments.get(request_id)
         if shipment is None:  # never got it (aborted before it arrived) or done: nothing will be written
             self.outbox.append(TransferAborted(request_id, detail or f"no transfer in progress ({reason.value})",
@@ -130,7 +131,7 @@ class KVSender(NullConnector):
         is released once no write reads it. A request with nothing to ship is released at once."""
         if req.request_id not in self.shipments:
             return False
-        self.abort_transfer(req.request_id, FailureReason.ABORTED, error, FAILURE_INTERNAL)
+        self.abort_transfer(req.request_id, FailureReason.ABORTED, error, Failure.INTERNAL)
         return True
 
     def take_finished(self) -> list[tuple[Request, FinishReason]]:
@@ -155,7 +156,7 @@ class KVSender(NullConnector):
             work(*args)
         except Exception as exc:  # noqa: BLE001 - this transfer's fault: abort it, keep the others going
             self.abort_transfer(request_id, FailureReason.ABORTED, internal_error(request_id, exc, work.__name__),
-                                FAILURE_INTERNAL)
+                                Failure.INTERNAL)
             self.engine.check_integrity()  # nothing was left half-owned, or the worker must stop
 
     def _check_deadline(self, request_id: str, shipment: _Shipment, now: float) -> None:

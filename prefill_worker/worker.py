@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from cluster import protocol as p
 from cluster.config import SamplingParams
-from cluster.faults import FAILURE_INTERNAL
 from cluster.protocol import WorkerRole
 from kv_store.l3.config import L3Config
 from kv_store.req_kv import ceil_div
@@ -65,7 +64,7 @@ class PrefillWorker(EngineWorker):
             self.engine.abort(msg.request_id)
         if isinstance(msg, p.PrefillAnswer):  # nobody waits for it
             return []
-        self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, error, FAILURE_INTERNAL)
+        self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, error, p.Failure.INTERNAL)
         return []
 
     def step(self) -> list:

@@ -32,7 +32,7 @@ from cluster.config import SamplingParams
 from cluster.relay import RelayServer, hello, new_secret
 from router.admission import AdmissionParams, Overloaded, admissible
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
-from router.flights import Flight, Phase, Transfer, observe_first_token, request_counters
+from router.flights import Flight, Phase, Transfer, failure_outcome, observe_first_token, request_counters
 from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, choose
 from router.sessions import SessionTable, SessionTurn
 from router.workers import LiveWorker, ViewSource, WorkerInfo, WorkerLink, relay_metrics
@@ -190,10 +190,10 @@ class Dispatcher:
             flight.limit_epoch = flight.decode.limit.epoch
         self._by_wire[flight.wire_id] = flight
         if flight.prefill is None:
-            flight.phase = Phase.LOCAL
+            flight.move(Phase.LOCAL)
             flight.decode.send(p.Generate(flight.wire_id, request.prompt_token_ids, flight.params))
             return
-        flight.phase = Phase.QUEUED
+        flight.move(Phase.QUEUED)
         flight.prefill.lane.enqueue(flight, len(flight.prompt), front=not admit)
         self._pump(flight.prefill)
 
@@ -202,7 +202,7 @@ class Dispatcher:
         reserved its KV when it opened). Raises BackendError NOT_FOUND before registering anything."""
         turn.decode = self.sessions.worker_of(turn.session_id)
         turn.decode.num_active += 1
-        turn.phase = Phase.LOCAL
+        turn.move(Phase.LOCAL)
         self._by_wire[turn.wire_id] = turn
         turn.decode.send(p.Generate(turn.wire_id, tuple(turn.prompt), turn.params, turn.session_id))
 
@@ -223,17 +223,23 @@ class Dispatcher:
         if prefill.gone:
             return
         for flight, num_tokens in prefill.lane.take_ready():
-            flight.phase = Phase.RESERVING
+            flight.move(Phase.RESERVING)
             if flight.reserve_started_at is None:
                 flight.reserve_started_at = self.clock()
             self._transfers[flight.wire_id] = Transfer(prefill, flight.decode, num_tokens)
             flight.decode.send(p.Reserve(flight.wire_id, tuple(flight.prompt), flight.params, prefill.peer_id))
 
+    def _failed(self, flight: Flight, failure: p.Failure, why: str) -> None:
+        """Its worker failed it (or died): re-routed when `failure_outcome` allows and a route exists,
+        else ended with the error kind it gives."""
+        kind = failure_outcome(failure, tokens_sent=flight.tokens_sent, attempt=flight.attempt,
+                               max_retries=self.max_transfer_retries, session=isinstance(flight, SessionTurn))
+        if kind is None and self._reroute(flight, why):
+            return
+        self._finish_error(flight, kind or ErrorKind.UNAVAILABLE, why)
+
     def _reroute(self, flight: Flight, why: str) -> bool:
-        """Try the request again on a fresh route. False when it may not (retries spent, tokens
-        already sent, no worker) — the caller then fails it."""
-        if flight.tokens_sent or flight.attempt >= self.max_transfer_retries or isinstance(flight, SessionTurn):
-            return False
+        """Try the request again on a fresh route; False when no worker can take it."""
         self._unroute(flight)
         flight.attempt += 1
         log.warning("re-routing %s (attempt %d): %s", flight.request_id, flight.attempt, why)
@@ -284,7 +290,7 @@ class Dispatcher:
             self._transfer_over(msg.request_id)
             if flight is not None:
                 self._unroute(flight)
-                flight.phase = Phase.BACKOFF
+                flight.move(Phase.BACKOFF)
                 asyncio.get_running_loop().call_later(self.reserve_retry_s, self._retry_reserve, flight)
         elif transfer is None or transfer.prefill.gone:
             if transfer is not None:  # its prefill worker died meanwhile: the decode side frees it
@@ -292,7 +298,7 @@ class Dispatcher:
         elif flight is None:  # aborted while reserving: the decode worker's Abort already ends it
             pass
         else:
-            flight.phase = Phase.PREFILLING
+            flight.move(Phase.PREFILLING)
             flight.landing_bytes = len(msg.landing.page_ids) * msg.landing.layout.page_bytes
             transfer.prefill_sent = True
             transfer.prefill.lane.rate.started(self.clock(), transfer.prompt_len)
@@ -342,18 +348,13 @@ class Dispatcher:
         if msg.emitted_unix_s:
             self.relay.observe(max(0.0, time.time() - msg.emitted_unix_s))
         if msg.error:
-            if msg.failure == "rejected":
-                self._finish_error(flight, ErrorKind.REJECTED, msg.error)
-            elif msg.failure == "internal":  # the worker's fault serving this request: a retry meets it again
-                self._finish_error(flight, ErrorKind.INTERNAL, msg.error)
-            elif not self._reroute(flight, msg.error):
-                self._finish_error(flight, ErrorKind.UNAVAILABLE, msg.error)
+            self._failed(flight, msg.failure or p.Failure.TRANSFER, msg.error)
             return
         if flight.tokens_sent == 0:
             observe_first_token(flight, self.clock() - flight.submitted_at, self.admission)
             if flight.prefill is None:  # its decode worker prefilled it
                 self.state.record_prefilled(flight.prompt)
-        flight.phase = Phase.STREAMING
+        flight.move(Phase.STREAMING)
         flight.output += msg.new_token_ids
         if msg.finish_reason is None:
             flight.queue.put_nowait(GenerationChunk(tuple(msg.new_token_ids)))
@@ -397,7 +398,7 @@ class Dispatcher:
 
     def _end(self, flight: Flight) -> None:
         """The request is over for the dispatcher (the workers release their own KV)."""
-        flight.phase = Phase.DONE
+        flight.move(Phase.DONE)
         self._unroute(flight)
         self.flights.pop(flight.request_id, None)
 
@@ -451,8 +452,7 @@ class Dispatcher:
             if live in (transfer.prefill, transfer.decode):
                 self._transfer_over(wire)
         for flight in [f for f in self.flights.values() if f.decode is live]:
-            if not self._reroute(flight, f"worker {live.worker_id} died"):
-                self._finish_error(flight, ErrorKind.UNAVAILABLE, f"worker {live.worker_id} died: {why}")
+            self._failed(flight, p.Failure.TRANSFER, f"worker {live.worker_id} died: {why}")
 
     async def _refresh_forever(self) -> None:
         while True:

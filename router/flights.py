@@ -11,6 +11,9 @@ One request, disaggregated (wire id = `<request_id>.<attempt>`):
                                          | error: rejected (400)
     local prefill (no prefill worker):  LOCAL --tokens--> STREAMING -> done
 
+A failed transfer or a dead worker routes it again from any phase before STREAMING
+(`failure_outcome` decides); `Flight.move` checks every move against `_MOVES`.
+
 The landing is reserved only when the prefill worker has room for the prompt (`PrefillLane`), so a
 transfer's deadlines never count time the request spent queued, and no request is re-prefilled
 because it waited.
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from cluster import protocol as p
 from cluster.config import SamplingParams
 from router.admission import AdmissionParams
-from router.backend import GenerationChunk
+from router.backend import ErrorKind, GenerationChunk
 from router.workers import LiveWorker
 
 
@@ -37,6 +40,23 @@ class Phase(enum.Enum):
     LOCAL = "local"  # the decode worker prefills it itself
     STREAMING = "streaming"  # tokens are flowing
     DONE = "done"
+
+
+_ROUTES = {Phase.QUEUED, Phase.LOCAL}  # where a route (a first one, or a re-route) puts a request
+_MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.QUEUED: frozenset({Phase.RESERVING, *_ROUTES, Phase.DONE}),  # re-queued when its worker died
+    Phase.RESERVING: frozenset({Phase.PREFILLING, Phase.BACKOFF, *_ROUTES, Phase.DONE}),
+    Phase.BACKOFF: frozenset({*_ROUTES, Phase.DONE}),
+    Phase.PREFILLING: frozenset({Phase.STREAMING, *_ROUTES, Phase.DONE}),
+    Phase.LOCAL: frozenset({Phase.STREAMING, *_ROUTES, Phase.DONE}),
+    Phase.STREAMING: frozenset({Phase.STREAMING, Phase.DONE}),  # a token reached the client: no re-route
+    Phase.DONE: frozenset(),
+}
+"""The moves `Flight.move` allows: the diagram above, plus a re-route from any phase before STREAMING."""
+
+
+class PhaseError(RuntimeError):
+    """A move the table does not allow: a bug in the dispatcher."""
 
 
 @dataclass(eq=False)
@@ -54,6 +74,11 @@ class Flight:
     submitted_at: float = 0.0  # dispatcher clock
     reserve_started_at: float | None = None  # first Reserve sent (the landing timeout counts from there)
     limit_epoch: int | None = None  # its decode worker's `DecodeLimit.epoch` at admission (None: no sample)
+
+    def move(self, to: Phase) -> None:
+        if to not in _MOVES[self.phase]:
+            raise PhaseError(f"request {self.request_id}: {self.phase.value} -> {to.value} is not a move")
+        self.phase = to
 
     @property
     def tokens_sent(self) -> int:
@@ -85,6 +110,20 @@ class Transfer:
     decode: LiveWorker
     prompt_len: int  # tokens it holds in the prefill worker's window
     prefill_sent: bool = False  # the prompt is at the prefill worker (its service time counts)
+
+
+def failure_outcome(failure: p.Failure, *, tokens_sent: int, attempt: int, max_retries: int,
+                    session: bool) -> ErrorKind | None:
+    """What a request its worker failed (or lost) gets: None, a re-route; else the error kind its
+    client gets. Only a failed transfer is worth another route, and only while no token reached the
+    client, retries are left, and it is no session's turn (whose history lives on that worker)."""
+    if failure is p.Failure.REJECTED:
+        return ErrorKind.REJECTED
+    if failure is p.Failure.INTERNAL:  # a fault of its own: a retry would meet it again
+        return ErrorKind.INTERNAL
+    if tokens_sent or attempt >= max_retries or session:
+        return ErrorKind.UNAVAILABLE
+    return None
 
 
 def observe_first_token(flight: Flight, ttft_s: float, admission: AdmissionParams) -> None:

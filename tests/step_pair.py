@@ -17,7 +17,7 @@ class PairResult:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str = ""
-    failure: str = ""  # with error: "transfer" (worth a retry) or "internal"
+    failure: p.Failure | None = None  # with error: TRANSFER (worth a retry) or INTERNAL
 
 
 class StepPair:

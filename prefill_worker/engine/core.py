@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from cluster.config import EngineConfig, SamplingParams
-from cluster.faults import FAILURE_INTERNAL, internal_error
-from cluster.protocol import GraphStats, SpecStats, TierStats, WorkerStats
+from cluster.faults import internal_error
+from cluster.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerStats
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
 from kernels.model.packed_linear import prepack_cpu
 from kv_store.device_pool import DevicePool
@@ -70,13 +70,13 @@ class StepOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None  # None while the request is still running
     error: str = ""  # why an ABORT that the client did not ask for happened (e.g. a transfer failed)
-    failure: str = ""  # with `error`: FAILURE_INTERNAL, or "" (a transfer failure)
+    failure: Failure | None = None  # with `error`: why (None exactly when `error` is empty)
     cached_tokens: int = 0  # set on the finishing output
     timings: tuple[tuple[str, float], ...] = ()  # set on the finishing output
 
 
 def step_output(req: Request, tokens: list[int], reason: FinishReason | None, error: str = "",
-                failure: str = "") -> StepOutput:
+                failure: Failure | None = None) -> StepOutput:
     """`req`'s progress; a finishing one carries its cached tokens and timings."""
     if reason is None:
         return StepOutput(req.request_id, tokens, None)
@@ -404,7 +404,7 @@ class EngineCore:
             self.scheduler.finish(req, FinishReason.ABORT)
         self.requests.pop(req.request_id, None)
         req.error = error
-        return [step_output(req, [], FinishReason.ABORT, error, FAILURE_INTERNAL)]
+        return [step_output(req, [], FinishReason.ABORT, error, Failure.INTERNAL)]
 
     def _after_step(self) -> None:
         if self.debug_kv or not self.scheduler.has_work():

@@ -94,7 +94,7 @@ def test_a_request_that_breaks_the_sampler_fails_alone(clean):
     assert [r.output_token_ids for r in good] == clean
     assert bad.finish_reason is FinishReason.ABORT and len(bad.output_token_ids) == 3
     [last] = [o for o in outputs if o.request_id == bad.request_id and o.finish_reason is not None]
-    assert last.failure == "internal" and last.new_token_ids == []
+    assert last.failure is p.Failure.INTERNAL and last.new_token_ids == []
     assert_internal_error(last.error)
     assert_pool_at_rest(engine)
 
@@ -134,7 +134,7 @@ def assert_only_the_last_fails(prefill, decode, prompts: list[list[int]], clean:
     an internal error (never re-routed); both workers end at rest, then are closed."""
     results = StepPair(prefill, decode).generate(prompts, greedy(max_tokens=12))
     assert [r.token_ids for r in results[:-1]] == clean
-    assert results[-1].finish_reason is FinishReason.ABORT and results[-1].failure == "internal"
+    assert results[-1].finish_reason is FinishReason.ABORT and results[-1].failure is p.Failure.INTERNAL
     assert_internal_error(results[-1].error)
     for worker in (prefill, decode):
         assert why_not_at_rest(worker) == ""
@@ -203,7 +203,7 @@ def test_worker_host_loop_survives_faulty_requests_and_messages(clean):
             assert [t for m in msgs for t in m.new_token_ids] == clean[i] and not msgs[-1].error
         for rid in ("bad-sampler", "bad-forward", "bad-message"):
             last = by_id[rid][-1]
-            assert last.finish_reason == "abort" and last.failure == "internal", (rid, last)
+            assert last.finish_reason == "abort" and last.failure is p.Failure.INTERNAL, (rid, last)
             assert_internal_error(last.error)
         host.deliver([p.Generate("after", tuple(prompts[1]), greedy(max_tokens=12))])  # the loop still serves
         assert [t for m in collect_until_done(host, {"after"})["after"] for t in m.new_token_ids] == clean[1]

@@ -100,7 +100,7 @@ def decode_reply(msg) -> list:
     if isinstance(msg, p.Generate):
         return [p.TokenOutput(msg.request_id, (FIRST_TOKEN,), "length", "")]
     if isinstance(msg, p.PeerDead):  # what a decode worker says for each landing the dead peer held
-        return [p.TokenOutput(rid, (), "abort", "transfer peer_dead", failure="transfer") for rid in LANDED]
+        return [p.TokenOutput(rid, (), "abort", "transfer peer_dead", failure=p.Failure.TRANSFER) for rid in LANDED]
     return []
 
 

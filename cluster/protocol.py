@@ -98,6 +98,14 @@ class KVProgress:
     pages_written: int
 
 
+class FinishReason(enum.Enum):
+    """Why a request ended (the OpenAI API's `finish_reason` is its value)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
 class Failure(enum.Enum):
     """Why a request ended with an error, which decides what the dispatcher does with it."""
 
@@ -305,7 +313,7 @@ class PeerDead:
 class TokenOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
-    finish_reason: str | None
+    finish_reason: FinishReason | None  # None while the request runs
     error: str
     cached_tokens: int = 0
     timings: tuple[tuple[str, float], ...] = ()  # on the finishing output: where the request spent time

@@ -30,8 +30,7 @@ LANDING_WAIT_S = 0.05
 
 
 def token_output(out: StepOutput) -> p.TokenOutput:
-    reason = out.finish_reason.value if out.finish_reason is not None else None
-    return p.TokenOutput(out.request_id, tuple(out.new_token_ids), reason, out.error, out.cached_tokens,
+    return p.TokenOutput(out.request_id, tuple(out.new_token_ids), out.finish_reason, out.error, out.cached_tokens,
                          out.timings, time.time(), out.failure)
 
 
@@ -46,7 +45,7 @@ class ColocatedWorker(EngineWorker):
             try:
                 self.engine.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id, msg.session_id)
             except ValueError as exc:  # SessionError too
-                return [p.TokenOutput(msg.request_id, (), "abort", str(exc), failure=p.Failure.REJECTED)]
+                return [p.TokenOutput(msg.request_id, (), p.FinishReason.ABORT, str(exc), failure=p.Failure.REJECTED)]
         elif isinstance(msg, p.OpenSession):
             try:
                 self.engine.open_session(msg.session_id, msg.capacity_tokens, msg.idle_timeout_s)
@@ -64,7 +63,7 @@ class ColocatedWorker(EngineWorker):
     def fail(self, msg, error: str) -> list:
         """A fault while handling `msg` (about one request): release what it holds, tell its client."""
         self.abort(msg.request_id)
-        return [p.TokenOutput(msg.request_id, (), "abort", error, failure=p.Failure.INTERNAL)]
+        return [p.TokenOutput(msg.request_id, (), p.FinishReason.ABORT, error, failure=p.Failure.INTERNAL)]
 
     def step(self) -> list:
         return [token_output(out) for out in self.engine.step()]

@@ -360,7 +360,7 @@ class Dispatcher:
             flight.queue.put_nowait(GenerationChunk(tuple(msg.new_token_ids)))
             return
         flight.queue.put_nowait(flight.last_chunk(msg, live.worker_id))
-        if msg.finish_reason != "abort":
+        if msg.finish_reason is not p.FinishReason.ABORT:
             self._cache_history(flight, live)
         self._end(flight)
 

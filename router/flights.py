@@ -94,7 +94,7 @@ class Flight:
         transfer_s = (timings["transfer_done"] - timings["first_write"]
                       if "transfer_done" in timings and "first_write" in timings else None)
         return GenerationChunk(
-            tuple(msg.new_token_ids), msg.finish_reason, cached_tokens=msg.cached_tokens, kv_transfer_s=transfer_s,
+            tuple(msg.new_token_ids), msg.finish_reason.value, cached_tokens=msg.cached_tokens, kv_transfer_s=transfer_s,
             kv_transfer_bytes=self.landing_bytes if self.prefill else 0,
             prefill_worker=self.prefill.worker_id if self.prefill else "", decode_worker=decode_worker,
             timings=timings)

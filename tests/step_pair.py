@@ -43,7 +43,7 @@ class StepPair:
                 result = self.results[msg.request_id]
                 result.token_ids += msg.new_token_ids
                 if msg.finish_reason is not None:
-                    result.finish_reason, result.error = FinishReason(msg.finish_reason), msg.error
+                    result.finish_reason, result.error = msg.finish_reason, msg.error
                     result.failure = msg.failure
             else:
                 self.prefill.handle(msg)  # AbortTransfer

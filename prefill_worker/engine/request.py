@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cluster.config import SamplingParams
+from cluster.protocol import FinishReason  # noqa: F401 - the engine's name for it too
 from kv_store.req_kv import ReqKV
 
 if TYPE_CHECKING:
@@ -30,12 +31,6 @@ class RequestStatus(enum.Enum):
     LOADING = "loading"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"
 
 
 class IllegalTransition(RuntimeError):

@@ -156,7 +156,7 @@ def test_a_decode_worker_serves_session_turns_through_the_worker_contract():
     out = []
     while worker.busy():
         out += [m for m in worker.step() if isinstance(m, p.TokenOutput)]
-    assert out[-1].finish_reason == "length" and worker.engine.sessions.sessions["s"].pinned_tokens == 32
+    assert out[-1].finish_reason is p.FinishReason.LENGTH and worker.engine.sessions.sessions["s"].pinned_tokens == 32
     [rejected] = worker.handle(p.Generate("t1", tuple(prompt), greedy(max_tokens=4), session_id="gone"))
     assert rejected.failure is p.Failure.REJECTED and "not open" in rejected.error
     worker.handle(p.CloseSession("s"))

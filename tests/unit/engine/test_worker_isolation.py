@@ -203,7 +203,7 @@ def test_worker_host_loop_survives_faulty_requests_and_messages(clean):
             assert [t for m in msgs for t in m.new_token_ids] == clean[i] and not msgs[-1].error
         for rid in ("bad-sampler", "bad-forward", "bad-message"):
             last = by_id[rid][-1]
-            assert last.finish_reason == "abort" and last.failure is p.Failure.INTERNAL, (rid, last)
+            assert last.finish_reason is p.FinishReason.ABORT and last.failure is p.Failure.INTERNAL, (rid, last)
             assert_internal_error(last.error)
         host.deliver([p.Generate("after", tuple(prompts[1]), greedy(max_tokens=12))])  # the loop still serves
         assert [t for m in collect_until_done(host, {"after"})["after"] for t in m.new_token_ids] == clean[1]
@@ -275,7 +275,7 @@ def test_worker_host_builds_on_its_loop_thread_and_raises_a_failed_build():
     try:
         assert built_on == [host._thread] and host._thread is not threading.current_thread()
         host.deliver([p.Generate("r0", tuple(good_prompts()[0]), greedy(max_tokens=4))])
-        assert collect_until_done(host, {"r0"})["r0"][-1].finish_reason == "length"
+        assert collect_until_done(host, {"r0"})["r0"][-1].finish_reason is p.FinishReason.LENGTH
         host.worker.check_integrity()
     finally:
         assert host.shutdown(10.0)

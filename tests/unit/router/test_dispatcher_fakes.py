@@ -96,11 +96,11 @@ def decode_reply(msg) -> list:
     if isinstance(msg, p.Reserve):
         return [p.Reserved(msg.request_id, landing_for(msg), "")]
     if isinstance(msg, p.KVComplete):
-        return [p.TokenOutput(msg.request_id, (msg.first_token,), "length", "")]
+        return [p.TokenOutput(msg.request_id, (msg.first_token,), p.FinishReason.LENGTH, "")]
     if isinstance(msg, p.Generate):
-        return [p.TokenOutput(msg.request_id, (FIRST_TOKEN,), "length", "")]
+        return [p.TokenOutput(msg.request_id, (FIRST_TOKEN,), p.FinishReason.LENGTH, "")]
     if isinstance(msg, p.PeerDead):  # what a decode worker says for each landing the dead peer held
-        return [p.TokenOutput(rid, (), "abort", "transfer peer_dead", failure=p.Failure.TRANSFER) for rid in LANDED]
+        return [p.TokenOutput(rid, (), p.FinishReason.ABORT, "transfer peer_dead", failure=p.Failure.TRANSFER) for rid in LANDED]
     return []
 
 

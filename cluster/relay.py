@@ -12,9 +12,10 @@ pickle written by the worker's loop thread and read by the gateway's event loop.
 `hello` is the dispatcher's secret (fresh per start) followed by the worker's peer id; the server
 unpickles nothing before the secret matched, and closes a connection whose hello is wrong or late.
 The collect long-poll stays: it still carries what the worker sent before the relay opened, a
-crash report, and the worker's death (a failed call). When a send fails (the gateway closed the
-connection), the worker goes back to the long-poll with everything from the failed send on, so
-nothing is lost either way.
+crash report, and the worker's death (a failed call). When a send fails, the worker goes back to the
+long-poll with that batch and every later one. A batch TCP accepted just before the gateway's end
+closed is lost with it; the gateway closes a relay only when it shuts down (or, a bug, on a frame it
+cannot read), so a worker's own failure never loses a message.
 """
 
 from __future__ import annotations

@@ -159,25 +159,26 @@ class LiveWorker:
             except Exception as exc:  # noqa: BLE001 - the link failing is how death shows up here
                 self._on_gone(self, f"collect failed: {type(exc).__name__}: {exc}")
                 return
-            if msgs:
-                polls.labels(role=self.info.role.value, via="collect").inc()
-            for msg in msgs:
-                on_message(self, msg)
+            self._deliver(msgs, "collect", on_message, polls)
 
     def relay_sink(self, on_message, polls):
         """(on_messages, on_closed) for its relay connection (`cluster/relay.py`): each frame's
-        messages go to `on_message` as the collector's do; a closed relay loses nothing (the worker
-        sends on through the long-poll), and its death shows up there."""
+        messages go to `on_message` as the collector's do; after the relay closes, the worker sends
+        on through the long-poll, and its death shows up there."""
         def on_messages(msgs: list) -> None:
-            if msgs:
-                polls.labels(role=self.info.role.value, via="relay").inc()
-            for msg in msgs:
-                on_message(self, msg)
+            self._deliver(msgs, "relay", on_message, polls)
 
         def on_closed(why: str) -> None:
             if not self.gone:
                 log.info("the relay from %s closed (%s)", self.worker_id, why)
         return on_messages, on_closed
+
+    def _deliver(self, msgs: list, via: str, on_message, polls) -> None:
+        """One batch of its messages, in order, whichever way it came."""
+        if msgs:
+            polls.labels(role=self.info.role.value, via=via).inc()
+        for msg in msgs:
+            on_message(self, msg)
 
     # ---- what others see ---------------------------------------------------------------------------
     def view(self) -> WorkerView:

@@ -72,12 +72,13 @@ def test_bench_serve_multi_turn_reports_ttft_per_turn_and_the_cached_history(cap
 
 def test_bench_overload_gets_fast_429s_and_no_other_failure(capsys):
     """`tandem bench overload` on a tiny workload, its capacity given (no measuring run): arrivals at
-    4 x 5 requests/s of 200-400-token prompts (~6,000 prompt tokens/s, ~10x what a CPU prefills) are far
-    beyond a CPU server, so some are refused; every refusal is a 429 with Retry-After that comes at
-    once, and nothing else fails. (Prompts of 8-24 tokens were not: a fast hour served them all.)"""
-    code = tandem_main(["bench", "overload", "--unloaded-requests", "2", "--capacity-rps", "5", "--duration-s", "3",
-                        "--input-len", "200", "400", "--output-len", "3", "6", "--seed", "1", "--json",
-                        "--set", "router.max_queue_delay_s=2",  # a 30 s budget would queue all 60 arrivals
+    4 x 5 requests/s of 96-160-token prompts (~2,500 prompt tokens/s, ~3x what a CPU prefills) for 5 s
+    are far beyond a CPU server, so some are refused; every refusal is a 429 with Retry-After that
+    comes at once, and nothing else fails. (Prompts of 8-24 tokens were not an overload in a fast
+    hour; 200-400-token ones for 3 s left no first token inside the served-tokens window in a slow one.)"""
+    code = tandem_main(["bench", "overload", "--unloaded-requests", "2", "--capacity-rps", "5", "--duration-s", "5",
+                        "--input-len", "96", "160", "--output-len", "3", "6", "--seed", "1", "--json",
+                        "--set", "router.max_queue_delay_s=2",  # a 30 s budget would queue all 100 arrivals
                         # the prefill worker's lane predicts each prompt's first token (short prompts
                         # prefilled on the decode worker meet only its slot limit: 64 here)
                         "--set", "router.local_prefill_max_tokens=0"])

@@ -28,8 +28,8 @@ from kv_store.residency import Residency, move_residency
 from kv_store.tier_loader import HostToDeviceLoader, LoadHandle
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
-from prefill_worker.engine.connector import NullConnector
-from prefill_worker.engine.core import EngineCore, StepOutput, step_output
+from prefill_worker.engine.connector import ConnectorPorts, NullConnector
+from prefill_worker.engine.output import StepOutput, step_output
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -79,20 +79,20 @@ class KVReceiver(NullConnector):
         self._arrived: list[tuple[Request, ReqKV]] = []
         self._regions = contextlib.ExitStack()
 
-    def attach(self, engine: EngineCore) -> None:
-        self.engine, self.kvm = engine, engine.kvm
-        self.host = HostTier(engine.kv_cache, self.host_pages)
-        self.loader = HostToDeviceLoader(self.host, engine.device_pool)
+    def attach(self, ports: ConnectorPorts) -> None:
+        self.ports, self.kv = ports, ports.kv
+        self.host = HostTier(ports.kv_cache, self.host_pages)
+        self.loader = HostToDeviceLoader(self.host, ports.device_pool)
         for t in (*self.host.kv.k, *self.host.kv.v):
             self._regions.enter_context(self.transport.register_tensor(t))
 
     # ---- the worker's requests ---------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, peer: str) -> Landing | None:
         """Reserve host pages for the prompt's KV; None when the host tier is full (try later).
-        Raises ValueError for a request that can never fit, like `add_request`."""
-        if request_id in self.engine.requests or request_id in self.inbound:
+        Raises ValueError for a request that can never fit, or whose id is in use, like `add_request`."""
+        if request_id in self.inbound:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = self.engine.new_request(prompt_token_ids, params, request_id)
+        req = self.ports.new_request(prompt_token_ids, params, request_id)
         landing = self.host.reserve(request_id, len(prompt_token_ids), self.transport.session_id,
                                     self.deadlines.waiting_s + self.deadlines.transferring_s)
         if landing is None:
@@ -184,7 +184,7 @@ class KVReceiver(NullConnector):
             transition(*args)
         except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going
             self._fail_inbound(ib, internal_error(ib.request.request_id, exc, transition.__name__))
-            self.engine.check_integrity()  # what it held went back cleanly, or the worker must stop
+            self.ports.check_integrity()  # what it held went back cleanly, or the worker must stop
 
     def _fail_inbound(self, ib: _Inbound, error: str) -> None:
         """End `ib`'s request with an internal error, releasing what it holds now or once it can be."""
@@ -197,7 +197,7 @@ class KVReceiver(NullConnector):
             ib.abort_requested = True  # a load cannot be cancelled: `_loaded` releases it when it lands
         elif self.inbound.pop(rid, None) is not None:  # landed: what it holds is its own (release is idempotent)
             if ib.device_kv is not None:
-                self.kvm.release(ib.device_kv, ReleaseReason.ABORTED, [], cache=False)
+                self.kv.release_kv(ib.device_kv, ReleaseReason.ABORTED, None)
             self.host.release(ib.host_kv, ReleaseReason.ABORTED)
         if ib.request.status is not RequestStatus.FINISHED:
             ib.request.error = error
@@ -239,9 +239,7 @@ class KVReceiver(NullConnector):
 
     def _start_load(self, ib: _Inbound) -> None:
         req = ib.request
-        kv = self.kvm.try_open(req.request_id, len(req.prompt_token_ids))
-        while kv is None and self.engine.sessions.offload_idle():  # idle sessions' histories go to L2 first
-            kv = self.kvm.try_open(req.request_id, len(req.prompt_token_ids))
+        kv = self.kv.open_for_load(req.request_id, len(req.prompt_token_ids))
         if kv is None:
             return  # no room yet: retry next step
         ib.device_kv = kv
@@ -255,13 +253,12 @@ class KVReceiver(NullConnector):
         req = ib.request
         req.timings["load_done"] = self.clock()
         ib.residency = move_residency(ib.residency, Residency.BOTH, req.request_id)
-        self.kvm.commit(ib.device_kv, len(req.prompt_token_ids))
+        self.kv.commit_loaded(ib.device_kv, len(req.prompt_token_ids))
         self.host.release(ib.host_kv, ReleaseReason.FINISHED)
         ib.residency = move_residency(ib.residency, Residency.DEVICE, req.request_id)
         del self.inbound[req.request_id]
         if ib.abort_requested:  # its client is gone (or it failed): end it, no output
-            self.kvm.release(ib.device_kv, ReleaseReason.ABORTED, req.all_token_ids,
-                             cache=self.engine.config.enable_prefix_cache)
+            self.kv.release_kv(ib.device_kv, ReleaseReason.ABORTED, req.all_token_ids)
             if req.status is not RequestStatus.FINISHED:
                 req.finish(FinishReason.ABORT)
         else:

@@ -19,7 +19,8 @@ from decode_worker.receiver import InboundPhase, KVReceiver
 from kv_store.l3.config import L3Config
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import TransferDeadlines
-from prefill_worker.engine.core import EngineCore, StepOutput
+from prefill_worker.engine.core import EngineCore
+from prefill_worker.engine.output import StepOutput
 from prefill_worker.engine.hosted import EngineWorker
 from prefill_worker.engine.sessions import SessionError
 

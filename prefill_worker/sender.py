@@ -23,8 +23,8 @@ from cluster.protocol import Failure, KVComplete, KVProgress, Landing, TransferA
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
-from prefill_worker.engine.connector import NullConnector
-from prefill_worker.engine.core import EngineCore, StepOutput
+from prefill_worker.engine.connector import ConnectorPorts, NullConnector
+from prefill_worker.engine.output import StepOutput
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -33,6 +33,7 @@ class _Shipment:
     """One request's KV on its way out. `handles`: its writes not yet retired, each pinning the
     pages it reads (`KVManager.pin_for_transfer`)."""
 
+    request: Request
     landing: Landing
     session: TransferSession
     pages_sent: int = 0
@@ -58,9 +59,10 @@ class KVSender(NullConnector):
         self.outbox: list[KVComplete | KVProgress | TransferAborted] = []
         self._regions = contextlib.ExitStack()
         self._done: list[tuple[Request, FinishReason]] = []
+        self._stopped: list[Request] = []
 
-    def attach(self, engine: EngineCore) -> None:
-        self.engine, self.kvm, self.kv_cache = engine, engine.kvm, engine.kv_cache
+    def attach(self, ports: ConnectorPorts) -> None:
+        self.ports, self.kv, self.kv_cache = ports, ports.kv, ports.kv_cache
         for t in (*self.kv_cache.k, *self.kv_cache.v):
             self._regions.enter_context(self.transport.register_tensor(t))
 
@@ -70,12 +72,14 @@ class KVSender(NullConnector):
         req.timings["prefill_submitted"] = self.clock()
         session = TransferSession(req.request_id, self.deadlines, self.clock())
         session.advance(TransferState.WAITING, self.clock())
-        self.shipments[req.request_id] = _Shipment(landing, session)
+        self.shipments[req.request_id] = _Shipment(req, landing, session)
 
     def abort_transfer(self, request_id: str, reason: FailureReason, detail: str = "",
                        failure: Failure = Failure.TRANSFER) -> None:
-        """Stop shipping `request_id`: no new writes; released once outstanding writes are terminal.
-        `failure`: INTERNAL when a fault of the request's own ends it (its client is not re-routed)."""
+        """Stop shipping `request_id`: no new writes; the engine ends the request at its next
+        `take_stopped` (taking it out of the batch), and its KV is released once outstanding writes
+        are terminal. `failure`: INTERNAL when a fault of the request's own ends it (its client is
+        not re-routed)."""
         shipment = self.shipments.get(request_id)
         if shipment is None:  # never got it (aborted before it arrived) or done: nothing will be written
             self.outbox.append(TransferAborted(request_id, detail or f"no transfer in progress ({reason.value})",
@@ -86,11 +90,7 @@ class KVSender(NullConnector):
         shipment.session.fail(reason, detail) if not shipment.session.terminal else None
         shipment.abort_reason = detail if failure else f"{reason.value}: {detail}" if detail else reason.value
         shipment.failure = failure
-        req = self.engine.requests.get(request_id)
-        if req is not None and req.status in (RequestStatus.WAITING, RequestStatus.LOADING):
-            self.engine.finish(req, FinishReason.ABORT)  # holds no KV of its own yet
-        elif req is not None and req in self.engine.scheduler.running:
-            self.engine.scheduler.detach(req)
+        self._stopped.append(shipment.request)
 
     def peer_dead(self, session: str) -> None:
         for rid, shipment in list(self.shipments.items()):
@@ -98,6 +98,10 @@ class KVSender(NullConnector):
                 self.abort_transfer(rid, FailureReason.PEER_DEAD, f"decode worker {session} stopped responding")
 
     # ---- KVConnector -------------------------------------------------------------------------------
+    def take_stopped(self) -> list[Request]:
+        stopped, self._stopped = self._stopped, []
+        return stopped
+
     def before_step(self) -> list[StepOutput]:
         """Writes that ended, and deadlines; each shipment's work confined to it (a fault aborts that
         transfer alone)."""
@@ -122,7 +126,7 @@ class KVSender(NullConnector):
             return False
         if shipment.abort_reason is None:  # an abort during this step already took it out of the batch
             shipment.first_token = req.output_token_ids[-1]
-            shipment.draft_feature = self.engine.speculator.export_feature(req.request_id)
+            shipment.draft_feature = self.ports.export_feature(req.request_id)
             req.timings["compute_done"] = self.clock()
         return True
 
@@ -142,7 +146,7 @@ class KVSender(NullConnector):
     def can_retract(self, req: Request) -> bool:
         """A request whose own pages are lent to a write cannot be released yet. Its cached pages
         never stop a retract: every write reading them pins them by its own handle."""
-        return not self.kvm.lent_pages(req.kv)
+        return not self.kv.lent_pages(req.kv)
 
     def busy(self) -> bool:
         return bool(self.shipments or self.outbox)
@@ -157,7 +161,7 @@ class KVSender(NullConnector):
         except Exception as exc:  # noqa: BLE001 - this transfer's fault: abort it, keep the others going
             self.abort_transfer(request_id, FailureReason.ABORTED, internal_error(request_id, exc, work.__name__),
                                 Failure.INTERNAL)
-            self.engine.check_integrity()  # nothing was left half-owned, or the worker must stop
+            self.ports.check_integrity()  # nothing was left half-owned, or the worker must stop
 
     def _check_deadline(self, request_id: str, shipment: _Shipment, now: float) -> None:
         if shipment.session.check_deadline(now):
@@ -166,7 +170,7 @@ class KVSender(NullConnector):
     # ---- shipping ----------------------------------------------------------------------------------
     def _ship(self, req: Request, shipment: _Shipment) -> None:
         """Write the pages completed since the last call (all remaining ones once the prompt is done)."""
-        kv, ps = req.kv, self.engine.config.page_size
+        kv, ps = req.kv, self.ports.page_size
         prompt_len = len(req.prompt_token_ids)
         done = kv.kv_committed_len >= prompt_len
         upto = ceil_div(prompt_len, ps) if done else kv.kv_committed_len // ps
@@ -180,7 +184,7 @@ class KVSender(NullConnector):
             return
         # The write reads cached pages too: a retract or abort may drop the request's tree lock
         # long before this handle retires, so the handle pins all it reads, whoever owns it.
-        shipment.handles.add(self.kvm.pin_for_transfer(kv, shipment.pages_sent, upto, handle))
+        shipment.handles.add(self.kv.pin_for_transfer(kv, shipment.pages_sent, upto, handle))
         shipment.pages_sent = shipment.pages_at_handle[handle] = upto
         if shipment.session.state is TransferState.WAITING:
             shipment.session.advance(TransferState.TRANSFERRING, self.clock())
@@ -210,7 +214,7 @@ class KVSender(NullConnector):
                     continue  # abandoned batches may still read these pages and write the landing
             shipment.handles.discard(handle)
             self.transport.retire(handle)
-            self.kvm.unpin_transfer(handle)  # terminal and settled: nothing reads its pages now
+            self.kv.unpin_transfer(handle)  # terminal and settled: nothing reads its pages now
             if status is TransferStatus.DONE and shipment.session.state is TransferState.TRANSFERRING:
                 shipment.session.progress(now)
                 shipment.pages_done = max(shipment.pages_done, shipment.pages_at_handle.pop(handle, 0))
@@ -222,7 +226,7 @@ class KVSender(NullConnector):
         for rid, shipment in list(self.shipments.items()):
             if shipment.handles or (shipment.abort_reason is None and shipment.first_token is None):
                 continue
-            req = self.engine.requests.get(rid)
+            req = shipment.request
             if shipment.abort_reason is None:
                 shipment.session.advance(TransferState.DONE, self.clock())
                 req.timings["transfer_done"] = self.clock()
@@ -231,8 +235,6 @@ class KVSender(NullConnector):
                 self._done.append((req, FinishReason.LENGTH))
             else:
                 self.outbox.append(TransferAborted(rid, shipment.abort_reason, shipment.failure))
-                if req is not None and req.status is RequestStatus.RUNNING:
+                if req.status is RequestStatus.RUNNING:  # out of the batch, its KV held here
                     self._done.append((req, FinishReason.ABORT))
-                else:
-                    self.engine.requests.pop(rid, None)
             del self.shipments[rid]

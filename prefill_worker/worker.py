@@ -51,8 +51,10 @@ class PrefillWorker(EngineWorker):
             self.prefill_answer(msg.request_id, msg.token_ids, msg.prompt_len)
         elif isinstance(msg, p.AbortTransfer):
             self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, msg.reason)
+            self.engine.end_stopped()
         elif isinstance(msg, p.PeerDead):
             self.sender.peer_dead(msg.peer)
+            self.engine.end_stopped()
         else:
             raise TypeError(f"a prefill worker cannot handle {type(msg).__name__}")
         return []
@@ -65,6 +67,7 @@ class PrefillWorker(EngineWorker):
         if isinstance(msg, p.PrefillAnswer):  # nobody waits for it
             return []
         self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, error, p.Failure.INTERNAL)
+        self.engine.end_stopped()
         return []
 
     def step(self) -> list:

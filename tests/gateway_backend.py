@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cluster.config import SamplingParams
-from prefill_worker.engine.core import StepOutput
+from prefill_worker.engine.output import StepOutput
 from prefill_worker.engine.sessions import SessionError
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 

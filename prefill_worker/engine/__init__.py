@@ -1,17 +1,19 @@
 """The engine every worker runs (docs/design.md §1): `EngineCore` holding a `KVConnector`.
 
-    core.py       EngineCore: continuous batching over one paged KV pool; StepOutput
+    core.py       EngineCore: continuous batching over one paged KV pool
+    output.py     StepOutput: what a step hands its worker per request
     scheduler.py  waiting queue, running batch, chunked prefill, retract
     request.py    Request and its lifecycle
     runner.py     one ragged forward pass
     stop.py       StopRules: EOS, stop ids, stop strings (incremental), length
-    connector.py  KVConnector (the seam with P/D) and NullConnector (colocated)
+    connector.py  KVConnector (the seam with P/D), the ConnectorPorts it gets, NullConnector (colocated)
 """
 
 from __future__ import annotations
 
 from cluster.config import EngineConfig
-from prefill_worker.engine.core import EngineCore, StepOutput, debug_kv_enabled, step_output
+from prefill_worker.engine.core import EngineCore, debug_kv_enabled
+from prefill_worker.engine.output import StepOutput, step_output
 
 __all__ = ["EngineCore", "StepOutput", "debug_kv_enabled", "load_engine", "step_output"]
 

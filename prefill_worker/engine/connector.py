@@ -6,33 +6,81 @@ Every worker runs the same `EngineCore`; what differs is the connector it holds:
     KVSender        prefill (prefill_worker/sender.py): ships each step's KV to a decode worker's landing
     KVReceiver      decode (decode_worker/receiver.py): landings in the host tier, loads to device
 
-The engine calls the connector at fixed points of `EngineCore.step` (its scheduler side follows
-vLLM's `KVConnectorBase_V1`: `request_finished` / finished sending / finished receiving):
+The seam exchanges data, as vLLM's `KVConnectorBase_V1` does: the engine alone owns its request
+table and its batch, and a connector never holds the engine. At construction the engine lends it
+`ConnectorPorts` (its KV tensors, device pool, the scheduler's KV methods for requests, and three
+callables); then it calls the connector at fixed points of `EngineCore.step`:
 
     before_step()      housekeeping before scheduling; outputs of requests it ended outside the batch
+    take_stopped()     requests it stopped serving (an aborted transfer): the engine ends those that
+                       hold no KV and takes running ones out of the batch; the connector hands those
+                       back through take_finished() once their KV may be released
     take_arrived()     requests whose KV is on the device now: they join the batch
     after_commit(s)    the KV of step `s` is valid (before sampling)
     request_finished   a request produced its last token; True: the connector holds its KV from now on
-    request_failed     a fault of the request's own ended it; True: the connector tells its client
+    request_failed     a fault of the request's own ended it; True: the connector holds its KV and
+                       tells its client
     take_finished()    held requests whose KV may be released now, with their reason
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from kv_store.req_kv import ReqKV
-    from prefill_worker.engine.core import EngineCore, StepOutput
+    from cluster.config import SamplingParams
+    from kernels.kv_layout import KVCacheTensors
+    from kv_store.device_pool import DevicePool
+    from kv_store.req_kv import ReleaseReason, ReqKV
+    from prefill_worker.engine.output import StepOutput
     from prefill_worker.engine.request import FinishReason, Request
     from prefill_worker.engine.scheduler import ScheduledStep
 
 
+class ConnectorKV(Protocol):
+    """The request-KV owner's methods a connector may call (the engine lends its `Scheduler`)."""
+
+    def open_for_load(self, request_id: str, num_tokens: int) -> ReqKV | None:
+        """Device pages for `num_tokens` of KV that arrives whole (None: no room yet)."""
+
+    def commit_loaded(self, kv: ReqKV, num_tokens: int) -> None:
+        """The loaded KV is valid up to `num_tokens`."""
+
+    def release_kv(self, kv: ReqKV, reason: ReleaseReason, token_ids: list[int] | None) -> None:
+        """Release KV no request in the batch holds (None: its content is not cached)."""
+
+    def pin_for_transfer(self, kv: ReqKV, first_page: int, end_page: int, handle: object) -> object: ...
+
+    def unpin_transfer(self, handle: object) -> list[int]: ...
+
+    def lent_pages(self, kv: ReqKV) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class ConnectorPorts:
+    """All a connector gets of its engine: data and narrow calls, never the engine itself."""
+
+    kv_cache: KVCacheTensors
+    device_pool: DevicePool
+    page_size: int
+    kv: ConnectorKV
+    new_request: Callable[[list[int], SamplingParams, str], Request]
+    """A Request for a prompt whose KV will arrive (ValueError: it can never be served here)."""
+    export_feature: Callable[[str], bytes]
+    """The draft head's feature at a request's last position (b"" without EAGLE)."""
+    check_integrity: Callable[[], None]
+    """The engine's KV integrity check (raises AssertionError)."""
+
+
 class KVConnector(Protocol):
-    def attach(self, engine: EngineCore) -> None:
+    def attach(self, ports: ConnectorPorts) -> None:
         """Called once by the engine's constructor, its pools built: register memory, build tiers."""
 
     def before_step(self) -> list[StepOutput]: ...
+
+    def take_stopped(self) -> list[Request]: ...
 
     def take_arrived(self) -> list[tuple[Request, ReqKV]]: ...
 
@@ -64,10 +112,13 @@ class NullConnector:
     """Colocated: every request is prefilled and decoded here; nothing arrives or leaves. Its no-ops
     are also the defaults the other connectors inherit for the hooks they do not need."""
 
-    def attach(self, engine: EngineCore) -> None:
+    def attach(self, ports: ConnectorPorts) -> None:
         pass
 
     def before_step(self) -> list[StepOutput]:
+        return []
+
+    def take_stopped(self) -> list[Request]:
         return []
 
     def take_arrived(self) -> list[tuple[Request, ReqKV]]:

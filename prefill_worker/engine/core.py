@@ -20,7 +20,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +33,8 @@ from kv_store.l3.config import L3Config
 from kv_store.page_pool import PagePool
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
-from prefill_worker.engine.connector import KVConnector, NullConnector
+from prefill_worker.engine.connector import ConnectorPorts, KVConnector, NullConnector
+from prefill_worker.engine.output import StepOutput, step_output
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 from prefill_worker.engine.graph_runner import GraphRunner, graph_max_batch
 from prefill_worker.engine.tree_graphs import tree_verify_rows
@@ -60,28 +60,6 @@ for), so not on every beat then. Debug mode (TANDEM_DEBUG_KV=1) still checks aft
 
 def debug_kv_enabled(config: EngineConfig) -> bool:
     return config.debug_kv or os.environ.get("TANDEM_DEBUG_KV", "0") not in ("", "0")
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step produced for one request (streaming granularity)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None  # None while the request is still running
-    error: str = ""  # why an ABORT that the client did not ask for happened (e.g. a transfer failed)
-    failure: Failure | None = None  # with `error`: why (None exactly when `error` is empty)
-    cached_tokens: int = 0  # set on the finishing output
-    timings: tuple[tuple[str, float], ...] = ()  # set on the finishing output
-
-
-def step_output(req: Request, tokens: list[int], reason: FinishReason | None, error: str = "",
-                failure: Failure | None = None) -> StepOutput:
-    """`req`'s progress; a finishing one carries its cached tokens and timings."""
-    if reason is None:
-        return StepOutput(req.request_id, tokens, None)
-    req.timings.setdefault("finished", time.monotonic())
-    return StepOutput(req.request_id, tokens, reason, error, failure, req.cached_tokens, tuple(req.timings.items()))
 
 
 class EngineCore:
@@ -136,7 +114,8 @@ class EngineCore:
         self.debug_kv = debug_kv_enabled(self.config)
         self.num_retractions = 0
         self._integrity_checked_s, self._integrity_error = float("-inf"), ""  # the heartbeat's check (stats)
-        self.connector.attach(self)
+        self.connector.attach(ConnectorPorts(self.kv_cache, self.device_pool, self.config.page_size, self.scheduler,
+                                             self.new_request, self.speculator.export_feature, self.check_integrity))
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -187,6 +166,16 @@ class EngineCore:
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
 
+    def end_stopped(self) -> None:
+        """Requests the connector stopped serving: those holding no KV end now; running ones leave the
+        batch (the connector hands them back through `take_finished` once no transfer reads their KV).
+        Every step does this; a worker also calls it when a message made its connector stop one."""
+        for req in self.connector.take_stopped():
+            if req.status in (RequestStatus.WAITING, RequestStatus.LOADING):
+                self.finish(req, FinishReason.ABORT)
+            elif req in self.scheduler.running:
+                self.scheduler.detach(req)
+
     def busy(self) -> bool:
         """Whether a step would do anything: requests to schedule, the connector's or the host tier's own
         work, or a session to reap."""
@@ -211,6 +200,7 @@ class EngineCore:
         self.host_cache.poll()
         self.sessions.reap()
         outputs = self.connector.before_step()
+        self.end_stopped()
         arrived = self.connector.take_arrived()
         for req, kv in arrived:
             self.requests[req.request_id] = req
@@ -228,6 +218,7 @@ class EngineCore:
             # 1-page copy took 1.4 s under a spinning caller; a caller stepping an engine with only a
             # backup in flight spun 2,000 steps).
             self.host_cache.wait_any(IDLE_COPY_WAIT_S)
+        self.end_stopped()
         for req, reason in self.connector.take_finished():
             self.scheduler.release_detached(req, reason)
             self.requests.pop(req.request_id, None)
@@ -397,8 +388,10 @@ class EngineCore:
 
     def _fail_request(self, req: Request, error: str) -> list[StepOutput]:
         """A fault of `req`'s own ended it (`error` for its client): ABORT through the release path
-        and an "internal" error, unless the connector ends it its own way."""
+        and an "internal" error, unless the connector ends it its own way (it holds the KV on)."""
         if self.connector.request_failed(req, error):
+            if req in self.scheduler.running:
+                self.scheduler.detach(req)
             return []
         if req.status is not RequestStatus.FINISHED:
             self.scheduler.finish(req, FinishReason.ABORT)

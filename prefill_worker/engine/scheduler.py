@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
 from kv_store.hicache import HostCache, NullHostCache
-from kv_store.req_kv import KVManager, ReleaseReason
+from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
 from prefill_worker.engine.sessions import NullSessions, SessionManager
 from prefill_worker.engine.runner import ForwardRow
@@ -125,6 +125,33 @@ class Scheduler:
         assert req not in self.running, f"request {req.request_id} is still in the batch: detach it first"
         self._release(req, ReleaseReason.ABORTED if reason is FinishReason.ABORT else ReleaseReason.FINISHED)
         req.finish(reason)
+
+    # ---- KV of requests outside the batch (the connector's `ConnectorKV` port) --------------------
+    def open_for_load(self, request_id: str, num_tokens: int) -> ReqKV | None:
+        """Device pages for `num_tokens` of KV that arrives whole (idle sessions' histories go to the
+        host tier first when the pool is full); None: no room yet."""
+        kv = self.kvm.try_open(request_id, num_tokens)
+        while kv is None and self.sessions.offload_idle():
+            kv = self.kvm.try_open(request_id, num_tokens)
+        return kv
+
+    def commit_loaded(self, kv: ReqKV, num_tokens: int) -> None:
+        self.kvm.commit(kv, num_tokens)
+
+    def release_kv(self, kv: ReqKV, reason: ReleaseReason, token_ids: list[int] | None) -> None:
+        """Release KV that no request in the batch holds; with `token_ids`, its whole pages are
+        offered to the prefix cache (when it is on)."""
+        cache = token_ids is not None and self.config.enable_prefix_cache
+        self.kvm.release(kv, reason, token_ids or [], cache=cache)
+
+    def pin_for_transfer(self, kv: ReqKV, first_page: int, end_page: int, handle: object) -> object:
+        return self.kvm.pin_for_transfer(kv, first_page, end_page, handle)
+
+    def unpin_transfer(self, handle: object) -> list[int]:
+        return self.kvm.unpin_transfer(handle)
+
+    def lent_pages(self, kv: ReqKV) -> list[int]:
+        return self.kvm.lent_pages(kv)
 
     # ---- running ---------------------------------------------------------------------------------
     def _schedule_running(self, req: Request, budget: int, step: ScheduledStep) -> int:

@@ -152,3 +152,54 @@ def test_confined_packages_are_imported_in_their_one_place():
                 if owners and not where.startswith(owners):
                     found.append(f"{where}:{line}: imports {imported} (only {', '.join(owners)} may)")
     assert not found, "\n".join(found)
+
+
+# ---- the connector seam (docs/design.md §1): a connector gets data, never the engine ---------------
+ENGINE_CORE = "prefill_worker.engine.core"
+CONNECTOR_BASES = {"KVConnector", "NullConnector"}
+
+
+def connector_modules() -> list[Path]:
+    """The seam's own module and every module defining a class on a connector base."""
+    found = [ROOT / "prefill_worker" / "engine" / "connector.py"]
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            if path not in found and any(isinstance(node, ast.ClassDef) and {
+                    base.id for base in node.bases if isinstance(base, ast.Name)} & CONNECTOR_BASES
+                    for node in ast.walk(tree)):
+                found.append(path)
+    return found
+
+
+def engine_holdings(path: Path) -> list[str]:
+    """Where a module imports the engine core or names `EngineCore` (an annotation, an attribute)."""
+    where = str(path.relative_to(ROOT))
+    out = [f"{where}:{line}: imports {imported}" for line, imported in imports_of(path)
+           if imported == ENGINE_CORE or imported.startswith(ENGINE_CORE + ".")]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        named = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                 else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else "")
+        if named == "EngineCore" or (isinstance(node, ast.Attribute) and node.attr == "engine"):
+            out.append(f"{where}:{node.lineno}: names {named or 'engine'}")
+    return out
+
+
+def test_connectors_neither_import_nor_hold_the_engine():
+    modules = connector_modules()
+    names = {str(path.relative_to(ROOT)) for path in modules}
+    assert {"prefill_worker/sender.py", "decode_worker/receiver.py"} <= names, f"connectors found: {names}"
+    found = [hit for path in modules for hit in engine_holdings(path)]
+    assert not found, "a connector reaches into the engine (docs/design.md §1):\n" + "\n".join(found)
+
+
+def test_a_connector_holding_the_engine_is_named_with_its_line():
+    module = ROOT / "decode_worker" / "_seam_probe.py"
+    module.write_text("from prefill_worker.engine.connector import NullConnector\n\n\n"
+                      "class Probe(NullConnector):\n    def attach(self, ports):\n        self.engine = ports\n",
+                      encoding="utf-8")
+    try:
+        found = [hit for path in connector_modules() for hit in engine_holdings(path)]
+    finally:
+        module.unlink()
+    assert found == ["decode_worker/_seam_probe.py:6: names engine"]

@@ -1,0 +1,35 @@
+"""What a step hands its worker for each request it advanced or ended (streaming granularity).
+
+Both the engine and its connectors produce these: the engine for the rows it ran, a connector for
+requests it ended outside the batch (a transfer that failed, a first token that finished a request).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from cluster.protocol import Failure
+from prefill_worker.engine.request import FinishReason, Request
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None  # None while the request is still running
+    error: str = ""  # why an ABORT that the client did not ask for happened (e.g. a transfer failed)
+    failure: Failure | None = None  # with `error`: why (None exactly when `error` is empty)
+    cached_tokens: int = 0  # set on the finishing output
+    timings: tuple[tuple[str, float], ...] = ()  # set on the finishing output
+
+
+def step_output(req: Request, tokens: list[int], reason: FinishReason | None, error: str = "",
+                failure: Failure | None = None) -> StepOutput:
+    """`req`'s progress; a finishing one carries its cached tokens and timings."""
+    if reason is None:
+        return StepOutput(req.request_id, tokens, None)
+    req.timings.setdefault("finished", time.monotonic())
+    return StepOutput(req.request_id, tokens, reason, error, failure, req.cached_tokens, tuple(req.timings.items()))

@@ -207,7 +207,8 @@ class EngineCore:
             self.scheduler.admit_loaded(req, kv)
         if arrived:  # their first decode step verifies drafts too (from the prefill worker's head feature)
             self._speculate(lambda: self.speculator.draft_arrived([r for r, _ in arrived], self.scheduler.running,
-                                                                  self.kvm, self.scheduler.max_request_tokens()))
+                                                                  self.scheduler.reserve_draft_slots,
+                                                                  self.scheduler.max_request_tokens()))
         ran = False
         if self.scheduler.has_work():
             ran, computed = self._compute()
@@ -354,18 +355,16 @@ class EngineCore:
             if reason is not None:
                 self._on_finished(req, reason)
             outputs.append(step_output(req, applied, reason))
-        self._speculate(lambda: self.speculator.draft(self.scheduler.running, self.kvm,
+        self._speculate(lambda: self.speculator.draft(self.scheduler.running, self.scheduler.reserve_draft_slots,
                                                       self.scheduler.max_request_tokens()))
         return outputs
 
     def _commit(self, req: Request, row: ForwardRow, num_emitted: int) -> int:
         """Commit the KV `row` left valid and return its end: all of it, or for a verify row the last
         token and the drafts accepted before a stop (`num_emitted` tokens emitted); the pages past
-        that end go back through `free_tail` (ceil-aligned)."""
+        that end go back to the pool."""
         end = row.seq_len - row.num_logits + num_emitted if row.num_draft_tokens else row.seq_len
-        self.kvm.commit(req.kv, end)
-        if req.kv.kv_allocated_len > end:
-            self.kvm.free_tail(req.kv, end)
+        self.scheduler.commit(req, end)
         return end
 
     def _speculate(self, action: Callable[[], None]) -> None:

@@ -60,7 +60,9 @@ def _row(req: Request, seq_len: int) -> ForwardRow:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running batch, and (through `kvm`) their KV."""
+    """Owns the waiting queue, the running batch, and (through `kvm`) their KV: the only caller of
+    `KVManager`'s request methods in the workers (`test_kv_owner.py`). The engine commits through it,
+    the speculator reserves draft slots through it, a connector reaches it as `ConnectorKV`."""
 
     def __init__(self, config: EngineConfig, kvm: KVManager, can_retract: Callable[[Request], bool] = lambda req: True,
                  host_cache: HostCache | NullHostCache | None = None,
@@ -126,6 +128,20 @@ class Scheduler:
         self._release(req, ReleaseReason.ABORTED if reason is FinishReason.ABORT else ReleaseReason.FINISHED)
         req.finish(reason)
 
+    # ---- KV of requests in the batch (the engine's and the speculator's) ---------------------------
+    def commit(self, req: Request, end: int) -> None:
+        """`req`'s KV is valid up to `end`; the slots allocated past it (rejected drafts) are freed,
+        whole pages back to the pool."""
+        self.kvm.commit(req.kv, end)
+        if req.kv.kv_allocated_len > end:
+            self.kvm.free_tail(req.kv, end)
+
+    def reserve_draft_slots(self, req: Request, num_slots: int) -> bool:
+        """Slots for `req`'s next verify row: its last token and `num_slots` drafted past it. False:
+        no room (it decodes plainly)."""
+        kv = req.kv
+        return self.kvm.try_allocate(kv, max(kv.kv_allocated_len, kv.kv_committed_len + num_slots + 1))
+
     # ---- KV of requests outside the batch (the connector's `ConnectorKV` port) --------------------
     def open_for_load(self, request_id: str, num_tokens: int) -> ReqKV | None:
         """Device pages for `num_tokens` of KV that arrives whole (idle sessions' histories go to the
@@ -186,10 +202,17 @@ class Scheduler:
         step.retracted.append(req)
 
     def _release(self, req: Request, reason: ReleaseReason) -> None:
-        if req.session_id:
-            self.sessions.release_turn(req.session_id, req.kv, reason, req.all_token_ids)
-        else:
-            self.kvm.release(req.kv, reason, req.all_token_ids, cache=self.config.enable_prefix_cache)
+        """The one release of a request's KV. A session turn frees exactly its unaligned tail and
+        releases the rest into the tree, where the session pins its new history."""
+        kv, tokens = req.kv, req.all_token_ids
+        if not req.session_id:
+            self.kvm.release(kv, reason, tokens, cache=self.config.enable_prefix_cache)
+            return
+        ps = self.config.page_size
+        aligned = max(kv.cache_protected_len, kv.kv_committed_len // ps * ps)
+        self.kvm.free_tail(kv, aligned)
+        self.kvm.release(kv, reason, tokens, cache=True)
+        self.sessions.turn_released(req.session_id, req.request_id, reason, tokens[:aligned])
 
     # ---- loading ---------------------------------------------------------------------------------
     def _poll_loads(self) -> None:

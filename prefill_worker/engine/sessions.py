@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
+from kv_store.req_kv import KVManager, ReleaseReason
 
 
 class SessionError(ValueError):
@@ -99,22 +99,17 @@ class SessionManager:
                                f"capacity_tokens {session.capacity_tokens}")
         session.state, session.turn = SessionState.IN_TURN, request_id
 
-    def release_turn(self, session_id: str, kv: ReqKV, reason: ReleaseReason, token_ids: list[int]) -> list[int]:
-        """The one release of a session turn's KV: free exactly the unaligned tail, release the rest
-        into the tree, and (a finished turn of a still open session) pin the new history. Returns the
-        tail pages freed."""
-        ps = self.kvm.page_size
-        aligned = max(kv.cache_protected_len, kv.kv_committed_len // ps * ps)
-        tail = self.kvm.free_tail(kv, aligned)
-        self.kvm.release(kv, reason, token_ids, cache=True)
+    def turn_released(self, session_id: str, request_id: str, reason: ReleaseReason, history: list[int]) -> None:
+        """A turn's KV went into the tree (`Scheduler._release`: its page-aligned `history`, the tail
+        freed): the session is idle again unless the turn was retracted, and a finished turn of a
+        still open session pins the new history."""
         session = self.sessions.get(session_id)
-        if session is None or session.turn != kv.req_id:
-            return tail
+        if session is None or session.turn != request_id:
+            return
         if reason is not ReleaseReason.RETRACTED:  # a retracted turn resumes: still the running turn
             session.state, session.turn, session.last_used = SessionState.IDLE, "", self.clock()
         if reason is ReleaseReason.FINISHED:
-            self._repin(session, token_ids[:aligned])
-        return tail
+            self._repin(session, history)
 
     def abandon_turn(self, session_id: str, request_id: str) -> None:
         """The turn ended before it held KV (aborted while queued): the session is idle again, unchanged."""
@@ -187,7 +182,7 @@ class NullSessions:
     def start_turn(self, session_id: str, request_id: str, num_tokens_max: int) -> None:
         raise SessionError(f"session {session_id!r} is not open")
 
-    def release_turn(self, session_id: str, kv: ReqKV, reason: ReleaseReason, token_ids: list[int]) -> list[int]:
+    def turn_released(self, session_id: str, request_id: str, reason: ReleaseReason, history: list[int]) -> None:
         raise AssertionError(f"a turn of session {session_id!r} on an engine without sessions")
 
     def abandon_turn(self, session_id: str, request_id: str) -> None:

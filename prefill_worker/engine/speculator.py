@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -54,12 +55,14 @@ from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoin
 from kernels.sampling import filtered_probs, row_generator
 from kernels.speculative import (row_depths, verify_greedy, verify_sampled, verify_tree_greedy,
                                  verify_tree_sampled)
-from kv_store.req_kv import KVManager
 from prefill_worker.engine.draft_tree import DraftTree
 from prefill_worker.engine.request import Request, RequestStatus
 from prefill_worker.engine.spec_policy import AdaptivePolicy, FixedPolicy
 
 log = logging.getLogger("tandem.engine")
+
+DraftSlots = Callable[[Request, int], bool]
+"""`Scheduler.reserve_draft_slots`: room for a request's last token and n drafts past it (False: none)."""
 
 CATCH_UP_SPLIT_ROWS = 32
 """A catch-up with more unread rows than this writes their draft K/V alone (`EagleDraftHead.write_kv`)
@@ -123,7 +126,7 @@ class NullSpeculator:
     def export_feature(self, request_id: str) -> bytes:
         return b""
 
-    def draft_arrived(self, arrived: list[Request], running: list[Request], kvm: KVManager,
+    def draft_arrived(self, arrived: list[Request], running: list[Request], reserve: DraftSlots,
                       max_request_tokens: int) -> None:
         pass
 
@@ -134,7 +137,7 @@ class NullSpeculator:
                  num_running: int) -> None:
         pass
 
-    def draft(self, running: list[Request], kvm: KVManager, max_request_tokens: int) -> None:
+    def draft(self, running: list[Request], reserve: DraftSlots, max_request_tokens: int) -> None:
         pass
 
 
@@ -194,7 +197,7 @@ class EagleSpeculator:
         return b"" if last is None else last[0].detach().float().cpu().numpy().tobytes()
 
     @torch.inference_mode()
-    def draft_arrived(self, arrived: list[Request], running: list[Request], kvm: KVManager,
+    def draft_arrived(self, arrived: list[Request], running: list[Request], reserve: DraftSlots,
                       max_request_tokens: int) -> None:
         """Drafts for requests that just arrived with a prefill worker's feature (`export_feature`),
         under the same batch cutoff and policy as `draft`: their first decode step verifies too."""
@@ -206,7 +209,7 @@ class EagleSpeculator:
                 self._last[req.request_id] = (x, self.head.draft_logits(x[None])[0])
                 seeded.append(req)
         if seeded and len(running) <= self.max_batch and self.policy.want_drafts(len(running)):
-            self._draft(seeded, kvm, max_request_tokens)
+            self._draft(seeded, reserve, max_request_tokens)
 
     def begin_step(self) -> None:
         """A step starts (its time is measured from here to the end of `draft`)."""
@@ -309,27 +312,25 @@ class EagleSpeculator:
 
     # ---- draft -------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, running: list[Request], kvm: KVManager, max_request_tokens: int) -> None:
+    def draft(self, running: list[Request], reserve: DraftSlots, max_request_tokens: int) -> None:
         """Drafts for the next step of every request in `running` that decodes next, whose catch-up
         row ran this step, and whose draft slots can be allocated (else it decodes plainly), while at
         most `max_batch` run and the policy finds drafting pays at this batch size (`spec_policy`)."""
         try:
             if len(running) <= self.max_batch and self.policy.want_drafts(len(running)):
-                self._draft(running, kvm, max_request_tokens)
+                self._draft(running, reserve, max_request_tokens)
         finally:
             rows, tokens, verifies_before = self._step
             self.policy.end_step(rows, tokens, self.counters.verifies > verifies_before)
 
-    def _draft(self, running: list[Request], kvm: KVManager, max_request_tokens: int) -> None:
+    def _draft(self, running: list[Request], reserve: DraftSlots, max_request_tokens: int) -> None:
         """Grow every request's `DraftTree` (width `topk`; 1 is a chain) one level per head call; the
         slots for the verify (and the head rows) are allocated first."""
         trees: dict[Request, DraftTree] = {}
         for req in running:
             depth, width = self._chain_length(req, max_request_tokens), self.topk
-            kv = req.kv
             slots = depth * width if width == 1 else max(depth * width, self._num_nodes(depth))
-            if depth and req.request_id in self._last and kvm.try_allocate(
-                    kv, max(kv.kv_allocated_len, kv.kv_committed_len + slots + 1)):
+            if depth and req.request_id in self._last and reserve(req, slots):
                 trees[req] = DraftTree(depth, width)
         active = list(trees)
         if not active:

@@ -1,4 +1,4 @@
-"""The decode side of the connector: landings in the host tier, loads to device, then the batch.
+"""The decode side of the connector: landings in the landing pool, loads to device, then the batch.
 
 Per inbound request (docs/design.md §2 steps 3-6):
 
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from cluster.config import SamplingParams
 from cluster.faults import internal_error
 from cluster.protocol import AbortTransfer, Failure, KVComplete, KVProgress, Landing, TransferAborted
-from kv_store.host_tier import HostTier
+from kv_store.copier import CopyJob
+from kv_store.landing import LandingPool
 from kv_store.req_kv import ReleaseReason, ReqKV
 from kv_store.residency import Residency, move_residency
-from kv_store.tier_loader import HostToDeviceLoader, LoadHandle
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
 from prefill_worker.engine.connector import ConnectorPorts, NullConnector
@@ -48,9 +48,9 @@ class _Inbound:
     session: TransferSession
     phase: InboundPhase = InboundPhase.LANDING
     residency: Residency = Residency.HOST
-    host_kv: ReqKV | None = None  # set once the landing is back in our hands
+    landed_kv: ReqKV | None = None  # set once the landing is back in our hands
     device_kv: ReqKV | None = None
-    load: LoadHandle | None = None
+    load: CopyJob | None = None
     abort_requested: bool = False  # a load cannot be cancelled: the request ends when it lands
 
     def move(self, dst: InboundPhase) -> None:
@@ -81,9 +81,8 @@ class KVReceiver(NullConnector):
 
     def attach(self, ports: ConnectorPorts) -> None:
         self.ports, self.kv = ports, ports.kv
-        self.host = HostTier(ports.kv_cache, self.host_pages)
-        self.loader = HostToDeviceLoader(self.host, ports.device_pool)
-        for t in (*self.host.kv.k, *self.host.kv.v):
+        self.landing = LandingPool(ports.device_pool, self.host_pages)
+        for t in (*self.landing.kv.k, *self.landing.kv.v):
             self._regions.enter_context(self.transport.register_tensor(t))
 
     # ---- the worker's requests ---------------------------------------------------------------------
@@ -93,7 +92,7 @@ class KVReceiver(NullConnector):
         if request_id in self.inbound:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.ports.new_request(prompt_token_ids, params, request_id)
-        landing = self.host.reserve(request_id, len(prompt_token_ids), self.transport.session_id,
+        landing = self.landing.reserve(request_id, len(prompt_token_ids), self.transport.session_id,
                                     self.deadlines.waiting_s + self.deadlines.transferring_s)
         if landing is None:
             return None
@@ -110,7 +109,7 @@ class KVReceiver(NullConnector):
         if isinstance(msg, KVProgress):
             self._kv_progress(ib)
         elif isinstance(msg, KVComplete):
-            ib.request.draft_feature = msg.draft_feature
+            ib.request.spec.feature = msg.draft_feature
             self._kv_complete(ib, msg.first_token, msg.cached_tokens, dict(msg.timings))
         else:
             self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}", msg)
@@ -144,18 +143,15 @@ class KVReceiver(NullConnector):
                 self._confined(ib, self._check_deadline, ib, now)
         for ib in [ib for ib in self.inbound.values() if ib.phase is InboundPhase.LOAD_PENDING]:
             self._confined(ib, self._start_load, ib)
-        for handle in self.loader.poll_completed():
-            ib = self.inbound[handle.request_id]
-            self._confined(ib, self._loaded, ib)
+        for request_id, job in self.landing.poll_loads():
+            ib = self.inbound[request_id]
+            self._confined(ib, self._loaded, ib, job)
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
     def take_arrived(self) -> list[tuple[Request, ReqKV]]:
         arrived, self._arrived = self._arrived, []
         return arrived
-
-    def loads_in_flight(self) -> frozenset:
-        return self.loader.handles()
 
     def busy(self) -> bool:
         return bool(self.inbound or self._pending_outputs or self.outbox)
@@ -173,10 +169,11 @@ class KVReceiver(NullConnector):
                    default=float("inf"))
 
     def check_integrity(self) -> None:
-        self.host.check_integrity()
+        self.landing.check_integrity()
 
     def close(self) -> None:
         self._regions.close()
+        self.landing.close()
 
     # ---- faults ------------------------------------------------------------------------------------
     def _confined(self, ib: _Inbound, transition, *args) -> None:
@@ -193,12 +190,12 @@ class KVReceiver(NullConnector):
             ib.session.fail(FailureReason.ABORTED, error) if not ib.session.terminal else None
             ib.move(InboundPhase.ABANDONING)
             self.outbox.append((ib.peer, AbortTransfer(rid, error)))
-        elif ib.load is not None and ib.load.id in self.loader.in_flight:
+        elif self.landing.loading(ib.load):
             ib.abort_requested = True  # a load cannot be cancelled: `_loaded` releases it when it lands
         elif self.inbound.pop(rid, None) is not None:  # landed: what it holds is its own (release is idempotent)
             if ib.device_kv is not None:
                 self.kv.release_kv(ib.device_kv, ReleaseReason.ABORTED, None)
-            self.host.release(ib.host_kv, ReleaseReason.ABORTED)
+            self.landing.release(ib.landed_kv, ReleaseReason.ABORTED)
         if ib.request.status is not RequestStatus.FINISHED:
             ib.request.error = error
             ib.request.finish(FinishReason.ABORT)
@@ -224,7 +221,7 @@ class KVReceiver(NullConnector):
         if ib.session.state is TransferState.WAITING:
             ib.session.advance(TransferState.TRANSFERRING, self.clock())
         ib.session.advance(TransferState.DONE, self.clock())
-        ib.host_kv = self.host.landed(ib.request.request_id)
+        ib.landed_kv = self.landing.landed(ib.request.request_id)
         req = ib.request
         req.cached_tokens = msg_cached
         req.timings.update(timings)
@@ -246,15 +243,18 @@ class KVReceiver(NullConnector):
         ib.move(InboundPhase.LOADING)
         ib.residency = move_residency(ib.residency, Residency.LOADING, req.request_id)
         req.timings["load_start"] = self.clock()
-        ib.load = self.loader.start(req.request_id, list(ib.host_kv.pages), list(kv.pages))
+        ib.load = self.landing.start_load(ib.landed_kv, kv)
 
-    def _loaded(self, ib: _Inbound) -> None:
-        """The KV is on the device: the request joins the batch (or ends, when aborted while loading)."""
+    def _loaded(self, ib: _Inbound, job: CopyJob) -> None:
+        """The KV is on the device: the request joins the batch (or ends, when aborted while loading).
+        A copy that failed fails the request (`_confined`), both its pools' pages released."""
+        if job.error is not None:
+            raise RuntimeError(f"the landing -> device copy failed: {job.error!r}")
         req = ib.request
         req.timings["load_done"] = self.clock()
         ib.residency = move_residency(ib.residency, Residency.BOTH, req.request_id)
         self.kv.commit_loaded(ib.device_kv, len(req.prompt_token_ids))
-        self.host.release(ib.host_kv, ReleaseReason.FINISHED)
+        self.landing.release(ib.landed_kv, ReleaseReason.FINISHED)
         ib.residency = move_residency(ib.residency, Residency.DEVICE, req.request_id)
         del self.inbound[req.request_id]
         if ib.abort_requested:  # its client is gone (or it failed): end it, no output
@@ -282,12 +282,12 @@ class KVReceiver(NullConnector):
                 self._report(ib.request, FinishReason.ABORT, aborted.reason, aborted.failure)
             else:
                 self._report(ib.request, FinishReason.ABORT, f"transfer {reason.value}: {detail}", Failure.TRANSFER)
-        self.host.release(self.host.abandon(ib.request.request_id), ReleaseReason.TRANSFER_FAILED)
+        self.landing.release(self.landing.abandon(ib.request.request_id), ReleaseReason.TRANSFER_FAILED)
         del self.inbound[ib.request.request_id]
 
     def _end_inbound(self, ib: _Inbound, reason: FinishReason) -> None:
         """End a request whose KV is on the host only (first token finished it, or aborted)."""
-        self.host.release(ib.host_kv, ReleaseReason.FINISHED if reason is not FinishReason.ABORT
+        self.landing.release(ib.landed_kv, ReleaseReason.FINISHED if reason is not FinishReason.ABORT
                           else ReleaseReason.ABORTED)
         del self.inbound[ib.request.request_id]
         self._report(ib.request, reason, "")

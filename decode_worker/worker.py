@@ -114,7 +114,7 @@ class DecodeWorker(ColocatedWorker):
         return out
 
     def stats(self) -> p.WorkerStats:
-        return self.engine.stats(self.role.value, self.receiver.host.pool, len(self.receiver.inbound))
+        return self.engine.stats(self.role.value, self.receiver.landing.pool, len(self.receiver.inbound))
 
     def wait_s(self) -> float:
         """Landings only (the peer's messages move them and wake the loop): up to the nearest
@@ -127,7 +127,7 @@ class DecodeWorker(ColocatedWorker):
 
     def max_request_tokens(self) -> int:
         """The context limit, the device pool, and the host tier its prompt lands in."""
-        host = self.receiver.host.pool
+        host = self.receiver.landing.pool
         return min(self.engine.max_request_tokens(), host.num_usable * host.page_size)
 
     def abort(self, request_id: str) -> bool:

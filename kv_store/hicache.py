@@ -246,9 +246,6 @@ class HostCache:
         else:
             self.l3.wait_any(timeout_s)
 
-    def loads_in_flight(self) -> frozenset:
-        return frozenset(self._loads.values())
-
     def busy(self) -> bool:
         return bool(self._writes or self._loads) or self.l3.busy()
 
@@ -346,7 +343,7 @@ class HostCache:
         self.tree.lock(load.locked)
         load.job = self.copier.submit(Direction.TO_DEVICE, src, dst)
         self._loads[load.id] = load
-        self.device.bump_relocation_version()
+        self.device.begin_load(load.job)
         ps = self.pool.page_size
         num_tokens = len(dst) * ps
         from_l3 = sum(len(node.key) for node in load.nodes if node.fetched_from_l3)
@@ -365,6 +362,7 @@ class HostCache:
 
     def _finish_load(self, load: Load) -> None:
         del self._loads[load.id]
+        self.device.end_load(load.job)
         self.tree.unlock(load.locked)
         self.device.pages.retire(load)
         failed = load.job.error is not None
@@ -454,9 +452,6 @@ class NullHostCache:
 
     def wait_any(self, timeout_s: float) -> None:
         pass
-
-    def loads_in_flight(self) -> frozenset:
-        return frozenset()
 
     def busy(self) -> bool:
         return False

@@ -61,14 +61,14 @@ def assert_pool_at_rest(engine: EngineCore) -> None:
 
 def why_not_at_rest(worker) -> str:
     """"" when a worker of any role (the worker contract) holds nothing for any request, else what it
-    still holds: work, transfers, PRIVATE or IN_FLIGHT device pages, host-tier pages, a failed check."""
+    still holds: work, transfers, PRIVATE or IN_FLIGHT device pages, landing pages, a failed check."""
     stats, live = worker.stats(), list(worker.engine.kvm.live)
     if worker.busy() or stats.num_running or stats.num_waiting or stats.num_transfers:
         return f"unfinished work: {stats}"
     if stats.device.private or stats.device.in_flight or live:
         return f"device pages still owned: {stats.device}, requests {live}"
     if stats.host is not None and stats.host.free != stats.host.total:
-        return f"host-tier pages still held: {stats.host}"
+        return f"landing pages still held: {stats.host}"
     return stats.integrity_error
 
 

@@ -267,7 +267,7 @@ class _Conversations:
         self.elapsed_s += time.perf_counter() - start_s
         computed = self.counter.num_tokens - before - (len(req.output_token_ids) - 1)
         self.turns.append(TurnResult(c, len(self.outputs[c]) + 1, len(prompt), req.cached_tokens,
-                                     req.host_hit_tokens, computed, ttft_s))
+                                     req.tier.host_hit_tokens, computed, ttft_s))
         self.outputs[c].append(req.output_token_ids)
         self.histories[c] = prompt + req.output_token_ids
         _settle(self.engine)

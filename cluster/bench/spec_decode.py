@@ -111,7 +111,7 @@ def measure_load_back(make_engine, prompts: list[list[int]], follow_up: list[int
             accepted += sum(a * n for a, n in after.accepted_per_verify) - sum(
                 a * n for a, n in before.accepted_per_verify)
             verifies += after.verifies - before.verifies
-            loaded_tokens += second.host_hit_tokens
+            loaded_tokens += second.tier.host_hit_tokens
             engine.check_integrity()
             engine.close()
         result["loaded_back" if evict else "on_device"] = {

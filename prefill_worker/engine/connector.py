@@ -95,10 +95,6 @@ class KVConnector(Protocol):
     def can_retract(self, req: Request) -> bool:
         """Whether the scheduler may retract `req` (release its KV to make room)."""
 
-    def loads_in_flight(self) -> frozenset:
-        """Host->device loads not yet completed, each with `.pages` (the device pages it writes): the
-        graph runner replays no step that reads one of them (docs/design.md §5)."""
-
     def busy(self) -> bool:
         """Whether the connector still has work of its own (transfers, loads, outputs to hand over)."""
 
@@ -138,9 +134,6 @@ class NullConnector:
 
     def can_retract(self, req: Request) -> bool:
         return True
-
-    def loads_in_flight(self) -> frozenset:
-        return frozenset()
 
     def busy(self) -> bool:
         return False

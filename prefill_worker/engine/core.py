@@ -297,7 +297,7 @@ class EngineCore:
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _loads_in_flight(self) -> frozenset:
-        return self.connector.loads_in_flight() | self.host_cache.loads_in_flight()
+        return self.device_pool.loads_in_flight()
 
     def _forward(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, ForwardOut, list[StepOutput]]:
         """(the step without the rows that failed, its forward's output, outputs of the requests failed)."""
@@ -376,7 +376,7 @@ class EngineCore:
             self.speculator.counters.draft_errors += 1
             log.exception("the draft head failed; this step's drafts are dropped")
             for req in self.scheduler.running:
-                req.clear_draft()
+                req.spec.clear()
 
     def _on_finished(self, req: Request, reason: FinishReason) -> None:
         """`req` produced its last token: the release path, unless the connector holds its KV on."""

@@ -184,7 +184,7 @@ class GraphRunner:
         self.page_size = eager.page_size
         self.buckets = batch_buckets(max_batch, sizes)
         self.loads_in_flight = loads_in_flight
-        """The loads in flight now (each with `.pages`: the device pages it writes)."""
+        """The host -> device copies in flight now (`CopyJob`s: `.dst_pages` are the device pages they write)."""
         self.counters = GraphCounters()
         self.gated = True
         """Test-only switch: False replays without the load and relocation gates (the hazard they stop)."""
@@ -342,4 +342,4 @@ def _decode_rows(rows: list[ForwardRow]) -> list[ForwardRow]:
 
 def _touches(loads: frozenset, rows: list[ForwardRow]) -> bool:
     pages = {p for r in rows for p in r.pages}
-    return any(not pages.isdisjoint(load.pages) for load in loads)
+    return any(not pages.isdisjoint(load.dst_pages) for load in loads)

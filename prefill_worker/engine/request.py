@@ -40,6 +40,39 @@ class IllegalTransition(RuntimeError):
 _arrival = itertools.count()
 
 
+@dataclass
+class TierState:
+    """A request's dealings with the host tier (L2) and L3; written by the scheduler alone."""
+
+    host_hit_tokens: int = 0
+    """Prompt tokens loaded back from the host tier before its first admission (of `cached_tokens`)."""
+    l3_checked: bool = False
+    """Whether the host tier has looked its prompt up in L3 (once per request)."""
+    load_ticket: LoadTicket | None = None
+    """Set while its prefix is loading, and until admission takes the loaded pages."""
+
+
+@dataclass
+class DraftState:
+    """A request's speculative drafts; written by the speculator (cleared on retract and finish)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    """Tokens a draft head proposed after the last one, verified by the next step; their KV slots
+    are allocated (`kv.kv_allocated_len` covers them). Empty while not speculating."""
+    probs: object = None
+    """With sampled drafts: the [k, vocab] distributions they were drawn from (None for greedy)."""
+    parents: list[int] | None = None
+    """Tree drafts: the verify row of each draft's parent (row 0 is the last token, row i + 1 draft i;
+    `kernels.speculative`); None for a chain."""
+    feature: bytes = b""
+    """Arrived from a prefill worker: the head's feature to draft its first decode step from
+    (`KVComplete.draft_feature`); used up when the decode engine admits it."""
+
+    def clear(self) -> None:
+        """Drop the drafts (the feature stays until the speculator uses it)."""
+        self.token_ids, self.probs, self.parents = [], None, None
+
+
 @dataclass(eq=False)
 class Request:
     """Prompt + output tokens of one request. `kv` is held only while RUNNING."""
@@ -52,15 +85,12 @@ class Request:
     finish_reason: FinishReason | None = None  # set exactly when FINISHED
     kv: ReqKV | None = None  # set exactly when RUNNING
     cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache (any tier) at first admission."""
-    host_hit_tokens: int = 0
-    """Of those, tokens loaded back from the host tier (L2) before that admission."""
+    """Prompt tokens served from the prefix cache (any tier) at first admission (`tier.host_hit_tokens`
+    of them loaded back from the host tier)."""
     session_id: str = ""
     """The streaming session this request is a turn of ("" for none)."""
-    l3_checked: bool = False
-    """Whether the host tier has looked this request's prompt up in L3 (once per request)."""
-    load_ticket: LoadTicket | None = None
-    """Set while its prefix is loading, and until admission takes the loaded pages."""
+    tier: TierState = field(default_factory=lambda: TierState())
+    """Its dealings with the host tier and L3 (the scheduler's)."""
     num_retractions: int = 0
     error: str = ""
     """Why the request ended in ABORT when the client did not ask for it (transfer failure, ...)."""
@@ -70,17 +100,8 @@ class Request:
     sample_seed: int = 0
     stop_rules: StopRules | None = None
     """Its stop rules with their incremental state; set by the engine that admits it."""
-    draft_token_ids: list[int] = field(default_factory=list)
-    """Tokens a draft head proposed after the last one (speculative decoding), verified by the next
-    step; their KV slots are allocated (`kv.kv_allocated_len` covers them). Empty while not speculating."""
-    draft_probs: object = None
-    """With sampled drafts: the [k, vocab] distributions they were drawn from (None for greedy)."""
-    draft_parents: list[int] | None = None
-    """Tree drafts: the verify row of each draft's parent (row 0 is the last token, row i + 1 draft i;
-    `kernels.speculative`); None for a chain."""
-    draft_feature: bytes = b""
-    """Arrived from a prefill worker: the head's feature to draft its first decode step from
-    (`KVComplete.draft_feature`); used up when the decode engine admits it."""
+    spec: DraftState = field(default_factory=lambda: DraftState())
+    """Its drafts for the next step (the speculator's)."""
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -101,9 +122,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def clear_draft(self) -> None:
-        self.draft_token_ids, self.draft_probs, self.draft_parents = [], None, None
-
     @property
     def num_uncomputed(self) -> int:
         """Tokens whose KV is not written yet: 1 while decoding, more while prefilling."""
@@ -115,7 +133,7 @@ class Request:
 
     def start_loading(self, ticket: LoadTicket) -> None:
         self._move(RequestStatus.WAITING, RequestStatus.LOADING)
-        self.load_ticket = ticket
+        self.tier.load_ticket = ticket
 
     def loaded(self) -> None:
         self._move(RequestStatus.LOADING, RequestStatus.WAITING)
@@ -123,14 +141,14 @@ class Request:
     def retract(self) -> None:
         self._move(RequestStatus.RUNNING, RequestStatus.WAITING)
         self.kv = None
-        self.clear_draft()
+        self.spec.clear()
         self.num_retractions += 1
 
     def finish(self, reason: FinishReason) -> None:
         if self.status is RequestStatus.FINISHED:
             raise IllegalTransition(f"request {self.request_id} finished twice ({self.finish_reason} then {reason})")
         self.status, self.finish_reason, self.kv = RequestStatus.FINISHED, reason, None
-        self.clear_draft()
+        self.spec.clear()
 
     def _move(self, src: RequestStatus, dst: RequestStatus) -> None:
         if self.status is not src:

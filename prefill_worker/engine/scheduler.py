@@ -50,10 +50,10 @@ class ScheduledStep:
 
 def _row(req: Request, seq_len: int) -> ForwardRow:
     """`req`'s tokens up to `seq_len`; past its last token come its drafts (a verify row)."""
-    kv, drafts = req.kv, req.draft_token_ids
+    kv, drafts = req.kv, req.spec.token_ids
     tokens = req.all_token_ids + drafts if drafts else req.all_token_ids
     wants_logits = seq_len == len(tokens)
-    tree = tuple(req.draft_parents) if wants_logits and req.draft_parents else None
+    tree = tuple(req.spec.parents) if wants_logits and req.spec.parents else None
     return ForwardRow(token_ids=tokens[kv.kv_committed_len:seq_len], seq_len=seq_len, pages=list(kv.pages),
                       wants_logits=wants_logits, num_draft_tokens=len(drafts) if wants_logits else 0,
                       draft_parents=tree)
@@ -74,7 +74,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []
-        """Requests whose prefix is being loaded from the host tier (each holds a `load_ticket`)."""
+        """Requests whose prefix is being loaded from the host tier (each holds a `tier.load_ticket`)."""
         self.host_cache = host_cache or NullHostCache()
         self.sessions = sessions or NullSessions()
         self.hit_tokens_l1 = 0
@@ -176,7 +176,7 @@ class Scheduler:
         n = req.num_uncomputed
         used = 0
         if n == 1:
-            n += len(req.draft_token_ids)
+            n += len(req.spec.token_ids)
         elif n > 1:
             n = used = min(n, budget)
             if n == 0:
@@ -216,9 +216,9 @@ class Scheduler:
 
     # ---- loading ---------------------------------------------------------------------------------
     def _poll_loads(self) -> None:
-        """Loads that finished put their requests back in the queue, in arrival order."""
-        self.host_cache.poll()
-        for req in [r for r in self.loading if self.host_cache.ready(r.load_ticket)]:
+        """Loads that finished put their requests back in the queue, in arrival order (the engine
+        polled the tier at the start of the step: once per step)."""
+        for req in [r for r in self.loading if self.host_cache.ready(r.tier.load_ticket)]:
             self.loading.remove(req)
             req.loaded()
             later = next((i for i, r in enumerate(self.waiting) if r.arrival > req.arrival), len(self.waiting))
@@ -227,15 +227,15 @@ class Scheduler:
     def _start_loading(self, req: Request) -> bool:
         """When `req`'s cached prefix continues in the host tier, start bringing it to device and park
         `req` in `loading`; False when there is nothing (more) to load."""
-        ticket = self.host_cache.start_load(req.all_token_ids, req.num_tokens - 1, fetch_l3=not req.l3_checked)
-        req.l3_checked = True
+        ticket = self.host_cache.start_load(req.all_token_ids, req.num_tokens - 1, fetch_l3=not req.tier.l3_checked)
+        req.tier.l3_checked = True
         if ticket is None:
             return False
         self.waiting.remove(req)
         self._drop_ticket(req)
         req.start_loading(ticket)
         if req.num_retractions == 0:
-            req.host_hit_tokens += ticket.num_tokens
+            req.tier.host_hit_tokens += ticket.num_tokens
         self.loading.append(req)
         return True
 
@@ -243,15 +243,15 @@ class Scheduler:
         """`head` cannot be admitted: the requests queued behind it give up the loaded pages their
         tickets keep on device (they load again when their turn comes), so two half-loaded requests
         never wait for each other's pages. Whether any did (then `head` may fit next step)."""
-        holders = [req for req in self.waiting if req is not head and req.load_ticket is not None]
+        holders = [req for req in self.waiting if req is not head and req.tier.load_ticket is not None]
         for req in holders:
             self._drop_ticket(req)
         return bool(holders)
 
     def _drop_ticket(self, req: Request) -> None:
-        if req.load_ticket is not None:
-            self.host_cache.release_ticket(req.load_ticket)
-            req.load_ticket = None
+        if req.tier.load_ticket is not None:
+            self.host_cache.release_ticket(req.tier.load_ticket)
+            req.tier.load_ticket = None
 
     # ---- waiting ---------------------------------------------------------------------------------
     def _admit_waiting(self, budget: int, step: ScheduledStep) -> None:
@@ -280,7 +280,7 @@ class Scheduler:
             del self.waiting[skipped]
             if req.num_retractions == 0:
                 req.cached_tokens = cached
-                self.hit_tokens_l1 += max(0, cached - req.host_hit_tokens)
+                self.hit_tokens_l1 += max(0, cached - req.tier.host_hit_tokens)
             req.admit(kv)
             self.running.append(req)
             step.add(req, n)

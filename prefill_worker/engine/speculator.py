@@ -203,7 +203,7 @@ class EagleSpeculator:
         under the same batch cutoff and policy as `draft`: their first decode step verifies too."""
         seeded = []
         for req in arrived:
-            feature, req.draft_feature = req.draft_feature, b""
+            feature, req.spec.feature = req.spec.feature, b""
             if feature:
                 x = torch.frombuffer(bytearray(feature), dtype=torch.float32).to(self.device, self._dtype)
                 self._last[req.request_id] = (x, self.head.draft_logits(x[None])[0])
@@ -220,8 +220,8 @@ class EagleSpeculator:
     def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
         """The tokens `req`'s verify row emits (1 .. k + 1). logits [k + 1, V] float32: the target's at
         its last token and each draft. The drafts are used up: `req` has none after this."""
-        drafts, draft_probs, parents = req.draft_token_ids, req.draft_probs, req.draft_parents
-        req.clear_draft()
+        drafts, draft_probs, parents = req.spec.token_ids, req.spec.probs, req.spec.parents
+        req.spec.clear()
         greedy = req.params.greedy
         if parents is None:
             if greedy:
@@ -353,8 +353,8 @@ class EagleSpeculator:
             starts = [0, *torch.tensor(widths).cumsum(0).tolist()[:-1]]
             d += 1
         for req, tree in trees.items():
-            req.draft_token_ids, req.draft_parents = tree.select(self._num_nodes(tree.depth))
-            req.draft_probs = torch.stack(tree.probs) if tree.probs else None  # sampled chains
+            req.spec.token_ids, req.spec.parents = tree.select(self._num_nodes(tree.depth))
+            req.spec.probs = torch.stack(tree.probs) if tree.probs else None  # sampled chains
 
     def _num_nodes(self, depth: int) -> int:
         """Nodes a tree of `depth` levels verifies: `tree_nodes`, or topk per level."""

@@ -129,7 +129,7 @@ class BackendGauges:
         gauges = list(self._backend.worker_gauges())
         labels = ["worker", "role"]
         usage = GaugeMetricFamily("tandem:kv_cache_usage_perc", "Device KV pages in use, fraction.", labels=labels)
-        host = GaugeMetricFamily("tandem:host_kv_cache_usage_perc", "Host-tier KV pages in use, fraction.",
+        host = GaugeMetricFamily("tandem:host_kv_cache_usage_perc", "Landing-pool KV pages in use (decode workers), fraction.",
                                  labels=labels)
         alive = GaugeMetricFamily("tandem:worker_alive", "1 while the worker is alive.", labels=labels)
         restarts = GaugeMetricFamily("tandem:worker_restarts", "Times the worker was restarted.", labels=labels)

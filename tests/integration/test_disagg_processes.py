@@ -171,7 +171,7 @@ def test_stall_trips_deadline_and_both_sides_end_clean(make_views, chat_ids, hf_
 
 
 def test_a_landing_that_never_comes_times_out_while_the_holder_finishes(make_views, chat_ids, hf_outputs):
-    """The decode worker's host tier holds one prompt: while the first request holds it (its
+    """The decode worker's landing pool holds one prompt: while the first request holds it (its
     prefill worker stalled), the second waits for a landing and fails after `landing_timeout_s`,
     as under `tandem serve`; the first then completes."""
     page = 16

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 ENGINE = EngineConfig(num_pages=512, chunk_size=64)  # 64-token chunks: a 400-token prompt prefills for seconds
 PAGE = ENGINE.page_size
-TINY_HOST_PAGES = 3  # usable host-tier pages of "decode-tiny": one 33..48-token prompt at a time
+TINY_HOST_PAGES = 3  # usable landing pages of "decode-tiny": one 33..48-token prompt at a time
 MAX_NEW = 10
 LONG = 200  # max_tokens of a request that must still be running when the test acts on it
 REST_TIMEOUT_S = 5.0
@@ -203,7 +203,7 @@ def assert_finished_cleanly(chunks) -> None:
 
 
 async def wait_at_rest(*hosts: WorkerHost, timeout_s: float = REST_TIMEOUT_S) -> None:
-    """Every worker idle, no PRIVATE or IN_FLIGHT page, host tier all free, no locked tree node,
+    """Every worker idle, no PRIVATE or IN_FLIGHT page, landing pool all free, no locked tree node,
     integrity OK. Async: the dispatcher must keep relaying (a landing returns on a relayed message)."""
     await settled(lambda: {h.worker_id: why for h in hosts if (why := why_not_at_rest(h.worker))}, timeout_s)
     for host in hosts:
@@ -219,7 +219,7 @@ async def wait_at_rest(*hosts: WorkerHost, timeout_s: float = REST_TIMEOUT_S) ->
 def test_disaggregated_greedy_matches_colocated_engine(hosts, tok, reference):
     prompts = [chat(tok, i) for i in range(5)]
     expected = reference(prompts)
-    page_bytes = hosts["decode-0"].worker.receiver.host.layout.page_bytes
+    page_bytes = hosts["decode-0"].worker.receiver.landing.layout.page_bytes
     cluster = Cluster(hosts, "prefill-0", "decode-0")
 
     async def scenario(d):
@@ -267,7 +267,7 @@ def test_abort_mid_stream_and_mid_prefill_releases_everything(hosts, tok, long_p
         await wait_for(lambda: (sh := prefill.worker.sender.shipments.get("t2-b.0")) is not None and sh.pages_sent > 0,
                        "the prefill worker to ship its first pages")
         assert d.flights["t2-b"].phase is Phase.PREFILLING
-        assert decode.worker.receiver.host.pool.usage().in_flight == ceil_div(len(long_prompt), PAGE)  # the landing is lent
+        assert decode.worker.receiver.landing.pool.usage().in_flight == ceil_div(len(long_prompt), PAGE)  # the landing is lent
         await d.abort("t2-b")
         await d.abort("t2-b")  # idempotent
         await d.abort("never-started")
@@ -288,7 +288,7 @@ def test_prefill_death_mid_transfer_reroutes_to_local_prefill(hosts, tok, refere
         task = asyncio.create_task(collect(d.generate("t3", long_prompt, greedy(max_tokens=MAX_NEW))))
         await wait_for(lambda: (sh := prefill.worker.sender.shipments.get("t3.0")) is not None and sh.pages_sent > 0,
                        "the prefill worker to ship its first pages")
-        assert decode.worker.receiver.host.pool.usage().in_flight > 0  # the landing is being written
+        assert decode.worker.receiver.landing.pool.usage().in_flight > 0  # the landing is being written
         cluster.cut("prefill-0")
         # The in-process host outlives its link; a dead process would compute nothing more.
         prefill.deliver([p.AbortTransfer("t3.0", "test: this worker is dead")])
@@ -444,7 +444,7 @@ def test_refusals_queue_full_unavailable_rejected(hosts, tok):
         assert only.error_kind is ErrorKind.REJECTED and only.error
 
 
-def test_host_tier_full_requests_wait_for_a_landing(hosts, tok, reference):
+def test_a_full_landing_pool_makes_requests_wait_for_a_landing(hosts, tok, reference):
     prefill, tiny = hosts["prefill-0"], hosts["decode-tiny"]
     prompts = [chat(tok, i) for i in (1, 2, 3, 7)]
     need = [ceil_div(len(pr), PAGE) for pr in prompts]
@@ -468,7 +468,7 @@ def test_host_tier_full_requests_wait_for_a_landing(hosts, tok, reference):
         assert_finished_cleanly(chunks)
         assert (chunks[-1].prefill_worker, chunks[-1].decode_worker) == ("prefill-0", "decode-tiny")
     full = [m for m in cluster.link("decode-tiny").seen if isinstance(m, p.Reserved) and m.landing is None]
-    assert full and all(not m.error for m in full), "the host tier never filled: the retry path was not taken"
+    assert full and all(not m.error for m in full), "the landing pool never filled: the retry path was not taken"
     assert max(waiting_seen) >= 1
 
 

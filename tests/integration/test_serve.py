@@ -74,7 +74,7 @@ def workers(server) -> list[dict]:
 
 def wait_workers_at_rest(server, timeout_s: float = 60.0, expect: int = 3) -> list[dict]:
     """Until all `expect` workers are alive and report (heartbeat stats) no request, no transfer,
-    no PRIVATE or IN_FLIGHT page, and a passing integrity check on device and host tier."""
+    no PRIVATE or IN_FLIGHT page, and a passing integrity check on device and landing pool."""
     deadline, found = time.monotonic() + timeout_s, []
     while time.monotonic() < deadline:
         found = [w for w in workers(server) if w["alive"] and w["stats"] is not None]

@@ -141,7 +141,7 @@ def test_a_prompt_ships_lands_and_loads_byte_for_byte_without_an_engine(pair):
         kvm.check_integrity()
         assert kvm.pool.usage().private == 0
     receiver.check_integrity()
-    assert receiver.host.pool.num_free == receiver.host.pool.num_usable
+    assert receiver.landing.pool.num_free == receiver.landing.pool.num_usable
 
 
 def test_an_abort_reaches_the_engine_as_data_and_the_kv_waits_for_its_write(pair):
@@ -184,8 +184,8 @@ def test_a_landing_given_up_ends_its_request_as_an_output_and_frees_on_the_peers
     assert (peer, type(abort)) == (sender.transport.session_id, p.AbortTransfer)
     [out] = receiver.before_step()
     assert (out.request_id, out.finish_reason, out.failure) == ("a", FinishReason.ABORT, p.Failure.TRANSFER)
-    assert receiver.host.pool.num_free < receiver.host.pool.num_usable  # the peer may still write it
+    assert receiver.landing.pool.num_free < receiver.landing.pool.num_usable  # the peer may still write it
     receiver.on_message(p.TransferAborted("a", "aborted by the client"))
-    assert not receiver.inbound and receiver.host.pool.num_free == receiver.host.pool.num_usable
+    assert not receiver.inbound and receiver.landing.pool.num_free == receiver.landing.pool.num_usable
     assert d_kv.calls == []  # nothing reached the device pool
     receiver.check_integrity()

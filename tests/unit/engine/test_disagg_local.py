@@ -1,4 +1,4 @@
-"""Prefill worker -> LocalTransport -> decode worker's host tier -> device, in one process, relayed by
+"""Prefill worker -> LocalTransport -> decode worker's landing pool -> device, in one process, relayed by
 the dispatcher `tandem serve` runs: `WorkerHost`s (loop threads) built by `build_worker` with a
 `LocalTransport` each (peers find each other by session id) and the tiny Llama in place of a
 loaded model."""
@@ -64,7 +64,7 @@ async def fresh_stats(host: WorkerHost) -> p.WorkerStats:
 
 
 async def at_rest(*hosts: WorkerHost, timeout_s: float = 10.0, pump=lambda: None) -> None:
-    """No PRIVATE or IN_FLIGHT page, host tier all free, no transfer, integrity OK (the workers' own
+    """No PRIVATE or IN_FLIGHT page, landing pool all free, no transfer, integrity OK (the workers' own
     stats), at two looks `REST_SETTLE_S` apart (an answer's prefill, sent as a request ended, may
     reach the prefill worker just after it looked idle). `pump` runs before each look (e.g. ends
     writes a stalled transport still holds)."""
@@ -243,7 +243,7 @@ def test_slow_but_moving_transfer_outlives_its_deadline(make_hosts, prompts, hf_
     assert last.kv_transfer_s > 2 * deadline_s  # the whole transfer took several deadlines
 
 
-def test_a_prompt_larger_than_the_whole_host_tier_is_rejected_not_retried_forever(make_hosts):
+def test_a_prompt_larger_than_the_whole_landing_pool_is_rejected_not_retried_forever(make_hosts):
     hosts = make_hosts(page_size=4, host_pages=1 + 3)  # 3 usable landing pages: 12 tokens
 
     async def scenario(d, views):
@@ -253,7 +253,7 @@ def test_a_prompt_larger_than_the_whole_host_tier_is_rejected_not_retried_foreve
         return big, fits
 
     big, fits = serve(hosts, scenario)
-    assert big[1].error_kind is ErrorKind.REJECTED and "needs 4 host-tier pages" in big[1].error
+    assert big[1].error_kind is ErrorKind.REJECTED and "needs 4 landing pages" in big[1].error
     assert len(fits[0]) == 2 and not fits[1].error
 
 

@@ -75,7 +75,7 @@ def test_a_replayed_step_pads_to_its_bucket_on_scratch_page_0_and_matches_eager(
 
 @dataclass(frozen=True)
 class _FakeLoad:
-    pages: tuple[int, ...]
+    dst_pages: tuple[int, ...]
 
 
 def test_every_gate_counts_its_fallback_and_runs_eagerly():

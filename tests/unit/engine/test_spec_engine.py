@@ -53,7 +53,7 @@ def _run(engine, prompts, params, abort_every: int = 0):
     while any(r.status is not RequestStatus.FINISHED for r in reqs):
         engine.step()
         steps += 1
-        drafted = [r for r in reqs if r.draft_token_ids]
+        drafted = [r for r in reqs if r.spec.token_ids]
         if abort_every and steps % abort_every == 0 and drafted:
             victim = drafted[0]  # between its draft and its verify: its draft slots are allocated
             assert victim.kv.kv_allocated_len > victim.kv.kv_committed_len + 1
@@ -99,7 +99,7 @@ def test_verify_and_head_replayed_as_decode_rows_give_the_same_tokens_and_drafts
 
         def spy(running, *args):
             draft(running, *args)
-            drafts.append([tuple(r.draft_token_ids) for r in running])
+            drafts.append([tuple(r.spec.token_ids) for r in running])
         engine.speculator.draft = spy
         out = [r.output_token_ids for r in engine.generate(spec_prompts, greedy(max_tokens=MAX_NEW))]
         assert out == [reference[tuple(p)] for p in spec_prompts]
@@ -120,7 +120,7 @@ def test_seed_scenario_page_16_partial_acceptance_aborts_and_retracts_leak_nothi
     retract = engine.scheduler._retract
 
     def spy(req, step):
-        retracted_with_drafts.append(bool(req.draft_token_ids))
+        retracted_with_drafts.append(bool(req.spec.token_ids))
         retract(req, step)
     engine.scheduler._retract = spy
     reqs, aborted = _run(engine, prompts, greedy(max_tokens=MAX_NEW), abort_every=5)
@@ -150,15 +150,15 @@ def test_above_the_batch_cutoff_nothing_is_drafted_and_drafting_resumes_below_it
     _script_drafts(engine, reference, accept=1.0)
     reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in spec_prompts[:2]]
     engine.step()
-    assert all(r.draft_token_ids for r in reqs)
+    assert all(r.spec.token_ids for r in reqs)
     reqs += [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in spec_prompts[2:4]]
     engine.step()  # the first two verify their drafts; with four running, none drafts again
-    assert len(engine.scheduler.running) == 4 and not any(r.draft_token_ids for r in reqs)
+    assert len(engine.scheduler.running) == 4 and not any(r.spec.token_ids for r in reqs)
     assert all(r.kv.kv_allocated_len == r.kv.kv_committed_len for r in reqs[:2])  # no slot left for a draft
     for r in reqs[2:]:
         engine.abort(r.request_id)
     engine.step()
-    assert all(r.draft_token_ids for r in reqs[:2])
+    assert all(r.spec.token_ids for r in reqs[:2])
     while engine.busy():
         engine.step()
     assert [r.output_token_ids for r in reqs[:2]] == [reference[tuple(p)] for p in spec_prompts[:2]]
@@ -259,7 +259,7 @@ def test_sampled_speculation_follows_the_targets_distribution_and_a_biased_verif
     biased = make_spec_engine(num_pages=1024, chunk_size=512, max_running_requests=64, speculative_max_batch=64,
                               debug_kv=False)
     _script_sampled_drafts(biased, cache)
-    biased.speculator.verify = lambda req, logits: list(req.draft_token_ids) + [int(logits[-1].argmax())]
+    biased.speculator.verify = lambda req, logits: list(req.spec.token_ids) + [int(logits[-1].argmax())]
     stat, dof = _chi2(_sample_triples(biased, prompt, NUM_SAMPLES // 3), prompt, cache)
     assert stat > 5 * _critical(dof)
 
@@ -413,9 +413,9 @@ def test_disaggregated_is_lossless_and_ships_the_prompts_draft_kv(spec_prompts, 
     draft_arrived = decode.engine.speculator.draft_arrived
 
     def spy(arrived, *args):
-        with_feature = [bool(r.draft_feature) for r in arrived]
+        with_feature = [bool(r.spec.feature) for r in arrived]
         draft_arrived(arrived, *args)
-        first_step_drafts.extend(f and len(r.draft_token_ids) == 3 for f, r in zip(with_feature, arrived))
+        first_step_drafts.extend(f and len(r.spec.token_ids) == 3 for f, r in zip(with_feature, arrived))
     decode.engine.speculator.draft_arrived = spy
     pair = StepPair(prefill, decode)
     results = pair.generate(spec_prompts, greedy(max_tokens=MAX_NEW))
@@ -437,7 +437,7 @@ def _record_drafts(engine) -> list:
     seen, verify = [], engine.speculator.verify
 
     def recording(req, logits):
-        seen.append(tuple(req.draft_token_ids))
+        seen.append(tuple(req.spec.token_ids))
         return verify(req, logits)
     engine.speculator.verify = recording
     return seen
@@ -461,7 +461,7 @@ def test_a_prefix_loaded_back_from_the_host_tier_brings_its_draft_kv(reference):
             engine.kv_cache.v[-1].zero_()
         drafts = _record_drafts(engine)
         [turn2] = engine.generate([history + first.output_token_ids + [7, 8, 9]], greedy(max_tokens=16))
-        assert (turn2.host_hit_tokens > 0) == evict
+        assert (turn2.tier.host_hit_tokens > 0) == evict
         for before, after in zip(saved, _draft_kv_of_prompt(engine, history)):
             assert torch.equal(before, after)  # the draft layer came back with the target's
         runs[evict] = (turn2.output_token_ids, drafts)

@@ -121,8 +121,8 @@ def test_greedy_and_sampled_requests_draft_trees_in_one_batch(spec_prompts, refe
     def spy(running, *args):
         draft(running, *args)
         for r in running:
-            if r.draft_token_ids:
-                assert r.draft_parents is not None and r.draft_probs is None
+            if r.spec.token_ids:
+                assert r.spec.parents is not None and r.spec.probs is None
                 depths, k = _depths(r), engine.config.num_draft_tokens  # parents before children (or it raises)
                 assert max(depths) <= k and len(depths) <= 2 * k
                 seen[r.params.greedy] += 1
@@ -139,7 +139,7 @@ def test_greedy_and_sampled_requests_draft_trees_in_one_batch(spec_prompts, refe
 
 
 def _depths(req) -> list[int]:
-    parents = req.draft_parents or list(range(len(req.draft_token_ids)))
+    parents = req.spec.parents or list(range(len(req.spec.token_ids)))
     depths = [0]
     for p in parents:
         depths.append(depths[p] + 1)
@@ -163,7 +163,7 @@ def _seed_scenario(prompts, reference, num_pages: int) -> int:
     retract = engine.scheduler._retract
 
     def spy(req, step):
-        retracted_with_drafts.append(req.draft_parents is not None)
+        retracted_with_drafts.append(req.spec.parents is not None)
         retract(req, step)
     engine.scheduler._retract = spy
     reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in prompts]
@@ -171,10 +171,10 @@ def _seed_scenario(prompts, reference, num_pages: int) -> int:
     while any(r.status is not RequestStatus.FINISHED for r in reqs):
         engine.step()  # debug_kv: integrity checked after every step
         steps += 1
-        drafted = [r for r in reqs if r.draft_parents is not None]
+        drafted = [r for r in reqs if r.spec.parents is not None]
         if steps % 8 == 0 and drafted:
             victim = drafted[0]  # between its draft and its verify: its tree slots are allocated
-            assert victim.kv.kv_allocated_len >= victim.kv.kv_committed_len + 1 + len(victim.draft_token_ids)
+            assert victim.kv.kv_allocated_len >= victim.kv.kv_committed_len + 1 + len(victim.spec.token_ids)
             assert engine.abort(victim.request_id)
             aborted.add(victim.request_id)
     assert aborted, "no abort between draft and verify"
@@ -351,7 +351,7 @@ def test_disaggregated_trees_are_lossless_from_the_first_decode_step(spec_prompt
 
     def spy(arrived, *args):
         draft_arrived(arrived, *args)
-        first_trees.extend(r.draft_parents is not None for r in arrived)
+        first_trees.extend(r.spec.parents is not None for r in arrived)
     decode.engine.speculator.draft_arrived = spy
     results = StepPair(prefill, decode).generate(spec_prompts, greedy(max_tokens=MAX_NEW))
     assert [r.token_ids for r in results] == [reference[tuple(p)] for p in spec_prompts]

@@ -90,13 +90,13 @@ def test_prefix_evicted_from_l1_is_loaded_back_not_recomputed():
     req = engine.add_request(turn2, greedy(max_tokens=8))
     engine.step()
     assert req.status in (RequestStatus.LOADING, RequestStatus.WAITING, RequestStatus.RUNNING)
-    seen_loading = req.status is RequestStatus.LOADING or req.host_hit_tokens > 0
+    seen_loading = req.status is RequestStatus.LOADING or req.tier.host_hit_tokens > 0
     while req.status is not RequestStatus.FINISHED:
         engine.step()
     [expect] = cold.generate([turn2], greedy(max_tokens=8))
     assert seen_loading and req.output_token_ids == expect.output_token_ids
     aligned = (len(history) + len(first.output_token_ids) - 1) // 4 * 4  # what the first request committed
-    assert req.host_hit_tokens == aligned and req.cached_tokens == aligned
+    assert req.tier.host_hit_tokens == aligned and req.cached_tokens == aligned
     settle(engine)
     engine.check_integrity()
     cold.check_integrity()
@@ -177,7 +177,7 @@ def test_two_half_loaded_requests_never_wait_for_each_others_pages():
         engine.step()
     assert all(r.status is RequestStatus.FINISHED for r in reqs), (
         f"stalled: {[r.status for r in reqs]}, pool {engine.kvm.pool.usage()}")
-    assert reqs[0].host_hit_tokens == 80
+    assert reqs[0].tier.host_hit_tokens == 80
     settle(engine)
     engine.check_integrity()
 

@@ -610,7 +610,7 @@ class TierMachine(RuleBasedStateMachine):
             self.finished.append(req)
             self.unverified.append(req)
             coverage["finished"] += 1
-            coverage["finished_after_load"] += req.host_hit_tokens > 0
+            coverage["finished_after_load"] += req.tier.host_hit_tokens > 0
         if len(self.unverified) >= VERIFY_BATCH:
             self._verify_outputs()
 
@@ -621,7 +621,7 @@ class TierMachine(RuleBasedStateMachine):
         wants = reference_outputs(self.page_size, [(tuple(r.prompt_token_ids), r.params.max_tokens) for r in reqs])
         for req, want in zip(reqs, wants):
             assert req.output_token_ids == want, (
-                f"request {req.request_id} (cached {req.cached_tokens}, from host {req.host_hit_tokens}, "
+                f"request {req.request_id} (cached {req.cached_tokens}, from host {req.tier.host_hit_tokens}, "
                 f"retracted {req.num_retractions}x) generated {req.output_token_ids}, reference {want}")
 
     def _check_kv(self, nodes: list[TreeNode]) -> None:

@@ -233,7 +233,7 @@ class EngineConfig:
     current either way, so speculation resumes when the batch shrinks."""
     speculative_adaptive: bool = True
     """At or below `speculative_max_batch`, draft only where it pays: decode tokens/s with and without
-    drafts are measured per batch size while serving, and the faster wins (`engine/spec_policy.py`).
+    drafts are measured per batch size while serving, and the faster wins (`engine/spec/policy.py`).
     Off: always draft (what the bench times)."""
 
     def __post_init__(self):

@@ -11,7 +11,7 @@ reported and fails the command. The speculative engine's counters give the mean 
     per batch size:  | plain | eagle | eagle | plain | ...  (--repeats rounds, alternating)
 
 The speculative engine drafts at every step (`speculative_adaptive` off: the mode timed alone).
-`--adaptive` times a third engine per round with the measured policy on (`engine/spec_policy.py`:
+`--adaptive` times a third engine per round with the measured policy on (`engine/spec/policy.py`:
 it drafts only where drafting measured faster), reported as its speed-up over plain. With
 `--speculative-topk W` > 1 the eagle engine drafts trees, and a chain engine (W = 1, same depth) is
 timed in the same rounds too, so tree and chain compare on the same machine state.
@@ -198,7 +198,7 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     from cluster.train.data import load_prompts, tokenize
     from kernels.model.loader import load_model
     from prefill_worker.engine import EngineCore
-    from prefill_worker.engine.speculator import load_draft_head
+    from prefill_worker.engine.spec.speculator import load_draft_head
 
     config = engine_config_from_args(args)
     loaded = load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],

@@ -1,12 +1,19 @@
 """The engine every worker runs (docs/design.md §1): `EngineCore` holding a `KVConnector`.
 
-    core.py       EngineCore: continuous batching over one paged KV pool
+    core.py       EngineCore: the step loop over one paged KV pool
     output.py     StepOutput: what a step hands its worker per request
-    scheduler.py  waiting queue, running batch, chunked prefill, retract
-    request.py    Request and its lifecycle
-    runner.py     one ragged forward pass
+    scheduler.py  waiting queue, running batch, chunked prefill, retract; the one owner of request KV
+    sessions.py   streaming sessions: a conversation's history pinned between turns
+    request.py    Request and its lifecycle (its tier and draft state in parts of their own)
+    runner.py     one ragged forward pass (eager)
+    tokens.py     sampling or verifying each row's tokens, stop rules token by token
     stop.py       StopRules: EOS, stop ids, stop strings (incremental), length
+    tiers.py      the host tier (L2/L3) an engine gets from its config
+    stats.py      the heartbeat's figures
+    hosted.py     what every worker answers from its engine alone
     connector.py  KVConnector (the seam with P/D), the ConnectorPorts it gets, NullConnector (colocated)
+    graphs/       steps replayed from static buffers (capture, tree verify, GraphRunner, draft head)
+    spec/         EAGLE speculation (speculator, draft trees, the drafting policy)
 """
 
 from __future__ import annotations

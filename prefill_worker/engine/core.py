@@ -36,12 +36,12 @@ from kv_store.req_kv import KVManager
 from prefill_worker.engine.connector import ConnectorPorts, KVConnector, NullConnector
 from prefill_worker.engine.output import StepOutput, step_output
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
-from prefill_worker.engine.graph_runner import GraphRunner, graph_max_batch
-from prefill_worker.engine.tree_graphs import tree_verify_rows
+from prefill_worker.engine.graphs.runner import GraphRunner, graph_max_batch
+from prefill_worker.engine.graphs.tree import tree_verify_rows
 from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
 from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
 from prefill_worker.engine.sessions import NullSessions, SessionError, SessionManager
-from prefill_worker.engine.speculator import Committed, load_draft_head, make_speculator
+from prefill_worker.engine.spec.speculator import Committed, load_draft_head, make_speculator
 from prefill_worker.engine.stats import graph_stats, pool_stats, spec_stats, tier_stats
 from prefill_worker.engine.stop import StopRules
 from prefill_worker.engine.tiers import host_cache, model_id

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from cluster.config import SamplingParams
+from cluster.protocol import FinishReason
 from kernels.model.tokenizer import REPLACEMENT_CHAR, cut_at_stop, decode, first_stop
-from prefill_worker.engine.request import FinishReason
 
 __all__ = ["StopRules", "StopStringMatcher", "cut_at_stop", "decode", "first_stop"]
 SPLIT_AFTER_TOKENS = 8

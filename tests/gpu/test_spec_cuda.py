@@ -1,4 +1,4 @@
-"""EAGLE speculative decoding (prefill_worker/engine/speculator.py) on a GPU: greedy output identical to
+"""EAGLE speculative decoding (prefill_worker/engine/spec/speculator.py) on a GPU: greedy output identical to
 the plain CUDA engine and to HF, for both head layouts, with graph replay on (plain decode steps replay
 with the features the head needs; verify steps run eagerly), and nothing leaked.
 
@@ -13,7 +13,7 @@ import torch
 from cluster.config import EngineConfig
 from kernels.model.eagle import DraftArch, DraftStyle, EagleDraftHead
 from prefill_worker.engine import EngineCore
-from prefill_worker.engine.graph_runner import Fallback
+from prefill_worker.engine.graphs.runner import Fallback
 from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

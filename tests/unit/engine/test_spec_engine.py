@@ -1,4 +1,4 @@
-"""EAGLE speculative decoding in the engine (prefill_worker/engine/speculator.py) on the tiny Llama.
+"""EAGLE speculative decoding in the engine (prefill_worker/engine/spec/speculator.py) on the tiny Llama.
 
 Lossless: greedy output equals the non-speculative engine's and HF transformers' generate, token for
 token, for both head layouts, page sizes 1 and 16, random and scripted drafts (the scripted ones
@@ -23,7 +23,7 @@ import torch
 from cluster.config import SamplingParams
 from kernels.model.eagle import DraftStyle
 from kernels.sampling import filtered_probs
-from prefill_worker.engine import speculator as speculator_module
+from prefill_worker.engine.spec import speculator as speculator_module
 from prefill_worker.engine.request import RequestStatus
 from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_prompts, make_spec_engine, \
     tiny_draft_head, tiny_models
@@ -84,7 +84,7 @@ def test_greedy_is_lossless_with_random_and_scripted_drafts(spec_prompts, refere
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_verify_and_head_replayed_as_decode_rows_give_the_same_tokens_and_drafts(spec_prompts, reference, page_size):
     """What CUDA replays, "replayed" over the static buffers on the CPU: each verify row as k + 1
-    decode rows in a bucket (`graph_runner`), and every draft-head call likewise (`draft_graphs`).
+    decode rows in a bucket (`graphs/runner.py`), and every draft-head call likewise (`graphs/draft.py`).
     Tokens equal HF's; the drafts (which read the replayed features and head KV) accept exactly as
     with the eager extend and eager head."""
     counts = []

@@ -1,4 +1,4 @@
-"""EAGLE tree drafting in the engine (speculator.py + draft_tree.py) on the tiny Llama.
+"""EAGLE tree drafting in the engine (spec/speculator.py + spec/draft_tree.py) on the tiny Llama.
 
 Lossless: greedy output equals HF transformers' generate token for token with trees of width 2
 and 3, page sizes 1 and 16, with the random head's own trees and with scripted trees (sampled
@@ -19,7 +19,7 @@ import torch
 
 from cluster.config import ConfigError, EngineConfig, SamplingParams
 from kernels.model.eagle import DraftStyle
-from prefill_worker.engine import speculator as speculator_module
+from prefill_worker.engine.spec import speculator as speculator_module
 from prefill_worker.engine.request import RequestStatus
 from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_spec_engine, tiny_draft_head, \
     tiny_models
@@ -211,7 +211,7 @@ def test_tree_nodes_is_validated_and_needs_a_tree(bad):
 
 
 def test_draft_tree_expands_the_best_candidates_and_verifies_the_best_of_all_levels():
-    from prefill_worker.engine.draft_tree import DraftTree
+    from prefill_worker.engine.spec.draft_tree import DraftTree
 
     def logprobs(*rows):
         return torch.tensor(rows, dtype=torch.float32).log()
@@ -232,7 +232,7 @@ def test_draft_tree_expands_the_best_candidates_and_verifies_the_best_of_all_lev
 
 
 def test_a_chain_tree_is_the_chain():
-    from prefill_worker.engine.draft_tree import DraftTree
+    from prefill_worker.engine.spec.draft_tree import DraftTree
 
     tree = DraftTree(depth=3, width=1)
     for token in (7, 8, 9):
@@ -244,7 +244,7 @@ def test_a_chain_tree_is_the_chain():
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_tree_verify_replayed_over_the_tree_buffers_gives_the_same_tokens_and_acceptance(spec_prompts, reference,
                                                                                          page_size):
-    """What CUDA replays from the tree graphs (`tree_graphs.py`), run over the same static buffers on
+    """What CUDA replays from the tree graphs (`graphs/tree.py`), run over the same static buffers on
     the CPU: full tree verify rows of a batch go through `TreeBuffers` (padding requests included),
     and each such step's logits and features equal the eager tree verify's over the same rows; so do
     the head's tree level calls (`HeadTreeGraphs`) against the eager masked head call;

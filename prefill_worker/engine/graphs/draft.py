@@ -3,7 +3,7 @@
 Every head call (the catch-up over committed positions, each draft step) is one decode row per
 token: a sequence with q new tokens at KV length S is the q rows (token i, length S - q + 1 + i) over
 its page table. The head writes every row's K/V before any row attends, so this is the causal
-extend the eager call runs (the verify rows of `graph_runner` use the same identity). A call
+extend the eager call runs (the verify rows of `runner.py` use the same identity). A call
 replays the smallest captured bucket that holds its rows, over `StaticBuffers` plus a feature
 buffer; padding rows sit on scratch page 0. Draft logits are computed for every row (the head's
 LM head is the reduced draft vocabulary) and each sequence's last row is kept.
@@ -23,7 +23,8 @@ import time
 import torch
 
 from kernels.kv_layout import KVCacheTensors
-from prefill_worker.engine.graph_runner import StaticBuffers, bucket_for, capture_graph
+from prefill_worker.engine.graphs.capture import StaticBuffers, bucket_for, capture_graph
+from prefill_worker.engine.graphs.tree import TreeBuffers
 from prefill_worker.engine.runner import ForwardRow
 
 log = logging.getLogger("tandem.engine")
@@ -93,13 +94,12 @@ class HeadGraphs:
 class HeadTreeGraphs:
     """The head's tree level calls replayed per (level, bucket of requests): level d's call is w rows a
     request at the end of a window of w x d slots (`DraftTree.head_mask`), a fixed shape, so it
-    replays over `tree_graphs.TreeBuffers` as the tree verify does (CUDA with Triton attention; on
+    replays over `tree.TreeBuffers` as the tree verify does (CUDA with Triton attention; on
     CPU `expand`, tests, runs the same buffers eagerly). Calls of another shape run eagerly."""
 
     def __init__(self, head: torch.nn.Module, kv: KVCacheTensors, page_size: int, device: torch.device,
                  buckets: tuple[int, ...], max_pages: int, feature_dim: int, dtype: torch.dtype, width: int,
                  depth: int):
-        from prefill_worker.engine.tree_graphs import TreeBuffers
 
         self.head, self.kv, self.page_size, self.buckets, self.width = head, kv, page_size, buckets, width
         self.levels = {d: TreeBuffers(buckets[-1], width, width * d, max_pages, device) for d in range(1, depth)}

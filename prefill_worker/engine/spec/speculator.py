@@ -55,9 +55,9 @@ from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoin
 from kernels.sampling import filtered_probs, row_generator
 from kernels.speculative import (row_depths, verify_greedy, verify_sampled, verify_tree_greedy,
                                  verify_tree_sampled)
-from prefill_worker.engine.draft_tree import DraftTree
+from prefill_worker.engine.spec.draft_tree import DraftTree
 from prefill_worker.engine.request import Request, RequestStatus
-from prefill_worker.engine.spec_policy import AdaptivePolicy, FixedPolicy
+from prefill_worker.engine.spec.policy import AdaptivePolicy, FixedPolicy
 
 log = logging.getLogger("tandem.engine")
 
@@ -173,9 +173,9 @@ class EagleSpeculator:
         self.kv, self.target_kv = kv_cache, target_kv
 
     def use_graphs(self, runner) -> None:
-        """Replay the head's calls from CUDA graphs of the target's buckets (`draft_graphs`; captured
+        """Replay the head's calls from CUDA graphs of the target's buckets (`graphs/draft.py`; captured
         here) when `runner` (the engine's GraphRunner) replays at all."""
-        from prefill_worker.engine.draft_graphs import HeadGraphs, HeadTreeGraphs
+        from prefill_worker.engine.graphs.draft import HeadGraphs, HeadTreeGraphs
 
         if runner.enabled:
             self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, runner.buckets,
@@ -315,7 +315,7 @@ class EagleSpeculator:
     def draft(self, running: list[Request], reserve: DraftSlots, max_request_tokens: int) -> None:
         """Drafts for the next step of every request in `running` that decodes next, whose catch-up
         row ran this step, and whose draft slots can be allocated (else it decodes plainly), while at
-        most `max_batch` run and the policy finds drafting pays at this batch size (`spec_policy`)."""
+        most `max_batch` run and the policy finds drafting pays at this batch size (`spec/policy.py`)."""
         try:
             if len(running) <= self.max_batch and self.policy.want_drafts(len(running)):
                 self._draft(running, reserve, max_request_tokens)

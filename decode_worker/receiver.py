@@ -70,18 +70,18 @@ class KVReceiver(NullConnector):
     """`KVConnector` of a decode worker (the hooks it does not define are NullConnector's no-ops).
     Messages for prefill workers accumulate in `outbox` as (peer, message)."""
 
-    def __init__(self, transport: Transport, host_pages: int, deadlines: TransferDeadlines = TransferDeadlines(),
-                 clock: Callable[[], float] = time.monotonic):
-        self.transport, self.host_pages, self.deadlines, self.clock = transport, host_pages, deadlines, clock
+    def __init__(self, ports: ConnectorPorts, transport: Transport, host_pages: int,
+                 deadlines: TransferDeadlines = TransferDeadlines(), clock: Callable[[], float] = time.monotonic):
+        """`ports`: what the engine lends (`EngineCore` makes the receiver with them); a landing pool of
+        `host_pages` pages is made here and registered with `transport`."""
+        self.ports, self.kv = ports, ports.kv
+        self.transport, self.deadlines, self.clock = transport, deadlines, clock
         self.inbound: dict[str, _Inbound] = {}
         self.outbox: list[tuple[str, AbortTransfer]] = []
         self._pending_outputs: list[StepOutput] = []
         self._arrived: list[tuple[Request, ReqKV]] = []
         self._regions = contextlib.ExitStack()
-
-    def attach(self, ports: ConnectorPorts) -> None:
-        self.ports, self.kv = ports, ports.kv
-        self.landing = LandingPool(ports.device_pool, self.host_pages)
+        self.landing = LandingPool(ports.device_pool, host_pages)
         for t in (*self.landing.kv.k, *self.landing.kv.v):
             self._regions.enter_context(self.transport.register_tensor(t))
 
@@ -182,6 +182,7 @@ class KVReceiver(NullConnector):
         except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going
             self._fail_inbound(ib, internal_error(ib.request.request_id, exc, transition.__name__))
             self.ports.check_integrity()  # what it held went back cleanly, or the worker must stop
+            self.check_integrity()
 
     def _fail_inbound(self, ib: _Inbound, error: str) -> None:
         """End `ib`'s request with an internal error, releasing what it holds now or once it can be."""

@@ -19,7 +19,7 @@ from decode_worker.receiver import InboundPhase, KVReceiver
 from kv_store.l3.config import L3Config
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import TransferDeadlines
-from prefill_worker.engine.core import EngineCore
+from prefill_worker.engine.build import build_engine
 from prefill_worker.engine.output import StepOutput
 from prefill_worker.engine.hosted import EngineWorker
 from prefill_worker.engine.sessions import SessionError
@@ -82,9 +82,9 @@ class DecodeWorker(ColocatedWorker):
     def __init__(self, config, model, arch, transport: Transport, host_pages: int, tokenizer=None,
                  eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
                  clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None, draft_head=None):
-        self.receiver = KVReceiver(transport, host_pages, deadlines, clock)
-        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.receiver, l3=l3,
-                                    draft_head=draft_head))
+        super().__init__(build_engine(config, model, arch, tokenizer, eos_token_ids, l3=l3, draft_head=draft_head,
+                                      connector=lambda ports: KVReceiver(ports, transport, host_pages, deadlines, clock)))
+        self.receiver: KVReceiver = self.engine.connector
 
     def handle(self, msg) -> list:
         if isinstance(msg, p.Reserve):

@@ -107,7 +107,8 @@ class TierCounters:
 
 
 class HostCache:
-    """The L2 tier of `tree`. Not thread-safe: owned by the scheduler's thread (the copier has its own)."""
+    """The L2 tier of `tree` (`tree.attach_tier` hands it the tree's hooks). Not thread-safe: owned by
+    the scheduler's thread (the copier has its own)."""
 
     def __init__(self, tree: RadixPrefixCache, device: DevicePool, host_kv: KVCacheTensors,
                  policy: WritePolicy = WritePolicy.WRITE_THROUGH, selective_hits: int = 2, copy_timeout_s: float = 30.0,
@@ -124,7 +125,6 @@ class HostCache:
         self._loads: dict[int, Load] = {}
         self._tickets: dict[int, LoadTicket] = {}
         self._ids = itertools.count(1)
-        tree.tier = self
 
     # ---- tree hooks --------------------------------------------------------------------------------
     def on_insert(self, node: TreeNode) -> None:

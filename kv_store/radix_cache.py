@@ -110,6 +110,12 @@ class RadixPrefixCache:
         self.root = TreeNode(id=0, parent=None, key=(), pages=[])
         self.tier = L1Only(self)
 
+    def attach_tier(self, tier) -> None:
+        """Below L1 from now on: `tier` (`kv_store/hicache.py:HostCache`) gets the tree's hooks. Called
+        once, by the engine's builder, before any node exists."""
+        assert isinstance(self.tier, L1Only) and not self.root.children, "attach the tier to an empty, bare tree"
+        self.tier = tier
+
     def num_pages(self, node: TreeNode) -> int:
         return len(node.key) // self.page_size
 

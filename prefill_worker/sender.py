@@ -52,17 +52,17 @@ class KVSender(NullConnector):
     Messages for the decode worker accumulate in `outbox`
     (KVProgress, KVComplete, TransferAborted) for the worker's loop to deliver."""
 
-    def __init__(self, transport: Transport, deadlines: TransferDeadlines = TransferDeadlines(),
+    def __init__(self, ports: ConnectorPorts, transport: Transport, deadlines: TransferDeadlines = TransferDeadlines(),
                  clock: Callable[[], float] = time.monotonic):
+        """`ports`: what the engine lends (`EngineCore` makes the sender with them); its KV tensors are
+        registered with `transport` here."""
+        self.ports, self.kv, self.kv_cache = ports, ports.kv, ports.kv_cache
         self.transport, self.deadlines, self.clock = transport, deadlines, clock
         self.shipments: dict[str, _Shipment] = {}
         self.outbox: list[KVComplete | KVProgress | TransferAborted] = []
         self._regions = contextlib.ExitStack()
         self._done: list[tuple[Request, FinishReason]] = []
         self._stopped: list[Request] = []
-
-    def attach(self, ports: ConnectorPorts) -> None:
-        self.ports, self.kv, self.kv_cache = ports, ports.kv, ports.kv_cache
         for t in (*self.kv_cache.k, *self.kv_cache.v):
             self._regions.enter_context(self.transport.register_tensor(t))
 
@@ -142,11 +142,6 @@ class KVSender(NullConnector):
         self._retire_finished()
         done, self._done = self._done, []
         return done
-
-    def can_retract(self, req: Request) -> bool:
-        """A request whose own pages are lent to a write cannot be released yet. Its cached pages
-        never stop a retract: every write reading them pins them by its own handle."""
-        return not self.kv.lent_pages(req.kv)
 
     def busy(self) -> bool:
         return bool(self.shipments or self.outbox)

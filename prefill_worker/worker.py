@@ -20,7 +20,7 @@ from kv_store.l3.config import L3Config
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines
-from prefill_worker.engine.core import EngineCore
+from prefill_worker.engine.build import build_engine
 from prefill_worker.engine.hosted import EngineWorker
 from prefill_worker.sender import KVSender
 
@@ -36,9 +36,9 @@ class PrefillWorker(EngineWorker):
     def __init__(self, config, model, arch, transport: Transport, tokenizer=None, eos_token_ids=(),
                  deadlines: TransferDeadlines = TransferDeadlines(), clock: Callable[[], float] = time.monotonic,
                  l3: L3Config | None = None, draft_head=None):
-        self.sender = KVSender(transport, deadlines, clock)
-        super().__init__(EngineCore(config, model, arch, tokenizer, eos_token_ids, connector=self.sender, l3=l3,
-                                    draft_head=draft_head))
+        super().__init__(build_engine(config, model, arch, tokenizer, eos_token_ids, l3=l3, draft_head=draft_head,
+                                      connector=lambda ports: KVSender(ports, transport, deadlines, clock)))
+        self.sender: KVSender = self.engine.connector
 
     # ---- the worker contract -----------------------------------------------------------------------
     def handle(self, msg) -> list:

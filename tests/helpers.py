@@ -8,7 +8,7 @@ import random
 import torch
 
 from cluster.config import EngineConfig, SamplingParams
-from prefill_worker.engine import EngineCore, load_engine
+from prefill_worker.engine import EngineCore, build_engine, load_engine
 from kernels.model.arch import LlamaArch
 from kernels.model.tiny import make_tiny_llama
 
@@ -27,7 +27,7 @@ def tiny_models(seed: int = 0):
 def make_engine(page_size=4, num_pages=256, chunk_size=64, eos=(), l3=None, **kw) -> EngineCore:
     ours, _, arch = tiny_models()
     config = EngineConfig(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size, debug_kv=True, **kw)
-    return EngineCore(config, ours, arch, eos_token_ids=eos, l3=l3)
+    return build_engine(config, ours, arch, eos_token_ids=eos, l3=l3)
 
 
 def make_prompts(n: int, min_len=4, max_len=60, seed=0, vocab=256) -> list[list[int]]:
@@ -90,7 +90,7 @@ def smollm2():
 def make_smollm2_engine(**kw) -> EngineCore:
     loaded, _ = smollm2()
     config = EngineConfig(debug_kv=True, **{"num_pages": 1024, **kw})
-    return EngineCore(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids)
+    return build_engine(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids)
 
 
 CHAT_PROMPTS = [
@@ -147,4 +147,4 @@ def make_spec_engine(head=None, page_size=4, num_pages=256, chunk_size=64, eos=(
     ours, _, arch = tiny_models()
     config = EngineConfig(page_size=page_size, num_pages=num_pages, chunk_size=chunk_size, speculative="eagle",
                           **{"debug_kv": True, "speculative_adaptive": False, **kw})
-    return EngineCore(config, ours, arch, eos_token_ids=eos, draft_head=head or tiny_draft_head())
+    return build_engine(config, ours, arch, eos_token_ids=eos, draft_head=head or tiny_draft_head())

@@ -2,9 +2,10 @@
 
 
 def collect_engines() -> None:
-    """Free the KV pools of engines already closed and dropped: an engine's parts refer to each
-    other, so only the cycle collector frees one, and a bench making engine after engine would
-    otherwise hold several pools (`kv_memory_gib` each) at once. Call before making an engine."""
+    """Free the KV pools of engines already closed and dropped, should anything still tie one into a
+    reference cycle (an engine's own parts no longer do: dropping it frees its pool at once), so a
+    bench making engine after engine never holds several pools (`kv_memory_gib` each) at once. Call
+    before making an engine."""
     import gc
 
     gc.collect()

@@ -263,7 +263,7 @@ def run_hf(model: torch.nn.Module, prompts: list[list[int]], spec: DecodeSpec) -
 def compare(models: Models, base: EngineConfig, spec: DecodeSpec, backends: tuple[str, ...],
             with_hf: bool = True) -> tuple[list[DecodeRow], dict[str, str]]:
     """(every row: per backend, per batch, eager then graph; then HF per batch, {skipped backend: why})."""
-    from prefill_worker.engine import EngineCore
+    from prefill_worker.engine import build_engine
 
     modes = MODES if base.cuda_graph else ("eager",)
     rows: list[DecodeRow] = []
@@ -274,7 +274,7 @@ def compare(models: Models, base: EngineConfig, spec: DecodeSpec, backends: tupl
         for batch in spec.batch_sizes:
             for mode in modes:
                 collect_engines()
-                engine = EngineCore(run_config(base, spec, backend, mode, batch), model, arch)
+                engine = build_engine(run_config(base, spec, backend, mode, batch), model, arch)
                 try:
                     rows.append(run_tandem(engine, prompts[:batch], spec, backend))
                 finally:

@@ -178,7 +178,7 @@ def shared_model_factory() -> EngineFactory:
     """Engines over one loaded model: the first config loads it, later ones reuse it."""
     from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.loader import load_model
-    from prefill_worker.engine import EngineCore
+    from prefill_worker.engine import build_engine
 
     loaded = []
 
@@ -188,7 +188,7 @@ def shared_model_factory() -> EngineFactory:
                                      backend=config.attention_backend))
         m = loaded[0]
         collect_engines()
-        return EngineCore(config, m.model, m.arch, m.tokenizer, m.eos_token_ids, l3=l3)
+        return build_engine(config, m.model, m.arch, m.tokenizer, m.eos_token_ids, l3=l3)
 
     return make
 

@@ -197,7 +197,7 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     from cluster.cli.args import engine_config_from_args
     from cluster.train.data import load_prompts, tokenize
     from kernels.model.loader import load_model
-    from prefill_worker.engine import EngineCore
+    from prefill_worker.engine import build_engine
     from prefill_worker.engine.spec.speculator import load_draft_head
 
     config = engine_config_from_args(args)
@@ -210,7 +210,7 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     def make_engine(mode: str, batch: int):
         collect_engines()
         run_config = dataclasses.replace(mode_config(config, mode, batch), host_cache_ratio=2.0 if args.load_back else 0.0)
-        return EngineCore(run_config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
+        return build_engine(run_config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
                           draft_head=None if mode == "plain" else head)
 
     if args.load_back:

@@ -63,7 +63,7 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
     `model`'s dtype), in prompt order. The engine's KV is freed before returning; `model` is left as it was."""
     from cluster.config import EngineConfig, SamplingParams
     from kernels.kv_layout import DTYPE_NAMES
-    from prefill_worker.engine import EngineCore
+    from prefill_worker.engine import build_engine
     from tqdm import tqdm
 
     longest = max(len(p) for p in prompts) + max_new_tokens
@@ -75,7 +75,7 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
     config = EngineConfig(device=param.device.type, dtype=DTYPE_NAMES[param.dtype], page_size=page_size,
                           num_pages=num_pages, max_running_requests=max_running, enable_prefix_cache=False,
                           host_cache_pages=0)
-    engine = EngineCore(config, model, arch, eos_token_ids=eos_token_ids)
+    engine = build_engine(config, model, arch, eos_token_ids=eos_token_ids)
     try:
         with tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr, disable=None) as bar:
             reqs = engine.generate(prompts, SamplingParams(max_tokens=max_new_tokens),

@@ -48,9 +48,9 @@ def build_worker(spec: WorkerSpec, transport=None):
     if spec.role == "colocated":
         from decode_worker.worker import ColocatedWorker
         from kv_store.transfer.local import LocalTransport
-        from prefill_worker.engine import EngineCore
+        from prefill_worker.engine import build_engine
 
-        return ColocatedWorker(EngineCore(spec.engine, loaded.model, loaded.arch, **model)), transport or LocalTransport()
+        return ColocatedWorker(build_engine(spec.engine, loaded.model, loaded.arch, **model)), transport or LocalTransport()
     if transport is None:
         from kv_store.transfer.mooncake import MooncakeTransport
 

@@ -1,5 +1,6 @@
 """The engine every worker runs (docs/design.md §1): `EngineCore` holding a `KVConnector`.
 
+    build.py      build_engine: makes and wires an engine's parts, in one written order
     core.py       EngineCore: the step loop over one paged KV pool
     output.py     StepOutput: what a step hands its worker per request
     scheduler.py  waiting queue, running batch, chunked prefill, retract; the one owner of request KV
@@ -19,10 +20,11 @@
 from __future__ import annotations
 
 from cluster.config import EngineConfig
+from prefill_worker.engine.build import build_engine
 from prefill_worker.engine.core import EngineCore, debug_kv_enabled
 from prefill_worker.engine.output import StepOutput, step_output
 
-__all__ = ["EngineCore", "StepOutput", "debug_kv_enabled", "load_engine", "step_output"]
+__all__ = ["EngineCore", "StepOutput", "build_engine", "debug_kv_enabled", "load_engine", "step_output"]
 
 
 def load_engine(config: EngineConfig) -> EngineCore:
@@ -32,4 +34,4 @@ def load_engine(config: EngineConfig) -> EngineCore:
 
     loaded = load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],
                         backend=config.attention_backend)
-    return EngineCore(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids)
+    return build_engine(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids)

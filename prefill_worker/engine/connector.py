@@ -7,9 +7,10 @@ Every worker runs the same `EngineCore`; what differs is the connector it holds:
     KVReceiver      decode (decode_worker/receiver.py): landings in the host tier, loads to device
 
 The seam exchanges data, as vLLM's `KVConnectorBase_V1` does: the engine alone owns its request
-table and its batch, and a connector never holds the engine. At construction the engine lends it
-`ConnectorPorts` (its KV tensors, device pool, the scheduler's KV methods for requests, and three
-callables); then it calls the connector at fixed points of `EngineCore.step`:
+table and its batch, and a connector never holds the engine. A worker hands the engine a factory;
+the engine makes its connector with `ConnectorPorts` (its KV tensors, device pool, the scheduler's
+KV methods for requests, and three callables); then it calls the connector at fixed points of
+`EngineCore.step`:
 
     before_step()      housekeeping before scheduling; outputs of requests it ended outside the batch
     take_stopped()     requests it stopped serving (an aborted transfer): the engine ends those that
@@ -71,12 +72,12 @@ class ConnectorPorts:
     export_feature: Callable[[str], bytes]
     """The draft head's feature at a request's last position (b"" without EAGLE)."""
     check_integrity: Callable[[], None]
-    """The engine's KV integrity check (raises AssertionError)."""
+    """The device KV's integrity check (raises AssertionError)."""
 
 
 class KVConnector(Protocol):
-    def attach(self, ports: ConnectorPorts) -> None:
-        """Called once by the engine's constructor, its pools built: register memory, build tiers."""
+    """Made by `EngineCore` from a worker's factory (`Callable[[ConnectorPorts], KVConnector]`): its
+    constructor registers memory and builds its pools."""
 
     def before_step(self) -> list[StepOutput]: ...
 
@@ -92,9 +93,6 @@ class KVConnector(Protocol):
 
     def take_finished(self) -> list[tuple[Request, FinishReason]]: ...
 
-    def can_retract(self, req: Request) -> bool:
-        """Whether the scheduler may retract `req` (release its KV to make room)."""
-
     def busy(self) -> bool:
         """Whether the connector still has work of its own (transfers, loads, outputs to hand over)."""
 
@@ -107,9 +105,6 @@ class KVConnector(Protocol):
 class NullConnector:
     """Colocated: every request is prefilled and decoded here; nothing arrives or leaves. Its no-ops
     are also the defaults the other connectors inherit for the hooks they do not need."""
-
-    def attach(self, ports: ConnectorPorts) -> None:
-        pass
 
     def before_step(self) -> list[StepOutput]:
         return []
@@ -131,9 +126,6 @@ class NullConnector:
 
     def take_finished(self) -> list[tuple[Request, FinishReason]]:
         return []
-
-    def can_retract(self, req: Request) -> bool:
-        return True
 
     def busy(self) -> bool:
         return False

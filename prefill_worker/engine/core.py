@@ -20,31 +20,28 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from cluster.config import EngineConfig, SamplingParams
 from cluster.faults import internal_error
 from cluster.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerStats
-from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
-from kernels.model.packed_linear import prepack_cpu
+from kernels.kv_layout import KVCacheTensors
 from kv_store.device_pool import DevicePool
-from kv_store.l3.config import L3Config
+from kv_store.hicache import HostCache, NullHostCache
 from kv_store.page_pool import PagePool
-from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
 from prefill_worker.engine.connector import ConnectorPorts, KVConnector, NullConnector
+from prefill_worker.engine.graphs.runner import GraphRunner
 from prefill_worker.engine.output import StepOutput, step_output
 from prefill_worker.engine.request import FinishReason, Request, RequestStatus
-from prefill_worker.engine.graphs.runner import GraphRunner, graph_max_batch
-from prefill_worker.engine.graphs.tree import tree_verify_rows
-from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
+from prefill_worker.engine.runner import ForwardOut, ForwardRow
 from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
 from prefill_worker.engine.sessions import NullSessions, SessionError, SessionManager
-from prefill_worker.engine.spec.speculator import Committed, load_draft_head, make_speculator
+from prefill_worker.engine.spec.speculator import Committed, EagleSpeculator, NullSpeculator
 from prefill_worker.engine.stats import graph_stats, pool_stats, spec_stats, tier_stats
 from prefill_worker.engine.stop import StopRules
-from prefill_worker.engine.tiers import host_cache, model_id
 from prefill_worker.engine.tokens import apply_stop_rules, row_tokens
 
 log = logging.getLogger("tandem.engine")
@@ -62,60 +59,45 @@ def debug_kv_enabled(config: EngineConfig) -> bool:
     return config.debug_kv or os.environ.get("TANDEM_DEBUG_KV", "0") not in ("", "0")
 
 
-class EngineCore:
-    """Continuous-batching engine over one paged KV pool. Not thread-safe: one caller drives `step`."""
+@dataclass(frozen=True)
+class EngineParts:
+    """An engine's parts, made and wired by `engine/build.py:build_engine` (the config resolved)."""
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None,
-                 eos_token_ids: Sequence[int] = (), connector: KVConnector | None = None, l3: L3Config | None = None,
-                 draft_head: torch.nn.Module | None = None):
-        """`draft_head`: the EAGLE head when `config.speculative` is `eagle` (None: loaded from
-        `config.draft_model`)."""
-        dtype = TORCH_DTYPES[config.dtype]
-        self.device = torch.device(config.device)
-        if config.speculative != "none" and draft_head is None:
-            draft_head = load_draft_head(config, model, arch)
-        self.speculator = make_speculator(config, draft_head, self.device)
-        if config.cpu_prepack is not False and self.device.type == "cpu":  # None: on (a prefill worker says False)
-            for module in (model, draft_head):
-                if module is not None:
-                    prepack_cpu(module)
-        num_layers = arch.num_layers + self.speculator.num_kv_layers  # the draft head's KV: the last layer
-        layout = kv_layout(num_layers, config.page_size, arch.num_kv_heads, arch.head_dim, config.dtype)
-        self.config = config.resolve(layout.page_bytes, arch.max_position_embeddings)
-        self.model, self.arch, self.tokenizer = model, arch, tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv_cache = KVCacheTensors.allocate(num_layers, self.config.num_pages, config.page_size,
-                                                arch.num_kv_heads, arch.head_dim, dtype, self.device)
-        target_kv = KVCacheTensors(self.kv_cache.k[:arch.num_layers], self.kv_cache.v[:arch.num_layers])
-        if self.speculator.num_kv_layers:
-            self.speculator.attach(KVCacheTensors(self.kv_cache.k[arch.num_layers:], self.kv_cache.v[arch.num_layers:]),
-                                   target_kv)
-        self.device_pool = DevicePool(self.kv_cache)
-        pool = self.device_pool.pages
-        cache = RadixPrefixCache(pool) if config.enable_prefix_cache else NullPrefixCache(pool)
-        self.kvm = KVManager(pool, cache)
-        self.host_cache = host_cache(self.config, cache, self.device_pool, l3, model_id(config.model, model, draft_head))
-        self.sessions = (SessionManager(self.kvm, int(self.config.session_kv_fraction * pool.num_usable * pool.page_size),
-                                        offload=bool(self.config.host_cache_pages))
-                         if config.enable_prefix_cache else NullSessions())
-        self.connector = connector or NullConnector()
-        self.scheduler = Scheduler(self.config, self.kvm, can_retract=self.connector.can_retract,
-                                   host_cache=self.host_cache, sessions=self.sessions,
-                                   relocation_version=lambda: self.device_pool.relocation_version)
-        eager = ModelRunner(model, target_kv, config.page_size, self.device, self.speculator.aux_layer_ids)
-        self.runner = GraphRunner(eager, self.device_pool, graph_max_batch(self.config), self.config.max_model_len,
-                                  enabled=self.config.cuda_graph, sizes=self.config.graph_batch_sizes,
-                                  loads_in_flight=self._loads_in_flight, cpu_compile=bool(self.config.cpu_compile),
-                                  tree_rows=tree_verify_rows(self.config),
-                                  tree_batch=max(1, min(self.config.max_running_requests, self.config.speculative_max_batch)))
-        self.speculator.use_graphs(self.runner)
+    config: EngineConfig
+    model: torch.nn.Module
+    arch: object
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+    kv_cache: KVCacheTensors
+    device_pool: DevicePool
+    kvm: KVManager
+    host_cache: HostCache | NullHostCache
+    sessions: SessionManager | NullSessions
+    scheduler: Scheduler
+    runner: GraphRunner
+    speculator: EagleSpeculator | NullSpeculator
+
+
+class EngineCore:
+    """Continuous-batching engine over one paged KV pool. Not thread-safe: one caller drives `step`.
+    Made by `build_engine` (`engine/build.py`), which builds its parts."""
+
+    def __init__(self, parts: EngineParts, connector: Callable[[ConnectorPorts], KVConnector] | None = None):
+        """`connector`: makes the worker's connector from the ports the engine lends it (None: colocated)."""
+        self.config, self.model, self.arch = parts.config, parts.model, parts.arch
+        self.device = torch.device(self.config.device)
+        self.tokenizer, self.eos_token_ids = parts.tokenizer, parts.eos_token_ids
+        self.kv_cache, self.device_pool, self.kvm = parts.kv_cache, parts.device_pool, parts.kvm
+        self.host_cache, self.sessions, self.scheduler = parts.host_cache, parts.sessions, parts.scheduler
+        self.runner, self.speculator = parts.runner, parts.speculator
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.debug_kv = debug_kv_enabled(self.config)
         self.num_retractions = 0
         self._integrity_checked_s, self._integrity_error = float("-inf"), ""  # the heartbeat's check (stats)
-        self.connector.attach(ConnectorPorts(self.kv_cache, self.device_pool, self.config.page_size, self.scheduler,
-                                             self.new_request, self.speculator.export_feature, self.check_integrity))
+        ports = ConnectorPorts(self.kv_cache, self.device_pool, self.config.page_size, self.scheduler,
+                               self.new_request, self.speculator.export_feature, self.kvm.check_integrity)
+        self.connector = connector(ports) if connector is not None else NullConnector()
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -230,7 +212,7 @@ class EngineCore:
         """Schedule and run one forward; returns whether any row ran, and the outputs."""
         self.speculator.begin_step()
         scheduled = self.scheduler.schedule()
-        scheduled.loads_in_flight = self._loads_in_flight()
+        scheduled.loads_in_flight = self.device_pool.loads_in_flight()
         self.num_retractions += len(scheduled.retracted)
         outputs = []
         if scheduled.rows:
@@ -296,8 +278,6 @@ class EngineCore:
         self.host_cache.close()
 
     # ---- helpers -----------------------------------------------------------------------------------
-    def _loads_in_flight(self) -> frozenset:
-        return self.device_pool.loads_in_flight()
 
     def _forward(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, ForwardOut, list[StepOutput]]:
         """(the step without the rows that failed, its forward's output, outputs of the requests failed)."""

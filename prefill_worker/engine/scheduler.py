@@ -64,7 +64,7 @@ class Scheduler:
     `KVManager`'s request methods in the workers (`test_kv_owner.py`). The engine commits through it,
     the speculator reserves draft slots through it, a connector reaches it as `ConnectorKV`."""
 
-    def __init__(self, config: EngineConfig, kvm: KVManager, can_retract: Callable[[Request], bool] = lambda req: True,
+    def __init__(self, config: EngineConfig, kvm: KVManager,
                  host_cache: HostCache | NullHostCache | None = None,
                  sessions: SessionManager | NullSessions | None = None,
                  relocation_version: Callable[[], int] = lambda: 0):
@@ -81,8 +81,6 @@ class Scheduler:
         """Prompt tokens found on device at first admission, summed (those loaded back count in L2)."""
         self.relocation_version = relocation_version
         """The device pool's relocation version now: a step records it before deriving its rows."""
-        self.retractable = can_retract
-        """Which requests may be retracted (the connector's say: a prefill worker keeps those with KV in flight)."""
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -184,15 +182,20 @@ class Scheduler:
         while not self.kvm.try_allocate(req.kv, max(req.kv.kv_allocated_len, req.kv.kv_committed_len + n)):
             if self.sessions.offload_idle():  # an idle session's history goes to the host tier first
                 continue
-            candidates = [r for r in self.running if r is req or self.retractable(r)]
+            candidates = [r for r in self.running if r is req or self._retractable(r)]
             victim = max(candidates, key=lambda r: r.arrival)
-            if victim is req and not self.retractable(req):
+            if victim is req and not self._retractable(req):
                 return 0  # wait for in-flight pages to come back
             self._retract(victim, step)
             if victim is req:
                 return 0
         step.add(req, n)
         return used
+
+    def _retractable(self, req: Request) -> bool:
+        """A request whose own pages are lent to a transfer (a prefill worker's write) cannot release
+        them yet. Its cached pages never stop a retract: every write reading them pins them itself."""
+        return not self.kvm.lent_pages(req.kv)
 
     def _retract(self, req: Request, step: ScheduledStep) -> None:
         self.running.remove(req)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from prefill_worker.engine import EngineCore, load_engine
+from prefill_worker.engine import build_engine, load_engine
 from kernels.model.loader import load_model
 from kernels.model.tokenizer import apply_chat_template
 from tests.helpers import CHAT_PROMPTS, assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _engine(model, arch, tokenizer=None, eos=(), **kw):
     config = EngineConfig(device="cuda", num_pages=1024, debug_kv=True, **kw)
-    return EngineCore(config, model, arch, tokenizer, eos)
+    return build_engine(config, model, arch, tokenizer, eos)
 
 
 def test_tiny_greedy_on_cuda_matches_hf():
@@ -60,7 +60,7 @@ def test_smollm2_bf16_logits_as_close_to_fp32_as_hf_bf16_is():
     bf16 = load_model("smollm2", device="cuda", dtype=torch.bfloat16)
     hf = [AutoModelForCausalLM.from_pretrained(fp32.model_dir, dtype=dtype).to("cuda").eval()
           for dtype in (torch.float32, torch.bfloat16)]
-    engines = [EngineCore(EngineConfig(device="cuda", dtype=dtype, num_pages=256), loaded.model, loaded.arch)
+    engines = [build_engine(EngineConfig(device="cuda", dtype=dtype, num_pages=256), loaded.model, loaded.arch)
                for loaded, dtype in ((fp32, "float32"), (bf16, "bfloat16"))]
     ours_mean, ref_mean, ours_max, ref_max = 0.0, 0.0, 0.0, 0.0
     for prompt in CHAT_PROMPTS:

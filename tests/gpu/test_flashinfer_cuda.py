@@ -168,7 +168,7 @@ def test_tiny_greedy_matches_hf_with_flashinfer(dtype, page_size):
     from kernels.model.arch import LlamaArch
     from kernels.model.llama import LlamaForCausalLM
     from kernels.model.tiny import make_tiny_llama
-    from prefill_worker.engine import EngineCore
+    from prefill_worker.engine import build_engine
     from tests.helpers import assert_pool_at_rest, greedy, make_prompts
 
     _, ref = make_tiny_llama(seed=0, device="cuda", dtype=dtype, head_dim=64)
@@ -178,7 +178,7 @@ def test_tiny_greedy_matches_hf_with_flashinfer(dtype, page_size):
     config = EngineConfig(device="cuda", dtype=DTYPE_NAMES[dtype],
                           attention_backend="flashinfer", num_pages=512, page_size=page_size, chunk_size=64,
                           cuda_graph=False, debug_kv=True)
-    engine = EngineCore(config, ours, arch)
+    engine = build_engine(config, ours, arch)
     prompts = make_prompts(8, seed=1)
     outputs = [r.output_token_ids for r in engine.generate(prompts, greedy(max_tokens=16))]
     compared = 0

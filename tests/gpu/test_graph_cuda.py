@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from prefill_worker.engine import EngineCore
+from prefill_worker.engine import EngineCore, build_engine
 from prefill_worker.engine.graphs.runner import Fallback
 from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
 
@@ -21,7 +21,7 @@ def _engine(graph: bool, **kw) -> EngineCore:
     ours, _, arch = tiny_models()
     config = EngineConfig(device="cuda", num_pages=512, page_size=4, max_running_requests=16, max_model_len=256,
                           cuda_graph=graph, debug_kv=True, **kw)
-    return EngineCore(config, copy.deepcopy(ours).to("cuda"), arch)
+    return build_engine(config, copy.deepcopy(ours).to("cuda"), arch)
 
 
 def test_graphs_are_captured_per_bucket_and_replay_steady_decode_with_hf_output():

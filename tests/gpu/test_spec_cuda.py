@@ -12,7 +12,7 @@ import torch
 
 from cluster.config import EngineConfig
 from kernels.model.eagle import DraftArch, DraftStyle, EagleDraftHead
-from prefill_worker.engine import EngineCore
+from prefill_worker.engine import build_engine
 from prefill_worker.engine.graphs.runner import Fallback
 from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
 
@@ -44,7 +44,7 @@ def test_speculative_greedy_on_cuda_matches_plain_and_hf(style, page_size):
         model = copy.deepcopy(ours).to("cuda")
         config = EngineConfig(device="cuda", num_pages=512, page_size=page_size, max_running_requests=8,
                               max_model_len=256, debug_kv=True, speculative=spec, speculative_adaptive=False)
-        engine = EngineCore(config, model, arch, draft_head=_head(model, arch, style) if spec == "eagle" else None)
+        engine = build_engine(config, model, arch, draft_head=_head(model, arch, style) if spec == "eagle" else None)
         outputs[spec] = [r.output_token_ids for r in engine.generate(prompts, greedy(max_tokens=24))]
         if spec == "eagle":
             assert engine.speculator.counters.verifies > 0 and engine.speculator.counters.draft_errors == 0
@@ -66,7 +66,7 @@ def test_tree_drafting_on_cuda_replays_and_matches_hf(page_size):
     config = EngineConfig(device="cuda", num_pages=512, page_size=page_size, max_running_requests=8,
                           max_model_len=256, debug_kv=True, speculative="eagle", speculative_adaptive=False,
                           speculative_topk=2, attention_backend="triton")
-    engine = EngineCore(config, model, arch, draft_head=_head(model, arch, DraftStyle.EAGLE3))
+    engine = build_engine(config, model, arch, draft_head=_head(model, arch, DraftStyle.EAGLE3))
     trees = engine.runner.trees
     assert trees is not None and trees.expand and engine.speculator.tree_graphs.expand
     replay = trees.replay

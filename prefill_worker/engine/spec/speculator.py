@@ -110,17 +110,9 @@ class Committed:
 class NullSpeculator:
     """Speculation off: nothing is drafted, every decode row scores one token."""
 
-    num_kv_layers = 0
-    aux_layer_ids: tuple[int, ...] = ()
     counters = None
 
-    def attach(self, kv_cache: KVCacheTensors, target_kv: KVCacheTensors) -> None:
-        pass
-
     def begin_step(self) -> None:
-        pass
-
-    def use_graphs(self, runner) -> None:
         pass
 
     def export_feature(self, request_id: str) -> bytes:
@@ -142,48 +134,39 @@ class NullSpeculator:
 
 
 class EagleSpeculator:
-    """Chain drafting with an EAGLE head (see the module docstring). Its draft KV is one layer,
-    given by `attach` (the engine's last KV layer)."""
-
-    num_kv_layers = 1
+    """Chain and tree drafting with an EAGLE head (see the module docstring). `kv`: its draft KV, one
+    layer (the engine's last KV layer); `target_kv`: the target's (a tree's accepted path moves
+    there); `runner`: the engine's `GraphRunner`, whose buckets the head's calls replay from (when it
+    replays at all; captured here)."""
 
     def __init__(self, head: EagleDraftHead, page_size: int, device: torch.device, num_draft_tokens: int,
                  max_batch: int, policy: AdaptivePolicy | FixedPolicy | None = None, topk: int = 1,
-                 tree_nodes: int = 0):
+                 tree_nodes: int = 0, kv: KVCacheTensors | None = None, target_kv: KVCacheTensors | None = None,
+                 runner=None):
+        assert kv is None or kv.num_layers == 1, f"the draft head's KV is one layer, got {kv.num_layers}"
         self.head, self.page_size, self.device = head, page_size, device
         self.k, self.max_batch, self.topk = num_draft_tokens, max_batch, topk
         self.tree_nodes = tree_nodes  # nodes a tree's verify takes (0: topk x its depth)
-        self.target_kv: KVCacheTensors | None = None
+        self.kv, self.target_kv = kv, target_kv
         self._paths: dict[str, list[int]] = {}  # request id -> rows of its verified tree path (row 0 first)
         self.policy = policy or FixedPolicy()
         self._step = (0, 0, 0)  # this step's (decode rows, decode tokens, verifies before it), for the policy
-        self.kv: KVCacheTensors | None = None
         self.counters = SpecCounters()
         self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (x, draft logits) of its last row
-        self.graphs = None  # HeadGraphs, once `use_graphs` ran
-        self.tree_graphs = None  # HeadTreeGraphs, with trees, once `use_graphs` ran
+        self.graphs = self.tree_graphs = None  # HeadGraphs / HeadTreeGraphs (trees) while the runner replays
+        if runner is not None and runner.enabled:
+            self._capture(runner)
 
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        return self.head.arch.aux_layer_ids if self.head.arch.style is DraftStyle.EAGLE3 else ()
-
-    def attach(self, kv_cache: KVCacheTensors, target_kv: KVCacheTensors) -> None:
-        """`kv_cache`: the draft head's KV layer; `target_kv`: the target's (a tree's accepted path moves there)."""
-        assert kv_cache.num_layers == 1, f"the draft head's KV is one layer, got {kv_cache.num_layers}"
-        self.kv, self.target_kv = kv_cache, target_kv
-
-    def use_graphs(self, runner) -> None:
-        """Replay the head's calls from CUDA graphs of the target's buckets (`graphs/draft.py`; captured
-        here) when `runner` (the engine's GraphRunner) replays at all."""
+    def _capture(self, runner) -> None:
+        """Replay the head's calls from graphs of the target's buckets (`graphs/draft.py`)."""
         from prefill_worker.engine.graphs.draft import HeadGraphs, HeadTreeGraphs
 
-        if runner.enabled:
-            self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, runner.buckets,
-                                     runner.bufs.max_pages, self.head.arch.layer.hidden_size, self._dtype)
-        if runner.enabled and runner.trees is not None:
+        hidden = self.head.arch.layer.hidden_size
+        self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, runner.buckets,
+                                 runner.bufs.max_pages, hidden, self._dtype)
+        if runner.trees is not None:
             self.tree_graphs = HeadTreeGraphs(self.head, self.kv, self.page_size, self.device, runner.trees.buckets,
-                                              runner.bufs.max_pages, self.head.arch.layer.hidden_size, self._dtype,
-                                              self.topk, self.k)
+                                              runner.bufs.max_pages, hidden, self._dtype, self.topk, self.k)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -436,18 +419,32 @@ def _feature_rows(c: Committed, path: list[int] | None) -> slice | list[int]:
     return slice(c.feature_row, c.feature_row + n) if path is None else [c.feature_row + r for r in path[:n]]
 
 
-def make_speculator(config: EngineConfig, head: EagleDraftHead | None, device: torch.device):
-    """The speculator `config.speculative` names; `head` is the draft head when it is `eagle`."""
+def make_speculator(config: EngineConfig, head: EagleDraftHead | None, device: torch.device,
+                    kv: KVCacheTensors | None = None, target_kv: KVCacheTensors | None = None, runner=None):
+    """The speculator `config.speculative` names; `head` is the draft head when it is `eagle` (see
+    `EagleSpeculator` for the rest)."""
     if config.speculative == "none":
         return NullSpeculator()
-    assert head is not None, "speculative eagle needs a draft head (engine.draft_model)"
+    check_draft_head(config, head)
     policy = AdaptivePolicy() if config.speculative_adaptive else FixedPolicy()
+    return EagleSpeculator(head, config.page_size, device, config.num_draft_tokens, config.speculative_max_batch,
+                           policy, config.speculative_topk, config.speculative_tree_nodes, kv, target_kv, runner)
+
+
+def check_draft_head(config: EngineConfig, head: EagleDraftHead | None) -> None:
+    """ConfigError when `head` cannot draft as `config` asks (before anything is allocated for it)."""
+    assert head is not None, "speculative eagle needs a draft head (engine.draft_model)"
     backend = head.self_attn.backend
     if config.speculative_topk > 1 and not backend.supports_tree_mask:
         raise ConfigError(f"speculative_topk {config.speculative_topk} (tree drafting) needs the torch or triton "
                           f"attention backend; {backend.name} takes no tree mask (set attention_backend, or topk 1)")
-    return EagleSpeculator(head, config.page_size, device, config.num_draft_tokens, config.speculative_max_batch,
-                           policy, config.speculative_topk, config.speculative_tree_nodes)
+
+
+def draft_aux_layers(head: EagleDraftHead | None) -> tuple[int, ...]:
+    """The target layers whose input hidden states the head reads (EAGLE-3; none otherwise)."""
+    if head is None or head.arch.style is not DraftStyle.EAGLE3:
+        return ()
+    return head.arch.aux_layer_ids
 
 
 def load_draft_head(config: EngineConfig, model: torch.nn.Module, arch) -> EagleDraftHead:

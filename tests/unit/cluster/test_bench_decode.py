@@ -16,7 +16,7 @@ from cluster.cli.main import build_parser
 from cluster.config import EngineConfig, SamplingParams
 from cluster.serve.config import serve_config_from_args
 from kernels.attention import BACKEND_NAMES
-from prefill_worker.engine import EngineCore
+from prefill_worker.engine import build_engine
 from prefill_worker.engine.graphs.runner import Fallback
 from tests.helpers import hf_greedy, tiny_models
 
@@ -102,7 +102,7 @@ def test_no_cuda_graph_flag_reaches_run_and_every_serve_group():
     assert [g.engine.cuda_graph for g in (default.prefill, default.decode, default.colocated)] == [True] * 3
     # an engine with `run`'s setting runs every step eagerly: prefill + 3 decode steps, all counted disabled
     model, _, arch = tiny_models()
-    engine = EngineCore(dataclasses.replace(BASE, cuda_graph=config.cuda_graph, num_pages=32), model, arch)
+    engine = build_engine(dataclasses.replace(BASE, cuda_graph=config.cuda_graph, num_pages=32), model, arch)
     engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert engine.runner.counters.replays == 0 and engine.runner.counters.fallbacks == {Fallback.DISABLED: 4}
     engine.check_integrity()

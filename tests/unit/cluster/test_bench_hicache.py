@@ -16,7 +16,7 @@ from cluster.bench.hicache_l3 import L3Spec, compare_l3, l3_phase, l3_prompts
 from cluster.cli.main import build_parser
 from cluster.config import EngineConfig
 from kv_store.l3.config import L3Config
-from prefill_worker.engine import EngineCore
+from prefill_worker.engine import EngineCore, build_engine
 from tests.helpers import hf_greedy, tiny_models
 from tests.redis_server import RedisServer
 
@@ -25,7 +25,7 @@ BASE = EngineConfig(page_size=4, chunk_size=64, debug_kv=True)
 
 def tiny_engine(config: EngineConfig, l3: L3Config | None = None) -> EngineCore:
     ours, _, arch = tiny_models()
-    return EngineCore(config, ours, arch, l3=l3)
+    return build_engine(config, ours, arch, l3=l3)
 
 
 def test_multiturn_loads_evicted_histories_back_from_l2():

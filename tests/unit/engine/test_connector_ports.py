@@ -78,9 +78,7 @@ def pair():
     """(sender, its ports' KV, receiver, its ports' KV, receiver ports), wired over two LocalTransports."""
     p_ports, p_kv = make_ports(32, seed=1)
     d_ports, d_kv = make_ports(32, seed=2)
-    sender, receiver = KVSender(LocalTransport()), KVReceiver(LocalTransport(), host_pages=32)
-    sender.attach(p_ports)
-    receiver.attach(d_ports)
+    sender, receiver = KVSender(p_ports, LocalTransport()), KVReceiver(d_ports, LocalTransport(), host_pages=32)
     yield sender, p_kv, receiver, d_kv, d_ports
     for connector in (sender, receiver):
         connector.close()
@@ -154,7 +152,7 @@ def test_an_abort_reaches_the_engine_as_data_and_the_kv_waits_for_its_write(pair
                                           peer=transport.session_id))
     transport.stall_next(1)
     sender.after_commit(ScheduledStep(requests=[running]))  # its write stays PENDING
-    assert not sender.can_retract(running)  # its own pages are lent to the write
+    assert p_kv.lent_pages(running.kv)  # its own pages are lent to the write: the scheduler won't retract it
 
     sender.abort_transfer("run", FailureReason.ABORTED, "client gone")
     sender.abort_transfer("wait", FailureReason.ABORTED, "client gone")

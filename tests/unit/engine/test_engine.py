@@ -7,7 +7,7 @@ import pytest
 import prefill_worker.engine.core as core_mod
 from cluster.config import ConfigError, EngineConfig, SamplingParams
 from kernels.model.packed_linear import PackedLinear
-from prefill_worker.engine import EngineCore
+from prefill_worker.engine import build_engine
 from prefill_worker.engine.request import FinishReason
 from tests.helpers import TINY_EOS, assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, tiny_models
 
@@ -29,7 +29,7 @@ def test_cpu_engine_packs_weights_for_mkl_unless_told_not_to_and_output_is_hf(pr
     model = copy.deepcopy(ours)  # copies leave any packed copy behind
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert linears and not any(m.is_prepacked for m in linears)
-    engine = EngineCore(EngineConfig(page_size=4, num_pages=1024, debug_kv=True, cpu_prepack=prepack), model, arch)
+    engine = build_engine(EngineConfig(page_size=4, num_pages=1024, debug_kv=True, cpu_prepack=prepack), model, arch)
     assert all(m.is_prepacked == prepack for m in linears)
     out = engine.generate(prompts, greedy(max_tokens=24))
     assert [r.output_token_ids for r in out] == hf_outputs

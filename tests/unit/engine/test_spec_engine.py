@@ -472,12 +472,12 @@ def test_a_prefix_loaded_back_from_the_host_tier_brings_its_draft_kv(reference):
 def test_speculation_without_a_head_is_a_clear_config_error(monkeypatch, tmp_path):
     from cluster.cli.args import with_default_draft
     from cluster.config import ConfigError, EngineConfig
-    from prefill_worker.engine import EngineCore
+    from prefill_worker.engine import build_engine
     import cluster.train.settings as train_settings
 
     ours, _, arch = tiny_models()
     with pytest.raises(ConfigError, match="draft_model"):
-        EngineCore(EngineConfig(num_pages=64, speculative="eagle"), ours, arch)
+        build_engine(EngineConfig(num_pages=64, speculative="eagle"), ours, arch)
     with pytest.raises(ConfigError, match="num_draft_tokens"):
         EngineConfig(speculative="eagle", num_draft_tokens=0)
     monkeypatch.setattr(train_settings, "default_draft_dir", lambda model, cache_root=None: None)

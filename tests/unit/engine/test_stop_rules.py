@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, EngineConfig, SamplingParams
-from prefill_worker.engine import EngineCore, load_engine
+from prefill_worker.engine import build_engine, load_engine
 from prefill_worker.engine.request import FinishReason
 from prefill_worker.engine.stop import SPLIT_AFTER_TOKENS, StopRules, StopStringMatcher, cut_at_stop, decode, first_stop
 from tests.helpers import assert_pool_at_rest, make_engine, make_prompts, tiny_models
@@ -175,7 +175,7 @@ def test_engine_stops_where_the_whole_output_search_does():
         params.append(SamplingParams(max_tokens=40, stop=stop))
         expect.append(reference(r.output_token_ids, stop))
     ours, _, arch = tiny_models()
-    engine = EngineCore(EngineConfig(page_size=4, num_pages=256, debug_kv=True), ours, arch, tok)
+    engine = build_engine(EngineConfig(page_size=4, num_pages=256, debug_kv=True), ours, arch, tok)
     out = engine.generate(prompts, params)
     for r, want in zip(out, expect):
         n, at = want
@@ -188,7 +188,7 @@ def test_engine_decodes_a_bounded_window_per_token():
     """The engine's own cost with a long output and the most stop strings allowed (none found)."""
     tok = CountingTokenizer(tokenizer())
     ours, _, arch = tiny_models()
-    engine = EngineCore(EngineConfig(page_size=4, num_pages=256, debug_kv=True), ours, arch, tok)
+    engine = build_engine(EngineConfig(page_size=4, num_pages=256, debug_kv=True), ours, arch, tok)
     stops = tuple(f"{i:02d}" + "~" * (MAX_STOP_CHARS // MAX_STOP_STRINGS - 2) for i in range(MAX_STOP_STRINGS))
     [r] = engine.generate(make_prompts(1, seed=5), SamplingParams(max_tokens=600, ignore_eos=True, stop=stops))
     assert r.finish_reason is FinishReason.LENGTH and len(r.output_token_ids) == 600

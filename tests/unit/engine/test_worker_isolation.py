@@ -17,7 +17,7 @@ from cluster import protocol as p
 from cluster.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams
 from cluster.worker_host.thread import HostLink, WorkerHost
 from cluster.worker_host.build import WorkerSpec
-from prefill_worker.engine import EngineCore, load_engine
+from prefill_worker.engine import build_engine, load_engine
 from decode_worker.worker import ColocatedWorker, DecodeWorker
 from kv_store.transfer.local import LocalTransport
 from prefill_worker.engine.request import FinishReason
@@ -100,7 +100,7 @@ def test_a_request_that_breaks_the_sampler_fails_alone(clean):
 
 
 def test_a_request_whose_forward_pass_raises_fails_alone(clean):
-    engine = EngineCore(CONFIG, PoisonModel(), tiny_models()[2])
+    engine = build_engine(CONFIG, PoisonModel(), tiny_models()[2])
     good = [engine.add_request(ids, greedy(max_tokens=12)) for ids in good_prompts()[:2]]
     engine.step()  # the good ones are decoding when the poison arrives
     bad = engine.add_request([5, 6, POISON, 7], greedy(max_tokens=12))
@@ -114,7 +114,7 @@ def test_a_request_whose_forward_pass_raises_fails_alone(clean):
 
 
 def test_a_model_that_cannot_run_at_all_ends_the_loop():
-    engine = EngineCore(CONFIG, PoisonModel(broken=True), tiny_models()[2])
+    engine = build_engine(CONFIG, PoisonModel(broken=True), tiny_models()[2])
     req = engine.add_request(good_prompts()[0], greedy(max_tokens=4))
     with pytest.raises(RuntimeError, match="injected forward fault"):
         engine.step()  # no request is to blame: the worker must stop and be restarted
@@ -172,7 +172,7 @@ def test_a_fault_in_a_transfer_transition_fails_only_its_request(clean, monkeypa
 
 def build_tiny(spec: WorkerSpec):
     """`WorkerHost`'s build for a colocated worker on the tiny Llama, whose model fails on POISON."""
-    return ColocatedWorker(EngineCore(spec.engine, PoisonModel(), tiny_models()[2])), LocalTransport()
+    return ColocatedWorker(build_engine(spec.engine, PoisonModel(), tiny_models()[2])), LocalTransport()
 
 
 def collect_until_done(host: WorkerHost, request_ids: set[str], timeout_s: float = 60.0) -> dict[str, list]:

@@ -14,7 +14,7 @@ import pytest
 from cluster.config import EngineConfig
 from cluster.serve.config import GatewayConfig
 from kernels.model.tokenizer import apply_chat_template, encode_prompt
-from prefill_worker.engine.core import EngineCore
+from prefill_worker.engine.build import build_engine
 from router.backend import ErrorKind
 from router.gateway import build_app
 from router.gateway.detokenize import final_text
@@ -37,7 +37,7 @@ CAPACITY = 200  # two sessions fit the engine's session budget (half of 1024 tok
 def backend():
     ours, _, arch = tiny_models()
     config = EngineConfig(page_size=PAGE_SIZE, num_pages=257, chunk_size=64, max_model_len=512, debug_kv=True)
-    backend = EngineBackend(EngineCore(config, ours, arch, byte_tokenizer()))
+    backend = EngineBackend(build_engine(config, ours, arch, byte_tokenizer()))
     yield backend
     backend.close()
 

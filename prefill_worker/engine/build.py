@@ -1,0 +1,111 @@
+"""Building an engine: the one place its parts are made and wired (docs/design.md §1), in this order.
+
+    1. the draft head (EAGLE: loaded from `engine.draft_model` unless given) and its checks;
+       the weights prepacked on a CPU
+    2. the config resolved against the KV layout (pages, context length)
+    3. the KV tensors: the target's layers and, with EAGLE, the head's one layer after them
+    4. the device pool, the prefix tree over it, the `KVManager`
+    5. the tiers below the tree (L2 host cache, L3 under it), attached to the tree; the sessions
+    6. the scheduler: the one owner of request KV
+    7. the runner: eager, inside the graph runner (graphs captured here on CUDA)
+    8. the speculator over its KV layer, replaying from the graph runner's buckets
+    9. `EngineCore`, which hands its connector the engine's ports (the connector's own construction)
+
+Each part gets what it needs when it is made; nothing is wired after `EngineCore` exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cluster.config import EngineConfig
+from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
+from kernels.model.packed_linear import prepack_cpu
+from kv_store.device_pool import DevicePool
+from kv_store.hicache import HostCache, NullHostCache
+from kv_store.l3.config import L3Config
+from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
+from kv_store.req_kv import KVManager
+from prefill_worker.engine.connector import ConnectorPorts, KVConnector
+from prefill_worker.engine.core import EngineCore, EngineParts
+from prefill_worker.engine.graphs.runner import GraphRunner, graph_max_batch
+from prefill_worker.engine.graphs.tree import tree_verify_rows
+from prefill_worker.engine.runner import ModelRunner
+from prefill_worker.engine.scheduler import Scheduler
+from prefill_worker.engine.sessions import NullSessions, SessionManager
+from prefill_worker.engine.spec.speculator import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
+from prefill_worker.engine.tiers import host_cache, model_id
+
+ConnectorFactory = Callable[[ConnectorPorts], KVConnector]
+"""Makes a worker's connector from the ports its engine lends it (None: colocated, `NullConnector`)."""
+
+
+@dataclass(frozen=True)
+class _Pools:
+    kv_cache: KVCacheTensors
+    target_kv: KVCacheTensors
+    draft_kv: KVCacheTensors | None
+    device_pool: DevicePool
+    tree: RadixPrefixCache | NullPrefixCache
+    kvm: KVManager
+
+
+def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None, eos_token_ids: Sequence[int] = (),
+                 connector: ConnectorFactory | None = None, l3: L3Config | None = None,
+                 draft_head: torch.nn.Module | None = None) -> EngineCore:
+    """An engine for `model` (`draft_head`: the EAGLE head when `config.speculative` is `eagle`; None
+    loads it from `config.draft_model`). Raises ConfigError before allocating anything it cannot serve."""
+    device = torch.device(config.device)
+    if config.speculative != "none":
+        draft_head = draft_head if draft_head is not None else load_draft_head(config, model, arch)
+        check_draft_head(config, draft_head)
+    else:
+        draft_head = None
+    if config.cpu_prepack is not False and device.type == "cpu":  # None: on (a prefill worker says False)
+        for module in (model, draft_head):
+            if module is not None:
+                prepack_cpu(module)
+    num_layers = arch.num_layers + (1 if draft_head is not None else 0)  # the draft head's KV: the last layer
+    resolved = config.resolve(kv_layout(num_layers, config.page_size, arch.num_kv_heads, arch.head_dim,
+                                        config.dtype).page_bytes, arch.max_position_embeddings)
+    pools = _pools(resolved, arch, num_layers, device)
+    tier = _tiers(resolved, pools, l3, model_id(config.model, model, draft_head))
+    sessions = (SessionManager(pools.kvm, int(resolved.session_kv_fraction * pools.device_pool.pages.num_usable
+                                              * resolved.page_size), offload=bool(resolved.host_cache_pages))
+                if resolved.enable_prefix_cache else NullSessions())
+    scheduler = Scheduler(resolved, pools.kvm, host_cache=tier, sessions=sessions,
+                          relocation_version=lambda: pools.device_pool.relocation_version)
+    eager = ModelRunner(model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
+    runner = GraphRunner(eager, pools.device_pool, graph_max_batch(resolved), resolved.max_model_len,
+                         enabled=resolved.cuda_graph, sizes=resolved.graph_batch_sizes,
+                         loads_in_flight=pools.device_pool.loads_in_flight, cpu_compile=bool(resolved.cpu_compile),
+                         tree_rows=tree_verify_rows(resolved),
+                         tree_batch=max(1, min(resolved.max_running_requests, resolved.speculative_max_batch)))
+    speculator = make_speculator(resolved, draft_head, device, pools.draft_kv, pools.target_kv, runner)
+    parts = EngineParts(resolved, model, arch, tokenizer, frozenset(eos_token_ids), pools.kv_cache, pools.device_pool,
+                        pools.kvm, tier, sessions, scheduler, runner, speculator)
+    return EngineCore(parts, connector)
+
+
+def _pools(config: EngineConfig, arch, num_layers: int, device: torch.device) -> _Pools:
+    """Steps 3 and 4: the KV tensors (the draft head's layer last) and what owns their pages."""
+    kv_cache = KVCacheTensors.allocate(num_layers, config.num_pages, config.page_size, arch.num_kv_heads,
+                                       arch.head_dim, TORCH_DTYPES[config.dtype], device)
+    n = arch.num_layers
+    target_kv = KVCacheTensors(kv_cache.k[:n], kv_cache.v[:n])
+    draft_kv = KVCacheTensors(kv_cache.k[n:], kv_cache.v[n:]) if num_layers > n else None
+    device_pool = DevicePool(kv_cache)
+    pages = device_pool.pages
+    tree = RadixPrefixCache(pages) if config.enable_prefix_cache else NullPrefixCache(pages)
+    return _Pools(kv_cache, target_kv, draft_kv, device_pool, tree, KVManager(pages, tree))
+
+
+def _tiers(config: EngineConfig, pools: _Pools, l3: L3Config | None, l3_model_id: str) -> HostCache | NullHostCache:
+    """Step 5: the host tier (with L3 under it) the resolved config asks for, attached to the tree."""
+    tier = host_cache(config, pools.tree, pools.device_pool, l3, l3_model_id)
+    if isinstance(tier, HostCache):
+        pools.tree.attach_tier(tier)
+    return tier

@@ -11,15 +11,11 @@ Their step's outputs become `TokenOutput`s for the dispatcher.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from cluster import protocol as p
 from cluster.protocol import WorkerRole
 from decode_worker.receiver import InboundPhase, KVReceiver
-from kv_store.l3.config import L3Config
-from kv_store.transfer.base import Transport
-from kv_store.transfer.session import TransferDeadlines
-from prefill_worker.engine.build import build_engine
+from prefill_worker.engine.core import EngineCore
 from prefill_worker.engine.output import StepOutput
 from prefill_worker.engine.hosted import EngineWorker
 from prefill_worker.engine.sessions import SessionError
@@ -79,12 +75,11 @@ class ColocatedWorker(EngineWorker):
 class DecodeWorker(ColocatedWorker):
     role = WorkerRole.DECODE
 
-    def __init__(self, config, model, arch, transport: Transport, host_pages: int, tokenizer=None,
-                 eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
-                 clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None, draft_head=None):
-        super().__init__(build_engine(config, model, arch, tokenizer, eos_token_ids, l3=l3, draft_head=draft_head,
-                                      connector=lambda ports: KVReceiver(ports, transport, host_pages, deadlines, clock)))
-        self.receiver: KVReceiver = self.engine.connector
+    def __init__(self, engine: EngineCore):
+        """`engine`: built with a `KVReceiver` (`cluster/worker_host/build.py:make_worker`)."""
+        assert isinstance(engine.connector, KVReceiver), "a decode worker's engine lands KV through a KVReceiver"
+        super().__init__(engine)
+        self.receiver: KVReceiver = engine.connector
 
     def handle(self, msg) -> list:
         if isinstance(msg, p.Reserve):

@@ -10,17 +10,13 @@ through the dispatcher. Its sampled token is not a client's: it reaches the deco
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable
 
 from cluster import protocol as p
 from cluster.config import SamplingParams
 from cluster.protocol import WorkerRole
-from kv_store.l3.config import L3Config
 from kv_store.req_kv import ceil_div
-from kv_store.transfer.base import Transport
-from kv_store.transfer.session import FailureReason, TransferDeadlines
-from prefill_worker.engine.build import build_engine
+from kv_store.transfer.session import FailureReason
+from prefill_worker.engine.core import EngineCore
 from prefill_worker.engine.hosted import EngineWorker
 from prefill_worker.sender import KVSender
 
@@ -33,12 +29,11 @@ class PrefillWorker(EngineWorker):
 
     role = WorkerRole.PREFILL
 
-    def __init__(self, config, model, arch, transport: Transport, tokenizer=None, eos_token_ids=(),
-                 deadlines: TransferDeadlines = TransferDeadlines(), clock: Callable[[], float] = time.monotonic,
-                 l3: L3Config | None = None, draft_head=None):
-        super().__init__(build_engine(config, model, arch, tokenizer, eos_token_ids, l3=l3, draft_head=draft_head,
-                                      connector=lambda ports: KVSender(ports, transport, deadlines, clock)))
-        self.sender: KVSender = self.engine.connector
+    def __init__(self, engine: EngineCore):
+        """`engine`: built with a `KVSender` (`cluster/worker_host/build.py:make_worker`)."""
+        assert isinstance(engine.connector, KVSender), "a prefill worker's engine ships KV through a KVSender"
+        super().__init__(engine)
+        self.sender: KVSender = engine.connector
 
     # ---- the worker contract -----------------------------------------------------------------------
     def handle(self, msg) -> list:

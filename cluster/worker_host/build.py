@@ -1,15 +1,21 @@
 """What a worker is built from (`WorkerSpec`, picklable) and how: the model, the role's worker, its
-transport. Shared by the worker process (`process.py`) and the worker thread (`thread.py`)."""
+transport. Shared by the worker process (`process.py`) and the worker thread (`thread.py`).
+
+`make_worker` is the one place a role is assembled: the engine (`build_engine`) with the role's
+connector, then the worker around them."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.config import EngineConfig
 from cluster.worker_host.cores import CoreShareSpec
 from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig
+from kv_store.transfer.session import TransferDeadlines
 
 
 @dataclass(frozen=True)
@@ -18,7 +24,7 @@ class WorkerSpec:
 
     role: str  # "prefill" | "decode" | "colocated" (a decode worker that only prefills locally)
     engine: EngineConfig
-    host_pages: int = 0  # decode only: host-tier pages for landings
+    host_pages: int = 0  # decode only: landing pool pages
     transport: TransportConfig = TransportConfig()  # the transfer engine's protocol and address, the deadlines
     heartbeat_interval_s: float = 0.5
     torch_threads: int = 1
@@ -46,22 +52,38 @@ def build_worker(spec: WorkerSpec, transport=None):
                               backend=spec.engine.attention_backend)
     model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, l3=spec.l3)
     if spec.role == "colocated":
-        from decode_worker.worker import ColocatedWorker
         from kv_store.transfer.local import LocalTransport
-        from prefill_worker.engine import build_engine
 
-        return ColocatedWorker(build_engine(spec.engine, loaded.model, loaded.arch, **model)), transport or LocalTransport()
+        return make_worker("colocated", spec.engine, loaded.model, loaded.arch, **model), transport or LocalTransport()
     if transport is None:
         from kv_store.transfer.mooncake import MooncakeTransport
 
         transport = MooncakeTransport(spec.transport.hostname, spec.transport.protocol)
-    args = (spec.engine, loaded.model, loaded.arch, transport)
-    if spec.role == "prefill":
-        from prefill_worker.worker import PrefillWorker
+    engine = spec.engine
+    if spec.role == "prefill":  # packed weights would cost it a second copy for ~10% (unless asked for by name)
+        engine = dataclasses.replace(engine, cpu_prepack=bool(engine.cpu_prepack))
+    return make_worker(spec.role, engine, loaded.model, loaded.arch, transport, host_pages=spec.host_pages,
+                       deadlines=spec.transport, **model), transport
 
-        # Packed weights would cost a prefill worker a second copy for ~10% (unless asked for by name).
-        args = (dataclasses.replace(spec.engine, cpu_prepack=bool(spec.engine.cpu_prepack)), *args[1:])
-        return PrefillWorker(*args, deadlines=spec.transport, **model), transport
-    from decode_worker.worker import DecodeWorker
 
-    return DecodeWorker(*args, host_pages=spec.host_pages, deadlines=spec.transport, **model), transport
+def make_worker(role: str, config: EngineConfig, model, arch, transport=None, *, host_pages: int = 0,
+                tokenizer=None, eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
+                clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None, draft_head=None):
+    """The `role` ("prefill" | "decode" | "colocated") worker over `model`: its engine built with the
+    role's connector (a prefill worker's `KVSender`, a decode worker's `KVReceiver` with `host_pages`
+    landing pages, both over `transport`), then the worker around the engine."""
+    from decode_worker.receiver import KVReceiver
+    from decode_worker.worker import ColocatedWorker, DecodeWorker
+    from prefill_worker.engine import build_engine
+    from prefill_worker.sender import KVSender
+    from prefill_worker.worker import PrefillWorker
+
+    connectors = {"prefill": lambda ports: KVSender(ports, transport, deadlines, clock),
+                  "decode": lambda ports: KVReceiver(ports, transport, host_pages, deadlines, clock),
+                  "colocated": None}
+    workers = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
+    if role not in workers:
+        raise ValueError(f"unknown worker role {role!r}: one of {sorted(workers)}")
+    engine = build_engine(config, model, arch, tokenizer, eos_token_ids, connector=connectors[role], l3=l3,
+                          draft_head=draft_head)
+    return workers[role](engine)

@@ -14,7 +14,7 @@ from cluster.config import ConfigError, EngineConfig, SamplingParams
 from cluster.serve.controller import Controller, RestartBudget, SlotState, _Slot, custom_resources, worker_bundle
 from cluster.serve.config import load_serve_config
 from cluster.worker_host.thread import HostBeat, WorkerHost, WorkerStopped
-from cluster.worker_host.build import WorkerSpec
+from cluster.worker_host.build import WorkerSpec, make_worker
 from kv_store.transfer.config import TransportConfig
 from tests.debug_worker import Stall, build_debug_worker
 from tests.helpers import CHAT_PROMPTS, make_smollm2_engine, smollm2
@@ -203,3 +203,31 @@ def test_a_bundle_holds_the_groups_custom_resources_and_the_actor_asks_for_them(
     assert worker_bundle(config.decode) == {"CPU": 2.0, "tandem_decode": 0.5}
     gpu = load_serve_config(overrides={"engine.device": "cuda"})
     assert worker_bundle(gpu.prefill) == {"CPU": 1.0, "GPU": 1.0} and custom_resources(gpu.prefill) == {}
+
+
+def test_make_worker_assembles_each_role_and_names_a_wrong_one():
+    """The one place a role is assembled: the engine gets the role's connector, the worker wraps it."""
+    from decode_worker.receiver import KVReceiver
+    from decode_worker.worker import ColocatedWorker, DecodeWorker
+    from kv_store.transfer.local import LocalTransport
+    from prefill_worker.sender import KVSender
+    from prefill_worker.worker import PrefillWorker
+    from tests.helpers import tiny_models
+
+    ours, _, arch = tiny_models()
+    config = EngineConfig(page_size=4, num_pages=32)
+    built = []
+    for role, worker_type, connector_type in (("prefill", PrefillWorker, KVSender), ("decode", DecodeWorker, KVReceiver),
+                                              ("colocated", ColocatedWorker, type(None))):
+        transport = LocalTransport()
+        worker = make_worker(role, config, ours, arch, transport, host_pages=16)
+        assert type(worker) is worker_type and worker.role.value == role
+        assert role == "colocated" or (type(worker.engine.connector) is connector_type
+                                       and worker.engine.connector.transport is transport)
+        built.append((worker, transport))
+    with pytest.raises(ValueError, match="unknown worker role 'router'"):
+        make_worker("router", config, ours, arch)
+    for worker, transport in built:
+        worker.check_integrity()
+        worker.close()
+        transport.close()

@@ -14,10 +14,10 @@ import pytest
 
 from cluster import protocol as p
 from cluster.config import EngineConfig
+from cluster.worker_host.build import make_worker
 from cluster.worker_host.thread import WorkerHost
 from kv_store.transfer.config import TransportConfig
 from kv_store.transfer.local import LocalTransport
-from prefill_worker.worker import PrefillWorker
 from router.backend import ErrorKind
 from tests import dispatch_harness
 from tests.debug_worker import DigestKV, KVDigest, build_debug_worker
@@ -285,7 +285,7 @@ def test_a_finished_answer_is_prefilled_where_its_prompt_was_so_the_next_turn_fi
 
 def test_an_answer_is_prefilled_only_past_a_prompt_still_cached_and_at_most_one_chunk_of_it():
     ours, _, arch = tiny_models()
-    worker = PrefillWorker(EngineConfig(page_size=4, num_pages=64, chunk_size=16, debug_kv=True), ours, arch,
+    worker = make_worker("prefill", EngineConfig(page_size=4, num_pages=64, chunk_size=16, debug_kv=True), ours, arch,
                            LocalTransport())
     engine, tree = worker.engine, worker.engine.kvm.prefix_cache
     prompt = make_prompts(1, min_len=30, max_len=30, seed=5)[0]

@@ -10,7 +10,7 @@ import pytest
 
 from cluster import protocol as p
 from cluster.config import EngineConfig
-from decode_worker.worker import DecodeWorker
+from cluster.worker_host.build import make_worker
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.local import LocalTransport
 from prefill_worker.engine.request import RequestStatus
@@ -146,7 +146,7 @@ def test_idle_sessions_are_reaped_and_budget_and_capacity_are_enforced():
 
 def test_a_decode_worker_serves_session_turns_through_the_worker_contract():
     ours, _, arch = tiny_models()
-    worker = DecodeWorker(EngineConfig(page_size=4, num_pages=257, debug_kv=True), ours, arch, LocalTransport(),
+    worker = make_worker("decode", EngineConfig(page_size=4, num_pages=257, debug_kv=True), ours, arch, LocalTransport(),
                           host_pages=64)
     assert "exceeds the 1024 tokens" in worker.handle(p.OpenSession("s", 10**6, 60.0))[0].error
     assert worker.handle(p.OpenSession("s", 600, 60.0))[0].error.startswith("session KV budget full")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from cluster.config import SamplingParams
+from cluster.worker_host.build import make_worker
 from kernels.model.eagle import DraftStyle
 from kernels.sampling import filtered_probs
 from prefill_worker.engine.spec import speculator as speculator_module
@@ -396,9 +397,7 @@ def test_disaggregated_is_lossless_and_ships_the_prompts_draft_kv(spec_prompts, 
     arrived equals a colocated engine's; and the head's feature at the prompt's end travels in
     KVComplete, so every request's first decode step verifies drafts."""
     from cluster.config import EngineConfig
-    from decode_worker.worker import DecodeWorker
     from kv_store.transfer.local import LocalTransport
-    from prefill_worker.worker import PrefillWorker
     from tests.step_pair import StepPair
 
     ours, _, arch = tiny_models()
@@ -406,8 +405,8 @@ def test_disaggregated_is_lossless_and_ships_the_prompts_draft_kv(spec_prompts, 
     config = EngineConfig(page_size=page_size, num_pages=512, chunk_size=16, debug_kv=True, speculative="eagle",
                           speculative_adaptive=False)
     clock = lambda: 0.0  # noqa: E731
-    prefill = PrefillWorker(config, ours, arch, LocalTransport(), clock=clock, draft_head=head)
-    decode = DecodeWorker(config, ours, arch, LocalTransport(), host_pages=512, clock=clock, draft_head=head)
+    prefill = make_worker("prefill", config, ours, arch, LocalTransport(), clock=clock, draft_head=head)
+    decode = make_worker("decode", config, ours, arch, LocalTransport(), host_pages=512, clock=clock, draft_head=head)
     _script_drafts(decode.engine, reference, accept=0.7)
     first_step_drafts = []  # requests that arrived carrying the prefill worker's head feature, drafted at once
     draft_arrived = decode.engine.speculator.draft_arrived

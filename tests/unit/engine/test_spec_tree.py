@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, EngineConfig, SamplingParams
+from cluster.worker_host.build import make_worker
 from kernels.model.eagle import DraftStyle
 from prefill_worker.engine.spec import speculator as speculator_module
 from prefill_worker.engine.request import RequestStatus
@@ -333,9 +334,7 @@ def test_every_tree_node_scores_what_hf_gives_its_branch(page_size):
 def test_disaggregated_trees_are_lossless_from_the_first_decode_step(spec_prompts, reference, page_size):
     """Prefill worker -> transfer -> decode worker drafting trees: HF's tokens, and each request's
     first decode step (drafted from the head feature that came in KVComplete) verifies a tree."""
-    from decode_worker.worker import DecodeWorker
     from kv_store.transfer.local import LocalTransport
-    from prefill_worker.worker import PrefillWorker
     from tests.step_pair import StepPair
 
     ours, _, arch = tiny_models()
@@ -343,8 +342,8 @@ def test_disaggregated_trees_are_lossless_from_the_first_decode_step(spec_prompt
     config = EngineConfig(page_size=page_size, num_pages=512, chunk_size=16, debug_kv=True, speculative="eagle",
                           speculative_adaptive=False, speculative_topk=3)
     clock = lambda: 0.0  # noqa: E731
-    prefill = PrefillWorker(config, ours, arch, LocalTransport(), clock=clock, draft_head=head)
-    decode = DecodeWorker(config, ours, arch, LocalTransport(), host_pages=512, clock=clock, draft_head=head)
+    prefill = make_worker("prefill", config, ours, arch, LocalTransport(), clock=clock, draft_head=head)
+    decode = make_worker("decode", config, ours, arch, LocalTransport(), host_pages=512, clock=clock, draft_head=head)
     script_trees(decode.engine, reference, accept=0.7, seed=page_size)
     first_trees = []
     draft_arrived = decode.engine.speculator.draft_arrived

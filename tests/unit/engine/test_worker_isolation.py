@@ -15,13 +15,13 @@ import torch
 
 from cluster import protocol as p
 from cluster.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams
+from cluster.worker_host.build import make_worker
 from cluster.worker_host.thread import HostLink, WorkerHost
 from cluster.worker_host.build import WorkerSpec
 from prefill_worker.engine import build_engine, load_engine
-from decode_worker.worker import ColocatedWorker, DecodeWorker
+from decode_worker.worker import ColocatedWorker
 from kv_store.transfer.local import LocalTransport
 from prefill_worker.engine.request import FinishReason
-from prefill_worker.worker import PrefillWorker
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models, why_not_at_rest
 from tests.step_pair import StepPair
 
@@ -124,8 +124,8 @@ def test_a_model_that_cannot_run_at_all_ends_the_loop():
 
 def test_a_fault_on_the_prefill_worker_fails_only_its_transfer(clean):
     _, _, arch = tiny_models()
-    prefill = PrefillWorker(CONFIG, PoisonModel(), arch, LocalTransport())
-    decode = DecodeWorker(CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256)
+    prefill = make_worker("prefill", CONFIG, PoisonModel(), arch, LocalTransport())
+    decode = make_worker("decode", CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256)
     assert_only_the_last_fails(prefill, decode, good_prompts() + [[5, 6, POISON, 7]], clean)
 
 
@@ -147,8 +147,8 @@ def _pair_with_faulty_step(monkeypatch, target: str, method: str):
     """A prefill + decode pair on the tiny Llama whose `target` ("sender" or "receiver") raises in
     `method` for the request "req-4" only (the fifth prompt)."""
     _, _, arch = tiny_models()
-    prefill = PrefillWorker(CONFIG, tiny_models()[0], arch, LocalTransport())
-    decode = DecodeWorker(CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256)
+    prefill = make_worker("prefill", CONFIG, tiny_models()[0], arch, LocalTransport())
+    decode = make_worker("decode", CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256)
     connector = prefill.sender if target == "sender" else decode.receiver
     original = getattr(connector, method)
 
@@ -295,8 +295,8 @@ def test_a_decode_worker_with_only_landings_waits_for_messages_instead_of_pollin
 
     _, _, arch = tiny_models()
     now = [100.0]
-    prefill = PrefillWorker(CONFIG, tiny_models()[0], arch, LocalTransport())
-    decode = DecodeWorker(CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256, clock=lambda: now[0])
+    prefill = make_worker("prefill", CONFIG, tiny_models()[0], arch, LocalTransport())
+    decode = make_worker("decode", CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256, clock=lambda: now[0])
     pair = StepPair(prefill, decode)
     result = pair.submit("req-0", good_prompts(1)[0], greedy(max_tokens=4))
     assert decode.busy() and not decode.has_compute()

@@ -11,12 +11,11 @@ import weakref
 
 import torch
 
-from decode_worker.worker import DecodeWorker
+from cluster.worker_host.build import make_worker
 from kv_store.residency import Residency
 from kv_store.transfer.local import LocalTransport
 from cluster.config import EngineConfig
 from prefill_worker.engine.request import RequestStatus
-from prefill_worker.worker import PrefillWorker
 from tests.helpers import greedy, make_engine, make_prompts, tiny_models
 from tests.step_pair import StepPair
 
@@ -138,9 +137,9 @@ def test_disaggregated_prefill_with_a_small_l1_loads_back_and_matches_colocated(
     their history in L2 and load it; every turn's tokens equal a colocated engine's without cache."""
     ours, _, arch = tiny_models()
     clock = lambda: 0.0  # noqa: E731
-    prefill = PrefillWorker(EngineConfig(page_size=4, num_pages=1 + 40, chunk_size=32, debug_kv=True,
+    prefill = make_worker("prefill", EngineConfig(page_size=4, num_pages=1 + 40, chunk_size=32, debug_kv=True,
                                          host_cache_pages=256), ours, arch, LocalTransport(), clock=clock)
-    decode = DecodeWorker(EngineConfig(page_size=4, num_pages=256, chunk_size=32, debug_kv=True), ours, arch,
+    decode = make_worker("decode", EngineConfig(page_size=4, num_pages=256, chunk_size=32, debug_kv=True), ours, arch,
                           LocalTransport(), host_pages=128, clock=clock)
     pair = StepPair(prefill, decode)
     colocated = make_engine(page_size=4, num_pages=512, enable_prefix_cache=False)

@@ -8,11 +8,10 @@ aborted meanwhile (which drops the request's own tree lock).
 import torch
 
 from cluster.config import EngineConfig
-from decode_worker.worker import DecodeWorker
+from cluster.worker_host.build import make_worker
 from kv_store.page_pool import PageState
 from kv_store.transfer.local import LocalTransport
 from prefill_worker.engine.request import RequestStatus
-from prefill_worker.worker import PrefillWorker
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
 from tests.step_pair import StepPair
 
@@ -26,8 +25,8 @@ def make_tight_pair(prefill_pages: int) -> StepPair:
     clock = lambda: 0.0  # noqa: E731
     prefill_cfg = EngineConfig(page_size=PAGE_SIZE, num_pages=1 + prefill_pages, chunk_size=3, debug_kv=True)
     decode_cfg = EngineConfig(page_size=PAGE_SIZE, num_pages=128, chunk_size=16, debug_kv=True)
-    prefill = PrefillWorker(prefill_cfg, ours, arch, LocalTransport(), clock=clock)
-    decode = DecodeWorker(decode_cfg, ours, arch, LocalTransport(), host_pages=128, clock=clock)
+    prefill = make_worker("prefill", prefill_cfg, ours, arch, LocalTransport(), clock=clock)
+    decode = make_worker("decode", decode_cfg, ours, arch, LocalTransport(), host_pages=128, clock=clock)
     return StepPair(prefill, decode)
 
 

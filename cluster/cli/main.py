@@ -12,7 +12,7 @@ import logging
 import sys
 
 from cluster.bench.load.args import add_load_args
-from cluster.cli.args import add_engine_args
+from cluster.engine_flags import add_engine_args
 
 log = logging.getLogger("tandem")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from cluster.cli.args import add_engine_args, engine_fields_from_args
+from cluster.engine_flags import add_engine_args, engine_fields_from_args
 from cluster.config import GENERATION_CONFIG_MODES, ConfigError, EngineConfig, require, require_min
 from kv_store.config import KVStoreConfig
 from kv_store.l3.config import L3Config

@@ -21,13 +21,18 @@ No torch at import: `default_draft` runs at every engine start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.config import ConfigError, EngineConfig
 from cluster.train import settings as train_settings
+
+log = logging.getLogger("tandem.speculative")
 
 SHIPPED_ROOT = Path(__file__).resolve().parent / "heads"
 SHIPPED_MODELS = {train_settings.DEFAULT_MODEL: "smollm2"}  # model spec -> its directory under SHIPPED_ROOT
@@ -128,3 +133,20 @@ def _read_json(path: Path, what: str) -> dict:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path.parent} is not a finished draft head: no readable {path.name}, {what} ({exc})") \
             from None
+
+
+def with_default_draft(config: EngineConfig, cache_root: Path | None = None) -> EngineConfig:
+    """`config` with `draft_model` resolved: speculation without a head named uses the one
+    `tandem train-eagle` cached for the model on this machine, else the head the package ships for
+    it (`cluster.train.shipped.default_draft`; ConfigError when there is neither). Logs which."""
+    if config.speculative == "none":
+        return config
+    if config.draft_model:
+        log.info("speculative %s uses the head in %s (engine.draft_model)", config.speculative, config.draft_model)
+        return config
+    found = default_draft(config.model, cache_root)
+    if found is None:
+        raise ConfigError(f"--speculative {config.speculative}: no draft head for {config.model!r} on this machine; "
+                          f"train one with `tandem train-eagle --model {config.model}` or pass --draft-model PATH")
+    log.info("speculative %s uses the %s", config.speculative, found.description)
+    return dataclasses.replace(config, draft_model=str(found.path))

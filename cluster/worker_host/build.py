@@ -39,7 +39,7 @@ def build_worker(spec: WorkerSpec, transport=None):
     session id names it)."""
     import torch
 
-    from cluster.cli.args import with_default_draft
+    from cluster.train.shipped import with_default_draft
     from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.loader import load_for_serving
 

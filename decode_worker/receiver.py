@@ -28,9 +28,9 @@ from kv_store.req_kv import ReleaseReason, ReqKV
 from kv_store.residency import Residency, move_residency
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
-from prefill_worker.engine.connector import ConnectorPorts, NullConnector
-from prefill_worker.engine.output import StepOutput, step_output
-from prefill_worker.engine.request import FinishReason, Request, RequestStatus
+from engine.connector import ConnectorPorts, NullConnector
+from engine.output import StepOutput, step_output
+from engine.request import FinishReason, Request, RequestStatus
 
 
 class InboundPhase(enum.Enum):

@@ -15,10 +15,10 @@ import time
 from cluster import protocol as p
 from cluster.protocol import WorkerRole
 from decode_worker.receiver import InboundPhase, KVReceiver
-from prefill_worker.engine.core import EngineCore
-from prefill_worker.engine.output import StepOutput
-from prefill_worker.engine.hosted import EngineWorker
-from prefill_worker.engine.sessions import SessionError
+from engine.core import EngineCore
+from engine.output import StepOutput
+from engine.hosted import EngineWorker
+from engine.sessions import SessionError
 
 __all__ = ["ColocatedWorker", "DecodeWorker", "InboundPhase"]
 

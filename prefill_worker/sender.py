@@ -23,9 +23,9 @@ from cluster.protocol import Failure, KVComplete, KVProgress, Landing, TransferA
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
-from prefill_worker.engine.connector import ConnectorPorts, NullConnector
-from prefill_worker.engine.output import StepOutput
-from prefill_worker.engine.request import FinishReason, Request, RequestStatus
+from engine.connector import ConnectorPorts, NullConnector
+from engine.output import StepOutput
+from engine.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(eq=False)

@@ -16,8 +16,8 @@ from cluster.config import SamplingParams
 from cluster.protocol import WorkerRole
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.session import FailureReason
-from prefill_worker.engine.core import EngineCore
-from prefill_worker.engine.hosted import EngineWorker
+from engine.core import EngineCore
+from engine.hosted import EngineWorker
 from prefill_worker.sender import KVSender
 
 

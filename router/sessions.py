@@ -2,7 +2,7 @@
 the opens still waiting for their `SessionOpened`, and the sessions lost with a dead worker.
 
 A session lives on one decode or colocated worker, which pins its history between turns
-(`prefill_worker/engine/sessions.py`). So its turns are never routed: each goes to that worker as a
+(`engine/sessions.py`). So its turns are never routed: each goes to that worker as a
 `Generate` with `session_id` (local prefill: no prefill worker, no landing) and is never re-routed;
 the pinned history is what makes the turn cheap, and no other worker has it.
 

@@ -32,8 +32,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cluster.config import SamplingParams
-from prefill_worker.engine.output import StepOutput
-from prefill_worker.engine.sessions import SessionError
+from engine.output import StepOutput
+from engine.sessions import SessionError
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 
 WORKER_ID = "engine-0"

@@ -8,7 +8,7 @@ import random
 import torch
 
 from cluster.config import EngineConfig, SamplingParams
-from prefill_worker.engine import EngineCore, build_engine, load_engine
+from engine import EngineCore, build_engine, load_engine
 from kernels.model.arch import LlamaArch
 from kernels.model.tiny import make_tiny_llama
 

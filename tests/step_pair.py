@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from cluster import protocol as p
 from cluster.config import SamplingParams
-from prefill_worker.engine.request import FinishReason
+from engine.request import FinishReason
 
 
 @dataclass

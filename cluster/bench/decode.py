@@ -41,11 +41,11 @@ import torch
 from cluster.bench import collect_engines
 from cluster.config import EngineConfig, SamplingParams
 from kernels.kv_layout import TORCH_DTYPES
-from prefill_worker.engine.request import RequestStatus
+from engine.request import RequestStatus
 
 if TYPE_CHECKING:
-    from prefill_worker.engine import EngineCore
-    from prefill_worker.engine.request import Request
+    from engine import EngineCore
+    from engine.request import Request
 
 log = logging.getLogger("tandem.bench")
 
@@ -263,7 +263,7 @@ def run_hf(model: torch.nn.Module, prompts: list[list[int]], spec: DecodeSpec) -
 def compare(models: Models, base: EngineConfig, spec: DecodeSpec, backends: tuple[str, ...],
             with_hf: bool = True) -> tuple[list[DecodeRow], dict[str, str]]:
     """(every row: per backend, per batch, eager then graph; then HF per batch, {skipped backend: why})."""
-    from prefill_worker.engine import build_engine
+    from engine import build_engine
 
     modes = MODES if base.cuda_graph else ("eager",)
     rows: list[DecodeRow] = []

@@ -57,12 +57,12 @@ from typing import TYPE_CHECKING
 
 from cluster.bench import collect_engines
 from cluster.config import EngineConfig, SamplingParams
-from prefill_worker.engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from cluster.bench.hicache_l3 import L3Spec
     from kv_store.l3.config import L3Config
-    from prefill_worker.engine import EngineCore, StepOutput
+    from engine import EngineCore, StepOutput
 
 log = logging.getLogger("tandem.bench")
 
@@ -178,7 +178,7 @@ def shared_model_factory() -> EngineFactory:
     """Engines over one loaded model: the first config loads it, later ones reuse it."""
     from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.loader import load_model
-    from prefill_worker.engine import build_engine
+    from engine import build_engine
 
     loaded = []
 

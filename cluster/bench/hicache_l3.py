@@ -28,8 +28,8 @@ from kv_store.l3.config import L3Config, redact_url
 
 if TYPE_CHECKING:
     from cluster.protocol import TierStats
-    from prefill_worker.engine import EngineCore
-    from prefill_worker.engine.request import Request
+    from engine import EngineCore
+    from engine.request import Request
 
 log = logging.getLogger("tandem.bench")
 

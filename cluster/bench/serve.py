@@ -177,7 +177,7 @@ def bucket_quantile(q: float, buckets: dict[float, float]) -> float | None:
 # ---- the baseline and the whole run --------------------------------------------------------------
 def run_offline(engine_config, work: Workload) -> Throughput:
     from cluster.config import SamplingParams
-    from prefill_worker.engine import EngineCore, load_engine
+    from engine import EngineCore, load_engine
 
     engine = load_engine(engine_config)
     engine.generate([work.prompts[0][:16]], SamplingParams(max_tokens=2))  # warm up

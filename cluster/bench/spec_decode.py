@@ -197,8 +197,8 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     from cluster.cli.args import engine_config_from_args
     from cluster.train.data import load_prompts, tokenize
     from kernels.model.loader import load_model
-    from prefill_worker.engine import build_engine
-    from prefill_worker.engine.spec.speculator import load_draft_head
+    from engine import build_engine
+    from engine.spec.speculator import load_draft_head
 
     config = engine_config_from_args(args)
     loaded = load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],

@@ -101,7 +101,7 @@ def _progress(total: int):
 
 
 def _run_colocated(args, config, prompts, params) -> list[RunResult]:
-    from prefill_worker.engine import EngineCore, load_engine
+    from engine import EngineCore, load_engine
 
     t0 = time.perf_counter()
     engine = load_engine(config)
@@ -144,8 +144,8 @@ def _run_disaggregated(args, config, prompts, params) -> list[RunResult]:
 
 
 def _text(tokenizer, token_ids: list[int], stop: tuple[str, ...]) -> str:
-    """Output text, cut before the first stop string (the engine's stop rule, `prefill_worker.engine.stop`)."""
-    from prefill_worker.engine.stop import cut_at_stop, decode
+    """Output text, cut before the first stop string (the engine's stop rule, `engine.stop`)."""
+    from engine.stop import cut_at_stop, decode
 
     return cut_at_stop(decode(tokenizer, token_ids), stop)
 

@@ -63,7 +63,7 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
     `model`'s dtype), in prompt order. The engine's KV is freed before returning; `model` is left as it was."""
     from cluster.config import EngineConfig, SamplingParams
     from kernels.kv_layout import DTYPE_NAMES
-    from prefill_worker.engine import build_engine
+    from engine import build_engine
     from tqdm import tqdm
 
     longest = max(len(p) for p in prompts) + max_new_tokens

@@ -74,7 +74,7 @@ def make_worker(role: str, config: EngineConfig, model, arch, transport=None, *,
     landing pages, both over `transport`), then the worker around the engine."""
     from decode_worker.receiver import KVReceiver
     from decode_worker.worker import ColocatedWorker, DecodeWorker
-    from prefill_worker.engine import build_engine
+    from engine import build_engine
     from prefill_worker.sender import KVSender
     from prefill_worker.worker import PrefillWorker
 

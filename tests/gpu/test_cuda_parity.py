@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from prefill_worker.engine import build_engine, load_engine
+from engine import build_engine, load_engine
 from kernels.model.loader import load_model
 from kernels.model.tokenizer import apply_chat_template
 from tests.helpers import CHAT_PROMPTS, assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
@@ -54,7 +54,7 @@ def test_smollm2_bf16_logits_as_close_to_fp32_as_hf_bf16_is():
     from transformers import AutoModelForCausalLM
 
     from kv_store.req_kv import ReleaseReason
-    from prefill_worker.engine.runner import ForwardRow
+    from engine.runner import ForwardRow
 
     fp32 = load_model("smollm2", device="cuda")
     bf16 = load_model("smollm2", device="cuda", dtype=torch.bfloat16)

@@ -168,7 +168,7 @@ def test_tiny_greedy_matches_hf_with_flashinfer(dtype, page_size):
     from kernels.model.arch import LlamaArch
     from kernels.model.llama import LlamaForCausalLM
     from kernels.model.tiny import make_tiny_llama
-    from prefill_worker.engine import build_engine
+    from engine import build_engine
     from tests.helpers import assert_pool_at_rest, greedy, make_prompts
 
     _, ref = make_tiny_llama(seed=0, device="cuda", dtype=dtype, head_dim=64)

@@ -1,4 +1,4 @@
-"""CUDA graphs (prefill_worker/engine/graphs/runner.py) on a GPU: captured per bucket, replayed in steady
+"""CUDA graphs (engine/graphs/runner.py) on a GPU: captured per bucket, replayed in steady
 decode with no fallback, greedy output identical eager vs graph vs HF, and the relocation gate.
 
 Marked `gpu`; skipped where torch sees no CUDA device (CPU CI). Run with `pytest -m gpu`.
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from prefill_worker.engine import EngineCore, build_engine
-from prefill_worker.engine.graphs.runner import Fallback
+from engine import EngineCore, build_engine
+from engine.graphs.runner import Fallback
 from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

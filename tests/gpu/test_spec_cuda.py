@@ -1,4 +1,4 @@
-"""EAGLE speculative decoding (prefill_worker/engine/spec/speculator.py) on a GPU: greedy output identical to
+"""EAGLE speculative decoding (engine/spec/speculator.py) on a GPU: greedy output identical to
 the plain CUDA engine and to HF, for both head layouts, with graph replay on (plain decode steps replay
 with the features the head needs; verify steps run eagerly), and nothing leaked.
 
@@ -12,8 +12,8 @@ import torch
 
 from cluster.config import EngineConfig
 from kernels.model.eagle import DraftArch, DraftStyle, EagleDraftHead
-from prefill_worker.engine import build_engine
-from prefill_worker.engine.graphs.runner import Fallback
+from engine import build_engine
+from engine.graphs.runner import Fallback
 from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

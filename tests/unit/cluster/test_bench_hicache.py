@@ -16,7 +16,7 @@ from cluster.bench.hicache_l3 import L3Spec, compare_l3, l3_phase, l3_prompts
 from cluster.cli.main import build_parser
 from cluster.config import EngineConfig
 from kv_store.l3.config import L3Config
-from prefill_worker.engine import EngineCore, build_engine
+from engine import EngineCore, build_engine
 from tests.helpers import hf_greedy, tiny_models
 from tests.redis_server import RedisServer
 

@@ -8,7 +8,7 @@ import dataclasses
 
 from cluster.bench.spec_decode import measure, mode_config, summarize
 from cluster.config import EngineConfig, SamplingParams
-from prefill_worker.engine import build_engine
+from engine import build_engine
 from tests.helpers import make_prompts, tiny_draft_head, tiny_models
 
 

@@ -5,8 +5,9 @@ Layers, bottom to top; each may import only what its line allows (third-party co
     cluster (root)   -> nothing in tandem            (cluster/*.py: the shared vocabulary)
     kernels          -> cluster root
     kv_store         -> kernels, cluster root
-    prefill_worker   -> kv_store, kernels, cluster root
-    decode_worker    -> prefill_worker, kv_store, kernels, cluster root
+    engine           -> kv_store, kernels, cluster root         (the engine every worker runs)
+    prefill_worker   -> engine, kv_store, kernels, cluster root
+    decode_worker    -> engine, kv_store, kernels, cluster root  (never prefill_worker, nor it decode_worker)
     router           -> kernels.model.tokenizer, cluster root, kv_store.transfer.config
     cluster.*        -> anything                     (cluster/<sub-package>/: the top layer)
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGES = ("kernels", "cluster", "kv_store", "prefill_worker", "decode_worker", "router")
+PACKAGES = ("kernels", "cluster", "kv_store", "engine", "prefill_worker", "decode_worker", "router")
 CLUSTER_ROOT = "cluster (root)"
 TOP = "cluster.*"
 
@@ -29,8 +30,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "kernels": ("kernels", CLUSTER_ROOT),
     CLUSTER_ROOT: (CLUSTER_ROOT,),
     "kv_store": ("kv_store", "kernels", CLUSTER_ROOT),
-    "prefill_worker": ("prefill_worker", "kv_store", "kernels", CLUSTER_ROOT),
-    "decode_worker": ("decode_worker", "prefill_worker", "kv_store", "kernels", CLUSTER_ROOT),
+    "engine": ("engine", "kv_store", "kernels", CLUSTER_ROOT),
+    "prefill_worker": ("prefill_worker", "engine", "kv_store", "kernels", CLUSTER_ROOT),
+    "decode_worker": ("decode_worker", "engine", "kv_store", "kernels", CLUSTER_ROOT),
     # the router runs in the gateway process: text helpers without torch, the wire vocabulary, and
     # the transport's config (no engine, no torch)
     "router": ("router", "kernels.model.tokenizer", CLUSTER_ROOT, "kv_store.transfer.config"),
@@ -118,7 +120,9 @@ def test_every_import_follows_the_one_way_rule():
     ("cluster.serve.launch", "router.dispatcher", True),
     ("router.gateway.app", "kernels.model.tokenizer", True),
     ("router.gateway.app", "kernels.model.loader", False),  # torch and the model stay out of the gateway
-    ("decode_worker.worker", "prefill_worker.engine", True),
+    ("decode_worker.worker", "engine", True),
+    ("decode_worker.worker", "prefill_worker.sender", False),  # the roles share the engine, not each other
+    ("engine.core", "prefill_worker.worker", False),
     ("prefill_worker.worker", "decode_worker.worker", False),
 ])
 def test_the_rule_itself(importer, imported, ok):
@@ -155,13 +159,13 @@ def test_confined_packages_are_imported_in_their_one_place():
 
 
 # ---- the connector seam (docs/design.md §1): a connector gets data, never the engine ---------------
-ENGINE_CORE = "prefill_worker.engine.core"
+ENGINE_CORE = "engine.core"
 CONNECTOR_BASES = {"KVConnector", "NullConnector"}
 
 
 def connector_modules() -> list[Path]:
     """The seam's own module and every module defining a class on a connector base."""
-    found = [ROOT / "prefill_worker" / "engine" / "connector.py"]
+    found = [ROOT / "engine" / "connector.py"]
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -195,7 +199,7 @@ def test_connectors_neither_import_nor_hold_the_engine():
 
 def test_a_connector_holding_the_engine_is_named_with_its_line():
     module = ROOT / "decode_worker" / "_seam_probe.py"
-    module.write_text("from prefill_worker.engine.connector import NullConnector\n\n\n"
+    module.write_text("from engine.connector import NullConnector\n\n\n"
                       "class Probe(NullConnector):\n    def attach(self, ports):\n        self.engine = ports\n",
                       encoding="utf-8")
     try:

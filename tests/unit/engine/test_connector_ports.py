@@ -17,10 +17,10 @@ from kv_store.radix_cache import NullPrefixCache
 from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
 from kv_store.transfer.local import LocalTransport
 from kv_store.transfer.session import FailureReason
-from prefill_worker.engine.connector import ConnectorPorts
-from prefill_worker.engine.request import FinishReason, Request, RequestStatus
-from prefill_worker.engine.scheduler import ScheduledStep
-from prefill_worker.engine.stop import StopRules
+from engine.connector import ConnectorPorts
+from engine.request import FinishReason, Request, RequestStatus
+from engine.scheduler import ScheduledStep
+from engine.stop import StopRules
 from prefill_worker.sender import KVSender
 
 PAGE_SIZE, LAYERS, HEADS, HEAD_DIM = 4, 2, 2, 8

@@ -4,11 +4,11 @@ import copy
 
 import pytest
 
-import prefill_worker.engine.core as core_mod
+import engine.core as core_mod
 from cluster.config import ConfigError, EngineConfig, SamplingParams
 from kernels.model.packed_linear import PackedLinear
-from prefill_worker.engine import build_engine
-from prefill_worker.engine.request import FinishReason
+from engine import build_engine
+from engine.request import FinishReason
 from tests.helpers import TINY_EOS, assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, tiny_models
 
 

@@ -1,4 +1,4 @@
-"""The graph runner (prefill_worker/engine/graphs/runner.py) on CPU: buckets, padding to scratch page 0,
+"""The graph runner (engine/graphs/runner.py) on CPU: buckets, padding to scratch page 0,
 every gate and its fallback count, and the relocation hazard the gates exist for.
 
 The reference for every replayed step is an eager step (`ModelRunner.forward`) over page tables
@@ -15,10 +15,10 @@ import torch
 from cluster.config import SamplingParams
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import Direction, PageCopier
-from prefill_worker.engine.graphs.capture import batch_buckets, bucket_for
-from prefill_worker.engine.graphs.runner import Fallback, GraphCounters, GraphRunner
-from prefill_worker.engine.runner import ForwardRow
-from prefill_worker.engine.scheduler import ScheduledStep
+from engine.graphs.capture import batch_buckets, bucket_for
+from engine.graphs.runner import Fallback, GraphCounters, GraphRunner
+from engine.runner import ForwardRow
+from engine.scheduler import ScheduledStep
 from tests.helpers import hf_greedy, make_engine, make_prompts, tiny_models
 
 

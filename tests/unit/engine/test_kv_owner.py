@@ -10,9 +10,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER_PACKAGES = ("prefill_worker", "decode_worker")
-OWNER = "prefill_worker/engine/scheduler.py"
-HOLDERS = (OWNER, "prefill_worker/engine/sessions.py", "prefill_worker/engine/core.py")
+WORKER_PACKAGES = ("engine", "prefill_worker", "decode_worker")
+OWNER = "engine/scheduler.py"
+HOLDERS = (OWNER, "engine/sessions.py", "engine/core.py")
 REQUEST_METHODS = {"open", "try_open", "match_prefix", "try_allocate", "commit", "free_tail", "release",
                    "pin_for_transfer", "unpin_transfer", "lent_pages"}
 

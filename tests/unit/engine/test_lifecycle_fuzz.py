@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.config import SamplingParams
-from prefill_worker.engine.request import FinishReason
+from engine.request import FinishReason
 from tests.helpers import assert_pool_at_rest, make_engine
 
 NUM_EXAMPLES = 60

@@ -1,4 +1,4 @@
-"""Streaming sessions in the engine (prefill_worker/engine/sessions.py): a turn prefills only its new
+"""Streaming sessions in the engine (engine/sessions.py): a turn prefills only its new
 tokens, the pinned history stays page-aligned, the unaligned tail is freed exactly, and retract,
 abort and idle reaping leak nothing. Reference: the same tiny model with no cache at all."""
 
@@ -13,8 +13,8 @@ from cluster.config import EngineConfig
 from cluster.worker_host.build import make_worker
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.local import LocalTransport
-from prefill_worker.engine.request import RequestStatus
-from prefill_worker.engine.sessions import SessionError, SessionState
+from engine.request import RequestStatus
+from engine.sessions import SessionError, SessionState
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
 
 

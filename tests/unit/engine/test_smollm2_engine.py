@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cluster.cli.main import main
-from prefill_worker.engine.request import FinishReason
+from engine.request import FinishReason
 from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from tests.helpers import CHAT_PROMPTS, assert_pool_at_rest, greedy, hf_greedy, make_smollm2_engine, smollm2
 

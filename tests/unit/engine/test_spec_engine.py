@@ -1,4 +1,4 @@
-"""EAGLE speculative decoding in the engine (prefill_worker/engine/spec/speculator.py) on the tiny Llama.
+"""EAGLE speculative decoding in the engine (engine/spec/speculator.py) on the tiny Llama.
 
 Lossless: greedy output equals the non-speculative engine's and HF transformers' generate, token for
 token, for both head layouts, page sizes 1 and 16, random and scripted drafts (the scripted ones
@@ -24,8 +24,8 @@ from cluster.config import SamplingParams
 from cluster.worker_host.build import make_worker
 from kernels.model.eagle import DraftStyle
 from kernels.sampling import filtered_probs
-from prefill_worker.engine.spec import speculator as speculator_module
-from prefill_worker.engine.request import RequestStatus
+from engine.spec import speculator as speculator_module
+from engine.request import RequestStatus
 from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_prompts, make_spec_engine, \
     tiny_draft_head, tiny_models
 
@@ -471,7 +471,7 @@ def test_a_prefix_loaded_back_from_the_host_tier_brings_its_draft_kv(reference):
 def test_speculation_without_a_head_is_a_clear_config_error(monkeypatch, tmp_path):
     from cluster.cli.args import with_default_draft
     from cluster.config import ConfigError, EngineConfig
-    from prefill_worker.engine import build_engine
+    from engine import build_engine
     import cluster.train.settings as train_settings
 
     ours, _, arch = tiny_models()

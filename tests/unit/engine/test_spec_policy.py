@@ -1,4 +1,4 @@
-"""Whether drafting pays, measured while serving (prefill_worker/engine/spec/policy.py): the policy
+"""Whether drafting pays, measured while serving (engine/spec/policy.py): the policy
 on a scripted clock, then an engine whose verify steps a clock makes slow or fast. Output is HF's
 either way; only whether steps carry drafts changes."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefill_worker.engine.spec.policy import AdaptivePolicy, _bucket
+from engine.spec.policy import AdaptivePolicy, _bucket
 from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, make_spec_engine, tiny_models
 
 

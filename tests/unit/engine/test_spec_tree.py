@@ -20,8 +20,8 @@ import torch
 from cluster.config import ConfigError, EngineConfig, SamplingParams
 from cluster.worker_host.build import make_worker
 from kernels.model.eagle import DraftStyle
-from prefill_worker.engine.spec import speculator as speculator_module
-from prefill_worker.engine.request import RequestStatus
+from engine.spec import speculator as speculator_module
+from engine.request import RequestStatus
 from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_spec_engine, tiny_draft_head, \
     tiny_models
 
@@ -212,7 +212,7 @@ def test_tree_nodes_is_validated_and_needs_a_tree(bad):
 
 
 def test_draft_tree_expands_the_best_candidates_and_verifies_the_best_of_all_levels():
-    from prefill_worker.engine.spec.draft_tree import DraftTree
+    from engine.spec.draft_tree import DraftTree
 
     def logprobs(*rows):
         return torch.tensor(rows, dtype=torch.float32).log()
@@ -233,7 +233,7 @@ def test_draft_tree_expands_the_best_candidates_and_verifies_the_best_of_all_lev
 
 
 def test_a_chain_tree_is_the_chain():
-    from prefill_worker.engine.spec.draft_tree import DraftTree
+    from engine.spec.draft_tree import DraftTree
 
     tree = DraftTree(depth=3, width=1)
     for token in (7, 8, 9):
@@ -304,7 +304,7 @@ def _check_head_levels(speculator, expand: bool) -> list[int]:
 def test_every_tree_node_scores_what_hf_gives_its_branch(page_size):
     """The target over one tree verify row (tree mask, RoPE by depth): each row's logits equal HF's
     last logits over the prompt plus that row's branch (its ancestors and itself), run densely."""
-    from prefill_worker.engine.runner import ForwardRow
+    from engine.runner import ForwardRow
 
     _, ref, _ = tiny_models()
     engine = make_engine(page_size=page_size)

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, EngineConfig, SamplingParams
-from prefill_worker.engine import build_engine, load_engine
-from prefill_worker.engine.request import FinishReason
-from prefill_worker.engine.stop import SPLIT_AFTER_TOKENS, StopRules, StopStringMatcher, cut_at_stop, decode, first_stop
+from engine import build_engine, load_engine
+from engine.request import FinishReason
+from engine.stop import SPLIT_AFTER_TOKENS, StopRules, StopStringMatcher, cut_at_stop, decode, first_stop
 from tests.helpers import assert_pool_at_rest, make_engine, make_prompts, tiny_models
 
 pytestmark = pytest.mark.slow  # the real SmolLM2 tokenizer (no model weights)

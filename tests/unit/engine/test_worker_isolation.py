@@ -18,10 +18,10 @@ from cluster.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParam
 from cluster.worker_host.build import make_worker
 from cluster.worker_host.thread import HostLink, WorkerHost
 from cluster.worker_host.build import WorkerSpec
-from prefill_worker.engine import build_engine, load_engine
+from engine import build_engine, load_engine
 from decode_worker.worker import ColocatedWorker
 from kv_store.transfer.local import LocalTransport
-from prefill_worker.engine.request import FinishReason
+from engine.request import FinishReason
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models, why_not_at_rest
 from tests.step_pair import StepPair
 
@@ -291,7 +291,7 @@ def test_a_decode_worker_with_only_landings_waits_for_messages_instead_of_pollin
     """Landings move only on the peer's messages (which wake the loop) or a deadline: the loop waits
     up to LANDING_WAIT_S (never past the nearest deadline); anything to poll brings it back to POLL_S."""
     from decode_worker.worker import LANDING_WAIT_S
-    from prefill_worker.engine.hosted import POLL_S
+    from engine.hosted import POLL_S
 
     _, _, arch = tiny_models()
     now = [100.0]

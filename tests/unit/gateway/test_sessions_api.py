@@ -14,7 +14,7 @@ import pytest
 from cluster.config import EngineConfig
 from cluster.serve.config import GatewayConfig
 from kernels.model.tokenizer import apply_chat_template, encode_prompt
-from prefill_worker.engine.build import build_engine
+from engine.build import build_engine
 from router.backend import ErrorKind
 from router.gateway import build_app
 from router.gateway.detokenize import final_text

@@ -7,7 +7,7 @@ earlier prompts, so most share a prefix), next turns of finished conversations (
 new turn: the multi-turn pattern whose prefix is found on the host and loaded back), aborts of live
 requests (waiting, loading or running), engine steps, forced L1 eviction and forced L2 eviction.
 
-Sessions (prefill_worker/engine/sessions.py): opens (refused exactly when the session budget would be
+Sessions (engine/sessions.py): opens (refused exactly when the session budget would be
 exceeded), turns (the test's own copy of the history plus new tokens; refused past the session's
 capacity), aborted turns (history unchanged), closes, and idling out (the sessions' `clock` is the
 monotonic clock plus an offset the machine advances). After every rule each open idle session pins
@@ -67,9 +67,9 @@ from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob, Direction, PageCopier, _StagedMove
 from kv_store.l3.config import L3Config, PrefetchPolicy
 from kv_store.radix_cache import TreeNode
-from prefill_worker.engine.request import FinishReason, Request, RequestStatus
-from prefill_worker.engine.runner import ForwardRow, ModelRunner
-from prefill_worker.engine.sessions import Session, SessionError, SessionState
+from engine.request import FinishReason, Request, RequestStatus
+from engine.runner import ForwardRow, ModelRunner
+from engine.sessions import Session, SessionError, SessionState
 from tests.helpers import make_engine, tiny_models
 from tests.redis_server import RedisServer
 
@@ -386,7 +386,7 @@ class TierMachine(RuleBasedStateMachine):
         self.engine.host_cache.evict(num_pages)
         self._step(then_step)
 
-    # ---- sessions (prefill_worker/engine/sessions.py) ------------------------------------------------
+    # ---- sessions (engine/sessions.py) ------------------------------------------------
     @rule(share=st.sampled_from([0.3, 0.5, 1.0, 1.2]), idle_timeout_s=st.sampled_from([10.0, 30.0, 100.0]))
     def open_session(self, share, idle_timeout_s):
         """Opened unless the session budget (or one request's limit) would be exceeded: then refused."""

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from cluster.config import EngineConfig
 from kv_store.hicache import HostCache, NullHostCache
 from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
-from prefill_worker.engine.request import FinishReason, Request, RequestStatus
-from prefill_worker.engine.sessions import NullSessions, SessionManager
-from prefill_worker.engine.runner import ForwardRow
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sessions import NullSessions, SessionManager
+from engine.runner import ForwardRow
 
 
 @dataclass

@@ -20,8 +20,8 @@ import torch
 
 from kernels.attention.metadata import AttnMetadata, TreeMask, slot_of
 from kernels.speculative import verify_tree_mask
-from prefill_worker.engine.graphs.capture import batch_buckets, bucket_for, capture_graph
-from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
+from engine.graphs.capture import batch_buckets, bucket_for, capture_graph
+from engine.runner import ForwardOut, ForwardRow, ModelRunner
 
 log = logging.getLogger("tandem.engine")
 

@@ -20,9 +20,9 @@
 from __future__ import annotations
 
 from cluster.config import EngineConfig
-from prefill_worker.engine.build import build_engine
-from prefill_worker.engine.core import EngineCore, debug_kv_enabled
-from prefill_worker.engine.output import StepOutput, step_output
+from engine.build import build_engine
+from engine.core import EngineCore, debug_kv_enabled
+from engine.output import StepOutput, step_output
 
 __all__ = ["EngineCore", "StepOutput", "build_engine", "debug_kv_enabled", "load_engine", "step_output"]
 

@@ -54,13 +54,13 @@ import torch
 
 from kernels.attention.metadata import AttnMetadata
 from kernels.model.compiled import CompiledLayers
-from prefill_worker.engine.graphs.capture import StaticBuffers, batch_buckets, bucket_for, capture_graph
-from prefill_worker.engine.graphs.tree import TreeVerifyGraphs
-from prefill_worker.engine.runner import ForwardOut, ForwardRow, ModelRunner
+from engine.graphs.capture import StaticBuffers, batch_buckets, bucket_for, capture_graph
+from engine.graphs.tree import TreeVerifyGraphs
+from engine.runner import ForwardOut, ForwardRow, ModelRunner
 
 if TYPE_CHECKING:
     from kv_store.device_pool import DevicePool
-    from prefill_worker.engine.scheduler import ScheduledStep
+    from engine.scheduler import ScheduledStep
 
 log = logging.getLogger("tandem.engine")
 

@@ -14,7 +14,7 @@ import torch
 from kernels.attention.metadata import AttnMetadata, slot_of
 
 if TYPE_CHECKING:
-    from prefill_worker.engine.runner import ForwardRow
+    from engine.runner import ForwardRow
 
 BUCKET_STEP = 8
 """Past 8, buckets grow by this many rows (1, 2, 4, 8, 16, 24, 32, ...)."""

@@ -29,15 +29,15 @@ from kv_store.hicache import HostCache, NullHostCache
 from kv_store.l3.config import L3Config
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
-from prefill_worker.engine.connector import ConnectorPorts, KVConnector
-from prefill_worker.engine.core import EngineCore, EngineParts
-from prefill_worker.engine.graphs.runner import GraphRunner, graph_max_batch
-from prefill_worker.engine.graphs.tree import tree_verify_rows
-from prefill_worker.engine.runner import ModelRunner
-from prefill_worker.engine.scheduler import Scheduler
-from prefill_worker.engine.sessions import NullSessions, SessionManager
-from prefill_worker.engine.spec.speculator import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
-from prefill_worker.engine.tiers import host_cache, model_id
+from engine.connector import ConnectorPorts, KVConnector
+from engine.core import EngineCore, EngineParts
+from engine.graphs.runner import GraphRunner, graph_max_batch
+from engine.graphs.tree import tree_verify_rows
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.sessions import NullSessions, SessionManager
+from engine.spec.speculator import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
+from engine.tiers import host_cache, model_id
 
 ConnectorFactory = Callable[[ConnectorPorts], KVConnector]
 """Makes a worker's connector from the ports its engine lends it (None: colocated, `NullConnector`)."""

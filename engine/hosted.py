@@ -3,7 +3,7 @@ engine alone; the roles add `handle`, `fail`, `step` and `stats`."""
 
 from __future__ import annotations
 
-from prefill_worker.engine.core import EngineCore
+from engine.core import EngineCore
 
 POLL_S = 0.002
 """Busy without compute (writes or loads in flight): the loop steps this often to poll them, and

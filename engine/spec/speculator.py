@@ -55,9 +55,9 @@ from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoin
 from kernels.sampling import filtered_probs, row_generator
 from kernels.speculative import (row_depths, verify_greedy, verify_sampled, verify_tree_greedy,
                                  verify_tree_sampled)
-from prefill_worker.engine.spec.draft_tree import DraftTree
-from prefill_worker.engine.request import Request, RequestStatus
-from prefill_worker.engine.spec.policy import AdaptivePolicy, FixedPolicy
+from engine.spec.draft_tree import DraftTree
+from engine.request import Request, RequestStatus
+from engine.spec.policy import AdaptivePolicy, FixedPolicy
 
 log = logging.getLogger("tandem.engine")
 
@@ -159,7 +159,7 @@ class EagleSpeculator:
 
     def _capture(self, runner) -> None:
         """Replay the head's calls from graphs of the target's buckets (`graphs/draft.py`)."""
-        from prefill_worker.engine.graphs.draft import HeadGraphs, HeadTreeGraphs
+        from engine.graphs.draft import HeadGraphs, HeadTreeGraphs
 
         hidden = self.head.arch.layer.hidden_size
         self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, runner.buckets,

@@ -23,9 +23,9 @@ import time
 import torch
 
 from kernels.kv_layout import KVCacheTensors
-from prefill_worker.engine.graphs.capture import StaticBuffers, bucket_for, capture_graph
-from prefill_worker.engine.graphs.tree import TreeBuffers
-from prefill_worker.engine.runner import ForwardRow
+from engine.graphs.capture import StaticBuffers, bucket_for, capture_graph
+from engine.graphs.tree import TreeBuffers
+from engine.runner import ForwardRow
 
 log = logging.getLogger("tandem.engine")
 

@@ -23,7 +23,7 @@ from kv_store.req_kv import ReqKV
 
 if TYPE_CHECKING:
     from kv_store.hicache import LoadTicket
-    from prefill_worker.engine.stop import StopRules
+    from engine.stop import StopRules
 
 
 class RequestStatus(enum.Enum):

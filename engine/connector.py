@@ -35,9 +35,9 @@ if TYPE_CHECKING:
     from kernels.kv_layout import KVCacheTensors
     from kv_store.device_pool import DevicePool
     from kv_store.req_kv import ReleaseReason, ReqKV
-    from prefill_worker.engine.output import StepOutput
-    from prefill_worker.engine.request import FinishReason, Request
-    from prefill_worker.engine.scheduler import ScheduledStep
+    from engine.output import StepOutput
+    from engine.request import FinishReason, Request
+    from engine.scheduler import ScheduledStep
 
 
 class ConnectorKV(Protocol):

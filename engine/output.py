@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from cluster.protocol import Failure
-from prefill_worker.engine.request import FinishReason, Request
+from engine.request import FinishReason, Request
 
 
 @dataclass(frozen=True)

@@ -32,17 +32,17 @@ from kv_store.device_pool import DevicePool
 from kv_store.hicache import HostCache, NullHostCache
 from kv_store.page_pool import PagePool
 from kv_store.req_kv import KVManager
-from prefill_worker.engine.connector import ConnectorPorts, KVConnector, NullConnector
-from prefill_worker.engine.graphs.runner import GraphRunner
-from prefill_worker.engine.output import StepOutput, step_output
-from prefill_worker.engine.request import FinishReason, Request, RequestStatus
-from prefill_worker.engine.runner import ForwardOut, ForwardRow
-from prefill_worker.engine.scheduler import ScheduledStep, Scheduler
-from prefill_worker.engine.sessions import NullSessions, SessionError, SessionManager
-from prefill_worker.engine.spec.speculator import Committed, EagleSpeculator, NullSpeculator
-from prefill_worker.engine.stats import graph_stats, pool_stats, spec_stats, tier_stats
-from prefill_worker.engine.stop import StopRules
-from prefill_worker.engine.tokens import apply_stop_rules, row_tokens
+from engine.connector import ConnectorPorts, KVConnector, NullConnector
+from engine.graphs.runner import GraphRunner
+from engine.output import StepOutput, step_output
+from engine.request import FinishReason, Request, RequestStatus
+from engine.runner import ForwardOut, ForwardRow
+from engine.scheduler import ScheduledStep, Scheduler
+from engine.sessions import NullSessions, SessionError, SessionManager
+from engine.spec.speculator import Committed, EagleSpeculator, NullSpeculator
+from engine.stats import graph_stats, pool_stats, spec_stats, tier_stats
+from engine.stop import StopRules
+from engine.tokens import apply_stop_rules, row_tokens
 
 log = logging.getLogger("tandem.engine")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from kernels.sampling import sample
-from prefill_worker.engine.request import FinishReason, Request
-from prefill_worker.engine.scheduler import ScheduledStep
+from engine.request import FinishReason, Request
+from engine.scheduler import ScheduledStep
 
 
 def row_tokens(scheduled: ScheduledStep, logits: torch.Tensor, speculator) -> list[list[int] | Exception | None]:

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from cluster.config import SamplingParams
 from cluster.faults import internal_error
 from cluster.protocol import AbortTransfer, Failure, KVComplete, KVProgress, Landing, TransferAborted
+from engine.connector import ConnectorPorts, NullConnector
+from engine.output import StepOutput, step_output
+from engine.request import FinishReason, Request, RequestStatus
 from kv_store.copier import CopyJob
 from kv_store.landing import LandingPool
 from kv_store.req_kv import ReleaseReason, ReqKV
 from kv_store.residency import Residency, move_residency
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
-from engine.connector import ConnectorPorts, NullConnector
-from engine.output import StepOutput, step_output
-from engine.request import FinishReason, Request, RequestStatus
 
 
 class InboundPhase(enum.Enum):

@@ -16,8 +16,8 @@ from cluster import protocol as p
 from cluster.protocol import WorkerRole
 from decode_worker.receiver import InboundPhase, KVReceiver
 from engine.core import EngineCore
-from engine.output import StepOutput
 from engine.hosted import EngineWorker
+from engine.output import StepOutput
 from engine.sessions import SessionError
 
 __all__ = ["ColocatedWorker", "DecodeWorker", "InboundPhase"]

@@ -22,13 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from cluster.config import EngineConfig
-from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
-from kernels.model.packed_linear import prepack_cpu
-from kv_store.device_pool import DevicePool
-from kv_store.hicache import HostCache, NullHostCache
-from kv_store.l3.config import L3Config
-from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
-from kv_store.req_kv import KVManager
 from engine.connector import ConnectorPorts, KVConnector
 from engine.core import EngineCore, EngineParts
 from engine.graphs.runner import GraphRunner, graph_max_batch
@@ -38,6 +31,13 @@ from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.speculator import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
+from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
+from kernels.model.packed_linear import prepack_cpu
+from kv_store.device_pool import DevicePool
+from kv_store.hicache import HostCache, NullHostCache
+from kv_store.l3.config import L3Config
+from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
+from kv_store.req_kv import KVManager
 
 ConnectorFactory = Callable[[ConnectorPorts], KVConnector]
 """Makes a worker's connector from the ports its engine lends it (None: colocated, `NullConnector`)."""

@@ -27,11 +27,6 @@ import torch
 from cluster.config import EngineConfig, SamplingParams
 from cluster.faults import internal_error
 from cluster.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerStats
-from kernels.kv_layout import KVCacheTensors
-from kv_store.device_pool import DevicePool
-from kv_store.hicache import HostCache, NullHostCache
-from kv_store.page_pool import PagePool
-from kv_store.req_kv import KVManager
 from engine.connector import ConnectorPorts, KVConnector, NullConnector
 from engine.graphs.runner import GraphRunner
 from engine.output import StepOutput, step_output
@@ -43,6 +38,11 @@ from engine.spec.speculator import Committed, EagleSpeculator, NullSpeculator
 from engine.stats import graph_stats, pool_stats, spec_stats, tier_stats
 from engine.stop import StopRules
 from engine.tokens import apply_stop_rules, row_tokens
+from kernels.kv_layout import KVCacheTensors
+from kv_store.device_pool import DevicePool
+from kv_store.hicache import HostCache, NullHostCache
+from kv_store.page_pool import PagePool
+from kv_store.req_kv import KVManager
 
 log = logging.getLogger("tandem.engine")
 

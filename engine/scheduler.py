@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig
+from engine.request import FinishReason, Request, RequestStatus
+from engine.runner import ForwardRow
+from engine.sessions import NullSessions, SessionManager
 from kv_store.hicache import HostCache, NullHostCache
 from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sessions import NullSessions, SessionManager
-from engine.runner import ForwardRow
 
 
 @dataclass

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sampling import sample
 from engine.request import FinishReason, Request
 from engine.scheduler import ScheduledStep
+from kernels.sampling import sample
 
 
 def row_tokens(scheduled: ScheduledStep, logits: torch.Tensor, speculator) -> list[list[int] | Exception | None]:

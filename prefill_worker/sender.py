@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 from cluster.faults import internal_error
 from cluster.protocol import Failure, KVComplete, KVProgress, Landing, TransferAborted
-from kv_store.req_kv import ceil_div
-from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
-from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
 from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput
 from engine.request import FinishReason, Request, RequestStatus
+from kv_store.req_kv import ceil_div
+from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
+from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
 
 
 @dataclass(eq=False)

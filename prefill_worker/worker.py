@@ -14,10 +14,10 @@ import dataclasses
 from cluster import protocol as p
 from cluster.config import SamplingParams
 from cluster.protocol import WorkerRole
-from kv_store.req_kv import ceil_div
-from kv_store.transfer.session import FailureReason
 from engine.core import EngineCore
 from engine.hosted import EngineWorker
+from kv_store.req_kv import ceil_div
+from kv_store.transfer.session import FailureReason
 from prefill_worker.sender import KVSender
 
 

@@ -40,8 +40,8 @@ import torch
 
 from cluster.bench import collect_engines
 from cluster.config import EngineConfig, SamplingParams
-from kernels.kv_layout import TORCH_DTYPES
 from engine.request import RequestStatus
+from kernels.kv_layout import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from engine import EngineCore

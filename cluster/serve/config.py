@@ -22,12 +22,12 @@ from typing import Any
 
 import yaml
 
-from cluster.engine_flags import add_engine_args, engine_fields_from_args
 from cluster.config import GENERATION_CONFIG_MODES, ConfigError, EngineConfig, require, require_min
+from cluster.engine_flags import add_engine_args, engine_fields_from_args
+from cluster.serve.memory import MemoryConfig
 from kv_store.config import KVStoreConfig
 from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig
-from cluster.serve.memory import MemoryConfig
 from router.config import POLICIES, RouterConfig
 from router.gateway.config import API_KEY_ENV, GatewayConfig
 

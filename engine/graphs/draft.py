@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from kernels.kv_layout import KVCacheTensors
 from engine.graphs.capture import StaticBuffers, bucket_for, capture_graph
 from engine.graphs.tree import TreeBuffers
 from engine.runner import ForwardRow
+from kernels.kv_layout import KVCacheTensors
 
 log = logging.getLogger("tandem.engine")
 

@@ -52,11 +52,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.attention.metadata import AttnMetadata
-from kernels.model.compiled import CompiledLayers
 from engine.graphs.capture import StaticBuffers, batch_buckets, bucket_for, capture_graph
 from engine.graphs.tree import TreeVerifyGraphs
 from engine.runner import ForwardOut, ForwardRow, ModelRunner
+from kernels.attention.metadata import AttnMetadata
+from kernels.model.compiled import CompiledLayers
 
 if TYPE_CHECKING:
     from kv_store.device_pool import DevicePool

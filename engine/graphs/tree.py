@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from kernels.attention.metadata import AttnMetadata, TreeMask, slot_of
-from kernels.speculative import verify_tree_mask
 from engine.graphs.capture import batch_buckets, bucket_for, capture_graph
 from engine.runner import ForwardOut, ForwardRow, ModelRunner
+from kernels.attention.metadata import AttnMetadata, TreeMask, slot_of
+from kernels.speculative import verify_tree_mask
 
 log = logging.getLogger("tandem.engine")
 

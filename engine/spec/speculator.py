@@ -55,8 +55,8 @@ from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoin
 from kernels.sampling import filtered_probs, row_generator
 from kernels.speculative import (row_depths, verify_greedy, verify_sampled, verify_tree_greedy,
                                  verify_tree_sampled)
-from engine.spec.draft_tree import DraftTree
 from engine.request import Request, RequestStatus
+from engine.spec.draft_tree import DraftTree
 from engine.spec.policy import AdaptivePolicy, FixedPolicy
 
 log = logging.getLogger("tandem.engine")

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cluster.config import EngineConfig
-from kernels.model.eagle import DraftArch, DraftStyle, EagleDraftHead
 from engine import build_engine
 from engine.graphs.runner import Fallback
+from kernels.model.eagle import DraftArch, DraftStyle, EagleDraftHead
 from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

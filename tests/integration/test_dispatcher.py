@@ -20,16 +20,16 @@ import pytest
 
 from cluster import protocol as p
 from cluster.config import EngineConfig
-from cluster.worker_host.thread import HostLink, WorkerHost
+from cluster.protocol import WorkerRole
 from cluster.worker_host.build import WorkerSpec
-from kernels.model.tokenizer import apply_chat_template
+from cluster.worker_host.thread import HostLink, WorkerHost
 from decode_worker.worker import InboundPhase
+from kernels.model.tokenizer import apply_chat_template
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.config import TransportConfig
 from router.admission import PLAN_SHARE, AdmissionParams
 from router.backend import BackendError, ErrorKind
 from router.dispatcher import Dispatcher, Phase, WorkerInfo
-from cluster.protocol import WorkerRole
 from tests.debug_worker import Stall, build_debug_worker
 from tests.dispatch_harness import settled, wait_for
 from tests.helpers import CHAT_PROMPTS, greedy, make_smollm2_engine, why_not_at_rest

@@ -15,9 +15,9 @@ from cluster.cli.args import engine_config_from_args
 from cluster.cli.main import build_parser
 from cluster.config import EngineConfig, SamplingParams
 from cluster.serve.config import serve_config_from_args
-from kernels.attention import BACKEND_NAMES
 from engine import build_engine
 from engine.graphs.runner import Fallback
+from kernels.attention import BACKEND_NAMES
 from tests.helpers import hf_greedy, tiny_models
 
 BASE = EngineConfig(page_size=4, chunk_size=32, debug_kv=True)

@@ -86,10 +86,11 @@ def test_load_back_mode_compares_second_turns_on_device_and_loaded_back():
 
 
 def test_a_closed_engine_and_its_kv_pool_are_freed_when_dropped():
-    """No part of an engine refers back to it (`build_engine` wires them downward; a connector gets
-    ports, not the engine): dropping the last reference frees the engine and its KV pool at once,
-    without the collector, so a bench making one engine after another holds one pool at a time.
-    (`collect_engines` stays the benches' safety net.)"""
+    """No part of an engine refers back to it (`build_engine` wires them downward): dropping the last
+    reference to a colocated engine (the benches' kind) frees it and its KV pool at once, without the
+    collector, so a bench making one engine after another holds one pool at a time. (A P/D worker's
+    connector holds the engine's `new_request` among its ports, a cycle the collector frees;
+    `collect_engines` stays the benches' safety net.)"""
     import gc
     import weakref
 

@@ -11,16 +11,16 @@ import torch
 from cluster import protocol as p
 from cluster.config import SamplingParams
 from decode_worker.receiver import KVReceiver
+from engine.connector import ConnectorPorts
+from engine.request import FinishReason, Request, RequestStatus
+from engine.scheduler import ScheduledStep
+from engine.stop import StopRules
 from kernels.kv_layout import KVCacheTensors
 from kv_store.device_pool import DevicePool
 from kv_store.radix_cache import NullPrefixCache
 from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
 from kv_store.transfer.local import LocalTransport
 from kv_store.transfer.session import FailureReason
-from engine.connector import ConnectorPorts
-from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler import ScheduledStep
-from engine.stop import StopRules
 from prefill_worker.sender import KVSender
 
 PAGE_SIZE, LAYERS, HEADS, HEAD_DIM = 4, 2, 2, 8

@@ -6,9 +6,9 @@ import pytest
 
 import engine.core as core_mod
 from cluster.config import ConfigError, EngineConfig, SamplingParams
-from kernels.model.packed_linear import PackedLinear
 from engine import build_engine
 from engine.request import FinishReason
+from kernels.model.packed_linear import PackedLinear
 from tests.helpers import TINY_EOS, assert_pool_at_rest, greedy, hf_greedy, make_engine, make_prompts, tiny_models
 
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from cluster.config import SamplingParams
-from kernels.kv_layout import KVCacheTensors
-from kv_store.copier import Direction, PageCopier
 from engine.graphs.capture import batch_buckets, bucket_for
 from engine.graphs.runner import Fallback, GraphCounters, GraphRunner
 from engine.runner import ForwardRow
 from engine.scheduler import ScheduledStep
+from kernels.kv_layout import KVCacheTensors
+from kv_store.copier import Direction, PageCopier
 from tests.helpers import hf_greedy, make_engine, make_prompts, tiny_models
 
 

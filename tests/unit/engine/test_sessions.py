@@ -11,10 +11,10 @@ import pytest
 from cluster import protocol as p
 from cluster.config import EngineConfig
 from cluster.worker_host.build import make_worker
-from kv_store.req_kv import ceil_div
-from kv_store.transfer.local import LocalTransport
 from engine.request import RequestStatus
 from engine.sessions import SessionError, SessionState
+from kv_store.req_kv import ceil_div
+from kv_store.transfer.local import LocalTransport
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
 
 

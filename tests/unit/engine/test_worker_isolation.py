@@ -16,12 +16,12 @@ import torch
 from cluster import protocol as p
 from cluster.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams
 from cluster.worker_host.build import make_worker
-from cluster.worker_host.thread import HostLink, WorkerHost
 from cluster.worker_host.build import WorkerSpec
-from engine import build_engine, load_engine
+from cluster.worker_host.thread import HostLink, WorkerHost
 from decode_worker.worker import ColocatedWorker
-from kv_store.transfer.local import LocalTransport
+from engine import build_engine, load_engine
 from engine.request import FinishReason
+from kv_store.transfer.local import LocalTransport
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models, why_not_at_rest
 from tests.step_pair import StepPair
 

@@ -13,8 +13,8 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.serve.config import GatewayConfig
-from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from engine.build import build_engine
+from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from router.backend import ErrorKind
 from router.gateway import build_app
 from router.gateway.detokenize import final_text

@@ -11,11 +11,11 @@ import weakref
 
 import torch
 
+from cluster.config import EngineConfig
 from cluster.worker_host.build import make_worker
+from engine.request import RequestStatus
 from kv_store.residency import Residency
 from kv_store.transfer.local import LocalTransport
-from cluster.config import EngineConfig
-from engine.request import RequestStatus
 from tests.helpers import greedy, make_engine, make_prompts, tiny_models
 from tests.step_pair import StepPair
 

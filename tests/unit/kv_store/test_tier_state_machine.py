@@ -63,13 +63,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from cluster.config import WRITE_POLICIES, SamplingParams
+from engine.request import FinishReason, Request, RequestStatus
+from engine.runner import ForwardRow, ModelRunner
+from engine.sessions import Session, SessionError, SessionState
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob, Direction, PageCopier, _StagedMove
 from kv_store.l3.config import L3Config, PrefetchPolicy
 from kv_store.radix_cache import TreeNode
-from engine.request import FinishReason, Request, RequestStatus
-from engine.runner import ForwardRow, ModelRunner
-from engine.sessions import Session, SessionError, SessionState
 from tests.helpers import make_engine, tiny_models
 from tests.redis_server import RedisServer
 

@@ -9,9 +9,9 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.worker_host.build import make_worker
+from engine.request import RequestStatus
 from kv_store.page_pool import PageState
 from kv_store.transfer.local import LocalTransport
-from engine.request import RequestStatus
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
 from tests.step_pair import StepPair
 

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.config import SamplingParams
-from cluster.faults import internal_error
-from cluster.protocol import AbortTransfer, Failure, KVComplete, KVProgress, Landing, TransferAborted
+from common.config import SamplingParams
+from common.faults import internal_error
+from common.protocol import AbortTransfer, Failure, KVComplete, KVProgress, Landing, TransferAborted
 from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput, step_output
 from engine.request import FinishReason, Request, RequestStatus

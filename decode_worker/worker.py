@@ -1,4 +1,4 @@
-"""The workers that speak for clients, behind the worker contract (`cluster.protocol.Worker`).
+"""The workers that speak for clients, behind the worker contract (`common.protocol.Worker`).
 
     ColocatedWorker  the engine alone (NullConnector): `Generate` (prefill and decode here), `Abort`
     DecodeWorker     the engine with a `KVReceiver`: also `Reserve` a landing, then `KVProgress` /
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from cluster import protocol as p
-from cluster.protocol import WorkerRole
+from common import protocol as p
+from common.protocol import WorkerRole
 from decode_worker.receiver import InboundPhase, KVReceiver
 from engine.core import EngineCore
 from engine.hosted import EngineWorker

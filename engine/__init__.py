@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from engine.build import build_engine
 from engine.core import EngineCore, debug_kv_enabled
 from engine.output import StepOutput, step_output

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from engine.connector import ConnectorPorts, KVConnector
 from engine.core import EngineCore, EngineParts
 from engine.graphs.runner import GraphRunner, graph_max_batch

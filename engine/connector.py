@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from cluster.config import SamplingParams
+    from common.config import SamplingParams
     from kernels.kv_layout import KVCacheTensors
     from kv_store.device_pool import DevicePool
     from kv_store.req_kv import ReleaseReason, ReqKV

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.config import EngineConfig, SamplingParams
-from cluster.faults import internal_error
-from cluster.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerStats
+from common.config import EngineConfig, SamplingParams
+from common.faults import internal_error
+from common.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerStats
 from engine.connector import ConnectorPorts, KVConnector, NullConnector
 from engine.graphs.runner import GraphRunner
 from engine.output import StepOutput, step_output

@@ -1,4 +1,4 @@
-"""The parts of the worker contract (`cluster.protocol.Worker`) that every worker answers from its
+"""The parts of the worker contract (`common.protocol.Worker`) that every worker answers from its
 engine alone; the roles add `handle`, `fail`, `step` and `stats`."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from cluster.protocol import Failure
+from common.protocol import Failure
 from engine.request import FinishReason, Request
 
 

@@ -17,8 +17,8 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cluster.config import SamplingParams
-from cluster.protocol import FinishReason  # noqa: F401 - the engine's name for it too
+from common.config import SamplingParams
+from common.protocol import FinishReason  # noqa: F401 - the engine's name for it too
 from kv_store.req_kv import ReqKV
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import ForwardRow
 from engine.sessions import NullSessions, SessionManager

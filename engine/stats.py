@@ -1,8 +1,8 @@
-"""The engine's counters as the heartbeat's frozen records (`cluster.protocol`)."""
+"""The engine's counters as the heartbeat's frozen records (`common.protocol`)."""
 
 from __future__ import annotations
 
-from cluster.protocol import GraphStats, PoolStats, SpecStats, TierStats
+from common.protocol import GraphStats, PoolStats, SpecStats, TierStats
 from kv_store.page_pool import PagePool
 
 

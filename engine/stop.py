@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.config import SamplingParams
-from cluster.protocol import FinishReason
+from common.config import SamplingParams
+from common.protocol import FinishReason
 from kernels.model.tokenizer import REPLACEMENT_CHAR, cut_at_stop, decode, first_stop
 
 __all__ = ["StopRules", "StopStringMatcher", "cut_at_stop", "decode", "first_stop"]

@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from cluster.config import EngineConfig, require
+from common.config import EngineConfig, require
 from kv_store.device_pool import DevicePool
 from kv_store.hicache import HostCache, NullHostCache, WritePolicy, host_tensors
 from kv_store.l3.config import L3Config

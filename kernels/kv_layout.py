@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.protocol import KVLayout
+from common.protocol import KVLayout
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Config dtype name -> torch dtype."""

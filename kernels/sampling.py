@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.config import GREEDY_TEMPERATURE_BELOW
+from common.config import GREEDY_TEMPERATURE_BELOW
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive steps over the seed space
 _STREAM = 0xD1B54A32D192ED03  # another odd constant: streams of one (seed, step) apart

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.protocol import KVLayout, Landing
+from common.protocol import KVLayout, Landing
 from kv_store.copier import CopyJob, Direction, PageCopier
 from kv_store.device_pool import DevicePool
 from kv_store.hicache import host_tensors

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.faults import internal_error
-from cluster.protocol import Failure, KVComplete, KVProgress, Landing, TransferAborted
+from common.faults import internal_error
+from common.protocol import Failure, KVComplete, KVProgress, Landing, TransferAborted
 from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput
 from engine.request import FinishReason, Request, RequestStatus

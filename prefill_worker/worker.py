@@ -1,4 +1,4 @@
-"""Prefill worker: the engine with a `KVSender`, behind the worker contract (`cluster.protocol.Worker`).
+"""Prefill worker: the engine with a `KVSender`, behind the worker contract (`common.protocol.Worker`).
 
 It takes `Prefill` (compute a prompt's KV into a decode worker's landing), `PrefillAnswer` (cache a
 finished turn's answer for the conversation's next turn), `AbortTransfer` and `PeerDead`; what it
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from cluster import protocol as p
-from cluster.config import SamplingParams
-from cluster.protocol import WorkerRole
+from common import protocol as p
+from common.config import SamplingParams
+from common.protocol import WorkerRole
 from engine.core import EngineCore
 from engine.hosted import EngineWorker
 from kv_store.req_kv import ceil_div

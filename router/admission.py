@@ -39,9 +39,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from cluster.config import require
+from common.config import require
 from router.policy import WorkerView
-from cluster.protocol import WorkerRole
+from common.protocol import WorkerRole
 
 FALLBACK_RETRY_AFTER_S = 1.0  # no measurement to estimate from: the smallest Retry-After HTTP can say
 DEFAULT_TTFT_BUDGET_S = 30.0  # what a chat user tolerates before giving up on a first token

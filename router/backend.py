@@ -39,8 +39,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cluster.config import SamplingParams
-from cluster.protocol import GraphStats, SpecStats, TierStats
+from common.config import SamplingParams
+from common.protocol import GraphStats, SpecStats, TierStats
 
 
 class ErrorKind(enum.Enum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.config import require, require_min
+from common.config import require, require_min
 from router.admission import DEFAULT_TTFT_BUDGET_S, AdmissionParams
 from router.policy import Policy, PolicyParams
 

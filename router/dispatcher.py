@@ -27,9 +27,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from cluster import protocol as p
-from cluster.config import SamplingParams
-from cluster.relay import RelayServer, hello, new_secret
+from common import protocol as p
+from common.config import SamplingParams
+from common.relay import RelayServer, hello, new_secret
 from router.admission import AdmissionParams, Overloaded, admissible
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 from router.flights import Flight, Phase, Transfer, failure_outcome, observe_first_token, request_counters
@@ -52,7 +52,7 @@ class Dispatcher:
                  admission: AdmissionParams = AdmissionParams(), session_open_timeout_s: float = 10.0,
                  prefill_answers: bool = True, relay_host: str | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        """`relay_host`: where the token relay listens (`cluster/relay.py`; workers whose link
+        """`relay_host`: where the token relay listens (`common/relay.py`; workers whose link
         `relays` connect to it); None: every message comes through the collect long-poll."""
         self.source, self.tokenizer = source, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len

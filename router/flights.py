@@ -25,8 +25,8 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from cluster import protocol as p
-from cluster.config import SamplingParams
+from common import protocol as p
+from common.config import SamplingParams
 from router.admission import AdmissionParams
 from router.backend import ErrorKind, GenerationChunk
 from router.workers import LiveWorker

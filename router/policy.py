@@ -15,7 +15,7 @@ Route shapes:
                     (prefill_id None; a short uncached part: among the DECODE workers); COLOCATED
                     workers only ever take this shape
 
-Imports stdlib, `cluster.config`, `cluster.protocol` and `router.state` (the router's memory) only.
+Imports stdlib, `common.config`, `common.protocol` and `router.state` (the router's memory) only.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cluster.config import require
-from cluster.protocol import WorkerRole
+from common.config import require
+from common.protocol import WorkerRole
 from router.state import DEFAULT_MAX_TREE_TOKENS, RouterState, Stage
 
 

@@ -24,8 +24,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cluster import protocol as p
-from cluster.protocol import WorkerRole
+from common import protocol as p
+from common.protocol import WorkerRole
 from router.backend import BackendError, ErrorKind
 from router.flights import Flight
 from router.policy import NoWorkerAvailable

@@ -1,7 +1,7 @@
 """What the router remembers between requests (`RouterState`): round-robin turns and its picture of
 every worker's KV tiers, which the routing policy (`router.policy`) reads and the dispatcher updates.
 
-Imports stdlib, `cluster.config` and `router.prefix_tree` only (the policy's views in annotations).
+Imports stdlib, `common.config` and `router.prefix_tree` only (the policy's views in annotations).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cluster.config import require
+from common.config import require
 from router.prefix_tree import ApproxPrefixTree
 
 if TYPE_CHECKING:

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cluster import protocol as p
+from common import protocol as p
 from router.admission import AdmissionParams, DecodeLimit, PrefillLane, Refusal
 from router.backend import WorkerGauge
 from router.policy import WorkerView
-from cluster.protocol import WorkerRole
+from common.protocol import WorkerRole
 
 log = logging.getLogger("tandem.dispatcher")
 
@@ -39,7 +39,7 @@ class WorkerLink(Protocol):
 
     relays: bool
     """Whether the worker at the other end can send its messages over the token relay
-    (`cluster/relay.py`: a `WorkerHost`'s queues can, a worker process's pipe cannot)."""
+    (`common/relay.py`: a `WorkerHost`'s queues can, a worker process's pipe cannot)."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ class LiveWorker:
             self._deliver(msgs, "collect", on_message, polls)
 
     def relay_sink(self, on_message, polls):
-        """(on_messages, on_closed) for its relay connection (`cluster/relay.py`): each frame's
+        """(on_messages, on_closed) for its relay connection (`common/relay.py`): each frame's
         messages go to `on_message` as the collector's do; after the relay closes, the worker sends
         on through the long-poll, and its death shows up there."""
         def on_messages(msgs: list) -> None:

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from cluster.config import EngineConfig
-from cluster.protocol import WorkerRole
+from common.config import EngineConfig
+from common.protocol import WorkerRole
 from cluster.worker_host.build import WorkerSpec, build_worker
 from cluster.worker_host.thread import HostLink, WorkerHost
 from kv_store.transfer.local import LocalTransport

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from cluster.config import SamplingParams
+from common.config import SamplingParams
 from engine.output import StepOutput
 from engine.sessions import SessionError
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge

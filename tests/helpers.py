@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from cluster.config import EngineConfig, SamplingParams
+from common.config import EngineConfig, SamplingParams
 from engine import EngineCore, build_engine, load_engine
 from kernels.model.arch import LlamaArch
 from kernels.model.tiny import make_tiny_llama

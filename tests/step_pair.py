@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster import protocol as p
-from cluster.config import SamplingParams
+from common import protocol as p
+from common.config import SamplingParams
 from engine.request import FinishReason
 
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from cluster.bench import collect_engines
-from cluster.config import EngineConfig, SamplingParams
+from common.config import EngineConfig, SamplingParams
 from engine.request import RequestStatus
 from kernels.kv_layout import TORCH_DTYPES
 

@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from cluster.bench import collect_engines
-from cluster.config import EngineConfig, SamplingParams
+from common.config import EngineConfig, SamplingParams
 from engine.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 from cluster.bench.hicache import (FIRST_TOKEN, EngineFactory, L2Sizing, _ceil_pages, _CountingRunner, _engine, _mean,
                                    _on_off_configs, _run_one, _settle, workload_l2)
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from kv_store.l3.config import L3Config, redact_url
 
 if TYPE_CHECKING:
-    from cluster.protocol import TierStats
+    from common.protocol import TierStats
     from engine import EngineCore
     from engine.request import Request
 

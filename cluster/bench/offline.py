@@ -49,7 +49,7 @@ def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
 
 
 def run_tandem(engine, work: Workload) -> Throughput:
-    from cluster.config import SamplingParams
+    from common.config import SamplingParams
 
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in work.output_lens]
     t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def load_hf_model(model_dir, dtype: torch.dtype):
 
 def bench_offline(args: argparse.Namespace) -> int:
     from cluster.cli.args import engine_config_from_args
-    from cluster.config import SamplingParams
+    from common.config import SamplingParams
     from engine import EngineCore, load_engine
     from kernels.model.loader import resolve_model_dir
 

@@ -176,7 +176,7 @@ def bucket_quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 # ---- the baseline and the whole run --------------------------------------------------------------
 def run_offline(engine_config, work: Workload) -> Throughput:
-    from cluster.config import SamplingParams
+    from common.config import SamplingParams
     from engine import EngineCore, load_engine
 
     engine = load_engine(engine_config)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.bench import collect_engines
-from cluster.config import EngineConfig, SamplingParams
+from common.config import EngineConfig, SamplingParams
 from kernels.kv_layout import TORCH_DTYPES
 
 DEFAULT_SPEC_BATCH_SIZES = (1, 16)

@@ -12,7 +12,7 @@ import logging
 import sys
 
 from cluster.bench.load.args import add_load_args
-from cluster.engine_flags import add_engine_args
+from common.engine_flags import add_engine_args
 
 log = logging.getLogger("tandem")
 
@@ -179,7 +179,7 @@ def _add_llamacpp_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_h2d_args(p: argparse.ArgumentParser) -> None:
-    from cluster.config import DTYPES
+    from common.config import DTYPES
 
     p.add_argument("--device", default="cpu", help="the device pool's device (cuda on a GPU machine)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from cluster.config import ConfigError
+    from common.config import ConfigError
     from cluster.serve.launch import ServeStartError
 
     try:

@@ -71,7 +71,7 @@ class RunResult:
 
 def run_offline(args: argparse.Namespace) -> int:
     from cluster.cli.args import engine_config_from_args
-    from cluster.config import SamplingParams
+    from common.config import SamplingParams
 
     prompts = read_prompts(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

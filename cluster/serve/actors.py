@@ -14,7 +14,7 @@ import os
 from cluster.worker_host.thread import HostBeat, WorkerHost
 from cluster.worker_host.build import WorkerSpec
 from router.workers import WorkerInfo
-from cluster.protocol import WorkerRole
+from common.protocol import WorkerRole
 
 ACTOR_CONCURRENCY = 8
 
@@ -51,7 +51,7 @@ class WorkerActor:
 class RayWorkerLink:
     """`router.dispatcher.WorkerLink` over an actor handle. A dead actor raises `RayActorError`."""
 
-    relays = True  # the actor's `WorkerHost` opens the token relay when told (`cluster/relay.py`)
+    relays = True  # the actor's `WorkerHost` opens the token relay when told (`common/relay.py`)
 
     def __init__(self, handle) -> None:
         self.handle = handle

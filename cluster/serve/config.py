@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from cluster.config import GENERATION_CONFIG_MODES, ConfigError, EngineConfig, require, require_min
-from cluster.engine_flags import add_engine_args, engine_fields_from_args
+from common.config import GENERATION_CONFIG_MODES, ConfigError, EngineConfig, require, require_min
+from common.engine_flags import add_engine_args, engine_fields_from_args
 from cluster.serve.memory import MemoryConfig
 from kv_store.config import KVStoreConfig
 from kv_store.l3.config import L3Config
@@ -147,7 +147,7 @@ class ClusterConfig:
     (`cluster/worker_host/cores.py`). false: each worker keeps to its own."""
     token_relay: bool = True
     """Workers send their messages to the gateway (tokens, transfer progress) over one TCP connection
-    each, which they open to the gateway (`cluster/relay.py`), instead of answering a Ray call per
+    each, which they open to the gateway (`common/relay.py`), instead of answering a Ray call per
     scheduler step. It listens where the transfer engine binds (`transport.hostname`: loopback by
     default; "auto": the gateway node's address) and takes only connections that present the
     secret the gateway made at start. false: Ray calls only."""

@@ -37,7 +37,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster import protocol as p
+from common import protocol as p
 from cluster.serve.actors import ACTOR_CONCURRENCY, WorkerActor
 from cluster.serve.config import ServeConfig, WorkerGroupConfig
 from cluster.worker_host.build import WorkerSpec

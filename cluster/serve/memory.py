@@ -31,8 +31,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import DEFAULT_HOST_CACHE_RATIO, ConfigError, EngineConfig, require
-from cluster.protocol import KVLayout
+from common.config import DEFAULT_HOST_CACHE_RATIO, ConfigError, EngineConfig, require
+from common.protocol import KVLayout
 
 GIB = 2**30
 AUTO_BUDGET_SHARE = 0.25

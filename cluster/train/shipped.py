@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import ConfigError, EngineConfig
+from common.config import ConfigError, EngineConfig
 from cluster.train import settings as train_settings
 
 log = logging.getLogger("tandem.speculative")

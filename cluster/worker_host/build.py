@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from cluster.worker_host.cores import CoreShareSpec
 from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig

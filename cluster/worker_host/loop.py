@@ -1,12 +1,12 @@
 """The loop that hosts one worker, whatever carries its messages (a pipe or in-memory queues) and
-whatever its role: it knows only the worker contract (`cluster.protocol.Worker`).
+whatever its role: it knows only the worker contract (`common.protocol.Worker`).
 
     drain the driver's messages -> worker.handle(msg) -> replies sent at once
     worker.step() while worker.busy() -> its messages sent
     a heartbeat with worker.stats() every `heartbeat_interval_s`
 
 Messages go out through the connection (`send_many`: one relay frame per batch once the dispatcher
-sent `RelayTo`, `cluster/relay.py`). An idle worker sleeps until a message or its next heartbeat.
+sent `RelayTo`, `common/relay.py`). An idle worker sleeps until a message or its next heartbeat.
 
 With a core share (`spec.core_share`, CPU workers under `tandem serve`), each step runs on the
 threads `cores.ThreadFollower` gives: its own share plus the idle workers' on its node.
@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from cluster import protocol as p
-from cluster.faults import internal_error
+from common import protocol as p
+from common.faults import internal_error
 from cluster.worker_host.build import WorkerSpec
 from cluster.worker_host.cores import CoreShare, ThreadFollower
 
@@ -54,7 +54,7 @@ def _serve(spec: WorkerSpec, worker: p.Worker, conn, threads: ThreadFollower | N
             msg = conn.recv()
             if isinstance(msg, p.Shutdown):
                 return
-            if isinstance(msg, p.RelayTo):  # only a `QueueConn`'s link sends one (`cluster/relay.py`)
+            if isinstance(msg, p.RelayTo):  # only a `QueueConn`'s link sends one (`common/relay.py`)
                 conn.relay_to(msg)
             else:
                 _send_all(conn, _handle_confined(worker, msg))

@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster import protocol as p
+from common import protocol as p
 from cluster.worker_host.build import WorkerSpec, build_worker
 from cluster.worker_host.loop import run_loop
 

@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster import protocol as p
-from cluster.relay import RelaySender
+from common import protocol as p
+from common.relay import RelaySender
 from cluster.worker_host.build import WorkerSpec, build_worker
 from cluster.worker_host.loop import run_loop
 
@@ -81,7 +81,7 @@ class QueueConn:
             self._cond.notify_all()
 
     def relay_to(self, msg: p.RelayTo) -> None:
-        """Open the relay (`cluster/relay.py`); the loop thread calls this, and only it sends. When the
+        """Open the relay (`common/relay.py`); the loop thread calls this, and only it sends. When the
         gateway cannot be reached, messages keep going through the outbox."""
         try:
             self._relay = RelaySender(msg.host, msg.port, msg.hello)
@@ -207,7 +207,7 @@ class WorkerHost:
 class HostLink:
     """`router.dispatcher.WorkerLink` to a `WorkerHost` in this process (tests, single-process use)."""
 
-    relays = True  # its `WorkerHost` opens the token relay when told (`cluster/relay.py`)
+    relays = True  # its `WorkerHost` opens the token relay when told (`common/relay.py`)
 
     def __init__(self, host: WorkerHost) -> None:
         self.host = host

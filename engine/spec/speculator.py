@@ -48,7 +48,7 @@ import torch
 
 from pathlib import Path
 
-from cluster.config import ConfigError, EngineConfig
+from common.config import ConfigError, EngineConfig
 from kernels.attention.metadata import build_attn_metadata, slot_of
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoint

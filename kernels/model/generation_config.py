@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.config import GENERATION_CONFIG_MODES, ConfigError, SamplingDefaults, require
+from common.config import GENERATION_CONFIG_MODES, ConfigError, SamplingDefaults, require
 from kernels.model.convert import SMOLLM2_SPEC
 
 SMOLLM2_CARD = SamplingDefaults(temperature=0.2, top_p=0.9, source="the SmolLM2-135M-Instruct model card")

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
-from cluster.config import ConfigError, require
+from common.config import ConfigError, require
 
 BACKENDS = ("redis",)
 URL_SCHEMES = ("redis", "rediss")

@@ -18,7 +18,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-from cluster.protocol import KVLayout
+from common.protocol import KVLayout
 
 KEY_FORMAT = b"tandem-l3-page-key/v1"
 DIGEST_BYTES = 32

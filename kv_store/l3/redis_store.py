@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from cluster.config import ConfigError
+from common.config import ConfigError
 from kv_store.l3.codec import ValueFault, decode_value, encode_value
 from kv_store.l3.config import L3Config
 from kv_store.l3.keys import KeyNamespace

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.config import require
+from common.config import require
 from kv_store.transfer.session import TransferDeadlines
 
 PROTOCOLS = ("tcp", "rdma")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from cluster.config import require_min
+from common.config import require_min
 
 
 class TransferState(enum.Enum):

@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
-from cluster.config import SamplingDefaults, SamplingParams
+from common.config import SamplingDefaults, SamplingParams
 from router.gateway.config import GatewayConfig
 from kernels.model.tokenizer import encode_prompt
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal

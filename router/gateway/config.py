@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.config import GENERATION_CONFIG_MODES, require
+from common.config import GENERATION_CONFIG_MODES, require
 
 API_KEY_ENV = "TANDEM_API_KEY"
 """Environment variable read for `gateway.api_key` when neither the file nor an override sets that key."""

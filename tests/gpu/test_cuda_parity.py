@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from engine import build_engine, load_engine
 from kernels.model.loader import load_model
 from kernels.model.tokenizer import apply_chat_template

@@ -163,7 +163,7 @@ def _hf_greedy_with_margins(model, prompt: list[int], max_new_tokens: int) -> tu
 def test_tiny_greedy_matches_hf_with_flashinfer(dtype, page_size):
     """Greedy tokens equal HF's on the same GPU and dtype; a prompt may part from HF only where HF's
     own top-2 margin is a near-tie (half-precision rounding), and most tokens must be compared."""
-    from cluster.config import EngineConfig
+    from common.config import EngineConfig
     from kernels.kv_layout import DTYPE_NAMES
     from kernels.model.arch import LlamaArch
     from kernels.model.llama import LlamaForCausalLM

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from engine import EngineCore, build_engine
 from engine.graphs.runner import Fallback
 from tests.helpers import assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from engine import build_engine
 from engine.graphs.runner import Fallback
 from kernels.model.eagle import DraftArch, DraftStyle, EagleDraftHead

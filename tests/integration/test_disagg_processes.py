@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.config import EngineConfig, SamplingParams
+from common.config import EngineConfig, SamplingParams
 from cluster.worker_host.process import ProcessViews, complete, offline_dispatcher, pair_specs
 from kv_store.transfer.config import TransportConfig
 from tests.debug_worker import DigestKV, KVDigest, Stall, build_debug_worker

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from cluster import protocol as p
-from cluster.config import EngineConfig
-from cluster.protocol import WorkerRole
+from common import protocol as p
+from common.config import EngineConfig
+from common.protocol import WorkerRole
 from cluster.worker_host.build import WorkerSpec
 from cluster.worker_host.thread import HostLink, WorkerHost
 from decode_worker.worker import InboundPhase

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from cluster.config import EngineConfig
-from cluster.protocol import TierStats
+from common.config import EngineConfig
+from common.protocol import TierStats
 from cluster.worker_host.thread import WorkerHost
 from kv_store.l3.config import L3Config
 from router.dispatcher import Dispatcher

@@ -10,8 +10,8 @@ import functools
 
 import pytest
 
-from cluster import protocol as p
-from cluster.config import EngineConfig
+from common import protocol as p
+from common.config import EngineConfig
 from cluster.worker_host.thread import WorkerHost
 from router.backend import BackendError, ErrorKind
 from tests import dispatch_harness

@@ -13,7 +13,7 @@ import json
 from cluster.bench.decode import DecodeSpec, bench_decode, compare, make_prompts, summarize
 from cluster.cli.args import engine_config_from_args
 from cluster.cli.main import build_parser
-from cluster.config import EngineConfig, SamplingParams
+from common.config import EngineConfig, SamplingParams
 from cluster.serve.config import serve_config_from_args
 from engine import build_engine
 from engine.graphs.runner import Fallback

@@ -14,7 +14,7 @@ from cluster.bench.hicache import (MultiTurnSpec, RetractSpec, bench_hicache, co
                                    retract_prompts, user_turns)
 from cluster.bench.hicache_l3 import L3Spec, compare_l3, l3_phase, l3_prompts
 from cluster.cli.main import build_parser
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from engine import EngineCore, build_engine
 from kv_store.l3.config import L3Config
 from tests.helpers import hf_greedy, tiny_models

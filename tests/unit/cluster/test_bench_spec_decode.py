@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from cluster.bench.spec_decode import measure, mode_config, summarize
-from cluster.config import EngineConfig, SamplingParams
+from common.config import EngineConfig, SamplingParams
 from engine import build_engine
 from tests.helpers import make_prompts, tiny_draft_head, tiny_models
 

@@ -2,16 +2,16 @@
 
 Layers, bottom to top; each may import only what its line allows (third-party code is not checked):
 
-    cluster (root)   -> nothing in tandem            (cluster/*.py: the shared vocabulary)
-    kernels          -> cluster root
-    kv_store         -> kernels, cluster root
-    engine           -> kv_store, kernels, cluster root         (the engine every worker runs)
-    prefill_worker   -> engine, kv_store, kernels, cluster root
-    decode_worker    -> engine, kv_store, kernels, cluster root  (never prefill_worker, nor it decode_worker)
-    router           -> kernels.model.tokenizer, cluster root, kv_store.transfer.config
-    cluster.*        -> anything                     (cluster/<sub-package>/: the top layer)
+    common           -> nothing in tandem            (the shared vocabulary: configs, wire protocol, relay)
+    kernels          -> common
+    kv_store         -> kernels, common
+    engine           -> kv_store, kernels, common     (the engine every worker runs)
+    prefill_worker   -> engine, kv_store, kernels, common
+    decode_worker    -> engine, kv_store, kernels, common   (never prefill_worker, nor it decode_worker)
+    router           -> kernels.model.tokenizer, common, kv_store.transfer.config
+    cluster          -> anything                     (the top layer: serve, worker_host, cli, bench, train)
 
-Nothing below the top layer imports a `cluster.*` sub-package.
+Nothing below the top layer imports `cluster`.
 """
 
 from __future__ import annotations
@@ -22,32 +22,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGES = ("kernels", "cluster", "kv_store", "engine", "prefill_worker", "decode_worker", "router")
-CLUSTER_ROOT = "cluster (root)"
-TOP = "cluster.*"
+PACKAGES = ("common", "kernels", "kv_store", "engine", "prefill_worker", "decode_worker", "router", "cluster")
 
 ALLOWED: dict[str, tuple[str, ...]] = {
-    "kernels": ("kernels", CLUSTER_ROOT),
-    CLUSTER_ROOT: (CLUSTER_ROOT,),
-    "kv_store": ("kv_store", "kernels", CLUSTER_ROOT),
-    "engine": ("engine", "kv_store", "kernels", CLUSTER_ROOT),
-    "prefill_worker": ("prefill_worker", "engine", "kv_store", "kernels", CLUSTER_ROOT),
-    "decode_worker": ("decode_worker", "engine", "kv_store", "kernels", CLUSTER_ROOT),
+    "common": ("common",),
+    "kernels": ("kernels", "common"),
+    "kv_store": ("kv_store", "kernels", "common"),
+    "engine": ("engine", "kv_store", "kernels", "common"),
+    "prefill_worker": ("prefill_worker", "engine", "kv_store", "kernels", "common"),
+    "decode_worker": ("decode_worker", "engine", "kv_store", "kernels", "common"),
     # the router runs in the gateway process: text helpers without torch, the wire vocabulary, and
     # the transport's config (no engine, no torch)
-    "router": ("router", "kernels.model.tokenizer", CLUSTER_ROOT, "kv_store.transfer.config"),
-    TOP: PACKAGES + (TOP, CLUSTER_ROOT),
+    "router": ("router", "kernels.model.tokenizer", "common", "kv_store.transfer.config"),
+    "cluster": PACKAGES,
 }
 
 
 def layer_of_module(dotted: str) -> str | None:
     """The layer a module name belongs to, or None when it is not tandem's."""
-    head, _, rest = dotted.partition(".")
-    if head not in PACKAGES:
-        return None
-    if head != "cluster":
-        return head
-    return TOP if (ROOT / "cluster" / rest.split(".")[0]).is_dir() and rest else CLUSTER_ROOT
+    head = dotted.partition(".")[0]
+    return head if head in PACKAGES else None
 
 
 def allowed(importer: str, imported: str) -> bool:
@@ -56,7 +50,7 @@ def allowed(importer: str, imported: str) -> bool:
     if target_layer is None:
         return True
     for entry in ALLOWED[layer_of_module(importer)]:
-        if entry in (CLUSTER_ROOT, TOP) or "." not in entry:
+        if "." not in entry:
             if entry == target_layer:
                 return True
         elif imported == entry or imported.startswith(entry + "."):
@@ -113,10 +107,11 @@ def test_every_import_follows_the_one_way_rule():
 @pytest.mark.parametrize("importer, imported, ok", [
     ("kv_store.page_pool", "kernels.kv_layout", True),
     ("kernels.sampling", "kv_store.page_pool", False),
-    ("kernels.sampling", "cluster.config", True),
-    ("cluster.protocol", "cluster.config", True),
-    ("cluster.config", "kv_store.transfer.session", False),
-    ("prefill_worker.worker", "cluster.serve.config", False),  # a sub-package is the top layer
+    ("kernels.sampling", "common.config", True),
+    ("common.protocol", "common.config", True),
+    ("common.config", "kv_store.transfer.session", False),
+    ("prefill_worker.worker", "cluster.serve.config", False),  # cluster is the top layer
+    ("common.protocol", "kernels.kv_layout", False),  # the vocabulary stands on nothing
     ("cluster.serve.launch", "router.dispatcher", True),
     ("router.gateway.app", "kernels.model.tokenizer", True),
     ("router.gateway.app", "kernels.model.loader", False),  # torch and the model stay out of the gateway

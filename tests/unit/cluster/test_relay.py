@@ -1,4 +1,4 @@
-"""The token relay (`cluster/relay.py`): a worker host's messages reach the gateway's sink in order
+"""The token relay (`common/relay.py`): a worker host's messages reach the gateway's sink in order
 over a real loopback connection; a wrong secret, an unknown worker, an oversized or missing hello
 are closed before anything is unpickled; a failed send puts the messages back on the long-poll."""
 
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from cluster import protocol as p
-from cluster import relay
+from common import protocol as p
+from common import relay
 from cluster.worker_host.thread import QueueConn
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from kv_store.config import KVStoreConfig
 from kv_store.l3.config import L3Config
 from kv_store.transfer.session import TransferDeadlines, TransferState

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster import protocol as p
-from cluster.config import ConfigError, EngineConfig, SamplingParams
+from common import protocol as p
+from common.config import ConfigError, EngineConfig, SamplingParams
 from cluster.serve import controller as controller_mod
 from cluster.serve.config import load_serve_config
 from cluster.serve.controller import Controller, RestartBudget, SlotState, _Slot, custom_resources, worker_bundle

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster import protocol as p
-from cluster.config import SamplingParams
+from common import protocol as p
+from common.config import SamplingParams
 from decode_worker.receiver import KVReceiver
 from engine.connector import ConnectorPorts
 from engine.request import FinishReason, Request, RequestStatus

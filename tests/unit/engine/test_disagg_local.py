@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from cluster import protocol as p
-from cluster.config import EngineConfig
+from common import protocol as p
+from common.config import EngineConfig
 from cluster.worker_host.build import make_worker
 from cluster.worker_host.thread import WorkerHost
 from kv_store.transfer.config import TransportConfig

@@ -5,7 +5,7 @@ import copy
 import pytest
 
 import engine.core as core_mod
-from cluster.config import ConfigError, EngineConfig, SamplingParams
+from common.config import ConfigError, EngineConfig, SamplingParams
 from engine import build_engine
 from engine.request import FinishReason
 from kernels.model.packed_linear import PackedLinear

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cluster.config import SamplingParams
+from common.config import SamplingParams
 from engine.graphs.capture import batch_buckets, bucket_for
 from engine.graphs.runner import Fallback, GraphCounters, GraphRunner
 from engine.runner import ForwardRow

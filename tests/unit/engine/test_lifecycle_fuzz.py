@@ -10,7 +10,7 @@ import functools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.config import SamplingParams
+from common.config import SamplingParams
 from engine.request import FinishReason
 from tests.helpers import assert_pool_at_rest, make_engine
 

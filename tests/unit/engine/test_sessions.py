@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from cluster import protocol as p
-from cluster.config import EngineConfig
+from common import protocol as p
+from common.config import EngineConfig
 from cluster.worker_host.build import make_worker
 from engine.request import RequestStatus
 from engine.sessions import SessionError, SessionState

@@ -20,7 +20,7 @@ from collections import Counter
 import pytest
 import torch
 
-from cluster.config import SamplingParams
+from common.config import SamplingParams
 from cluster.worker_host.build import make_worker
 from kernels.model.eagle import DraftStyle
 from kernels.sampling import filtered_probs
@@ -396,7 +396,7 @@ def test_disaggregated_is_lossless_and_ships_the_prompts_draft_kv(spec_prompts, 
     """Through a prefill worker -> transfer -> decode worker: HF's tokens; the prompt's draft KV that
     arrived equals a colocated engine's; and the head's feature at the prompt's end travels in
     KVComplete, so every request's first decode step verifies drafts."""
-    from cluster.config import EngineConfig
+    from common.config import EngineConfig
     from kv_store.transfer.local import LocalTransport
     from tests.step_pair import StepPair
 
@@ -470,7 +470,7 @@ def test_a_prefix_loaded_back_from_the_host_tier_brings_its_draft_kv(reference):
 
 def test_speculation_without_a_head_is_a_clear_config_error(monkeypatch, tmp_path):
     from cluster.cli.args import with_default_draft
-    from cluster.config import ConfigError, EngineConfig
+    from common.config import ConfigError, EngineConfig
     from engine import build_engine
     import cluster.train.settings as train_settings
 

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from cluster.config import ConfigError, EngineConfig, SamplingParams
+from common.config import ConfigError, EngineConfig, SamplingParams
 from cluster.worker_host.build import make_worker
 from kernels.model.eagle import DraftStyle
 from engine.spec import speculator as speculator_module

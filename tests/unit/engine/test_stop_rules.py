@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, EngineConfig, SamplingParams
+from common.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, EngineConfig, SamplingParams
 from engine import build_engine, load_engine
 from engine.request import FinishReason
 from engine.stop import SPLIT_AFTER_TOKENS, StopRules, StopStringMatcher, cut_at_stop, decode, first_stop

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from cluster import protocol as p
-from cluster.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams
+from common import protocol as p
+from common.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams
 from cluster.worker_host.build import make_worker
 from cluster.worker_host.build import WorkerSpec
 from cluster.worker_host.thread import HostLink, WorkerHost
@@ -219,7 +219,7 @@ def test_worker_host_loop_survives_faulty_requests_and_messages(clean):
 def test_the_client_of_a_faulty_request_gets_an_internal_error_and_no_retry(clean):
     from router.backend import ErrorKind
     from router.dispatcher import Dispatcher, WorkerInfo
-    from cluster.protocol import WorkerRole
+    from common.protocol import WorkerRole
 
     host = WorkerHost(WorkerSpec("colocated", CONFIG, heartbeat_interval_s=0.05), "colocated-0", build=build_tiny)
     link = HostLink(host)

@@ -230,7 +230,7 @@ def test_stop_strings_cut_the_text(client, backend, tok, reference, engine_appli
 
 
 def test_sampling_params_reach_the_engine(client, tok, reference):
-    from cluster.config import SamplingParams
+    from common.config import SamplingParams
     params = {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "seed": 7, "max_tokens": 8, "ignore_eos": True}
     expected, _ = reference(encode_prompt(tok, PROMPT), SamplingParams(**params))
     for _ in range(2):

@@ -13,7 +13,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.config import SamplingDefaults
+from common.config import SamplingDefaults
 from cluster.serve.config import GatewayConfig
 from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app

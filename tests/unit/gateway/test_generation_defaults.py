@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.config import ConfigError, SamplingDefaults
+from common.config import ConfigError, SamplingDefaults
 from cluster.serve.config import GatewayConfig, load_serve_config
 from kernels.model.generation_config import SMOLLM2_CARD, sampling_defaults
 from router.gateway.errors import APIError

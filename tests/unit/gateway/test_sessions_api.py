@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from cluster.serve.config import GatewayConfig
 from engine.build import build_engine
 from kernels.model.tokenizer import apply_chat_template, encode_prompt

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kernels.attention as attention
-from cluster.config import ATTENTION_BACKENDS, ConfigError, EngineConfig
+from common.config import ATTENTION_BACKENDS, ConfigError, EngineConfig
 from kernels.attention import AUTO, BACKEND_NAMES, build_attn_metadata, get_backend, resolve_backend
 from kernels.attention.flashinfer_backend import FlashInferAttentionBackend, paged_kv_index_no_sync
 

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from cluster.worker_host.build import make_worker
 from engine.request import RequestStatus
 from kv_store.residency import Residency

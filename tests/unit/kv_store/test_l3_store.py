@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from cluster.config import ConfigError
+from common.config import ConfigError
 from kernels.kv_layout import KVCacheTensors, kv_layout
 from kv_store.l3.codec import pack_page, unpack_page
 from kv_store.l3.config import L3Config

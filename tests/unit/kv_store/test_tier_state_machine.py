@@ -62,7 +62,7 @@ from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from cluster.config import WRITE_POLICIES, SamplingParams
+from common.config import WRITE_POLICIES, SamplingParams
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import ForwardRow, ModelRunner
 from engine.sessions import Session, SessionError, SessionState

@@ -7,7 +7,7 @@ aborted meanwhile (which drops the request's own tree lock).
 
 import torch
 
-from cluster.config import EngineConfig
+from common.config import EngineConfig
 from cluster.worker_host.build import make_worker
 from engine.request import RequestStatus
 from kv_store.page_pool import PageState

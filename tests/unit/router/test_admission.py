@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import ConfigError
+from common.config import ConfigError
 from router.admission import (FALLBACK_RETRY_AFTER_S, PLAN_SHARE, AdmissionParams, DecodeLimit, Overloaded,
                               PrefillLane, PrefillRate, Refusal, admissible)
 from router.policy import WorkerView
-from cluster.protocol import WorkerRole
+from common.protocol import WorkerRole
 
 
 def lane(window_tokens: int = 100, smoothing: float = 1.0) -> PrefillLane:

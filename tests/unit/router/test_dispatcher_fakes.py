@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from cluster import protocol as p
-from cluster.config import SamplingParams
+from common import protocol as p
+from common.config import SamplingParams
 from router.admission import AdmissionParams
 from router.backend import BackendError, ErrorKind
 from router.dispatcher import Dispatcher, Phase, WorkerInfo
-from cluster.protocol import WorkerRole
+from common.protocol import WorkerRole
 
 
 class ScriptedLink:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import protocol as p
-from cluster.config import SamplingParams
+from common import protocol as p
+from common.config import SamplingParams
 from router.backend import ErrorKind
 from router.flights import Flight, Phase, PhaseError, failure_outcome
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.config import ConfigError
+from common.config import ConfigError
 from router.policy import (
     NoWorkerAvailable,
     Policy,

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from cluster.cli.args import with_default_draft
 from cluster.cli.main import main
-from cluster.config import ConfigError, EngineConfig
+from common.config import ConfigError, EngineConfig
 from cluster.train.checkpoint import write_published
 from cluster.train.settings import MARKER_FILE, TRAIN_FORMAT_VERSION, TrainSettings, ensure_head, head_dir
 from cluster.train.shipped import RECIPE_FILE, SHIPPED_ROOT, default_draft, export_shipped, shipped_dir, shipped_head

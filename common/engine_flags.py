@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.config import ATTENTION_BACKENDS, DTYPES, SPECULATIVE_METHODS, WRITE_POLICIES, EngineConfig
+from common.config import ATTENTION_BACKENDS, DTYPES, SPECULATIVE_METHODS, WRITE_POLICIES, EngineConfig
 
 # flag -> (EngineConfig field, argparse options): the engine flags of `tandem run`, `tandem bench`
 # and `tandem serve`, declared once

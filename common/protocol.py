@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from cluster.config import SamplingParams
+from common.config import SamplingParams
 
 
 class WorkerRole(enum.Enum):
@@ -329,7 +329,7 @@ class Shutdown:
 @dataclass(frozen=True)
 class RelayTo:
     """Dispatcher -> worker host: send every later message to the gateway (but heartbeats and a crash
-    report) over a TCP connection to `host:port`, opened with `hello` (`cluster/relay.py`)."""
+    report) over a TCP connection to `host:port`, opened with `hello` (`common/relay.py`)."""
 
     host: str
     port: int

@@ -13,12 +13,17 @@ from typing import Protocol
 from common.config import SamplingParams
 
 
-class WorkerRole(enum.Enum):
-    """What a worker does; travels on the wire as its value (`WorkerStats.role`, `WorkerReady.role`)."""
+class WorkerRole(str, enum.Enum):
+    """What a worker does, typed on the wire (`WorkerStats.role`, `WorkerReady.role`, `WorkerCrashed.role`)
+    and everywhere after. A `str` enum whose `str()` is its value, so a log line, a metric label and a
+    JSON body (`/workers`) print "prefill", not the member's name."""
 
     PREFILL = "prefill"
     DECODE = "decode"  # decodes transferred KV; prefills locally when no prefill worker is alive
     COLOCATED = "colocated"  # prefills and decodes every request itself; never part of a disaggregated pair
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,7 @@ class SpecStats:
 class WorkerStats:
     """A worker's view of itself, sent with every heartbeat."""
 
-    role: str
+    role: WorkerRole
     device: PoolStats
     host: PoolStats | None  # decode workers only: landings
     num_running: int
@@ -212,13 +217,13 @@ class WorkerStats:
 
 @dataclass(frozen=True)
 class WorkerReady:
-    role: str
+    role: WorkerRole
     session: str  # transport session id
 
 
 @dataclass(frozen=True)
 class WorkerCrashed:
-    role: str
+    role: WorkerRole
     error: str
 
 

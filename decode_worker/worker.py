@@ -66,7 +66,7 @@ class ColocatedWorker(EngineWorker):
         return [token_output(out) for out in self.engine.step()]
 
     def stats(self) -> p.WorkerStats:
-        return self.engine.stats(self.role.value)
+        return self.engine.stats(self.role)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
@@ -109,7 +109,7 @@ class DecodeWorker(ColocatedWorker):
         return out
 
     def stats(self) -> p.WorkerStats:
-        return self.engine.stats(self.role.value, self.receiver.landing.pool, len(self.receiver.inbound))
+        return self.engine.stats(self.role, self.receiver.landing.pool, len(self.receiver.inbound))
 
     def wait_s(self) -> float:
         """Landings only (the peer's messages move them and wake the loop): up to the nearest

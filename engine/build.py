@@ -29,7 +29,7 @@ from engine.graphs.tree import tree_verify_rows
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
-from engine.spec.speculator import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
+from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
 from kernels.model.packed_linear import prepack_cpu

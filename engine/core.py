@@ -26,7 +26,7 @@ import torch
 
 from common.config import EngineConfig, SamplingParams
 from common.faults import internal_error
-from common.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerStats
+from common.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerRole, WorkerStats
 from engine.connector import ConnectorPorts, KVConnector, NullConnector
 from engine.graphs.runner import GraphRunner
 from engine.output import StepOutput, step_output
@@ -34,7 +34,8 @@ from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import ForwardOut, ForwardRow
 from engine.scheduler import ScheduledStep, Scheduler
 from engine.sessions import NullSessions, SessionError, SessionManager
-from engine.spec.speculator import Committed, EagleSpeculator, NullSpeculator
+from engine.spec.factory import NullSpeculator
+from engine.spec.speculator import Committed, EagleSpeculator
 from engine.stats import graph_stats, pool_stats, spec_stats, tier_stats
 from engine.stop import StopRules
 from engine.tokens import apply_stop_rules, row_tokens
@@ -245,7 +246,7 @@ class EngineCore:
     def max_request_tokens(self) -> int:
         return self.scheduler.max_request_tokens()
 
-    def stats(self, role: str, host_pool: PagePool | None = None, transfers: int = 0) -> WorkerStats:
+    def stats(self, role: WorkerRole, host_pool: PagePool | None = None, transfers: int = 0) -> WorkerStats:
         """The heartbeat's view of this engine, with the integrity check's verdict (a failure is
         reported, not raised). The check runs on every call while the engine is idle, and at most
         every `BUSY_INTEGRITY_INTERVAL_S` while it has work (its last verdict stands between)."""

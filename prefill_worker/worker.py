@@ -71,7 +71,7 @@ class PrefillWorker(EngineWorker):
         return out
 
     def stats(self) -> p.WorkerStats:
-        return self.engine.stats(self.role.value, transfers=len(self.sender.shipments))
+        return self.engine.stats(self.role, transfers=len(self.sender.shipments))
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params, landing: p.Landing) -> None:

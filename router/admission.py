@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.config import require
-from router.policy import WorkerView
+from router.policy_types import WorkerView
 from common.protocol import WorkerRole
 
 FALLBACK_RETRY_AFTER_S = 1.0  # no measurement to estimate from: the smallest Retry-After HTTP can say
@@ -95,10 +95,10 @@ class Refusal:
 
 
 class Overloaded(Exception):
-    """No worker of a needed role ("prefill" | "decode") can take the request; `refusal` is the
+    """No worker of a needed role (prefill, or decode: any decode-capable worker) can take the request; `refusal` is the
     most hopeful one's (the soonest retry)."""
 
-    def __init__(self, role: str, refusal: Refusal):
+    def __init__(self, role: WorkerRole, refusal: Refusal):
         super().__init__(f"{role}: {refusal.reason}")
         self.role, self.refusal = role, refusal
 
@@ -300,7 +300,8 @@ class PrefillLane:
         return not self._queue and self.window_tokens < self.max_window_tokens
 
 
-_NEEDED_ROLES = (("prefill", (WorkerRole.PREFILL,)), ("decode", (WorkerRole.DECODE, WorkerRole.COLOCATED)))
+_NEEDED_ROLES = ((WorkerRole.PREFILL, (WorkerRole.PREFILL,)),
+                 (WorkerRole.DECODE, (WorkerRole.DECODE, WorkerRole.COLOCATED)))  # the group, named by its first role
 
 
 def admissible(workers: Sequence[WorkerView], refusals: Mapping[str, Refusal]) -> list[WorkerView]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.config import SamplingParams
-from common.protocol import GraphStats, SpecStats, TierStats
+from common.protocol import GraphStats, SpecStats, TierStats, WorkerRole
 
 
 class ErrorKind(enum.Enum):
@@ -84,7 +84,7 @@ class WorkerGauge:
     """One worker's load as last reported (exported as per-worker gauges)."""
 
     worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
+    role: WorkerRole
     alive: bool
     num_running: int
     num_waiting: int

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from common.config import require, require_min
 from router.admission import DEFAULT_TTFT_BUDGET_S, AdmissionParams
-from router.policy import Policy, PolicyParams
+from router.policy import Policy
+from router.policy_types import PolicyParams
 
 POLICIES = tuple(p.value for p in Policy)
 

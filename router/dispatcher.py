@@ -11,7 +11,9 @@ spawned process under `tandem run --mode disaggregated` and `tandem bench transf
 `ProcessViews`). Each `LiveWorker` runs one sender task (messages leave in order, batched) and one
 collector task (long-poll: every message a worker produced since the last poll arrives in one call).
 
-A request's phases and the transfer record it leaves behind: `router.flights`.
+A request's phases and the transfer record it leaves behind: `router.flights`. The transfer phase of
+a disaggregated request (reserve a landing, hand the prompt to the prefill worker, relay between
+the two): `router.transfer_phase`, mixed into `Dispatcher`.
 
 A transfer failure, or the death of a worker, before any token reached the client re-routes the
 request (at most `max_transfer_retries` times); after that the client gets a clean error.
@@ -33,8 +35,11 @@ from common.relay import RelayServer, hello, new_secret
 from router.admission import AdmissionParams, Overloaded, admissible
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
 from router.flights import Flight, Phase, Transfer, failure_outcome, observe_first_token, request_counters
-from router.policy import NoWorkerAvailable, Policy, PolicyParams, RequestView, RouterState, choose
+from router.policy import NoWorkerAvailable, Policy, choose
+from router.policy_types import PolicyParams, RequestView
 from router.sessions import SessionTable, SessionTurn
+from router.state import RouterState
+from router.transfer_phase import TransferPhase
 from router.workers import LiveWorker, ViewSource, WorkerInfo, WorkerLink, relay_metrics
 
 __all__ = ["Dispatcher", "Phase", "ViewSource", "WorkerInfo", "WorkerLink"]
@@ -42,7 +47,7 @@ __all__ = ["Dispatcher", "Phase", "ViewSource", "WorkerInfo", "WorkerLink"]
 log = logging.getLogger("tandem.dispatcher")
 
 
-class Dispatcher:
+class Dispatcher(TransferPhase):
     """Implements `router.backend.Backend`. Runs on one asyncio loop; call `start` on it first."""
 
     def __init__(self, source: ViewSource, *, tokenizer, model_name: str, max_model_len: int,
@@ -218,17 +223,6 @@ class Dispatcher:
             raise BackendError(ErrorKind.QUEUE_FULL, f"the server is at capacity ({exc}); retry later",
                                retry_after_s=exc.refusal.retry_after_s) from None
 
-    def _pump(self, prefill: LiveWorker) -> None:
-        """Reserve landings for the queued requests that fit the prefill worker's window now."""
-        if prefill.gone:
-            return
-        for flight, num_tokens in prefill.lane.take_ready():
-            flight.move(Phase.RESERVING)
-            if flight.reserve_started_at is None:
-                flight.reserve_started_at = self.clock()
-            self._transfers[flight.wire_id] = Transfer(prefill, flight.decode, num_tokens)
-            flight.decode.send(p.Reserve(flight.wire_id, tuple(flight.prompt), flight.params, prefill.peer_id))
-
     def _failed(self, flight: Flight, failure: p.Failure, why: str) -> None:
         """Its worker failed it (or died): re-routed when `failure_outcome` allows and a route exists,
         else ended with the error kind it gives."""
@@ -266,80 +260,14 @@ class Dispatcher:
             self._on_tokens(live, msg)
         elif isinstance(msg, p.Reserved):
             self._on_reserved(msg)
-        elif isinstance(msg, (p.KVProgress, p.KVComplete, p.TransferAborted)):
-            self._relay_to_decode(msg)
-        elif isinstance(msg, p.AbortTransfer):
-            transfer = self._transfers.get(msg.request_id)
-            if transfer is not None:
-                transfer.prefill.send(msg)
+        elif isinstance(msg, (p.KVProgress, p.KVComplete, p.TransferAborted, p.AbortTransfer)):
+            self._relay_transfer(msg)
         elif isinstance(msg, p.SessionOpened):
             self.sessions.on_opened(live, msg)
         elif isinstance(msg, p.WorkerCrashed):
             self._worker_gone(live, f"crashed:\n{msg.error}")
         else:
             log.warning("unexpected message from %s: %r", live.worker_id, msg)
-
-    def _on_reserved(self, msg: p.Reserved) -> None:
-        flight = self._by_wire.get(msg.request_id)
-        transfer = self._transfers.get(msg.request_id)
-        if msg.error:
-            self._transfer_over(msg.request_id)
-            if flight is not None:
-                self._finish_error(flight, ErrorKind.REJECTED, msg.error)
-        elif msg.landing is None:  # host tier full: the decode worker holds nothing for it
-            self._transfer_over(msg.request_id)
-            if flight is not None:
-                self._unroute(flight)
-                flight.move(Phase.BACKOFF)
-                asyncio.get_running_loop().call_later(self.reserve_retry_s, self._retry_reserve, flight)
-        elif transfer is None or transfer.prefill.gone:
-            if transfer is not None:  # its prefill worker died meanwhile: the decode side frees it
-                transfer.decode.send(p.PeerDead(transfer.prefill.peer_id))
-        elif flight is None:  # aborted while reserving: the decode worker's Abort already ends it
-            pass
-        else:
-            flight.move(Phase.PREFILLING)
-            flight.landing_bytes = len(msg.landing.page_ids) * msg.landing.layout.page_bytes
-            transfer.prefill_sent = True
-            transfer.prefill.lane.rate.started(self.clock(), transfer.prompt_len)
-            transfer.prefill.send(p.Prefill(msg.request_id, tuple(flight.prompt), flight.params, msg.landing))
-
-    def _retry_reserve(self, flight: Flight) -> None:
-        if flight.phase is not Phase.BACKOFF or self.flights.get(flight.request_id) is not flight:
-            return
-        if self.clock() - flight.reserve_started_at > self.landing_timeout_s:  # host tiers stay full
-            self._finish_error(flight, ErrorKind.UNAVAILABLE,
-                               f"no decode worker had room to land the prompt within {self.landing_timeout_s}s")
-            return
-        try:
-            self._route(flight, admit=False)
-        except BackendError as exc:
-            self._finish_error(flight, exc.kind, exc.message)
-
-    def _relay_to_decode(self, msg) -> None:
-        transfer = self._transfers.get(msg.request_id)
-        if transfer is None:
-            return
-        if not transfer.decode.gone:
-            transfer.decode.send(msg)
-        if isinstance(msg, p.KVComplete):
-            self._transfer_over(msg.request_id, delivered=True)
-        elif isinstance(msg, p.TransferAborted):
-            self._transfer_over(msg.request_id)
-
-    def _transfer_over(self, wire_id: str, delivered: bool = False) -> None:
-        """The prefill worker is done with it (or gone): its window share goes to the next in queue."""
-        transfer = self._transfers.pop(wire_id, None)
-        if transfer is None:
-            return
-        flight = self._by_wire.get(wire_id)
-        if delivered and flight is not None:
-            self.state.record_prefilled(flight.prompt)
-        lane = transfer.prefill.lane
-        lane.leave_window(transfer.prompt_len)
-        if transfer.prefill_sent:
-            lane.rate.finished(self.clock(), transfer.prompt_len, delivered)
-        self._pump(transfer.prefill)
 
     def _on_tokens(self, live: LiveWorker, msg: p.TokenOutput) -> None:
         flight = self._by_wire.get(msg.request_id)
@@ -448,9 +376,7 @@ class Dispatcher:
                 self._route(flight, admit=False)
             except BackendError as exc:
                 self._finish_error(flight, exc.kind, exc.message)
-        for wire, transfer in list(self._transfers.items()):
-            if live in (transfer.prefill, transfer.decode):
-                self._transfer_over(wire)
+        self._transfers_gone_with(live)
         for flight in [f for f in self.flights.values() if f.decode is live]:
             self._failed(flight, p.Failure.TRANSFER, f"worker {live.worker_id} died: {why}")
 

@@ -1,22 +1,18 @@
 """What the router remembers between requests (`RouterState`): round-robin turns and its picture of
 every worker's KV tiers, which the routing policy (`router.policy`) reads and the dispatcher updates.
 
-Imports stdlib, `common.config` and `router.prefix_tree` only (the policy's views in annotations).
+Imports stdlib, `common.config`, `router.policy_types` (the policy's views, route and knobs) and
+`router.prefix_tree` only: never `router.policy`, which imports this.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from common.config import require
+from router.policy_types import DEFAULT_MAX_TREE_TOKENS, PolicyParams, RequestView, Route, WorkerView
 from router.prefix_tree import ApproxPrefixTree
-
-if TYPE_CHECKING:
-    from router.policy import PolicyParams, RequestView, Route, WorkerView
-
-DEFAULT_MAX_TREE_TOKENS = 1 << 20
 
 
 class Stage(enum.Enum):

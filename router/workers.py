@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from common import protocol as p
 from router.admission import AdmissionParams, DecodeLimit, PrefillLane, Refusal
 from router.backend import WorkerGauge
-from router.policy import WorkerView
+from router.policy_types import WorkerView
 from common.protocol import WorkerRole
 
 log = logging.getLogger("tandem.dispatcher")
@@ -193,7 +193,7 @@ class LiveWorker:
     def gauge(self) -> WorkerGauge:
         """What the gateway exports per worker."""
         stats = self.info.stats
-        return WorkerGauge(self.worker_id, self.info.role.value, not self.gone,
+        return WorkerGauge(self.worker_id, self.info.role, not self.gone,
                            num_running=stats.num_running if stats else 0,
                            num_waiting=stats.num_waiting if stats else 0,
                            kv_usage=_usage(stats.device) if stats else 0.0,

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from common.config import SamplingParams
+from common.protocol import WorkerRole
 from engine.output import StepOutput
 from engine.sessions import SessionError
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
@@ -130,7 +131,7 @@ class EngineBackend:
         running, waiting = self.num_requests()
         l2 = self.engine.host_cache.pool
         l2_usage = 1 - l2.num_free / l2.num_usable if l2 is not None else None
-        return [WorkerGauge(WORKER_ID, "colocated", True, running, waiting, usage.private / usage.total, None, 0,
+        return [WorkerGauge(WORKER_ID, WorkerRole.COLOCATED, True, running, waiting, usage.private / usage.total, None, 0,
                             host_cache_usage=l2_usage, tiers=self.engine.tier_stats(),
                             graphs=self.engine.graph_stats(), spec=self.engine.spec_stats())]
 

@@ -198,7 +198,7 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     from cluster.train.data import load_prompts, tokenize
     from kernels.model.loader import load_model
     from engine import build_engine
-    from engine.spec.speculator import load_draft_head
+    from engine.spec.factory import load_draft_head
 
     config = engine_config_from_args(args)
     loaded = load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],

@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    from cluster.serve.config import add_serve_args
+    from cluster.serve.config_load import add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="serve the OpenAI-compatible API from a Ray cluster"))
     _add_run_args(sub.add_parser("run", help="offline generation"))
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             from cluster.serve.launch import serve
-            from cluster.serve.config import serve_config_from_args
+            from cluster.serve.config_load import serve_config_from_args
 
             return serve(serve_config_from_args(args))
         if args.command == "run":
@@ -234,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_transfer(args)
         if args.bench == "serve":
-            from cluster.bench.serve import bench_serve
+            from cluster.bench.load.runner import bench_load
 
-            return bench_serve(args)
+            return bench_load(args)
         if args.bench == "overload":
             from cluster.bench.overload import bench_overload
 

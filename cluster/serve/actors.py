@@ -14,7 +14,6 @@ import os
 from cluster.worker_host.thread import HostBeat, WorkerHost
 from cluster.worker_host.build import WorkerSpec
 from router.workers import WorkerInfo
-from common.protocol import WorkerRole
 
 ACTOR_CONCURRENCY = 8
 
@@ -72,7 +71,7 @@ class ControllerViews:
 
     async def workers(self) -> list[WorkerInfo]:
         records = await self.controller.views.remote()
-        return [WorkerInfo(r.worker_id, WorkerRole(r.role), r.incarnation, r.alive, r.session, r.stats, r.restarts,
+        return [WorkerInfo(r.worker_id, r.role, r.incarnation, r.alive, r.session, r.stats, r.restarts,
                            self._link(r), r.pid) for r in records]
 
     def _link(self, record) -> RayWorkerLink | None:

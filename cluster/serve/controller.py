@@ -107,7 +107,7 @@ class WorkerRecord:
     """What the controller publishes about one worker (picklable; `handle` is a Ray actor handle)."""
 
     worker_id: str
-    role: str
+    role: p.WorkerRole
     incarnation: int
     alive: bool
     session: str
@@ -121,7 +121,7 @@ class WorkerRecord:
 @dataclass(eq=False)
 class _Slot:
     worker_id: str
-    role: str
+    role: p.WorkerRole
     group: WorkerGroupConfig
     pg: object
     bundle_index: int
@@ -161,8 +161,8 @@ class Controller:
     async def start(self) -> list[WorkerRecord]:
         """Reserve resources and start every worker; raises RuntimeError naming the worker that
         failed to start (the others are stopped first)."""
-        for role in ("prefill", "decode", "colocated"):
-            group: WorkerGroupConfig = getattr(self.config, role)
+        for role in p.WorkerRole:
+            group: WorkerGroupConfig = getattr(self.config, role.value)
             if group.count == 0:
                 continue
             bundle = worker_bundle(group)
@@ -217,7 +217,7 @@ class Controller:
         cfg = self.config
         engine = slot.group.engine
         if engine.cpu_compile is None:  # served decode steps compile on a CPU unless told not to (EngineConfig)
-            engine = dataclasses.replace(engine, cpu_compile=slot.role != "prefill")
+            engine = dataclasses.replace(engine, cpu_compile=slot.role is not p.WorkerRole.PREFILL)
         spec = WorkerSpec(slot.role, engine, host_pages=slot.group.host_pages,
                           transport=cfg.transport, heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
                           torch_threads=slot.group.torch_threads, l3=cfg.kv_store.l3, core_share=self._core_share(slot))

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import EngineConfig
+from common.protocol import WorkerRole
 from cluster.worker_host.cores import CoreShareSpec
 from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig
@@ -22,7 +23,7 @@ from kv_store.transfer.session import TransferDeadlines
 class WorkerSpec:
     """Everything a worker process needs to build itself (picklable)."""
 
-    role: str  # "prefill" | "decode" | "colocated" (a decode worker that only prefills locally)
+    role: WorkerRole  # its value ("prefill" | "decode" | "colocated") is taken too, and made a WorkerRole
     engine: EngineConfig
     host_pages: int = 0  # decode only: landing pool pages
     transport: TransportConfig = TransportConfig()  # the transfer engine's protocol and address, the deadlines
@@ -30,6 +31,9 @@ class WorkerSpec:
     torch_threads: int = 1
     l3: L3Config | None = None  # the shared L3 store under the host cache; None: none
     core_share: CoreShareSpec | None = None  # lend/borrow torch threads with the node's other workers (cores.py)
+
+    def __post_init__(self):
+        object.__setattr__(self, "role", worker_role(self.role))
 
 
 def build_worker(spec: WorkerSpec, transport=None):
@@ -45,31 +49,39 @@ def build_worker(spec: WorkerSpec, transport=None):
 
     torch.set_num_threads(spec.torch_threads)
     engine = with_default_draft(spec.engine)  # this node's cached head
-    if spec.role == "prefill":  # it never decodes: compiling its decode step would only delay its start
+    if spec.role is WorkerRole.PREFILL:  # it never decodes: compiling its decode step would only delay its start
         engine = dataclasses.replace(engine, cpu_compile=False)
     spec = dataclasses.replace(spec, engine=engine)
     loaded = load_for_serving(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype],
                               backend=spec.engine.attention_backend)
     model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, l3=spec.l3)
-    if spec.role == "colocated":
+    if spec.role is WorkerRole.COLOCATED:
         from kv_store.transfer.local import LocalTransport
 
-        return make_worker("colocated", spec.engine, loaded.model, loaded.arch, **model), transport or LocalTransport()
+        return make_worker(WorkerRole.COLOCATED, spec.engine, loaded.model, loaded.arch, **model), transport or LocalTransport()
     if transport is None:
         from kv_store.transfer.mooncake import MooncakeTransport
 
         transport = MooncakeTransport(spec.transport.hostname, spec.transport.protocol)
     engine = spec.engine
-    if spec.role == "prefill":  # packed weights would cost it a second copy for ~10% (unless asked for by name)
+    if spec.role is WorkerRole.PREFILL:  # packed weights would cost it a second copy for ~10% (unless asked for by name)
         engine = dataclasses.replace(engine, cpu_prepack=bool(engine.cpu_prepack))
     return make_worker(spec.role, engine, loaded.model, loaded.arch, transport, host_pages=spec.host_pages,
                        deadlines=spec.transport, **model), transport
 
 
-def make_worker(role: str, config: EngineConfig, model, arch, transport=None, *, host_pages: int = 0,
+def worker_role(role: WorkerRole | str) -> WorkerRole:
+    """`role`, or the role its value names; a clear error for any other."""
+    try:
+        return WorkerRole(role)
+    except ValueError:
+        raise ValueError(f"unknown worker role {role!r}: one of {sorted(r.value for r in WorkerRole)}") from None
+
+
+def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, transport=None, *, host_pages: int = 0,
                 tokenizer=None, eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
                 clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None, draft_head=None):
-    """The `role` ("prefill" | "decode" | "colocated") worker over `model`: its engine built with the
+    """The `role` worker (a `WorkerRole` or its value) over `model`: its engine built with the
     role's connector (a prefill worker's `KVSender`, a decode worker's `KVReceiver` with `host_pages`
     landing pages, both over `transport`), then the worker around the engine."""
     from decode_worker.receiver import KVReceiver
@@ -78,12 +90,12 @@ def make_worker(role: str, config: EngineConfig, model, arch, transport=None, *,
     from prefill_worker.sender import KVSender
     from prefill_worker.worker import PrefillWorker
 
-    connectors = {"prefill": lambda ports: KVSender(ports, transport, deadlines, clock),
-                  "decode": lambda ports: KVReceiver(ports, transport, host_pages, deadlines, clock),
-                  "colocated": None}
-    workers = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
-    if role not in workers:
-        raise ValueError(f"unknown worker role {role!r}: one of {sorted(workers)}")
+    role = worker_role(role)
+    connectors = {WorkerRole.PREFILL: lambda ports: KVSender(ports, transport, deadlines, clock),
+                  WorkerRole.DECODE: lambda ports: KVReceiver(ports, transport, host_pages, deadlines, clock),
+                  WorkerRole.COLOCATED: None}
+    workers = {WorkerRole.PREFILL: PrefillWorker, WorkerRole.DECODE: DecodeWorker,
+               WorkerRole.COLOCATED: ColocatedWorker}
     engine = build_engine(config, model, arch, tokenizer, eos_token_ids, connector=connectors[role], l3=l3,
                           draft_head=draft_head)
     return workers[role](engine)

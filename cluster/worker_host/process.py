@@ -238,7 +238,7 @@ class ProcessViews:
     async def workers(self) -> list:
         from router.workers import WorkerInfo
 
-        return [WorkerInfo(w.worker_id, p.WorkerRole(w.spec.role), 1, not self._check(w), w.session, w.link.stats, 0,
+        return [WorkerInfo(w.worker_id, w.spec.role, 1, not self._check(w), w.session, w.link.stats, 0,
                            w.link, pid=w.process.pid) for w in self.procs.values()]
 
     def link(self, worker_id: str) -> PipeLink:
@@ -314,8 +314,8 @@ def pair_specs(engine, host_pages: int, transport=None, heartbeat_interval_s: fl
     from kv_store.transfer.config import TransportConfig
 
     transport = transport or TransportConfig()
-    return {"prefill-0": WorkerSpec("prefill", engine, transport=transport, heartbeat_interval_s=heartbeat_interval_s),
-            "decode-0": WorkerSpec("decode", engine, host_pages=host_pages, transport=transport,
+    return {"prefill-0": WorkerSpec(p.WorkerRole.PREFILL, engine, transport=transport, heartbeat_interval_s=heartbeat_interval_s),
+            "decode-0": WorkerSpec(p.WorkerRole.DECODE, engine, host_pages=host_pages, transport=transport,
                                    heartbeat_interval_s=heartbeat_interval_s)}
 
 

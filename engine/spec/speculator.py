@@ -1,7 +1,7 @@
 """Speculative decoding in the engine (docs/design.md §6): who proposes tokens, and how they are verified.
 
-`NullSpeculator` (off) and `EagleSpeculator` (chain or tree drafting with an EAGLE head) are chosen
-by `engine.speculative`. One engine step with EAGLE, for a decoding request whose last token is ``t``
+`EagleSpeculator`: chain or tree drafting with an EAGLE head (`factory.py` chooses it, or
+`NullSpeculator` when `engine.speculative` is off). One engine step with EAGLE, for a decoding request whose last token is ``t``
 at position ``c`` (``c = kv_committed_len``) and whose drafts ``d_1 .. d_k`` came from the step before:
 
     schedule  its verify row: tokens [t, d_1 .. d_k] at positions [c, c + k] (slots allocated already)
@@ -46,12 +46,9 @@ from itertools import accumulate
 
 import torch
 
-from pathlib import Path
-
-from common.config import ConfigError, EngineConfig
 from kernels.attention.metadata import build_attn_metadata, slot_of
 from kernels.kv_layout import KVCacheTensors
-from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoint
+from kernels.model.eagle import DraftStyle, EagleDraftHead
 from kernels.sampling import filtered_probs, row_generator
 from kernels.speculative import (row_depths, verify_greedy, verify_sampled, verify_tree_greedy,
                                  verify_tree_sampled)
@@ -105,32 +102,6 @@ class Committed:
     start: int
     end: int
     feature_row: int
-
-
-class NullSpeculator:
-    """Speculation off: nothing is drafted, every decode row scores one token."""
-
-    counters = None
-
-    def begin_step(self) -> None:
-        pass
-
-    def export_feature(self, request_id: str) -> bytes:
-        return b""
-
-    def draft_arrived(self, arrived: list[Request], running: list[Request], reserve: DraftSlots,
-                      max_request_tokens: int) -> None:
-        pass
-
-    def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
-        raise AssertionError(f"request {req.request_id} carries drafts, but speculation is off")
-
-    def catch_up(self, committed: list[Committed], hidden: torch.Tensor, aux: torch.Tensor | None,
-                 num_running: int) -> None:
-        pass
-
-    def draft(self, running: list[Request], reserve: DraftSlots, max_request_tokens: int) -> None:
-        pass
 
 
 class EagleSpeculator:
@@ -417,40 +388,3 @@ def _feature_rows(c: Committed, path: list[int] | None) -> slice | list[int]:
     """Rows of the step's features that `c` committed: its row's first n, or along a tree's path."""
     n = c.end - c.start
     return slice(c.feature_row, c.feature_row + n) if path is None else [c.feature_row + r for r in path[:n]]
-
-
-def make_speculator(config: EngineConfig, head: EagleDraftHead | None, device: torch.device,
-                    kv: KVCacheTensors | None = None, target_kv: KVCacheTensors | None = None, runner=None):
-    """The speculator `config.speculative` names; `head` is the draft head when it is `eagle` (see
-    `EagleSpeculator` for the rest)."""
-    if config.speculative == "none":
-        return NullSpeculator()
-    check_draft_head(config, head)
-    policy = AdaptivePolicy() if config.speculative_adaptive else FixedPolicy()
-    return EagleSpeculator(head, config.page_size, device, config.num_draft_tokens, config.speculative_max_batch,
-                           policy, config.speculative_topk, config.speculative_tree_nodes, kv, target_kv, runner)
-
-
-def check_draft_head(config: EngineConfig, head: EagleDraftHead | None) -> None:
-    """ConfigError when `head` cannot draft as `config` asks (before anything is allocated for it)."""
-    assert head is not None, "speculative eagle needs a draft head (engine.draft_model)"
-    backend = head.self_attn.backend
-    if config.speculative_topk > 1 and not backend.supports_tree_mask:
-        raise ConfigError(f"speculative_topk {config.speculative_topk} (tree drafting) needs the torch or triton "
-                          f"attention backend; {backend.name} takes no tree mask (set attention_backend, or topk 1)")
-
-
-def draft_aux_layers(head: EagleDraftHead | None) -> tuple[int, ...]:
-    """The target layers whose input hidden states the head reads (EAGLE-3; none otherwise)."""
-    if head is None or head.arch.style is not DraftStyle.EAGLE3:
-        return ()
-    return head.arch.aux_layer_ids
-
-
-def load_draft_head(config: EngineConfig, model: torch.nn.Module, arch) -> EagleDraftHead:
-    """The head in `config.draft_model` for `model` (sharing its embedding and lm_head), or ConfigError."""
-    path = Path(config.draft_model) if config.draft_model else None
-    if path is None or not (path / "config.json").is_file():
-        raise ConfigError(f"speculative {config.speculative} needs engine.draft_model: a draft head directory with "
-                          f"config.json (got {config.draft_model!r}; `tandem train-eagle` makes one for a model)")
-    return load_eagle_checkpoint(path, arch, model.model.embed_tokens, model.lm_head, model.backend)

@@ -40,6 +40,7 @@ from router.gateway.config import GatewayConfig
 from kernels.model.tokenizer import encode_prompt
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
 from router.gateway.hosts import HostGuard, HostPolicy
+from router.gateway.json_body import parse_json_object
 from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from router.gateway.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
     HealthStatus, ModelList, ReadyStatus, SessionDeleted, SessionObject, WorkerList, errors, generation_responses, \
@@ -47,7 +48,7 @@ from router.gateway.openapi import ChatCompletionChunk, ChatCompletionResponse, 
 from router.gateway.readiness import ReadinessProbe, serving_workers_alive
 from router.gateway.responses import SHAPES
 from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
-    parse_json_object, parse_session
+    parse_session
 from router.gateway.sessions import GatewaySession, GatewaySessions, SessionTurn, parse_turn
 from router.gateway.streaming import GenerationRun, SSEResponse, sse_frames, unless_disconnected
 

@@ -27,11 +27,12 @@ from typing import Any
 
 import anyio
 
+from common.protocol import WorkerRole
 from router.gateway.errors import APIError
 
 log = logging.getLogger(__name__)
 
-TOKEN_ROLES = frozenset({"decode", "colocated"})  # the roles whose workers produce tokens
+TOKEN_ROLES = frozenset({WorkerRole.DECODE, WorkerRole.COLOCATED})  # the roles whose workers produce tokens
 
 
 def serving_workers_alive(gauges: Iterable[Any]) -> bool:

@@ -3,7 +3,8 @@
 Parsing is by hand rather than by pydantic models so that each error names its `param` and has the
 status the OpenAI API gives it. Unknown fields are ignored; known fields that would change what the
 model is asked to do and that tandem cannot honour (n > 1, logprobs, echo, tools, ...) are rejected
-with 400 rather than silently dropped.
+with 400 rather than silently dropped. The body as JSON, and typed reads of its fields, each
+failure naming its param: `router.gateway.json_body`.
 
 Streaming sessions: a generation body may name `session_id`; it then carries only the new turn, and
 the parser is given the session's `history` to put before it (token ids for a completion, messages
@@ -13,9 +14,6 @@ for a chat), so every length limit applies to the whole conversation.
 from __future__ import annotations
 
 import enum
-import json
-import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,6 +22,7 @@ from common.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, 
     SamplingDefaults, SamplingParams
 from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from router.gateway.errors import APIError, invalid
+from router.gateway.json_body import as_int, as_ints, int_list_field, integer_field, number_field, typed_field
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
@@ -67,44 +66,6 @@ class SessionRequest:
     idle_timeout_s: float  # closed when idle this long between turns
 
 
-def parse_json_object(body: bytes) -> dict:
-    """The body as a JSON object whose every string is valid Unicode, or 400."""
-    try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise invalid(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(payload, dict):
-        raise invalid("request body must be a JSON object", code="invalid_json")
-    where = _lone_surrogate_at(payload)
-    if where is not None:
-        raise invalid(f"`{where or 'a key'}` is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff "
-                      "escape without its pair)", param=where or None)
-    return payload
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _lone_surrogate_at(payload: dict) -> str | None:
-    """The param path (`messages[0].content`) of a string, or key, holding a lone surrogate;
-    None when there is none. JSON's `\\ud800` escape yields such strings, which no tokenizer or
-    UTF-8 encoder accepts. Iterative: the payload may be as deep as the JSON parser allows."""
-    stack: list[tuple[str, Any]] = [("", payload)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                return path
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if _SURROGATE.search(key):
-                    return path  # the object holding the bad key ("" at the top level)
-                stack.append((f"{path}.{key}" if path else key, item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
-    return None
-
-
 def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits,
                      history: Sequence[int] = ()) -> GenerateRequest:
     """A /v1/completions body. The prompt is encoded without a chat template or special tokens, and
@@ -143,7 +104,7 @@ def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
 
 def session_id_of(payload: dict) -> str:
     """The `session_id` extension field of a generation body; "" when absent (or null)."""
-    session_id = _typed(payload, "session_id", str)
+    session_id = typed_field(payload, "session_id", str)
     if session_id is None:
         return ""
     if not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
@@ -155,11 +116,11 @@ def session_id_of(payload: dict) -> str:
 def parse_session(payload: dict, limits: ModelLimits) -> SessionRequest:
     """A POST /v1/sessions body: `capacity_tokens` in [1, max_model_len] (default max_model_len),
     `idle_timeout_s` in (0, MAX_SESSION_IDLE_TIMEOUT_S] (default DEFAULT_SESSION_IDLE_TIMEOUT_S)."""
-    capacity = _integer(payload, "capacity_tokens")
+    capacity = integer_field(payload, "capacity_tokens")
     if capacity is not None and not 1 <= capacity <= limits.max_model_len:
         raise invalid(f"`capacity_tokens` must be an integer in [1, {limits.max_model_len}] (the context length), "
                       f"got {capacity}", param="capacity_tokens")
-    idle_timeout_s = _number(payload, "idle_timeout_s")
+    idle_timeout_s = number_field(payload, "idle_timeout_s")
     if idle_timeout_s is not None and not 0 < idle_timeout_s <= MAX_SESSION_IDLE_TIMEOUT_S:
         raise invalid(f"`idle_timeout_s` must be a number in (0, {MAX_SESSION_IDLE_TIMEOUT_S:g}], "
                       f"got {idle_timeout_s}", param="idle_timeout_s")
@@ -175,10 +136,10 @@ def _check_common(payload: dict, limits: ModelLimits) -> None:
                        code="model_not_found", param="model")
     _check_off(payload, "n", 1, "n other than 1")
     for name in ("presence_penalty", "frequency_penalty"):
-        if _number(payload, name) not in (None, 0):
+        if number_field(payload, name) not in (None, 0):
             raise _unsupported(name, f"a non-zero {name}")
     _check_off(payload, "logit_bias", {})
-    _typed(payload, "user", str)  # ignored, but documented as a string
+    typed_field(payload, "user", str)  # ignored, but documented as a string
 
 
 def _check_off(payload: dict, name: str, off: Any, what: str | None = None) -> None:
@@ -190,7 +151,7 @@ def _check_off(payload: dict, name: str, off: Any, what: str | None = None) -> N
     if isinstance(off, bool):
         is_off = value is off
     elif isinstance(off, int):
-        is_off = _as_int(value) == off  # JSON Schema's integers: 1 and 1.0
+        is_off = as_int(value) == off  # JSON Schema's integers: 1 and 1.0
     else:
         is_off = type(value) is type(off) and value == off
     if not is_off:
@@ -199,8 +160,8 @@ def _check_off(payload: dict, name: str, off: Any, what: str | None = None) -> N
 
 def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_tokens: int,
              limits: ModelLimits) -> GenerateRequest:
-    stream = bool(_typed(payload, "stream", bool))
-    options = _typed(payload, "stream_options", dict) or {}
+    stream = bool(typed_field(payload, "stream", bool))
+    options = typed_field(payload, "stream_options", dict) or {}
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise invalid("`stream_options.include_usage` must be a boolean", param="stream_options.include_usage")
@@ -221,20 +182,20 @@ def _sampling_params(payload: dict, max_tokens: int, limits: ModelLimits) -> Sam
             seed=_bounded_integer(payload, "seed", SEED_MIN, SEED_MAX),
             stop=_stop_strings(payload),
             stop_token_ids=_stop_token_ids(payload, vocab_size),
-            ignore_eos=bool(_typed(payload, "ignore_eos", bool)))
+            ignore_eos=bool(typed_field(payload, "ignore_eos", bool)))
     except ConfigError as exc:
         raise invalid(str(exc)) from None
 
 
 def _temperature(payload: dict, default: float) -> float:
-    temperature = _number(payload, "temperature")
+    temperature = number_field(payload, "temperature")
     if temperature is not None and temperature < 0:
         raise invalid(f"temperature must be >= 0, got {temperature}", param="temperature")
     return default if temperature is None else float(temperature)
 
 
 def _top_p(payload: dict, default: float) -> float:
-    top_p = _number(payload, "top_p")
+    top_p = number_field(payload, "top_p")
     if top_p is not None and not 0 < top_p <= 1:
         raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p")
     return default if top_p is None else float(top_p)
@@ -243,7 +204,7 @@ def _top_p(payload: dict, default: float) -> float:
 def _top_k(payload: dict, vocab_size: int, default: int) -> int:
     """The engine's top_k: 0 is off. OpenAI-style clients say -1 for off; a top_k of the vocabulary
     or more keeps every token, which is off too (and never reaches a tensor as a huge integer)."""
-    top_k = _integer(payload, "top_k")
+    top_k = integer_field(payload, "top_k")
     if top_k is not None and top_k < -1:
         raise invalid(f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k}", param="top_k")
     if top_k is None:
@@ -252,20 +213,37 @@ def _top_k(payload: dict, vocab_size: int, default: int) -> int:
 
 
 def _bounded_integer(payload: dict, name: str, low: int, high: int) -> int | None:
-    value = _integer(payload, name)
+    value = integer_field(payload, name)
     if value is not None and not low <= value <= high:
         raise invalid(f"`{name}` must be an integer in [{low}, {high}], got {value}", param=name)
     return value
 
 
 def _stop_token_ids(payload: dict, vocab_size: int) -> tuple[int, ...]:
-    ids = _int_list(payload, "stop_token_ids")
+    ids = int_list_field(payload, "stop_token_ids")
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(ids)}",
                       param="stop_token_ids")
     if not all(0 <= t < vocab_size for t in ids):
         raise invalid(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
     return tuple(ids)
+
+
+def _stop_strings(payload: dict) -> tuple[str, ...]:
+    stop = payload.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise invalid("`stop` must be a non-empty string or a list of non-empty strings", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:  # every new token is checked against each of them
+        raise invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}", param="stop")
+    total_chars = sum(map(len, stop))
+    if total_chars > MAX_STOP_CHARS:
+        raise invalid(f"the stop strings may have {MAX_STOP_CHARS} characters together at most, got {total_chars}",
+                      param="stop")
+    return tuple(stop)
 
 
 def _max_tokens(payload: dict, name: str, prompt_len: int, limits: ModelLimits) -> int:
@@ -275,7 +253,7 @@ def _max_tokens(payload: dict, name: str, prompt_len: int, limits: ModelLimits) 
     if limits.max_prompt_tokens is not None and prompt_len > limits.max_prompt_tokens:
         raise invalid(f"the prompt has {prompt_len} tokens; this server accepts at most "
                       f"{limits.max_prompt_tokens}", code="prompt_too_long")
-    asked = _integer(payload, name)
+    asked = integer_field(payload, name)
     if asked is not None and asked <= 0:
         raise invalid(f"{name} must be >= 1, got {asked}", param=name)
     context_left = limits.max_model_len - prompt_len
@@ -301,7 +279,7 @@ def _completion_prompt(payload: dict, tokenizer: Any, vocab_size: int) -> list[i
         prompt = prompt[0]  # a batch of one: one string, or one list of token ids
     if isinstance(prompt, str):
         return encode_prompt(tokenizer, prompt)
-    token_ids = _as_ints(prompt) if isinstance(prompt, list) and prompt else None
+    token_ids = as_ints(prompt) if isinstance(prompt, list) and prompt else None
     if token_ids is not None:
         if not all(0 <= t < vocab_size for t in token_ids):
             raise invalid(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
@@ -354,76 +332,6 @@ def _text_part(part: Any, param: str) -> str:
     if not isinstance(part.get("text"), str):
         raise invalid(f"{param}.text must be a string", param=f"{param}.text")
     return part["text"]
-
-
-# ---- typed field access ------------------------------------------------------------------------
-def _typed(payload: dict, name: str, kind: type) -> Any:
-    value = payload.get(name)
-    if value is not None and not isinstance(value, kind):
-        raise invalid(f"`{name}` must be a {kind.__name__}", param=name)
-    return value
-
-
-def _number(payload: dict, name: str) -> float | None:
-    """A finite number (JSON's 1e999 parses as infinity, and Python's JSON accepts NaN)."""
-    value = payload.get(name)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise invalid(f"`{name}` must be a number", param=name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise invalid(f"`{name}` must be a finite number, got {value}", param=name)
-    return value
-
-
-def _as_int(value: Any) -> int | None:
-    """`value` as an int when JSON Schema calls it an integer (2, and 2.0: a number with no fraction);
-    None for anything else (booleans included)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _as_ints(values: list) -> list[int] | None:
-    ints = [_as_int(v) for v in values]
-    return None if None in ints else ints
-
-
-def _integer(payload: dict, name: str) -> int | None:
-    value = payload.get(name)
-    if value is None:
-        return None
-    as_int = _as_int(value)
-    if as_int is None:
-        raise invalid(f"`{name}` must be an integer", param=name)
-    return as_int
-
-
-def _int_list(payload: dict, name: str) -> list[int]:
-    value = payload.get(name)
-    if value is None:
-        return []
-    ints = _as_ints(value) if isinstance(value, list) else None
-    if ints is None:
-        raise invalid(f"`{name}` must be a list of integers", param=name)
-    return ints
-
-
-def _stop_strings(payload: dict) -> tuple[str, ...]:
-    stop = payload.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise invalid("`stop` must be a non-empty string or a list of non-empty strings", param="stop")
-    if len(stop) > MAX_STOP_STRINGS:  # every new token is checked against each of them
-        raise invalid(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}", param="stop")
-    total_chars = sum(map(len, stop))
-    if total_chars > MAX_STOP_CHARS:
-        raise invalid(f"the stop strings may have {MAX_STOP_CHARS} characters together at most, got {total_chars}",
-                      param="stop")
-    return tuple(stop)
 
 
 def _unsupported(param: str, what: str | None = None) -> APIError:

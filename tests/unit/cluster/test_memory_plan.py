@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from common.config import ConfigError
-from cluster.serve.config import load_serve_config
+from cluster.serve.config_load import load_serve_config
 from cluster.serve.memory import (GIB, L3_STAGING_HOST_RATIO, NODE_OVERHEAD_BYTES, WORKER_OVERHEAD_BYTES, ModelShape,
                                   auto_budget, plan_memory)
 

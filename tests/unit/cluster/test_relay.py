@@ -69,7 +69,7 @@ def test_a_hosts_messages_reach_the_sink_in_order_and_heartbeats_and_crashes_sta
     for i in range(0, 50, 5):
         conn.send_many(sent[i:i + 5])  # a step's messages: one frame
     conn.send(p.Heartbeat(None))
-    crash = p.WorkerCrashed("decode", "boom")
+    crash = p.WorkerCrashed(p.WorkerRole.DECODE, "boom")
     conn.send(crash)
     assert gateway.wait_for(50) == sent
     assert conn.collect(0.0) == [crash]  # the crash report goes where the loop's end is seen

@@ -21,10 +21,8 @@ from cluster.serve.config import (
     ServeConfig,
     TransportConfig,
     WorkerGroupConfig,
-    add_serve_args,
-    load_serve_config,
-    serve_config_from_args,
 )
+from cluster.serve.config_load import add_serve_args, load_serve_config, serve_config_from_args
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cluster.yaml"
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from referencing import Registry, Resource
 
 from cluster.cli.main import build_parser
-from cluster.serve.config import serve_config_from_args
+from cluster.serve.config_load import serve_config_from_args
 from router.dispatcher import Dispatcher
 from tests.gateway_cluster import byte_tokenizer
 from tests.gateway_http import app_client

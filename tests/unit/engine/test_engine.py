@@ -6,6 +6,7 @@ import pytest
 
 import engine.core as core_mod
 from common.config import ConfigError, EngineConfig, SamplingParams
+from common.protocol import WorkerRole
 from engine import build_engine
 from engine.request import FinishReason
 from kernels.model.packed_linear import PackedLinear
@@ -158,16 +159,16 @@ def test_heartbeat_integrity_check_runs_every_beat_at_rest_and_at_most_every_int
         real_check()
 
     monkeypatch.setattr(engine, "check_integrity", counted)
-    engine.stats("colocated"), engine.stats("colocated")
+    engine.stats(WorkerRole.COLOCATED), engine.stats(WorkerRole.COLOCATED)
     assert checks == [False, False]  # at rest: every beat
     req = engine.add_request(make_prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     checks.clear()
     for _ in range(3):
-        assert engine.stats("colocated").integrity_error == ""
+        assert engine.stats(WorkerRole.COLOCATED).integrity_error == ""
     assert checks == []  # busy, within the interval of the last check: the verdict stands
     monkeypatch.setattr(core_mod, "BUSY_INTEGRITY_INTERVAL_S", 0.0)
-    engine.stats("colocated")
+    engine.stats(WorkerRole.COLOCATED)
     assert checks == [True]  # the interval passed: checked while busy
     engine.abort(req.request_id)
     engine.step()

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from common.config import SamplingParams
+from common.protocol import WorkerRole
 from cluster.worker_host.build import make_worker
 from kernels.model.eagle import DraftStyle
 from kernels.sampling import filtered_probs
@@ -360,13 +361,13 @@ def test_acceptance_reaches_metrics_per_verify_and_per_draft_position(spec_promp
     engine = make_spec_engine()
     _script_drafts(engine, reference, accept=0.6, seed=1)
     engine.generate(spec_prompts, greedy(max_tokens=MAX_NEW))
-    stats = engine.stats("colocated").spec
+    stats = engine.stats(WorkerRole.COLOCATED).spec
     hist = Counter(dict(stats.accepted_per_verify))
     assert stats.verifies == sum(hist.values()) > 0 and len(hist) == 4  # 0 .. 3 accepted all occurred
 
     class Collector:
         def collect(self):
-            return _spec_metrics([WorkerGauge("w0", "colocated", True, 0, 0, 0.0, None, 0, spec=stats)])
+            return _spec_metrics([WorkerGauge("w0", WorkerRole.COLOCATED, True, 0, 0, 0.0, None, 0, spec=stats)])
     registry = CollectorRegistry()
     registry.register(Collector())
     samples = {(s.name, s.labels.get("le", s.labels.get("position"))): s.value for f in

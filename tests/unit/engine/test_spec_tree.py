@@ -21,6 +21,7 @@ from common.config import ConfigError, EngineConfig, SamplingParams
 from cluster.worker_host.build import make_worker
 from kernels.model.eagle import DraftStyle
 from engine.spec import speculator as speculator_module
+from engine.spec.factory import make_speculator
 from engine.request import RequestStatus
 from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_spec_engine, tiny_draft_head, \
     tiny_models
@@ -191,8 +192,8 @@ def test_tree_drafting_needs_a_backend_that_takes_tree_masks():
     head.self_attn.backend.supports_tree_mask = False  # an instance attribute: FlashInfer's answer
     config = EngineConfig(speculative="eagle", speculative_topk=2, num_pages=64)
     with pytest.raises(ConfigError, match="tree drafting"):
-        speculator_module.make_speculator(config, head, torch.device("cpu"))
-    assert speculator_module.make_speculator(EngineConfig(speculative="eagle"), head, torch.device("cpu")).topk == 1
+        make_speculator(config, head, torch.device("cpu"))
+    assert make_speculator(EngineConfig(speculative="eagle"), head, torch.device("cpu")).topk == 1
 
 
 @pytest.mark.parametrize("bad", [0, 9, 2.5])

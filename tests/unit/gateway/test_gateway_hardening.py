@@ -311,7 +311,7 @@ def test_tandem_serve_runs_the_gateway_through_gateway_server(monkeypatch):
 
 
 def _serve_config(**gateway_fields):
-    from cluster.serve.config import load_serve_config
+    from cluster.serve.config_load import load_serve_config
 
     return load_serve_config(None, {f"gateway.{k}": v for k, v in gateway_fields.items()})
 
@@ -374,8 +374,9 @@ class _Gauged:
         self._backend, self._workers = backend, workers
 
     def worker_gauges(self):
+        from common.protocol import WorkerRole
         from router.backend import WorkerGauge
-        return [WorkerGauge(f"{role}-{i}", role, alive, 0, 0, 0.0, None, 0)
+        return [WorkerGauge(f"{role}-{i}", WorkerRole(role), alive, 0, 0, 0.0, None, 0)
                 for i, (role, alive) in enumerate(self._workers)]
 
     def __getattr__(self, name):

@@ -7,7 +7,7 @@ import pytest
 from common.config import ConfigError
 from router.admission import (FALLBACK_RETRY_AFTER_S, PLAN_SHARE, AdmissionParams, DecodeLimit, Overloaded,
                               PrefillLane, PrefillRate, Refusal, admissible)
-from router.policy import WorkerView
+from router.policy_types import WorkerView
 from common.protocol import WorkerRole
 
 
@@ -197,7 +197,8 @@ def test_params_are_bounded(bad):
 
 
 def test_router_config_resolves_the_automatic_admission_knobs():
-    from cluster.serve.config import RouterConfig, load_serve_config
+    from cluster.serve.config import RouterConfig
+    from cluster.serve.config_load import load_serve_config
 
     auto = RouterConfig().admission(prefill_chunk_size=512, decode_max_running=64)
     assert auto == AdmissionParams(max_queue_delay_s=30.0, max_queued_requests=256, prefill_window_tokens=1024,

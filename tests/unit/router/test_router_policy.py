@@ -11,14 +11,11 @@ from common.config import ConfigError
 from router.policy import (
     NoWorkerAvailable,
     Policy,
-    PolicyParams,
-    RequestView,
-    Route,
     RouterState,
     WorkerRole,
-    WorkerView,
     choose,
 )
+from router.policy_types import PolicyParams, RequestView, Route, WorkerView
 from router.prefix_tree import ApproxPrefixTree
 
 PARAMS = PolicyParams()

@@ -37,40 +37,34 @@ computes P + O - 1 tokens when nothing is cached and nothing is retracted (its l
 fed back); a multi-turn turn's computed prefill is its forward tokens minus its O - 1 decode tokens,
 and the retract workload's recomputed tokens are all forward tokens minus sum(P + O - 1).
 
-Every engine ends with its backups drained and `engine.check_integrity()`. A run whose engine stops
-making progress (`STALL_STEPS`) raises instead of spinning.
+The engines, their forward counter and the timing of a request run alone are hicache_engines.py's,
+shared with the L3 phase. Every engine ends with its backups drained and `engine.check_integrity()`.
+A run whose engine stops making progress (`STALL_STEPS`) raises instead of spinning.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from cluster.bench import collect_engines
+from cluster.bench.hicache_engines import (CountingRunner, EngineFactory, L2Sizing, ceil_pages, mean_or_zero,
+                                           on_off_configs, run_one, settle, shared_model_factory,
+                                           steps_until_finished, warm_engine, workload_l2)
+from cluster.bench.hicache_l3 import L3Spec, l3_phase
 from common.config import EngineConfig, SamplingParams
-from engine.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
-    from cluster.bench.hicache_l3 import L3Spec
-    from kv_store.l3.config import L3Config
-    from engine import EngineCore, StepOutput
+    from engine import EngineCore
 
 log = logging.getLogger("tandem.bench")
 
-WARMUP_PROMPT = list(range(1, 17))  # first-call costs; random ids start at 10, so no prefix is shared
-STALL_STEPS = 2000
-"""Steps in a row with no forward pass and no host-tier copy in flight after which a run counts as
-stalled (requests waiting that the engine never admits) and the bench raises instead of spinning."""
-FIRST_TOKEN = SamplingParams(max_tokens=1)
 SCHEDULE_NOTE = ("conversations interleaved per round; one request at a time (TTFT unbatched), alternating L2 on / off "
                  "request by request")
 
@@ -123,7 +117,7 @@ class MultiTurnRun:
 
     @property
     def ttft_mean_later_s(self) -> float:
-        return _mean([t.ttft_s for t in self.later()])
+        return mean_or_zero([t.ttft_s for t in self.later()])
 
     def total(self, field: str, later: bool = True) -> int:
         return sum(getattr(t, field) for t in (self.later() if later else self.turns))
@@ -150,96 +144,13 @@ class RetractRun:
         return self.forward_tokens - self.min_forward_tokens
 
 
-EngineFactory = Callable[[EngineConfig, "L3Config | None"], "EngineCore"]
-"""Builds an engine for a config, with L3 when given (the bench: over SmolLM2 or --model; tests: over
-the tiny model)."""
-
-
-class _CountingRunner:
-    """The engine's ModelRunner, counting the tokens its forward passes compute."""
-
-    def __init__(self, runner):
-        self.runner, self.num_tokens = runner, 0
-
-    def forward(self, rows):
-        self.num_tokens += sum(len(r.token_ids) for r in rows)
-        return self.runner.forward(rows)
-
-    def run(self, step):
-        self.num_tokens += sum(len(r.token_ids) for r in step.rows)
-        return self.runner.run(step)
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
-
-
-# ---- engines ----------------------------------------------------------------------------------------
-def shared_model_factory() -> EngineFactory:
-    """Engines over one loaded model: the first config loads it, later ones reuse it."""
-    from kernels.kv_layout import TORCH_DTYPES
-    from kernels.model.loader import load_model
-    from engine import build_engine
-
-    loaded = []
-
-    def make(config, l3):
-        if not loaded:
-            loaded.append(load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],
-                                     backend=config.attention_backend))
-        m = loaded[0]
-        collect_engines()
-        return build_engine(config, m.model, m.arch, m.tokenizer, m.eos_token_ids, l3=l3)
-
-    return make
-
-
-@contextlib.contextmanager
-def _engine(factory: EngineFactory, config: EngineConfig,
-            l3: L3Config | None = None) -> Iterator[tuple[EngineCore, _CountingRunner]]:
-    """A fresh, warmed-up engine and its forward counter; on leaving: backups drained, KV checked, closed."""
-    engine = factory(config, l3)
-    try:
-        engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=2))
-        counter = engine.runner = _CountingRunner(engine.runner)
-        yield engine, counter
-        _settle(engine)
-        engine.check_integrity()
-    finally:
-        engine.close()
-
-
-def _settle(engine: EngineCore) -> None:
-    while engine.busy():  # backups still in flight
-        engine.step()
-
-
-L2Sizing = Callable[[int, int], int]
-"""(L1 pages, L2 pages sized from the workload) -> the L2 pages of the "on" run."""
-
-
-def workload_l2(l1_pages: int, sized_pages: int) -> int:
-    return sized_pages
-
-
-def _on_off_configs(base: EngineConfig, pages: tuple[int, int], l2: L2Sizing) -> tuple[EngineConfig, EngineConfig]:
-    """(L2 on, L2 off) configs. L1 is `base.num_pages` when set, else `pages[0]`; L2 `l2(L1, pages[1])`."""
-    l1 = base.num_pages or pages[0]
-    host = l2(l1, pages[1])
-    on, off = (dataclasses.replace(base, num_pages=l1, host_cache_pages=h) for h in (host if host >= 2 else 0, 0))
-    return on, off
-
-
-def _ceil_pages(num_tokens: float, page_size: int) -> int:
-    return math.ceil(num_tokens / page_size)
-
-
 # ---- 1. multi-turn --------------------------------------------------------------------------------
 def multiturn_pages(spec: MultiTurnSpec, page_size: int) -> tuple[int, int]:
     """(L1, L2) pages: L1 holds `l1_conversations` final histories (at least one whole request) + the
     scratch page; L2 holds every conversation's (a quarter spare for partial pages) + its scratch page."""
     final = spec.final_tokens
-    l1 = max(_ceil_pages(spec.l1_conversations * final, page_size), _ceil_pages(final, page_size)) + 1
-    return l1, _ceil_pages(1.25 * spec.conversations * final, page_size) + 1
+    l1 = max(ceil_pages(spec.l1_conversations * final, page_size), ceil_pages(final, page_size)) + 1
+    return l1, ceil_pages(1.25 * spec.conversations * final, page_size) + 1
 
 
 def user_turns(spec: MultiTurnSpec, vocab_size: int) -> list[list[list[int]]]:
@@ -251,7 +162,7 @@ def user_turns(spec: MultiTurnSpec, vocab_size: int) -> list[list[list[int]]]:
 class _Conversations:
     """One engine's side of the multi-turn workload: its histories and results so far."""
 
-    def __init__(self, engine: EngineCore, counter: _CountingRunner, spec: MultiTurnSpec):
+    def __init__(self, engine: EngineCore, counter: CountingRunner, spec: MultiTurnSpec):
         self.engine, self.counter = engine, counter
         self.params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
         self.histories: list[list[int]] = [[] for _ in range(spec.conversations)]
@@ -263,55 +174,26 @@ class _Conversations:
         """Conversation `c`'s next turn, alone on the engine; then its backups are drained (untimed)."""
         prompt = self.histories[c] + user
         before, start_s = self.counter.num_tokens, time.perf_counter()
-        req, ttft_s = _run_one(self.engine, self.counter, prompt, self.params)
+        req, ttft_s = run_one(self.engine, self.counter, prompt, self.params)
         self.elapsed_s += time.perf_counter() - start_s
         computed = self.counter.num_tokens - before - (len(req.output_token_ids) - 1)
         self.turns.append(TurnResult(c, len(self.outputs[c]) + 1, len(prompt), req.cached_tokens,
                                      req.tier.host_hit_tokens, computed, ttft_s))
         self.outputs[c].append(req.output_token_ids)
         self.histories[c] = prompt + req.output_token_ids
-        _settle(self.engine)
+        settle(self.engine)
 
     def result(self) -> MultiTurnRun:
         config = self.engine.config
         return MultiTurnRun(config.host_cache_pages, config.num_pages, self.turns, self.outputs, self.elapsed_s)
 
 
-def _run_one(engine: EngineCore, counter: _CountingRunner, prompt: list[int],
-             params: SamplingParams) -> tuple[Request, float]:
-    """Run one request alone to its end: (the finished request, its TTFT in seconds)."""
-    start_s = time.perf_counter()
-    req = engine.add_request(prompt, params)
-    ttft_s = None
-    for outputs in _steps(engine, counter, [req]):
-        if ttft_s is None and any(o.request_id == req.request_id and o.new_token_ids for o in outputs):
-            ttft_s = time.perf_counter() - start_s
-    if req.finish_reason is FinishReason.ABORT or ttft_s is None:
-        raise RuntimeError(f"request {req.request_id} ({len(prompt)} prompt tokens) ended without output: {req.error}")
-    return req, ttft_s
-
-
-def _steps(engine: EngineCore, counter: _CountingRunner, reqs: list[Request]) -> Iterator[list[StepOutput]]:
-    """Each step's outputs until `reqs` have finished. Raises RuntimeError when the engine stalls:
-    `STALL_STEPS` steps in a row with no forward pass and no host-tier copy in flight."""
-    idle = 0
-    while any(r.status is not RequestStatus.FINISHED for r in reqs):
-        before = counter.num_tokens
-        yield engine.step()
-        idle = 0 if counter.num_tokens > before or engine.host_cache.busy() else idle + 1
-        if idle >= STALL_STEPS:
-            s = engine.scheduler
-            raise RuntimeError(f"engine stalled: no forward pass and no copy in flight for {idle} steps with "
-                               f"{len(s.waiting)} requests waiting, {len(s.loading)} loading, {len(s.running)} "
-                               f"running; device pool {engine.kvm.pool.usage()}")
-
-
 def compare_multiturn(factory: EngineFactory, base: EngineConfig, spec: MultiTurnSpec,
                       l2: L2Sizing = workload_l2) -> tuple[MultiTurnRun, MultiTurnRun]:
     """(L2 on, L2 off) on the same conversations, request by request alternating between the two."""
-    configs = _on_off_configs(base, multiturn_pages(spec, base.page_size), l2)
+    configs = on_off_configs(base, multiturn_pages(spec, base.page_size), l2)
     with contextlib.ExitStack() as stack:
-        sides = [_Conversations(*stack.enter_context(_engine(factory, config)), spec) for config in configs]
+        sides = [_Conversations(*stack.enter_context(warm_engine(factory, config)), spec) for config in configs]
         users = user_turns(spec, sides[0].engine.arch.vocab_size)
         start_s = time.perf_counter()
         for turn in range(spec.turns):
@@ -328,7 +210,7 @@ def compare_multiturn(factory: EngineFactory, base: EngineConfig, spec: MultiTur
 def retract_pages(spec: RetractSpec, page_size: int) -> tuple[int, int]:
     """(L1, L2) pages: L1 holds `l1_fraction` of all requests' peak KV (at least one whole request);
     L2 all of it with a quarter spare; + the scratch pages."""
-    one = _ceil_pages(spec.prompt_tokens + spec.output_tokens, page_size)
+    one = ceil_pages(spec.prompt_tokens + spec.output_tokens, page_size)
     l1 = max(math.ceil(spec.l1_fraction * spec.requests * one), one) + 1
     return l1, math.ceil(1.25 * spec.requests * one) + 1
 
@@ -338,13 +220,13 @@ def retract_prompts(spec: RetractSpec, vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab_size) for _ in range(spec.prompt_tokens)] for _ in range(spec.requests)]
 
 
-def run_retract(engine: EngineCore, counter: _CountingRunner, spec: RetractSpec) -> RetractRun:
+def run_retract(engine: EngineCore, counter: CountingRunner, spec: RetractSpec) -> RetractRun:
     prompts = retract_prompts(spec, engine.arch.vocab_size)
     retractions, hits = engine.num_retractions, engine.host_cache.counters.l2_hit_tokens
     start_s = time.perf_counter()
     params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
-    for _ in _steps(engine, counter, reqs):
+    for _ in steps_until_finished(engine, counter, reqs):
         pass
     elapsed_s = time.perf_counter() - start_s
     outputs = [r.output_token_ids for r in reqs]
@@ -360,8 +242,8 @@ def compare_retract(factory: EngineFactory, base: EngineConfig, spec: RetractSpe
     """(L2 on, L2 off) on the same requests, alternating `repeats` times; each one's fastest run."""
     runs: tuple[list[RetractRun], list[RetractRun]] = ([], [])
     for _ in range(repeats):
-        for config, done in zip(_on_off_configs(base, retract_pages(spec, base.page_size), l2), runs):
-            with _engine(factory, config) as (engine, counter):
+        for config, done in zip(on_off_configs(base, retract_pages(spec, base.page_size), l2), runs):
+            with warm_engine(factory, config) as (engine, counter):
                 done.append(run_retract(engine, counter, spec))
             log.info("retract-heavy: L2 %s took %.1f s", "on" if done is runs[0] else "off", done[-1].elapsed_s)
     on, off = (min(r, key=lambda run: run.elapsed_s) for r in runs)
@@ -376,8 +258,6 @@ L3_SIZES = dict(l3_prompts=2, l3_prompt_len=1500)
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[MultiTurnSpec, RetractSpec, L3Spec]:
-    from cluster.bench.hicache_l3 import L3Spec
-
     given = {k: v for k, v in vars(args).items() if v is not None}
     sizes = {**L3_SIZES, **given, **(QUICK if args.quick else {})}
     if min(sizes[k] for k in QUICK) < 1 or args.repeats < 1 or not (args.l1_conversations > 0 and args.l1_fraction > 0):
@@ -410,8 +290,6 @@ def bench_hicache(args: argparse.Namespace, factory: EngineFactory | None = None
         print_retract(summary["retract"])
     if args.only in (None, "l3"):
         log.info("L3 after restart: %s", l3_spec)
-        from cluster.bench.hicache_l3 import l3_phase
-
         summary["l3"] = l3_phase(args, factory, base, l3_spec, l2)
     if args.json:
         with open(args.json, "w") as f:
@@ -437,9 +315,9 @@ def multiturn_summary(spec: MultiTurnSpec, on: MultiTurnRun, off: MultiTurnRun) 
                 "l2_hit_tokens_turns2plus": r.total("host_hit_tokens"),
                 "turns": [asdict(t) for t in r.turns]}
 
-    per_turn = [{"turn": t, "prompt_tokens": _mean([x.prompt_tokens for x in on.turns if x.turn == t]),
-                 "ttft_on_s": _mean([x.ttft_s for x in on.turns if x.turn == t]),
-                 "ttft_off_s": _mean([x.ttft_s for x in off.turns if x.turn == t]),
+    per_turn = [{"turn": t, "prompt_tokens": mean_or_zero([x.prompt_tokens for x in on.turns if x.turn == t]),
+                 "ttft_on_s": mean_or_zero([x.ttft_s for x in on.turns if x.turn == t]),
+                 "ttft_off_s": mean_or_zero([x.ttft_s for x in off.turns if x.turn == t]),
                  "l2_hit_tokens_on": sum(x.host_hit_tokens for x in on.turns if x.turn == t)}
                 for t in range(1, spec.turns + 1)]
     later_off, later_on = off.ttft_mean_later_s, on.ttft_mean_later_s
@@ -489,6 +367,3 @@ def print_retract(s: dict) -> None:
     print(f"throughput ratio on / off: {s['throughput_ratio_on_over_off']:.2f}x")
     print(f"greedy outputs identical on / off: {'yes' if s['outputs_identical'] else 'NO'}")
 
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0

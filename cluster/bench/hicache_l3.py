@@ -3,7 +3,8 @@
 An engine with L3 prefills `--l3-prompts` prompts and is closed once L3 has their pages. Then two
 engines start empty, as after a restart: one without L3 (cold: computes the whole prompt) and one with
 L3 (a request's prefetch brings its pages L3 -> L2 -> L1, `wait_complete`; only the rest is computed).
-The engines, forward counting and TTFT are `cluster.bench.hicache`'s; see its docstring.
+The engines, forward counting and TTFT come from `cluster.bench.hicache_engines`; the method is in
+`cluster.bench.hicache`'s docstring.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster.bench.hicache import (FIRST_TOKEN, EngineFactory, L2Sizing, _ceil_pages, _CountingRunner, _engine, _mean,
-                                   _on_off_configs, _run_one, _settle, workload_l2)
-from common.config import EngineConfig
+from cluster.bench.hicache_engines import (CountingRunner, EngineFactory, L2Sizing, ceil_pages, mean_or_zero,
+                                           on_off_configs, run_one, settle, warm_engine, workload_l2)
+from common.config import EngineConfig, SamplingParams
 from kv_store.l3.config import L3Config, redact_url
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ L3_OP_TIMEOUT_S = 5.0
 misses, and the phase would time the fault path instead of L3 reads."""
 L3_FLUSH_TIMEOUT_S = 120.0
 L3_KEY_TTL_S = 3600
+FIRST_TOKEN = SamplingParams(max_tokens=1)
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class L3Run:
 def l3_pages(spec: L3Spec, page_size: int) -> tuple[int, int]:
     """(L1, L2) pages: L1 holds one prompt and its first token; L2 every prompt with a quarter spare (the
     writer keeps each until L3 has it, the restarted engine lands its prefetches there); + scratch pages."""
-    one = _ceil_pages(spec.prompt_tokens + 1, page_size)
+    one = ceil_pages(spec.prompt_tokens + 1, page_size)
     return one + 1, math.ceil(1.25 * spec.prompts * one) + 1
 
 
@@ -113,21 +115,21 @@ def bench_l3_config(url: str) -> L3Config:
 
 def _l3_flushed(engine: EngineCore) -> TierStats:
     """The engine's tier stats once its backups and L3 writes so far are done."""
-    _settle(engine)
+    settle(engine)
     if not engine.host_cache.l3.flush(L3_FLUSH_TIMEOUT_S):
         raise RuntimeError(f"L3 writes not sent after {L3_FLUSH_TIMEOUT_S} s: is Redis answering?")
     return engine.tier_stats()
 
 
-def _first_token(engine: EngineCore, counter: _CountingRunner, prompt: list[int]) -> tuple[Request, float, int, int]:
+def _first_token(engine: EngineCore, counter: CountingRunner, prompt: list[int]) -> tuple[Request, float, int, int]:
     """(the request, its TTFT, tokens an L3 prefetch brought it, its forward tokens), run alone."""
     l3_hits, forward = engine.host_cache.counters.l3_hit_tokens, counter.num_tokens
-    req, ttft_s = _run_one(engine, counter, prompt, FIRST_TOKEN)
-    _settle(engine)
+    req, ttft_s = run_one(engine, counter, prompt, FIRST_TOKEN)
+    settle(engine)
     return req, ttft_s, engine.host_cache.counters.l3_hit_tokens - l3_hits, counter.num_tokens - forward
 
 
-def _restarted_prompt(cold: tuple[EngineCore, _CountingRunner], with_l3: tuple[EngineCore, _CountingRunner],
+def _restarted_prompt(cold: tuple[EngineCore, CountingRunner], with_l3: tuple[EngineCore, CountingRunner],
                       prompt: list[int]) -> RestartResult:
     c_req, c_ttft_s, _, _ = _first_token(*cold, prompt)
     req, ttft_s, l3_hits, computed = _first_token(*with_l3, prompt)
@@ -139,16 +141,16 @@ def compare_l3(factory: EngineFactory, base: EngineConfig, spec: L3Spec, url: st
                l2: L2Sizing = workload_l2) -> L3Run:
     """Prefill the prompts on an engine with L3 at `url` and close it; then run each prompt on two fresh
     engines, cold (no L3) and then with L3."""
-    with_l3, cold = _on_off_configs(base, l3_pages(spec, base.page_size), l2)
+    with_l3, cold = on_off_configs(base, l3_pages(spec, base.page_size), l2)
     with_l3, l3 = dataclasses.replace(with_l3, write_policy="write_through"), bench_l3_config(url)
-    with _engine(factory, with_l3, l3) as (writer, counter):
+    with warm_engine(factory, with_l3, l3) as (writer, counter):
         prompts = l3_prompts(spec, writer.arch.vocab_size)
         before = _l3_flushed(writer)
         for prompt in prompts:
             _first_token(writer, counter, prompt)
         written = L3Traffic.between(before, _l3_flushed(writer))
     log.info("L3 after restart: %d pages written, restarting", written.put_pages)
-    with _engine(factory, cold) as off, _engine(factory, with_l3, l3) as on:
+    with warm_engine(factory, cold) as off, warm_engine(factory, with_l3, l3) as on:
         before, results = _l3_flushed(on[0]), []
         for prompt in prompts:
             results.append(_restarted_prompt(off, on, prompt))
@@ -194,7 +196,7 @@ def l3_phase(args: argparse.Namespace, factory: EngineFactory, base: EngineConfi
 
 
 def l3_summary(spec: L3Spec, run: L3Run, redis: str) -> dict:
-    cold, from_l3 = (_mean([getattr(p, f) for p in run.prompts]) for f in ("ttft_cold_s", "ttft_l3_s"))
+    cold, from_l3 = (mean_or_zero([getattr(p, f) for p in run.prompts]) for f in ("ttft_cold_s", "ttft_l3_s"))
     w, r = run.written, run.read
     return {"workload": {**asdict(spec), "l1_pages": run.l1_pages, "l2_pages": run.l2_pages, "redis": redis},
             "prompts": [asdict(p) for p in run.prompts], "ttft_cold_mean_s": cold, "ttft_l3_mean_s": from_l3,

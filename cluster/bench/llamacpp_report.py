@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from cluster.bench.llamacpp import BenchSpec, SystemRun
+    from cluster.bench.llamacpp_runs import BenchSpec, SystemRun
 
 ITL_TARGET = 1.1  # tandem's single-stream ITL p50 <= this x llama.cpp's
 TTFT_TARGET = 1.3  # tandem's cold TTFT <= this x llama.cpp's

@@ -1,8 +1,9 @@
 """`tandem bench serve` and the benches beside it: the `tandem serve` they start, its token relay histogram,
 and the offline-engine baseline.
 
-The load harness itself lives in `cluster.bench.load` (any OpenAI-compatible endpoint, vLLM's flags and
-result keys). What stays here is shared with `tandem bench overload / llamacpp` and used by the harness:
+The command and its load harness live in `cluster.bench.load` (`load/runner.py`: any OpenAI-compatible
+endpoint, vLLM's flags and result keys). What is here sits below that command and `tandem bench
+overload / llamacpp`, which all use it (it imports none of them):
 
     SpawnedServer / ExistingServer / wait_ready   a server started here on a free port, or one given
     scrape_relay / bucket_quantile                the server's `tandem:token_relay_seconds` histogram,
@@ -177,7 +178,7 @@ def bucket_quantile(q: float, buckets: dict[float, float]) -> float | None:
 # ---- the baseline and the whole run --------------------------------------------------------------
 def run_offline(engine_config, work: Workload) -> Throughput:
     from common.config import SamplingParams
-    from engine import EngineCore, load_engine
+    from engine import load_engine
 
     engine = load_engine(engine_config)
     engine.generate([work.prompts[0][:16]], SamplingParams(max_tokens=2))  # warm up
@@ -192,15 +193,8 @@ def serve_flags(args: argparse.Namespace, defaults: tuple[str, ...] = ()) -> lis
 
 def load_config(flags: list[str]):
     """The server's config as `tandem serve` would build it from the same flags (the baseline's engine)."""
-    from cluster.serve.config import add_serve_args, serve_config_from_args
+    from cluster.serve.config_load import add_serve_args, serve_config_from_args
 
     parser = argparse.ArgumentParser(prog="tandem bench serve")
     add_serve_args(parser)
     return serve_config_from_args(parser.parse_args(flags))
-
-
-def bench_serve(args: argparse.Namespace) -> int:
-    """The load harness (`cluster.bench.load`): any OpenAI-compatible endpoint, or a server started here."""
-    from cluster.bench.load.runner import bench_load
-
-    return bench_load(args)

@@ -2,7 +2,8 @@
 resumed requests load their prefix back instead of computing it again; after a restart, an engine with
 L3 (a real redis-server) is served the prompts from L3. The greedy outputs are those of the tier off
 and of HF transformers' own generate. Timing is measured, never asserted. Each run ends with
-`engine.check_integrity()` inside the bench (`_engine`), after draining the backups."""
+`engine.check_integrity()` inside the bench (`warm_engine` in cluster/bench/hicache_engines.py), after
+draining the backups."""
 
 from __future__ import annotations
 

@@ -21,10 +21,11 @@ import pytest
 
 import cluster.bench.llamacpp as bench
 import cluster.bench.llamacpp_gguf as llama_gguf
-from cluster.bench.llamacpp import BenchSpec, StreamResult, SystemRun, make_prompts, tandem_serve_flags
+from cluster.bench.llamacpp import make_prompts, tandem_serve_flags
 from cluster.bench.llamacpp_gguf import ensure_gguf, gguf_source, write_gguf
-from cluster.bench.llamacpp_report import format_table, round_lines, summarize, system_figures
 from cluster.bench.llamacpp_peers import LLAMA_SERVER_ENV, PEERS, LlamaServerPeer, find_llama_server
+from cluster.bench.llamacpp_report import format_table, round_lines, summarize, system_figures
+from cluster.bench.llamacpp_runs import BenchSpec, StreamResult, SystemRun
 from cluster.bench.proc_memory import ProcessMemory, memory_of, process_tree, tandem_serve_processes
 from cluster.bench.serve import load_config
 from cluster.cli.main import build_parser, main

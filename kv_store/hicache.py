@@ -4,20 +4,15 @@
 the device pool, pinned on CUDA) and a `PageCopier`; all bookkeeping runs on the scheduler's thread,
 only the byte copies run on the copier's.
 
-Who holds what while a copy is in flight (DESIGN §4 rule 2):
-
-    backup (device -> host)   host pages IN_FLIGHT(write); node WRITING, locked by the write (its
-                              device pages cannot move); done: host pages CACHED(node), node BOTH
-    load (host -> device)     device pages IN_FLIGHT(load); nodes LOADING, deepest locked by the
-                              load (their host pages cannot move); done: device pages CACHED(node),
-                              nodes BOTH; relocation_version bumped at start and at completion
+The table of who holds what while a copy is in flight (DESIGN §4 rule 2) sits with the records of
+those copies and the tier's counters, in `kv_store/tier_copies.py`.
 
 Write policies: `write_through` backs up every node as it enters the tree; `write_through_selective`
 once a node has been matched `selective_hits` times; `write_back` only when L1 evicts it. L1 eviction
 of a node without a host copy writes it back first (waiting for that copy), then frees its device
 pages (-> HOST, relocation_version bumped); with no host page to be had the node is dropped. L2
 evicts least recently used: first host copies of nodes still on device (they cost nothing to drop),
-then host-only leaves.
+then host-only leaves (`kv_store/l2_eviction.py`).
 
 A request whose prefix continues below L1 gets a `LoadTicket` (`start_load`): device pages are
 allocated and the copy starts; the request waits in LOADING until `ticket.ready`, then matches again
@@ -27,7 +22,6 @@ allocated and the copy starts; the request waits in LOADING until `ticket.ready`
 from __future__ import annotations
 
 import enum
-import heapq
 import itertools
 import time
 from dataclasses import dataclass
@@ -35,49 +29,22 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_layout import KVCacheTensors
-from kv_store.copier import CopyJob, Direction, PageCopier
+from kv_store.copier import Direction, PageCopier
 from kv_store.device_pool import DevicePool
+from kv_store.l2_eviction import evict_l2
 from kv_store.l3.bridge import L3Bridge, NullBridge
 from kv_store.l3.tier import L3Tier, Prefetch
 from kv_store.page_pool import PagePool, PageState
-from kv_store.radix_cache import RadixPrefixCache, TreeNode
+from kv_store.radix_cache import RadixPrefixCache
 from kv_store.residency import Residency, move_residency
+from kv_store.tier_copies import Load, TierCounters, Write
+from kv_store.tree_node import TreeNode
 
 
 class WritePolicy(enum.Enum):
     WRITE_THROUGH = "write_through"
     WRITE_THROUGH_SELECTIVE = "write_through_selective"
     WRITE_BACK = "write_back"
-
-
-@dataclass(eq=False)
-class _Write:
-    id: int
-    node: TreeNode
-    host_pages: list[int]
-    job: CopyJob
-
-    def __hash__(self) -> int:
-        return hash(("write", self.id))
-
-
-@dataclass(eq=False)
-class Load:
-    """One host -> device copy of a run of nodes; `device_pages[i]` are `nodes[i]`'s new pages."""
-
-    id: int
-    nodes: list[TreeNode]
-    device_pages: list[list[int]]
-    locked: TreeNode
-    job: CopyJob | None = None
-
-    def __hash__(self) -> int:
-        return hash(("load", self.id))
-
-    @property
-    def pages(self) -> tuple[int, ...]:
-        """The device pages this load writes."""
-        return tuple(p for node_pages in self.device_pages for p in node_pages)
 
 
 @dataclass(eq=False)
@@ -89,21 +56,6 @@ class LoadTicket:
     loads: tuple[Load, ...]
     num_tokens: int  # tokens its own loads bring to device (0 when it waits for another request's)
     prefetch: Prefetch | None = None  # waited for per the L3 prefetch policy
-
-
-@dataclass
-class TierCounters:
-    """Cumulative figures of one worker's host tier (`/metrics` reads them)."""
-
-    l2_hit_tokens: int = 0  # tokens loaded back to device for requests, that L2 had kept
-    l3_hit_tokens: int = 0  # tokens loaded back to device for requests, that an L3 prefetch had brought
-    l1_to_l2_bytes: int = 0
-    l1_to_l2_seconds: float = 0.0
-    l2_to_l1_bytes: int = 0
-    l2_to_l1_seconds: float = 0.0
-    l1_evicted_pages: int = 0  # device pages of nodes that left L1 (to L2 or dropped)
-    l2_evicted_pages: int = 0
-    copy_errors: int = 0
 
 
 class HostCache:
@@ -121,7 +73,7 @@ class HostCache:
         self.copier = PageCopier(device.kv, self.kv)
         self.counters = TierCounters()
         self.l3 = L3Bridge(l3, tree, self.pool, self._host_room) if l3 is not None else NullBridge()
-        self._writes: dict[int, _Write] = {}
+        self._writes: dict[int, Write] = {}
         self._loads: dict[int, Load] = {}
         self._tickets: dict[int, LoadTicket] = {}
         self._ids = itertools.count(1)
@@ -191,14 +143,14 @@ class HostCache:
         return sum(len(p) for ld in self._loads.values() for p in ld.device_pages)
 
     # ---- the scheduler's side ------------------------------------------------------------------------
-    def start_load(self, token_ids: list[int], max_tokens: int, fetch_l3: bool = False) -> LoadTicket | None:
-        """When the cached prefix of `token_ids[:max_tokens]` continues below L1, a ticket for bringing
-        it to device (a new load, or loads already in flight for those nodes); None when there is
-        nothing below L1 or no device page for it (the request computes it instead). With
+    def start_load(self, token_ids: list[int], max_match_tokens: int, fetch_l3: bool = False) -> LoadTicket | None:
+        """When the cached prefix of `token_ids[:max_match_tokens]` continues below L1, a ticket for
+        bringing it to device (a new load, or loads already in flight for those nodes); None when
+        there is nothing below L1 or no device page for it (the request computes it instead). With
         `fetch_l3` (a request's first look), an L3 prefetch of what follows the local match starts
         too, and the ticket waits for it as the prefetch policy says."""
-        pos, path = self.tree.walk(token_ids, max_tokens, lambda n: True)
-        prefetch = self.l3.start(token_ids, max_tokens, pos, path) if fetch_l3 else None
+        pos, path = self.tree.walk(token_ids, max_match_tokens, lambda n: True)
+        prefetch = self.l3.start(token_ids, max_match_tokens, pos, path) if fetch_l3 else None
         below = [n for n in path if not n.residency.on_device]
         if not below:
             return self._ticket(path[-1] if path else self.tree.root, (), 0, prefetch) if prefetch else None
@@ -282,12 +234,12 @@ class HostCache:
                 assert load in self.device.pages.handles(p), f"device page {p} of load {load.id} is not lent to it"
 
     # ---- helpers ---------------------------------------------------------------------------------------
-    def _start_write(self, node: TreeNode) -> _Write | None:
+    def _start_write(self, node: TreeNode) -> Write | None:
         """Back `node` up to the host (async); None when the host has no room (the node stays DEVICE)."""
         num_pages = self.tree.num_pages(node)
         if not self._host_room(num_pages):
             return None
-        write = _Write(next(self._ids), node, [], job=None)
+        write = Write(next(self._ids), node, [], job=None)
         write.host_pages = self.pool.alloc(num_pages, write)
         self.pool.hand_off(write.host_pages, write, write)
         self.tree.lock(node)
@@ -311,7 +263,7 @@ class HostCache:
             self._finish_write(write)
         return len(done)
 
-    def _finish_write(self, write: _Write) -> None:
+    def _finish_write(self, write: Write) -> None:
         del self._writes[write.id]
         node = write.node
         self.tree.unlock(node)
@@ -392,33 +344,10 @@ class HostCache:
         return self.pool.num_free >= num_pages
 
     def evict(self, num_pages: int) -> int:
-        """Free `num_pages` host pages (fewer if not enough are evictable): copies of nodes still on
-        device first, then unlocked host-only leaves, least recently used first each; never the copy
-        of a host-pinned node. Returns the number freed."""
-        nodes = list(self.tree.nodes())
-        copies = sorted((n for n in nodes if n.residency is Residency.BOTH and not n.host_pins),
-                        key=lambda n: n.last_access)
-        freed = 0
-        for node in copies:
-            if freed >= num_pages:
-                return freed
-            freed += len(node.host_pages)
-            self.free_host(node)
-            node.residency = move_residency(node.residency, Residency.DEVICE, f"tree node {node.id} L2 copy dropped")
-        leaves = [(n.last_access, n.id, n) for n in nodes if self._host_leaf(n)]
-        heapq.heapify(leaves)
-        while freed < num_pages and leaves:
-            _, _, node = heapq.heappop(leaves)
-            parent = node.parent
-            freed += len(node.host_pages)
-            self.tree.drop_subtree(node)
-            if parent is not self.tree.root and self._host_leaf(parent):
-                heapq.heappush(leaves, (parent.last_access, parent.id, parent))
-        return freed
-
-    @staticmethod
-    def _host_leaf(node: TreeNode) -> bool:
-        return node.residency is Residency.HOST and node.lock_ref == node.host_pins == 0 and not node.children
+        """Free `num_pages` host pages (fewer if not enough are evictable) in `kv_store/l2_eviction.py`'s
+        order: copies of nodes still on device, then unlocked host-only leaves, least recently used
+        first each; never the copy of a host-pinned node. Returns the number freed."""
+        return evict_l2(self.tree, num_pages, self.free_host)
 
 
 def host_tensors(like: KVCacheTensors, num_pages: int) -> KVCacheTensors:
@@ -438,7 +367,7 @@ class NullHostCache:
         self.pool = None
         self.l3 = NullBridge()
 
-    def start_load(self, token_ids: list[int], max_tokens: int, fetch_l3: bool = False) -> LoadTicket | None:
+    def start_load(self, token_ids: list[int], max_match_tokens: int, fetch_l3: bool = False) -> LoadTicket | None:
         return None
 
     def release_ticket(self, ticket: LoadTicket) -> None:

@@ -5,19 +5,18 @@ node.num_pages * page_size`, so every prefix length the tree hands out is page-a
 construction. Children are keyed by their first page of tokens, so two children never share a
 first page.
 
-Tiers. A node's `residency` (`kv_store/residency.py`) says where its pages are valid: `pages`
-are device (L1) page ids, CACHED(node) in the device pool whenever the node is on device;
-`host_pages` are host (L2) page ids, CACHED(node) in the host pool whenever the host copy is
-valid. Nodes on device form a prefix-closed set (a node on device has its parent on device), so a
-match is a device run followed by a host run. What happens to a node that leaves L1 is the
-attached tier's business (`L1Only` drops it; `kv_store/hicache.py:HostCache` keeps it on the host).
+Tiers. A node's `residency` says where its pages are valid (`kv_store/tree_node.py`, with the node
+and match records). Nodes on device form a prefix-closed set (a node on device has its parent on
+device), so a match is a device run followed by a host run. What happens to a node that leaves L1 is
+the attached tier's business (`L1Only` drops it; `kv_store/hicache.py:HostCache` keeps it on the host).
 
 Locking: `lock(node)` adds one reference to the node and each ancestor; a node with `lock_ref > 0`
 leaves no tier. Holders: a live request (its cached prefix), a transfer handle that reads cached
 pages (`KVManager.pin_for_transfer`: the pin outlives the request if the request is retracted
 first), and the tier's own copies and load tickets (`tier.holders()`). Eviction takes unlocked
 nodes with nothing of theirs below them on device, least recently used first.
-`NullPrefixCache` is the same interface with nothing cached (prefix caching disabled).
+`NullPrefixCache` is the same interface with nothing cached (prefix caching disabled). The tree's
+integrity check is `kv_store/tree_checks.py`.
 """
 
 from __future__ import annotations
@@ -25,37 +24,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from kv_store.page_pool import PagePool, PageState
+from kv_store.page_pool import PagePool
 from kv_store.residency import Residency, move_residency
-
-
-@dataclass(eq=False)
-class TreeNode:
-    id: int
-    parent: "TreeNode | None"  # None only for the root
-    key: tuple[int, ...]  # token ids, len == num_pages * page_size
-    pages: list[int]  # device page ids; [] when the node is not on device
-    children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
-    lock_ref: int = 0
-    host_pins: int = 0  # holders keeping its copy in the tree in some tier, not on device (offloaded sessions)
-    last_access: int = 0
-    host_pages: list[int] = field(default_factory=list)  # host page ids; [] when the host copy is not valid
-    residency: Residency = Residency.DEVICE
-    hits: int = 0  # matches that reached this node (the selective write policy counts them)
-    in_l3: bool = False  # its pages were written to (or came from) the L3 store
-    fetched_from_l3: bool = False  # brought by an L3 prefetch and not loaded to device since (hit accounting)
-    l3_keys: list[str] = field(default_factory=list)  # its pages' L3 keys, once computed
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Result of `match`: `pages` hold tokens [0, num_tokens); `node` is the deepest matched node."""
-
-    num_tokens: int
-    pages: list[int]
-    node: TreeNode
+from kv_store.tree_checks import check_tree
+from kv_store.tree_node import PrefixMatch, TreeNode, subtree
 
 
 class L1Only:
@@ -120,15 +93,16 @@ class RadixPrefixCache:
         return len(node.key) // self.page_size
 
     # ---- lookup --------------------------------------------------------------------------------
-    def match(self, token_ids: list[int] | tuple[int, ...], max_tokens: int) -> PrefixMatch:
-        """Longest prefix of `token_ids[:max_tokens]` cached *on device*, rounded down to whole pages.
+    def match(self, token_ids: list[int] | tuple[int, ...], max_match_tokens: int) -> PrefixMatch:
+        """Longest prefix of `token_ids[:max_match_tokens]` cached *on device*, rounded down to whole
+        pages.
 
         Splits a node when the match ends inside it (at a page boundary), so the returned node
         covers exactly the matched prefix. Touches the LRU clock and hit count of the matched path
         (the tier may start a backup on a hit). Mutates the tree shape only; page ownership does
         not change.
         """
-        pos, path = self.walk(token_ids, max_tokens, lambda n: n.residency.on_device)
+        pos, path = self.walk(token_ids, max_match_tokens, lambda n: n.residency.on_device)
         for node in path:
             node.hits += 1
             self.tier.on_hit(node)
@@ -150,13 +124,14 @@ class RadixPrefixCache:
             node = child
         return pos
 
-    def walk(self, token_ids, max_tokens: int, admit: Callable[[TreeNode], bool]) -> tuple[int, list[TreeNode]]:
-        """(tokens matched, the nodes matched in order) along `token_ids[:max_tokens]`, following only
-        nodes `admit` accepts. A match ending inside a node splits it; a node with a copy in flight
-        cannot be split (its pages cannot be retagged), so the walk waits for that copy first, and
-        stops before the node if it does not finish in time."""
+    def walk(self, token_ids, max_match_tokens: int,
+             admit: Callable[[TreeNode], bool]) -> tuple[int, list[TreeNode]]:
+        """(tokens matched, the nodes matched in order) along `token_ids[:max_match_tokens]`, following
+        only nodes `admit` accepts. A match ending inside a node splits it; a node with a copy in
+        flight cannot be split (its pages cannot be retagged), so the walk waits for that copy first,
+        and stops before the node if it does not finish in time."""
         ps = self.page_size
-        limit = min(len(token_ids), max_tokens) // ps * ps
+        limit = min(len(token_ids), max_match_tokens) // ps * ps
         node, pos, path = self.root, 0, []
         now = next(self._clock)
         while pos < limit:
@@ -339,57 +314,9 @@ class RadixPrefixCache:
     # ---- checks --------------------------------------------------------------------------------
     def check_integrity(self, expected_locks: dict[int, int] | None = None,
                         expected_host_pins: dict[int, int] | None = None) -> None:
-        """Tree shape, residency, page ownership, and (given per-node counts) lock references and host pins.
-
-        `expected_locks` maps node id -> number of holders (live requests, transfer pins) locking
-        that node; the tier adds its own. Each node's lock_ref must equal the sum over its subtree;
-        likewise host_pins with `expected_host_pins`.
-        """
-        ps = self.page_size
-        seen_pages: set[int] = set()
-        for node in self.nodes():
-            self._check_node(node, seen_pages)
-            for first, child in node.children.items():
-                assert child.parent is node and child.key[:ps] == first, f"tree node {child.id} misfiled under {node.id}"
-        num_cached = self.pool.usage().cached
-        assert num_cached == len(seen_pages), (
-            f"pool has {num_cached} CACHED pages but the tree holds {len(seen_pages)}: a node dropped without evict?")
-        self.tier.check_integrity()
-        if expected_locks is not None:
-            locks = dict(expected_locks)
-            for node in self.tier.holders():
-                locks[node.id] = locks.get(node.id, 0) + 1
-            self._check_locks(self.root, locks)
-        if expected_host_pins is not None:
-            self._check_locks(self.root, dict(expected_host_pins), field="host_pins")
-
-    def _check_node(self, node: TreeNode, seen_pages: set[int]) -> None:
-        ps, n = self.page_size, self.num_pages(node)
-        assert n > 0 and len(node.key) == n * ps, f"tree node {node.id} holds {len(node.key)} tokens: not page-aligned"
-        on_device = node.residency.on_device
-        assert len(node.pages) == (n if on_device else 0), (
-            f"tree node {node.id} is {node.residency.value} with {len(node.pages)} device pages for {n} pages of tokens")
-        if on_device and node.parent is not self.root:
-            assert node.parent.residency.on_device, (
-                f"tree node {node.id} is on device but its parent {node.parent.id} is {node.parent.residency.value}: "
-                "evicted a node whose child was still on device?")
-        for p in node.pages:
-            assert p not in seen_pages, f"page {p} in two tree nodes: inserted twice?"
-            seen_pages.add(p)
-            assert self.pool.state(p) is PageState.CACHED and self.pool.owner(p) == node.id, (
-                f"tree node {node.id} lists page {p} but the pool says {self.pool.state(p)} owned by "
-                f"{self.pool.owner(p)!r}: freed behind the tree's back?")
-        assert node.lock_ref >= 0, f"tree node {node.id} lock_ref {node.lock_ref} < 0"
-        self.tier.check_node(node)
-
-    def _check_locks(self, node: TreeNode, expected: dict[int, int], field: str = "lock_ref") -> int:
-        total = expected.get(node.id, 0) + sum(self._check_locks(c, expected, field) for c in node.children.values())
-        if node is not self.root:
-            assert getattr(node, field) == total, (
-                f"tree node {node.id} {field} {getattr(node, field)} but {total} holders (requests, transfer pins, "
-                "session pins, tier copies) hold it or a descendant: a release or unpin skipped unlock, or "
-                "unlocked twice?")
-        return total
+        """Tree shape, residency, page ownership, and (given per-node holder counts) lock references and
+        host pins: `kv_store/tree_checks.py:check_tree`."""
+        check_tree(self.root, self.pool, self.tier, expected_locks, expected_host_pins)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _common_pages(self, key: tuple[int, ...], token_ids, pos: int, limit: int) -> int:
@@ -420,11 +347,7 @@ class RadixPrefixCache:
         return upper
 
     def nodes(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return subtree(self.root)
 
 
 class NullPrefixCache:
@@ -435,7 +358,7 @@ class NullPrefixCache:
         self.page_size = pool.page_size
         self.root = TreeNode(id=0, parent=None, key=(), pages=[])
 
-    def match(self, token_ids, max_tokens: int) -> PrefixMatch:
+    def match(self, token_ids, max_match_tokens: int) -> PrefixMatch:
         return PrefixMatch(0, [], self.root)
 
     def cached_len(self, token_ids) -> int:

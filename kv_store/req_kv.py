@@ -24,7 +24,8 @@ import enum
 from dataclasses import dataclass, field
 
 from kv_store.page_pool import KVOwnershipError, PagePool, PageState
-from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache, TreeNode
+from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
+from kv_store.tree_node import TreeNode
 
 
 class ReleaseReason(enum.Enum):

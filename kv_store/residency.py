@@ -1,6 +1,6 @@
 """Where a piece of KV is valid (DESIGN §5): an explicit state with checked moves.
 
-Used for a tree node's pages (`radix_cache.TreeNode`) and for a decode worker's inbound request
+Used for a tree node's pages (`tree_node.TreeNode`) and for a decode worker's inbound request
 (`decode_worker/receiver.py`). "On device" means the device copy is valid and readable.
 
     DEVICE --backup--> WRITING --copied--> BOTH --L1 eviction--> HOST --load--> LOADING --copied--> BOTH

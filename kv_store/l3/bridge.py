@@ -15,8 +15,9 @@ from kv_store.l3.config import PrefetchPolicy
 from kv_store.l3.keys import ROOT_KEY
 from kv_store.l3.tier import L3Counters, L3Tier, Prefetch, PrefetchPhase
 from kv_store.page_pool import PagePool
-from kv_store.radix_cache import RadixPrefixCache, TreeNode
+from kv_store.radix_cache import RadixPrefixCache
 from kv_store.residency import Residency
+from kv_store.tree_node import TreeNode
 
 
 class L3Bridge:
@@ -33,11 +34,11 @@ class L3Bridge:
             self.l3.put(self.node_keys(node), node.host_pages)
             node.in_l3 = True
 
-    def start(self, token_ids, max_tokens: int, pos: int, path: list[TreeNode]) -> Prefetch | None:
-        """An L3 lookup of the whole pages of `token_ids[:max_tokens]` past the local match `pos`, when
-        there are at least `prefetch_min_pages` of them."""
+    def start(self, token_ids, max_match_tokens: int, pos: int, path: list[TreeNode]) -> Prefetch | None:
+        """An L3 lookup of the whole pages of `token_ids[:max_match_tokens]` past the local match `pos`,
+        when there are at least `prefetch_min_pages` of them."""
         ps = self.pool.page_size
-        end = min(len(token_ids), max_tokens) // ps * ps
+        end = min(len(token_ids), max_match_tokens) // ps * ps
         if (end - pos) // ps < self.config.prefetch_min_pages:
             return None
         parent_key = self.node_keys(path[-1])[-1] if path else ROOT_KEY
@@ -151,7 +152,7 @@ class NullBridge:
     def write(self, node: TreeNode) -> None:
         pass
 
-    def start(self, token_ids, max_tokens: int, pos: int, path: list[TreeNode]) -> Prefetch | None:
+    def start(self, token_ids, max_match_tokens: int, pos: int, path: list[TreeNode]) -> Prefetch | None:
         return None
 
     def waited_for(self, prefetch: Prefetch | None) -> Prefetch | None:

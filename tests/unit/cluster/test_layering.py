@@ -202,3 +202,72 @@ def test_a_connector_holding_the_engine_is_named_with_its_line():
     finally:
         module.unlink()
     assert found == ["decode_worker/_seam_probe.py:6: names engine"]
+
+
+# ---- rooms stay readable: no two modules import each other, no module over 400 lines (docs/design.md §1)
+
+MAX_MODULE_LINES = 400
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each tandem module -> the tandem modules it imports (every import, function-level ones too)."""
+    graph = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = _module_name(path)
+            graph[name] = {m for _, m in imports_of(path) if layer_of_module(m) and m != name and _is_module(m)}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import one another, directly or round a longer path (Tarjan's
+    strongly connected components of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_modules_import_each_other():
+    circles = import_circles(module_graph())
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_an_injected_import_circle_is_named():
+    probes = [ROOT / "kernels" / "_circle_a.py", ROOT / "kernels" / "_circle_b.py", ROOT / "kernels" / "_circle_c.py"]
+    for path, other in zip(probes, probes[1:] + probes[:1]):  # a -> b -> c -> a
+        path.write_text(f"def f():\n    from kernels import {other.stem}\n", encoding="utf-8")
+    try:
+        circles = import_circles(module_graph())
+    finally:
+        for path in probes:
+            path.unlink()
+    assert circles == [["kernels._circle_a", "kernels._circle_b", "kernels._circle_c"]]
+
+
+def test_no_module_is_over_400_lines():
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for package in PACKAGES
+            for path in sorted((ROOT / package).rglob("*.py"))
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split along a seam):\n" + "\n".join(long)

@@ -69,7 +69,7 @@ from engine.sessions import Session, SessionError, SessionState
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob, Direction, PageCopier, _StagedMove
 from kv_store.l3.config import L3Config, PrefetchPolicy
-from kv_store.radix_cache import TreeNode
+from kv_store.tree_node import TreeNode
 from tests.helpers import make_engine, tiny_models
 from tests.redis_server import RedisServer
 

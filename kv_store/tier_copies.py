@@ -1,0 +1,67 @@
+"""Records of the host tier's copies (DESIGN §5): a backup (`Write`, device -> host) or a load
+(`Load`, host -> device) in flight; and `TierCounters`, the tier's cumulative figures (hits, bytes
+copied, pages evicted, copy errors).
+
+`kv_store/hicache.py:HostCache` makes, finishes and counts them on the scheduler's thread. Who holds
+what while a copy is in flight (DESIGN §4 rule 2):
+
+    backup (device -> host)   host pages IN_FLIGHT(write); node WRITING, locked by the write (its
+                              device pages cannot move); done: host pages CACHED(node), node BOTH
+    load (host -> device)     device pages IN_FLIGHT(load); nodes LOADING, deepest locked by the
+                              load (their host pages cannot move); done: device pages CACHED(node),
+                              nodes BOTH; relocation_version bumped at start and at completion
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_store.copier import CopyJob
+from kv_store.tree_node import TreeNode
+
+
+@dataclass(eq=False)
+class Write:
+    """One device -> host backup of `node` into `host_pages`."""
+
+    id: int
+    node: TreeNode
+    host_pages: list[int]
+    job: CopyJob
+
+    def __hash__(self) -> int:
+        return hash(("write", self.id))
+
+
+@dataclass(eq=False)
+class Load:
+    """One host -> device copy of a run of nodes; `device_pages[i]` are `nodes[i]`'s new pages."""
+
+    id: int
+    nodes: list[TreeNode]
+    device_pages: list[list[int]]
+    locked: TreeNode
+    job: CopyJob | None = None
+
+    def __hash__(self) -> int:
+        return hash(("load", self.id))
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        """The device pages this load writes."""
+        return tuple(p for node_pages in self.device_pages for p in node_pages)
+
+
+@dataclass
+class TierCounters:
+    """Cumulative figures of one worker's host tier (`/metrics` reads them)."""
+
+    l2_hit_tokens: int = 0  # tokens loaded back to device for requests, that L2 had kept
+    l3_hit_tokens: int = 0  # tokens loaded back to device for requests, that an L3 prefetch had brought
+    l1_to_l2_bytes: int = 0
+    l1_to_l2_seconds: float = 0.0
+    l2_to_l1_bytes: int = 0
+    l2_to_l1_seconds: float = 0.0
+    l1_evicted_pages: int = 0  # device pages of nodes that left L1 (to L2 or dropped)
+    l2_evicted_pages: int = 0
+    copy_errors: int = 0

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from common.config import SamplingParams
-    from kernels.kv_layout import KVCacheTensors
-    from kv_store.device_pool import DevicePool
-    from kv_store.req_kv import ReleaseReason, ReqKV
     from engine.output import StepOutput
     from engine.request import FinishReason, Request
     from engine.scheduler import ScheduledStep
+    from kernels.kv_layout import KVCacheTensors
+    from kv_store.device_pool import DevicePool
+    from kv_store.req_kv import ReleaseReason, ReqKV
 
 
 class ConnectorKV(Protocol):

@@ -22,8 +22,8 @@ from common.protocol import FinishReason  # noqa: F401 - the engine's name for i
 from kv_store.req_kv import ReqKV
 
 if TYPE_CHECKING:
-    from kv_store.hicache import LoadTicket
     from engine.stop import StopRules
+    from kv_store.hicache import LoadTicket
 
 
 class RequestStatus(enum.Enum):

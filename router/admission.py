@@ -40,8 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.config import require
-from router.policy_types import WorkerView
 from common.protocol import WorkerRole
+from router.policy_types import WorkerView
 
 FALLBACK_RETRY_AFTER_S = 1.0  # no measurement to estimate from: the smallest Retry-After HTTP can say
 DEFAULT_TTFT_BUDGET_S = 30.0  # what a chat user tolerates before giving up on a first token

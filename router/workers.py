@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common import protocol as p
+from common.protocol import WorkerRole
 from router.admission import AdmissionParams, DecodeLimit, PrefillLane, Refusal
 from router.backend import WorkerGauge
 from router.policy_types import WorkerView
-from common.protocol import WorkerRole
 
 log = logging.getLogger("tandem.dispatcher")
 

@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from common.config import EngineConfig
-from common.protocol import WorkerRole
 from cluster.worker_host.build import WorkerSpec, build_worker
 from cluster.worker_host.thread import HostLink, WorkerHost
+from common.config import EngineConfig
+from common.protocol import WorkerRole
 from kv_store.transfer.local import LocalTransport
 from router.admission import AdmissionParams
 from router.dispatcher import Dispatcher, WorkerInfo

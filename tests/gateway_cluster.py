@@ -21,16 +21,16 @@ import time
 from pathlib import Path
 from unittest import mock
 
-from common.config import EngineConfig
 from cluster.serve.config import GatewayConfig
-from cluster.worker_host.thread import HostLink, WorkerHost
 from cluster.worker_host.build import WorkerSpec
+from cluster.worker_host.thread import HostLink, WorkerHost
+from common.config import EngineConfig
+from common.protocol import WorkerRole
 from kernels.model import loader
 from kernels.model.loader import LoadedModel
 from kernels.model.tiny import make_tiny_llama, tiny_llama_config
 from router.dispatcher import Dispatcher
 from router.gateway import GatewayServer, build_app
-from common.protocol import WorkerRole
 from router.workers import WorkerInfo
 from tests.helpers import TINY_EOS, why_not_at_rest
 

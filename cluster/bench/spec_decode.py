@@ -196,9 +196,9 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
     """The command (see the module docstring); nonzero when the systems' tokens differ."""
     from cluster.cli.args import engine_config_from_args
     from cluster.train.data import load_prompts, tokenize
-    from kernels.model.loader import load_model
     from engine import build_engine
     from engine.spec.factory import load_draft_head
+    from kernels.model.loader import load_model
 
     config = engine_config_from_args(args)
     loaded = load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],

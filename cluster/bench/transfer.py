@@ -93,8 +93,8 @@ def measure_through_tandem(views, length: int, vocab: int, seed: int) -> tuple[d
     the worker processes (worker timestamps and the client's, all `time.monotonic()` of this host)."""
     import asyncio
 
-    from common.config import SamplingParams
     from cluster.worker_host.process import serve_prompts
+    from common.config import SamplingParams
 
     params = SamplingParams(max_tokens=2, ignore_eos=True)  # 2: the second token needs the host->device load
     prompt = _prompt(length, vocab, seed)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from cluster.train.shipped import with_default_draft
 from common.config import EngineConfig
 from common.engine_flags import ENGINE_FLAGS, add_engine_args, engine_fields_from_args
-from cluster.train.shipped import with_default_draft
 
 __all__ = ["ENGINE_FLAGS", "add_engine_args", "engine_config_from_args", "engine_fields_from_args",
            "with_default_draft"]

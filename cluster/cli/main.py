@@ -212,13 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from common.config import ConfigError
     from cluster.serve.launch import ServeStartError
+    from common.config import ConfigError
 
     try:
         if args.command == "serve":
-            from cluster.serve.launch import serve
             from cluster.serve.config_load import serve_config_from_args
+            from cluster.serve.launch import serve
 
             return serve(serve_config_from_args(args))
         if args.command == "run":

@@ -11,8 +11,8 @@ import dataclasses
 import logging
 import os
 
-from cluster.worker_host.thread import HostBeat, WorkerHost
 from cluster.worker_host.build import WorkerSpec
+from cluster.worker_host.thread import HostBeat, WorkerHost
 from router.workers import WorkerInfo
 
 ACTOR_CONCURRENCY = 8

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import ConfigError, EngineConfig, require, require_min
 from cluster.serve.memory import MemoryConfig
+from common.config import ConfigError, EngineConfig, require, require_min
 from kv_store.config import KVStoreConfig
 from kv_store.transfer.config import TransportConfig
 from router.config import RouterConfig

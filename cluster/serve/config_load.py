@@ -19,8 +19,6 @@ from typing import Any
 
 import yaml
 
-from common.config import GENERATION_CONFIG_MODES, ConfigError, EngineConfig, require
-from common.engine_flags import add_engine_args, engine_fields_from_args
 from cluster.serve.config import (
     CPU_DECODE_CHUNK_SIZE,
     DEFAULT_COUNTS,
@@ -30,6 +28,8 @@ from cluster.serve.config import (
     WorkerGroupConfig,
 )
 from cluster.serve.memory import MemoryConfig
+from common.config import GENERATION_CONFIG_MODES, ConfigError, EngineConfig, require
+from common.engine_flags import add_engine_args, engine_fields_from_args
 from kv_store.config import KVStoreConfig
 from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig

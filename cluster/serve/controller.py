@@ -37,12 +37,12 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from common import protocol as p
 from cluster.serve.actors import ACTOR_CONCURRENCY, WorkerActor
 from cluster.serve.config import ServeConfig, WorkerGroupConfig
 from cluster.worker_host.build import WorkerSpec
 from cluster.worker_host.cores import CoreShareSpec, core_share_path
 from cluster.worker_host.process import death_cause
+from common import protocol as p
 
 log = logging.getLogger("tandem.controller")
 

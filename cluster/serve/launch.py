@@ -30,8 +30,8 @@ class ServeStartError(RuntimeError):
 
 def serve(config: ServeConfig) -> int:
     from cluster.serve.memory import ModelShape, node_ram_bytes, plan_memory
-    from kernels.model.generation_config import sampling_defaults
     from kernels.model.convert import resolve_model_dir  # not the loader: the gateway's process has no torch
+    from kernels.model.generation_config import sampling_defaults
     from kernels.model.tokenizer import load_tokenizer
 
     # Before Ray starts: a bad model spec (or generation config) fails here, fast and with a plain message.

@@ -62,8 +62,8 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
     """The target's greedy answers through the colocated engine (batched, as `tandem run` does; in
     `model`'s dtype), in prompt order. The engine's KV is freed before returning; `model` is left as it was."""
     from common.config import EngineConfig, SamplingParams
-    from kernels.kv_layout import DTYPE_NAMES
     from engine import build_engine
+    from kernels.kv_layout import DTYPE_NAMES
     from tqdm import tqdm
 
     longest = max(len(p) for p in prompts) + max_new_tokens

@@ -29,8 +29,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import ConfigError, EngineConfig
 from cluster.train import settings as train_settings
+from common.config import ConfigError, EngineConfig
 
 log = logging.getLogger("tandem.speculative")
 

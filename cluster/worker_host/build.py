@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster.worker_host.cores import CoreShareSpec
 from common.config import EngineConfig
 from common.protocol import WorkerRole
-from cluster.worker_host.cores import CoreShareSpec
 from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig
 from kv_store.transfer.session import TransferDeadlines

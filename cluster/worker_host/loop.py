@@ -22,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from common import protocol as p
-from common.faults import internal_error
 from cluster.worker_host.build import WorkerSpec
 from cluster.worker_host.cores import CoreShare, ThreadFollower
+from common import protocol as p
+from common.faults import internal_error
 
 
 def run_loop(spec: WorkerSpec, worker: p.Worker, conn) -> None:

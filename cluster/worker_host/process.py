@@ -28,9 +28,9 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common import protocol as p
 from cluster.worker_host.build import WorkerSpec, build_worker
 from cluster.worker_host.loop import run_loop
+from common import protocol as p
 
 log = logging.getLogger("tandem.process")
 

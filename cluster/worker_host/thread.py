@@ -24,10 +24,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common import protocol as p
-from common.relay import RelaySender
 from cluster.worker_host.build import WorkerSpec, build_worker
 from cluster.worker_host.loop import run_loop
+from common import protocol as p
+from common.relay import RelaySender
 
 log = logging.getLogger("tandem.worker")
 

@@ -59,8 +59,8 @@ from kernels.attention.metadata import AttnMetadata
 from kernels.model.compiled import CompiledLayers
 
 if TYPE_CHECKING:
-    from kv_store.device_pool import DevicePool
     from engine.scheduler import ScheduledStep
+    from kv_store.device_pool import DevicePool
 
 log = logging.getLogger("tandem.engine")
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 from common.config import ConfigError, EngineConfig
-from kernels.kv_layout import KVCacheTensors
-from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoint
 from engine.request import Request
 from engine.spec.policy import AdaptivePolicy, FixedPolicy
 from engine.spec.speculator import Committed, DraftSlots, EagleSpeculator
+from kernels.kv_layout import KVCacheTensors
+from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoint
 
 
 class NullSpeculator:

@@ -46,15 +46,15 @@ from itertools import accumulate
 
 import torch
 
+from engine.request import Request, RequestStatus
+from engine.spec.draft_tree import DraftTree
+from engine.spec.policy import AdaptivePolicy, FixedPolicy
 from kernels.attention.metadata import build_attn_metadata, slot_of
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.eagle import DraftStyle, EagleDraftHead
 from kernels.sampling import filtered_probs, row_generator
 from kernels.speculative import (row_depths, verify_greedy, verify_sampled, verify_tree_greedy,
                                  verify_tree_sampled)
-from engine.request import Request, RequestStatus
-from engine.spec.draft_tree import DraftTree
-from engine.spec.policy import AdaptivePolicy, FixedPolicy
 
 log = logging.getLogger("tandem.engine")
 

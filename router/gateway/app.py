@@ -36,8 +36,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
 from common.config import SamplingDefaults, SamplingParams
-from router.gateway.config import GatewayConfig
 from kernels.model.tokenizer import encode_prompt
+from router.gateway.config import GatewayConfig
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
 from router.gateway.hosts import HostGuard, HostPolicy
 from router.gateway.json_body import parse_json_object

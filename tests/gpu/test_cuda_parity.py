@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.config import EngineConfig
-from engine import build_engine, load_engine
+from engine import build_engine
 from kernels.model.loader import load_model
 from kernels.model.tokenizer import apply_chat_template
 from tests.helpers import CHAT_PROMPTS, assert_pool_at_rest, greedy, hf_greedy, make_prompts, tiny_models
@@ -53,8 +53,8 @@ def test_smollm2_bf16_logits_as_close_to_fp32_as_hf_bf16_is():
     clear."""
     from transformers import AutoModelForCausalLM
 
-    from kv_store.req_kv import ReleaseReason
     from engine.runner import ForwardRow
+    from kv_store.req_kv import ReleaseReason
 
     fp32 = load_model("smollm2", device="cuda")
     bf16 = load_model("smollm2", device="cuda", dtype=torch.bfloat16)

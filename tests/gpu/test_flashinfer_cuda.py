@@ -164,11 +164,11 @@ def test_tiny_greedy_matches_hf_with_flashinfer(dtype, page_size):
     """Greedy tokens equal HF's on the same GPU and dtype; a prompt may part from HF only where HF's
     own top-2 margin is a near-tie (half-precision rounding), and most tokens must be compared."""
     from common.config import EngineConfig
+    from engine import build_engine
     from kernels.kv_layout import DTYPE_NAMES
     from kernels.model.arch import LlamaArch
     from kernels.model.llama import LlamaForCausalLM
     from kernels.model.tiny import make_tiny_llama
-    from engine import build_engine
     from tests.helpers import assert_pool_at_rest, greedy, make_prompts
 
     _, ref = make_tiny_llama(seed=0, device="cuda", dtype=dtype, head_dim=64)

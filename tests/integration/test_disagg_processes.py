@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from common.config import EngineConfig, SamplingParams
 from cluster.worker_host.process import ProcessViews, complete, offline_dispatcher, pair_specs
+from common.config import EngineConfig, SamplingParams
 from kv_store.transfer.config import TransportConfig
 from tests.debug_worker import DigestKV, KVDigest, Stall, build_debug_worker
 from tests.helpers import CHAT_PROMPTS, greedy, hf_greedy, make_smollm2_engine, smollm2

@@ -18,11 +18,11 @@ import time
 
 import pytest
 
+from cluster.worker_host.build import WorkerSpec
+from cluster.worker_host.thread import HostLink, WorkerHost
 from common import protocol as p
 from common.config import EngineConfig
 from common.protocol import WorkerRole
-from cluster.worker_host.build import WorkerSpec
-from cluster.worker_host.thread import HostLink, WorkerHost
 from decode_worker.worker import InboundPhase
 from kernels.model.tokenizer import apply_chat_template
 from kv_store.req_kv import ceil_div

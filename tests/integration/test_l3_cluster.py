@@ -17,9 +17,9 @@ import time
 
 import pytest
 
+from cluster.worker_host.thread import WorkerHost
 from common.config import EngineConfig
 from common.protocol import TierStats
-from cluster.worker_host.thread import WorkerHost
 from kv_store.l3.config import L3Config
 from router.dispatcher import Dispatcher
 from router.policy import Policy

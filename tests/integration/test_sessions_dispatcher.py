@@ -10,9 +10,9 @@ import functools
 
 import pytest
 
+from cluster.worker_host.thread import WorkerHost
 from common import protocol as p
 from common.config import EngineConfig
-from cluster.worker_host.thread import WorkerHost
 from router.backend import BackendError, ErrorKind
 from tests import dispatch_harness
 from tests.debug_worker import Stall, build_debug_worker

@@ -13,8 +13,8 @@ import json
 from cluster.bench.decode import DecodeSpec, bench_decode, compare, make_prompts, summarize
 from cluster.cli.args import engine_config_from_args
 from cluster.cli.main import build_parser
-from common.config import EngineConfig, SamplingParams
 from cluster.serve.config_load import serve_config_from_args
+from common.config import EngineConfig, SamplingParams
 from engine import build_engine
 from engine.graphs.runner import Fallback
 from kernels.attention import BACKEND_NAMES

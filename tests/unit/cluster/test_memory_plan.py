@@ -8,10 +8,10 @@ import struct
 
 import pytest
 
-from common.config import ConfigError
 from cluster.serve.config_load import load_serve_config
 from cluster.serve.memory import (GIB, L3_STAGING_HOST_RATIO, NODE_OVERHEAD_BYTES, WORKER_OVERHEAD_BYTES, ModelShape,
                                   auto_budget, plan_memory)
+from common.config import ConfigError
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64, 134.5M parameters (its lm_head is the embedding).
 SHAPE = ModelShape(num_params=134_515_008, num_linear_params=134_479_872, num_layers=30, num_kv_heads=3, head_dim=64)

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from cluster.worker_host.thread import QueueConn
 from common import protocol as p
 from common import relay
-from cluster.worker_host.thread import QueueConn
 
 
 class _Gateway:

@@ -6,10 +6,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import EngineConfig
-from kv_store.config import KVStoreConfig
-from kv_store.l3.config import L3Config
-from kv_store.transfer.session import TransferDeadlines, TransferState
 from cluster.serve.config import (
     API_KEY_ENV,
     CPU_DECODE_CHUNK_SIZE,
@@ -23,6 +19,10 @@ from cluster.serve.config import (
     WorkerGroupConfig,
 )
 from cluster.serve.config_load import add_serve_args, load_serve_config, serve_config_from_args
+from common.config import EngineConfig
+from kv_store.config import KVStoreConfig
+from kv_store.l3.config import L3Config
+from kv_store.transfer.session import TransferDeadlines, TransferState
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cluster.yaml"
 

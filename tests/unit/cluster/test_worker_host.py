@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from common import protocol as p
-from common.config import ConfigError, EngineConfig, SamplingParams
 from cluster.serve import controller as controller_mod
 from cluster.serve.config_load import load_serve_config
 from cluster.serve.controller import Controller, RestartBudget, SlotState, _Slot, custom_resources, worker_bundle
 from cluster.worker_host.build import WorkerSpec, make_worker
 from cluster.worker_host.thread import HostBeat, WorkerHost, WorkerStopped
+from common import protocol as p
+from common.config import ConfigError, EngineConfig, SamplingParams
 from kv_store.transfer.config import TransportConfig
 from tests.debug_worker import Stall, build_debug_worker
 from tests.helpers import CHAT_PROMPTS, make_smollm2_engine, smollm2

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from common import protocol as p
-from common.config import EngineConfig
 from cluster.worker_host.build import make_worker
 from cluster.worker_host.thread import WorkerHost
+from common import protocol as p
+from common.config import EngineConfig
 from kv_store.transfer.config import TransportConfig
 from kv_store.transfer.local import LocalTransport
 from router.backend import ErrorKind

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from cluster.worker_host.build import make_worker
 from common import protocol as p
 from common.config import EngineConfig
-from cluster.worker_host.build import make_worker
 from engine.request import RequestStatus
 from engine.sessions import SessionError, SessionState
 from kv_store.req_kv import ceil_div

@@ -20,13 +20,13 @@ from collections import Counter
 import pytest
 import torch
 
+from cluster.worker_host.build import make_worker
 from common.config import SamplingParams
 from common.protocol import WorkerRole
-from cluster.worker_host.build import make_worker
+from engine.request import RequestStatus
+from engine.spec import speculator as speculator_module
 from kernels.model.eagle import DraftStyle
 from kernels.sampling import filtered_probs
-from engine.spec import speculator as speculator_module
-from engine.request import RequestStatus
 from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_prompts, make_spec_engine, \
     tiny_draft_head, tiny_models
 

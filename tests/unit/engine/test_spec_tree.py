@@ -17,12 +17,12 @@ import random
 import pytest
 import torch
 
-from common.config import ConfigError, EngineConfig, SamplingParams
 from cluster.worker_host.build import make_worker
-from kernels.model.eagle import DraftStyle
+from common.config import ConfigError, EngineConfig, SamplingParams
+from engine.request import RequestStatus
 from engine.spec import speculator as speculator_module
 from engine.spec.factory import make_speculator
-from engine.request import RequestStatus
+from kernels.model.eagle import DraftStyle
 from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_spec_engine, tiny_draft_head, \
     tiny_models
 

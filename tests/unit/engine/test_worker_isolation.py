@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 
-from common import protocol as p
-from common.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams
 from cluster.worker_host.build import make_worker
 from cluster.worker_host.build import WorkerSpec
 from cluster.worker_host.thread import HostLink, WorkerHost
+from common import protocol as p
+from common.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams
 from decode_worker.worker import ColocatedWorker
-from engine import build_engine, load_engine
+from engine import build_engine
 from engine.request import FinishReason
 from kv_store.transfer.local import LocalTransport
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models, why_not_at_rest
@@ -217,9 +217,9 @@ def test_worker_host_loop_survives_faulty_requests_and_messages(clean):
 
 
 def test_the_client_of_a_faulty_request_gets_an_internal_error_and_no_retry(clean):
+    from common.protocol import WorkerRole
     from router.backend import ErrorKind
     from router.dispatcher import Dispatcher, WorkerInfo
-    from common.protocol import WorkerRole
 
     host = WorkerHost(WorkerSpec("colocated", CONFIG, heartbeat_interval_s=0.05), "colocated-0", build=build_tiny)
     link = HostLink(host)

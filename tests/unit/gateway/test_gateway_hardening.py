@@ -13,8 +13,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.config import SamplingDefaults
 from cluster.serve.config import GatewayConfig
+from common.config import SamplingDefaults
 from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
 from tests.gateway_backend import EngineBackend, settle_backend

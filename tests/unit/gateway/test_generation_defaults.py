@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from common.config import ConfigError, SamplingDefaults
 from cluster.serve.config import GatewayConfig
 from cluster.serve.config_load import load_serve_config
+from common.config import ConfigError, SamplingDefaults
 from kernels.model.generation_config import SMOLLM2_CARD, sampling_defaults
 from router.gateway.errors import APIError
 from router.gateway.schema import ModelLimits, parse_completion

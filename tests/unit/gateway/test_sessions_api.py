@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from common.config import EngineConfig
 from cluster.serve.config import GatewayConfig
+from common.config import EngineConfig
 from engine.build import build_engine
 from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from router.backend import ErrorKind

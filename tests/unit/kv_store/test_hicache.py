@@ -11,8 +11,8 @@ import weakref
 
 import torch
 
-from common.config import EngineConfig
 from cluster.worker_host.build import make_worker
+from common.config import EngineConfig
 from engine.request import RequestStatus
 from kv_store.residency import Residency
 from kv_store.transfer.local import LocalTransport

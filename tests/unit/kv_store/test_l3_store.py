@@ -16,10 +16,10 @@ from hypothesis import given, settings, strategies as st
 from common.config import ConfigError
 from kernels.kv_layout import KVCacheTensors, kv_layout
 from kv_store.l3.codec import pack_page, unpack_page
+from kv_store.l3.codec import HEADER_BYTES, encode_value
 from kv_store.l3.config import L3Config
 from kv_store.l3.keys import KeyNamespace, page_keys
 from kv_store.l3.redis_store import RedisPageStore
-from kv_store.l3.codec import HEADER_BYTES, encode_value
 from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,8 +7,8 @@ aborted meanwhile (which drops the request's own tree lock).
 
 import torch
 
-from common.config import EngineConfig
 from cluster.worker_host.build import make_worker
+from common.config import EngineConfig
 from engine.request import RequestStatus
 from kv_store.page_pool import PageState
 from kv_store.transfer.local import LocalTransport

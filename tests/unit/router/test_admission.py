@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from common.config import ConfigError
+from common.protocol import WorkerRole
 from router.admission import (FALLBACK_RETRY_AFTER_S, PLAN_SHARE, AdmissionParams, DecodeLimit, Overloaded,
                               PrefillLane, PrefillRate, Refusal, admissible)
 from router.policy_types import WorkerView
-from common.protocol import WorkerRole
 
 
 def lane(window_tokens: int = 100, smoothing: float = 1.0) -> PrefillLane:

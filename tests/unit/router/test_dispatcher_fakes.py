@@ -8,10 +8,10 @@ import pytest
 
 from common import protocol as p
 from common.config import SamplingParams
+from common.protocol import WorkerRole
 from router.admission import AdmissionParams
 from router.backend import BackendError, ErrorKind
 from router.dispatcher import Dispatcher, Phase, WorkerInfo
-from common.protocol import WorkerRole
 
 
 class ScriptedLink:

@@ -14,11 +14,11 @@ from safetensors import safe_open
 
 from cluster.cli.args import with_default_draft
 from cluster.cli.main import main
-from common.config import ConfigError, EngineConfig
 from cluster.train.checkpoint import write_published
 from cluster.train.settings import MARKER_FILE, TRAIN_FORMAT_VERSION, TrainSettings, ensure_head, head_dir
 from cluster.train.shipped import RECIPE_FILE, SHIPPED_ROOT, default_draft, export_shipped, shipped_dir, shipped_head
 from cluster.train.vocab import DraftVocab
+from common.config import ConfigError, EngineConfig
 from kernels.model.eagle import load_eagle_checkpoint
 from tests.helpers import tiny_models
 from tests.unit.train.conftest import DRAFT_VOCAB, random_head

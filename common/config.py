@@ -177,7 +177,8 @@ class EngineConfig:
     cpu_compile: bool | None = None
     """CPU, with `cuda_graph`: replayed single-request steps (bucket 1) run each decoder layer through
     one `torch.compile`d function (inductor; `kernels/model/compiled.py`), compiled at start-up (about
-    6 s on 2 cores for SmolLM2, about 3 s from inductor's cache under ~/.cache/tandem/inductor).
+    6 s on 2 cores for SmolLM2, about 3 s from inductor's cache under ~/.cache/tandem/inductor; a
+    served worker compiles beside serving and replays eagerly until then).
     SmolLM2 fp32 batch 1 on 2 cores: ~25 vs ~40 ms a step eager, same greedy tokens; bigger buckets
     stay eager (oneDNN's matmuls serve several rows well). None: on in `tandem serve`'s CPU workers
     that decode (decode, colocated), off in an engine made alone (tests, benches: `--cpu-compile`)

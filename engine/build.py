@@ -55,9 +55,11 @@ class _Pools:
 
 def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None, eos_token_ids: Sequence[int] = (),
                  connector: ConnectorFactory | None = None, l3: L3Config | None = None,
-                 draft_head: torch.nn.Module | None = None) -> EngineCore:
+                 draft_head: torch.nn.Module | None = None, compile_in_background: bool = False) -> EngineCore:
     """An engine for `model` (`draft_head`: the EAGLE head when `config.speculative` is `eagle`; None
-    loads it from `config.draft_model`). Raises ConfigError before allocating anything it cannot serve."""
+    loads it from `config.draft_model`). Raises ConfigError before allocating anything it cannot serve.
+    `compile_in_background`: `config.cpu_compile`'s compile runs beside serving (a served worker),
+    not before this returns (`GraphRunner`)."""
     device = torch.device(config.device)
     if config.speculative != "none":
         draft_head = draft_head if draft_head is not None else load_draft_head(config, model, arch)
@@ -83,7 +85,8 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
                          enabled=resolved.cuda_graph, sizes=resolved.graph_batch_sizes,
                          loads_in_flight=pools.device_pool.loads_in_flight, cpu_compile=bool(resolved.cpu_compile),
                          tree_rows=tree_verify_rows(resolved),
-                         tree_batch=max(1, min(resolved.max_running_requests, resolved.speculative_max_batch)))
+                         tree_batch=max(1, min(resolved.max_running_requests, resolved.speculative_max_batch)),
+                         compile_in_background=compile_in_background)
     speculator = make_speculator(resolved, draft_head, device, pools.draft_kv, pools.target_kv, runner)
     parts = EngineParts(resolved, model, arch, tokenizer, frozenset(eos_token_ids), pools.kv_cache, pools.device_pool,
                         pools.kvm, tier, sessions, scheduler, runner, speculator)

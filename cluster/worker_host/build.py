@@ -54,11 +54,13 @@ def build_worker(spec: WorkerSpec, transport=None):
     spec = dataclasses.replace(spec, engine=engine)
     loaded = load_for_serving(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype],
                               backend=spec.engine.attention_backend)
-    model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, l3=spec.l3)
+    # a served worker is ready before its CPU decode step is compiled (it replays eagerly until then)
+    model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, l3=spec.l3, compile_in_background=True)
     if spec.role is WorkerRole.COLOCATED:
         from kv_store.transfer.local import LocalTransport
 
-        return make_worker(WorkerRole.COLOCATED, spec.engine, loaded.model, loaded.arch, **model), transport or LocalTransport()
+        return (make_worker(WorkerRole.COLOCATED, spec.engine, loaded.model, loaded.arch, **model),
+                transport or LocalTransport())
     if transport is None:
         from kv_store.transfer.mooncake import MooncakeTransport
 
@@ -80,7 +82,8 @@ def worker_role(role: WorkerRole | str) -> WorkerRole:
 
 def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, transport=None, *, host_pages: int = 0,
                 tokenizer=None, eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
-                clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None, draft_head=None):
+                clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None, draft_head=None,
+                compile_in_background: bool = False):
     """The `role` worker (a `WorkerRole` or its value) over `model`: its engine built with the
     role's connector (a prefill worker's `KVSender`, a decode worker's `KVReceiver` with `host_pages`
     landing pages, both over `transport`), then the worker around the engine."""
@@ -97,5 +100,5 @@ def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, trans
     workers = {WorkerRole.PREFILL: PrefillWorker, WorkerRole.DECODE: DecodeWorker,
                WorkerRole.COLOCATED: ColocatedWorker}
     engine = build_engine(config, model, arch, tokenizer, eos_token_ids, connector=connectors[role], l3=l3,
-                          draft_head=draft_head)
+                          draft_head=draft_head, compile_in_background=compile_in_background)
     return workers[role](engine)

@@ -33,8 +33,8 @@ one memory pool; capture time and memory are logged), with the attention planned
 width (`seq_lens_cpu` = capacity, the real lengths in the device `seq_lens`), so a replay reads only
 the static buffers. On CPU the same buffers, padding and gates run, and "replay" is the model run
 over the buffers of the bucket: eagerly, or with `engine.cpu_compile` for bucket 1 through
-`torch.compile` of the whole forward (compiled at start-up; the KV length is a dynamic dimension, so
-nothing compiles while serving). Measured on a 2-core CPU, SmolLM2 fp32, 128-token context: batch 1
+`torch.compile` of the whole forward (compiled at start-up, or by a served worker on a thread beside
+serving; the KV length is a dynamic dimension, so nothing compiles again while serving). Measured on a 2-core CPU, SmolLM2 fp32, 128-token context: batch 1
 compiled 24.5 ms a step vs 37.5 eager (same greedy tokens; ~50 s to compile, ~25 s from inductor's
 cache); at batch 4 compiled steps were *slower* than eager (99 ms with a dynamic batch dimension,
 73 ms compiled for batch 4 alone, vs 43 ms eager), so bigger buckets replay eagerly.
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -106,9 +107,11 @@ class GraphRunner:
     def __init__(self, eager: ModelRunner, pool: DevicePool, max_batch: int, max_model_len: int,
                  enabled: bool = True, sizes: Iterable[int] = (),
                  loads_in_flight: Callable[[], frozenset] = frozenset, cpu_compile: bool = False,
-                 tree_rows: int = 0, tree_batch: int = 1):
+                 tree_rows: int = 0, tree_batch: int = 1, compile_in_background: bool = False):
         """`tree_rows`: tokens of a full tree verify row (`tree.tree_verify_rows`; 0: no trees),
-        replayed for up to `tree_batch` requests."""
+        replayed for up to `tree_batch` requests. `compile_in_background`: the CPU compile runs on a
+        thread while the engine serves (bucket 1 replays eagerly until it is done; a served worker
+        is ready that much sooner), else before the constructor returns."""
         self.eager = eager
         self.pool = pool
         self.enabled = enabled
@@ -124,6 +127,7 @@ class GraphRunner:
         self.bufs = StaticBuffers.allocate(self.buckets[-1], -(-max_model_len // self.page_size), eager.device)
         self._graphs: dict[int, _Captured] = {}
         self._compiled: dict[int, Callable] = {}  # CPU: bucket -> compiled forward that replays it
+        self._compiling: threading.Thread | None = None  # a background compile not yet done
         self.trees = None  # TreeVerifyGraphs, when the engine drafts trees
         if enabled and tree_rows:
 
@@ -132,7 +136,7 @@ class GraphRunner:
         if enabled and eager.device.type == "cuda":
             self._capture_all()
         elif enabled and cpu_compile and COMPILED_CPU_BUCKET in self.buckets:
-            self._compile(COMPILED_CPU_BUCKET)
+            self._compile(COMPILED_CPU_BUCKET, compile_in_background)
 
     # ---- the step ----------------------------------------------------------------------------------
     def run(self, step: ScheduledStep) -> ForwardOut:
@@ -192,25 +196,51 @@ class GraphRunner:
             return _rows_of(captured.out, len(rows), clone=True)
         return _rows_of(self._body(bucket, meta, compiled), len(rows))
 
-    @torch.inference_mode()
-    def _body(self, bucket: int, meta: AttnMetadata, model: Callable | None = None) -> ForwardOut:
-        return self.eager.run_model(self.bufs.input_ids[:bucket], self.bufs.positions[:bucket], meta, model)
+    def _body(self, bucket: int, meta: AttnMetadata, model: Callable | None = None,
+              bufs: StaticBuffers | None = None) -> ForwardOut:
+        bufs = bufs or self.bufs
+        with torch.inference_mode():
+            return self.eager.run_model(bufs.input_ids[:bucket], bufs.positions[:bucket], meta, model)
 
     # ---- CPU compile -------------------------------------------------------------------------------
-    def _compile(self, bucket: int) -> None:
-        """`torch.compile` the forward for `bucket` and run it at start-up over padding rows (which
-        read and write only scratch page 0), so no request waits for a compile. The warm-up spans two
-        KV pages, the least a compiled replay plans for (with one, the page count would be specialised
-        to 1, and any other would compile again)."""
+    def _compile(self, bucket: int, background: bool) -> None:
+        """`torch.compile` the forward for `bucket` and run it over padding rows (which read and write
+        only scratch page 0), so no request waits for a compile: before serving, or on a thread beside
+        it (`background`; its own buffers, the step's stay the loop's). The warm-up spans two KV pages,
+        the least a compiled replay plans for (with one, the page count would be specialised to 1, and
+        any other would compile again)."""
+        warm = StaticBuffers.allocate(bucket, self.bufs.max_pages, self.eager.device)
+        warm.fill([], bucket, self.page_size)
         warm_lens = (COMPILED_MIN_PAGES * self.page_size,) * bucket
-        self.bufs.fill([], bucket, self.page_size)
-        self._body(bucket, self.bufs.meta(bucket, self.page_size, warm_lens))  # eager once: lazy tables exist
+        # eager once, here: the model's lazy tables exist before any thread runs
+        self._body(bucket, warm.meta(bucket, self.page_size, warm_lens), bufs=warm)
         compiled = CompiledLayers(self.eager.model)
-        log.info("compiling the CPU decode step for batch size %d (seconds; cached for restarts) ...", bucket)
-        start_s = time.perf_counter()
-        self._body(bucket, self.bufs.meta(bucket, self.page_size, warm_lens), compiled)
-        self._compiled[bucket] = compiled
-        log.info("compiled the CPU decode step for batch size %d in %.1f s", bucket, time.perf_counter() - start_s)
+
+        def run() -> None:
+            log.info("compiling the CPU decode step for batch size %d (seconds; cached for restarts)%s ...", bucket,
+                     "; it replays eagerly until then" if background else "")
+            start_s = time.perf_counter()
+            try:
+                self._body(bucket, warm.meta(bucket, self.page_size, warm_lens), compiled, bufs=warm)
+            except Exception:
+                if not background:
+                    raise
+                log.exception("compiling the CPU decode step failed: batch size %d stays eager", bucket)
+                return
+            self._compiled[bucket] = compiled
+            log.info("compiled the CPU decode step for batch size %d in %.1f s", bucket, time.perf_counter() - start_s)
+
+        if background:
+            self._compiling = threading.Thread(target=run, name="tandem-compile", daemon=True)
+            self._compiling.start()
+        else:
+            run()
+
+    def wait_compiled(self, timeout_s: float | None = None) -> bool:
+        """Wait for a background compile; True when none is left running."""
+        if self._compiling is not None:
+            self._compiling.join(timeout_s)
+        return self._compiling is None or not self._compiling.is_alive()
 
     # ---- CUDA capture ------------------------------------------------------------------------------
     def _capture_all(self) -> None:

@@ -170,6 +170,78 @@ def test_cpu_compiled_replays_give_hf_greedy_output_with_no_compile_after_start_
         torch._dynamo.reset()
 
 
+def _background_engine(monkeypatch, first_call):
+    """A served-worker engine (compile on a thread) whose compiled forward runs `first_call()` first."""
+    from common.config import EngineConfig
+    from engine import build_engine
+    from engine.graphs import runner as runner_module
+
+    class Gated(runner_module.CompiledLayers):
+        def forward_with_aux(self, *args):
+            first_call()
+            return super().forward_with_aux(*args)
+
+    monkeypatch.setattr(runner_module, "CompiledLayers", Gated)
+    ours, _, arch = tiny_models()
+    config = EngineConfig(page_size=4, num_pages=256, chunk_size=64, debug_kv=True, cuda_graph=True,
+                          cpu_compile=True, max_running_requests=2, graph_batch_sizes=(1, 2))
+    return build_engine(config, ours, arch, compile_in_background=True)
+
+
+def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_greedy_output(monkeypatch):
+    """The background compile is held at its first call until requests have run: they replay bucket 1
+    eagerly meanwhile; then requests run while it compiles, and once it is done they replay compiled.
+    Every output is HF's greedy."""
+    import threading
+
+    import torch._dynamo
+
+    _, ref, _ = tiny_models()
+    release = threading.Event()
+    torch._dynamo.reset()
+    engine = _background_engine(monkeypatch, lambda: release.wait(60))
+    try:
+        prompts, params = make_prompts(2, seed=9), [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 12)]
+        want = [hf_greedy(ref, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+        eager = engine.generate(prompts, params)  # the compile has not begun: bucket 1 replays eagerly
+        assert not engine.runner._compiled and engine.runner.counters.replays >= 10
+        assert [r.output_token_ids for r in eager] == want
+        release.set()
+        during = engine.generate(prompts, params)  # most likely while it compiles: one thread each
+        assert [r.output_token_ids for r in during] == want
+        assert engine.runner.wait_compiled(120)
+        assert set(engine.runner._compiled) == {1}
+        graphs_when_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        compiled_calls = _count_calls(engine.runner, 1)
+        again = engine.generate(prompts, params)
+        assert [r.output_token_ids for r in again] == want
+        assert compiled_calls() >= 6  # the longer request's single-row tail
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_when_compiled
+        engine.check_integrity()
+    finally:
+        release.set()
+        engine.runner.wait_compiled(120)
+        engine.close()
+        torch._dynamo.reset()
+
+
+def test_a_failed_background_compile_leaves_the_step_eager(monkeypatch, caplog):
+    def fail():
+        raise RuntimeError("inductor broke")
+
+    _, ref, _ = tiny_models()
+    engine = _background_engine(monkeypatch, fail)
+    try:
+        assert engine.runner.wait_compiled(60) and not engine.runner._compiled
+        assert "compiling the CPU decode step failed: batch size 1 stays eager" in caplog.text
+        prompt = make_prompts(1, seed=10)[0]
+        (req,) = engine.generate([prompt], [SamplingParams(max_tokens=6, ignore_eos=True)])
+        assert req.output_token_ids == hf_greedy(ref, prompt, 6)
+        engine.check_integrity()
+    finally:
+        engine.close()
+
+
 def _count_calls(runner, bucket: int):
     """Wraps the compiled forward of `bucket`; returns a function giving how often it ran."""
     compiled, calls = runner._compiled[bucket], []

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import triton_kernels as tk
+import kernels.attention.triton_kernels as tk
 from kernels.attention.base import AttentionBackend, check_new_kv
 from kernels.attention.metadata import AttnMetadata
 

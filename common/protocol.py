@@ -351,6 +351,10 @@ class Worker(Protocol):
 
     role: WorkerRole
 
+    def start(self) -> None:
+        """The loop begins serving (the worker reported ready): start what runs beside it (a CPU
+        decode step's compile, on a thread of its own)."""
+
     def handle(self, msg) -> list:
         """Apply one driver message; its immediate replies. ValueError-type rejections are replies, not raises."""
 

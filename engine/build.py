@@ -58,8 +58,8 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
                  draft_head: torch.nn.Module | None = None, compile_in_background: bool = False) -> EngineCore:
     """An engine for `model` (`draft_head`: the EAGLE head when `config.speculative` is `eagle`; None
     loads it from `config.draft_model`). Raises ConfigError before allocating anything it cannot serve.
-    `compile_in_background`: `config.cpu_compile`'s compile runs beside serving (a served worker),
-    not before this returns (`GraphRunner`)."""
+    `compile_in_background`: `config.cpu_compile`'s compile runs beside serving, from
+    `engine.runner.start_compile()` (a served worker's loop), not before this returns (`GraphRunner`)."""
     device = torch.device(config.device)
     if config.speculative != "none":
         draft_head = draft_head if draft_head is not None else load_draft_head(config, model, arch)

@@ -14,6 +14,9 @@ class EngineWorker:
     def __init__(self, engine: EngineCore):
         self.engine = engine
 
+    def start(self) -> None:
+        self.engine.runner.start_compile()
+
     def busy(self) -> bool:
         return self.engine.busy()
 

@@ -224,8 +224,7 @@ class Controller:
         actor = ray.remote(WorkerActor).options(
             num_cpus=slot.group.num_cpus, num_gpus=slot.group.num_gpus, resources=custom_resources(slot.group),
             max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, slot.bundle_index),
-            runtime_env={"env_vars": {"GLOG_minloglevel": "2"}})  # mooncake's per-connection info lines
+            scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, slot.bundle_index))
         slot.state, slot.incarnation = SlotState.STARTING, slot.incarnation + 1
         slot.handle = actor.remote(spec, slot.worker_id)
         try:

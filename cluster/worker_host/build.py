@@ -7,6 +7,7 @@ connector, then the worker around them."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from common.protocol import WorkerRole
 from kv_store.l3.config import L3Config
 from kv_store.transfer.config import TransportConfig
 from kv_store.transfer.session import TransferDeadlines
+
+log = logging.getLogger("tandem.worker")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ def build_worker(spec: WorkerSpec, transport=None):
     `transport`: the one to use (tests: an in-process `LocalTransport`); None: Mooncake on
     `spec.transport`'s address (a colocated worker, which no peer writes to, gets a local one: its
     session id names it)."""
+    start_s = time.perf_counter()
     import torch
 
     from cluster.train.shipped import with_default_draft
@@ -54,13 +58,16 @@ def build_worker(spec: WorkerSpec, transport=None):
     spec = dataclasses.replace(spec, engine=engine)
     loaded = load_for_serving(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype],
                               backend=spec.engine.attention_backend)
-    # a served worker is ready before its CPU decode step is compiled (it replays eagerly until then)
+    log.info("model loaded %.1f s after the worker began building (imports included)", time.perf_counter() - start_s)
+    # a served worker is ready before its CPU decode step is compiled: the loop starts the compile
+    # (`Worker.start`), and the step replays eagerly until it is in place
     model = dict(tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, l3=spec.l3, compile_in_background=True)
     if spec.role is WorkerRole.COLOCATED:
         from kv_store.transfer.local import LocalTransport
 
-        return (make_worker(WorkerRole.COLOCATED, spec.engine, loaded.model, loaded.arch, **model),
-                transport or LocalTransport())
+        worker = make_worker(WorkerRole.COLOCATED, spec.engine, loaded.model, loaded.arch, **model)
+        log.info("worker built in %.1f s", time.perf_counter() - start_s)
+        return worker, transport or LocalTransport()
     if transport is None:
         from kv_store.transfer.mooncake import MooncakeTransport
 
@@ -68,8 +75,10 @@ def build_worker(spec: WorkerSpec, transport=None):
     engine = spec.engine
     if spec.role is WorkerRole.PREFILL:  # packed weights would cost it a second copy for ~10% (unless asked for by name)
         engine = dataclasses.replace(engine, cpu_prepack=bool(engine.cpu_prepack))
-    return make_worker(spec.role, engine, loaded.model, loaded.arch, transport, host_pages=spec.host_pages,
-                       deadlines=spec.transport, **model), transport
+    worker = make_worker(spec.role, engine, loaded.model, loaded.arch, transport, host_pages=spec.host_pages,
+                         deadlines=spec.transport, **model)
+    log.info("worker built in %.1f s (model, transport, engine)", time.perf_counter() - start_s)
+    return worker, transport
 
 
 def worker_role(role: WorkerRole | str) -> WorkerRole:

@@ -1,6 +1,7 @@
 """The loop that hosts one worker, whatever carries its messages (a pipe or in-memory queues) and
 whatever its role: it knows only the worker contract (`common.protocol.Worker`).
 
+    worker.start() once (it reported ready: what runs beside serving begins)
     drain the driver's messages -> worker.handle(msg) -> replies sent at once
     worker.step() while worker.busy() -> its messages sent
     a heartbeat with worker.stats() every `heartbeat_interval_s`
@@ -30,6 +31,7 @@ from common.faults import internal_error
 
 def run_loop(spec: WorkerSpec, worker: p.Worker, conn) -> None:
     """Serve `worker` over `conn` until Shutdown; an exception that is no one request's fault ends it."""
+    worker.start()
     if spec.core_share is None:
         return _serve(spec, worker, conn, None)
     share = CoreShare(spec.core_share, spec.torch_threads)

@@ -109,9 +109,9 @@ class GraphRunner:
                  loads_in_flight: Callable[[], frozenset] = frozenset, cpu_compile: bool = False,
                  tree_rows: int = 0, tree_batch: int = 1, compile_in_background: bool = False):
         """`tree_rows`: tokens of a full tree verify row (`tree.tree_verify_rows`; 0: no trees),
-        replayed for up to `tree_batch` requests. `compile_in_background`: the CPU compile runs on a
-        thread while the engine serves (bucket 1 replays eagerly until it is done; a served worker
-        is ready that much sooner), else before the constructor returns."""
+        replayed for up to `tree_batch` requests. `compile_in_background`: the CPU compile waits for
+        `start_compile` (a served worker's loop, once it reported ready) and runs on a thread beside
+        serving (bucket 1 replays eagerly until it is done); else it runs before the constructor returns."""
         self.eager = eager
         self.pool = pool
         self.enabled = enabled
@@ -127,7 +127,8 @@ class GraphRunner:
         self.bufs = StaticBuffers.allocate(self.buckets[-1], -(-max_model_len // self.page_size), eager.device)
         self._graphs: dict[int, _Captured] = {}
         self._compiled: dict[int, Callable] = {}  # CPU: bucket -> compiled forward that replays it
-        self._compiling: threading.Thread | None = None  # a background compile not yet done
+        self._compiling: threading.Thread | None = None  # a background compile, once started
+        self._compile_later: Callable[[], None] | None = None  # a background compile, until started
         self.trees = None  # TreeVerifyGraphs, when the engine drafts trees
         if enabled and tree_rows:
 
@@ -206,7 +207,7 @@ class GraphRunner:
     def _compile(self, bucket: int, background: bool) -> None:
         """`torch.compile` the forward for `bucket` and run it over padding rows (which read and write
         only scratch page 0), so no request waits for a compile: before serving, or on a thread beside
-        it (`background`; its own buffers, the step's stay the loop's). The warm-up spans two KV pages,
+        it (`background`, from `start_compile`; its own buffers, the step's stay the loop's). The warm-up spans two KV pages,
         the least a compiled replay plans for (with one, the page count would be specialised to 1, and
         any other would compile again)."""
         warm = StaticBuffers.allocate(bucket, self.bufs.max_pages, self.eager.device)
@@ -231,13 +232,19 @@ class GraphRunner:
             log.info("compiled the CPU decode step for batch size %d in %.1f s", bucket, time.perf_counter() - start_s)
 
         if background:
-            self._compiling = threading.Thread(target=run, name="tandem-compile", daemon=True)
-            self._compiling.start()
+            self._compile_later = run
         else:
             run()
 
+    def start_compile(self) -> None:
+        """Start the background compile (once; nothing when there is none)."""
+        if self._compile_later is not None:
+            self._compiling = threading.Thread(target=self._compile_later, name="tandem-compile", daemon=True)
+            self._compile_later = None
+            self._compiling.start()
+
     def wait_compiled(self, timeout_s: float | None = None) -> bool:
-        """Wait for a background compile; True when none is left running."""
+        """Wait for a started background compile; True when none is left running."""
         if self._compiling is not None:
             self._compiling.join(timeout_s)
         return self._compiling is None or not self._compiling.is_alive()

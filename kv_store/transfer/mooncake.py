@@ -104,6 +104,9 @@ class _Engine:
     """
 
     def __init__(self, hostname: str, protocol: str, device_name: str) -> None:
+        # glog reads its level as its library loads: keep mooncake's per-connection info lines out of
+        # a worker's log (unless the environment says otherwise)
+        os.environ.setdefault("GLOG_minloglevel", "2")
         try:
             import mooncake.engine as binding
         except ImportError as err:

@@ -20,24 +20,35 @@ from tests.debug_worker import Stall, build_debug_worker
 from tests.helpers import CHAT_PROMPTS, make_smollm2_engine, smollm2
 
 
+def _served(host: WorkerHost, request_id: str, ids: list[int], params: SamplingParams) -> tuple[list[int], object]:
+    host.deliver([p.Generate(request_id, tuple(ids), params)])
+    tokens, finish = [], None
+    deadline = time.monotonic() + 60
+    while finish is None and time.monotonic() < deadline:
+        for msg in host.collect(0.5):
+            assert isinstance(msg, p.TokenOutput) and msg.request_id == request_id and not msg.error
+            tokens += msg.new_token_ids
+            finish = msg.finish_reason
+    return tokens, finish
+
+
 @pytest.mark.slow
-def test_host_serves_reports_a_long_step_and_stops():
+def test_host_serves_compiles_beside_serving_reports_a_long_step_and_stops():
+    """A served worker reports ready before its CPU decode step is compiled: its loop starts the
+    compile, requests before and after it give the engine's own greedy tokens."""
     from kernels.model.tokenizer import apply_chat_template
 
-    host = WorkerHost(WorkerSpec("colocated", EngineConfig(num_pages=256), heartbeat_interval_s=0.1), "colocated-0",
-                      build=build_debug_worker)
+    host = WorkerHost(WorkerSpec("colocated", EngineConfig(num_pages=256, cpu_compile=True), heartbeat_interval_s=0.1),
+                      "colocated-0", build=build_debug_worker)
     try:
         ids = apply_chat_template(smollm2()[0].tokenizer, CHAT_PROMPTS[0])
-        host.deliver([p.Generate("r0", tuple(ids), SamplingParams(max_tokens=8))])
-        tokens, finish = [], None
-        deadline = time.monotonic() + 60
-        while finish is None and time.monotonic() < deadline:
-            for msg in host.collect(0.5):
-                assert isinstance(msg, p.TokenOutput) and msg.request_id == "r0" and not msg.error
-                tokens += msg.new_token_ids
-                finish = msg.finish_reason
-        reference = make_smollm2_engine().generate([ids], SamplingParams(max_tokens=8))[0]
+        params = SamplingParams(max_tokens=8)
+        tokens, finish = _served(host, "r0", ids, params)
+        reference = make_smollm2_engine().generate([ids], params)[0]
         assert tokens == reference.output_token_ids and finish is reference.finish_reason
+        runner = host.worker.engine.runner
+        assert runner.wait_compiled(180) and set(runner._compiled) == {1}  # the loop started it
+        assert _served(host, "r1", ids, params) == (reference.output_token_ids, reference.finish_reason)
 
         host.deliver([Stall(2.0)])  # one step that takes 2 s
         time.sleep(1.5)

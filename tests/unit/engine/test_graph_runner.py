@@ -170,8 +170,9 @@ def test_cpu_compiled_replays_give_hf_greedy_output_with_no_compile_after_start_
         torch._dynamo.reset()
 
 
-def _background_engine(monkeypatch, first_call):
-    """A served-worker engine (compile on a thread) whose compiled forward runs `first_call()` first."""
+def _background_engine(monkeypatch, first_call=lambda: None):
+    """A served worker's engine (its compile started later, on a thread) whose compiled forward runs
+    `first_call()` first."""
     from common.config import EngineConfig
     from engine import build_engine
     from engine.graphs import runner as runner_module
@@ -189,24 +190,21 @@ def _background_engine(monkeypatch, first_call):
 
 
 def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_greedy_output(monkeypatch):
-    """The background compile is held at its first call until requests have run: they replay bucket 1
-    eagerly meanwhile; then requests run while it compiles, and once it is done they replay compiled.
-    Every output is HF's greedy."""
-    import threading
-
+    """The compile waits for `start_compile` (a served worker's loop, once ready): requests replay
+    bucket 1 eagerly before it, run while it compiles on its thread, and replay compiled once it is
+    done. Every output is HF's greedy."""
     import torch._dynamo
 
     _, ref, _ = tiny_models()
-    release = threading.Event()
     torch._dynamo.reset()
-    engine = _background_engine(monkeypatch, lambda: release.wait(60))
+    engine = _background_engine(monkeypatch)
     try:
         prompts, params = make_prompts(2, seed=9), [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 12)]
         want = [hf_greedy(ref, p, sp.max_tokens) for p, sp in zip(prompts, params)]
         eager = engine.generate(prompts, params)  # the compile has not begun: bucket 1 replays eagerly
         assert not engine.runner._compiled and engine.runner.counters.replays >= 10
         assert [r.output_token_ids for r in eager] == want
-        release.set()
+        engine.runner.start_compile()
         during = engine.generate(prompts, params)  # most likely while it compiles: one thread each
         assert [r.output_token_ids for r in during] == want
         assert engine.runner.wait_compiled(120)
@@ -219,7 +217,6 @@ def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_g
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_when_compiled
         engine.check_integrity()
     finally:
-        release.set()
         engine.runner.wait_compiled(120)
         engine.close()
         torch._dynamo.reset()
@@ -232,6 +229,7 @@ def test_a_failed_background_compile_leaves_the_step_eager(monkeypatch, caplog):
     _, ref, _ = tiny_models()
     engine = _background_engine(monkeypatch, fail)
     try:
+        engine.runner.start_compile()
         assert engine.runner.wait_compiled(60) and not engine.runner._compiled
         assert "compiling the CPU decode step failed: batch size 1 stays eager" in caplog.text
         prompt = make_prompts(1, seed=10)[0]

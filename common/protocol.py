@@ -184,6 +184,7 @@ class GraphStats:
 
     replays: int = 0
     fallbacks: tuple[tuple[str, int], ...] = ()  # (reason, steps): not_decode, batch_too_large, ...
+    compiling: bool = False  # a CPU decode step still compiles beside serving (it replays eagerly meanwhile)
 
 
 @dataclass(frozen=True)

@@ -269,7 +269,7 @@ class EngineCore:
         return spec_stats(self.speculator.counters)
 
     def graph_stats(self) -> GraphStats:
-        return graph_stats(self.runner.counters)
+        return graph_stats(self.runner.counters, self.runner.compiling())
 
     def tier_stats(self) -> TierStats:
         return tier_stats(self.host_cache, self.scheduler.hit_tokens_l1, self.sessions, self.config.page_size)

@@ -19,9 +19,9 @@ def spec_stats(c) -> SpecStats:
                      tuple(sorted(c.accepted_at.items())), c.draft_errors)
 
 
-def graph_stats(c) -> GraphStats:
-    """From a graph runner's `GraphCounters`."""
-    return GraphStats(c.replays, tuple(sorted((reason.value, n) for reason, n in c.fallbacks.items())))
+def graph_stats(c, compiling: bool = False) -> GraphStats:
+    """From a graph runner's `GraphCounters` (and whether it still compiles)."""
+    return GraphStats(c.replays, tuple(sorted((reason.value, n) for reason, n in c.fallbacks.items())), compiling)
 
 
 def tier_stats(host_cache, hit_tokens_l1: int, sessions, page_size: int) -> TierStats:

@@ -53,7 +53,7 @@ from cluster.bench.llamacpp_report import SYSTEMS, format_table, round_lines, su
 from cluster.bench.llamacpp_runs import BenchSpec, StreamResult, SystemRun, merge_runs
 from cluster.bench.load.transport import make_transport
 from cluster.bench.proc_memory import memory_of, process_tree, tandem_serve_processes
-from cluster.bench.serve import QUEUE_ALL_SETS, SpawnedServer, load_config, wait_ready
+from cluster.bench.serve import QUEUE_ALL_SETS, SpawnedServer, load_config, wait_ready, wait_warm
 
 log = logging.getLogger("tandem.bench")
 
@@ -200,6 +200,7 @@ def run_tandem(prompts: Prompts, spec: BenchSpec, args: argparse.Namespace) -> S
     try:
         wait_ready(server, headers, args.ready_timeout_s)
         ready_s = time.perf_counter() - start_s
+        wait_warm(server, headers, args.ready_timeout_s)  # its steady state is timed, as llama-server's is
         run = asyncio.run(measure(server.url, headers, prompts, spec, {"ignore_eos": True,
                                                                        "stream_options": {"include_usage": True}}))
         memory = memory_of(tandem_serve_processes(server.proc.pid, Path(server.log_path).read_text(errors="replace")))

@@ -84,7 +84,7 @@ def load_hf_model(model_dir, dtype: torch.dtype):
 def bench_offline(args: argparse.Namespace) -> int:
     from cluster.cli.args import engine_config_from_args
     from common.config import SamplingParams
-    from engine import EngineCore, load_engine
+    from engine import load_engine
     from kernels.model.loader import resolve_model_dir
 
     config = engine_config_from_args(args, max_running_requests=args.max_batch_size)

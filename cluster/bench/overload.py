@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cluster.bench.offline import Workload, make_workload
-from cluster.bench.serve import ExistingServer, SpawnedServer, load_config, serve_flags, wait_ready
+from cluster.bench.serve import ExistingServer, SpawnedServer, load_config, serve_flags, wait_ready, wait_warm
 
 log = logging.getLogger("tandem.bench")
 
@@ -221,6 +221,7 @@ def bench_overload(args: argparse.Namespace) -> int:
     server = ExistingServer(args.url) if args.url else SpawnedServer(flags)
     try:
         wait_ready(server, headers, args.ready_timeout_s)
+        wait_warm(server, headers, args.ready_timeout_s)
         asyncio.run(run_unloaded(server.url, Workload([work.prompts[0][:16]], [4]), headers))  # first-call costs
         unloaded = asyncio.run(run_unloaded(server.url, unloaded_work, headers))
         capacity_rps, peak_tok_s = args.capacity_rps, None

@@ -133,6 +133,30 @@ def wait_ready(server, headers: dict, timeout_s: float, path: str = "/health/rea
     raise TimeoutError(f"{server.url} not ready within {timeout_s:.0f}s:\n{server.log_tail()}")
 
 
+def wait_warm(server, headers: dict, timeout_s: float) -> float:
+    """Until no worker of a ready `tandem serve` still compiles its CPU decode step (it serves from
+    ready on, eagerly until then), so a bench times the steady state; the seconds waited. A server
+    without `/debug/workers` (not tandem) is taken as warm."""
+    import httpx
+
+    start_s = time.monotonic()
+    while time.monotonic() - start_s < timeout_s:
+        try:
+            resp = httpx.get(f"{server.url}/debug/workers", headers=headers, timeout=30)
+        except httpx.HTTPError:
+            resp = None
+        if resp is not None and resp.status_code != 200:
+            return 0.0
+        workers = resp.json()["workers"] if resp is not None else None
+        if workers is not None and all(w["stats"] and not w["stats"]["graphs"]["compiling"] for w in workers):
+            waited = time.monotonic() - start_s
+            if waited >= 0.5:
+                log.info("waited %.1f s after ready for the workers' decode-step compile", waited)
+            return waited
+        time.sleep(0.25)
+    raise TimeoutError(f"{server.url}: a worker still compiles {timeout_s:.0f}s after ready:\n{server.log_tail()}")
+
+
 # ---- the load ----------------------------------------------------------------------------------
 
 async def sse_frames(resp):

@@ -243,6 +243,10 @@ class GraphRunner:
             self._compile_later = None
             self._compiling.start()
 
+    def compiling(self) -> bool:
+        """Whether a background compile is still to start or running."""
+        return self._compile_later is not None or (self._compiling is not None and self._compiling.is_alive())
+
     def wait_compiled(self, timeout_s: float | None = None) -> bool:
         """Wait for a started background compile; True when none is left running."""
         if self._compiling is not None:

@@ -192,19 +192,23 @@ def _tier_metrics(gauges: list) -> Iterable[Metric]:
 
 
 def _graph_metrics(gauges: list) -> Iterable[Metric]:
-    """Per-worker decode steps replayed by the graph runner, and those run eagerly by reason."""
+    """Per-worker decode steps replayed by the graph runner, those run eagerly by reason, and whether
+    its CPU decode step still compiles."""
     labels = ["worker", "role"]
     replays = CounterMetricFamily("tandem:graph_replays", "Decode steps replayed from a captured graph.",
                                   labels=labels)
     fallbacks = CounterMetricFamily("tandem:graph_fallbacks", "Steps run eagerly instead of replayed, by reason.",
                                     labels=labels + ["reason"])
+    compiling = GaugeMetricFamily("tandem:graph_compiling", "1 while the worker's CPU decode step compiles beside "
+                                  "serving (its steps run eagerly meanwhile), else 0.", labels=labels)
     for g in gauges:
         if g.graphs is None:
             continue
         replays.add_metric([g.worker_id, g.role], g.graphs.replays)
         for reason, count in g.graphs.fallbacks:
             fallbacks.add_metric([g.worker_id, g.role, reason], count)
-    yield from (replays, fallbacks)
+        compiling.add_metric([g.worker_id, g.role], float(g.graphs.compiling))
+    yield from (replays, fallbacks, compiling)
 
 
 def _thread_metrics(gauges: list) -> Iterable[Metric]:

@@ -94,6 +94,11 @@ class Server:
             time.sleep(1.0)
         raise TimeoutError(f"tandem serve not ready within {timeout_s}s:\n{self.log_tail()}")
 
+    def wait_warm(self, timeout_s: float) -> None:
+        """Until no worker still compiles its CPU decode step (a served worker is ready before it)."""
+        eventually(lambda: all(w["stats"] and not w["stats"]["graphs"]["compiling"] for w in self.workers()),
+                   "every worker's decode step compiled", timeout_s)
+
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """Every sample of /metrics keyed by (name, sorted labels)."""
         text = httpx.get(f"{self.base_url}/metrics", headers=self.headers(), timeout=30).text  # key-guarded
@@ -127,7 +132,8 @@ class Server:
 def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, ready_timeout_s: float = 300,
                  env: dict[str, str] | None = None) -> Server:
     """`tandem serve` in its own session, this process's environment updated with `env` (e.g. a
-    Ray head's token); ready, or raises."""
+    Ray head's token); ready and warm (no worker still compiles its decode step beside serving, so
+    timing-bound tests meet the steady state), or raises."""
     port = free_port()
     log_path = tmp_path / f"serve-{port}.log"
     base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TANDEM_API_KEY")}
@@ -139,6 +145,7 @@ def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, re
     server = Server(proc, port, log_path, api_key)
     try:
         server.wait_ready(ready_timeout_s)
+        server.wait_warm(ready_timeout_s)
     except BaseException:
         server.terminate(30)
         raise

@@ -102,14 +102,15 @@ def test_workers_run_at_the_gateway_s_priority(server):
 
 
 def test_a_lone_stream_decodes_compiled_on_the_idle_prefill_worker_s_core_too_and_matches_hf(server):
-    """The default decode worker compiles its single-request step at start-up and, while the prefill
-    worker has nothing to compute, steps on its core too (2 threads, never more), and sends its tokens
-    over the token relay, not Ray calls: its greedy text is still HF transformers' on the same
-    prompt ids."""
+    """The default decode worker compiles its single-request step beside serving (the module's server
+    waited for it: `tandem:graph_compiling` is 0) and, while the prefill worker has nothing to compute,
+    steps on its core too (2 threads, never more), and sends its tokens over the token relay, not Ray
+    calls: its greedy text is still HF transformers' on the same prompt ids."""
     from tests.helpers import smollm2
 
     ids = smollm2()[0].tokenizer.encode("The three primary colors are", add_special_tokens=False)
     before = server.metrics()
+    assert [v for (n, lbls), v in before.items() if n == "tandem:graph_compiling" and ("role", "decode") in lbls] == [0]
     assert_greedy_is_hf(server, ids, 48)
     replays = lambda m: metric(m, "tandem:graph_replays_total", role="decode") - metric(  # noqa: E731
         before, "tandem:graph_replays_total", role="decode")

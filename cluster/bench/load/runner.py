@@ -182,7 +182,7 @@ def print_run(result: dict, reporting: Reporting) -> None:
 
 # ---- the command ---------------------------------------------------------------------------------
 def bench_load(args: argparse.Namespace) -> int:
-    from cluster.bench.serve import QUEUE_ALL_SETS, ExistingServer, SpawnedServer, serve_flags, wait_ready
+    from cluster.bench.serve import QUEUE_ALL_SETS, ExistingServer, SpawnedServer, serve_flags, wait_ready, wait_warm
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     reporting = Reporting(parse_metric_names(args.percentile_metrics), parse_percentiles(args.metric_percentiles),
@@ -207,6 +207,7 @@ def bench_load(args: argparse.Namespace) -> int:
             wait_ready(server, headers, args.ready_timeout_s, path="/v1/models", name="the server")
         else:
             wait_ready(server, headers, args.ready_timeout_s)
+        wait_warm(server, headers, args.ready_timeout_s)
         target = Target(server.url, args.endpoint, args.model or first_model(server.url, headers), key,
                         args.ignore_eos, args.temperature, http_library=args.http_client)
         use_ray = args.num_clients > 1 or args.address is not None

@@ -204,11 +204,12 @@ def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_g
         eager = engine.generate(prompts, params)  # the compile has not begun: bucket 1 replays eagerly
         assert not engine.runner._compiled and engine.runner.counters.replays >= 10
         assert [r.output_token_ids for r in eager] == want
+        assert engine.graph_stats().compiling  # to start: the heartbeat says so
         engine.runner.start_compile()
         during = engine.generate(prompts, params)  # most likely while it compiles: one thread each
         assert [r.output_token_ids for r in during] == want
         assert engine.runner.wait_compiled(120)
-        assert set(engine.runner._compiled) == {1}
+        assert set(engine.runner._compiled) == {1} and not engine.graph_stats().compiling
         graphs_when_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         compiled_calls = _count_calls(engine.runner, 1)
         again = engine.generate(prompts, params)
@@ -230,7 +231,7 @@ def test_a_failed_background_compile_leaves_the_step_eager(monkeypatch, caplog):
     engine = _background_engine(monkeypatch, fail)
     try:
         engine.runner.start_compile()
-        assert engine.runner.wait_compiled(60) and not engine.runner._compiled
+        assert engine.runner.wait_compiled(60) and not engine.runner._compiled and not engine.graph_stats().compiling
         assert "compiling the CPU decode step failed: batch size 1 stays eager" in caplog.text
         prompt = make_prompts(1, seed=10)[0]
         (req,) = engine.generate([prompt], [SamplingParams(max_tokens=6, ignore_eos=True)])

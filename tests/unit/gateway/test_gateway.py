@@ -517,6 +517,7 @@ def test_metrics_count_exactly(backend):
     not_decode = dict(graphs.fallbacks)["not_decode"]
     assert m[("tandem:graph_fallbacks_total", (("reason", "not_decode"), *worker))] == not_decode
     assert not_decode - dict(graphs_before.fallbacks).get("not_decode", 0) >= 3  # one prefill step a request at least
+    assert m[("tandem:graph_compiling", worker)] == 0  # an engine made alone compiled (if at all) before serving
     assert m[("tandem_test_extra", ())] == 42
     assert scrape(other)[("tandem:generation_tokens_total", ())] == 0
 

@@ -116,8 +116,13 @@ class ExistingServer:
         return 0
 
 
+READY_POLL_S = 0.2
+"""How often a bench asks a starting server whether it is ready."""
+
+
 def wait_ready(server, headers: dict, timeout_s: float, path: str = "/health/ready", name: str = "tandem serve") -> None:
-    """Until `server` answers 200 on `path`; raises when its process exits first or time runs out."""
+    """Until `server` answers 200 on `path` (polled every `READY_POLL_S`, so a start-to-ready figure is
+    that close); raises when its process exits first or time runs out."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -129,7 +134,7 @@ def wait_ready(server, headers: dict, timeout_s: float, path: str = "/health/rea
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1.0)
+        time.sleep(READY_POLL_S)
     raise TimeoutError(f"{server.url} not ready within {timeout_s:.0f}s:\n{server.log_tail()}")
 
 

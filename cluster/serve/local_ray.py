@@ -24,6 +24,7 @@ process on the host, other users' included.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -127,6 +128,7 @@ def _start_head(workdir: Path, num_cpus: int, num_gpus: int | None, resources: d
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True)
     try:
+        importlib.import_module("ray")  # the driver's own import (~1 s on 2 cores), while the head starts
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         end_session(proc.pid, 0.0)

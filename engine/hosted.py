@@ -3,6 +3,8 @@ engine alone; the roles add `handle`, `fail`, `step` and `stats`."""
 
 from __future__ import annotations
 
+import os
+
 from engine.core import EngineCore
 
 POLL_S = 0.002
@@ -15,7 +17,8 @@ class EngineWorker:
         self.engine = engine
 
     def start(self) -> None:
-        self.engine.runner.start_compile()
+        # a served CPU worker that borrows its node's idle cores steps on up to all of them
+        self.engine.runner.start_compile(thread_counts=(len(os.sched_getaffinity(0)),))
 
     def busy(self) -> bool:
         return self.engine.busy()

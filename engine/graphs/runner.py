@@ -207,22 +207,27 @@ class GraphRunner:
     def _compile(self, bucket: int, background: bool) -> None:
         """`torch.compile` the forward for `bucket` and run it over padding rows (which read and write
         only scratch page 0), so no request waits for a compile: before serving, or on a thread beside
-        it (`background`, from `start_compile`; its own buffers, the step's stay the loop's). The warm-up spans two KV pages,
-        the least a compiled replay plans for (with one, the page count would be specialised to 1, and
-        any other would compile again)."""
-        warm = StaticBuffers.allocate(bucket, self.bufs.max_pages, self.eager.device)
+        it (`background`, from `start_compile`; its own buffers, the step's stay the loop's). The warm-up
+        spans two KV pages, the least a compiled replay plans for (with one, the page count would be
+        specialised to 1, and any other would compile again)."""
+        # the step's shapes to the last: a view of a differently sized buffer would compile again
+        warm = StaticBuffers.allocate(self.buckets[-1], self.bufs.max_pages, self.eager.device)
         warm.fill([], bucket, self.page_size)
         warm_lens = (COMPILED_MIN_PAGES * self.page_size,) * bucket
         # eager once, here: the model's lazy tables exist before any thread runs
         self._body(bucket, warm.meta(bucket, self.page_size, warm_lens), bufs=warm)
         compiled = CompiledLayers(self.eager.model)
 
-        def run() -> None:
+        def run(thread_counts: Iterable[int] = ()) -> None:
+            """Compile for each torch thread count (a compiled step is specialised to its count), then
+            put it in place: the loop never meets a count that is still compiling."""
             log.info("compiling the CPU decode step for batch size %d (seconds; cached for restarts)%s ...", bucket,
                      "; it replays eagerly until then" if background else "")
             start_s = time.perf_counter()
             try:
-                self._body(bucket, warm.meta(bucket, self.page_size, warm_lens), compiled, bufs=warm)
+                for n in thread_counts or (torch.get_num_threads(),):
+                    torch.set_num_threads(n)  # this thread's count: the loop's stays its own
+                    self._body(bucket, warm.meta(bucket, self.page_size, warm_lens), compiled, bufs=warm)
             except Exception:
                 if not background:
                     raise
@@ -236,12 +241,18 @@ class GraphRunner:
         else:
             run()
 
-    def start_compile(self) -> None:
-        """Start the background compile (once; nothing when there is none)."""
-        if self._compile_later is not None:
-            self._compiling = threading.Thread(target=self._compile_later, name="tandem-compile", daemon=True)
-            self._compile_later = None
-            self._compiling.start()
+    def start_compile(self, thread_counts: Iterable[int] = ()) -> None:
+        """Start the background compile (once; nothing when there is none), for the calling thread's
+        torch thread count and each of `thread_counts` (the counts its steps may run on: a worker that
+        borrows its node's idle cores steps on more than its own), so no step compiles again."""
+        if self._compile_later is None:
+            return
+        mine = torch.get_num_threads()  # the loop's; a new thread may start with another
+        counts = [n for n in dict.fromkeys(thread_counts) if n != mine] + [mine]
+        self._compiling = threading.Thread(target=self._compile_later, args=(counts,), name="tandem-compile",
+                                           daemon=True)
+        self._compile_later = None
+        self._compiling.start()
 
     def compiling(self) -> bool:
         """Whether a background compile is still to start or running."""

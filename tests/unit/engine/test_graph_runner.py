@@ -191,12 +191,14 @@ def _background_engine(monkeypatch, first_call=lambda: None):
 
 def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_greedy_output(monkeypatch):
     """The compile waits for `start_compile` (a served worker's loop, once ready): requests replay
-    bucket 1 eagerly before it, run while it compiles on its thread, and replay compiled once it is
-    done. Every output is HF's greedy."""
+    bucket 1 eagerly before it, run while it compiles on its thread (for the loop's torch thread
+    count and another), and replay compiled once it is done, on either count with no compile while
+    serving. Every output is HF's greedy."""
     import torch._dynamo
 
     _, ref, _ = tiny_models()
     torch._dynamo.reset()
+    graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     engine = _background_engine(monkeypatch)
     try:
         prompts, params = make_prompts(2, seed=9), [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 12)]
@@ -205,7 +207,9 @@ def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_g
         assert not engine.runner._compiled and engine.runner.counters.replays >= 10
         assert [r.output_token_ids for r in eager] == want
         assert engine.graph_stats().compiling  # to start: the heartbeat says so
-        engine.runner.start_compile()
+        mine = torch.get_num_threads()
+        other = 1 if mine > 1 else 2  # a step on borrowed cores runs on another count
+        engine.runner.start_compile(thread_counts=(other,))
         during = engine.generate(prompts, params)  # most likely while it compiles: one thread each
         assert [r.output_token_ids for r in during] == want
         assert engine.runner.wait_compiled(120)
@@ -213,9 +217,16 @@ def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_g
         graphs_when_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         compiled_calls = _count_calls(engine.runner, 1)
         again = engine.generate(prompts, params)
-        assert [r.output_token_ids for r in again] == want
-        assert compiled_calls() >= 6  # the longer request's single-row tail
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_when_compiled
+        torch.set_num_threads(other)
+        try:
+            on_other = engine.generate(prompts, params)
+        finally:
+            torch.set_num_threads(mine)
+        assert [r.output_token_ids for r in again] == want and [r.output_token_ids for r in on_other] == want
+        assert compiled_calls() >= 12  # the longer request's single-row tail, on each thread count
+        # compiled for both counts beside serving: neither compiles again while serving, not even the
+        # first compiled step, whenever it came (one graph a thread count, all made by the compile)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_when_compiled == graphs_at_start + 2
         engine.check_integrity()
     finally:
         engine.runner.wait_compiled(120)

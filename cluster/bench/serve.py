@@ -116,6 +116,20 @@ class ExistingServer:
         return 0
 
 
+def exit_cause(code: int) -> str:
+    """What a negative exit code (killed by a signal) most likely means, for the error a bench raises."""
+    if code >= 0:
+        return ""
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f" (signal {-code})"
+    if -code == signal.SIGILL:
+        return (f" ({name}: an instruction this CPU lacks; a prebuilt binary was made for another CPU"
+                " (e.g. with AVX-512): rebuild it on this machine)")
+    return f" ({name})"
+
+
 READY_POLL_S = 0.2
 """How often a bench asks a starting server whether it is ready."""
 
@@ -127,8 +141,9 @@ def wait_ready(server, headers: dict, timeout_s: float, path: str = "/health/rea
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if server.exited_code() is not None:
-            raise RuntimeError(f"{name} exited with {server.exited_code()}:\n{server.log_tail()}")
+        code = server.exited_code()
+        if code is not None:
+            raise RuntimeError(f"{name} exited with {code}{exit_cause(code)}:\n{server.log_tail()}")
         try:
             if httpx.get(f"{server.url}{path}", headers=headers, timeout=30).status_code == 200:
                 return

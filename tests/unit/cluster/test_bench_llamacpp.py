@@ -23,7 +23,7 @@ import cluster.bench.llamacpp as bench
 import cluster.bench.llamacpp_gguf as llama_gguf
 from cluster.bench.llamacpp import make_prompts, tandem_serve_flags
 from cluster.bench.llamacpp_gguf import ensure_gguf, gguf_source, write_gguf
-from cluster.bench.llamacpp_peers import LLAMA_SERVER_ENV, PEERS, LlamaServerPeer, find_llama_server
+from cluster.bench.llamacpp_peers import LLAMA_SERVER_ENV, PEERS, LlamaServerPeer, find_llama_server, wait_peer_ready
 from cluster.bench.llamacpp_report import format_table, round_lines, summarize, system_figures
 from cluster.bench.llamacpp_runs import BenchSpec, StreamResult, SystemRun
 from cluster.bench.proc_memory import ProcessMemory, memory_of, process_tree, tandem_serve_processes
@@ -351,3 +351,15 @@ def test_memory_is_summed_over_a_process_tree_and_the_ray_session_the_log_names(
             os.killpg(proc.pid, 9)
             proc.wait(30)
     assert memory_of({parent.pid}) == ProcessMemory(0, 0, 0), "an exited process counts as nothing"
+
+
+def test_a_peer_killed_by_an_illegal_instruction_is_told_to_rebuild(tmp_path):
+    """A prebuilt llama-server made for a CPU with more instructions dies of SIGILL at start: the
+    bench's error says that, not just 'exited with -4'."""
+    fake = _executable(tmp_path / "llama-server", "#!/bin/sh\nkill -ILL $$\n")
+    args = build_parser().parse_args(["bench", "llamacpp", "--llama-server", str(fake)])
+    peer = PEERS[args.peer].from_args(args)
+    server = peer.start(tmp_path / "model.gguf", threads=2, num_slots=16, tokens_per_sequence=1034)
+    with pytest.raises(RuntimeError, match="exited with -4 \\(SIGILL: an instruction this CPU lacks.*rebuild"):
+        wait_peer_ready(peer, server, timeout_s=60)
+    server.stop()

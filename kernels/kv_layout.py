@@ -7,6 +7,7 @@ it is allocated like every other page but never handed to a request (kv_store ow
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +56,14 @@ class KVCacheTensors:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> "KVCacheTensors":
-        """Zero-filled cache. ``num_pages`` includes the scratch page 0."""
+        """Zero-filled cache. ``num_pages`` includes the scratch page 0. On a CPU the zeros are the
+        operating system's (`zeros_lazy`): a page of memory is touched when first written, not here."""
         assert num_pages >= 2, f"num_pages={num_pages}: page 0 is scratch, so at least 2 are needed"
         assert page_size >= 1 and num_layers >= 1, f"bad page_size={page_size} or num_layers={num_layers}"
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        zeros = zeros_lazy if torch.device(device).type == "cpu" else torch.zeros
+        k = [zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        v = [zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return cls(k=k, v=v)
 
     @property
@@ -80,3 +83,23 @@ class KVCacheTensors:
         """The wire description of these tensors (`KVLayout.page_bytes` is the one bytes-per-page formula)."""
         page = self.k[0]
         return kv_layout(self.num_layers, page.shape[1], page.shape[2], page.shape[3], DTYPE_NAMES[page.dtype])
+
+
+CPU_ALIGN_BYTES = 64
+"""Alignment of a `zeros_lazy` tensor's first element, as torch's own CPU allocator gives."""
+
+
+def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero CPU tensor whose memory is zeroed by the operating system page by page, as it is first
+    touched, rather than written here: `torch.zeros` of a decode worker's 1.5 GiB pool faulted in every
+    page at start-up (0.6-3.7 s on 2 cores, and all of it resident before any request). calloc (numpy's
+    zeros) maps fresh zero pages for a block this size; the values are zeros either way."""
+    import numpy as np
+
+    assert torch.device(device).type == "cpu", f"zeros_lazy allocates CPU memory, not {device}"
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    block = np.zeros(num_bytes + CPU_ALIGN_BYTES, dtype=np.uint8)
+    skip = -block.ctypes.data % CPU_ALIGN_BYTES
+    # sliced before torch sees it, so the storage starts at the aligned byte: a storage offset would be
+    # one more size for torch.compile to guard on (a layer whose offset differs would compile again)
+    return torch.from_numpy(block[skip : skip + num_bytes]).view(dtype).view(shape)

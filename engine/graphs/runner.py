@@ -216,7 +216,6 @@ class GraphRunner:
         warm_lens = (COMPILED_MIN_PAGES * self.page_size,) * bucket
         # eager once, here: the model's lazy tables exist before any thread runs
         self._body(bucket, warm.meta(bucket, self.page_size, warm_lens), bufs=warm)
-        compiled = CompiledLayers(self.eager.model)
 
         def run(thread_counts: Iterable[int] = ()) -> None:
             """Compile for each torch thread count (a compiled step is specialised to its count), then
@@ -225,6 +224,7 @@ class GraphRunner:
                      "; it replays eagerly until then" if background else "")
             start_s = time.perf_counter()
             try:
+                compiled = CompiledLayers(self.eager.model)  # imports the compiler (~1-3 s): not before ready
                 for n in thread_counts or (torch.get_num_threads(),):
                     torch.set_num_threads(n)  # this thread's count: the loop's stays its own
                     self._body(bucket, warm.meta(bucket, self.page_size, warm_lens), compiled, bufs=warm)

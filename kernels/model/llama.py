@@ -103,7 +103,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, arch: LlamaArch, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        weight = torch.empty(arch.vocab_size, arch.hidden_size)
+        if not weight.is_meta:  # nn.Embedding's own init; a model made on meta is loaded, not initialised
+            nn.init.normal_(weight)  # (on meta that init would import torch._dynamo: ~2 s of a worker's start)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 

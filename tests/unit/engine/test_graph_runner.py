@@ -178,6 +178,12 @@ def _background_engine(monkeypatch, first_call=lambda: None):
     from engine.graphs import runner as runner_module
 
     class Gated(runner_module.CompiledLayers):
+        made: list = []  # one entry a compiled forward made
+
+        def __init__(self, model):
+            Gated.made.append(model)
+            super().__init__(model)
+
         def forward_with_aux(self, *args):
             first_call()
             return super().forward_with_aux(*args)
@@ -205,6 +211,8 @@ def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_g
         want = [hf_greedy(ref, p, sp.max_tokens) for p, sp in zip(prompts, params)]
         eager = engine.generate(prompts, params)  # the compile has not begun: bucket 1 replays eagerly
         assert not engine.runner._compiled and engine.runner.counters.replays >= 10
+        # not even set up before the loop starts it (torch.compile's imports would delay "ready")
+        assert not _compiled_made()
         assert [r.output_token_ids for r in eager] == want
         assert engine.graph_stats().compiling  # to start: the heartbeat says so
         mine = torch.get_num_threads()
@@ -214,6 +222,7 @@ def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_g
         assert [r.output_token_ids for r in during] == want
         assert engine.runner.wait_compiled(120)
         assert set(engine.runner._compiled) == {1} and not engine.graph_stats().compiling
+        assert len(_compiled_made()) == 1
         graphs_when_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         compiled_calls = _count_calls(engine.runner, 1)
         again = engine.generate(prompts, params)
@@ -250,6 +259,12 @@ def test_a_failed_background_compile_leaves_the_step_eager(monkeypatch, caplog):
         engine.check_integrity()
     finally:
         engine.close()
+
+
+def _compiled_made() -> list:
+    from engine.graphs import runner as runner_module
+
+    return runner_module.CompiledLayers.made
 
 
 def _count_calls(runner, bucket: int):

@@ -111,10 +111,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
-def run_layer(layer: LlamaDecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMetadata,
-              k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """One decoder layer (a function of the layer, so one compiled form serves every layer)."""
-    return layer(x, cos, sin, meta, k_cache, v_cache)
+def run_layers(layers: tuple[LlamaDecoderLayer, ...], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               meta: AttnMetadata, k_caches: tuple[torch.Tensor, ...], v_caches: tuple[torch.Tensor, ...],
+               keep_entering: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Consecutive decoder layers (a function of the layers, so one compiled form serves every group of
+    as many): their output, and with `keep_entering` the hidden state entering each one (else ())."""
+    entering = []
+    for layer, k_cache, v_cache in zip(layers, k_caches, v_caches):
+        if keep_entering:
+            entering.append(x)
+        x = layer(x, cos, sin, meta, k_cache, v_cache)
+    return x, tuple(entering)
 
 
 def run_head(model: LlamaForCausalLM, x: torch.Tensor, logits_indices: torch.Tensor
@@ -153,23 +160,27 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                         kv_cache: KVCacheTensors, aux_layer_ids: tuple[int, ...], layer_fn=run_layer, head_fn=run_head,
+                         kv_cache: KVCacheTensors, aux_layer_ids: tuple[int, ...], layers_fn=run_layers,
+                         head_fn=run_head, group_size: int = 1,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`forward`, plus the hidden states entering layers `aux_layer_ids` (each the previous layer's
         output; layer 0's is the embedding), concatenated in that order: ``[T, len(ids) * hidden]``,
         or None for no ids. EAGLE-3 draft heads read them (`kernels/model/eagle.py`).
-        `layer_fn` / `head_fn`: `run_layer` / `run_head` or their compiled forms (`kernels/model/compiled.py`)."""
+        `layers_fn` / `head_fn`: `run_layers` / `run_head` or their compiled forms (`kernels/model/compiled.py`),
+        `layers_fn` called on `group_size` layers at a time (it must divide the layer count)."""
         assert kv_cache.num_layers == self.arch.num_layers, (
             f"KV cache has {kv_cache.num_layers} layers, model {self.arch.num_layers}: cache built for another model?"
         )
         assert all(0 <= i < self.arch.num_layers for i in aux_layer_ids), f"aux layers {aux_layer_ids} out of range"
+        assert self.arch.num_layers % group_size == 0, f"groups of {group_size} do not divide {self.arch.num_layers} layers"
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, hd] each; sin signed for apply_rotary
-        entering: dict[int, torch.Tensor] = {}
-        for i, (layer, k_cache, v_cache) in enumerate(zip(self.model.layers, kv_cache.k, kv_cache.v)):
-            if i in aux_layer_ids:
-                entering[i] = x
-            x = layer_fn(layer, x, cos, sin, meta, k_cache, v_cache)
+        layers, entering = tuple(self.model.layers), []
+        for start in range(0, len(layers), group_size):
+            end = start + group_size
+            x, into = layers_fn(layers[start:end], x, cos, sin, meta, tuple(kv_cache.k[start:end]),
+                                tuple(kv_cache.v[start:end]), bool(aux_layer_ids))
+            entering.extend(into)
         hidden, logits = head_fn(self, x, meta.logits_indices)  # [T, hidden], [num_logits, vocab]
         aux = torch.cat([entering[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
         return hidden, logits, aux

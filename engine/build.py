@@ -31,7 +31,7 @@ from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
-from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout
+from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
 from kv_store.device_pool import DevicePool
 from kv_store.hicache import HostCache, NullHostCache
@@ -74,6 +74,10 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     resolved = config.resolve(kv_layout(num_layers, config.page_size, arch.num_kv_heads, arch.head_dim,
                                         config.dtype).page_bytes, arch.max_position_embeddings)
     pools = _pools(resolved, arch, num_layers, device)
+    if not compile_in_background:  # made alone: at full speed when returned (a served worker maps it in once ready)
+        populating = populate_in_background(pools.kv_cache.k + pools.kv_cache.v)
+        if populating is not None:
+            populating.join()
     tier = _tiers(resolved, pools, l3, model_id(config.model, model, draft_head))
     sessions = (SessionManager(pools.kvm, int(resolved.session_kv_fraction * pools.device_pool.pages.num_usable
                                               * resolved.page_size), offload=bool(resolved.host_cache_pages))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from engine.core import EngineCore
+from kernels.kv_layout import populate_in_background
 
 POLL_S = 0.002
 """Busy without compute (writes or loads in flight): the loop steps this often to poll them, and
@@ -19,6 +20,8 @@ class EngineWorker:
     def start(self) -> None:
         # a served CPU worker that borrows its node's idle cores steps on up to all of them
         self.engine.runner.start_compile(thread_counts=(len(os.sched_getaffinity(0)),))
+        # its KV pool's memory, zeroed lazily by the OS, mapped in now rather than by the first requests
+        populate_in_background(self.engine.kv_cache.k + self.engine.kv_cache.v)
 
     def busy(self) -> bool:
         return self.engine.busy()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_layout import CPU_ALIGN_BYTES, KVCacheTensors, zeros_lazy
+from kernels.kv_layout import CPU_ALIGN_BYTES, KVCacheTensors, populate_in_background, zeros_lazy
 
 
 def _resident_kib() -> int:
@@ -36,3 +36,22 @@ def test_a_cpu_pool_is_zero_without_touching_its_memory_until_used():
     assert _resident_kib() - before >= kv.k[0][:2048].numel() * 4 // 1024 * 9 // 10
     assert kv.v[7][4095].abs().sum().item() == 0 and kv.k[7].abs().sum().item() == 0
     del kv
+
+
+def test_populating_maps_a_lazy_pool_in_and_keeps_every_byte():
+    """What a served worker runs once ready: the pool's memory becomes resident (so no request pays
+    its page faults), and what requests wrote meanwhile is untouched."""
+    kv = KVCacheTensors.allocate(num_layers=4, num_pages=4096, page_size=16, num_kv_heads=3, head_dim=64,
+                                 dtype=torch.float32, device="cpu")
+    kv.k[1][17, 3] = 1.5
+    kv.v[3][4095] = -2.0
+    before = _resident_kib()
+    thread = populate_in_background(kv.k + kv.v)
+    if thread is None:
+        pytest.fail("no madvise here: the pool would be faulted in by the requests' writes")
+    thread.join(60)
+    assert not thread.is_alive()
+    total_kib = 8 * kv.k[0].numel() * 4 // 1024
+    assert _resident_kib() - before >= total_kib * 9 // 10, "the pool is not resident after populating"
+    assert kv.k[1][17, 3].eq(1.5).all() and kv.v[3][4095].eq(-2.0).all()
+    assert kv.k[1].sum().item() == 1.5 * 3 * 64 and kv.k[0].abs().sum().item() == 0

@@ -95,23 +95,23 @@ class KVCacheTensors:
 
 
 CPU_ALIGN_BYTES = 64
-"""Alignment of a `zeros_lazy` tensor's first element, as torch's own CPU allocator gives."""
+"""Alignment of a `zeros_lazy` tensor's first element at least (a page's, in fact), as torch's own CPU allocator gives."""
 
 
 def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A zero CPU tensor whose memory is zeroed by the operating system page by page, as it is first
     touched, rather than written here: `torch.zeros` of a decode worker's 1.5 GiB pool faulted in every
-    page at start-up (0.6-3.7 s on 2 cores, and all of it resident before any request). calloc (numpy's
-    zeros) maps fresh zero pages for a block this size; the values are zeros either way."""
+    page at start-up (0.6-3.7 s on 2 cores, and all of it resident before any request). An anonymous
+    mapping of its own, not the allocator's (which may hand back memory it already touched): fresh
+    zero pages, page-aligned, storage offset 0 (the compiled step guards on offsets)."""
     import numpy as np
 
     assert torch.device(device).type == "cpu", f"zeros_lazy allocates CPU memory, not {device}"
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    block = np.zeros(num_bytes + CPU_ALIGN_BYTES, dtype=np.uint8)
-    skip = -block.ctypes.data % CPU_ALIGN_BYTES
-    # sliced before torch sees it, so the storage starts at the aligned byte: a storage offset would be
-    # one more size for torch.compile to guard on (a layer whose offset differs would compile again)
-    return torch.from_numpy(block[skip : skip + num_bytes]).view(dtype).view(shape)
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    block = np.frombuffer(mmap.mmap(-1, num_bytes), dtype=np.uint8)  # the array keeps the mapping alive
+    return torch.from_numpy(block).view(dtype).view(shape)
 
 
 MADV_POPULATE_WRITE = 23

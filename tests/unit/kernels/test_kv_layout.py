@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import pytest
 import torch
 
 from kernels.kv_layout import CPU_ALIGN_BYTES, KVCacheTensors, populate_in_background, zeros_lazy
 
 
-def _resident_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+def _resident_kib(t: torch.Tensor) -> int:
+    """KiB of `t`'s memory in RAM now (mincore over its pages: exact, unlike the process's RSS)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    first = t.data_ptr() - t.data_ptr() % page
+    length = t.data_ptr() + t.numel() * t.element_size() - first
+    vec = (ctypes.c_ubyte * (-(-length // page)))()
+    assert libc.mincore(first, length, vec) == 0, f"mincore failed: errno {ctypes.get_errno()}"
+    return sum(b & 1 for b in vec) * page // 1024
+
+
+def _pool_kib(kv: KVCacheTensors) -> int:
+    return sum(_resident_kib(t) for t in kv.k + kv.v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -26,14 +40,13 @@ def test_lazy_zeros_are_zero_aligned_contiguous_and_writable(dtype):
 def test_a_cpu_pool_is_zero_without_touching_its_memory_until_used():
     """A 768 MiB pool adds (almost) nothing to the process's resident memory when made; a page written
     is paid for then. torch.zeros would make all of it resident at once (and take seconds on 2 cores)."""
-    before = _resident_kib()
     kv = KVCacheTensors.allocate(num_layers=8, num_pages=4096, page_size=16, num_kv_heads=3, head_dim=64,
                                  dtype=torch.float32, device="cpu")
-    made = _resident_kib() - before
+    made = _pool_kib(kv)
     total_kib = 2 * 8 * kv.k[0].numel() * 4 // 1024
     assert total_kib == 786432 and made < total_kib // 20, f"{made} KiB resident of {total_kib}"
     kv.k[0][:2048].fill_(1.0)  # half of one layer's K
-    assert _resident_kib() - before >= kv.k[0][:2048].numel() * 4 // 1024 * 9 // 10
+    assert _pool_kib(kv) - made >= kv.k[0][:2048].numel() * 4 // 1024 * 9 // 10
     assert kv.v[7][4095].abs().sum().item() == 0 and kv.k[7].abs().sum().item() == 0
     del kv
 
@@ -45,13 +58,12 @@ def test_populating_maps_a_lazy_pool_in_and_keeps_every_byte():
                                  dtype=torch.float32, device="cpu")
     kv.k[1][17, 3] = 1.5
     kv.v[3][4095] = -2.0
-    before = _resident_kib()
     thread = populate_in_background(kv.k + kv.v)
     if thread is None:
         pytest.fail("no madvise here: the pool would be faulted in by the requests' writes")
     thread.join(60)
     assert not thread.is_alive()
     total_kib = 8 * kv.k[0].numel() * 4 // 1024
-    assert _resident_kib() - before >= total_kib * 9 // 10, "the pool is not resident after populating"
+    assert _pool_kib(kv) >= total_kib * 9 // 10, "the pool is not resident after populating"
     assert kv.k[1][17, 3].eq(1.5).all() and kv.v[3][4095].eq(-2.0).all()
     assert kv.k[1].sum().item() == 1.5 * 3 * 64 and kv.k[0].abs().sum().item() == 0

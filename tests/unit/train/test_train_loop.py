@@ -123,8 +123,10 @@ def test_precision_decides_autocast_and_bf16_training_stays_near_fp32(settings, 
     fp32, bf16 = (trainable(heads[p]) for p in ("fp32", "bf16"))
     assert any(not torch.equal(fp32[name], bf16[name]) for name in fp32), "bf16 training ran in float32"
     assert all(bf16[name].dtype == torch.float32 for name in bf16)
-    for name in fp32:  # bf16 rounding moves the trajectory a little (~9% at most here), not away
-        assert ((fp32[name] - bf16[name]).norm() / fp32[name].norm()).item() < 0.2, name
+    # bf16 rounding moves the trajectory, not away: at most ~9% on a CPU with native bf16 dot products,
+    # ~26% on one without (AVX2: the matmuls round another way); the losses below stay within 1%
+    for name in fp32:
+        assert ((fp32[name] - bf16[name]).norm() / fp32[name].norm()).item() < 0.35, name
     for ours, theirs in zip(losses["bf16"], losses["fp32"]):
         assert abs(ours - theirs) < 0.01 * theirs
 

@@ -225,9 +225,10 @@ class GraphRunner:
             start_s = time.perf_counter()
             try:
                 compiled = CompiledLayers(self.eager.model)  # imports the compiler (~1-3 s): not before ready
-                for n in thread_counts or (torch.get_num_threads(),):
-                    torch.set_num_threads(n)  # this thread's count: the loop's stays its own
-                    self._body(bucket, warm.meta(bucket, self.page_size, warm_lens), compiled, bufs=warm)
+                with compiled.compiling():
+                    for n in thread_counts or (torch.get_num_threads(),):
+                        torch.set_num_threads(n)  # this thread's count: the loop's stays its own
+                        self._body(bucket, warm.meta(bucket, self.page_size, warm_lens), compiled, bufs=warm)
             except Exception:
                 if not background:
                     raise

@@ -242,16 +242,23 @@ class GraphRunner:
         else:
             run()
 
-    def start_compile(self, thread_counts: Iterable[int] = ()) -> None:
+    def start_compile(self, thread_counts: Iterable[int] = (), then: Callable[[], object] = lambda: None) -> None:
         """Start the background compile (once; nothing when there is none), for the calling thread's
         torch thread count and each of `thread_counts` (the counts its steps may run on: a worker that
-        borrows its node's idle cores steps on more than its own), so no step compiles again."""
+        borrows its node's idle cores steps on more than its own), so no step compiles again. `then`
+        runs once the compile is over, on its thread (at once where there is none to run)."""
         if self._compile_later is None:
+            then()
             return
         mine = torch.get_num_threads()  # the loop's; a new thread may start with another
         counts = [n for n in dict.fromkeys(thread_counts) if n != mine] + [mine]
-        self._compiling = threading.Thread(target=self._compile_later, args=(counts,), name="tandem-compile",
-                                           daemon=True)
+        compile_then = self._compile_later
+
+        def run() -> None:
+            compile_then(counts)
+            then()
+
+        self._compiling = threading.Thread(target=run, name="tandem-compile", daemon=True)
         self._compile_later = None
         self._compiling.start()
 

@@ -7,6 +7,7 @@ derived fresh from the requests, and HF greedy output for whole runs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -241,6 +242,52 @@ def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_g
         engine.runner.wait_compiled(120)
         engine.close()
         torch._dynamo.reset()
+
+
+def test_a_served_worker_maps_its_kv_pool_in_once_its_compile_is_over(monkeypatch):
+    """Populating the pool holds the process's address space a chunk at a time, and the compile's
+    allocations waited on it (~1.5x the compile's time): a served worker starts it after the compile.
+    The pool stays unmapped while the compile is held, and is mapped in whole once it ends."""
+    import threading
+
+    from engine.hosted import EngineWorker
+    from tests.unit.kernels.test_kv_layout import _pool_kib
+
+    compiling, release = threading.Event(), threading.Event()
+
+    def hold():
+        compiling.set()
+        assert release.wait(60), "the test never released the compile"
+
+    engine = _background_engine(monkeypatch, hold)
+    try:
+        whole_kib = sum(t.numel() * t.element_size() for t in engine.kv_cache.k + engine.kv_cache.v) // 1024
+        EngineWorker(engine).start()
+        assert compiling.wait(120), "the compile never ran its first step"
+        time.sleep(0.5)  # a populate started beside the compile would be well under way
+        assert _pool_kib(engine.kv_cache) < whole_kib // 4, "populating began before the compile ended"
+        release.set()
+        assert engine.runner.wait_compiled(120) and set(engine.runner._compiled) == {1}
+        deadline = time.monotonic() + 30
+        while _pool_kib(engine.kv_cache) < whole_kib:
+            assert time.monotonic() < deadline, f"{_pool_kib(engine.kv_cache)} of {whole_kib} KiB mapped in"
+            time.sleep(0.1)
+        engine.check_integrity()
+    finally:
+        release.set()
+        engine.runner.wait_compiled(120)
+        engine.close()
+
+
+def test_start_compile_runs_then_at_once_where_nothing_compiles():
+    engine = make_engine(max_running_requests=2)
+    try:
+        ran = []
+        engine.runner.start_compile(then=lambda: ran.append(1))
+        assert ran == [1] and not engine.graph_stats().compiling
+        engine.check_integrity()
+    finally:
+        engine.close()
 
 
 def test_a_failed_background_compile_leaves_the_step_eager(monkeypatch, caplog):

@@ -19,13 +19,12 @@ class EngineWorker:
 
     def start(self) -> None:
         # A served CPU worker that borrows its node's idle cores steps on up to all of them. Its KV pool's
-        # memory, zeroed lazily by the OS, is mapped in before requests fault it in, but after the compile:
-        # populating holds the process's address space (mmap_lock) ~50 ms a 16 MiB chunk, and each of the
-        # compile's mmap/munmap waits for it (SmolLM2's decode worker, 2-core AVX2 CPU, alternating starts:
-        # compiled in 8.9 / 11.2 / 11.8 s after ready, then mapped in in 4-6 s; beside it 15.9-17.0 s).
+        # memory, zeroed lazily by the OS, is mapped in while it is idle, after the compile: beside it the
+        # compile took longer (SmolLM2's decode worker, 2-core AVX2 CPU, alternating starts: compiled
+        # 8.9 / 11.2 / 11.8 s after ready, then mapped in in 4-6 s; beside it 15.9-17.0 s).
         kv = self.engine.kv_cache.k + self.engine.kv_cache.v
         self.engine.runner.start_compile(thread_counts=(len(os.sched_getaffinity(0)),),
-                                         then=lambda: populate_in_background(kv))
+                                         then=lambda: populate_in_background(kv, busy=self.has_compute))
 
     def busy(self) -> bool:
         return self.engine.busy()

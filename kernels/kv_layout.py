@@ -15,6 +15,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,18 +117,24 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 
 MADV_POPULATE_WRITE = 23
 """Linux 5.14+: map a range's pages writable now, leaving their contents as they are."""
-POPULATE_CHUNK_BYTES = 16 << 20
+POPULATE_CHUNK_BYTES = 2 << 20
+"""Mapped in a call (~6 ms on 2 cores): the longest a step that arrives meanwhile waits on it."""
+POPULATE_PAUSE_S = 0.05
+"""How often a paused populate looks again whether the worker still has work."""
 POPULATE_NICE = 19
 """The populating thread's niceness (Linux threads have their own): it takes idle cores only."""
 
 
-def populate_in_background(tensors: list[torch.Tensor], name: str = "tandem-kv-populate") -> threading.Thread | None:
+def populate_in_background(tensors: list[torch.Tensor], name: str = "tandem-kv-populate",
+                           busy: Callable[[], bool] = lambda: False) -> threading.Thread | None:
     """Fault in the memory of CPU tensors made by `zeros_lazy` on a thread of its own, chunk by chunk,
     without changing a byte (`MADV_POPULATE_WRITE`), so requests that write KV later do not pay the
     page faults: left to the writes, a decode worker's first pass through its pool made each KV write
     of a 16-row step ~15x slower (~13 ms a step on 2 cores). Safe beside requests using the pages
     (contents are kept); the thread runs no OpenMP region. None where there is nothing to do or the
-    kernel has no such advice (then pages fault as they are first written, as before)."""
+    kernel has no such advice (then pages fault as they are first written, as before). Between chunks
+    it waits while `busy()` (a served worker: while it has requests), so it takes only idle time: even at
+    nice 19 it took one of a lone stream's two OpenMP threads now and then, and every step waited for it."""
     tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
     if not tensors:
         return None
@@ -147,6 +154,8 @@ def populate_in_background(tensors: list[torch.Tensor], name: str = "tandem-kv-p
             first = t.data_ptr() - t.data_ptr() % page
             end = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
             for addr in range(first, end, POPULATE_CHUNK_BYTES):
+                while busy():
+                    time.sleep(POPULATE_PAUSE_S)
                 if madvise(addr, min(POPULATE_CHUNK_BYTES, end - addr), MADV_POPULATE_WRITE) != 0:
                     log.info("KV memory left to fault in as it is written (madvise: errno %d)", ctypes.get_errno())
                     return

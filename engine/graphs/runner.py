@@ -32,12 +32,13 @@ On CUDA each bucket is captured once at start-up into a `torch.cuda.CUDAGraph` (
 one memory pool; capture time and memory are logged), with the attention planned for the captured
 width (`seq_lens_cpu` = capacity, the real lengths in the device `seq_lens`), so a replay reads only
 the static buffers. On CPU the same buffers, padding and gates run, and "replay" is the model run
-over the buffers of the bucket: eagerly, or with `engine.cpu_compile` for bucket 1 through
-`torch.compile` of the whole forward (compiled at start-up, or by a served worker on a thread beside
-serving; the KV length is a dynamic dimension, so nothing compiles again while serving). Measured on a 2-core CPU, SmolLM2 fp32, 128-token context: batch 1
-compiled 24.5 ms a step vs 37.5 eager (same greedy tokens; ~50 s to compile, ~25 s from inductor's
-cache); at batch 4 compiled steps were *slower* than eager (99 ms with a dynamic batch dimension,
-73 ms compiled for batch 4 alone, vs 43 ms eager), so bigger buckets replay eagerly.
+over the buffers of the bucket: eagerly, or with `engine.cpu_compile` for bucket 1 through its decoder
+layers compiled (`CompiledLayers`, six layers a call; compiled at start-up, or by a served worker on
+a thread beside serving; the KV length is a dynamic dimension, so nothing compiles again while
+serving). Measured on a 2-core CPU, SmolLM2 fp32, 128-token context: batch 1 compiled 24.5 ms a step
+vs 37.5 eager (same greedy tokens); at batch 4 compiled steps were *slower* than eager (99 ms with a
+dynamic batch dimension, 73 ms compiled for batch 4 alone, vs 43 ms eager), so bigger buckets
+replay eagerly.
 """
 
 from __future__ import annotations

@@ -67,3 +67,20 @@ def test_populating_maps_a_lazy_pool_in_and_keeps_every_byte():
     assert _pool_kib(kv) >= total_kib * 9 // 10, "the pool is not resident after populating"
     assert kv.k[1][17, 3].eq(1.5).all() and kv.v[3][4095].eq(-2.0).all()
     assert kv.k[1].sum().item() == 1.5 * 3 * 64 and kv.k[0].abs().sum().item() == 0
+
+
+def test_populating_waits_while_the_worker_is_busy_and_goes_on_when_it_is_idle():
+    """A served worker's requests come first: no chunk is mapped in while `busy()` holds."""
+    import threading
+    import time
+
+    kv = KVCacheTensors.allocate(2, 1024, 16, 3, 64, torch.float32, "cpu")  # 2 x 2 x 12 MiB
+    idle = threading.Event()
+    thread = populate_in_background(kv.k + kv.v, busy=lambda: not idle.is_set())
+    if thread is None:
+        pytest.fail("no madvise here: the pool would be faulted in by the requests' writes")
+    time.sleep(0.5)
+    assert _pool_kib(kv) == 0 and thread.is_alive(), "populated while the worker was busy"
+    idle.set()
+    thread.join(60)
+    assert not thread.is_alive() and _pool_kib(kv) >= 4 * kv.k[0].numel() * 4 // 1024 * 9 // 10

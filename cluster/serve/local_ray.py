@@ -18,8 +18,8 @@ host neither see this instance nor find it with address "auto".
 
 Signals: a SIGTERM sent to tandem's process group (systemd, a shell entrypoint) does not reach
 Ray's processes, which live in session S; tandem drains its requests, then `stop` ends session S
-(SIGTERM, then SIGKILL after `grace_s`). `stop` never uses `ray stop`: that kills every Ray
-process on the host, other users' included.
+(its raylet first, then the rest: SIGTERM, then SIGKILL after `grace_s`). `stop` never uses
+`ray stop`: that kills every Ray process on the host, other users' included.
 """
 
 from __future__ import annotations
@@ -89,18 +89,21 @@ class LocalRay:
                  address, num_cpus, session_id)
         return cls(address, session_id, workdir, saved_env)
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self, grace_s: float = 2.0) -> list[int]:
         """End every process of the session, remove the token and Ray's files, restore the environment.
-        Disconnect the driver (`ray.shutdown()`) first. Idempotent."""
-        _clean_up(self.session_id, self.workdir, self.saved_env, grace_s)
-        log.info("stopped the local Ray instance")
+        Disconnect the driver (`ray.shutdown()`) first. Idempotent. Returns the processes that had to
+        be killed (SIGKILL: they outlived SIGTERM by `grace_s`)."""
+        killed = _clean_up(self.session_id, self.workdir, self.saved_env, grace_s)
+        log.info("stopped the local Ray instance%s", f" ({len(killed)} processes killed)" if killed else "")
+        return killed
 
 
-def _clean_up(session_id: int | None, workdir: Path, saved_env: dict[str, str | None], grace_s: float = 0.0) -> None:
-    if session_id is not None:
-        end_session(session_id, grace_s)
+def _clean_up(session_id: int | None, workdir: Path, saved_env: dict[str, str | None],
+              grace_s: float = 0.0) -> list[int]:
+    killed = end_session(session_id, grace_s) if session_id is not None else []
     shutil.rmtree(workdir, ignore_errors=True)
     _apply_env(saved_env)
+    return killed
 
 
 def _apply_env(env: dict[str, str | None]) -> dict[str, str | None]:
@@ -173,20 +176,43 @@ def session_members(session_id: int) -> list[int]:
     return members
 
 
-def end_session(session_id: int, grace_s: float) -> None:
-    """SIGTERM every process of the session, SIGKILL what is left after `grace_s`, wait for them."""
+def end_session(session_id: int, grace_s: float) -> list[int]:
+    """SIGTERM the session's raylets, then every process of it, SIGKILL what is left after `grace_s`
+    each time; wait for them. Returns the processes it had to SIGKILL. A raylet exits at once on a SIGTERM of its own (and takes its agents and
+    workers along), but not while the GCS it reports to is shutting down too; a GCS, the dashboard and
+    the log monitor exit at once when no raylet is left. All signalled together, every one of them
+    waited out the whole grace period for SIGKILL."""
+    raylets = [pid for pid in session_members(session_id) if _comm(pid) == "raylet"]
+    if raylets:
+        _signal_and_wait(session_id, raylets, signal.SIGTERM, grace_s)
+    killed: list[int] = []
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         pids = session_members(session_id)
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while session_members(session_id) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not session_members(session_id):
-            return
+        if not pids:
+            break
+        if sig == signal.SIGKILL:
+            killed = pids
+        _signal_and_wait(session_id, pids, sig, wait_s)
     left = session_members(session_id)
     if left:
         log.warning("Ray processes %s of session %d survived SIGKILL", left, session_id)
+    return killed
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:  # exited
+        return ""
+
+
+def _signal_and_wait(session_id: int, pids: list[int], sig: signal.Signals, wait_s: float) -> None:
+    """Send `sig` to `pids`; wait up to `wait_s` until none of them is still a member of the session."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while set(pids) & set(session_members(session_id)) and time.monotonic() < deadline:
+        time.sleep(0.02)

@@ -27,9 +27,9 @@ def child() -> None:
     print(json.dumps({"address": ray.address, "session_id": ray.session_id, "workdir": str(ray.workdir),
                       "token_path": os.environ["RAY_AUTH_TOKEN_PATH"]}), flush=True)
     sys.stdin.readline()
-    ray.stop()
+    killed = ray.stop()
     env_after = {name: os.environ.get(name) for name in env_before}
-    print(json.dumps({"left": session_members(ray.session_id), "workdir_exists": ray.workdir.exists(),
+    print(json.dumps({"left": session_members(ray.session_id), "killed": killed, "workdir_exists": ray.workdir.exists(),
                       "env_restored": env_after == env_before}), flush=True)
 
 
@@ -76,7 +76,8 @@ def test_local_ray_is_private_loopback_only_and_leaves_nothing():
         proc.stdin.write("stop\n")
         proc.stdin.flush()
         stopped = json.loads(proc.stdout.readline())
-        assert stopped == {"left": [], "workdir_exists": False, "env_restored": True}
+        # every Ray process ended on SIGTERM (raylet first: signalled with the GCS, it outlived any grace)
+        assert stopped == {"left": [], "killed": [], "workdir_exists": False, "env_restored": True}
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:

@@ -20,30 +20,36 @@ pytestmark = pytest.mark.slow
 PROMPT_TOKENS = 1000
 MAX_NEW = 12
 PAGE = 16
+# two prefill workers taking turns, every prompt crossing to one (a question alone would stay on the
+# decode worker where the prefix is)
+TWO_PREFILL = ("--num-prefill", "2", "--policy", "round_robin", "--set", "router.local_prefill_max_tokens=0")
 
 
 @pytest.fixture(scope="module")
 def start(tmp_path_factory, redis_server):
     """start(args) stops the server running (one at a time: they share the machine) and starts
-    `tandem serve` with L3 on the module's Redis; start.running() is the one running, or a new one."""
-    started = []
+    `tandem serve` with L3 on the module's Redis; start.running(args) is the one running if it was
+    started with `args` (any, without), or a new one (each start costs ~30 s of the suite)."""
+    started: list[tuple[tuple, object]] = []
 
     class Start:
         def __call__(self, args=()):
-            for server in started:
+            for _, server in started:
                 if server.proc.poll() is None:
                     assert server.terminate() == 0, server.log_tail()
             server = start_server(tmp_path_factory.mktemp("serve-l3"),
                                   ["--set", "kv_store.l3.backend=redis", "--set", f"kv_store.l3.url={redis_server.url}",
                                    *args], env={"TANDEM_DEBUG_KV": "1"})
-            started.append(server)
+            started.append((tuple(args), server))
             return server
 
-        def running(self):
-            return started[-1] if started and started[-1].proc.poll() is None else self()
+        def running(self, args=None):
+            if started and started[-1][1].proc.poll() is None and args in (None, started[-1][0]):
+                return started[-1][1]
+            return self(args or ())
 
     yield Start()
-    for server in started:
+    for _, server in started:
         if server.proc.poll() is None:
             assert server.terminate() == 0, server.log_tail()
 
@@ -98,7 +104,7 @@ def test_after_a_restart_the_prompt_is_served_from_l3_with_hf_greedy_output(star
     wait_for_pages_in_redis(redis_server, whole_pages - 1)  # the last page may hold the prompt's end only
     assert first.terminate() == 0, first.log_tail()
 
-    second = start()
+    second = start(TWO_PREFILL)  # another shape (two prefill workers) finds it too; the next test's server
     warm = complete(second, prompt)
     assert text(warm) == expected
     assert cached(warm) >= 0.9 * PROMPT_TOKENS, f"{cached(warm)} of {PROMPT_TOKENS} prompt tokens cached"
@@ -112,8 +118,7 @@ def test_two_prefill_workers_prefill_a_shared_prefix_once_and_share_it_through_l
     """16 requests with one 1k-token prefix and different questions, sent in turn to two prefill
     workers (round robin): the prefix is prefilled once in all, the second worker's first request
     fetches it from L3, and every answer is HF's greedy one."""
-    # every prompt crosses: with the prefix on the decode worker, a question alone would stay there
-    server = start(["--num-prefill", "2", "--policy", "round_robin", "--set", "router.local_prefill_max_tokens=0"])
+    server = start.running(TWO_PREFILL)
     redis_server.client().flushall()  # only this test's pages from here on
     prefix = natural_prompt(PROMPT_TOKENS - 24, "shared")
     loaded, _ = smollm2()

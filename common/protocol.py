@@ -371,6 +371,10 @@ class Worker(Protocol):
     def has_compute(self) -> bool:
         """Whether `step` would run a forward pass (else it only polls transfers and loads)."""
 
+    def holds_a_core(self) -> bool:
+        """Whether work beside the steps (the decode step's background compile) keeps a core busy: a
+        worker on a core share then neither lends its threads nor borrows the idle workers'."""
+
     def wait_s(self) -> float:
         """Busy without compute: how long the loop may wait for a message before the next `step`
         (short while transfers or loads need polling; longer while only messages can move things)."""

@@ -32,6 +32,9 @@ class EngineWorker:
     def has_compute(self) -> bool:
         return self.engine.scheduler.has_work()
 
+    def holds_a_core(self) -> bool:
+        return self.engine.runner.compiling()
+
     def wait_s(self) -> float:
         return POLL_S
 

@@ -67,12 +67,15 @@ class CoreShare:
             os.close(fd)
         self._mark(False)
 
-    def threads(self, busy: bool) -> int:
+    def threads(self, busy: bool, holds_a_core: bool = False) -> int:
         """Record whether this worker has compute to do; the threads its next step may use: its
-        share, plus every idle worker's on this node when it is busy."""
-        if busy != bool(self._mem[self.spec.slot] & _BUSY):
-            self._mark(busy)
-        if not busy:
+        share, plus every idle worker's on this node when it is busy. `holds_a_core`: work beside its
+        steps (a compile) keeps one of its cores busy: it lends its share to no one (marked busy) and
+        borrows none either, so no OpenMP region spans a core that thread also runs on."""
+        held = busy or holds_a_core
+        if held != bool(self._mem[self.spec.slot] & _BUSY):
+            self._mark(held)
+        if not busy or holds_a_core:
             return self.share
         lent = sum(b for i, b in enumerate(self._mem[:]) if b and not b & _BUSY and i != self.spec.slot)
         return self.share + lent
@@ -104,9 +107,10 @@ class ThreadFollower:
         self.share, self._torch = share, torch
         self.steps: Counter[int] = Counter()
 
-    def before(self, busy: bool) -> int:
-        """Call with True right before a step that computes (counted), False before waiting."""
-        n = self.share.threads(busy)
+    def before(self, busy: bool, holds_a_core: bool = False) -> int:
+        """Call with True right before a step that computes (counted), False before waiting;
+        `holds_a_core` as `CoreShare.threads` takes it."""
+        n = self.share.threads(busy, holds_a_core)
         if busy:
             if n != self._torch.get_num_threads():
                 self._torch.set_num_threads(n)

@@ -10,7 +10,8 @@ Messages go out through the connection (`send_many`: one relay frame per batch o
 sent `RelayTo`, `common/relay.py`). An idle worker sleeps until a message or its next heartbeat.
 
 With a core share (`spec.core_share`, CPU workers under `tandem serve`), each step runs on the
-threads `cores.ThreadFollower` gives: its own share plus the idle workers' on its node.
+threads `cores.ThreadFollower` gives: its own share plus the idle workers' on its node (only its
+own, and none lent, while its background compile holds a core: `worker.holds_a_core()`).
 
 A fault while handling a message about one request fails that request (`worker.fail`: its client
 gets an "internal" error, what it held is released) and the loop goes on; the engine confines a
@@ -51,7 +52,7 @@ def _serve(spec: WorkerSpec, worker: p.Worker, conn, threads: ThreadFollower | N
         else:  # idle: a message wakes it; else the next heartbeat (and a session reaped that late at most)
             timeout = max(0.0, min(heartbeat_interval_s, last_beat + heartbeat_interval_s - time.monotonic()))
         if threads is not None and timeout:
-            threads.before(False)  # about to wait: lend this worker's threads meanwhile
+            threads.before(False, worker.holds_a_core())  # about to wait: lend this worker's threads meanwhile
         while conn.poll(timeout):
             msg = conn.recv()
             if isinstance(msg, p.Shutdown):
@@ -63,7 +64,7 @@ def _serve(spec: WorkerSpec, worker: p.Worker, conn, threads: ThreadFollower | N
             timeout = 0.0
         if worker.busy():
             if threads is not None:
-                threads.before(worker.has_compute())
+                threads.before(worker.has_compute(), worker.holds_a_core())
             _send_all(conn, worker.step())
         now = time.monotonic()
         if now - last_beat >= heartbeat_interval_s:

@@ -130,10 +130,10 @@ class Server:
 
 
 def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, ready_timeout_s: float = 300,
-                 env: dict[str, str] | None = None) -> Server:
+                 env: dict[str, str] | None = None, warm: bool = True) -> Server:
     """`tandem serve` in its own session, this process's environment updated with `env` (e.g. a
-    Ray head's token); ready and warm (no worker still compiles its decode step beside serving, so
-    timing-bound tests meet the steady state), or raises."""
+    Ray head's token); ready and, if `warm`, warm (no worker still compiles its decode step beside
+    serving, so timing-bound tests meet the steady state: ~10 s more a start), or raises."""
     port = free_port()
     log_path = tmp_path / f"serve-{port}.log"
     base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TANDEM_API_KEY")}
@@ -145,7 +145,8 @@ def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, re
     server = Server(proc, port, log_path, api_key)
     try:
         server.wait_ready(ready_timeout_s)
-        server.wait_warm(ready_timeout_s)
+        if warm:
+            server.wait_warm(ready_timeout_s)
     except BaseException:
         server.terminate(30)
         raise
@@ -153,9 +154,10 @@ def start_server(tmp_path: Path, args: list[str], api_key: str | None = None, re
 
 
 @contextlib.contextmanager
-def serving(tmp_path_factory, name: str, args: list[str], env: dict[str, str] | None = None) -> Iterator[Server]:
-    """A module's one server: started ready, stopped cleanly (exit code 0) when the module is done."""
-    server = start_server(tmp_path_factory.mktemp(name), args, env=env)
+def serving(tmp_path_factory, name: str, args: list[str], env: dict[str, str] | None = None,
+            warm: bool = True) -> Iterator[Server]:
+    """A module's one server: started ready (and `warm`), stopped cleanly (exit code 0) when the module is done."""
+    server = start_server(tmp_path_factory.mktemp(name), args, env=env, warm=warm)
     try:
         yield server
     finally:

@@ -145,7 +145,8 @@ def test_colocated_shape_serves_on_every_worker(tmp_path, capsys):
     from cluster.cli.main import main as tandem_main
 
     server = start_server(tmp_path, ["--num-prefill", "0", "--num-decode", "0", "--num-colocated", "2",
-                                     "--policy", "round_robin", *SMALL])
+                                     "--policy", "round_robin", *SMALL],
+                          warm=False)  # a few short answers, no timing
     try:
         question = "Name a primary color."
         capsys.readouterr()

@@ -36,7 +36,8 @@ def eagle_server(tmp_path_factory, fresh_cache):
     # (output is the same either way), so the drafts verified below are a count of this head's work
     server = start_server(tmp_path_factory.mktemp("serve-eagle"),
                           ["--speculative", "eagle", "--no-speculative-adaptive"],
-                          env={"TANDEM_CACHE_DIR": str(fresh_cache), "TANDEM_DEBUG_KV": "1"})
+                          env={"TANDEM_CACHE_DIR": str(fresh_cache), "TANDEM_DEBUG_KV": "1"},
+                          warm=False)
     try:
         yield server
     finally:

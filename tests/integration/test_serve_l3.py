@@ -39,7 +39,7 @@ def start(tmp_path_factory, redis_server):
                     assert server.terminate() == 0, server.log_tail()
             server = start_server(tmp_path_factory.mktemp("serve-l3"),
                                   ["--set", "kv_store.l3.backend=redis", "--set", f"kv_store.l3.url={redis_server.url}",
-                                   *args], env={"TANDEM_DEBUG_KV": "1"})
+                                   *args], env={"TANDEM_DEBUG_KV": "1"}, warm=False)
             started.append((tuple(args), server))
             return server
 

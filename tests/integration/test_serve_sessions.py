@@ -26,7 +26,7 @@ MAX_NEW = 12
 def server(tmp_path_factory):
     with serving(tmp_path_factory, "serve-sessions", ["--set", f"decode.engine.num_pages={DECODE_PAGES}",
                                                       "--set", "decode.engine.host_cache_ratio=4"],
-                 env={"TANDEM_DEBUG_KV": "1"}) as server:
+                 env={"TANDEM_DEBUG_KV": "1"}, warm=False) as server:
         yield server
 
 

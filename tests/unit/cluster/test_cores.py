@@ -28,6 +28,21 @@ def test_a_busy_worker_borrows_the_idle_workers_threads_and_only_theirs(path):
     prefill.close(), decode.close()
 
 
+def test_a_worker_whose_compile_holds_a_core_neither_lends_nor_borrows(path):
+    """A decode worker compiling beside serving: the prefill worker would otherwise take its core
+    for a 2-thread OpenMP region while the compile thread runs there too (a cold 1k-token prefill
+    took ~4x as long then)."""
+    prefill, decode = CoreShare(CoreShareSpec(path, 0), 1), CoreShare(CoreShareSpec(path, 1), 1)
+    assert decode.threads(False, holds_a_core=True) == 1  # idle, compiling: keeps its share
+    assert prefill.threads(True) == 1, "borrowed the core the compile runs on"
+    assert decode.threads(True, holds_a_core=True) == 1  # it steps (eagerly) on its own share only
+    prefill.threads(False)
+    assert decode.threads(True, holds_a_core=True) == 1, "borrowed beside its own compile"
+    assert decode.threads(False) == 1 and prefill.threads(True) == 2  # compiled: lent again
+    assert prefill.threads(False) == 1 and decode.threads(True) == 2  # and borrows again
+    prefill.close(), decode.close()
+
+
 def test_the_last_worker_out_removes_the_file(path):
     a, b = CoreShare(CoreShareSpec(path, 0), 1), CoreShare(CoreShareSpec(path, 1), 1)
     a.close()

@@ -247,7 +247,10 @@ def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_g
 def test_a_served_worker_maps_its_kv_pool_in_once_its_compile_is_over(monkeypatch):
     """Populating the pool holds the process's address space a chunk at a time, and the compile's
     allocations waited on it (~1.5x the compile's time): a served worker starts it after the compile.
-    The pool stays unmapped while the compile is held, and is mapped in whole once it ends."""
+    The pool stays unmapped while the compile is held, and is mapped in whole once it ends. While it
+    compiles, the worker holds a core (lends its threads to no other worker) and the interpreter
+    hands the GIL back to the serving loop within 0.1 ms (not Python's 5 ms), and neither after."""
+    import sys
     import threading
 
     from engine.hosted import EngineWorker
@@ -262,12 +265,15 @@ def test_a_served_worker_maps_its_kv_pool_in_once_its_compile_is_over(monkeypatc
     engine = _background_engine(monkeypatch, hold)
     try:
         whole_kib = sum(t.numel() * t.element_size() for t in engine.kv_cache.k + engine.kv_cache.v) // 1024
-        EngineWorker(engine).start()
+        worker = EngineWorker(engine)
+        worker.start()
         assert compiling.wait(120), "the compile never ran its first step"
+        assert worker.holds_a_core() and sys.getswitchinterval() == pytest.approx(1e-4)
         time.sleep(0.5)  # a populate started beside the compile would be well under way
         assert _pool_kib(engine.kv_cache) < whole_kib // 4, "populating began before the compile ended"
         release.set()
         assert engine.runner.wait_compiled(120) and set(engine.runner._compiled) == {1}
+        assert not worker.holds_a_core() and sys.getswitchinterval() == pytest.approx(0.005)
         deadline = time.monotonic() + 30
         while _pool_kib(engine.kv_cache) < whole_kib:
             assert time.monotonic() < deadline, f"{_pool_kib(engine.kv_cache)} of {whole_kib} KiB mapped in"

@@ -139,14 +139,15 @@ def test_start_up_failures_are_one_clear_line_and_leave_nothing_running():
 
 
 def test_colocated_shape_serves_on_every_worker(tmp_path, capsys):
-    """No prefill or decode group: two colocated workers, each prefilling its own requests."""
+    """No prefill or decode group: two colocated workers, each prefilling its own requests. (Their
+    decode steps stay eager: two compiles beside these few answers took ~20 s of 2 cores; a colocated
+    worker's compile is tested on its own, `test_worker_host`.)"""
     import json
 
     from cluster.cli.main import main as tandem_main
 
     server = start_server(tmp_path, ["--num-prefill", "0", "--num-decode", "0", "--num-colocated", "2",
-                                     "--policy", "round_robin", *SMALL],
-                          warm=False)  # a few short answers, no timing
+                                     "--policy", "round_robin", *SMALL, "--set", "colocated.engine.cpu_compile=false"])
     try:
         question = "Name a primary color."
         capsys.readouterr()

@@ -27,11 +27,12 @@ from engine.output import StepOutput, step_output
 __all__ = ["EngineCore", "StepOutput", "build_engine", "debug_kv_enabled", "load_engine", "step_output"]
 
 
-def load_engine(config: EngineConfig) -> EngineCore:
-    """A colocated engine (no connector) for `config.model`: offline runs, benches, tests."""
+def load_engine(config: EngineConfig, populate: bool = True) -> EngineCore:
+    """A colocated engine (no connector) for `config.model`: offline runs, benches, tests
+    (`populate`: as `build_engine` takes it)."""
     from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.loader import load_model
 
     loaded = load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],
                         backend=config.attention_backend)
-    return build_engine(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids)
+    return build_engine(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids, populate=populate)

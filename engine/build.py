@@ -55,11 +55,14 @@ class _Pools:
 
 def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None, eos_token_ids: Sequence[int] = (),
                  connector: ConnectorFactory | None = None, l3: L3Config | None = None,
-                 draft_head: torch.nn.Module | None = None, compile_in_background: bool = False) -> EngineCore:
+                 draft_head: torch.nn.Module | None = None, compile_in_background: bool = False,
+                 populate: bool = True) -> EngineCore:
     """An engine for `model` (`draft_head`: the EAGLE head when `config.speculative` is `eagle`; None
     loads it from `config.draft_model`). Raises ConfigError before allocating anything it cannot serve.
     `compile_in_background`: `config.cpu_compile`'s compile runs beside serving, from
-    `engine.runner.start_compile()` (a served worker's loop), not before this returns (`GraphRunner`)."""
+    `engine.runner.start_compile()` (a served worker's loop), not before this returns (`GraphRunner`).
+    `populate` (an engine made alone): its CPU KV pool is mapped in before this returns, so it runs
+    at full speed at once; without, pages fault in as they are first written (a one-shot run)."""
     device = torch.device(config.device)
     if config.speculative != "none":
         draft_head = draft_head if draft_head is not None else load_draft_head(config, model, arch)
@@ -74,7 +77,7 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     resolved = config.resolve(kv_layout(num_layers, config.page_size, arch.num_kv_heads, arch.head_dim,
                                         config.dtype).page_bytes, arch.max_position_embeddings)
     pools = _pools(resolved, arch, num_layers, device)
-    if not compile_in_background:  # made alone: at full speed when returned (a served worker maps it in once ready)
+    if populate and not compile_in_background:  # at full speed when returned (a served worker maps it in once ready)
         populating = populate_in_background(pools.kv_cache.k + pools.kv_cache.v)
         if populating is not None:
             populating.join()

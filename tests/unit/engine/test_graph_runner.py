@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from common.config import SamplingParams
+from common.config import EngineConfig, SamplingParams
+from engine.build import build_engine
 from engine.graphs.capture import batch_buckets, bucket_for
 from engine.graphs.runner import Fallback, GraphCounters, GraphRunner
 from engine.runner import ForwardRow
@@ -283,6 +284,24 @@ def test_a_served_worker_maps_its_kv_pool_in_once_its_compile_is_over(monkeypatc
         release.set()
         engine.runner.wait_compiled(120)
         engine.close()
+
+
+def test_an_engine_made_alone_is_mapped_in_unless_told_not_to():
+    """A bench's engine runs at full speed at once (its pool mapped in before `build_engine` returns);
+    `tandem run`'s (populate=False) leaves the pool to fault in as it is written: a one-shot run
+    writes a small part of it, and mapping SmolLM2's whole default pool in took ~3 s."""
+    from tests.unit.kernels.test_kv_layout import _pool_kib
+
+    for populate in (True, False):
+        ours, _, arch = tiny_models()
+        engine = build_engine(EngineConfig(page_size=4, num_pages=4096, debug_kv=True), ours, arch, populate=populate)
+        try:
+            whole_kib = sum(t.numel() * t.element_size() for t in engine.kv_cache.k + engine.kv_cache.v) // 1024
+            mapped = _pool_kib(engine.kv_cache)
+            assert mapped >= whole_kib * 9 // 10 if populate else mapped < whole_kib // 4, (populate, mapped, whole_kib)
+            engine.check_integrity()
+        finally:
+            engine.close()
 
 
 def test_start_compile_runs_then_at_once_where_nothing_compiles():

@@ -178,10 +178,10 @@ def session_members(session_id: int) -> list[int]:
 
 def end_session(session_id: int, grace_s: float) -> list[int]:
     """SIGTERM the session's raylets, then every process of it, SIGKILL what is left after `grace_s`
-    each time; wait for them. Returns the processes it had to SIGKILL. A raylet exits at once on a SIGTERM of its own (and takes its agents and
-    workers along), but not while the GCS it reports to is shutting down too; a GCS, the dashboard and
-    the log monitor exit at once when no raylet is left. All signalled together, every one of them
-    waited out the whole grace period for SIGKILL."""
+    each time; wait for them. Returns the processes it had to SIGKILL. A raylet exits at once on a
+    SIGTERM of its own (and takes its agents and workers along), but not while the GCS it reports to is
+    shutting down too; a GCS, the dashboard and the log monitor exit at once when no raylet is left.
+    All signalled together, every one of them waited out the whole grace period for SIGKILL."""
     raylets = [pid for pid in session_members(session_id) if _comm(pid) == "raylet"]
     if raylets:
         _signal_and_wait(session_id, raylets, signal.SIGTERM, grace_s)

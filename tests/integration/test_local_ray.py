@@ -29,8 +29,8 @@ def child() -> None:
     sys.stdin.readline()
     killed = ray.stop()
     env_after = {name: os.environ.get(name) for name in env_before}
-    print(json.dumps({"left": session_members(ray.session_id), "killed": killed, "workdir_exists": ray.workdir.exists(),
-                      "env_restored": env_after == env_before}), flush=True)
+    print(json.dumps({"left": session_members(ray.session_id), "killed": killed,
+                      "workdir_exists": ray.workdir.exists(), "env_restored": env_after == env_before}), flush=True)
 
 
 def connect_with_wrong_token(address: str, timeout_s: float = 60) -> str:

@@ -147,7 +147,8 @@ def test_colocated_shape_serves_on_every_worker(tmp_path, capsys):
     from cluster.cli.main import main as tandem_main
 
     server = start_server(tmp_path, ["--num-prefill", "0", "--num-decode", "0", "--num-colocated", "2",
-                                     "--policy", "round_robin", *SMALL, "--set", "colocated.engine.cpu_compile=false"])
+                                     "--policy", "round_robin", *SMALL,
+                                     "--set", "colocated.engine.cpu_compile=false"])
     try:
         question = "Name a primary color."
         capsys.readouterr()

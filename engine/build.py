@@ -31,6 +31,7 @@ from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
+from kernels.attention import cpu_native
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
 from kv_store.device_pool import DevicePool
@@ -73,6 +74,8 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
         for module in (model, draft_head):
             if module is not None:
                 prepack_cpu(module)
+    if device.type == "cpu":
+        cpu_native.kernel()  # built (first start on a machine, ~0.3 s) or loaded before any step needs it
     num_layers = arch.num_layers + (1 if draft_head is not None else 0)  # the draft head's KV: the last layer
     resolved = config.resolve(kv_layout(num_layers, config.page_size, arch.num_kv_heads, arch.head_dim,
                                         config.dtype).page_bytes, arch.max_position_embeddings)

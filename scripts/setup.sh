@@ -13,6 +13,18 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
     $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq libibverbs1 >/dev/null
 fi
 
+# A C compiler: torch.compile's CPU decode step and the CPU decode-attention kernel are built with it
+# (without one both fall back to slower torch paths, and their tests fail).
+if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then
+    sudo_cmd=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo_cmd="sudo"
+    if command -v apt-get >/dev/null && { [ "$(id -u)" -eq 0 ] || [ -n "$sudo_cmd" ]; }; then
+        echo "setup: installing a C/C++ compiler (apt-get install gcc g++)"
+        $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq gcc g++ >/dev/null
+    else
+        echo "setup: no C compiler and apt-get/root is not available; install gcc and g++" >&2
+    fi
+fi
+
 # The L3 tests start their own redis-server on a loopback port: install the Debian package if missing.
 if [[ ",${1:-}," == *",test,"* ]] && ! command -v redis-server >/dev/null; then
     sudo_cmd=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo_cmd="sudo"

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.attention import cpu_native
 from kernels.attention.base import AttentionBackend, index_write_kv
 from kernels.attention.metadata import AttnMetadata
 
@@ -49,6 +50,7 @@ class _DecodePlan:
     rows: torch.Tensor  # [B_dec] int64, rows of T holding the decode tokens
     page_table: torch.Tensor  # [B_dec, num_pages] int64
     mask: torch.Tensor  # [B_dec, 1, 1, L] bool, True where position < seq_len
+    seq_lens: torch.Tensor  # [B_dec] int64
     every_row: bool  # the step is decode rows only: rows is 0..T-1
 
 
@@ -106,7 +108,14 @@ def _plan_decode_no_sync(meta: AttnMetadata, seqs: list[int] | None) -> _DecodeP
     kv_pos = torch.arange(num_pages * meta.page_size, device=device)  # [L]
     mask = kv_pos[None, :] < seq_lens[:, None]  # [B_dec, L]
     return _DecodePlan(rows=rows, page_table=page_table[:, :num_pages], mask=mask[:, None, None, :],
-                       every_row=every_row)
+                       seq_lens=seq_lens, every_row=every_row)
+
+
+def _uses_cpu_native(device: torch.device) -> bool:
+    """Whether decode rows on ``device`` may take the native paged kernel (`cpu_native`; a test may
+    patch this to compare against the SDPA path). Not inside torch.compile: a compiled step traces
+    the torch path, which its graph fuses."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _uses_cpu_flash(device: torch.device) -> bool:
@@ -246,6 +255,10 @@ class TorchAttentionBackend(AttentionBackend):
         """One query per sequence, so the query heads of a GQA group ride along as the query axis."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         q_dec = q if plan.every_row else q[plan.rows]  # [B_dec, H, hd]
+        if _uses_cpu_native(q.device):
+            out = cpu_native.paged_decode(q_dec, k_cache, v_cache, plan.page_table, plan.seq_lens, scale)
+            if out is not None:
+                return out.to(q.dtype)
         batch = q_dec.shape[0]
         q_grp = q_dec.reshape(batch, num_kv_heads, -1, head_dim)  # [B_dec, kvh, group, hd]
         k = _gather_pages(k_cache, plan.page_table).transpose(1, 2)  # [B_dec, kvh, L, hd]

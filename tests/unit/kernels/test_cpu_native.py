@@ -1,0 +1,128 @@
+"""The native CPU decode-attention kernel against naive attention in float64, and where it serves.
+
+Every slot a sequence does not own (scratch page 0, the spare pages, the tail of its last page)
+holds a large poison value: a kernel that reads past a sequence's length, or another sequence's
+page, swamps its output.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kernels.attention.torch_backend as torch_backend
+from kernels.attention import build_attn_metadata, cpu_native
+from kernels.attention.torch_backend import TorchAttentionBackend
+from tests.helpers import random_page_tables
+
+POISON = 1e4
+FLASH_OP = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+
+def make_decode(seq_lens: list[int], page_size: int, heads: int, kv_heads: int, head_dim: int, seed: int):
+    """(q [B, H, hd] as a view into wider rows, like the qkv split's; k_cache, v_cache; page_table with
+    two unused columns; seq_lens; tables), the caches poisoned outside each sequence's positions."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages, tables = random_page_tables(seq_lens, page_size, 2, gen)
+    k_cache = torch.full((num_pages, page_size, kv_heads, head_dim), POISON)
+    v_cache = torch.full((num_pages, page_size, kv_heads, head_dim), POISON)
+    for table, n in zip(tables, seq_lens):
+        for pos in range(n):
+            page, slot = table[pos // page_size], pos % page_size
+            k_cache[page, slot] = torch.randn(kv_heads, head_dim, generator=gen)
+            v_cache[page, slot] = torch.randn(kv_heads, head_dim, generator=gen)
+    width = max(len(t) for t in tables) + 2
+    page_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    rows = torch.randn(len(seq_lens), (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = rows[:, : heads * head_dim].view(len(seq_lens), heads, head_dim)  # rows wider than q: q.stride(0) > H * hd
+    return q, k_cache, v_cache, page_table, torch.tensor(seq_lens, dtype=torch.int64), tables
+
+
+def reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:
+    """Each sequence's K/V gathered position by position; softmax attention in float64."""
+    heads, kv_heads, page_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    out = []
+    for b, (table, n) in enumerate(zip(tables, seq_lens.tolist())):
+        slots = [(table[p // page_size], p % page_size) for p in range(n)]
+        k = torch.stack([k_cache[pg, s] for pg, s in slots]).double()  # [n, kvh, hd]
+        v = torch.stack([v_cache[pg, s] for pg, s in slots]).double()
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)  # [n, H, hd]
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_kernel():
+    assert cpu_native.kernel() is not None, "the kernel did not build: no C compiler? (see the warning logged)"
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2)], ids=["mha", "gqa3", "gqa8"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_decode_matches_float64_attention(heads, kv_heads, page_size, head_dim):
+    # lengths around a page, around the kernel's 32-position blocks, one position, and several blocks
+    seq_lens = [1, 15, 16, 17, 31, 33, 64, 200]
+    q, k_cache, v_cache, page_table, lens, tables = make_decode(seq_lens, page_size, heads, kv_heads, head_dim,
+                                                                seed=heads * 100 + page_size + head_dim)
+    got = cpu_native.paged_decode(q, k_cache, v_cache, page_table, lens, 0.125)
+    assert got is not None and got.shape == (len(seq_lens), heads, head_dim)
+    torch.testing.assert_close(got.double(), reference(q, k_cache, v_cache, tables, lens, 0.125), atol=2e-6, rtol=2e-6)
+
+
+def test_large_scores_stay_finite_and_exact():
+    """Scores in the hundreds (the online softmax's rescaling from one block to the next)."""
+    q, k_cache, v_cache, page_table, lens, tables = make_decode([100, 70], 16, 6, 2, 32, seed=5)
+    q = q * 40
+    got = cpu_native.paged_decode(q, k_cache, v_cache, page_table, lens, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), reference(q, k_cache, v_cache, tables, lens, 1.0), atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_it_does_not_take_fall_back():
+    q, k_cache, v_cache, page_table, lens, _ = make_decode([5, 9], 4, 4, 2, 16, seed=1)
+    assert cpu_native.paged_decode(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), page_table, lens, 0.25) is None
+    assert cpu_native.paged_decode(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), page_table, lens, 0.25) is None
+    assert cpu_native.paged_decode(q, k_cache, v_cache, page_table.int(), lens, 0.25) is None
+    many = torch.randn(2, 2 * (cpu_native.kernel().tandem_max_group() + 1), 16)  # a GQA group over the bound
+    assert cpu_native.paged_decode(many, k_cache, v_cache, page_table, lens, 0.25) is None
+
+
+def test_no_compiler_leaves_the_torch_path(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_native, "_loaded", [])
+    with caplog.at_level(logging.WARNING, logger="tandem.kernels"):
+        assert cpu_native.kernel() is None
+    assert "no C compiler" in caplog.text
+    q, k_cache, v_cache, page_table, lens, _ = make_decode([5, 9], 4, 4, 2, 16, seed=1)
+    assert cpu_native.paged_decode(q, k_cache, v_cache, page_table, lens, 0.25) is None
+
+
+def _decode_step(backend, seq_lens, heads=6, kv_heads=2, head_dim=16, page_size=4):
+    gen = torch.Generator().manual_seed(3)
+    num_pages, tables = random_page_tables(seq_lens, page_size, 2, gen)
+    meta, _ = build_attn_metadata(page_size, [1] * len(seq_lens), seq_lens, tables, list(range(len(seq_lens))), "cpu")
+    k_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=gen)
+    return backend.attention(q, k_cache, v_cache, meta, 0.25)
+
+
+def test_a_cpu_decode_step_takes_it_and_agrees_with_the_sdpa_path(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        seen: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    seq_lens = [3, 40, 17, 9]
+    with Ops() as ops:
+        native = _decode_step(TorchAttentionBackend(), seq_lens)
+    assert FLASH_OP not in ops.seen and "aten.index_select.default" not in ops.seen, "the step gathered and ran SDPA"
+    monkeypatch.setattr(torch_backend, "_uses_cpu_native", lambda device: False)
+    torch.testing.assert_close(native, _decode_step(TorchAttentionBackend(), seq_lens), atol=1e-5, rtol=1e-5)

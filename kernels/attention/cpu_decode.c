@@ -13,11 +13,13 @@
  * Query head h reads KV head h / (H / KVH).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_GROUP 32
+#define MAX_HEADS 128
 #define MAX_HEAD_DIM 256
+#define MAX_HEAD_FLOATS 32768 /* heads x head_dim of one work item: its accumulator, on the stack */
 #define BLOCK 32
 
 /* e^x for x <= 0 (a score minus the running max), float32 to ~2 ulp: 2^n * e^r, |r| <= ln2/2, with
@@ -40,84 +42,95 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-int tandem_max_group(void) { return MAX_GROUP; }
+int tandem_max_heads(void) { return MAX_HEADS; }
 int tandem_max_head_dim(void) { return MAX_HEAD_DIM; }
+int tandem_max_head_floats(void) { return MAX_HEAD_FLOATS; }
+
+/* Query heads [kh0 * group, kh1 * group) of sequence b over its positions [0, len): the K/V heads
+ * [kh0, kh1) of each slot lie side by side, so a block's rows are read front to back, once. */
+static void attend(const float *q, const float *k, const float *v, const int64_t *pages, int64_t len,
+                   float *out, int64_t kh0, int64_t kh1, int64_t group, int64_t D, int64_t row_stride,
+                   int64_t page_size, float scale) {
+    const int64_t h0 = kh0 * group, num = (kh1 - kh0) * group; /* query heads [h0, h0 + num) */
+    float acc[MAX_HEAD_FLOATS];
+    float m[MAX_HEADS], l[MAX_HEADS], s[MAX_HEADS][BLOCK];
+    int64_t slot[BLOCK];
+    for (int64_t h = 0; h < num; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * num * D);
+    for (int64_t p0 = 0; p0 < len; p0 += BLOCK) {
+        const int64_t n = len - p0 < BLOCK ? len - p0 : BLOCK;
+        for (int64_t j = 0; j < n; j++) slot[j] = pages[(p0 + j) / page_size] * page_size + (p0 + j) % page_size;
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t kh = kh0; kh < kh1; kh++) {
+                const float *kr = k + slot[j] * row_stride + kh * D;
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t h = (kh - kh0) * group + g;
+                    const float *qr = q + (h0 + h) * D;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
+                    s[h][j] = dot * scale;
+                }
+            }
+        }
+        for (int64_t h = 0; h < num; h++) {
+            float block_max = s[h][0];
+            for (int64_t j = 1; j < n; j++) block_max = s[h][j] > block_max ? s[h][j] : block_max;
+            const float new_max = block_max > m[h] ? block_max : m[h];
+            const float keep = m[h] == -INFINITY ? 0.0f : exp_nonpositive(m[h] - new_max);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; j++) {
+                const float p = exp_nonpositive(s[h][j] - new_max);
+                s[h][j] = p;
+                sum += p;
+            }
+            l[h] = l[h] * keep + sum;
+            m[h] = new_max;
+            if (keep != 1.0f) {
+                float *a = acc + h * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) a[d] *= keep;
+            }
+        }
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t kh = kh0; kh < kh1; kh++) {
+                const float *vr = v + slot[j] * row_stride + kh * D;
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t h = (kh - kh0) * group + g;
+                    const float p = s[h][j];
+                    float *a = acc + h * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) a[d] += p * vr[d];
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < num; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f; /* no positions: zeros */
+        float *o = out + (h0 + h) * D;
+        const float *a = acc + h * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) o[d] = a[d] * inv;
+    }
+}
 
 void tandem_paged_decode_f32(const float *q, int64_t q_row_stride, const float *k, const float *v,
                              const int64_t *page_table, int64_t pt_stride, const int64_t *seq_lens,
                              float *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t page_size, float scale) {
-    const int64_t group = num_heads / num_kv_heads, D = head_dim;
-    const int64_t row_stride = num_kv_heads * D; /* floats between two slots of a page */
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < batch; b++) {
-        for (int64_t kh = 0; kh < num_kv_heads; kh++) {
-            const float *qg = q + b * q_row_stride + kh * group * D;
-            const int64_t *pages = page_table + b * pt_stride;
-            const int64_t len = seq_lens[b];
-            float acc[MAX_GROUP * MAX_HEAD_DIM];
-            float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][BLOCK];
-            const float *krow[BLOCK], *vrow[BLOCK];
-            for (int64_t g = 0; g < group; g++) {
-                m[g] = -INFINITY;
-                l[g] = 0.0f;
-            }
-            memset(acc, 0, sizeof(float) * group * D);
-            for (int64_t p0 = 0; p0 < len; p0 += BLOCK) {
-                const int64_t n = len - p0 < BLOCK ? len - p0 : BLOCK;
-                for (int64_t j = 0; j < n; j++) {
-                    const int64_t pos = p0 + j;
-                    const int64_t slot = pages[pos / page_size] * page_size + pos % page_size;
-                    krow[j] = k + slot * row_stride + kh * D;
-                    vrow[j] = v + slot * row_stride + kh * D;
-                }
-                for (int64_t j = 0; j < n; j++) {
-                    const float *kr = krow[j];
-                    for (int64_t g = 0; g < group; g++) {
-                        const float *qr = qg + g * D;
-                        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
-                        s[g][j] = dot * scale;
-                    }
-                }
-                for (int64_t g = 0; g < group; g++) {
-                    float block_max = s[g][0];
-                    for (int64_t j = 1; j < n; j++) block_max = s[g][j] > block_max ? s[g][j] : block_max;
-                    const float new_max = block_max > m[g] ? block_max : m[g];
-                    const float keep = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - new_max);
-                    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t j = 0; j < n; j++) {
-                        const float p = exp_nonpositive(s[g][j] - new_max);
-                        s[g][j] = p;
-                        sum += p;
-                    }
-                    l[g] = l[g] * keep + sum;
-                    m[g] = new_max;
-                    if (keep != 1.0f) {
-                        float *a = acc + g * D;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; d++) a[d] *= keep;
-                    }
-                }
-                for (int64_t j = 0; j < n; j++) {
-                    const float *vr = vrow[j];
-                    for (int64_t g = 0; g < group; g++) {
-                        const float p = s[g][j];
-                        float *a = acc + g * D;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; d++) a[d] += p * vr[d];
-                    }
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f; /* no positions: zeros */
-                float *o = out + (b * num_heads + kh * group + g) * D;
-                const float *a = acc + g * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] = a[d] * inv;
-            }
-        }
+    const int64_t group = num_heads / num_kv_heads;
+    /* A work item is a sequence, all its heads (its pages read front to back once); split by K/V
+     * head only when there are fewer sequences than threads. */
+    const int64_t kv_per_item = batch >= omp_get_max_threads() ? num_kv_heads : 1;
+    const int64_t items_per_seq = num_kv_heads / kv_per_item;
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < batch * items_per_seq; item++) {
+        const int64_t b = item / items_per_seq, kh0 = (item % items_per_seq) * kv_per_item;
+        attend(q + b * q_row_stride, k, v, page_table + b * pt_stride, seq_lens[b], out + b * num_heads * head_dim,
+               kh0, kh0 + kv_per_item, group, head_dim, num_kv_heads * head_dim, page_size, scale);
     }
 }

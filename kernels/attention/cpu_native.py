@@ -56,7 +56,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Decode attention of ``q [B, H, D]`` (one token a sequence) over positions ``[0, seq_lens[b])``
     of sequence b's pages ``page_table [B, >= num_pages]`` in ``k_cache, v_cache [P, page_size, KVH,
     D]``: ``[B, H, D]``, a new tensor. None when the kernel does not take these inputs (not float32
-    CPU tensors in its layouts, a GQA group or head size over its bounds, no kernel here): the caller
+    CPU tensors in its layouts, more heads or a larger head than its bounds, no kernel here): the caller
     runs its torch path. Reads no tensor's values on the host."""
     lib = kernel()
     if lib is None or not _takes(lib, q, k_cache, v_cache, page_table, seq_lens):
@@ -80,7 +80,8 @@ def _takes(lib, q, k_cache, v_cache, page_table, seq_lens) -> bool:
     return (q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous()
             and v_cache.is_contiguous() and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
             and page_table.dim() == 2 and page_table.stride(1) == 1 and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= lib.tandem_max_group() and head_dim <= lib.tandem_max_head_dim())
+            and num_heads <= lib.tandem_max_heads() and head_dim <= lib.tandem_max_head_dim()
+            and num_heads * head_dim <= lib.tandem_max_head_floats())
 
 
 def _compiler() -> str | None:

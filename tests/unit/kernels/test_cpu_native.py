@@ -86,7 +86,7 @@ def test_inputs_it_does_not_take_fall_back():
     assert cpu_native.paged_decode(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), page_table, lens, 0.25) is None
     assert cpu_native.paged_decode(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), page_table, lens, 0.25) is None
     assert cpu_native.paged_decode(q, k_cache, v_cache, page_table.int(), lens, 0.25) is None
-    many = torch.randn(2, 2 * (cpu_native.kernel().tandem_max_group() + 1), 16)  # a GQA group over the bound
+    many = torch.randn(2, cpu_native.kernel().tandem_max_heads() + 2, 16)  # more heads than it takes
     assert cpu_native.paged_decode(many, k_cache, v_cache, page_table, lens, 0.25) is None
 
 

@@ -183,6 +183,13 @@ class EngineConfig:
     stay eager (oneDNN's matmuls serve several rows well). None: on in `tandem serve`'s CPU workers
     that decode (decode, colocated), off in an engine made alone (tests, benches: `--cpu-compile`)
     and on prefill workers. `--no-cpu-compile` turns it off."""
+    cpu_native_decode: bool = True
+    """CPU, float32, with `cuda_graph`: replayed single-request steps (bucket 1) run their decoder
+    layers in C (`kernels/model/native_decode.py`: each weight row read once, four rows a pass, the
+    norms, rotary, K/V write, attention and activation between them on the same threads), built on
+    first use with the system C compiler: SmolLM2 on 2 cores ~23 ms a step vs ~28 ms compiled, with
+    no compile at start-up. Takes precedence over `cpu_compile`, which serves where this is off or
+    cannot (no C compiler, another dtype). `--no-cpu-native-decode` turns it off."""
     cpu_prepack: bool | None = None
     """CPU, float32 (and bfloat16 where the CPU has native bf16 dot products): keep every linear
     weight in oneDNN's packed layout too (`kernels/model/packed_linear.py`), about as much memory

@@ -94,6 +94,7 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     runner = GraphRunner(eager, pools.device_pool, graph_max_batch(resolved), resolved.max_model_len,
                          enabled=resolved.cuda_graph, sizes=resolved.graph_batch_sizes,
                          loads_in_flight=pools.device_pool.loads_in_flight, cpu_compile=bool(resolved.cpu_compile),
+                         cpu_native_decode=resolved.cpu_native_decode,
                          tree_rows=tree_verify_rows(resolved),
                          tree_batch=max(1, min(resolved.max_running_requests, resolved.speculative_max_batch)),
                          compile_in_background=compile_in_background)

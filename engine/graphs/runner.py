@@ -60,6 +60,7 @@ from engine.graphs.tree import TreeVerifyGraphs
 from engine.runner import ForwardOut, ForwardRow, ModelRunner
 from kernels.attention.metadata import AttnMetadata
 from kernels.model.compiled import CompiledLayers
+from kernels.model.native_decode import NativeDecode
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledStep
@@ -115,7 +116,8 @@ class GraphRunner:
     def __init__(self, eager: ModelRunner, pool: DevicePool, max_batch: int, max_model_len: int,
                  enabled: bool = True, sizes: Iterable[int] = (),
                  loads_in_flight: Callable[[], frozenset] = frozenset, cpu_compile: bool = False,
-                 tree_rows: int = 0, tree_batch: int = 1, compile_in_background: bool = False):
+                 tree_rows: int = 0, tree_batch: int = 1, compile_in_background: bool = False,
+                 cpu_native_decode: bool = False):
         """`tree_rows`: tokens of a full tree verify row (`tree.tree_verify_rows`; 0: no trees),
         replayed for up to `tree_batch` requests. `compile_in_background`: the CPU compile waits for
         `start_compile` (a served worker's loop, once it reported ready) and runs on a thread beside
@@ -144,8 +146,13 @@ class GraphRunner:
             self.trees = TreeVerifyGraphs(eager, tree_batch, tree_rows, self.bufs.max_pages, capture)
         if enabled and eager.device.type == "cuda":
             self._capture_all()
-        elif enabled and cpu_compile and COMPILED_CPU_BUCKET in self.buckets:
-            self._compile(COMPILED_CPU_BUCKET, compile_in_background)
+        elif enabled and COMPILED_CPU_BUCKET in self.buckets:
+            native = NativeDecode.for_model(eager.model) if cpu_native_decode else None
+            if native is not None:
+                self._compiled[COMPILED_CPU_BUCKET] = native
+                log.info("single-request decode steps run their layers in C (no compile)")
+            elif cpu_compile:
+                self._compile(COMPILED_CPU_BUCKET, compile_in_background)
 
     # ---- the step ----------------------------------------------------------------------------------
     def run(self, step: ScheduledStep) -> ForwardOut:

@@ -38,7 +38,7 @@ def test_host_serves_compiles_beside_serving_reports_a_long_step_and_stops():
     compile, requests before and after it give the engine's own greedy tokens."""
     from kernels.model.tokenizer import apply_chat_template
 
-    host = WorkerHost(WorkerSpec("colocated", EngineConfig(num_pages=256, cpu_compile=True), heartbeat_interval_s=0.1),
+    host = WorkerHost(WorkerSpec("colocated", EngineConfig(num_pages=256, cpu_compile=True, cpu_native_decode=False), heartbeat_interval_s=0.1),
                       "colocated-0", build=build_debug_worker)
     try:
         ids = apply_chat_template(smollm2()[0].tokenizer, CHAT_PROMPTS[0])

@@ -143,6 +143,30 @@ def test_greedy_output_is_hf_with_graphs_on_and_off_and_steady_decode_never_fall
         engine.close()
 
 
+def test_cpu_native_replays_give_hf_greedy_output_and_compile_nothing():
+    """By default a CPU float32 engine's single-request steps run their layers in C: every bucket-1
+    replay goes through it, nothing is compiled (even with cpu_compile), and every output is HF's greedy."""
+    import torch._dynamo
+
+    from kernels.model.native_decode import NativeDecode
+
+    _, ref, _ = tiny_models()
+    prompts, max_tokens = [*make_prompts(2, seed=6), [7]], [12, 5, 7]  # [7]: a lone request inside its first page
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    engine = make_engine(cuda_graph=True, cpu_compile=True, max_running_requests=2, graph_batch_sizes=(1, 2))
+    try:
+        assert isinstance(engine.runner._compiled[1], NativeDecode) and not engine.runner.compiling()
+        native_calls = _count_calls(engine.runner, 1)
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+        reqs = engine.generate(prompts[:2], params[:2]) + engine.generate(prompts[2:], params[2:])
+        assert [r.output_token_ids for r in reqs] == [hf_greedy(ref, p, n) for p, n in zip(prompts, max_tokens)]
+        assert native_calls() >= 12  # the longer request's single-row tail and the lone one
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before
+        engine.check_integrity()
+    finally:
+        engine.close()
+
+
 def test_cpu_compiled_replays_give_hf_greedy_output_with_no_compile_after_start_up():
     import torch._dynamo
 
@@ -152,7 +176,8 @@ def test_cpu_compiled_replays_give_hf_greedy_output_with_no_compile_after_start_
     prompts = [*make_prompts(3, seed=4), [7]]
     max_tokens = [14, 9, 4, 6]
     torch._dynamo.reset()
-    engine = make_engine(cuda_graph=True, cpu_compile=True, max_running_requests=3, graph_batch_sizes=(1, 2, 3))
+    engine = make_engine(cuda_graph=True, cpu_compile=True, cpu_native_decode=False, max_running_requests=3,
+                         graph_batch_sizes=(1, 2, 3))
     try:
         # bucket 1 (where compiling pays on a CPU) replays through the compiled forward; 2 and 3 eagerly
         assert set(engine.runner._compiled) == {1}
@@ -193,7 +218,7 @@ def _background_engine(monkeypatch, first_call=lambda: None):
     monkeypatch.setattr(runner_module, "CompiledLayers", Gated)
     ours, _, arch = tiny_models()
     config = EngineConfig(page_size=4, num_pages=256, chunk_size=64, debug_kv=True, cuda_graph=True,
-                          cpu_compile=True, max_running_requests=2, graph_batch_sizes=(1, 2))
+                          cpu_compile=True, cpu_native_decode=False, max_running_requests=2, graph_batch_sizes=(1, 2))
     return build_engine(config, ours, arch, compile_in_background=True)
 
 

@@ -36,8 +36,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
     "--no-cpu-compile": ("cpu_compile", dict(action="store_const", const=False,
                                              help="CPU: run every decode step eagerly (no compile at start-up)")),
     "--no-cpu-native-decode": ("cpu_native_decode", dict(action="store_const", const=False,
-                                                        help="CPU: single-request decode steps run torch's layers "
-                                                             "(compiled with --cpu-compile), not the C layer")),
+                                                        help="CPU: decode steps of up to 4 requests run torch's "
+                                                             "layers (compiled with --cpu-compile), not the C layer")),
     "--no-cpu-prepack": ("cpu_prepack", dict(action="store_const", const=False,
                                              help="CPU: do not keep weights in oneDNN's packed layout too")),
     "--speculative": ("speculative", dict(choices=SPECULATIVE_METHODS,

@@ -138,38 +138,45 @@ void tandem_paged_decode_f32(const float *q, int64_t q_row_stride, const float *
     }
 }
 
-/* ---- one decoder layer for one token (a single-sequence decode step) ---------------------------- */
+/* ---- one decoder layer for a few decode tokens, one per sequence ------------------------------ */
 
-/* y[r] (+)= W[r, :] . x for rows [0, N) of row-major W [N, K], split over the team (call inside a
- * parallel region): four rows a pass, so x is read once per four rows and the weight streams once. */
-static void matvec_rows(const float *w, const float *x, float *y, int64_t N, int64_t K, int accumulate) {
+/* Y[m, r] (+)= W[r, :] . X[m, :] for rows m < M of X and rows r < N of row-major W [N, K], split over
+ * the team by weight rows (call inside a parallel region): four weight rows a pass, so each X row is
+ * read once per four weight rows and the weight streams from memory once; for M > 1 the other rows
+ * of X find those four weight rows in L1. */
+static void matvec_rows(const float *w, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M, int64_t N,
+                        int64_t K, int accumulate) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < N; r += 4) {
         const int64_t n = N - r < 4 ? N - r : 4;
-        float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        int64_t k0 = 0;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * ldx;
+            float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            int64_t k0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-        if (n == 4) { /* four rows against one load of x, four accumulators in flight */
-            const float *w0 = w + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (; k0 + 8 <= K; k0 += 8) {
-                const __m256 xv = _mm256_loadu_ps(x + k0);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k0), xv, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k0), xv, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k0), xv, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k0), xv, a3);
+            if (n == 4) { /* four weight rows against one load of x, four accumulators in flight */
+                const float *w0 = w + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (; k0 + 8 <= K; k0 += 8) {
+                    const __m256 xv = _mm256_loadu_ps(xm + k0);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k0), xv, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k0), xv, a1);
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k0), xv, a2);
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k0), xv, a3);
+                }
+                const __m256 sum = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                _mm_storeu_ps(dot, _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1)));
             }
-            const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-            _mm_storeu_ps(dot, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-        }
 #endif
-        for (int64_t i = 0; i < n; i++) {
-            const float *wr = w + (r + i) * K;
-            float acc = 0.0f;
-            for (int64_t k = (n == 4 ? k0 : 0); k < K; k++) acc += wr[k] * x[k];
-            dot[i] += acc;
+            for (int64_t i = 0; i < n; i++) {
+                const float *wr = w + (r + i) * K;
+                float acc = 0.0f;
+                for (int64_t k = (n == 4 ? k0 : 0); k < K; k++) acc += wr[k] * xm[k];
+                dot[i] += acc;
+            }
+            float *ym = y + m * ldy + r;
+            for (int64_t i = 0; i < n; i++) ym[i] = accumulate ? ym[i] + dot[i] : dot[i];
         }
-        for (int64_t i = 0; i < n; i++) y[r + i] = accumulate ? y[r + i] + dot[i] : dot[i];
     }
 }
 
@@ -196,57 +203,61 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const f
     }
 }
 
-/* Scratch floats tandem_decode_layer_f32 needs. */
-int64_t tandem_decode_layer_scratch(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                    int64_t inter) {
-    return hidden + (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim + 2 * inter + inter;
+/* Scratch floats tandem_decode_layer_f32 needs for `rows` tokens. */
+int64_t tandem_decode_layer_scratch(int64_t rows, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                                    int64_t head_dim, int64_t inter) {
+    return rows * (hidden + (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim + 3 * inter);
 }
 
-/* x [hidden] <- decoder layer(x), in place, for one token of one sequence: its K/V written to slot
- * *slot, attention over positions [0, *seq_len) of its pages. Weights row-major as HF stores them
- * (qkv [(H + 2 KVH) D, hidden] with q, k, v stacked; gate_up [2 inter, hidden]); qkv_bias and o_bias
- * may be NULL. The sequence's length and slot are read here, not by the caller (no host sync). */
-void tandem_decode_layer_f32(float *x, int64_t hidden, float eps, const float *in_norm, const float *qkv_w,
-                             const float *qkv_bias, const float *o_w, const float *o_bias, const float *post_norm,
-                             const float *gate_up_w, const float *down_w, int64_t inter, const float *cos,
-                             const float *signed_sin, float *k_cache, float *v_cache, const int64_t *pages,
-                             const int64_t *seq_len, const int64_t *slot, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t page_size, float scale, float *scratch) {
+/* x [rows, hidden] <- decoder layer(x), in place, for one new token of each of `rows` sequences:
+ * row b's K/V written to slot slot[b], its attention over positions [0, seq_len[b]) of its pages
+ * page_table[b] (rows pt_stride apart). cos, signed_sin [rows, D]. Weights row-major as HF stores
+ * them (qkv [(H + 2 KVH) D, hidden] with q, k, v stacked; gate_up [2 inter, hidden]); qkv_bias and
+ * o_bias may be NULL. Lengths and slots are read here, not by the caller (no host sync). */
+void tandem_decode_layer_f32(int64_t rows, float *x, int64_t hidden, float eps, const float *in_norm,
+                             const float *qkv_w, const float *qkv_bias, const float *o_w, const float *o_bias,
+                             const float *post_norm, const float *gate_up_w, const float *down_w, int64_t inter,
+                             const float *cos, const float *signed_sin, float *k_cache, float *v_cache,
+                             const int64_t *page_table, int64_t pt_stride, const int64_t *seq_len, const int64_t *slot,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t page_size,
+                             float scale, float *scratch) {
     const int64_t D = head_dim, q_dim = num_heads * D, kv_dim = num_kv_heads * D, qkv_rows = q_dim + 2 * kv_dim;
-    float *normed = scratch, *qkv = normed + hidden, *attn = qkv + qkv_rows, *gate_up = attn + q_dim;
-    float *act = gate_up + 2 * inter;
-    const int64_t len = *seq_len, at = *slot;
-    const int64_t items = num_kv_heads;
+    float *normed = scratch, *qkv = normed + rows * hidden, *attn = qkv + rows * qkv_rows;
+    float *gate_up = attn + rows * q_dim, *act = gate_up + rows * 2 * inter;
 #pragma omp parallel
     {
-#pragma omp single
-        rms_norm(x, in_norm, normed, hidden, eps);
-        matvec_rows(qkv_w, normed, qkv, qkv_rows, hidden, 0);
-#pragma omp single
-        {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < rows; b++) rms_norm(x + b * hidden, in_norm, normed + b * hidden, hidden, eps);
+        matvec_rows(qkv_w, normed, hidden, qkv, qkv_rows, rows, qkv_rows, hidden, 0);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < rows; b++) {
+            float *t = qkv + b * qkv_rows;
             if (qkv_bias)
-                for (int64_t i = 0; i < qkv_rows; i++) qkv[i] += qkv_bias[i];
-            rotate(qkv, num_heads + num_kv_heads, D, cos, signed_sin);
-            memcpy(k_cache + at * kv_dim, qkv + q_dim, sizeof(float) * kv_dim);
-            memcpy(v_cache + at * kv_dim, qkv + q_dim + kv_dim, sizeof(float) * kv_dim);
+                for (int64_t i = 0; i < qkv_rows; i++) t[i] += qkv_bias[i];
+            rotate(t, num_heads + num_kv_heads, D, cos + b * D, signed_sin + b * D);
+            memcpy(k_cache + slot[b] * kv_dim, t + q_dim, sizeof(float) * kv_dim);
+            memcpy(v_cache + slot[b] * kv_dim, t + q_dim + kv_dim, sizeof(float) * kv_dim);
         }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < rows; b++)
+            for (int64_t kh = 0; kh < num_kv_heads; kh++)
+                attend(qkv + b * qkv_rows, k_cache, v_cache, page_table + b * pt_stride, seq_len[b], attn + b * q_dim,
+                       kh, kh + 1, num_heads / num_kv_heads, D, kv_dim, page_size, scale);
+        matvec_rows(o_w, attn, q_dim, x, hidden, rows, hidden, q_dim, 1);
 #pragma omp for schedule(static)
-        for (int64_t kh = 0; kh < items; kh++)
-            attend(qkv, k_cache, v_cache, pages, len, attn, kh, kh + 1, num_heads / num_kv_heads, D, kv_dim,
-                   page_size, scale);
-        matvec_rows(o_w, attn, x, hidden, q_dim, 1);
-#pragma omp single
-        {
+        for (int64_t b = 0; b < rows; b++) {
+            float *xb = x + b * hidden;
             if (o_bias)
-                for (int64_t i = 0; i < hidden; i++) x[i] += o_bias[i];
-            rms_norm(x, post_norm, normed, hidden, eps);
+                for (int64_t i = 0; i < hidden; i++) xb[i] += o_bias[i];
+            rms_norm(xb, post_norm, normed + b * hidden, hidden, eps);
         }
-        matvec_rows(gate_up_w, normed, gate_up, 2 * inter, hidden, 0);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < inter; i++) {
-            const float g = gate_up[i];
-            act[i] = g / (1.0f + expf(-g)) * gate_up[inter + i];
-        }
-        matvec_rows(down_w, act, x, hidden, inter, 1);
+        matvec_rows(gate_up_w, normed, hidden, gate_up, 2 * inter, rows, 2 * inter, hidden, 0);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < rows; b++)
+            for (int64_t i = 0; i < inter; i++) {
+                const float g = gate_up[b * 2 * inter + i];
+                act[b * inter + i] = g / (1.0f + expf(-g)) * gate_up[b * 2 * inter + inter + i];
+            }
+        matvec_rows(down_w, act, inter, x, hidden, rows, hidden, inter, 1);
     }
 }

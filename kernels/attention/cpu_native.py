@@ -131,10 +131,11 @@ def _build_and_load() -> ctypes.CDLL | None:
     lib.tandem_paged_decode_f32.argtypes = [_F32P, _I64, _F32P, _F32P, _I64P, _I64, _I64P, _F32P,
                                             _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
     lib.tandem_decode_layer_scratch.restype = _I64
-    lib.tandem_decode_layer_scratch.argtypes = [_I64] * 5
+    lib.tandem_decode_layer_scratch.argtypes = [_I64] * 6
     lib.tandem_decode_layer_f32.restype = None
-    lib.tandem_decode_layer_f32.argtypes = [_F32P, _I64, ctypes.c_float, *[_F32P] * 8, _I64, _F32P, _F32P, _F32P, _F32P,
-                                            _I64P, _I64P, _I64P, _I64, _I64, _I64, _I64, ctypes.c_float, _F32P]
+    lib.tandem_decode_layer_f32.argtypes = [_I64, _F32P, _I64, ctypes.c_float, *[_F32P] * 8, _I64, _F32P, _F32P,
+                                            _F32P, _F32P, _I64P, _I64, _I64P, _I64P, _I64, _I64, _I64, _I64,
+                                            ctypes.c_float, _F32P]
     return lib
 
 

@@ -1,4 +1,4 @@
-"""A single-sequence CPU decode step with its decoder layers in C (`tandem_decode_layer_f32`).
+"""A CPU decode step of a few sequences with its decoder layers in C (`tandem_decode_layer_f32`).
 
 One token of one sequence is ~120 matrix-vector products over the weights (SmolLM2: 425 MB of
 float32 a token) and ~20 small ops a layer around them. Inductor's compiled layers
@@ -22,19 +22,23 @@ import torch
 from kernels.attention import cpu_native
 from kernels.model.llama import LlamaForCausalLM, run_head
 
-_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MAX_ROWS = 4
+"""Most sequences a step the C layer runs: each weight row is read from memory once for all of them,
+and re-read from L1 for every row after the first, which stays cheap up to a few rows; bigger batches
+take oneDNN's packed matmuls (`PackedLinear`), which serve 8-16 rows better."""
 
 
 class NativeDecode:
     """Callable like the model (`model(input_ids, positions, meta, kv_cache)`) and `forward_with_aux`,
-    for a step of one decode token of one sequence (`supports_step`); `for_model` makes one."""
+    for a step of one decode token of each of up to `MAX_ROWS` sequences (`supports_step`; any other
+    step runs the model's own forward); `for_model` makes one."""
 
     def __init__(self, model: LlamaForCausalLM, lib: ctypes.CDLL):
         arch = model.arch
         self.model, self._lib = model, lib
         self._dims = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self._layer_args = {id(layer): self._args_of(layer) for layer in model.model.layers}
-        scratch = lib.tandem_decode_layer_scratch(arch.hidden_size, *self._dims, arch.intermediate_size)
+        scratch = lib.tandem_decode_layer_scratch(MAX_ROWS, arch.hidden_size, *self._dims, arch.intermediate_size)
         self._scratch = torch.empty(scratch, dtype=torch.float32)
         self._scale = float(model.model.layers[0].self_attn.scale)
 
@@ -65,8 +69,8 @@ class NativeDecode:
 
     @staticmethod
     def supports_step(input_ids: torch.Tensor, meta) -> bool:
-        """One new token of one sequence, no tree: what the C layer computes."""
-        return input_ids.shape[0] == 1 and meta.num_seqs == 1 and meta.decode_only
+        """One new token of each of at most `MAX_ROWS` sequences, no tree: what the C layer computes."""
+        return input_ids.shape[0] == meta.num_seqs <= MAX_ROWS and meta.decode_only
 
     def __call__(self, input_ids, positions, meta, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, logits, _ = self.forward_with_aux(input_ids, positions, meta, kv_cache, ())
@@ -81,6 +85,7 @@ class NativeDecode:
     def _layers(self, layers, x, cos, sin, meta, k_caches, v_caches, keep_entering):
         """`run_layers` for the whole stack, in C, on x in place (x: the embedding's fresh output)."""
         assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and meta.page_table.stride(1) == 1
+        assert meta.seq_lens.is_contiguous() and meta.slot_mapping.is_contiguous()
         arch, lib, entering = self.model.arch, self._lib, []
         heads, kv_heads, head_dim = self._dims
         for layer, k_cache, v_cache in zip(layers, k_caches, v_caches):
@@ -88,8 +93,9 @@ class NativeDecode:
                 entering.append(x.clone())
             eps, in_norm, qkv, o, post_norm, gate_up, down, qkv_bias, o_bias = self._layer_args[id(layer)]
             lib.tandem_decode_layer_f32(
-                x.data_ptr(), arch.hidden_size, eps, in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down,
-                arch.intermediate_size, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                meta.page_table.data_ptr(), meta.seq_lens.data_ptr(), meta.slot_mapping.data_ptr(), heads, kv_heads,
-                head_dim, k_cache.shape[1], self._scale, self._scratch.data_ptr())
+                x.shape[0], x.data_ptr(), arch.hidden_size, eps, in_norm, qkv, qkv_bias, o, o_bias, post_norm,
+                gate_up, down, arch.intermediate_size, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                v_cache.data_ptr(), meta.page_table.data_ptr(), meta.page_table.stride(0), meta.seq_lens.data_ptr(),
+                meta.slot_mapping.data_ptr(), heads, kv_heads, head_dim, k_cache.shape[1], self._scale,
+                self._scratch.data_ptr())
         return x, tuple(entering)

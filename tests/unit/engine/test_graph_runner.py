@@ -144,23 +144,25 @@ def test_greedy_output_is_hf_with_graphs_on_and_off_and_steady_decode_never_fall
 
 
 def test_cpu_native_replays_give_hf_greedy_output_and_compile_nothing():
-    """By default a CPU float32 engine's single-request steps run their layers in C: every bucket-1
-    replay goes through it, nothing is compiled (even with cpu_compile), and every output is HF's greedy."""
+    """By default a CPU float32 engine's decode steps of up to four requests run their layers in C:
+    buckets 1, 2 and 4 replay through it (3 requests: bucket 4 with a padding row on scratch page 0),
+    nothing is compiled (even with cpu_compile), and every output is HF's greedy."""
     import torch._dynamo
 
-    from kernels.model.native_decode import NativeDecode
+    from kernels.model.native_decode import MAX_ROWS, NativeDecode
 
     _, ref, _ = tiny_models()
-    prompts, max_tokens = [*make_prompts(2, seed=6), [7]], [12, 5, 7]  # [7]: a lone request inside its first page
+    prompts, max_tokens = [*make_prompts(3, seed=6), [7]], [12, 5, 9, 7]  # [7]: a lone request inside its first page
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    engine = make_engine(cuda_graph=True, cpu_compile=True, max_running_requests=2, graph_batch_sizes=(1, 2))
+    engine = make_engine(cuda_graph=True, cpu_compile=True, max_running_requests=8, graph_batch_sizes=(1, 2, 4, 8))
     try:
-        assert isinstance(engine.runner._compiled[1], NativeDecode) and not engine.runner.compiling()
-        native_calls = _count_calls(engine.runner, 1)
+        assert MAX_ROWS == 4 and not engine.runner.compiling()
+        assert {b for b, f in engine.runner._compiled.items() if isinstance(f, NativeDecode)} == {1, 2, 4}
+        calls = {b: _count_calls(engine.runner, b) for b in (1, 2, 4)}
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
-        reqs = engine.generate(prompts[:2], params[:2]) + engine.generate(prompts[2:], params[2:])
+        reqs = engine.generate(prompts[:3], params[:3]) + engine.generate(prompts[3:], params[3:])
         assert [r.output_token_ids for r in reqs] == [hf_greedy(ref, p, n) for p, n in zip(prompts, max_tokens)]
-        assert native_calls() >= 12  # the longer request's single-row tail and the lone one
+        assert calls[4]() >= 3 and calls[2]() >= 3 and calls[1]() >= 9  # 3 rows, then 2, then 1 (and the lone one)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before
         engine.check_integrity()
     finally:

@@ -203,6 +203,11 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const f
     }
 }
 
+static void add_bias(float *t, const float *bias, int64_t n) {
+    if (bias)
+        for (int64_t i = 0; i < n; i++) t[i] += bias[i];
+}
+
 /* Scratch floats tandem_decode_layer_f32 needs for `rows` tokens. */
 int64_t tandem_decode_layer_scratch(int64_t rows, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                                     int64_t head_dim, int64_t inter) {
@@ -232,8 +237,7 @@ void tandem_decode_layer_f32(int64_t rows, float *x, int64_t hidden, float eps, 
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < rows; b++) {
             float *t = qkv + b * qkv_rows;
-            if (qkv_bias)
-                for (int64_t i = 0; i < qkv_rows; i++) t[i] += qkv_bias[i];
+            add_bias(t, qkv_bias, qkv_rows);
             rotate(t, num_heads + num_kv_heads, D, cos + b * D, signed_sin + b * D);
             memcpy(k_cache + slot[b] * kv_dim, t + q_dim, sizeof(float) * kv_dim);
             memcpy(v_cache + slot[b] * kv_dim, t + q_dim + kv_dim, sizeof(float) * kv_dim);
@@ -247,8 +251,7 @@ void tandem_decode_layer_f32(int64_t rows, float *x, int64_t hidden, float eps, 
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < rows; b++) {
             float *xb = x + b * hidden;
-            if (o_bias)
-                for (int64_t i = 0; i < hidden; i++) xb[i] += o_bias[i];
+            add_bias(xb, o_bias, hidden);
             rms_norm(xb, post_norm, normed + b * hidden, hidden, eps);
         }
         matvec_rows(gate_up_w, normed, hidden, gate_up, 2 * inter, rows, 2 * inter, hidden, 0);

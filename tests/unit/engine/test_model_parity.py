@@ -166,7 +166,7 @@ def test_padding_and_scratch_page_do_not_leak(tiny):
             torch.testing.assert_close(dirty[pos], clean[pos], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize(
+VARIANTS = pytest.mark.parametrize(
     "overrides",
     [
         dict(attention_bias=True, num_key_value_heads=4),
@@ -185,6 +185,9 @@ def test_padding_and_scratch_page_do_not_leak(tiny):
     ],
     ids=["attention_bias", "mqa_tied", "llama3_rope", "linear_rope"],
 )
+
+
+@VARIANTS
 def test_architecture_variants_match_hf(overrides):
     ours, reference = make_tiny_llama(seed=5, **overrides)
     pool = PageDealer(80, 5)
@@ -194,6 +197,42 @@ def test_architecture_variants_match_hf(overrides):
     run_step(ours, kv, 4, seqs[:1], [1])
     for seq in seqs:
         assert_matches_hf(reference, seq, TINY_ATOL)
+
+
+@VARIANTS
+def test_native_decode_layers_match_hf(overrides):
+    """Decode steps of 1 and 3 sequences through the C layers (`NativeDecode`; with attention_bias,
+    q/k/v and o biases) give HF's logits, like the torch forward."""
+    from kernels.model.native_decode import NativeDecode
+
+    ours, reference = make_tiny_llama(seed=5, **overrides)
+    native = NativeDecode.for_model(ours)
+    assert native is not None, "the C layer does not serve a float32 tiny Llama: kernel not built?"
+    if overrides.get("attention_bias"):
+        with torch.no_grad():  # HF zero-inits biases; make them matter
+            for layer in ours.model.layers:
+                layer.self_attn.qkv_proj.bias.normal_()
+                layer.self_attn.o_proj.bias.normal_()
+        reference.load_state_dict(_hf_state_dict_of(ours, reference))
+    kv = make_kv(ours.arch, 80, 4)
+    seqs = make_seqs([40, 17, 9], 4, PageDealer(80, 5), ours.arch.vocab_size, seed=6)
+    run_step(ours, kv, 4, seqs, [37, 14, 6])
+    run_step(native, kv, 4, seqs[:1], [1])
+    for _ in range(2):
+        run_step(native, kv, 4, seqs, [1, 1, 1])
+    for seq in seqs:
+        assert_matches_hf(reference, seq, TINY_ATOL)
+
+
+def _hf_state_dict_of(ours, reference) -> dict:
+    """`reference`'s state dict with the attention biases `ours` holds (q/k/v split back out)."""
+    state = reference.state_dict()
+    for i, layer in enumerate(ours.model.layers):
+        q, k, v = layer.self_attn.qkv_proj.split(layer.self_attn.qkv_proj.bias.detach())
+        pre = f"model.layers.{i}.self_attn."
+        state |= {pre + "q_proj.bias": q, pre + "k_proj.bias": k, pre + "v_proj.bias": v,
+                  pre + "o_proj.bias": layer.self_attn.o_proj.bias.detach()}
+    return state
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -141,7 +141,8 @@ def _build_and_load() -> ctypes.CDLL | None:
 
 def _build(compiler: str, path: Path) -> None:
     """Compile into a temporary file beside `path`, then rename: workers that build at once each
-    write their own and the last rename wins, so none ever loads a half-written library."""
+    write their own and the last rename wins, so none ever loads a half-written library. Other
+    builds there go (an older source's; a cache shared with another CPU rebuilds its own, ~0.3 s)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
@@ -151,6 +152,9 @@ def _build(compiler: str, path: Path) -> None:
         if done.returncode != 0:
             raise OSError(f"{Path(compiler).name} exited {done.returncode}: {done.stderr.strip()[-400:]}")
         os.replace(tmp, path)
+        for stale in path.parent.glob("cpu_decode-*.so"):  # builds of an older source (or another CPU)
+            if stale != path:
+                stale.unlink(missing_ok=True)  # a process that has one loaded keeps its mapping
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

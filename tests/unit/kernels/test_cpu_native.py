@@ -126,3 +126,15 @@ def test_a_cpu_decode_step_takes_it_and_agrees_with_the_sdpa_path(monkeypatch):
     assert FLASH_OP not in ops.seen and "aten.index_select.default" not in ops.seen, "the step gathered and ran SDPA"
     monkeypatch.setattr(torch_backend, "_uses_cpu_native", lambda device: False)
     torch.testing.assert_close(native, _decode_step(TorchAttentionBackend(), seq_lens), atol=1e-5, rtol=1e-5)
+
+
+def test_a_build_goes_to_the_cache_root_loads_and_replaces_older_builds(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "_loaded", [])
+    stale = tmp_path / "kernels" / "cpu_decode-0000000000000000.so"
+    stale.parent.mkdir()
+    stale.write_bytes(b"an older build")
+    lib = cpu_native.kernel()
+    assert lib is not None and lib.tandem_max_heads() > 0
+    built = cpu_native._library_path(cpu_native._compiler()).name
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [built]

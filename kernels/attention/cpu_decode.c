@@ -1,5 +1,6 @@
-/* Decode attention over paged float32 KV on a CPU: one query token per sequence, every query head of
- * a GQA group at once, the K/V pages read in place (no gather copy), softmax online in fp32.
+/* CPU decode kernels, float32: attention over paged KV (one query token per sequence, every query
+ * head of a GQA group at once, the K/V pages read in place, no gather copy, softmax online), and a
+ * whole decoder layer for a few decode tokens around it (`tandem_decode_layer_f32`, at the end).
  * Built and loaded at run time by kernels/attention/cpu_native.py (see its docstring); threads are
  * the caller's OpenMP team (torch's, whose libgomp the process has already loaded).
  *

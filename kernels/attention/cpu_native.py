@@ -79,9 +79,15 @@ def _takes(lib, q, k_cache, v_cache, page_table, seq_lens) -> bool:
     num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
     return (q.dim() == 3 and q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous()
             and v_cache.is_contiguous() and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
-            and page_table.dim() == 2 and page_table.stride(1) == 1 and num_heads % num_kv_heads == 0
-            and num_heads <= lib.tandem_max_heads() and head_dim <= lib.tandem_max_head_dim()
-            and num_heads * head_dim <= lib.tandem_max_head_floats())
+            and page_table.dim() == 2 and page_table.stride(1) == 1
+            and takes_heads(lib, num_heads, num_kv_heads, head_dim))
+
+
+def takes_heads(lib: ctypes.CDLL, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel's attention (`attend`) serves this many heads of this size: whole GQA
+    groups, within the bounds of its on-stack accumulators."""
+    return (num_heads % num_kv_heads == 0 and num_heads <= lib.tandem_max_heads()
+            and head_dim <= lib.tandem_max_head_dim() and num_heads * head_dim <= lib.tandem_max_head_floats())
 
 
 def _compiler() -> str | None:

@@ -257,8 +257,8 @@ class TorchAttentionBackend(AttentionBackend):
         q_dec = q if plan.every_row else q[plan.rows]  # [B_dec, H, hd]
         if _uses_cpu_native(q.device):
             out = cpu_native.paged_decode(q_dec, k_cache, v_cache, plan.page_table, plan.seq_lens, scale)
-            if out is not None:
-                return out.to(q.dtype)
+            if out is not None:  # float32, as q (other dtypes it does not take)
+                return out
         batch = q_dec.shape[0]
         q_grp = q_dec.reshape(batch, num_kv_heads, -1, head_dim)  # [B_dec, kvh, group, hd]
         k = _gather_pages(k_cache, plan.page_table).transpose(1, 2)  # [B_dec, kvh, L, hd]

@@ -44,17 +44,15 @@ class NativeDecode:
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> NativeDecode | None:
-        """One for `model` where the C layer serves it (a float32 CPU Llama-family model without MLP biases, within
-        the attention kernel's bounds, the kernel built on this machine), else None."""
+        """One for `model` where the C layer serves it (a float32 CPU Llama-family model without MLP
+        biases, heads the attention kernel takes, the kernel built on this machine), else None."""
         if not isinstance(model, LlamaForCausalLM):  # a wrapper (a test's) keeps its own forward
             return None
         arch, lib = model.arch, cpu_native.kernel()
         weight = model.model.layers[0].mlp.gate_up_proj.weight
         if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or arch.mlp_bias:
             return None
-        if arch.num_heads > lib.tandem_max_heads() or arch.head_dim > lib.tandem_max_head_dim():
-            return None
-        if arch.num_heads * arch.head_dim > lib.tandem_max_head_floats() or arch.head_dim % 2:
+        if arch.head_dim % 2 or not cpu_native.takes_heads(lib, arch.num_heads, arch.num_kv_heads, arch.head_dim):
             return None
         return cls(model, lib)
 
@@ -89,6 +87,8 @@ class NativeDecode:
         arch, lib, entering = self.model.arch, self._lib, []
         heads, kv_heads, head_dim = self._dims
         for layer, k_cache, v_cache in zip(layers, k_caches, v_caches):
+            assert k_cache.dtype == v_cache.dtype == torch.float32, "the KV cache is not float32 like the model"
+            assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV pages not [P, page_size, kvh, hd] rows"
             if keep_entering:
                 entering.append(x.clone())
             eps, in_norm, qkv, o, post_norm, gate_up, down, qkv_bias, o_bias = self._layer_args[id(layer)]

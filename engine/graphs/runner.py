@@ -32,11 +32,10 @@ On CUDA each bucket is captured once at start-up into a `torch.cuda.CUDAGraph` (
 one memory pool; capture time and memory are logged), with the attention planned for the captured
 width (`seq_lens_cpu` = capacity, the real lengths in the device `seq_lens`), so a replay reads only
 the static buffers. On CPU the same buffers, padding and gates run, and "replay" is the model run
-over the buffers of the bucket: for float32 buckets of up to `NATIVE_MAX_ROWS` rows with
-`engine.cpu_native_decode` (the default) through decoder layers in C (`NativeDecode`: nothing to
-compile), for bigger ones eagerly; or where the C layer does not serve, with `engine.cpu_compile`
-for bucket 1 through its decoder
-layers compiled (`CompiledLayers`, six layers a call; compiled at start-up, or by a served worker on
+over the buffers of the bucket: with `engine.cpu_native_decode` (the default) through decoder
+layers in C (`NativeDecode`: nothing to compile; float32 buckets of up to 4 rows, bigger ones
+eagerly through oneDNN; bfloat16 every bucket where the CPU has no bf16 dot products); or where
+the C layer does not serve, with `engine.cpu_compile` for bucket 1 through its decoder layers compiled (`CompiledLayers`, six layers a call; compiled at start-up, or by a served worker on
 a thread beside serving; the KV length is a dynamic dimension, so nothing compiles again while
 serving). Measured on a 2-core CPU, SmolLM2 fp32, 128-token context: batch 1 compiled 24.5 ms a step
 vs 37.5 eager (same greedy tokens); at batch 4 compiled steps were *slower* than eager (99 ms with a
@@ -63,7 +62,6 @@ from engine.graphs.tree import TreeVerifyGraphs
 from engine.runner import ForwardOut, ForwardRow, ModelRunner
 from kernels.attention.metadata import AttnMetadata
 from kernels.model.compiled import CompiledLayers
-from kernels.model.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from kernels.model.native_decode import NativeDecode
 
 if TYPE_CHECKING:
@@ -153,8 +151,10 @@ class GraphRunner:
         elif enabled and COMPILED_CPU_BUCKET in self.buckets:
             native = NativeDecode.for_model(eager.model) if cpu_native_decode else None
             if native is not None:
-                self._compiled.update((b, native) for b in self.buckets if b <= NATIVE_MAX_ROWS)
-                log.info("decode steps of up to %d requests run their layers in C (no compile)", NATIVE_MAX_ROWS)
+                self._compiled.update((b, native) for b in self.buckets if native.max_rows is None or b <= native.max_rows)
+                log.info("decode steps of %s run their layers in C (%s, no compile)",
+                         "any size" if native.max_rows is None else f"up to {native.max_rows} requests",
+                         str(native.dtype).removeprefix("torch."))
             elif cpu_compile:
                 self._compile(COMPILED_CPU_BUCKET, compile_in_background)
 

@@ -138,10 +138,12 @@ def _build_and_load() -> ctypes.CDLL | None:
                                             _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
     lib.tandem_decode_layer_scratch.restype = _I64
     lib.tandem_decode_layer_scratch.argtypes = [_I64] * 6
-    lib.tandem_decode_layer_f32.restype = None
-    lib.tandem_decode_layer_f32.argtypes = [_I64, _F32P, _I64, ctypes.c_float, *[_F32P] * 8, _I64, _F32P, _F32P,
-                                            _F32P, _F32P, _I64P, _I64, _I64P, _I64P, _I64, _I64, _I64, _I64,
-                                            ctypes.c_float, _F32P]
+    lib.tandem_decode_layer.restype = None
+    lib.tandem_decode_layer.argtypes = [_I64, _F32P, _I64, ctypes.c_float, *[_F32P] * 8, _I64, _F32P, _F32P,
+                                        _F32P, _F32P, _I64P, _I64, _I64P, _I64P, _I64, _I64, _I64, _I64,
+                                        ctypes.c_float, _F32P, ctypes.c_int]
+    lib.tandem_linear.restype = None
+    lib.tandem_linear.argtypes = [_I64, _F32P, _I64, _F32P, _F32P, _I64, _I64, ctypes.c_int, _F32P]
     return lib
 
 

@@ -1,16 +1,26 @@
-"""A CPU decode step of a few sequences with its decoder layers in C (`tandem_decode_layer_f32`).
+"""A CPU decode step with its decoder layers in C (`tandem_decode_layer`).
 
 One token of one sequence is ~120 matrix-vector products over the weights (SmolLM2: 425 MB of
 float32 a token) and ~20 small ops a layer around them. Inductor's compiled layers
 (`kernels/model/compiled.py`) fuse the small ops but stream the weights at ~15-17 GB/s on 2 cores
 (one fused product-sum a matmul), and take ~10 s to compile at every start; a C layer reads each
-weight row once, four rows a pass, at ~22-24 GB/s (SmolLM2's 120 layer matmuls: 17.6 vs 25-28 ms,
-2 cores, same run), runs the norms, rotary, K/V write, attention (`attend`, the batched decode
-kernel's) and activation between them on the same OpenMP team, and needs no compile.
+weight row once, four rows a pass against two tokens at a time, at ~22-24 GB/s (SmolLM2's 120 layer
+matmuls: 17.6 vs 25-28 ms, 2 cores, same run), runs the norms, rotary, K/V write, attention
+(`attend`, the batched decode kernel's) and activation between them on the same OpenMP team, and
+needs no compile.
 
-The weights stay where the model keeps them (HF's row-major layout, no copy); their addresses are
-taken when this is made, so it serves a model whose weights do not change afterwards (a served
-engine's). The embedding and the head (the final norm and the lm_head's oneDNN matmul) stay torch's.
+float32 models, and bfloat16 ones: bf16 matrices and KV widened to float32 in registers (half the
+bytes a token streams), every value rounded to bf16 where HF's bf16 model rounds it, so the C layer
+and the torch model give the same tokens; the head's logits come from C too (`tandem_linear`).
+How many sequences a step it serves (`max_rows`): up to `MAX_ROWS` where oneDNN multiplies the
+model's dtype natively (`cpu_packing_available`: float32 here; bf16 on CPUs with bf16 dot products),
+whose packed matmuls serve 8-16 rows better; every decode step where it does not (bf16 on an AVX2
+CPU, where torch's bf16 matmul runs at ~14 GFLOP/s: a 16-row SmolLM2 step 317 ms eager).
+
+The matrices stay where the model keeps them (HF's row-major layout, no copy; norms and biases of a
+bf16 model are widened once, a few KB a layer); their addresses are taken when this is made, so it
+serves a model whose weights do not change afterwards (a served engine's). The embedding and, for
+float32, the head (the final norm and the lm_head's oneDNN matmul) stay torch's.
 """
 
 from __future__ import annotations
@@ -21,11 +31,14 @@ import torch
 
 from kernels.attention import cpu_native
 from kernels.model.llama import LlamaForCausalLM, run_head
+from kernels.model.packed_linear import cpu_packing_available
 
 MAX_ROWS = 4
-"""Most sequences a step the C layer runs: each weight row is read from memory once for all of them,
-and re-read from L1 for every row after the first, which stays cheap up to a few rows; bigger batches
-take oneDNN's packed matmuls (`PackedLinear`), which serve 8-16 rows better."""
+"""Most sequences a step the C layer runs where oneDNN serves bigger batches: each weight row is read
+from memory once for all of them and re-read from L1 for every pair of rows after the first, which
+stays cheap up to a few rows; 8-16 rows take oneDNN's packed matmuls (`PackedLinear`)."""
+
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 class NativeDecode:
@@ -36,39 +49,55 @@ class NativeDecode:
     def __init__(self, model: LlamaForCausalLM, lib: ctypes.CDLL):
         arch = model.arch
         self.model, self._lib = model, lib
+        self.dtype = model.model.layers[0].mlp.gate_up_proj.weight.dtype
+        self.max_rows = MAX_ROWS if cpu_packing_available(self.dtype) else None
+        """Most sequences a step this serves; None: every decode step (module docstring)."""
+        self._bf16 = int(self.dtype == torch.bfloat16)
         self._dims = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self._kept: list[torch.Tensor] = []  # float32 copies of a bf16 model's norms and biases
         self._layer_args = {id(layer): self._args_of(layer) for layer in model.model.layers}
-        scratch = lib.tandem_decode_layer_scratch(MAX_ROWS, arch.hidden_size, *self._dims, arch.intermediate_size)
-        self._scratch = torch.empty(scratch, dtype=torch.float32)
+        self._scratch = torch.empty(0, dtype=torch.float32)
         self._scale = float(model.model.layers[0].self_attn.scale)
+        head = model.lm_head
+        self._c_head = bool(self._bf16) and head.bias is None and head.weight.is_contiguous()
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> NativeDecode | None:
-        """One for `model` where the C layer serves it (a float32 CPU Llama-family model without MLP
-        biases, heads the attention kernel takes, the kernel built on this machine), else None."""
+        """One for `model` where the C layer serves it (a float32 or bfloat16 CPU Llama-family model
+        without MLP biases, heads the attention kernel takes, the kernel built on this machine), else None."""
         if not isinstance(model, LlamaForCausalLM):  # a wrapper (a test's) keeps its own forward
             return None
         arch, lib = model.arch, cpu_native.kernel()
         weight = model.model.layers[0].mlp.gate_up_proj.weight
-        if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or arch.mlp_bias:
+        if lib is None or weight.device.type != "cpu" or weight.dtype not in DTYPES or arch.mlp_bias:
             return None
         if arch.head_dim % 2 or not cpu_native.takes_heads(lib, arch.num_heads, arch.num_kv_heads, arch.head_dim):
             return None
         return cls(model, lib)
 
-    @staticmethod
-    def _args_of(layer) -> tuple:
+    def _args_of(self, layer) -> tuple:
         attn, mlp = layer.self_attn, layer.mlp
-        tensors = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-                   layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
-        assert all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors), "a layer weight not float32 rows"
-        bias = [b.data_ptr() if b is not None else None for b in (attn.qkv_proj.bias, attn.o_proj.bias)]
-        return (layer.input_layernorm.eps, *(t.data_ptr() for t in tensors), *bias)
+        matrices = (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        assert all(t.is_contiguous() and t.dtype == self.dtype for t in matrices), "a layer weight not in rows"
+        vectors = [self._float(t) for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                            attn.qkv_proj.bias, attn.o_proj.bias)]
+        in_norm, post_norm, qkv_bias, o_bias = (v.data_ptr() if v is not None else None for v in vectors)
+        qkv, o, gate_up, down = (t.data_ptr() for t in matrices)
+        return layer.input_layernorm.eps, in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down
 
-    @staticmethod
-    def supports_step(input_ids: torch.Tensor, meta) -> bool:
-        """One new token of each of at most `MAX_ROWS` sequences, no tree: what the C layer computes."""
-        return input_ids.shape[0] == meta.num_seqs <= MAX_ROWS and meta.decode_only
+    def _float(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """`t` as contiguous float32 (itself when it is), kept alive while this lives."""
+        if t is None:
+            return None
+        f = t.detach().float().contiguous()
+        if f.data_ptr() != t.data_ptr():
+            self._kept.append(f)
+        return f
+
+    def supports_step(self, input_ids: torch.Tensor, meta) -> bool:
+        """One new token of each of at most `max_rows` sequences, no tree: what the C layer computes."""
+        rows = input_ids.shape[0]
+        return rows == meta.num_seqs and (self.max_rows is None or rows <= self.max_rows) and meta.decode_only
 
     def __call__(self, input_ids, positions, meta, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, logits, _ = self.forward_with_aux(input_ids, positions, meta, kv_cache, ())
@@ -78,24 +107,46 @@ class NativeDecode:
         if not self.supports_step(input_ids, meta):
             return self.model.forward_with_aux(input_ids, positions, meta, kv_cache, aux_layer_ids)
         return self.model.forward_with_aux(input_ids, positions, meta, kv_cache, aux_layer_ids, self._layers,
-                                           run_head, self.model.arch.num_layers)
+                                           self._head if self._c_head else run_head, self.model.arch.num_layers)
 
     def _layers(self, layers, x, cos, sin, meta, k_caches, v_caches, keep_entering):
-        """`run_layers` for the whole stack, in C, on x in place (x: the embedding's fresh output)."""
-        assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and meta.page_table.stride(1) == 1
-        assert meta.seq_lens.is_contiguous() and meta.slot_mapping.is_contiguous()
+        """`run_layers` for the whole stack, in C, on float32 rows (x itself for a float32 model: the
+        embedding's fresh output; a bf16 model's widened, exactly, and narrowed back, exactly)."""
+        assert meta.page_table.stride(1) == 1 and meta.seq_lens.is_contiguous() and meta.slot_mapping.is_contiguous()
         arch, lib, entering = self.model.arch, self._lib, []
         heads, kv_heads, head_dim = self._dims
+        x32, cos, sin = (t.float().contiguous() for t in (x, cos, sin))
+        rows = x32.shape[0]
+        scratch = self._scratch_for(rows)
         for layer, k_cache, v_cache in zip(layers, k_caches, v_caches):
-            assert k_cache.dtype == v_cache.dtype == torch.float32, "the KV cache is not float32 like the model"
+            assert k_cache.dtype == v_cache.dtype == self.dtype, "the KV cache is not of the model's dtype"
             assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV pages not [P, page_size, kvh, hd] rows"
             if keep_entering:
-                entering.append(x.clone())
-            eps, in_norm, qkv, o, post_norm, gate_up, down, qkv_bias, o_bias = self._layer_args[id(layer)]
-            lib.tandem_decode_layer_f32(
-                x.shape[0], x.data_ptr(), arch.hidden_size, eps, in_norm, qkv, qkv_bias, o, o_bias, post_norm,
-                gate_up, down, arch.intermediate_size, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                v_cache.data_ptr(), meta.page_table.data_ptr(), meta.page_table.stride(0), meta.seq_lens.data_ptr(),
+                entering.append(x32.to(self.dtype, copy=True))
+            eps, in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down = self._layer_args[id(layer)]
+            lib.tandem_decode_layer(
+                rows, x32.data_ptr(), arch.hidden_size, eps, in_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up,
+                down, arch.intermediate_size, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                meta.page_table.data_ptr(), meta.page_table.stride(0), meta.seq_lens.data_ptr(),
                 meta.slot_mapping.data_ptr(), heads, kv_heads, head_dim, k_cache.shape[1], self._scale,
-                self._scratch.data_ptr())
-        return x, tuple(entering)
+                scratch.data_ptr(), self._bf16)
+        return x32.to(self.dtype), tuple(entering)
+
+    def _head(self, model: LlamaForCausalLM, x: torch.Tensor, logits_indices: torch.Tensor):
+        """`run_head` of a bf16 model with the lm_head's matrix-vector products in C (torch's bf16
+        matmul on a CPU without bf16 dot products: ~54 ms for 16 rows of SmolLM2's head, C ~5)."""
+        hidden = model.model.norm(x)
+        rows = hidden[logits_indices].float().contiguous()
+        weight = model.lm_head.weight
+        logits = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
+        paired = torch.empty_like(rows)
+        self._lib.tandem_linear(rows.shape[0], rows.data_ptr(), rows.stride(0), weight.data_ptr(), logits.data_ptr(),
+                                weight.shape[0], weight.shape[1], 1, paired.data_ptr())
+        return hidden, logits
+
+    def _scratch_for(self, rows: int) -> torch.Tensor:
+        arch = self.model.arch
+        need = self._lib.tandem_decode_layer_scratch(rows, arch.hidden_size, *self._dims, arch.intermediate_size)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        return self._scratch

@@ -169,6 +169,36 @@ def test_cpu_native_replays_give_hf_greedy_output_and_compile_nothing():
         engine.close()
 
 
+def test_cpu_native_bf16_replays_every_bucket_where_onednn_has_no_bf16_and_matches_the_torch_path(monkeypatch):
+    """A bfloat16 engine on a CPU without bf16 dot products (forced) replays every decode bucket through
+    the C layers (torch's bf16 matmul there: ~14 GFLOP/s), and its greedy tokens are those of the same
+    engine stepping through torch's bf16 ops (`--no-cpu-native-decode`), batch sizes 1 to 5."""
+    from kernels.model import packed_linear
+    from kernels.model.loader import make_tiny_llama
+    from kernels.model.native_decode import NativeDecode
+
+    monkeypatch.setitem(packed_linear._cpu_packing, torch.bfloat16, False)
+    model, _ = make_tiny_llama(0, dtype=torch.bfloat16)
+    arch = tiny_models()[2]
+    prompts = make_prompts(5, seed=8)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (10, 7, 12, 5, 9)]
+    outputs = {}
+    for native in (True, False):
+        config = EngineConfig(page_size=4, num_pages=256, chunk_size=64, debug_kv=True, dtype="bfloat16",
+                              cuda_graph=True, cpu_native_decode=native, max_running_requests=8,
+                              graph_batch_sizes=(1, 2, 4, 8))
+        engine = build_engine(config, model, arch)
+        try:
+            served = {b for b, f in engine.runner._compiled.items() if isinstance(f, NativeDecode)}
+            assert served == ({1, 2, 4, 8} if native else set())
+            outputs[native] = [r.output_token_ids for r in engine.generate(prompts, params)]
+            assert engine.graph_stats().replays >= 10
+            engine.check_integrity()
+        finally:
+            engine.close()
+    assert outputs[True] == outputs[False]
+
+
 def test_cpu_compiled_replays_give_hf_greedy_output_with_no_compile_after_start_up():
     import torch._dynamo
 

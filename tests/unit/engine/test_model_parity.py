@@ -224,6 +224,51 @@ def test_native_decode_layers_match_hf(overrides):
         assert_matches_hf(reference, seq, TINY_ATOL)
 
 
+def test_native_bf16_decode_layers_round_as_the_torch_model_and_track_hf():
+    """A bfloat16 model's decode steps through the C layers (bf16 weights and KV widened in
+    registers, values rounded to bf16 where HF's model rounds them): the logits are the torch bf16
+    model's to a bf16 step or two and HF bf16's as closely as the torch model's, and layer 0's new K/V
+    the torch model's exactly, at 1 sequence and at 6 (every decode step where the CPU has no bf16
+    dot products; `max_rows` otherwise)."""
+    import copy
+
+    from kernels.model.native_decode import NativeDecode
+
+    ours, reference = make_tiny_llama(seed=5, dtype=torch.bfloat16)
+    native = NativeDecode.for_model(ours)
+    assert native is not None and native.dtype == torch.bfloat16
+    arch = ours.arch
+    kv_torch, kv_c = (KVCacheTensors.allocate(arch.num_layers, 120, 4, arch.num_kv_heads, arch.head_dim,
+                                              torch.bfloat16, "cpu") for _ in range(2))
+    seqs_torch = make_seqs([40, 17, 9, 23, 12, 30], 4, PageDealer(120, 5), arch.vocab_size, seed=6)
+    seqs_c = copy.deepcopy(seqs_torch)
+    prompt = [37, 14, 6, 20, 9, 27]
+    run_step(ours, kv_torch, 4, seqs_torch, prompt)
+    run_step(ours, kv_c, 4, seqs_c, prompt)
+    rows = 6 if native.max_rows is None else native.max_rows
+    run_step(ours, kv_torch, 4, seqs_torch[:1], [1])
+    run_step(native, kv_c, 4, seqs_c[:1], [1])
+    for _ in range(2):
+        run_step(ours, kv_torch, 4, seqs_torch[:rows], [1] * rows)
+        run_step(native, kv_c, 4, seqs_c[:rows], [1] * rows)
+    for i, (seq_torch, seq_c) in enumerate(zip(seqs_torch, seqs_c)):
+        expected = hf_logits(reference, seq_c.token_ids)
+        decoded = [pos for pos in seq_c.logits if pos >= prompt[i]]
+        assert len(decoded) == (3 if i == 0 else 2 if i < rows else 0)
+        for pos in decoded:
+            torch.testing.assert_close(seq_c.logits[pos], seq_torch.logits[pos], atol=8e-3, rtol=0)
+            torch.testing.assert_close(seq_c.logits[pos], expected[pos], atol=2e-2, rtol=0)
+    # The K/V the C layers wrote at the last step: layer 0's are the torch model's bit for bit (the same
+    # norm, bf16 products and rotary rounding; deeper layers see attention outputs a bf16 step apart).
+    slots = [(seq.pages[(seq.kv_len - 1) // 4], (seq.kv_len - 1) % 4) for seq in seqs_c[:rows]]
+    for layer in range(arch.num_layers):
+        for cache_c, cache_torch in ((kv_c.k[layer], kv_torch.k[layer]), (kv_c.v[layer], kv_torch.v[layer])):
+            got, want = (torch.stack([cache[p, o] for p, o in slots]).float() for cache in (cache_c, cache_torch))
+            if layer == 0:
+                assert torch.equal(got, want)
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+
+
 def _hf_state_dict_of(ours, reference) -> dict:
     """`reference`'s state dict with the attention biases `ours` holds (q/k/v split back out)."""
     state = reference.state_dict()

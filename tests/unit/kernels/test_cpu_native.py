@@ -138,3 +138,44 @@ def test_a_build_goes_to_the_cache_root_loads_and_replaces_older_builds(monkeypa
     assert lib is not None and lib.tandem_max_heads() > 0
     built = cpu_native._library_path(cpu_native._compiler()).name
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [built]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`tandem_linear` of x [M, K] float32 and weight [N, K] (float32 or bfloat16)."""
+    lib, bf16 = cpu_native.kernel(), int(weight.dtype == torch.bfloat16)
+    out, scratch = torch.empty(x.shape[0], weight.shape[0]), torch.empty_like(x)
+    lib.tandem_linear(x.shape[0], x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
+                      weight.shape[1], bf16, scratch.data_ptr())
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 6])
+@pytest.mark.parametrize("n,k", [(12, 64), (7, 40), (5, 9)], ids=["whole", "tails", "short"])
+def test_linear_matches_float64_in_float32_and_bfloat16(rows, n, k):
+    """The layers' matrix products (`matvec`: four weight rows a pass, two X rows at a time; bf16 weights
+    widened, X paired into even/odd halves) against float64: N not a multiple of 4 and K not of 8 or 16
+    take the scalar tails. bf16 results are the exact product rounded to bf16 once, as torch's bf16
+    matmul rounds: they may differ from float64's rounding only where float32's summation order tips
+    a value across a rounding boundary, never by more than one bf16 step."""
+    gen = torch.Generator().manual_seed(rows * 100 + n)
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen)
+    exact = x.double() @ weight.double().t()
+    torch.testing.assert_close(_linear(x, weight).double(), exact, rtol=1e-5, atol=1e-5)
+    w16 = weight.bfloat16()
+    exact16 = x.double() @ w16.double().t()
+    got = _linear(x, w16)
+    assert torch.equal(got, got.bfloat16().float()), "bf16 results not rounded to bf16"
+    step = exact16.abs().clamp_min(1e-30).log2().floor().exp2() / 128  # one bf16 ulp at each value
+    assert ((got.double() - exact16).abs() <= step).all()
+    assert (got == exact16.bfloat16().float()).float().mean() >= 0.9
+
+
+def test_linear_rows_are_batch_invariant():
+    """A row's products are summed in the same order alone, paired, or as a batch's odd last row."""
+    gen = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(5, 200, generator=gen), torch.randn(33, 200, generator=gen)
+    for w in (weight, weight.bfloat16()):
+        batch = _linear(x, w)
+        for i in range(5):
+            assert torch.equal(_linear(x[i : i + 1].clone(), w)[0], batch[i])

@@ -211,6 +211,22 @@ def run_tandem(prompts: Prompts, spec: BenchSpec, args: argparse.Namespace) -> S
     return dataclasses.replace(run, system="tandem", memory=memory, ready_s=(ready_s,))
 
 
+def hf_greedy_text(model_dir: Path, prompt_ids: tuple[int, ...], max_new_tokens: int, dtype: str) -> str:
+    """HF transformers' greedy continuation of `prompt_ids` in `dtype`, end of sequence ignored as both
+    servers were told to (the independent reference for both texts), decoded."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("HF transformers' greedy text of the first stream's prompt (%s), the reference for both", dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = None  # an end token is a token like any other here
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return AutoTokenizer.from_pretrained(str(model_dir)).decode(out[0, len(prompt_ids):], skip_special_tokens=False)
+
+
 def bench_llamacpp(args: argparse.Namespace) -> int:
     try:
         peer = make_peer(args)
@@ -224,7 +240,7 @@ def bench_llamacpp(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     spec = BenchSpec(args.threads, args.prompt_len, args.output_len, args.itl_runs, args.ttft_prompt_len,
-                     args.ttft_runs, args.concurrency, args.num_requests, args.seed)
+                     args.ttft_runs, args.concurrency, args.num_requests, args.seed, args.dtype)
     model = load_config(tandem_serve_flags(args, spec.threads)).model
     if model != "smollm2" and args.gguf is None:
         raise ValueError(f"tandem serves {model!r}: pass --gguf with the same weights for llama.cpp")
@@ -237,7 +253,9 @@ def bench_llamacpp(args: argparse.Namespace) -> int:
         for name in round_order(i):
             run = run_peer(peer, gguf_path, prompts, spec, args) if name == "llama.cpp" else run_tandem(prompts, spec, args)
             rounds[name].append(run)
-    summary = summarize({name: merge_runs(runs) for name, runs in rounds.items()}, spec)
+    first = prompts.token_ids[prompts.itl[0]]
+    hf_text = hf_greedy_text(resolve_model_dir(model), first, spec.output_len, spec.dtype)
+    summary = summarize({name: merge_runs(runs) for name, runs in rounds.items()}, spec, hf_text)
     summary["rounds"] = args.repeats
     summary["per_round"] = {name: [system_figures(run) for run in runs] for name, runs in rounds.items()}
     print(format_table(summary))

@@ -50,8 +50,10 @@ def common_prefix_len(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def summarize(runs: dict[str, SystemRun], spec: BenchSpec) -> dict:
-    """Figures per system, tandem / llama.cpp ratios with the targets, and the greedy texts' agreement."""
+def summarize(runs: dict[str, SystemRun], spec: BenchSpec, hf_text: str | None = None) -> dict:
+    """Figures per system, tandem / llama.cpp ratios with the targets, and the greedy texts' agreement:
+    with each other, and with `hf_text` (HF transformers' greedy text of the first stream's prompt, in
+    the bench's dtype) where given."""
     figures = {name: system_figures(run) for name, run in runs.items()}
     ours, theirs = figures["tandem"], figures["llama.cpp"]
     def entry(key: str, target_max: float | None = None, target_min: float | None = None) -> dict:
@@ -78,7 +80,11 @@ def summarize(runs: dict[str, SystemRun], spec: BenchSpec) -> dict:
     return {"spec": dataclasses.asdict(spec), "peer": runs["llama.cpp"].peer, "systems": figures,
             "ratios_tandem_over_llamacpp": ratios,
             "greedy_first_stream": {"common_prefix_chars": common_prefix_len(text_ours, text_theirs),
-                                    "tandem_chars": len(text_ours), "llamacpp_chars": len(text_theirs)}}
+                                    "tandem_chars": len(text_ours), "llamacpp_chars": len(text_theirs),
+                                    **({} if hf_text is None else {
+                                        "hf_chars": len(hf_text),
+                                        "tandem_hf_common_prefix_chars": common_prefix_len(text_ours, hf_text),
+                                        "llamacpp_hf_common_prefix_chars": common_prefix_len(text_theirs, hf_text)})}}
 
 
 def _rss(figures: dict) -> int | None:
@@ -110,6 +116,10 @@ def format_table(summary: dict) -> str:
     greedy = summary["greedy_first_stream"]
     lines.append(f"greedy text of the first stream: first {greedy['common_prefix_chars']} chars identical "
                  f"(tandem {greedy['tandem_chars']}, llama.cpp {greedy['llamacpp_chars']} chars)")
+    if "hf_chars" in greedy:
+        lines.append(f"  against HF transformers' greedy text ({spec['dtype']}, {greedy['hf_chars']} chars): tandem's "
+                     f"first {greedy['tandem_hf_common_prefix_chars']} chars identical, llama.cpp's first "
+                     f"{greedy['llamacpp_hf_common_prefix_chars']}")
     tokens = {name: sys_[name]["itl_output_tokens"] for name in SYSTEMS}
     lines.append(f"single-stream output tokens per run (asked {spec['output_len']}): {tokens}")
     lines.append(f"llama.cpp's server: {summary['peer']}")

@@ -20,6 +20,7 @@ class BenchSpec:
     concurrency: int = 16
     num_requests: int = 32  # of the concurrency run
     seed: int = 0
+    dtype: str = "float32"  # both servers' weights (`--dtype`)
 
     def __post_init__(self):
         for name in ("threads", "prompt_len", "output_len", "itl_runs", "ttft_prompt_len", "ttft_runs",

@@ -199,6 +199,7 @@ static inline void load_w16(const uint16_t *w, __m256 *even, __m256 *odd) {
 }
 #endif
 
+#define M_BLOCK 32 /* rows of X a pass over the weight takes (their rows stay in L2 while it streams) */
 #define PAIRED 16 /* a bf16 product's X is stored in blocks of 16: its 8 even elements, then its 8 odd ones */
 
 /* Rows m < M of X (ldx apart) into `paired` [M, K], each block of 16 as load_w16 multiplies it (the
@@ -226,17 +227,18 @@ static inline float load_w1(const void *w, int64_t i, int bf16) {
  * row-major W [N, K], float32 or (bf16) bfloat16 against X in pair_rows' order; `accumulate`:
  * Y[m, r] += that instead. bf16 rounds as HF's bf16 model does: the product (with its bias) to bf16,
  * then the sum with Y. Split over the team by weight rows (call inside a parallel region): four
- * weight rows a pass against two rows of X at a time, so the weight streams from memory once and
- * every row of X after the first two finds those four weight rows in L1. A row of Y is summed in the
- * same order whatever M is and whichever rows share the step (batch-invariant). */
+ * weight rows a pass against two rows of X at a time, so the weight streams from memory once per
+ * M_BLOCK rows of X and every row of X after the first two finds those four weight rows in L1. A
+ * row of Y is summed in the same order whatever M is and whichever rows share it (batch-invariant). */
 static inline __attribute__((always_inline)) void matvec_impl(const void *w, const float *bias, const float *x,
                                                              int64_t ldx, float *y, int64_t ldy, int64_t M,
                                                              int64_t N, int64_t K, int accumulate, int bf16) {
-#pragma omp for schedule(static)
+    for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK)
+#pragma omp for schedule(static) nowait
     for (int64_t r = 0; r < N; r += 4) {
-        const int64_t n = N - r < 4 ? N - r : 4;
-        for (int64_t m = 0; m < M; m += 2) {
-            const int64_t pair = M - m < 2 ? 1 : 2;
+        const int64_t n = N - r < 4 ? N - r : 4, m1 = M - m0 < M_BLOCK ? M : m0 + M_BLOCK;
+        for (int64_t m = m0; m < m1; m += 2) {
+            const int64_t pair = m1 - m < 2 ? 1 : 2;
             const float *x0 = x + m * ldx, *x1 = x0 + (pair - 1) * ldx;
             float dot[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
             int64_t k0 = 0;
@@ -324,6 +326,7 @@ static inline __attribute__((always_inline)) void matvec_impl(const void *w, con
             }
         }
     }
+#pragma omp barrier
 }
 
 /* matvec_impl on the team, X first paired into `paired` (rows M x K floats) where the weights are bf16. */
@@ -464,16 +467,16 @@ void tandem_decode_layer(int64_t rows, float *x, int64_t hidden, float eps, cons
                      head_dim, page_size, scale, scratch, 0);
 }
 
-/* y [M, N] = x [M, K] (rows ldx apart) @ W [N, K]^T, W float32 or (bf16) bfloat16 (each result then
- * rounded to bf16, as HF's bf16 lm_head gives its logits), on the caller's team. `scratch`: M x K
- * floats (bf16; may be NULL for float32). */
-void tandem_linear(int64_t M, const float *x, int64_t ldx, const void *w, float *y, int64_t N, int64_t K, int bf16,
-                   float *scratch) {
+/* y [M, N] = x [M, K] (rows ldx apart) @ W [N, K]^T + bias (may be NULL), W float32 or (bf16)
+ * bfloat16 (each result then rounded to bf16 once, as torch's bf16 matmul and HF's bf16 lm_head give
+ * theirs), on the caller's team. `scratch`: M x K floats (bf16; may be NULL for float32). */
+void tandem_linear(int64_t M, const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t N,
+                   int64_t K, int bf16, float *scratch) {
 #pragma omp parallel
     {
         if (bf16)
-            matvec(w, NULL, x, ldx, y, N, M, N, K, 0, 1, scratch);
+            matvec(w, bias, x, ldx, y, N, M, N, K, 0, 1, scratch);
         else
-            matvec(w, NULL, x, ldx, y, N, M, N, K, 0, 0, scratch);
+            matvec(w, bias, x, ldx, y, N, M, N, K, 0, 0, scratch);
     }
 }

@@ -69,6 +69,26 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x [M, K] @ weight [N, K]^T + bias`` for a bfloat16 CPU weight in HF's row-major layout, the
+    products summed in float32 and rounded to bf16 once (as torch's bf16 matmul rounds): ``[M, N]`` in
+    x's dtype. For CPUs without bf16 dot products, where torch's bf16 matmul runs at ~14 GFLOP/s
+    (`tandem_linear`: ~60-90). None where the kernel does not take it (no kernel here, another dtype
+    or layout): the caller runs its torch path."""
+    lib = kernel()
+    if lib is None or weight.dtype != torch.bfloat16 or not weight.is_contiguous() or weight.dim() != 2:
+        return None
+    if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.device.type != "cpu" or weight.device.type != "cpu":
+        return None
+    rows = x.float().contiguous()
+    bias32 = None if bias is None else bias.float().contiguous()
+    out, scratch = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32), torch.empty_like(rows)
+    lib.tandem_linear(rows.shape[0], rows.data_ptr(), rows.shape[1], weight.data_ptr(),
+                      None if bias32 is None else bias32.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
+                      1, scratch.data_ptr())
+    return out.to(x.dtype)
+
+
 def _takes(lib, q, k_cache, v_cache, page_table, seq_lens) -> bool:
     if not all(t.device.type == "cpu" for t in (q, k_cache, v_cache, page_table, seq_lens)):
         return False
@@ -143,7 +163,7 @@ def _build_and_load() -> ctypes.CDLL | None:
                                         _F32P, _F32P, _I64P, _I64, _I64P, _I64P, _I64, _I64, _I64, _I64,
                                         ctypes.c_float, _F32P, ctypes.c_int]
     lib.tandem_linear.restype = None
-    lib.tandem_linear.argtypes = [_I64, _F32P, _I64, _F32P, _F32P, _I64, _I64, ctypes.c_int, _F32P]
+    lib.tandem_linear.argtypes = [_I64, _F32P, _I64, _F32P, _F32P, _F32P, _I64, _I64, ctypes.c_int, _F32P]
     return lib
 
 

@@ -11,7 +11,8 @@ needs no compile.
 
 float32 models, and bfloat16 ones: bf16 matrices and KV widened to float32 in registers (half the
 bytes a token streams), every value rounded to bf16 where HF's bf16 model rounds it, so the C layer
-and the torch model give the same tokens; the head's logits come from C too (`tandem_linear`).
+and the torch model give the same tokens (the head's bf16 matmul, too, runs in C on such CPUs:
+`PackedLinear`).
 How many sequences a step it serves (`max_rows`): up to `MAX_ROWS` where oneDNN multiplies the
 model's dtype natively (`cpu_packing_available`: float32 here; bf16 on CPUs with bf16 dot products),
 whose packed matmuls serve 8-16 rows better; every decode step where it does not (bf16 on an AVX2
@@ -19,8 +20,8 @@ CPU, where torch's bf16 matmul runs at ~14 GFLOP/s: a 16-row SmolLM2 step 317 ms
 
 The matrices stay where the model keeps them (HF's row-major layout, no copy; norms and biases of a
 bf16 model are widened once, a few KB a layer); their addresses are taken when this is made, so it
-serves a model whose weights do not change afterwards (a served engine's). The embedding and, for
-float32, the head (the final norm and the lm_head's oneDNN matmul) stay torch's.
+serves a model whose weights do not change afterwards (a served engine's). The embedding and the head
+(the final norm and the lm_head's matmul) stay the model's own.
 """
 
 from __future__ import annotations
@@ -58,8 +59,6 @@ class NativeDecode:
         self._layer_args = {id(layer): self._args_of(layer) for layer in model.model.layers}
         self._scratch = torch.empty(0, dtype=torch.float32)
         self._scale = float(model.model.layers[0].self_attn.scale)
-        head = model.lm_head
-        self._c_head = bool(self._bf16) and head.bias is None and head.weight.is_contiguous()
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> NativeDecode | None:
@@ -107,7 +106,7 @@ class NativeDecode:
         if not self.supports_step(input_ids, meta):
             return self.model.forward_with_aux(input_ids, positions, meta, kv_cache, aux_layer_ids)
         return self.model.forward_with_aux(input_ids, positions, meta, kv_cache, aux_layer_ids, self._layers,
-                                           self._head if self._c_head else run_head, self.model.arch.num_layers)
+                                           run_head, self.model.arch.num_layers)
 
     def _layers(self, layers, x, cos, sin, meta, k_caches, v_caches, keep_entering):
         """`run_layers` for the whole stack, in C, on float32 rows (x itself for a float32 model: the
@@ -131,18 +130,6 @@ class NativeDecode:
                 meta.slot_mapping.data_ptr(), heads, kv_heads, head_dim, k_cache.shape[1], self._scale,
                 scratch.data_ptr(), self._bf16)
         return x32.to(self.dtype), tuple(entering)
-
-    def _head(self, model: LlamaForCausalLM, x: torch.Tensor, logits_indices: torch.Tensor):
-        """`run_head` of a bf16 model with the lm_head's matrix-vector products in C (torch's bf16
-        matmul on a CPU without bf16 dot products: ~54 ms for 16 rows of SmolLM2's head, C ~5)."""
-        hidden = model.model.norm(x)
-        rows = hidden[logits_indices].float().contiguous()
-        weight = model.lm_head.weight
-        logits = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
-        paired = torch.empty_like(rows)
-        self._lib.tandem_linear(rows.shape[0], rows.data_ptr(), rows.stride(0), weight.data_ptr(), logits.data_ptr(),
-                                weight.shape[0], weight.shape[1], 1, paired.data_ptr())
-        return hidden, logits
 
     def _scratch_for(self, rows: int) -> torch.Tensor:
         arch = self.model.arch

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.attention import cpu_native
+
 _CPU_PACK_ROWS_HINT = 16
 """Row count oneDNN is told when packing; the layout it gives serves every row count
 (`cpu_packing_available`). 16 measured best from 1 to 512 rows (1 and 128 were slower at 4-16 rows)."""
@@ -57,9 +59,13 @@ class PackedLinear(nn.Module):
         if x.dim() == 2 and x.shape[0] == 1 and torch.compiler.is_compiling() and x.device.type == "cpu":
             out = (self.weight * x).sum(-1)[None]  # one fused pass over the weight (module docstring)
             return out if self.bias is None else out + self.bias
-        if _widens(x, self.weight):
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        if _bf16_without_dot_products(x, self.weight):  # see WIDEN_MIN_ROWS
+            if x.shape[0] >= WIDEN_MIN_ROWS:
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+            out = cpu_native.linear_bf16(x, self.weight, self.bias)
+            if out is not None:
+                return out
         return F.linear(x, self.weight, self.bias)
 
     def __getstate__(self) -> dict:
@@ -107,18 +113,17 @@ class PackedLinear(nn.Module):
 
 
 WIDEN_MIN_ROWS = 32
-"""Rows from which a bfloat16 CPU matmul runs in float32 where oneDNN has no native bf16 (`_widens`)."""
+"""A bfloat16 CPU matmul where the CPU has no bf16 dot products (`_bf16_without_dot_products`) runs
+on float32 copies of x and the weight from this many rows of x (oneDNN's float32 matmul), and in C
+below it (`cpu_native.linear_bf16`: the weight widened in registers, no copy); both sum the exact
+products in float32 and round to bf16 once, as torch's bf16 matmul does, which runs at ~13-16
+GFLOP/s there. 2 cores, a 3072x576 weight, ms: 16 rows torch 3.5, copies 1.4, C 0.9; 32 rows 6.9,
+1.8, 1.8; 128 rows 26.5, 4.4, 6.7; 1,024 rows 196, 24, 41."""
 
 
-def _widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight.T runs on float32 copies, rounded back to bf16 once: a bf16 CPU matmul of
-    `WIDEN_MIN_ROWS` rows or more where the CPU has no bf16 dot products. torch's bf16 matmul there
-    runs at ~13-16 GFLOP/s on 2 cores, float32 at ~80 (a 1,024-token prefill's 3072x576 matmul: 282 vs
-    45 ms), and gives the same values: both sum the exact products in float32 and round once. Widening
-    the weight costs ~2 ns an element, so fewer rows (decode; the head of a prefill's last tokens)
-    keep bf16."""
-    return (weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
-            and x.shape[0] >= WIDEN_MIN_ROWS and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+def _bf16_without_dot_products(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 0
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and not cpu_packing_available(torch.bfloat16))
 
 

@@ -223,6 +223,20 @@ def test_summary_ratios_against_the_targets():
     assert ratios["concurrent_output_tokens_per_s"]["met"] is False and ratios["concurrent_itl_p99"]["met"] is False
 
 
+def test_summary_holds_both_texts_against_hf_greedy_text():
+    spec = BenchSpec(threads=2, itl_runs=1, ttft_runs=1, dtype="bfloat16")
+    llamacpp = SystemRun("llama.cpp", (_stream([10, 10], text=" the cat sat down"),), (_stream([], ttft_s=1.0),),
+                         10.0, 100, None, "llama-server", ready_s=(1.0,))
+    tandem = SystemRun("tandem", (_stream([10, 10], text=" the cat ran off"),), (_stream([], ttft_s=1.0),), 10.0,
+                       100, None, ready_s=(1.0,))
+    summary = summarize({"llama.cpp": llamacpp, "tandem": tandem}, spec, hf_text=" the cat ran away")
+    assert summary["greedy_first_stream"] == {"common_prefix_chars": 9, "tandem_chars": 16, "llamacpp_chars": 17,
+                                              "hf_chars": 17, "tandem_hf_common_prefix_chars": 13,
+                                              "llamacpp_hf_common_prefix_chars": 9}
+    assert ("against HF transformers' greedy text (bfloat16, 17 chars): tandem's first 13 chars identical, "
+            "llama.cpp's first 9") in format_table(summary)
+
+
 def test_missing_llama_cpp_python_says_how_to_install_it(monkeypatch, capsys):
     import importlib.util
 
@@ -303,11 +317,15 @@ def test_repeated_rounds_alternate_which_server_goes_first_and_pool_every_sample
     monkeypatch.setattr(bench, "ensure_gguf", lambda dtype: tmp_path / "model.gguf")
     monkeypatch.setattr("kernels.model.loader.resolve_model_dir", lambda model: tmp_path)
     monkeypatch.setattr("kernels.model.tokenizer.load_tokenizer", lambda path: None)
-    monkeypatch.setattr(bench, "make_prompts", lambda spec, tokenizer: None)
+    monkeypatch.setattr(bench, "make_prompts", lambda spec, tokenizer: SimpleNamespace(itl=("a b",),
+                                                                                     token_ids={"a b": (7, 8)}))
     monkeypatch.setattr(bench, "run_peer", lambda peer, *args: fake_run("llama.cpp", 10, 100)(*args))
     monkeypatch.setattr(bench, "run_tandem", fake_run("tandem", 20, 300))
+    hf_asked = []
+    monkeypatch.setattr(bench, "hf_greedy_text", lambda *a: hf_asked.append(a) or " same thing")
     out = tmp_path / "summary.json"
     assert main(["bench", "llamacpp", "--repeats", "3", "--json", str(out)]) == 0
+    assert hf_asked == [(tmp_path, (7, 8), 128, "float32")]  # the first stream's prompt, once
 
     assert order == ["llama.cpp", "tandem", "tandem", "llama.cpp", "llama.cpp", "tandem"]
     summary = json.loads(out.read_text())
@@ -320,6 +338,7 @@ def test_repeated_rounds_alternate_which_server_goes_first_and_pool_every_sample
     assert ours["concurrent_output_tokens_per_s"] == pytest.approx(900 / 6.0)
     assert summary["rounds"] == 3
     assert [f["itl_p50_s"] for f in summary["per_round"]["tandem"]] == pytest.approx([0.022, 0.023, 0.026])
+    assert summary["greedy_first_stream"]["tandem_hf_common_prefix_chars"] == 7  # " same t"
 
 
 def test_repeats_below_one_are_refused(monkeypatch, capsys):

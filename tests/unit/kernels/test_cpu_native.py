@@ -144,7 +144,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`tandem_linear` of x [M, K] float32 and weight [N, K] (float32 or bfloat16)."""
     lib, bf16 = cpu_native.kernel(), int(weight.dtype == torch.bfloat16)
     out, scratch = torch.empty(x.shape[0], weight.shape[0]), torch.empty_like(x)
-    lib.tandem_linear(x.shape[0], x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
+    lib.tandem_linear(x.shape[0], x.data_ptr(), x.stride(0), weight.data_ptr(), None, out.data_ptr(), weight.shape[0],
                       weight.shape[1], bf16, scratch.data_ptr())
     return out
 

@@ -90,24 +90,26 @@ def test_bfloat16_packed_products_match_the_plain_matmul():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_without_packing_multiplies_wide_batches_in_float32_rounding_once(bias, monkeypatch):
-    """Where oneDNN has no native bf16 (forced here), a bf16 matmul of `WIDEN_MIN_ROWS` rows or more
-    runs on float32 copies: the exact products summed and rounded to bf16 once, as torch's bf16 matmul
-    rounds, so at most a bf16 step from the float64 product rounded, and mostly equal to it."""
+def test_bfloat16_without_packing_multiplies_in_float32_and_rounds_once(bias, monkeypatch):
+    """Where oneDNN has no native bf16 (forced here), a bf16 matmul runs in C below `WIDEN_MIN_ROWS`
+    rows and on float32 copies from there: either way the exact products summed and rounded to bf16
+    once, as torch's bf16 matmul rounds, so at most a bf16 step from the float64 product rounded,
+    and mostly equal to it; torch's bf16 matmul is never called."""
     from kernels.model import packed_linear
 
     monkeypatch.setitem(packed_linear._cpu_packing, torch.bfloat16, False)
     linear = make_linear(bias=bias).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(packed_linear.WIDEN_MIN_ROWS + 3, 48, generator=gen).to(torch.bfloat16)
     calls = []
     real_linear = packed_linear.F.linear
     monkeypatch.setattr(packed_linear.F, "linear", lambda *a: calls.append(a[0].dtype) or real_linear(*a))
-    with torch.inference_mode():
-        got = linear(x)
-        linear(x[:4])
-    assert calls == [torch.float32, torch.bfloat16] and got.dtype == torch.bfloat16
-    exact = reference(linear, x)
-    step = exact.abs().clamp_min(1e-30).log2().floor().exp2() / 128
-    assert ((got.double() - exact).abs() <= step).all()
-    assert (got == exact.to(torch.bfloat16)).float().mean() >= 0.95
+    for rows in (1, 5, packed_linear.WIDEN_MIN_ROWS - 1, packed_linear.WIDEN_MIN_ROWS + 3):
+        x = torch.randn(rows, 48, generator=gen).to(torch.bfloat16)
+        with torch.inference_mode():
+            got = linear(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 64)
+        exact = reference(linear, x)
+        step = exact.abs().clamp_min(1e-30).log2().floor().exp2() / 128
+        assert ((got.double() - exact).abs() <= step).all()
+        assert (got == exact.to(torch.bfloat16)).float().mean() >= 0.95
+    assert calls == [torch.float32]  # the widest batch only

@@ -197,6 +197,28 @@ static inline void load_w16(const uint16_t *w, __m256 *even, __m256 *odd) {
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     *odd = _mm256_and_ps(_mm256_castsi256_ps(v), _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)));
 }
+
+/* *a += w[0..15] . (xe, xo): sixteen bf16 weights against one row of X's paired block. */
+static inline void fma_w16(const uint16_t *w, __m256 xe, __m256 xo, __m256 *a) {
+    __m256 even, odd;
+    load_w16(w, &even, &odd);
+    *a = _mm256_fmadd_ps(odd, xo, _mm256_fmadd_ps(even, xe, *a));
+}
+
+/* fma_w16 against two rows of X (into *a and *b), the weights loaded once. */
+static inline void fma2_w16(const uint16_t *w, __m256 xe, __m256 xo, __m256 te, __m256 to, __m256 *a, __m256 *b) {
+    __m256 even, odd;
+    load_w16(w, &even, &odd);
+    *a = _mm256_fmadd_ps(odd, xo, _mm256_fmadd_ps(even, xe, *a));
+    *b = _mm256_fmadd_ps(odd, to, _mm256_fmadd_ps(even, te, *b));
+}
+
+/* *a += w[0..7] * x, *b += w[0..7] * t: eight float32 weights against two rows of X. */
+static inline void fma2_w8(const float *w, __m256 x, __m256 t, __m256 *a, __m256 *b) {
+    const __m256 wv = _mm256_loadu_ps(w);
+    *a = _mm256_fmadd_ps(wv, x, *a);
+    *b = _mm256_fmadd_ps(wv, t, *b);
+}
 #endif
 
 #define M_BLOCK 32 /* rows of X a pass over the weight takes (their rows stay in L2 while it streams) */
@@ -246,35 +268,22 @@ static inline __attribute__((always_inline)) void matvec_impl(const void *w, con
             if (n == 4 && bf16) { /* 16 weights of each row a step, as even and odd halves */
                 const uint16_t *w0 = (const uint16_t *)w + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-                __m256 e, o;
                 for (; pair == 1 && k0 + PAIRED <= K; k0 += PAIRED) { /* one row of X, summed as two are */
                     const __m256 ue = _mm256_loadu_ps(x0 + k0), uo = _mm256_loadu_ps(x0 + k0 + 8);
                     _mm_prefetch((const char *)(w0 + 4 * K + 4 * k0), _MM_HINT_T0); /* the next 4 rows */
                     _mm_prefetch((const char *)(w0 + 4 * K + 4 * k0 + 32), _MM_HINT_T0);
-                    load_w16(w0 + k0, &e, &o);
-                    a0 = _mm256_fmadd_ps(o, uo, _mm256_fmadd_ps(e, ue, a0));
-                    load_w16(w1 + k0, &e, &o);
-                    a1 = _mm256_fmadd_ps(o, uo, _mm256_fmadd_ps(e, ue, a1));
-                    load_w16(w2 + k0, &e, &o);
-                    a2 = _mm256_fmadd_ps(o, uo, _mm256_fmadd_ps(e, ue, a2));
-                    load_w16(w3 + k0, &e, &o);
-                    a3 = _mm256_fmadd_ps(o, uo, _mm256_fmadd_ps(e, ue, a3));
+                    fma_w16(w0 + k0, ue, uo, &a0);
+                    fma_w16(w1 + k0, ue, uo, &a1);
+                    fma_w16(w2 + k0, ue, uo, &a2);
+                    fma_w16(w3 + k0, ue, uo, &a3);
                 }
                 for (; k0 + PAIRED <= K; k0 += PAIRED) {
                     const __m256 ue = _mm256_loadu_ps(x0 + k0), uo = _mm256_loadu_ps(x0 + k0 + 8);
                     const __m256 te = _mm256_loadu_ps(x1 + k0), to = _mm256_loadu_ps(x1 + k0 + 8);
-                    load_w16(w0 + k0, &e, &o);
-                    a0 = _mm256_fmadd_ps(o, uo, _mm256_fmadd_ps(e, ue, a0));
-                    b0 = _mm256_fmadd_ps(o, to, _mm256_fmadd_ps(e, te, b0));
-                    load_w16(w1 + k0, &e, &o);
-                    a1 = _mm256_fmadd_ps(o, uo, _mm256_fmadd_ps(e, ue, a1));
-                    b1 = _mm256_fmadd_ps(o, to, _mm256_fmadd_ps(e, te, b1));
-                    load_w16(w2 + k0, &e, &o);
-                    a2 = _mm256_fmadd_ps(o, uo, _mm256_fmadd_ps(e, ue, a2));
-                    b2 = _mm256_fmadd_ps(o, to, _mm256_fmadd_ps(e, te, b2));
-                    load_w16(w3 + k0, &e, &o);
-                    a3 = _mm256_fmadd_ps(o, uo, _mm256_fmadd_ps(e, ue, a3));
-                    b3 = _mm256_fmadd_ps(o, to, _mm256_fmadd_ps(e, te, b3));
+                    fma2_w16(w0 + k0, ue, uo, te, to, &a0, &b0);
+                    fma2_w16(w1 + k0, ue, uo, te, to, &a1, &b1);
+                    fma2_w16(w2 + k0, ue, uo, te, to, &a2, &b2);
+                    fma2_w16(w3 + k0, ue, uo, te, to, &a3, &b3);
                 }
                 sum4(a0, a1, a2, a3, dot[0]);
                 sum4(b0, b1, b2, b3, dot[1]);
@@ -290,18 +299,10 @@ static inline __attribute__((always_inline)) void matvec_impl(const void *w, con
                 }
                 for (; k0 + 8 <= K; k0 += 8) {
                     const __m256 u = _mm256_loadu_ps(x0 + k0), t = _mm256_loadu_ps(x1 + k0);
-                    __m256 wv = _mm256_loadu_ps(w0 + k0);
-                    a0 = _mm256_fmadd_ps(wv, u, a0);
-                    b0 = _mm256_fmadd_ps(wv, t, b0);
-                    wv = _mm256_loadu_ps(w1 + k0);
-                    a1 = _mm256_fmadd_ps(wv, u, a1);
-                    b1 = _mm256_fmadd_ps(wv, t, b1);
-                    wv = _mm256_loadu_ps(w2 + k0);
-                    a2 = _mm256_fmadd_ps(wv, u, a2);
-                    b2 = _mm256_fmadd_ps(wv, t, b2);
-                    wv = _mm256_loadu_ps(w3 + k0);
-                    a3 = _mm256_fmadd_ps(wv, u, a3);
-                    b3 = _mm256_fmadd_ps(wv, t, b3);
+                    fma2_w8(w0 + k0, u, t, &a0, &b0);
+                    fma2_w8(w1 + k0, u, t, &a1, &b1);
+                    fma2_w8(w2 + k0, u, t, &a2, &b2);
+                    fma2_w8(w3 + k0, u, t, &a3, &b3);
                 }
                 sum4(a0, a1, a2, a3, dot[0]);
                 sum4(b0, b1, b2, b3, dot[1]);

@@ -41,6 +41,10 @@ from pathlib import Path
 
 log = logging.getLogger("tandem.serve")
 
+STOP_GRACE_S = 5.0
+"""How long a local Ray instance's processes get to exit on SIGTERM before SIGKILL. They take ~0.2 s;
+a 2 s grace killed one on a loaded 2-core CI host. Waiting ends as soon as they are gone."""
+
 LOOPBACK = "127.0.0.1"
 _SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _WORKER_NICENESS_ENV = "RAY_worker_niceness"
@@ -89,7 +93,7 @@ class LocalRay:
                  address, num_cpus, session_id)
         return cls(address, session_id, workdir, saved_env)
 
-    def stop(self, grace_s: float = 2.0) -> list[int]:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> list[int]:
         """End every process of the session, remove the token and Ray's files, restore the environment.
         Disconnect the driver (`ray.shutdown()`) first. Idempotent. Returns the processes that had to
         be killed (SIGKILL: they outlived SIGTERM by `grace_s`)."""
@@ -192,6 +196,8 @@ def end_session(session_id: int, grace_s: float) -> list[int]:
             break
         if sig == signal.SIGKILL:
             killed = pids
+            log.warning("Ray processes outlived SIGTERM by %.1f s, killed: %s", grace_s,
+                        ", ".join(f"{pid} ({_comm(pid) or 'exited'})" for pid in pids))
         _signal_and_wait(session_id, pids, sig, wait_s)
     left = session_members(session_id)
     if left:

@@ -11,8 +11,9 @@ needs no compile.
 
 float32 models, and bfloat16 ones: bf16 matrices and KV widened to float32 in registers (half the
 bytes a token streams), every value rounded to bf16 where HF's bf16 model rounds it, so the C layer
-and the torch model give the same tokens (the head's bf16 matmul, too, runs in C on such CPUs:
-`PackedLinear`).
+tracks the torch model to a bf16 step or two (layer 0's K/V bit for bit) and greedy text parts from
+it only at near-ties (the head's bf16 matmul, too, runs in C on such CPUs: `PackedLinear`).
+
 How many sequences a step it serves (`max_rows`): up to `MAX_ROWS` where oneDNN multiplies the
 model's dtype natively (`cpu_packing_available`: float32 here; bf16 on CPUs with bf16 dot products),
 whose packed matmuls serve 8-16 rows better; every decode step where it does not (bf16 on an AVX2

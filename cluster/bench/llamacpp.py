@@ -17,6 +17,8 @@ the server closed is retried on a fresh one: load/transport.py):
     concurrency C   `--num-requests` streams, `--concurrency` closed-loop clients: output tok/s
     memory          after those runs, RSS and PSS summed over every process of each server (tandem:
                     its gateway, workers and Ray; proc_memory.py)
+    greedy text     after every round, HF transformers' greedy text of the first single-stream prompt in
+                    the bench's dtype (`hf_greedy_text`): how far each server's first text agrees with it
 
 Prompts are text made of seeded random words, each word one token of the model's vocabulary that
 encodes back to itself, so a prompt of N words is exactly N tokens; the bench checks that tandem's

@@ -35,8 +35,9 @@ the static buffers. On CPU the same buffers, padding and gates run, and "replay"
 over the buffers of the bucket: with `engine.cpu_native_decode` (the default) through decoder
 layers in C (`NativeDecode`: nothing to compile; float32 buckets of up to 4 rows, bigger ones
 eagerly through oneDNN; bfloat16 every bucket where the CPU has no bf16 dot products); or where
-the C layer does not serve, with `engine.cpu_compile` for bucket 1 through its decoder layers compiled (`CompiledLayers`, six layers a call; compiled at start-up, or by a served worker on
-a thread beside serving; the KV length is a dynamic dimension, so nothing compiles again while
+the C layer does not serve, with `engine.cpu_compile` for bucket 1 through its decoder layers
+compiled (`CompiledLayers`, six layers a call; compiled at start-up, or by a served worker on a
+thread beside serving; the KV length is a dynamic dimension, so nothing compiles again while
 serving). Measured on a 2-core CPU, SmolLM2 fp32, 128-token context: batch 1 compiled 24.5 ms a step
 vs 37.5 eager (same greedy tokens); at batch 4 compiled steps were *slower* than eager (99 ms with a
 dynamic batch dimension, 73 ms compiled for batch 4 alone, vs 43 ms eager), so bigger buckets
@@ -151,7 +152,8 @@ class GraphRunner:
         elif enabled and COMPILED_CPU_BUCKET in self.buckets:
             native = NativeDecode.for_model(eager.model) if cpu_native_decode else None
             if native is not None:
-                self._compiled.update((b, native) for b in self.buckets if native.max_rows is None or b <= native.max_rows)
+                served = [b for b in self.buckets if native.max_rows is None or b <= native.max_rows]
+                self._compiled.update((b, native) for b in served)
                 log.info("decode steps of %s run their layers in C (%s, no compile)",
                          "any size" if native.max_rows is None else f"up to {native.max_rows} requests",
                          str(native.dtype).removeprefix("torch."))

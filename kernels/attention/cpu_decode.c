@@ -343,11 +343,13 @@ static inline __attribute__((always_inline)) void matvec(const void *w, const fl
 }
 
 /* out = x / rms(x) * weight (HF LlamaRMSNorm: float32; bf16 rounds the normalised x, then the product). */
-static inline float rms_inverse(const float *x, int64_t n, float eps) {
+static inline __attribute__((always_inline)) void rms_norm(const float *x, const float *weight, float *out, int64_t n,
+                                                           float eps, int bf16) {
     float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
     for (int64_t i = 0; i < n; i++) sq += x[i] * x[i];
-    return 1.0f / sqrtf(sq / (float)n + eps);
+    const float inv = 1.0f / sqrtf(sq / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = bf16 ? rb(rb(x[i] * inv) * weight[i]) : x[i] * inv * weight[i];
 }
 
 /* HF rotate-half rotary of `heads` heads of size D in place; signed_sin's first half carries the
@@ -400,11 +402,7 @@ static inline __attribute__((always_inline)) void decode_layer(
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < rows; b++) {
-            const float *xb = x + b * hidden, inv = rms_inverse(xb, hidden, eps);
-            float *out = normed + b * hidden;
-            for (int64_t i = 0; i < hidden; i++) out[i] = bf16 ? rb(rb(xb[i] * inv) * in_norm[i]) : xb[i] * inv * in_norm[i];
-        }
+        for (int64_t b = 0; b < rows; b++) rms_norm(x + b * hidden, in_norm, normed + b * hidden, hidden, eps, bf16);
         matvec(qkv_w, qkv_bias, normed, hidden, qkv, qkv_rows, rows, qkv_rows, hidden, 0, bf16, paired);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < rows; b++) {
@@ -427,11 +425,7 @@ static inline __attribute__((always_inline)) void decode_layer(
             }
         matvec(o_w, o_bias, attn, q_dim, x, hidden, rows, hidden, q_dim, 1, bf16, paired);
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < rows; b++) {
-            const float *xb = x + b * hidden, inv = rms_inverse(xb, hidden, eps);
-            float *out = normed + b * hidden;
-            for (int64_t i = 0; i < hidden; i++) out[i] = bf16 ? rb(rb(xb[i] * inv) * post_norm[i]) : xb[i] * inv * post_norm[i];
-        }
+        for (int64_t b = 0; b < rows; b++) rms_norm(x + b * hidden, post_norm, normed + b * hidden, hidden, eps, bf16);
         matvec(gate_up_w, NULL, normed, hidden, gate_up, 2 * inter, rows, 2 * inter, hidden, 0, bf16, paired);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < rows; b++)

@@ -54,7 +54,6 @@ class NativeDecode:
         self.dtype = model.model.layers[0].mlp.gate_up_proj.weight.dtype
         self.max_rows = MAX_ROWS if cpu_packing_available(self.dtype) else None
         """Most sequences a step this serves; None: every decode step (module docstring)."""
-        self._bf16 = int(self.dtype == torch.bfloat16)
         self._dims = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self._kept: list[torch.Tensor] = []  # float32 copies of a bf16 model's norms and biases
         self._layer_args = {id(layer): self._args_of(layer) for layer in model.model.layers}
@@ -129,7 +128,7 @@ class NativeDecode:
                 down, arch.intermediate_size, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 meta.page_table.data_ptr(), meta.page_table.stride(0), meta.seq_lens.data_ptr(),
                 meta.slot_mapping.data_ptr(), heads, kv_heads, head_dim, k_cache.shape[1], self._scale,
-                scratch.data_ptr(), self._bf16)
+                scratch.data_ptr(), int(self.dtype == torch.bfloat16))
         return x32.to(self.dtype), tuple(entering)
 
     def _scratch_for(self, rows: int) -> torch.Tensor:

@@ -57,8 +57,8 @@ def hf_bf16_greedy(prompts: tuple[str, ...]) -> list[tuple[list[str], list[float
 
 def complete_all(server, prompts: tuple[str, ...]) -> list[str]:
     async def one(client: httpx.AsyncClient, prompt: str) -> str:
-        resp = await client.post("/v1/completions", json={"model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                          "temperature": 0, "ignore_eos": True})
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        resp = await client.post("/v1/completions", json=body)
         assert resp.status_code == 200, resp.text
         return resp.json()["choices"][0]["text"]
 
@@ -75,7 +75,8 @@ def test_concurrent_bf16_streams_decode_in_c_and_give_hf_bf16_greedy_text(server
     before = server.metrics()
     texts = complete_all(server, PROMPTS)
     log_text = server.log_tail(200_000)
-    assert "run their layers in C (bfloat16, no compile)" in log_text and "compiling the CPU decode step" not in log_text
+    assert "run their layers in C (bfloat16, no compile)" in log_text
+    assert "compiling the CPU decode step" not in log_text
     replays = lambda m: metric(m, "tandem:graph_replays_total", role="decode") - metric(  # noqa: E731
         before, "tandem:graph_replays_total", role="decode")
     eventually(lambda: replays(server.metrics()) >= MAX_TOKENS - 2, "the decode steps replayed in a heartbeat")

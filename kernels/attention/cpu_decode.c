@@ -66,6 +66,42 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline float rb(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+/* Sums in one fixed order whatever the instruction set the file is built for (AVX2's 8 lanes or
+ * AVX-512's 16 would otherwise split a `simd reduction` differently, and the bits of every later value
+ * with it): element i goes to partial sum i % LANES, each partial sum in index order (a vector of any
+ * width runs them side by side, unchanged), then the partial sums pairwise in a fixed tree. */
+#define LANES 16
+
+static inline float lanes_total(float *part) {
+    for (int half = LANES / 2; half > 0; half /= 2)
+        for (int i = 0; i < half; i++) part[i] += part[i + half];
+    return part[0];
+}
+
+/* sum of a[i] * b[i], i in [0, n) */
+static inline float dot_fixed(const float *a, const float *b, int64_t n) {
+    float part[LANES] = {0.0f};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+#pragma omp simd
+        for (int j = 0; j < LANES; j++) part[j] += a[i + j] * b[i + j];
+    }
+    for (int j = 0; i + j < n; j++) part[j] += a[i + j] * b[i + j];
+    return lanes_total(part);
+}
+
+/* sum of a[i], i in [0, n) */
+static inline float sum_fixed(const float *a, int64_t n) {
+    float part[LANES] = {0.0f};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+#pragma omp simd
+        for (int j = 0; j < LANES; j++) part[j] += a[i + j];
+    }
+    for (int j = 0; i + j < n; j++) part[j] += a[i + j];
+    return lanes_total(part);
+}
+
 int tandem_max_heads(void) { return MAX_HEADS; }
 int tandem_max_head_dim(void) { return MAX_HEAD_DIM; }
 int tandem_max_head_floats(void) { return MAX_HEAD_FLOATS; }
@@ -103,10 +139,7 @@ static inline __attribute__((always_inline)) void attend_impl(
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t h = (kh - kh0) * group + g;
                     const float *qr = q + (h0 + h) * D;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
-                    s[h][j] = dot * scale;
+                    s[h][j] = dot_fixed(qr, kr, D) * scale;
                 }
             }
         }
@@ -115,14 +148,9 @@ static inline __attribute__((always_inline)) void attend_impl(
             for (int64_t j = 1; j < n; j++) block_max = s[h][j] > block_max ? s[h][j] : block_max;
             const float new_max = block_max > m[h] ? block_max : m[h];
             const float keep = m[h] == -INFINITY ? 0.0f : exp_nonpositive(m[h] - new_max);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < n; j++) {
-                const float p = exp_nonpositive(s[h][j] - new_max);
-                s[h][j] = p;
-                sum += p;
-            }
-            l[h] = l[h] * keep + sum;
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) s[h][j] = exp_nonpositive(s[h][j] - new_max);
+            l[h] = l[h] * keep + sum_fixed(s[h], n);
             m[h] = new_max;
             if (keep != 1.0f) {
                 float *a = acc + h * D;
@@ -345,9 +373,7 @@ static inline __attribute__((always_inline)) void matvec(const void *w, const fl
 /* out = x / rms(x) * weight (HF LlamaRMSNorm: float32; bf16 rounds the normalised x, then the product). */
 static inline __attribute__((always_inline)) void rms_norm(const float *x, const float *weight, float *out, int64_t n,
                                                            float eps, int bf16) {
-    float sq = 0.0f;
-#pragma omp simd reduction(+ : sq)
-    for (int64_t i = 0; i < n; i++) sq += x[i] * x[i];
+    const float sq = dot_fixed(x, x, n);
     const float inv = 1.0f / sqrtf(sq / (float)n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = bf16 ? rb(rb(x[i] * inv) * weight[i]) : x[i] * inv * weight[i];
 }

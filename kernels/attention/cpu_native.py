@@ -8,7 +8,9 @@ of a ~105 ms step. The kernel reads the pages in place, once, every query head o
 row, with the softmax online (`tandem_paged_decode_f32`).
 
 Built on first use with the C compiler torch.compile uses too (`$CC`, else cc / gcc / clang),
-`-O3 -march=native -fopenmp`, into ``<cache root>/kernels/`` under a name keyed by the source, the
+`-O3 -march=native -fopenmp` (`$TANDEM_CPU_MARCH` names another `-march`, e.g. `x86-64-v3`: the
+AVX2 baseline CI also tests on a wider CPU; the kernel's results do not depend on it: its sums run
+in a fixed order, contraction off), into ``<cache root>/kernels/`` under a name keyed by the source, the
 flags, the compiler and this CPU, so a cache shared between different machines never loads another
 CPU's build; a worker process that finds it there only loads it (~1 ms). Its OpenMP team is torch's:
 torch ships the libgomp the process has loaded, and `torch.set_num_threads` sets the caller's team
@@ -34,7 +36,9 @@ import torch
 log = logging.getLogger("tandem.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+MARCH_ENV = "TANDEM_CPU_MARCH"
+"""Environment variable naming the `-march` the kernel is built for; unset: `native`."""
+BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=off")
 BUILD_TIMEOUT_S = 120.0
 _I64, _F32P, _I64P = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
 
@@ -110,6 +114,12 @@ def takes_heads(lib: ctypes.CDLL, num_heads: int, num_kv_heads: int, head_dim: i
             and head_dim <= lib.tandem_max_head_dim() and num_heads * head_dim <= lib.tandem_max_head_floats())
 
 
+def flags() -> tuple[str, ...]:
+    """The compiler flags of this process's build: `-march` from `MARCH_ENV` (default native)."""
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    return (f"-march={march}", *BASE_FLAGS)
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and (path := shutil.which(name)):
@@ -134,7 +144,7 @@ def _library_path(compiler: str) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, compiler, version, _cpu_identity()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags(), compiler, version, _cpu_identity()]).encode())
     return default_cache_root() / "kernels" / f"cpu_decode-{key.hexdigest()[:16]}.so"
 
 
@@ -147,12 +157,18 @@ def _build_and_load() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             start_s = time.perf_counter()
-            _build(compiler, path)
-            log.info("built the CPU decode-attention kernel in %.1f s: %s", time.perf_counter() - start_s, path)
-        lib = ctypes.CDLL(str(path))
+            build(compiler, path)
+            log.info("built the CPU decode-attention kernel (%s) in %.1f s: %s", flags()[0],
+                     time.perf_counter() - start_s, path)
+        return load(path)
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("building the CPU decode-attention kernel failed (%s): it takes the slower torch path", e)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library built at `path`, its entry points typed."""
+    lib = ctypes.CDLL(str(path))
     lib.tandem_paged_decode_f32.restype = None
     lib.tandem_paged_decode_f32.argtypes = [_F32P, _I64, _F32P, _F32P, _I64P, _I64, _I64P, _F32P,
                                             _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
@@ -167,7 +183,7 @@ def _build_and_load() -> ctypes.CDLL | None:
     return lib
 
 
-def _build(compiler: str, path: Path) -> None:
+def build(compiler: str, path: Path) -> None:
     """Compile into a temporary file beside `path`, then rename: workers that build at once each
     write their own and the last rename wins, so none ever loads a half-written library. Other
     builds there go (an older source's; a cache shared with another CPU rebuilds its own, ~0.3 s)."""
@@ -175,7 +191,7 @@ def _build(compiler: str, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise OSError(f"{Path(compiler).name} exited {done.returncode}: {done.stderr.strip()[-400:]}")

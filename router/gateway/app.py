@@ -46,7 +46,7 @@ from router.gateway.openapi import ChatCompletionChunk, ChatCompletionResponse, 
     HealthStatus, ModelList, ReadyStatus, SessionDeleted, SessionObject, WorkerList, errors, generation_responses, \
     openapi_document, request_models, session_request_model
 from router.gateway.readiness import ReadinessProbe, serving_workers_alive
-from router.gateway.responses import SHAPES
+from router.gateway.responses import SHAPES, TokenIds
 from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
     parse_session
 from router.gateway.sessions import GatewaySession, GatewaySessions, SessionTurn, parse_turn
@@ -149,7 +149,7 @@ class Gateway:
                 response = self._stream(run, shape, parsed, release, turn)
                 release, run, turn = None, None, None  # owned by the response now
                 return response
-            return await self._complete(request, run, shape)
+            return await self._complete(request, run, shape, parsed)
         except APIError as err:
             return self._count(run, err).response()
         except ClientDisconnect:  # gone mid-upload: nobody to answer, and nothing went wrong here
@@ -172,14 +172,17 @@ class Gateway:
             await self._finish(run, release, turn)
         return SSEResponse(sse_frames(run, shape, parsed.include_usage), cleanup)
 
-    async def _complete(self, request: Request, run: GenerationRun, shape: Any) -> Response:
+    async def _complete(self, request: Request, run: GenerationRun, shape: Any, parsed: GenerateRequest) -> Response:
         finished, result = await unless_disconnected(request.receive, run.collect)
         if not finished:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         text, outcome = result
         if isinstance(outcome, APIError):
             return outcome.response()
-        return JSONResponse(shape.full(text, outcome.finish_reason, outcome.usage))
+        token_ids = None
+        if parsed.return_token_ids:
+            token_ids = TokenIds(tuple(parsed.prompt_token_ids), tuple(outcome.output_token_ids))
+        return JSONResponse(shape.full(text, outcome.finish_reason, outcome.usage, token_ids))
 
     def _count(self, run: GenerationRun | None, err: APIError) -> APIError:
         """Count a request's failure once: through its run when it has one."""

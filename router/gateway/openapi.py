@@ -66,6 +66,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None
     finish_reason: FinishReason
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids: the prompt's token ids.")
+    token_ids: list[int] | None = Field(None, description="With return_token_ids: every output token id.")
 
 
 class CompletionResponse(BaseModel):
@@ -87,6 +89,7 @@ class ChatChoice(BaseModel):
     message: ChatMessage
     logprobs: None
     finish_reason: FinishReason
+    token_ids: list[int] | None = Field(None, description="With return_token_ids: every output token id.")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -96,6 +99,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice] = Field(min_length=1, max_length=1)
     usage: Usage
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids: the rendered prompt's "
+                                                                 "token ids.")
 
 
 class CompletionChunkChoice(BaseModel):
@@ -266,6 +271,8 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
             None, description="Stop strings (4096 characters together at most); the text ends before the first.")
         stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
         ignore_eos: bool | None = None
+        return_token_ids: bool | None = Field(None, description="Extension (vLLM's): the response names the "
+                                              "prompt's and the output's token ids. Not with stream.")
         stream: bool | None = None
         stream_options: StreamOptions | None = None
         n: Literal[1] | None = None

@@ -34,6 +34,14 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
+@dataclass(frozen=True)
+class TokenIds:
+    """A request's prompt token ids (a session's history included) and every output token id."""
+
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+
+
 def sse(body: dict) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
@@ -67,10 +75,18 @@ class ResponseShape:
     def usage_frame(self, usage: Usage) -> bytes:
         return sse({**self._chunk(None), "choices": [], "usage": usage.body()})
 
-    def full(self, text: str, finish_reason: str, usage: Usage) -> dict:
-        """The non-streaming response body."""
-        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
-                "choices": [self._full_choice(text, finish_reason)], "usage": usage.body()}
+    def full(self, text: str, finish_reason: str, usage: Usage, token_ids: TokenIds | None = None) -> dict:
+        """The non-streaming response body; with `token_ids` (`return_token_ids`), the prompt's and the
+        output's token ids where vLLM puts them."""
+        choice = self._full_choice(text, finish_reason)
+        body = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage.body()}
+        if token_ids is not None:
+            self._add_token_ids(body, choice, token_ids)
+        return body
+
+    def _add_token_ids(self, body: dict, choice: dict, token_ids: TokenIds) -> None:
+        choice["prompt_token_ids"], choice["token_ids"] = list(token_ids.prompt), list(token_ids.output)
 
     def _chunk(self, choice: dict | None) -> dict:
         return {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model,
@@ -111,6 +127,9 @@ class ChatShape(ResponseShape):
     def _full_choice(self, text: str, finish_reason: str) -> dict:
         return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                 "finish_reason": finish_reason}
+
+    def _add_token_ids(self, body: dict, choice: dict, token_ids: TokenIds) -> None:
+        body["prompt_token_ids"], choice["token_ids"] = list(token_ids.prompt), list(token_ids.output)
 
 
 SHAPES: dict[Endpoint, type[ResponseShape]] = {Endpoint.COMPLETION: CompletionShape, Endpoint.CHAT: ChatShape}

@@ -56,6 +56,7 @@ class GenerateRequest:
     include_usage: bool  # stream_options.include_usage: a final usage chunk when streaming
     session_id: str = ""  # a turn of this streaming session ("": a plain request)
     messages: tuple[dict[str, str], ...] = ()  # chat: the conversation the prompt renders (history included)
+    return_token_ids: bool = False  # the response names the prompt's and the output's token ids (vLLM's field)
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,11 @@ def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_token
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise invalid("`stream_options.include_usage` must be a boolean", param="stream_options.include_usage")
+    return_token_ids = bool(typed_field(payload, "return_token_ids", bool))
+    if return_token_ids and stream:
+        raise _unsupported("return_token_ids", "return_token_ids with stream (ask without streaming)")
     return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens, limits), stream,
-                           bool(include_usage), session_id_of(payload))
+                           bool(include_usage), session_id_of(payload), return_token_ids=return_token_ids)
 
 
 def _sampling_params(payload: dict, max_tokens: int, limits: ModelLimits) -> SamplingParams:

@@ -6,6 +6,7 @@ Tiny random Llama (fast, fp32, 1e-5) for every batch shape and page size; the re
 
 from __future__ import annotations
 
+import platform
 import random
 from dataclasses import dataclass, field
 
@@ -267,6 +268,43 @@ def test_native_bf16_decode_layers_round_as_the_torch_model_and_track_hf():
             if layer == 0:
                 assert torch.equal(got, want)
             torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.isa
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v3 (the AVX2 baseline) is an "
+                    "x86-64 -march; this CPU is not x86-64")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_layers_give_the_same_bits_built_for_this_cpu_and_for_the_avx2_baseline(
+        dtype, monkeypatch, tmp_path):
+    """The C layers' logits and K/V do not depend on the instruction set the kernel is built for
+    (`TANDEM_CPU_MARCH`): built for the AVX2 baseline (x86-64-v3) and for this CPU (native, AVX-512
+    where it has it), a step of 1 and of 3 sequences gives the same bits, so the served tokens of a
+    wider CPU are the baseline's wherever the C layers run."""
+    from kernels.attention import cpu_native
+    from kernels.model.native_decode import NativeDecode
+
+    native_lib = cpu_native.kernel()
+    assert native_lib is not None, "the kernel did not build: no C compiler?"
+    monkeypatch.setenv(cpu_native.MARCH_ENV, "x86-64-v3")
+    baseline_path = tmp_path / "cpu_decode-baseline.so"
+    cpu_native.build(cpu_native._compiler(), baseline_path)
+    baseline_lib = cpu_native.load(baseline_path)
+    ours, _ = make_tiny_llama(seed=5, dtype=dtype)
+    runs = []
+    for lib in (native_lib, baseline_lib):
+        kv = KVCacheTensors.allocate(ours.arch.num_layers, 80, 4, ours.arch.num_kv_heads, ours.arch.head_dim, dtype,
+                                     "cpu")
+        seqs = make_seqs([40, 17, 9], 4, PageDealer(80, 5), ours.arch.vocab_size, seed=6)
+        run_step(ours, kv, 4, seqs, [37, 14, 6])
+        native = NativeDecode(ours, lib)
+        run_step(native, kv, 4, seqs[:1], [1])
+        run_step(native, kv, 4, seqs, [1, 1, 1])
+        runs.append((seqs, kv))
+    (seqs_a, kv_a), (seqs_b, kv_b) = runs
+    for a, b in zip(seqs_a, seqs_b):
+        assert a.logits.keys() == b.logits.keys()
+        assert all(torch.equal(a.logits[pos], b.logits[pos]) for pos in a.logits), "logits differ by -march"
+    assert all(torch.equal(x, y) for x, y in zip((*kv_a.k, *kv_a.v), (*kv_b.k, *kv_b.v))), "K/V differ by -march"
 
 
 def _hf_state_dict_of(ours, reference) -> dict:

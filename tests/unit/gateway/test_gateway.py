@@ -174,6 +174,26 @@ def test_chat_text_matches_offline_engine_with_template(client, tok, reference):
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_return_token_ids_names_the_prompt_and_every_output_token(client, tok, reference):
+    """vLLM's `return_token_ids`: the token ids the offline engine takes and gives (an EOS or stop
+    token included), where vLLM puts them; without it, neither field appears."""
+    ids = encode_prompt(tok, PROMPT)
+    text, req = reference(ids, greedy(max_tokens=10))
+    body = client.post(COMPLETION_PATH, json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
+                                              "return_token_ids": True}).json()
+    [choice] = body["choices"]
+    assert choice["prompt_token_ids"] == ids and choice["token_ids"] == list(req.output_token_ids)
+    assert choice["text"] == text
+    chat_ids = apply_chat_template(tok, QUESTION)
+    chat_text, chat_req = reference(chat_ids, greedy(max_tokens=12))
+    body = client.post(CHAT_PATH, json={"messages": QUESTION, "max_tokens": 12, "temperature": 0,
+                                        "return_token_ids": True}).json()
+    assert body["prompt_token_ids"] == chat_ids and body["choices"][0]["token_ids"] == list(chat_req.output_token_ids)
+    assert body["choices"][0]["message"]["content"] == chat_text
+    plain = client.post(COMPLETION_PATH, json={"prompt": PROMPT, "max_tokens": 2}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
 @pytest.mark.parametrize("include_usage", [True, False])
 def test_chat_stream_frames_and_text(client, tok, reference, include_usage):
     text, req = reference(apply_chat_template(tok, QUESTION), greedy(max_tokens=12))
@@ -284,6 +304,9 @@ BAD_REQUESTS = [
     (COMPLETION_PATH, {"prompt": "x", "logprobs": 2}, 400, "unsupported_parameter", "logprobs"),
     (COMPLETION_PATH, {"prompt": "x", "echo": True}, 400, "unsupported_parameter", "echo"),
     (COMPLETION_PATH, {"prompt": "x", "best_of": 3}, 400, "unsupported_parameter", "best_of"),
+    (COMPLETION_PATH, {"prompt": "x", "return_token_ids": 1}, 400, None, "return_token_ids"),
+    (CHAT_PATH, {"messages": QUESTION, "return_token_ids": True, "stream": True}, 400, "unsupported_parameter",
+     "return_token_ids"),
     (COMPLETION_PATH, {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
     (COMPLETION_PATH, {"prompt": [1, 10 ** 9]}, 400, None, "prompt"),
     (COMPLETION_PATH, {"prompt": ""}, 400, None, "prompt"),

@@ -116,8 +116,9 @@ def uses_bf16(precision: str, device: torch.device | str) -> bool:
         return precision == "bf16"
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported()
-    cpu = torch.cpu
-    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    from kernels.model.packed_linear import cpu_native_bf16
+
+    return cpu_native_bf16()
 
 
 def autocast(device: torch.device | str, bf16: bool) -> contextlib.AbstractContextManager:

@@ -144,12 +144,19 @@ def cpu_packing_available(dtype: torch.dtype = torch.float32) -> bool:
     return _cpu_packing[dtype]
 
 
+def cpu_native_bf16() -> bool:
+    """Whether torch multiplies bfloat16 natively on this CPU: oneDNN's bf16 dot products (AVX512-BF16
+    or AMX) are there and not capped off (`ONEDNN_MAX_CPU_ISA=AVX2` makes such a CPU one without).
+    The one test every bf16 CPU decision asks (packing, the C layer's share, training precision)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _probe_cpu_packing(dtype: torch.dtype) -> bool:
     mkldnn = torch.backends.mkldnn
     if not mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     if dtype == torch.bfloat16:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if not cpu_native_bf16():
             return False
     elif dtype != torch.float32:
         return False

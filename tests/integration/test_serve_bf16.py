@@ -21,7 +21,7 @@ import torch
 
 from tests.integration.serve_harness import eventually, metric, serving
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isa]  # bf16 matmuls: native where the CPU has bf16 dot products
 
 NEAR_TIE = 0.5  # logits: four bf16 steps at SmolLM2's top logits
 MAX_TOKENS = 32

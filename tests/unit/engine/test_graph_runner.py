@@ -169,6 +169,7 @@ def test_cpu_native_replays_give_hf_greedy_output_and_compile_nothing():
         engine.close()
 
 
+@pytest.mark.isa
 def test_cpu_native_bf16_replays_every_bucket_where_onednn_has_no_bf16_and_matches_the_torch_path(monkeypatch):
     """A bfloat16 engine on a CPU without bf16 dot products (forced) replays every decode bucket through
     the C layers (torch's bf16 matmul there: ~14 GFLOP/s), and its greedy tokens are those of the same

@@ -200,6 +200,7 @@ def test_architecture_variants_match_hf(overrides):
         assert_matches_hf(reference, seq, TINY_ATOL)
 
 
+@pytest.mark.isa
 @VARIANTS
 def test_native_decode_layers_match_hf(overrides):
     """Decode steps of 1 and 3 sequences through the C layers (`NativeDecode`; with attention_bias,
@@ -225,6 +226,7 @@ def test_native_decode_layers_match_hf(overrides):
         assert_matches_hf(reference, seq, TINY_ATOL)
 
 
+@pytest.mark.isa
 def test_native_bf16_decode_layers_round_as_the_torch_model_and_track_hf():
     """A bfloat16 model's decode steps through the C layers (bf16 weights and KV widened in
     registers, values rounded to bf16 where HF's model rounds them): the logits are the torch bf16
@@ -318,6 +320,7 @@ def _hf_state_dict_of(ours, reference) -> dict:
     return state
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_tracks_hf(dtype):
     """Model dtype end to end (KV cache too), float32 logits; rounding differs, so a loose bound."""

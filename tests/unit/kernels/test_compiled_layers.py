@@ -10,6 +10,8 @@ from kernels.kv_layout import KVCacheTensors
 from kernels.model.compiled import CompiledLayers, group_size
 from kernels.model.loader import make_tiny_llama
 
+pytestmark = pytest.mark.isa  # inductor vectorises for this CPU
+
 
 @pytest.mark.parametrize(("layers", "most", "group"), [(30, 6, 6), (32, 6, 4), (28, 6, 4), (7, 6, 1), (2, 6, 2),
                                                        (24, 6, 6), (30, 1, 1)])

@@ -17,6 +17,8 @@ from kernels.attention import build_attn_metadata, cpu_native
 from kernels.attention.torch_backend import TorchAttentionBackend
 from tests.helpers import random_page_tables
 
+pytestmark = pytest.mark.isa  # the C kernel is built for this CPU (-march)
+
 POISON = 1e4
 FLASH_OP = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.model.packed_linear import PackedLinear, cpu_packing_available, prepack_cpu
+from kernels.model.packed_linear import PackedLinear, cpu_native_bf16, cpu_packing_available, prepack_cpu
+
+pytestmark = pytest.mark.isa  # oneDNN packs bf16 only with bf16 dot products
 
 
 def make_linear(bias: bool, seed: int = 0) -> PackedLinear:
@@ -70,14 +72,15 @@ def test_training_takes_the_differentiable_matmul():
 
 def test_prepack_applies_to_the_dtypes_this_cpu_packs():
     """float32 always; bfloat16 where the CPU has native bf16 dot products; float16 never."""
-    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    bf16 = cpu_native_bf16()
     model = torch.nn.Sequential(make_linear(bias=False), make_linear(bias=True).to(torch.bfloat16),
                                 make_linear(bias=True).to(torch.float16))
     assert prepack_cpu(model) == 1 + bf16
     assert model[0].is_prepacked and model[1].is_prepacked == bf16 and not model[2].is_prepacked
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no native bf16 dot products")
+@pytest.mark.skipif(not cpu_native_bf16(), reason="needs bf16 dot products (AVX512-BF16 or AMX, not capped by "
+                    "ONEDNN_MAX_CPU_ISA); this CPU has none: the bf16 path without them is tested below")
 def test_bfloat16_packed_products_match_the_plain_matmul():
     linear = make_linear(bias=True).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(3)

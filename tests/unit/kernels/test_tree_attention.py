@@ -20,6 +20,8 @@ from kernels.attention.triton_backend import TritonAttentionBackend
 from kernels.speculative import ancestor_mask, verify_tree_greedy, verify_tree_mask
 from tests.helpers import random_page_tables
 
+pytestmark = pytest.mark.isa  # ATen's CPU flash attention vectorises for this CPU
+
 PARENTS = [0, 0, 1, 2, 1, 5, 3]  # verify rows of the drafts' parents: rows 1 and 2 off the root, 3 and 5 off row 1
 HEAD_WINDOW = [-1, -1, -1, 0, 1, 1, 4]  # node parents (node index, -1: the root) of a 7-node head window
 HEAD_ROWS = [4, 5, 6]  # the level being drafted: the window's last 3 nodes

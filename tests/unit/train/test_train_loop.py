@@ -15,6 +15,7 @@ from cluster.train.trainer import (IGNORE, epoch_batches, make_example, pad_batc
                                    unrolled_loss, uses_bf16)
 from cluster.train.unroll import logits, unrolled_forward
 from cluster.train.vocab import DraftVocab
+from kernels.model.packed_linear import cpu_native_bf16
 from kernels.model.eagle import load_eagle_checkpoint
 from tests.helpers import tiny_models
 from tests.unit.train.conftest import tiny_corpus, tiny_examples, tiny_target_head, tiny_target_hidden, tiny_vocab
@@ -107,10 +108,12 @@ def test_training_lowers_the_loss_and_the_published_head_loads_back_identical(se
             assert torch.equal(logits(head, ours), logits(loaded, theirs))
 
 
+@pytest.mark.isa
 def test_precision_decides_autocast_and_bf16_training_stays_near_fp32(settings, tmp_path):
     """bf16 runs the head's matmuls in bfloat16 (so its weights differ from an fp32 run's), while
     the loss and the weights stay close to fp32 training: float32 master weights, float32 labels."""
     assert uses_bf16("bf16", "cpu") and not uses_bf16("fp32", "cpu")
+    assert uses_bf16("auto", "cpu") == cpu_native_bf16()  # AVX512-BF16 or AMX, as oneDNN sees it
     samples, aux = tiny_corpus()
     vocab = tiny_vocab(samples)
     examples = tiny_examples(samples, aux, vocab, tiny_target_hidden())

@@ -16,12 +16,13 @@ Each part gets what it needs when it is made; nothing is wired after `EngineCore
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from engine.connector import ConnectorPorts, KVConnector
 from engine.core import EngineCore, EngineParts
 from engine.graphs.runner import GraphRunner, graph_max_batch
@@ -31,7 +32,7 @@ from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
-from kernels.attention import cpu_native
+from kernels.attention import cpu_native, get_backend, resolve_backend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
 from kv_store.device_pool import DevicePool
@@ -39,6 +40,8 @@ from kv_store.hicache import HostCache, NullHostCache
 from kv_store.l3.config import L3Config
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
+
+log = logging.getLogger(__name__)
 
 ConnectorFactory = Callable[[ConnectorPorts], KVConnector]
 """Makes a worker's connector from the ports its engine lends it (None: colocated, `NullConnector`)."""
@@ -54,6 +57,28 @@ class _Pools:
     kvm: KVManager
 
 
+def choose_attention_backend(config: EngineConfig, model: torch.nn.Module, draft_head: torch.nn.Module | None,
+                             device: torch.device) -> str:
+    """The attention backend this engine runs, `config.attention_backend` resolved for the device and
+    the model's dtype (`auto`: `kernels.attention.resolve_backend`), made the model's (and a given
+    draft head's; a head loaded later takes the model's) when it was built with another. Logged once.
+    Raises ConfigError when the named backend cannot run here (FlashInfer off CUDA, not importable)."""
+    if not hasattr(model, "use_attention_backend"):  # a test's wrapper keeps its own forward
+        return getattr(getattr(model, "backend", None), "name", "torch")
+    dtype = next(model.parameters()).dtype
+    try:
+        name = resolve_backend(config.attention_backend, device, dtype)
+    except ValueError as exc:
+        raise ConfigError(f"engine.attention_backend: {exc}") from None
+    if model.backend.name != name:
+        model.use_attention_backend(get_backend(name))
+    if draft_head is not None and draft_head.self_attn.backend.name != name:
+        draft_head.self_attn.backend = model.backend
+    log.info("attention backend: %s (engine.attention_backend %s, %s, %s)", name, config.attention_backend,
+             device, str(dtype).removeprefix("torch."))
+    return name
+
+
 def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None, eos_token_ids: Sequence[int] = (),
                  connector: ConnectorFactory | None = None, l3: L3Config | None = None,
                  draft_head: torch.nn.Module | None = None, compile_in_background: bool = False,
@@ -65,6 +90,7 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     `populate` (an engine made alone): its CPU KV pool is mapped in before this returns, so it runs
     at full speed at once; without, pages fault in as they are first written (a one-shot run)."""
     device = torch.device(config.device)
+    choose_attention_backend(config, model, draft_head, device)
     if config.speculative != "none":
         draft_head = draft_head if draft_head is not None else load_draft_head(config, model, arch)
         check_draft_head(config, draft_head)

@@ -143,6 +143,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = PackedLinear(arch.hidden_size, (arch.vocab_size,), bias=False)
         self.rotary = RotaryTable(arch)
 
+    def use_attention_backend(self, backend: AttentionBackend) -> None:
+        """Attend through `backend` from now on, in every layer (the engine's choice, made once when it
+        is built: `engine.build.choose_attention_backend`)."""
+        self.backend = backend
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
 
     @torch.no_grad()
     def forward(

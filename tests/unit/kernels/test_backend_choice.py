@@ -382,3 +382,37 @@ def test_building_the_backend_without_flashinfer_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ImportError
     with pytest.raises(ImportError, match="needs flashinfer-python"):
         get_backend("flashinfer")
+
+
+# ---- the engine honours its config -------------------------------------------------------------------
+@pytest.mark.usefixtures("triton_interpreted")
+def test_build_engine_runs_the_configured_backend_whatever_the_model_was_built_with():
+    """`engine.attention_backend` decides what the engine attends with, not how the model happened to
+    be built: a torch-built model under `triton` runs the Triton kernels (interpreted here) and gives
+    the torch engine's greedy tokens; `auto` on a CPU is torch again; a backend that cannot run here is
+    a ConfigError before anything is allocated."""
+    from engine import build_engine
+    from kernels.attention.torch_backend import TorchAttentionBackend
+    from kernels.attention.triton_backend import TritonAttentionBackend
+    from kernels.model.tiny import make_tiny_llama
+    from tests.helpers import greedy, make_prompts
+
+    model, _ = make_tiny_llama(4, num_hidden_layers=2)
+    assert model.backend.name == "torch"
+    arch = model.arch
+    prompts, params = make_prompts(2, min_len=5, max_len=9, seed=3), greedy(max_tokens=3)
+    tokens = {}
+    for name, kind in (("triton", TritonAttentionBackend), ("auto", TorchAttentionBackend)):
+        config = EngineConfig(page_size=4, num_pages=32, chunk_size=16, debug_kv=True, attention_backend=name)
+        engine = build_engine(config, model, arch)
+        try:
+            assert isinstance(model.backend, kind)
+            assert all(isinstance(layer.self_attn.backend, kind) for layer in model.model.layers)
+            tokens[name] = [r.output_token_ids for r in engine.generate(prompts, params)]
+            engine.check_integrity()
+        finally:
+            engine.close()
+    assert tokens["triton"] == tokens["auto"] and all(len(t) == 3 for t in tokens["auto"])
+    with pytest.raises(ConfigError, match="flashinfer runs on CUDA devices only"):
+        build_engine(EngineConfig(page_size=4, num_pages=32, attention_backend="flashinfer"), model, arch)
+

@@ -29,6 +29,7 @@ class ServeStartError(RuntimeError):
 
 
 def serve(config: ServeConfig) -> int:
+    from cluster.serve.gpus import node_gpu_count
     from cluster.serve.memory import ModelShape, node_ram_bytes, plan_memory
     from kernels.model.convert import resolve_model_dir  # not the loader: the gateway's process has no torch
     from kernels.model.generation_config import sampling_defaults
@@ -39,12 +40,14 @@ def serve(config: ServeConfig) -> int:
     tokenizer = load_tokenizer(model_dir)
     sampling = sampling_defaults(config.gateway.generation_config, config.model, model_dir)
     log.info("unset sampling fields: %s", sampling.describe())
+    node_gpus = None if config.cluster.address is not None else node_gpu_count()
+    config = fit_gpus(config, node_gpus)
     config, plan = plan_memory(config, ModelShape.read(model_dir), node_ram_bytes())
     for line in plan.describe():
         log.info("%s", line)
     guard = _SignalGuard()
     guard.install()  # a signal while Ray starts: KeyboardInterrupt, and LocalRay.start stops what it started
-    local_ray = _start_local_ray(config) if config.cluster.address is None else None
+    local_ray = _start_local_ray(config, node_gpus) if node_gpus is not None else None
     try:
         _connect_ray(config, local_ray)
         guard.install()  # again: Ray's driver installs its own SIGTERM handler in ray.init
@@ -73,20 +76,37 @@ def _serve_on_ray(config: ServeConfig, tokenizer, sampling, guard: _SignalGuard)
             _stop_controller(controller, config)
 
 
-def _start_local_ray(config: ServeConfig):
-    """A loopback-only, token-authenticated Ray instance in its own OS session (`cluster.serve.local_ray`)."""
+def fit_gpus(config: ServeConfig, node_gpus: int | None) -> ServeConfig:
+    """`config` with its CUDA workers fitted on a local instance's `node_gpus` (`cluster.serve.gpus`);
+    as it is on a cluster Ray already runs (None). Raises ServeStartError where they cannot fit."""
+    from cluster.serve.gpus import GPUPlacementError, gpu_demand, share_gpus
+
+    if node_gpus is None:
+        return config
+    try:
+        fitted = share_gpus(config, node_gpus)
+    except GPUPlacementError as exc:
+        raise ServeStartError(str(exc)) from None
+    if fitted is not config:
+        log.info("%d GPU(s) for CUDA workers asking %g: each asks %g of one", node_gpus, gpu_demand(config),
+                 next(g.num_gpus for g in (fitted.prefill, fitted.decode, fitted.colocated) if g.num_gpus))
+    return fitted
+
+
+def _start_local_ray(config: ServeConfig, node_gpus: int):
+    """A loopback-only, token-authenticated Ray instance in its own OS session (`cluster.serve.local_ray`),
+    told of the node's `node_gpus` GPUs (never of more: Ray would hand out devices that do not exist)."""
     from cluster.serve.local_ray import LocalRay, LocalRayError
 
     groups = (config.prefill, config.decode, config.colocated)
     wanted = sum(g.count * g.num_cpus for g in groups)
     num_cpus = config.cluster.num_cpus or max(os.cpu_count() or 1, int(wanted + 0.999))
-    num_gpus = sum(g.count * g.num_gpus for g in groups)
     resources: dict[str, float] = {}  # the one node hosts every group, so it has what each asks for
     for group in groups:
         for name, amount in group.resources.items():
             resources[name] = resources.get(name, 0.0) + group.count * amount
     try:
-        return LocalRay.start(num_cpus, int(num_gpus + 0.999) or None, resources)
+        return LocalRay.start(num_cpus, node_gpus, resources)
     except LocalRayError as exc:
         raise ServeStartError(f"could not start a local Ray instance: {exc}") from exc
 

@@ -85,3 +85,48 @@ def test_local_ray_is_private_loopback_only_and_leaves_nothing():
             proc.wait(30)
         if session_id is not None:
             end_session(session_id, 0.0)
+
+
+def gpu_child() -> None:
+    """The default CUDA cluster (a prefill and a decode worker) fitted on a node of one (declared) GPU,
+    in a LocalRay told of that one GPU: each worker's bundle and actor as the controller makes them;
+    reports Ray's GPU total and each actor's GPU ids."""
+    from cluster.serve import launch
+    from cluster.serve.config_load import load_serve_config
+
+    config = launch.fit_gpus(load_serve_config(overrides={"engine.device": "cuda"}), 1)
+    local = launch._start_local_ray(config, 1)  # before ray is imported (module docstring)
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from cluster.serve.controller import worker_bundle
+
+    try:
+        ray.init(address=local.address)
+        report = {"gpus": ray.cluster_resources().get("GPU", 0), "ids": []}
+        for group in (config.prefill, config.decode):
+            pg = placement_group([worker_bundle(group)])
+            ray.get(pg.ready(), timeout=60)
+
+            @ray.remote
+            def gpu_ids():
+                return [int(i) for i in ray.get_gpu_ids()]
+
+            task = gpu_ids.options(num_cpus=group.num_cpus, num_gpus=group.num_gpus,
+                                   scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0))
+            report["ids"].append(ray.get(task.remote(), timeout=60))
+        print(json.dumps(report), flush=True)
+    finally:
+        ray.shutdown()
+        local.stop()
+
+
+def test_two_cuda_workers_on_one_gpu_share_device_0():
+    """On a one-GPU node both workers are placed, and both are handed GPU 0: Ray is told of one GPU
+    (not the two whole GPUs the groups asked for), and each worker asks half of it."""
+    done = subprocess.run([sys.executable, "-c", "from tests.integration.test_local_ray import gpu_child; gpu_child()"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"gpus": 1.0, "ids": [[0], [0]]}

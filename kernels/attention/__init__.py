@@ -25,6 +25,10 @@ AUTO = "auto"
 AUTO_CUDA_ORDER: tuple[str, ...] = ("flashinfer", "triton")
 """What `auto` tries on a CUDA device, in order, before falling back to torch."""
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_PREBUILT = "flashinfer_jit_cache"
+"""The module of FlashInfer's prebuilt kernels (the `flashinfer-jit-cache` distribution, built for one
+CUDA version). Without it FlashInfer JIT-compiles each kernel with nvcc on first use (minutes, inside
+start-up's graph capture; impossible without nvcc), so `auto` takes it only where it is installed."""
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -73,10 +77,19 @@ def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype
     return None
 
 
+def _jit_only(name: str) -> str | None:
+    """Why `auto` passes over ``name`` although it could run: FlashInfer without prebuilt kernels."""
+    if name == "flashinfer" and import_error(FLASHINFER_PREBUILT) is not None:
+        return (f"no prebuilt kernels ({FLASHINFER_PREBUILT} not importable: install flashinfer-jit-cache), so "
+                "its first use would JIT-compile for minutes (name it to use it anyway)")
+    return None
+
+
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
     """The backend to build for the configured ``name`` on ``device`` for a model in ``dtype``.
 
-    ``auto``: flashinfer where it is importable on CUDA (and ``dtype`` is fp16/bf16), else triton where
+    ``auto``: flashinfer where it is importable on CUDA with its prebuilt kernels (`FLASHINFER_PREBUILT`)
+    and ``dtype`` is fp16/bf16, else triton where
     it is importable on CUDA, else torch (always torch off CUDA). Any other name is returned as it is
     if it can serve the model, else ValueError saying why.
     """
@@ -90,7 +103,7 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | 
     skipped = []
     if torch.device(device).type == "cuda":
         for candidate in AUTO_CUDA_ORDER:
-            why = unavailable_reason(candidate, device, dtype)
+            why = unavailable_reason(candidate, device, dtype) or _jit_only(candidate)
             if why is None:
                 log.info("attention backend auto -> %s on %s", candidate, device)
                 return candidate

@@ -53,21 +53,38 @@ def test_auto_is_torch_on_cpu_without_probing_gpu_libraries(importable, dtype):
     assert probed == []
 
 
+PREBUILT = attention.FLASHINFER_PREBUILT
+
+
 @HALF
-def test_auto_on_cuda_prefers_flashinfer_for_half_dtypes(importable, dtype):
-    importable({"flashinfer", "triton"})
+def test_auto_on_cuda_prefers_flashinfer_with_prebuilt_kernels_for_half_dtypes(importable, dtype):
+    importable({"flashinfer", PREBUILT, "triton"})
     assert resolve_backend(AUTO, "cuda", dtype) == "flashinfer"
     assert resolve_backend(AUTO, "cuda:1", dtype) == "flashinfer"
 
 
-def test_auto_on_cuda_falls_back_to_triton_then_torch(importable):
+@HALF
+def test_auto_passes_over_flashinfer_that_would_jit_compile_and_says_why(importable, dtype, caplog):
+    """FlashInfer without its prebuilt kernels compiles each one with nvcc on first use (minutes, in
+    start-up's graph capture): `auto` takes Triton and logs why; naming flashinfer still gets it."""
     importable({"flashinfer", "triton"})
+    with caplog.at_level("INFO", logger="tandem.kernels"):
+        assert resolve_backend(AUTO, "cuda", dtype) == "triton"
+    assert resolve_backend("flashinfer", "cuda", dtype) == "flashinfer"
+    importable({"flashinfer"})
+    with caplog.at_level("INFO", logger="tandem.kernels"):
+        assert resolve_backend(AUTO, "cuda", dtype) == "torch"
+    assert "flashinfer: no prebuilt kernels (flashinfer_jit_cache not importable" in caplog.text
+
+
+def test_auto_on_cuda_falls_back_to_triton_then_torch(importable):
+    importable({"flashinfer", PREBUILT, "triton"})
     assert resolve_backend(AUTO, "cuda", torch.float32) == "triton", "flashinfer has no fp32 kernels"
     importable({"triton"})
     assert resolve_backend(AUTO, "cuda", torch.bfloat16) == "triton"
     probed = importable(set())
     assert resolve_backend(AUTO, "cuda", torch.bfloat16) == "torch"
-    assert probed == ["flashinfer", "triton"]
+    assert probed == ["flashinfer", "triton"]  # flashinfer itself missing: its kernels are not probed
 
 
 def test_named_backends_are_checked_against_device_dtype_and_imports(importable):

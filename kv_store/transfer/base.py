@@ -153,6 +153,16 @@ def check_host_mapped(addr: int, length: int) -> None:
                             f"process (gap at {covered_to:#x}): a freed tensor or a bad data_ptr()?")
 
 
+def is_host_readable(addr: int, length: int) -> bool:
+    """Whether `[addr, addr + length)` is readable memory of this process (`check_host_mapped`): a
+    device allocation is not (its range is reserved without access, or not mapped at all)."""
+    try:
+        check_host_mapped(addr, length)
+    except RegistrationError:
+        return False
+    return True
+
+
 def _readable_mappings() -> list[tuple[int, int]]:
     spans = []
     with open("/proc/self/maps") as maps:
@@ -292,6 +302,9 @@ class Transport(abc.ABC):
     """
 
     session_id: str
+    reads_device_memory: bool = False
+    """Whether writes may read GPU memory in place (Mooncake's CUDA builds); False: only host memory,
+    so a prefill worker with its KV on a GPU ships through staging (`prefill_worker/staging.py`)."""
 
     @contextlib.contextmanager
     def register(self, addr: int, length: int) -> Iterator[MemoryRegion]:

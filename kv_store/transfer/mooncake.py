@@ -10,7 +10,8 @@ What the 0.3.x binding does (found by experiment with 0.3.13 `non-cuda`, TCP, an
     register_memory(addr, len)      0 | -7 overlaps a registered region | -1 zero length.
                                     TCP does NOT check that memory exists: a bogus addr returns 0
                                     and segfaults a lane thread at the first write. Hence
-                                    `check_host_mapped` before registering (tcp only).
+                                    `is_host_readable` before registering (tcp, non-CUDA
+                                    builds: `mooncake_build`; a CUDA build reads GPU memory).
     unregister_memory(addr)         0 | -3 unknown addr. Returns 0 even with writes in flight.
     transfer_submit_write(peer, src, dst, len)   batch id, or 0 if the handshake with `peer`
                                     failed (connection refused: immediate). Segment handles are
@@ -70,9 +71,9 @@ from kv_store.transfer.base import (
     TransferHandle,
     TransferStatus,
     WriteOp,
-    check_host_mapped,
     check_no_pending_reads,
     coalesce,
+    is_host_readable,
     validate_src,
 )
 from kv_store.transfer.bind_redirect import redirect_wildcard_binds, resolve_bind_address
@@ -94,6 +95,23 @@ class _BatchState(enum.Enum):
     @property
     def is_terminal(self) -> bool:
         return self is not _BatchState.RUNNING
+
+
+def _checked_build():
+    """The installed Mooncake build (`mooncake_build`), checked against torch's CUDA; TransferError
+    naming the fix when two builds are installed or the CUDA majors differ."""
+    from kv_store.transfer import mooncake_build
+
+    try:
+        import torch
+
+        torch_cuda = torch.version.cuda
+    except ImportError:
+        torch_cuda = None
+    try:
+        return mooncake_build.check(mooncake_build.installed(), torch_cuda)
+    except RuntimeError as exc:
+        raise TransferError(str(exc)) from None
 
 
 class _Engine:
@@ -223,6 +241,8 @@ class MooncakeTransport(Transport):
         if transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s={transfer_timeout_s} must be > 0")
         self.protocol = protocol
+        self.build = _checked_build()
+        self.reads_device_memory = self.build is not None and self.build.reads_device_memory
         self.max_inflight_ops_per_peer = max_inflight_ops_per_peer
         self.transfer_timeout_s = transfer_timeout_s
         self._engine = _Engine(hostname, protocol, device_name)
@@ -237,8 +257,13 @@ class MooncakeTransport(Transport):
 
     # ---- memory --------------------------------------------------------------------------------
     def _register_region(self, addr: int, length: int) -> MemoryRegion:
-        if self.protocol == "tcp":
-            check_host_mapped(addr, length)  # TCP lanes memcpy from it; mooncake itself never checks
+        if self.protocol == "tcp" and not self.reads_device_memory:
+            if not is_host_readable(addr, length):  # TCP lanes memcpy from it; mooncake itself never checks
+                build = self.build.distribution if self.build else "mooncake"
+                raise RegistrationError(
+                    f"region [{addr:#x}, {addr + length:#x}) is not host memory, and {build} copies from host "
+                    "memory only: GPU memory needs a CUDA build (tandem's gpu extra), or ships through host "
+                    "staging (a prefill worker does that itself); otherwise a freed tensor or a bad data_ptr()")
         with self._lock:
             self._check_open()
             region = self._regions.add(addr, length)

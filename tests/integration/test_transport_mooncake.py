@@ -217,10 +217,14 @@ def _timed_poll(transport, handle) -> tuple[TransferStatus, float]:
 
 
 def test_registration_errors():
-    """Bogus memory: mooncake's TCP path accepts it (segfault later); our adapter refuses it."""
+    """Bogus memory: mooncake's TCP path accepts it (segfault later); our adapter refuses it, naming the
+    build that reads host memory only (the cpu extra's)."""
     buf = torch.zeros(64 * KIB, dtype=torch.uint8)
     with MooncakeTransport("127.0.0.1") as transport:
-        with pytest.raises(RegistrationError, match="not readable memory"):
+        assert transport.build.distribution == "mooncake-transfer-engine-non-cuda"
+        assert not transport.reads_device_memory
+        with pytest.raises(RegistrationError, match="not host memory, and mooncake-transfer-engine-non-cuda copies "
+                                                    "from host memory only"):
             with transport.register(0x1000, 4096):
                 pass
         with transport.register_tensor(buf) as region:

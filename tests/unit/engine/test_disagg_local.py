@@ -121,6 +121,64 @@ def test_decode_kv_is_byte_identical_to_prefill_kv(make_hosts, prompts):
     assert prefill.sha256 and prefill.sha256 == decode.sha256
 
 
+@pytest.fixture
+def staged(monkeypatch):
+    """Prefill workers ship through host staging, as one whose KV pool is GPU memory does: the pool
+    reads as not host-readable (a device range is not) where the sender decides, and staging holds
+    one prefill chunk of pages, so a longer prompt goes in pieces as pages free up."""
+    import cluster.worker_host.build as build
+    import prefill_worker.staging as staging
+
+    monkeypatch.setattr(staging, "is_host_readable", lambda addr, length: False)
+    monkeypatch.setattr(build, "STAGING_CHUNKS", 1)
+
+
+@pytest.fixture(params=["in_place", "staged"])
+def shipping(request):
+    """Both ways a prefill worker ships: from its KV pool in place, and through host staging."""
+    if request.param == "staged":
+        request.getfixturevalue("staged")
+    return request.param
+
+
+@pytest.mark.usefixtures("staged")
+def test_staged_shipping_lands_the_same_kv_and_registers_only_staging(make_hosts, prompts, hf_outputs):
+    """Through staging: HF's greedy tokens and a byte-identical KV on the decode side for prompts of
+    up to 4 staging pools, the prefill transport's regions are the staging pages and never the KV
+    pool, and every staging page is free again at rest."""
+    hosts = make_hosts(page_size=4, chunk_size=16)
+    prefill = hosts["prefill-0"]
+    sender = prefill.worker.inner.engine.connector
+    assert sender.staging is not None and sender.staging.num_pages == 4
+    assert max(map(len, prompts)) > 3 * 4 * 4  # the longest prompt crosses the staging pool 3 times
+    regions = [(r.addr, r.end) for r in prefill.transport._regions.regions()]
+    pool = sender.kv_cache
+    for t in (*pool.k, *pool.v):
+        assert all(end <= t.data_ptr() or start >= t.data_ptr() + t.numel() * t.element_size()
+                   for start, end in regions), "the KV pool was registered with the transport"
+    staging_bytes = sum(t.numel() * t.element_size() for t in (*sender.staging.kv.k, *sender.staging.kv.v))
+    assert sum(end - start for start, end in regions) == staging_bytes
+
+    prompt = prompts[4]
+    full = len(prompt) // 4
+
+    async def scenario(d, views):
+        results = await asyncio.gather(*(run(d, f"s{i}", pr, greedy(max_tokens=24)) for i, pr in enumerate(prompts)))
+        await run(d, "kv", prompt, greedy(max_tokens=5))
+        for wid in hosts:
+            await views.links[wid].send([DigestKV(tuple(prompt), full)])
+            while not views.links[wid].digests:
+                await asyncio.sleep(0.01)
+        await at_rest(*hosts.values())
+        return results, [views.links[wid].digests[0] for wid in hosts]
+
+    results, (prefill_kv, decode_kv) = serve(hosts, scenario)
+    assert [r[0] for r in results] == hf_outputs
+    assert prefill_kv.num_pages == decode_kv.num_pages == full and prefill_kv.sha256 == decode_kv.sha256
+    assert sender.staging.num_free == sender.staging.num_pages
+    sender.check_integrity()
+
+
 def test_stall_trips_deadline_and_both_sides_release(make_hosts, prompts):
     hosts = make_hosts(deadlines=TransportConfig(waiting_s=0.5, transferring_s=0.5))
     hosts["prefill-0"].transport.stall_next(100)
@@ -138,7 +196,7 @@ def test_stall_trips_deadline_and_both_sides_release(make_hosts, prompts):
     assert last.finish_reason == "abort" and "timeout" in last.error and last.error_kind is ErrorKind.UNAVAILABLE
 
 
-def test_failed_transfer_is_rerouted_or_typed_and_next_request_succeeds(make_hosts, prompts, hf_outputs):
+def test_failed_transfer_is_rerouted_or_typed_and_next_request_succeeds(shipping, make_hosts, prompts, hf_outputs):
     hosts = make_hosts()
 
     async def scenario(d, views):
@@ -158,7 +216,7 @@ def test_failed_transfer_is_rerouted_or_typed_and_next_request_succeeds(make_hos
     assert ok[0] == hf_outputs[5] and not ok[1].error
 
 
-def test_client_abort_mid_transfer_and_dead_prefill_peer(make_hosts, prompts, hf_outputs):
+def test_client_abort_mid_transfer_and_dead_prefill_peer(shipping, make_hosts, prompts, hf_outputs):
     hosts = make_hosts(chunk_size=8)
     prefill = hosts["prefill-0"]
 
@@ -187,7 +245,7 @@ def test_client_abort_mid_transfer_and_dead_prefill_peer(make_hosts, prompts, hf
     assert tokens == hf_outputs[4] and not last.error and last.prefill_worker == ""
 
 
-def test_200_random_requests_with_aborts_leak_nothing(make_hosts):
+def test_200_random_requests_with_aborts_leak_nothing(shipping, make_hosts):
     rng = random.Random(5)
     hosts = make_hosts(page_size=4, chunk_size=24, num_pages=1 + 256 // 4, host_pages=1 + 192 // 4)
     prompts = make_prompts(200, min_len=2, max_len=60, seed=9)

@@ -2,8 +2,9 @@
 
 On CUDA one background thread per copier runs the jobs in submission order; `submit` returns at
 once and a job's completion is an event the scheduler polls (`CopyJob.done`) or, rarely, waits on.
-The thread issues the copies on its own stream (so they overlap the decode stream) and records one
-CUDA event per layer as it lands (`CopyJob.layer_events`, for layer-wise waiting), then
+The thread issues the copies on its own stream (so they overlap the decode stream), after an event
+recorded on the submitter's stream at `submit` (so a backup never reads pages before the forward that
+wrote them is done: `kv_store/stream_order.py`), and records one CUDA event per layer as it lands (`CopyJob.layer_events`, for layer-wise waiting), then
 synchronizes that stream before the job counts as done.
 
 On a CPU device the copies run inline: `submit` does the job on the caller's thread (the
@@ -45,6 +46,7 @@ import torch
 
 from kernels.attention import import_error
 from kernels.kv_layout import KVCacheTensors
+from kv_store.stream_order import CudaOrder, HostOrder, order_for
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class CopyJob:
     dst_pages: tuple[int, ...]
     num_bytes: int
     layer_events: list = field(default_factory=list)  # torch.cuda.Event per layer, CUDA only
+    after: object = None  # the submitter's mark: the copies wait for the work queued before it (CUDA)
     error: BaseException | None = None
     seconds: float = 0.0
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -90,12 +93,14 @@ class PageCopier:
     """
 
     def __init__(self, device: KVCacheTensors, host: KVCacheTensors, name: str = "kv-copier",
-                 use_kernel: bool | None = None, inline: bool | None = None):
+                 use_kernel: bool | None = None, inline: bool | None = None,
+                 order: HostOrder | CudaOrder | None = None):
         assert device.layout == host.layout, f"device/host layouts differ: {device.layout} vs {host.layout}"
         self.device, self.host = device, host
         self.bytes_per_page = device.layout.page_bytes
         dev = device.k[0].device
-        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._order = order if order is not None else order_for(dev)
+        """Each job's copies wait for the work queued before its `submit` (`kv_store/stream_order.py`)."""
         self._move = _first_move(device, host, use_kernel)
         self.inline = dev.type == "cpu" if inline is None else inline
         self._closed = False
@@ -116,7 +121,8 @@ class PageCopier:
 
     def submit(self, direction: Direction, src_pages: list[int], dst_pages: list[int]) -> CopyJob:
         assert len(src_pages) == len(dst_pages), "a copy needs one destination page per source page"
-        job = CopyJob(direction, tuple(src_pages), tuple(dst_pages), len(src_pages) * self.bytes_per_page)
+        job = CopyJob(direction, tuple(src_pages), tuple(dst_pages), len(src_pages) * self.bytes_per_page,
+                      after=self._order.mark())
         if self._closed or (self._thread is not None and not self._thread.is_alive()):
             raise RuntimeError("the KV copier is closed")
         if self.inline:
@@ -156,21 +162,16 @@ class PageCopier:
             self._copy_with(self._move, job)
 
     def _copy_with(self, move: _KernelMove | _StagedMove, job: CopyJob) -> None:
-        if self._stream is None:
+        with self._order.copy_after(job.after):  # after the forward that wrote the pages, on CUDA
             self._copy_layers(move, job)
-            return
-        with torch.cuda.stream(self._stream):
-            self._copy_layers(move, job)
-        self._stream.synchronize()
 
     def _copy_layers(self, move: _KernelMove | _StagedMove, job: CopyJob) -> None:
         to_host = job.direction is Direction.TO_HOST
         src_idx, dst_idx = move.page_index(job, to_host)
         for layer in range(self.device.num_layers):
             move.copy_layer(layer, to_host, src_idx, dst_idx)
-            if self._stream is not None:
-                event = torch.cuda.Event()
-                event.record(self._stream)
+            event = self._order.layer_done()
+            if event is not None:
                 job.layer_events.append(event)
 
 

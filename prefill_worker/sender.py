@@ -32,6 +32,7 @@ from engine.request import FinishReason, Request, RequestStatus
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob
 from kv_store.req_kv import ceil_div
+from kv_store.stream_order import order_for
 from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
 from prefill_worker.staging import StagingPages, reads_in_place
@@ -87,6 +88,7 @@ class KVSender(NullConnector):
         self._done: list[tuple[Request, FinishReason]] = []
         self._stopped: list[Request] = []
         self._staging_at_handle: dict[object, list[int]] = {}  # staged writes: handle -> the pages it reads
+        self._order = order_for(self.kv_cache.k[0].device)
         self.staging = None if reads_in_place(self.kv_cache, transport) else StagingPages(self.kv_cache, staging_pages)
         shipped_from = self.kv_cache if self.staging is None else self.staging.kv
         for t in (*shipped_from.k, *shipped_from.v):
@@ -221,6 +223,9 @@ class KVSender(NullConnector):
         if self.staging is not None:
             self._stage(req, shipment, start, upto)
             return
+        # A transport reading GPU memory in place does so outside CUDA's streams: the forward that
+        # wrote these pages must be done first (on a CPU this waits for nothing).
+        self._order.host_wait(self._order.mark())
         # The write reads cached pages too: a retract or abort may drop the request's tree lock
         # long before this handle retires, so the handle pins all it reads, whoever owns it.
         handle = self._write(shipment, self.kv_cache, kv.pages[start:upto], start, upto)

@@ -69,6 +69,7 @@ from engine.sessions import Session, SessionError, SessionState
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob, Direction, PageCopier, _StagedMove
 from kv_store.l3.config import L3Config, PrefetchPolicy
+from kv_store.stream_order import HostOrder
 from kv_store.tree_node import TreeNode
 from tests.helpers import make_engine, tiny_models
 from tests.redis_server import RedisServer
@@ -195,7 +196,7 @@ class ManualCopier(PageCopier):
     def __init__(self, device: KVCacheTensors, host: KVCacheTensors):
         self.device, self.host = device, host
         self.bytes_per_page = device.layout.page_bytes
-        self._stream = None
+        self._order = HostOrder()
         self._move = _StagedMove(device, host)
         self.pending: list[CopyJob] = []
         self.stalled = False

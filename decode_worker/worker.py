@@ -121,9 +121,9 @@ class DecodeWorker(ColocatedWorker):
         return max(super().wait_s(), min(LANDING_WAIT_S, self.receiver.next_deadline_s()))
 
     def max_request_tokens(self) -> int:
-        """The context limit, the device pool, and the host tier its prompt lands in."""
-        host = self.receiver.landing.pool
-        return min(self.engine.max_request_tokens(), host.num_usable * host.page_size)
+        """The context limit and the device pool: not the landing, since a prompt longer than it is
+        prefilled here (`router.policy.choose`)."""
+        return self.engine.max_request_tokens()
 
     def abort(self, request_id: str) -> bool:
         return self.receiver.abort(request_id) or self.engine.abort(request_id)

@@ -13,7 +13,9 @@ Route shapes:
                     pick would take: prefill among PREFILL workers, decode among DECODE workers
     local prefill   otherwise: one alive DECODE or COLOCATED worker computes the prompt itself
                     (prefill_id None; a short uncached part: among the DECODE workers); COLOCATED
-                    workers only ever take this shape
+                    workers only ever take this shape; so does a prompt longer than every decode
+                    worker's landing (`landing_tokens`): the context is never capped by a landing
+    A disaggregated decode worker is chosen among those whose landing holds the prompt.
 
 The views, the route and the knobs are `router.policy_types` (re-exported here), shared with
 `router.state`, the router's memory. Imports stdlib, `common.protocol`, `router.policy_types` and
@@ -209,14 +211,18 @@ def choose(policy: Policy, request: RequestView, workers: Sequence[WorkerView], 
     s = strategy.local(pools.serving, request, state, params)
     matched = state.match_len(s.worker.worker_id, prompt)
     local_max = params.local_prefill_max_tokens or 0  # 0: every prompt crosses, even one wholly cached
-    if pools.shape is _RouteShape.DISAGGREGATED and not (local_max and len(prompt) - matched <= local_max):
+    landable = tuple(w for w in pools.serving if not w.landing_tokens or len(prompt) <= w.landing_tokens)
+    if (pools.shape is _RouteShape.DISAGGREGATED and landable
+            and not (local_max and len(prompt) - matched <= local_max)):
         p = strategy.prefill(pools.prefill, request, state, params)
-        d = strategy.decode(pools.serving, request, state, params)
+        d = strategy.decode(landable, request, state, params)
         return Route(prefill_id=p.worker.worker_id, decode_id=d.worker.worker_id,
                      matched_prefix_tokens=state.match_len(p.worker.worker_id, prompt),
                      reason=f"prefill {p.why}; decode {d.why}")
-    short = ""  # prefill workers are alive: what the decode worker lacks of the prompt is short
-    if pools.shape is _RouteShape.DISAGGREGATED:
+    short = ""  # prefill workers are alive: the prompt is short where it lands, or too long to land
+    if pools.shape is _RouteShape.DISAGGREGATED and not landable:
+        short = f" ({len(prompt)} tokens: longer than every decode worker's landing)"
+    elif pools.shape is _RouteShape.DISAGGREGATED:
         short = f" ({len(prompt) - matched} uncached tokens <= {local_max})"
     return Route(prefill_id=None, decode_id=s.worker.worker_id, matched_prefix_tokens=matched,
                  reason=f"local prefill{short} {s.why}")

@@ -46,6 +46,7 @@ class WorkerView:
     shares_l3: bool = False  # its host tier reads the cluster's L3 store: any prefix prefilled anywhere is near
     device_tokens: int = 0  # tokens its device pool holds (0: unknown, its tree is not bounded by it)
     host_tokens: int = 0  # tokens its prefix-cache host tier (L2) holds
+    landing_tokens: int = 0  # a decode worker's landing: the longest prompt it can receive (0: not reported)
 
     def __post_init__(self):
         if not isinstance(self.role, WorkerRole):

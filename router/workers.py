@@ -218,12 +218,14 @@ class LiveWorker:
 
 
 def _cache_tokens(stats: p.WorkerStats | None) -> dict[str, int]:
-    """Tokens a worker's device pool and prefix-cache host tier hold (0: not reported yet)."""
+    """Tokens a worker's device pool, prefix-cache host tier and landing hold (0: not reported yet)."""
     page = stats.tiers.page_size if stats else 0
     if not page:
         return {}
     host = stats.host_cache.total - 1 if stats.host_cache is not None else 0  # less each pool's scratch page
-    return {"device_tokens": (stats.device.total - 1) * page, "host_tokens": max(0, host) * page}
+    landing = stats.host.total if stats.host is not None else 0  # usable pages: a prompt's whole landing
+    return {"device_tokens": (stats.device.total - 1) * page, "host_tokens": max(0, host) * page,
+            "landing_tokens": landing * page}
 
 
 def _usage(stats: p.PoolStats | None) -> float | None:

@@ -150,6 +150,26 @@ def test_a_short_prompt_prefills_on_the_decode_worker_and_a_long_one_crosses_fro
         assert len(routes) == 1 and (next(iter(routes)).startswith("prefill")) is crosses, (num_tokens, routes)
 
 
+def test_the_served_context_is_the_models_and_a_prompt_longer_than_the_landing_prefills_where_it_decodes(server):
+    """The context is SmolLM2's 8,192 tokens, not the decode worker's landing (2,048 tokens by
+    default): a new 2,300-token prompt, too long to land, is prefilled on the decode worker (no KV
+    crosses), and its greedy text is HF transformers' on the same ids."""
+    from tests.helpers import CHAT_PROMPTS, smollm2
+
+    [card] = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"]
+    assert card["max_model_len"] == 8192
+    landing_tokens = [w["stats"]["host"]["total"] * w["stats"]["tiers"]["page_size"] for w in server.workers()
+                      if w["role"] == "decode"]
+    assert landing_tokens and max(landing_tokens) < 2300, landing_tokens
+    text = " ".join(CHAT_PROMPTS * 40)
+    ids = smollm2()[0].tokenizer.encode(f"A long one. {text}", add_special_tokens=False)[:2300]
+    assert len(ids) == 2300
+    before = server.metrics()
+    assert_greedy_is_hf(server, ids, 4)
+    after = server.metrics()
+    assert metric(after, "tandem:kv_transfer_bytes_total") == metric(before, "tandem:kv_transfer_bytes_total")
+
+
 def test_a_request_without_sampling_fields_gets_the_generation_config_and_a_request_with_them_wins(server):
     """What the engines were asked for (the sampling parameters of each started request, counted by
     the gateway when it hands them to the dispatcher): 0.2 / 0.9 for a request that sets nothing,

@@ -301,18 +301,28 @@ def test_slow_but_moving_transfer_outlives_its_deadline(make_hosts, prompts, hf_
     assert last.kv_transfer_s > 2 * deadline_s  # the whole transfer took several deadlines
 
 
-def test_a_prompt_larger_than_the_whole_landing_pool_is_rejected_not_retried_forever(make_hosts):
+def test_a_prompt_larger_than_the_whole_landing_pool_is_prefilled_on_the_decode_worker(make_hosts):
+    """The landing does not cap the context: a prompt it cannot hold is prefilled where it decodes
+    (HF's tokens), one it holds still crosses from the prefill worker; the decode worker's limit is
+    its engine's, not its landing's."""
     hosts = make_hosts(page_size=4, host_pages=1 + 3)  # 3 usable landing pages: 12 tokens
+    decode = hosts["decode-0"].worker.inner
+    assert decode.max_request_tokens() == decode.engine.max_request_tokens() > 12
+    big_prompt, fits_prompt = list(range(3, 16)), list(range(3, 15))
+    _, hf, _ = tiny_models()
 
     async def scenario(d, views):
-        big = await run(d, "big", list(range(3, 16)), greedy(max_tokens=2))
-        fits = await run(d, "fits", list(range(3, 15)), greedy(max_tokens=2))
+        await fresh_stats(hosts["decode-0"])  # its landing is reported with its heartbeats
+        await asyncio.sleep(0.1)  # the dispatcher's views refresh every 20 ms
+        big = await run(d, "big", big_prompt, greedy(max_tokens=2))
+        fits = await run(d, "fits", fits_prompt, greedy(max_tokens=2))
         await at_rest(*hosts.values())
         return big, fits
 
     big, fits = serve(hosts, scenario)
-    assert big[1].error_kind is ErrorKind.REJECTED and "needs 4 landing pages" in big[1].error
-    assert len(fits[0]) == 2 and not fits[1].error
+    assert big[0] == hf_greedy(hf, big_prompt, 2) and not big[1].error and big[1].prefill_worker == ""
+    assert fits[0] == hf_greedy(hf, fits_prompt, 2) and not fits[1].error, fits[1]
+    assert fits[1].prefill_worker == "prefill-0", fits[1]
 
 
 @pytest.mark.parametrize("prefill_answers", [True, False])

@@ -283,6 +283,23 @@ def test_local_prefill_when_no_prefill_worker_is_alive(policy, state):
     assert state.match_len("p0", SHARED) == 0
 
 
+@pytest.mark.parametrize("policy", list(Policy))
+def test_a_prompt_longer_than_every_landing_is_prefilled_where_it_decodes(policy, state):
+    """The context is not capped by a landing: a prompt no decode worker can land is prefilled on a
+    decode worker; one that some can land decodes among those only; an unreported landing (0) takes
+    any prompt."""
+    workers = make_workers(prefill=1, decode=2, d0=dict(landing_tokens=64), d1=dict(landing_tokens=96))
+    too_long = route_and_record(policy, make_request(range(100, 200)), workers, state)
+    assert too_long.local_prefill and too_long.decode_id in ("d0", "d1")
+    assert "longer than every decode worker's landing" in too_long.reason
+    for i in range(4):
+        mid = route_and_record(policy, make_request(range(1000 * (i + 1), 1000 * (i + 1) + 80), f"m{i}"), workers,
+                               state)
+        assert mid.prefill_id == "p0" and mid.decode_id == "d1"
+    unknown = make_workers(prefill=1, decode=1)
+    assert choose(policy, make_request(range(5000, 5400)), unknown, state, PARAMS).prefill_id == "p0"
+
+
 def test_local_cache_aware_follows_the_decode_workers_own_caches(state):
     workers = make_workers(prefill=0, decode=2)
     assert route_and_record(Policy.CACHE_AWARE, make_request(SHARED), workers, state).decode_id == "d0"

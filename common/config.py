@@ -62,7 +62,10 @@ SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
 
 GENERATION_CONFIG_MODES = ("auto", "none")
 DEFAULT_KV_MEMORY_GIB = 2.0  # an engine made alone (tandem run, benches, tests), when neither size is given
-DEFAULT_HOST_CACHE_RATIO = 2.0  # an engine made alone, and `tandem serve` on CUDA
+DEFAULT_HOST_CACHE_RATIO = 2.0  # an engine made alone; on CUDA `tandem serve` caps it by the RAM budget
+STAGING_CHUNKS = 4
+"""A prefill worker that ships through host staging (its KV on a GPU, a transport that reads host
+memory only: `prefill_worker/staging.py`) has room there for this many prefill chunks of pages."""
 
 
 @dataclass(frozen=True)

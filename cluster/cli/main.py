@@ -220,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.serve.config_load import serve_config_from_args
             from cluster.serve.launch import serve
 
+            if args.plan_only:
+                from cluster.serve.launch import print_plan
+
+                return print_plan(serve_config_from_args(args), args.plan_gpus, args.plan_gpu_memory_gib)
+            if args.plan_gpus is not None or args.plan_gpu_memory_gib is not None:
+                raise ConfigError("--plan-gpus and --plan-gpu-memory-gib go with --plan-only")
             return serve(serve_config_from_args(args))
         if args.command == "run":
             from cluster.cli.run import run_offline

@@ -129,11 +129,13 @@ def _build_group(name: str, raw: Mapping[str, Any], engine_fields: dict[str, Any
                  ) -> WorkerGroupConfig:
     """The group's engine is the top-level one with the group's own `engine:` fields laid over it
     (`top_set`: the fields the top-level section names). A CPU decode group whose chunk size neither
-    names takes `CPU_DECODE_CHUNK_SIZE`."""
+    names takes `CPU_DECODE_CHUNK_SIZE`; a CUDA group whose dtype neither names serves bfloat16."""
     own = _section(raw, "engine", f"{name}.")
     fields = {**engine_fields, **own}
     if name == "decode" and fields.get("device") == "cpu" and "chunk_size" not in top_set | set(own):
         fields["chunk_size"] = CPU_DECODE_CHUNK_SIZE
+    if str(fields.get("device", "cpu")).startswith("cuda") and "dtype" not in top_set | set(own):
+        fields["dtype"] = "bfloat16"  # half the weights and KV of float32; every CUDA backend serves it
     engine = _make(EngineConfig, fields, f"{name}.engine.")
     raw = {"count": DEFAULT_COUNTS[name], **raw}
     if "num_gpus" not in raw and engine.device.startswith("cuda"):
@@ -239,6 +241,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", type=_key_value, metavar="KEY=VALUE",
                    help="set any field by dotted path, VALUE parsed as YAML (repeatable; beats the other flags), "
                         "e.g. --set decode.engine.max_running_requests=8 --set gateway.api_key=null")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print what would be placed where (Ray's GPUs, each worker's weights, KV, landing, staging "
+                        "and host tier, the max model length) and exit without starting anything")
+    p.add_argument("--plan-gpus", type=int, metavar="N", help="with --plan-only: plan for a node of N GPUs "
+                                                              "(default: this node's)")
+    p.add_argument("--plan-gpu-memory-gib", type=float, metavar="GIB",
+                   help="with --plan-only: plan for GPUs of this much memory (default: this node's)")
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -29,8 +29,8 @@ class ServeStartError(RuntimeError):
 
 
 def serve(config: ServeConfig) -> int:
+    from cluster.serve.gpu_plan import node_gpu_memory_bytes
     from cluster.serve.gpus import node_gpu_count
-    from cluster.serve.memory import ModelShape, node_ram_bytes, plan_memory
     from kernels.model.convert import resolve_model_dir  # not the loader: the gateway's process has no torch
     from kernels.model.generation_config import sampling_defaults
     from kernels.model.tokenizer import load_tokenizer
@@ -41,8 +41,7 @@ def serve(config: ServeConfig) -> int:
     sampling = sampling_defaults(config.gateway.generation_config, config.model, model_dir)
     log.info("unset sampling fields: %s", sampling.describe())
     node_gpus = None if config.cluster.address is not None else node_gpu_count()
-    config = fit_gpus(config, node_gpus)
-    config, plan = plan_memory(config, ModelShape.read(model_dir), node_ram_bytes())
+    config, plan = _placed(config, model_dir, node_gpus, node_gpu_memory_bytes())
     for line in plan.describe():
         log.info("%s", line)
     guard = _SignalGuard()
@@ -74,6 +73,38 @@ def _serve_on_ray(config: ServeConfig, tokenizer, sampling, guard: _SignalGuard)
     finally:
         if controller is not None:
             _stop_controller(controller, config)
+
+
+def _placed(config: ServeConfig, model_dir, node_gpus: int | None, gpu_bytes: int | None):
+    """(`config` with its CUDA workers fitted on the node's GPUs and every size resolved, the plan)."""
+    from cluster.serve.memory import ModelShape, node_ram_bytes, plan_memory
+
+    config = fit_gpus(config, node_gpus)
+    return plan_memory(config, ModelShape.read(model_dir), node_ram_bytes(), gpu_bytes)
+
+
+def print_plan(config: ServeConfig, gpus: int | None = None, gpu_memory_gib: float | None = None) -> int:
+    """`tandem serve --plan-only`: what `serve` would place where, for this node or for one of `gpus`
+    GPUs of `gpu_memory_gib` each, printed; nothing is started. Exit code 0."""
+    from cluster.serve.gpu_plan import node_gpu_memory_bytes
+    from cluster.serve.gpus import node_gpu_count
+    from kernels.model.convert import resolve_model_dir
+
+    node_gpus = gpus if gpus is not None else node_gpu_count()
+    gpu_bytes = int(gpu_memory_gib * 2**30) if gpu_memory_gib is not None else node_gpu_memory_bytes()
+    local = config.cluster.address is None
+    config, plan = _placed(config, resolve_model_dir(config.model), node_gpus if local else None, gpu_bytes)
+    ray = f"Ray: a local instance told of {node_gpus} GPU(s)" if local else f"Ray: the cluster at {config.cluster.address}"
+    gpu = f" of {gpu_bytes / 2**30:.0f} GiB" if gpu_bytes else ""
+    print(f"{ray}{gpu}; {config.model} in {config.decode.engine.dtype}")
+    for name in ("prefill", "decode", "colocated"):
+        group = getattr(config, name)
+        if group.count:
+            print(f"  {name} x{group.count}: {group.num_cpus:g} CPU, {group.num_gpus:g} GPU each, "
+                  f"on {group.engine.device}")
+    for line in plan.describe():
+        print(line)
+    return 0
 
 
 def fit_gpus(config: ServeConfig, node_gpus: int | None) -> ServeConfig:

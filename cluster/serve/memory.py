@@ -10,9 +10,11 @@ are sized after the weights, like vLLM's `--gpu-memory-utilization` or llama.cpp
                           have in flight, twice), then device pools by weight: prefill 1, decode and
                           colocated DECODE_SHARE (they hold every running request's whole context)
 
-Only CPU workers are planned: their pools live in the budgeted RAM. A CUDA worker's pool is device
-memory (`engine.kv_memory_gib`, or `DEFAULT_KV_MEMORY_GIB`), and its host tier keeps
-`DEFAULT_HOST_CACHE_RATIO`. On a CPU the host tier is off unless asked for (`host_cache_ratio` or
+CPU workers' pools live in the budgeted RAM. A CUDA worker's pool is device memory, sized from its
+share of the GPU (`cluster/serve/gpu_plan.py`); what it holds in RAM is planned here: its process,
+a decode worker's landing, a prefill worker's staging (`STAGING_CHUNKS` chunks of pages) and its
+host tier, which takes `DEFAULT_HOST_CACHE_RATIO` device pages at most and what the budget leaves
+(shared by the CUDA workers; off when CPU pools take that share). On a CPU the host tier is off unless asked for (`host_cache_ratio` or
 `host_cache_pages` set): it is the same RAM as the device pool; with L3 it is a staging area of
 `L3_STAGING_HOST_RATIO` (L3's pages land in host pages before they load). A size set by hand (`num_pages`,
 `kv_memory_gib`, `decode.host_pages`) is kept and counted. With `--address`, every worker is planned
@@ -31,7 +33,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import DEFAULT_HOST_CACHE_RATIO, ConfigError, EngineConfig, require
+from cluster.serve.gpu_plan import DEFAULT_GPU_MEMORY_UTILIZATION, GpuWorkerPlan, plan_gpus, served_context
+from common.config import DEFAULT_HOST_CACHE_RATIO, STAGING_CHUNKS, ConfigError, EngineConfig, require
 from common.protocol import KVLayout
 
 GIB = 2**30
@@ -59,10 +62,16 @@ class MemoryConfig:
     """RAM every process tandem starts on a node may hold together, GiB (> 0): the KV pools of its
     CPU workers are what is left after the processes' own overhead and the weights. None (auto): a
     quarter of the node's physical memory, at most 8 GiB. The start-up log prints the plan."""
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    """Fraction of each GPU's memory tandem's CUDA workers on it may hold together, in (0, 1]: their
+    KV pools are what it leaves after the weights (`cluster/serve/gpu_plan.py`)."""
 
     def __post_init__(self):
         require(self.budget_gib is None or (isinstance(self.budget_gib, (int, float)) and self.budget_gib > 0),
                 f"memory.budget_gib must be > 0 or null, got {self.budget_gib!r}")
+        u = self.gpu_memory_utilization
+        require(isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1,
+                f"memory.gpu_memory_utilization must be in (0, 1], got {u!r}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,7 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    max_context: int = 2048  # the model's max_position_embeddings
 
     @classmethod
     def read(cls, model_dir: Path) -> "ModelShape":
@@ -95,7 +105,7 @@ class ModelShape:
             num_linear += embed
         heads = config["num_attention_heads"]
         return cls(num_params, num_linear, config["num_hidden_layers"], config.get("num_key_value_heads", heads),
-                   config.get("head_dim") or config["hidden_size"] // heads)
+                   config.get("head_dim") or config["hidden_size"] // heads, config.get("max_position_embeddings", 2048))
 
     def page_bytes(self, engine: EngineConfig) -> int:
         extra = 1 if engine.speculative != "none" else 0  # the draft head's KV layer
@@ -126,12 +136,13 @@ class WorkerPlan:
     host_pages: int
     page_bytes: int
     page_size: int
+    staging_pages: int = 0  # a CUDA prefill worker's host staging
 
     @property
     def ram_bytes(self) -> int:
         """What one worker of the group holds in RAM by this plan."""
         device = self.weight_bytes + self.kv_pages * self.page_bytes if self.on_cpu else 0
-        return WORKER_OVERHEAD_BYTES + device + (self.landing_pages + self.host_pages) * self.page_bytes
+        return WORKER_OVERHEAD_BYTES + device + (self.landing_pages + self.host_pages + self.staging_pages) * self.page_bytes
 
 
 @dataclass(frozen=True)
@@ -139,6 +150,8 @@ class MemoryPlan:
     budget_bytes: int
     budget_source: str
     workers: tuple[WorkerPlan, ...]
+    gpu_workers: tuple[GpuWorkerPlan, ...] = ()
+    max_model_len: int = 0  # the longest request served (`gpu_plan.served_context`)
 
     @property
     def total_bytes(self) -> int:
@@ -152,13 +165,17 @@ class MemoryPlan:
                  f"planned {self.total_bytes / GIB:.2f} GiB{over}: Ray, controller and gateway "
                  f"~{NODE_OVERHEAD_BYTES / GIB:.1f} GiB"]
         for w in self.workers:
-            where = "" if w.on_cpu else " on the GPU (outside this budget)"
-            kv = f"KV {w.kv_pages * w.page_bytes / GIB:.2f} GiB = {(w.kv_pages - 1) * w.page_size:,} tokens{where}"
+            kv = (f"weights {w.weight_bytes / GIB:.2f} GiB, KV {w.kv_pages * w.page_bytes / GIB:.2f} GiB = "
+                  f"{(w.kv_pages - 1) * w.page_size:,} tokens" if w.on_cpu else "weights and KV on the GPU (below)")
             extra = f", landing {w.landing_pages * w.page_bytes / GIB:.2f} GiB" if w.landing_pages else ""
+            extra += f", staging {w.staging_pages * w.page_bytes / GIB:.2f} GiB" if w.staging_pages else ""
             host = (f"host tier {w.host_pages * w.page_bytes / GIB:.2f} GiB = {(w.host_pages - 1) * w.page_size:,} tokens"
                     if w.host_pages else "host tier off")
             lines.append(f"  {w.role} x{w.count}: each ~{w.ram_bytes / GIB:.2f} GiB in RAM: process "
-                         f"~{WORKER_OVERHEAD_BYTES / GIB:.1f} GiB, weights {w.weight_bytes / GIB:.2f} GiB, {kv}{extra}, {host}")
+                         f"~{WORKER_OVERHEAD_BYTES / GIB:.1f} GiB, {kv}{extra}, {host}")
+        lines += [w.describe() for w in self.gpu_workers]
+        if self.max_model_len:
+            lines.append(f"  max model length {self.max_model_len:,} tokens")
         return lines
 
 
@@ -171,9 +188,11 @@ def auto_budget(ram_bytes: int) -> tuple[int, str]:
     return int(budget), f"auto: a quarter of {ram_bytes / GIB:.1f} GiB, at most {AUTO_BUDGET_MAX_GIB:g} GiB"
 
 
-def plan_memory(config, shape: ModelShape, ram_bytes: int):
+def plan_memory(config, shape: ModelShape, ram_bytes: int, gpu_bytes: int | None = None):
     """(`config` with every worker group's automatic sizes resolved, its `MemoryPlan`). `config` is a
-    `ServeConfig`. Raises ConfigError when the budget cannot hold the processes and the weights."""
+    `ServeConfig`; `gpu_bytes` one GPU's memory (None: unknown, or no GPU). Raises ConfigError when
+    the budget cannot hold the processes and the weights, or a GPU share its weights."""
+    config, gpu_plans = plan_gpus(config, shape, gpu_bytes)
     if config.memory.budget_gib is not None:
         budget, source = int(config.memory.budget_gib * GIB), "memory.budget_gib"
     else:
@@ -190,6 +209,7 @@ def plan_memory(config, shape: ModelShape, ram_bytes: int):
         raise ConfigError(f"the memory budget ({budget / GIB:.2f} GiB, {source}) cannot hold the processes and "
                           f"weights ({before_kv:.2f} GiB before any KV pool): set memory.budget_gib to at least "
                           f"{before_kv + 0.5:.1f}, or run fewer workers")
+    cuda_hosts = sum(g.count for g in groups.values() if _cuda_auto_host(g.engine))
     resolved, plans = {}, []
     for name, group in groups.items():
         engine = group.engine
@@ -200,12 +220,31 @@ def plan_memory(config, shape: ModelShape, ram_bytes: int):
             share = left * (weights[name] / group.count) / sum(weights.values())
             kv_pages = max(2, int(share // (page_bytes * (1 + _planned_host_ratio(engine)))))
             engine = dataclasses.replace(engine, num_pages=kv_pages)
+        if _cuda_auto_host(engine):  # RAM the budget leaves, none where CPU pools took it
+            host_bytes = 0 if weights else max(0, left) // cuda_hosts
+            pages = min(int(engine.resolve(page_bytes, 1 << 30).num_pages * DEFAULT_HOST_CACHE_RATIO),
+                        host_bytes // page_bytes)
+            engine = dataclasses.replace(engine, host_cache_pages=pages if pages >= 2 else 0)
         sized = engine.resolve(page_bytes, 1 << 30)
         plans.append(WorkerPlan(name, group.count, engine.device == "cpu", shape.weight_bytes(engine, prepacked),
-                                sized.num_pages, landing_pages, sized.host_cache_pages, page_bytes, engine.page_size))
+                                sized.num_pages, landing_pages, sized.host_cache_pages, page_bytes, engine.page_size,
+                                _staging_pages(name, engine)))
         resolved[name] = dataclasses.replace(group, engine=engine,
                                              host_pages=landing_pages if name == "decode" else group.host_pages)
-    return dataclasses.replace(config, **resolved), MemoryPlan(budget, source, tuple(plans))
+    config = dataclasses.replace(config, **resolved)
+    return config, MemoryPlan(budget, source, tuple(plans), gpu_plans, served_context(config, shape))
+
+
+def _cuda_auto_host(engine: EngineConfig) -> bool:
+    """A CUDA worker's host tier not sized by hand: the plan sizes it from the RAM budget."""
+    return engine.device != "cpu" and engine.host_cache_pages is None and engine.host_cache_ratio is None
+
+
+def _staging_pages(name: str, engine: EngineConfig) -> int:
+    """A CUDA prefill worker's host staging (`prefill_worker/staging.py`), planned as if used."""
+    if name != "prefill" or engine.device == "cpu":
+        return 0
+    return STAGING_CHUNKS * -(-engine.chunk_size // engine.page_size)
 
 
 def _with_host_tier(group, with_l3: bool):
@@ -245,8 +284,9 @@ def _fixed_part(name: str, group, shape: ModelShape, config) -> tuple[int, int, 
             fixed += sized.num_pages * page_bytes
         if engine.host_cache_pages is not None or (engine.host_cache_ratio is not None and not _kv_planned(engine)):
             fixed += sized.host_cache_pages * page_bytes  # asked for on a CPU (a ratio of a planned pool: its share)
-    else:
-        fixed += sized.host_cache_pages * page_bytes  # a CUDA worker's host tier is RAM
+    else:  # a CUDA worker's host tier (set by hand; else planned from what is left) and staging are RAM
+        fixed += (0 if _cuda_auto_host(engine) else sized.host_cache_pages * page_bytes)
+        fixed += _staging_pages(name, engine) * page_bytes
     return fixed, landing, prepacked
 
 

@@ -89,11 +89,6 @@ def worker_role(role: WorkerRole | str) -> WorkerRole:
         raise ValueError(f"unknown worker role {role!r}: one of {sorted(r.value for r in WorkerRole)}") from None
 
 
-STAGING_CHUNKS = 4
-"""A prefill worker that ships through host staging (its KV on a GPU, a transport that reads host
-memory only) has room there for this many prefill chunks of pages in flight."""
-
-
 def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, transport=None, *, host_pages: int = 0,
                 tokenizer=None, eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
                 clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None, draft_head=None,
@@ -108,6 +103,8 @@ def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, trans
     from prefill_worker.worker import PrefillWorker
 
     role = worker_role(role)
+    from common.config import STAGING_CHUNKS
+
     staging_pages = STAGING_CHUNKS * -(-config.chunk_size // config.page_size)
     connectors = {WorkerRole.PREFILL: lambda ports: KVSender(ports, transport, deadlines, clock, staging_pages),
                   WorkerRole.DECODE: lambda ports: KVReceiver(ports, transport, host_pages, deadlines, clock),

@@ -76,6 +76,7 @@ from kv_store.transfer.base import (
     is_host_readable,
     validate_src,
 )
+from kv_store.transfer import mooncake_build
 from kv_store.transfer.bind_redirect import redirect_wildcard_binds, resolve_bind_address
 from kv_store.transfer.listeners import Listener, listening_sockets
 
@@ -95,23 +96,6 @@ class _BatchState(enum.Enum):
     @property
     def is_terminal(self) -> bool:
         return self is not _BatchState.RUNNING
-
-
-def _checked_build():
-    """The installed Mooncake build (`mooncake_build`), checked against torch's CUDA; TransferError
-    naming the fix when two builds are installed or the CUDA majors differ."""
-    from kv_store.transfer import mooncake_build
-
-    try:
-        import torch
-
-        torch_cuda = torch.version.cuda
-    except ImportError:
-        torch_cuda = None
-    try:
-        return mooncake_build.check(mooncake_build.installed(), torch_cuda)
-    except RuntimeError as exc:
-        raise TransferError(str(exc)) from None
 
 
 class _Engine:
@@ -241,7 +225,10 @@ class MooncakeTransport(Transport):
         if transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s={transfer_timeout_s} must be > 0")
         self.protocol = protocol
-        self.build = _checked_build()
+        try:
+            self.build = mooncake_build.checked()
+        except RuntimeError as exc:
+            raise TransferError(str(exc)) from None
         self.reads_device_memory = self.build is not None and self.build.reads_device_memory
         self.max_inflight_ops_per_peer = max_inflight_ops_per_peer
         self.transfer_timeout_s = transfer_timeout_s

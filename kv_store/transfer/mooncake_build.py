@@ -67,3 +67,14 @@ def check(builds: list[MooncakeBuild], torch_cuda: str | None) -> MooncakeBuild 
                            f"{torch_cuda}: install {want} instead (tandem's extra "
                            f"'{EXTRA_OF_CUDA.get(torch_major, 'gpu')}')")
     return build
+
+
+def checked() -> MooncakeBuild | None:
+    """The installed build checked against this process's torch (`check`); None when none is."""
+    try:
+        import torch
+
+        torch_cuda = torch.version.cuda
+    except ImportError:
+        torch_cuda = None
+    return check(installed(), torch_cuda)

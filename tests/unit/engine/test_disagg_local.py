@@ -126,11 +126,11 @@ def staged(monkeypatch):
     """Prefill workers ship through host staging, as one whose KV pool is GPU memory does: the pool
     reads as not host-readable (a device range is not) where the sender decides, and staging holds
     one prefill chunk of pages, so a longer prompt goes in pieces as pages free up."""
-    import cluster.worker_host.build as build
+    import common.config
     import prefill_worker.staging as staging
 
     monkeypatch.setattr(staging, "is_host_readable", lambda addr, length: False)
-    monkeypatch.setattr(build, "STAGING_CHUNKS", 1)
+    monkeypatch.setattr(common.config, "STAGING_CHUNKS", 1)
 
 
 @pytest.fixture(params=["in_place", "staged"])

@@ -1,0 +1,112 @@
+"""GPU memory of `tandem serve`'s CUDA workers: their KV pools sized from the GPU, like vLLM's
+`--gpu-memory-utilization`, and the context length the plan can hold.
+
+    a worker's share of its GPU = min(num_gpus, 1) x memory.gpu_memory_utilization x the GPU's memory
+      - its weights (engine.dtype: bfloat16 by default on CUDA)
+      - GPU_RESERVE_BYTES (CUDA context, a prefill chunk's activations, graph pools, allocator slack)
+      = its KV pool (sizes set by hand, num_pages or kv_memory_gib, are kept and counted)
+
+A worker drives one device whatever `num_gpus` says (there is no tensor parallelism), so a share is at
+most one GPU. Host memory of a CUDA worker (its host tier, a decode worker's landing, a prefill
+worker's staging) is RAM, planned with the budget in `cluster/serve/memory.py`.
+
+The served context (`max_model_len`) is the model's, capped by `engine.max_model_len` and by the
+smallest pool of a worker that holds a whole request. Pure: the caller reads the GPU's memory
+(`node_gpu_memory_bytes`, without torch) and passes it in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from common.config import ConfigError
+
+GIB = 2**30
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+GPU_RESERVE_BYTES = 2 * GIB
+MIN_GPU_KV_BYTES = GIB // 4
+GROUPS = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class GpuWorkerPlan:
+    """One CUDA worker group's device memory, per worker."""
+
+    role: str
+    count: int
+    gpu_fraction: float  # of one GPU
+    share_bytes: int  # what it may hold on its GPU
+    weight_bytes: int
+    kv_pages: int  # scratch page included
+    page_bytes: int
+    page_size: int
+
+    def describe(self) -> str:
+        kv = self.kv_pages * self.page_bytes
+        return (f"  {self.role} x{self.count} on the GPU: each {self.gpu_fraction:g} of a GPU, "
+                f"{self.share_bytes / GIB:.1f} GiB: weights {self.weight_bytes / GIB:.2f} GiB, reserve "
+                f"{GPU_RESERVE_BYTES / GIB:.1f} GiB, KV {kv / GIB:.2f} GiB = {(self.kv_pages - 1) * self.page_size:,} tokens")
+
+
+def node_gpu_memory_bytes() -> int | None:
+    """One GPU's memory on this node (the first `nvidia-smi` lists), read without torch or a CUDA
+    context; None without nvidia-smi or a GPU."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return int(float(out[0]) * 2**20) if out else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def plan_gpus(config, shape, gpu_bytes: int | None) -> tuple[object, tuple[GpuWorkerPlan, ...]]:
+    """(`config` with its CUDA groups' KV pools sized, their plans). `config` is a `ServeConfig`,
+    `shape` a `memory.ModelShape`, `gpu_bytes` one GPU's memory (None: unknown; then the pools keep
+    `engine.kv_memory_gib`'s default). Raises ConfigError when a worker's share of its GPU cannot hold
+    its weights, the reserve and a minimal pool."""
+    utilization = config.memory.gpu_memory_utilization
+    resolved, plans = {}, []
+    for name in GROUPS:
+        group = getattr(config, name)
+        engine = group.engine
+        if not group.count or not engine.device.startswith("cuda") or gpu_bytes is None:
+            continue
+        fraction = min(group.num_gpus, 1.0)
+        share = int(fraction * utilization * gpu_bytes)
+        weights = shape.weight_bytes(engine, prepacked=False)
+        page_bytes = shape.page_bytes(engine)
+        if engine.num_pages is None and engine.kv_memory_gib is None:
+            kv_bytes = share - weights - GPU_RESERVE_BYTES
+            if kv_bytes < MIN_GPU_KV_BYTES:
+                raise ConfigError(
+                    f"{name}: {fraction:g} of a {gpu_bytes / GIB:.0f} GiB GPU at memory.gpu_memory_utilization "
+                    f"{utilization:g} is {share / GIB:.1f} GiB, which cannot hold the weights "
+                    f"({weights / GIB:.1f} GiB, {engine.dtype}), {GPU_RESERVE_BYTES / GIB:.0f} GiB of reserve and a KV "
+                    "pool: give the group more of a GPU (num_gpus), fewer workers per GPU, or a smaller dtype")
+            engine = dataclasses.replace(engine, num_pages=max(2, kv_bytes // page_bytes))
+        kv_pages = engine.resolve(page_bytes, 1 << 30).num_pages
+        plans.append(GpuWorkerPlan(name, group.count, fraction, share, weights, kv_pages, page_bytes, engine.page_size))
+        resolved[name] = dataclasses.replace(group, engine=engine)
+    return dataclasses.replace(config, **resolved), tuple(plans)
+
+
+def served_context(config, shape) -> int:
+    """The longest request the cluster serves: the model's context, capped by each group's
+    `engine.max_model_len` and by the smallest pool of its workers (a request's whole KV)."""
+    limits = []
+    for name in GROUPS:
+        group = getattr(config, name)
+        if not group.count:
+            continue
+        engine = group.engine
+        limit = min(engine.max_model_len or shape.max_context, shape.max_context)
+        if engine.num_pages is not None:
+            limit = min(limit, (engine.num_pages - 1) * engine.page_size)
+        limits.append(limit)
+    return min(limits) if limits else shape.max_context

@@ -196,12 +196,14 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden]`` final-normed states -> float32 ``[N, vocab]`` (for spec-decode heads)."""
         return self.lm_head(hidden).float()
 
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], device: torch.device | str | None = None) -> None:
         """Load HF ``LlamaForCausalLM`` weights by name, strictly, packing them (see PackedLinear).
 
         ``lm_head.weight`` may be absent when embeddings are tied (it is ignored if present);
         ``*.rotary_emb.inv_freq`` buffers of old checkpoints are ignored. Tensors are cast to each
-        parameter's dtype; a parameter on the meta device takes the tensor's device.
+        parameter's dtype. ``device``: where the parameters go, each tensor moved there as it is taken
+        (one module's parts at a time beside what is loaded: the checkpoint itself can stay on the
+        host); None: a parameter on the meta device takes the tensor's device, others keep theirs.
         """
         given = {k: v for k, v in state_dict.items() if not _ignored_key(k, self.arch)}
         packing = self._hf_packing()
@@ -217,15 +219,15 @@ class LlamaForCausalLM(nn.Module):
         _check_keys(expected, set(given))
         loaded = {}
         for name in direct:
-            loaded[name] = self._cast_like(given[name], self.get_parameter(name), name)
+            loaded[name] = self._cast_like(given[name], self.get_parameter(name), name, device)
         for module_name, parts in packing.items():
             module = self.get_submodule(module_name)
-            device = self._target_device(module.weight, given[parts[0] + ".weight"])
+            target = self._target_device(module.weight, given[parts[0] + ".weight"], device)
             weights = [given[p + ".weight"] for p in parts]
             biases = [given[p + ".bias"] for p in parts] if module.bias is not None else None
             self._check_shape(module_name, torch.Size((sum(w.shape[0] for w in weights), weights[0].shape[1])),
                               module.weight.shape)
-            for key, tensor in PackedLinear.pack(weights, biases, module, device).items():
+            for key, tensor in PackedLinear.pack(weights, biases, module, target).items():
                 loaded[f"{module_name}.{key}"] = tensor
         self.load_state_dict(loaded, strict=True, assign=True)
         if self.arch.tie_word_embeddings:  # the same [vocab, hidden] values: hold them once
@@ -243,14 +245,17 @@ class LlamaForCausalLM(nn.Module):
         return packing
 
     @staticmethod
-    def _target_device(param: torch.Tensor, tensor: torch.Tensor) -> torch.device:
+    def _target_device(param: torch.Tensor, tensor: torch.Tensor, device: torch.device | str | None) -> torch.device:
+        if device is not None:
+            return torch.device(device)
         return tensor.device if param.is_meta else param.device
 
-    def _cast_like(self, tensor: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
-        """`tensor` as `param`'s device and dtype, in memory of its own: a checkpoint read with mmap
-        would otherwise stay mapped (and resident) whole for as long as one of its tensors lives."""
+    def _cast_like(self, tensor: torch.Tensor, param: torch.Tensor, name: str,
+                   device: torch.device | str | None) -> torch.Tensor:
+        """`tensor` as `param`'s dtype on the load's device, in memory of its own: a checkpoint read
+        with mmap would otherwise stay mapped (and resident) whole for as long as one of its tensors lives."""
         self._check_shape(name, tensor.shape, param.shape)
-        out = tensor.to(device=self._target_device(param, tensor), dtype=param.dtype)
+        out = tensor.to(device=self._target_device(param, tensor, device), dtype=param.dtype)
         return out.clone() if out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() else out
 
     @staticmethod

@@ -44,12 +44,15 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]  # every id that ends generation
 
 
-def _read_state_dict(model_dir: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
+def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's shards, mapped from the files on the host (read as used):
+    `load_hf_state_dict` moves each to the model's device as it takes it, so the device never holds
+    the checkpoint beside the model (a CUDA load peaked near twice the weights that way)."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(str(shard), device=str(device)))
+        state.update(load_file(str(shard), device="cpu"))
     return state
 
 
@@ -64,7 +67,7 @@ def build_model(
     attention = get_backend(resolve_backend(backend, device, dtype))
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, attention).to(dtype)
-    model.load_hf_state_dict(_read_state_dict(model_dir, device))
+    model.load_hf_state_dict(_read_state_dict(model_dir), device=device)
     leftover = [name for name, p in model.named_parameters() if p.is_meta]
     assert not leftover, f"parameters never loaded (still on meta): {leftover[:5]}"
     return model.eval()

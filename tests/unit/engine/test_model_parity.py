@@ -460,3 +460,37 @@ def test_smollm2_batched_greedy_matches_hf_generate(smollm2):
                 eos_token_id=None,
             )[0].tolist()
         assert seq.token_ids == expected
+
+
+def test_the_loader_reads_the_checkpoint_on_the_host_and_moves_each_tensor_to_the_models_device(tmp_path,
+                                                                                                 monkeypatch):
+    """A load never puts the checkpoint on the model's device beside the model: shards are mapped on
+    the host, and each tensor (a packed module's parts, then the packed tensor) goes to the device as
+    it is taken, one packed module's parts at a time, so a device holds the weights plus one module
+    at most, not twice the weights; the model loaded that way is HF's."""
+    from kernels.model import loader
+    from kernels.model.packed_linear import PackedLinear
+
+    _, ref = make_tiny_llama(seed=3)
+    ref.save_pretrained(tmp_path)
+    state = loader._read_state_dict(tmp_path)
+    assert {t.device.type for t in state.values()} == {"cpu"}
+    moved_at_once = []
+    real_pack = PackedLinear.pack
+
+    def pack(weights, biases, like, device):
+        moved_at_once.append(sum(w.numel() for w in weights))
+        return real_pack(weights, biases, like, device)
+
+    monkeypatch.setattr(PackedLinear, "pack", staticmethod(pack))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaArch.from_hf_config(ref.config))
+    model.load_hf_state_dict(state, device="meta")  # the target device, whatever the tensors' own
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert max(moved_at_once) <= max(t.numel() for t in state.values()) * 3  # one module's parts at a time
+    cpu = loader.build_model(tmp_path, ref.config, "cpu", torch.float32, "torch")
+    assert all(torch.equal(cpu.state_dict()[k], v) for k, v in cpu.state_dict().items())
+    seq = make_seqs([9], 4, PageDealer(8, 1), cpu.arch.vocab_size, seed=1)[0]
+    kv = make_kv(cpu.arch, 8, 4)
+    run_step(cpu, kv, 4, [seq], [9])
+    assert_matches_hf(ref, seq, TINY_ATOL)

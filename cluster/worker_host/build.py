@@ -102,9 +102,11 @@ def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, trans
     from prefill_worker.sender import KVSender
     from prefill_worker.worker import PrefillWorker
 
-    role = worker_role(role)
     from common.config import STAGING_CHUNKS
 
+    role = worker_role(role)
+    if role is WorkerRole.PREFILL and config.cuda_graph:  # it never decodes: capturing buckets would only cost
+        config = dataclasses.replace(config, cuda_graph=False)  # start-up time and device memory
     staging_pages = STAGING_CHUNKS * -(-config.chunk_size // config.page_size)
     connectors = {WorkerRole.PREFILL: lambda ports: KVSender(ports, transport, deadlines, clock, staging_pages),
                   WorkerRole.DECODE: lambda ports: KVReceiver(ports, transport, host_pages, deadlines, clock),

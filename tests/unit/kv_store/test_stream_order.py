@@ -93,6 +93,8 @@ def test_a_prefill_worker_reading_its_pool_in_place_waits_for_the_step_before_ea
     transport.write = write
     prefill = make_worker("prefill", config, model, arch, transport)
     decode = make_worker("decode", config, model, arch, LocalTransport(), host_pages=64)
+    # a prefill worker never decodes: its engine replays (and on CUDA captures) no decode bucket
+    assert not prefill.engine.runner.enabled and decode.engine.runner.enabled
     try:
         StepPair(prefill, decode).generate(make_prompts(3, min_len=10, max_len=30, seed=2), greedy(max_tokens=2))
         for worker in (prefill, decode):

@@ -155,9 +155,10 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     attention_backend: str = "auto"
-    """`auto`, `flashinfer`, `triton` or `torch`, resolved where the model is loaded: `auto` is flashinfer
-    on CUDA for fp16/bf16 where it is importable, else triton on CUDA where importable, else torch (on
-    CPU always torch); a named backend the device or dtype cannot run is an error there."""
+    """`auto`, `flashinfer`, `triton` or `torch`, resolved once when the engine is built (the model is
+    made to run it, whatever it was built with): `auto` is flashinfer on CUDA for fp16/bf16 where it is
+    installed with its prebuilt kernels, else triton on CUDA where importable, else torch (on CPU
+    always torch); a named backend the device or dtype cannot run is a ConfigError there."""
     page_size: int = 16
     """Tokens per KV page; a power of two."""
     num_pages: int | None = None

@@ -83,6 +83,17 @@ async def at_rest(*hosts: WorkerHost, timeout_s: float = 10.0, pump=lambda: None
             await asyncio.sleep(REST_SETTLE_S)
 
 
+async def kv_digests(d, views, hosts, prompt: list[int], full: int) -> list[KVDigest]:
+    """Serve `prompt` (5 tokens), then each worker's digest of its first `full` KV pages, at rest."""
+    await run(d, "kv", prompt, greedy(max_tokens=5))
+    for wid in hosts:
+        await views.links[wid].send([DigestKV(tuple(prompt), full)])
+        while not views.links[wid].digests:
+            await asyncio.sleep(0.01)
+    await at_rest(*hosts.values())
+    return [views.links[wid].digests[0] for wid in hosts]
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_disaggregated_greedy_matches_colocated_and_hf(make_hosts, prompts, hf_outputs, page_size):
     chunk = 16
@@ -108,13 +119,7 @@ def test_decode_kv_is_byte_identical_to_prefill_kv(make_hosts, prompts):
     assert full >= 4
 
     async def scenario(d, views):
-        await run(d, "kv", prompt, greedy(max_tokens=5))
-        for wid in hosts:
-            await views.links[wid].send([DigestKV(tuple(prompt), full)])
-            while not views.links[wid].digests:
-                await asyncio.sleep(0.01)
-        await at_rest(*hosts.values())
-        return [views.links[wid].digests[0] for wid in hosts]
+        return await kv_digests(d, views, hosts, prompt, full)
 
     prefill, decode = serve(hosts, scenario)
     assert prefill.num_pages == decode.num_pages == full
@@ -164,13 +169,7 @@ def test_staged_shipping_lands_the_same_kv_and_registers_only_staging(make_hosts
 
     async def scenario(d, views):
         results = await asyncio.gather(*(run(d, f"s{i}", pr, greedy(max_tokens=24)) for i, pr in enumerate(prompts)))
-        await run(d, "kv", prompt, greedy(max_tokens=5))
-        for wid in hosts:
-            await views.links[wid].send([DigestKV(tuple(prompt), full)])
-            while not views.links[wid].digests:
-                await asyncio.sleep(0.01)
-        await at_rest(*hosts.values())
-        return results, [views.links[wid].digests[0] for wid in hosts]
+        return results, await kv_digests(d, views, hosts, prompt, full)
 
     results, (prefill_kv, decode_kv) = serve(hosts, scenario)
     assert [r[0] for r in results] == hf_outputs

@@ -96,12 +96,12 @@ def print_plan(config: ServeConfig, gpus: int | None = None, gpu_memory_gib: flo
     config, plan = _placed(config, resolve_model_dir(config.model), node_gpus if local else None, gpu_bytes)
     ray = f"Ray: a local instance told of {node_gpus} GPU(s)" if local else f"Ray: the cluster at {config.cluster.address}"
     gpu = f" of {gpu_bytes / 2**30:.0f} GiB" if gpu_bytes else ""
-    print(f"{ray}{gpu}; {config.model} in {config.decode.engine.dtype}")
+    print(f"{ray}{gpu}; {config.model}")
     for name in ("prefill", "decode", "colocated"):
         group = getattr(config, name)
         if group.count:
             print(f"  {name} x{group.count}: {group.num_cpus:g} CPU, {group.num_gpus:g} GPU each, "
-                  f"on {group.engine.device}")
+                  f"on {group.engine.device} in {group.engine.dtype}")
     for line in plan.describe():
         print(line)
     return 0

@@ -113,7 +113,8 @@ def test_plan_only_prints_the_placement_and_starts_nothing(tmp_path, capsys):
     assert main(["serve", "--plan-only", "--model", str(model_dir), "--device", "cuda", "--plan-gpus", "1",
                  "--plan-gpu-memory-gib", "141"]) == 0
     out = capsys.readouterr().out
-    assert "Ray: a local instance told of 1 GPU(s) of 141 GiB" in out and "in bfloat16" in out
-    assert "prefill x1: 1 CPU, 0.5 GPU each, on cuda" in out and "decode x1: 1 CPU, 0.5 GPU each, on cuda" in out
+    assert "Ray: a local instance told of 1 GPU(s) of 141 GiB" in out
+    assert "prefill x1: 1 CPU, 0.5 GPU each, on cuda in bfloat16" in out
+    assert "decode x1: 1 CPU, 0.5 GPU each, on cuda in bfloat16" in out
     assert "max model length 8,192 tokens" in out and "staging" in out and "0.5 of a GPU" in out
     assert main(["serve", "--plan-gpus", "1"]) == 2  # only with --plan-only

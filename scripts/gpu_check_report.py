@@ -66,9 +66,22 @@ def parse_pytest(xml_path: Path | None, log: str) -> dict:
     counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
     time_s = sum(float(s.get("time") or 0) for s in suites)
     interrupted = "KeyboardInterrupt" in log or "Interrupted:" in log
+    checks = {"no failures": counts["failed"] + counts["errors"] == 0, "ran to the end": not interrupted}
     return {"source": "junitxml", **counts, "time_s": round(time_s, 1), "interrupted": interrupted,
             "failures": failures[:MAX_LISTED], "skip_reasons": dict(sorted(skips.items(), key=lambda kv: -kv[1])[:5]),
-            "checks": {"no failures": counts["failed"] + counts["errors"] == 0, "ran to the end": not interrupted}}
+            **_sanitizer(log, checks), "checks": checks}
+
+
+def _sanitizer(log: str, checks: dict) -> dict:
+    """`gpu_check_steps.py pytest`'s last line: "CUDA sanitizer asked, on" (or "not asked" / "off"); where
+    it was asked for, a check that it ran (a CPU torch cannot run it: the dry run does not ask)."""
+    found = re.findall(r"^pytest: CUDA sanitizer (asked|not asked), (on|off)$", log, re.MULTILINE)
+    if not found:
+        return {}
+    asked, state = found[-1]
+    if asked == "asked":
+        checks["CUDA sanitizer on"] = state == "on"
+    return {"cuda_sanitizer": state if asked == "asked" else "not asked"}
 
 
 def _pytest_counts_from_log(log: str) -> dict:
@@ -93,15 +106,25 @@ def parse_decode(data: dict | None, log: str) -> dict:
     for r in rows:
         if r["system"] == "tandem" and r["tok_per_s"] > best.get(str(r["batch"]), {"tok_per_s": -1})["tok_per_s"]:
             best[str(r["batch"])] = {"tok_per_s": r["tok_per_s"], "backend": r["backend"], "mode": r["mode"]}
+    hbm = (data.get("bandwidth") or {}).get("rows", {})
+    for b, v in best.items() if hbm else ():  # that row's HBM figures (bench decode's `bandwidth`: roofline.py)
+        row = hbm[f"{v['backend']}/{v['mode']}/{b}"]
+        fraction = row["fraction_of_peak"]
+        v |= {"gb_per_s": round(row["bytes_per_s"] / 1e9, 3),
+              "fraction_of_peak": None if fraction is None else round(fraction, 3)}
     hf = {str(r["batch"]): r["tok_per_s"] for r in rows if r["system"] != "tandem"}
     graphs = [r for r in rows if r["system"] == "tandem" and r["mode"] == "graph"]
     checks = {"eager = graph outputs": all(data["outputs_identical_eager_graph"].values()),
               "graph steps all replayed": all(not r["fallbacks"] for r in graphs)}
     if data["first_request_identical_to_hf"]:
         checks["request 0 = HF generate"] = all(data["first_request_identical_to_hf"].values())
-    return {"device": data["config"]["device"], "dtype": data["config"]["dtype"],
-            "skipped_backends": data["skipped_backends"], "best_tok_per_s": best, "hf_tok_per_s": hf,
-            "rows": rows, "checks": checks}
+    out = {"model": data["config"]["model"], "device": data["config"]["device"], "dtype": data["config"]["dtype"],
+           "skipped_backends": data["skipped_backends"], "best_tok_per_s": best, "hf_tok_per_s": hf}
+    if data.get("bandwidth"):
+        bw = data["bandwidth"]
+        out["hbm"] = {"peak_gb_per_s": None if bw["peak_bytes_per_s"] is None else round(bw["peak_bytes_per_s"] / 1e9),
+                      "peak_source": bw["peak_source"], "weight_mb_per_step": round(bw["weight_bytes"] / 1e6, 1)}
+    return {**out, "rows": rows, "checks": checks}
 
 
 def parse_h2d(data: dict | None, log: str) -> dict:
@@ -159,8 +182,15 @@ def parse_serve(data: dict | None, log: str) -> dict:
     if errors:
         out["errors"] = [e.strip() for e in errors.group(1).splitlines()][:5]
     stop = data.get("stop") or {}
+    greedy = data.get("greedy") or {}
+    prompts = greedy.get("prompts") or []
+    out["greedy"] = {"verdicts": {p["prompt"]: p["verdict"] for p in prompts},
+                     "reference": greedy.get("reference")} if greedy else None
     out["checks"] = {"ready": data.get("ready") == "ready", "bench result": bool(bench),
                      "no failed requests": bool(bench) and bench.get("failed") == 0 and bench.get("completed", 0) > 0,
+                     "greedy = HF's (to a near-tie)": bool(prompts) and all(
+                         p["verdict"] == "equal" or p["verdict"].startswith("near-tie") for p in prompts),
+                     "greedy prompt ids = HF's": bool(prompts) and all(p.get("prompt_ids_equal") for p in prompts),
                      "stopped cleanly": stop.get("rc") == 0 and stop.get("how") == "SIGTERM"}
     return out
 
@@ -254,9 +284,11 @@ def headline(step: dict) -> str:
         return f"venv {f.get('venv')}; still unmet: {', '.join(f.get('still_unmet') or []) or 'none'}"
     if kind == "pytest":
         return f"{f.get('passed', '?')} passed, {f.get('failed', 0)} failed, {f.get('errors', 0)} errors, " \
-               f"{f.get('skipped', '?')} skipped" + (" (interrupted)" if f.get("interrupted") else "")
+               f"{f.get('skipped', '?')} skipped" + (" (interrupted)" if f.get("interrupted") else "") + \
+               (f"; CUDA sanitizer {f['cuda_sanitizer']}" if f.get("cuda_sanitizer") else "")
     if kind == "decode" and "best_tok_per_s" in f:
-        best = ", ".join(f"b{b} {v['tok_per_s']:.0f} ({v['backend']} {v['mode']})"
+        best = ", ".join(f"b{b} {v['tok_per_s']:.0f} ({v['backend']} {v['mode']}"
+                         + (f", {v['fraction_of_peak']:.2f} of HBM peak)" if v.get("fraction_of_peak") else ")")
                          for b, v in f["best_tok_per_s"].items())
         return f"{f['dtype']} tok/s {best}"
     if kind == "h2d" and "ratio" in f:
@@ -272,9 +304,13 @@ def headline(step: dict) -> str:
         if f.get("ready") != "ready":
             how = (f.get("stop") or {}).get("how")
             return f"not ready: {f.get('ready')} after {f.get('start_to_ready_s')}s; stop {how}"
+        verdicts = list(((f.get("greedy") or {}).get("verdicts") or {}).values())
+        same, near = sum(v == "equal" for v in verdicts), sum(v.startswith("near-tie") for v in verdicts)
         return f"ready in {f.get('start_to_ready_s')}s; {b.get('completed', 0)} ok, {b.get('failed', '?')} failed, " \
                f"{b.get('output_throughput', 0):.0f} out tok/s, TTFT p50 {b.get('median_ttft_ms', 0):.0f} ms, " \
-               f"ITL p50 {b.get('median_itl_ms', 0):.1f} ms; stop {(f.get('stop') or {}).get('how')}"
+               f"ITL p50 {b.get('median_itl_ms', 0):.1f} ms; greedy = HF {same}/{len(verdicts)}" \
+               + (f" (+{near} near-tie)" if near else "") + "; " \
+               f"stop {(f.get('stop') or {}).get('how')}"
     return step.get("note", "")
 
 

@@ -20,6 +20,10 @@ is the time between two stamps (its forward, the argmax and generate's own bookk
 
 Greedy outputs are compared: eager vs graph (every request's tokens) and request 0's against HF's.
 Modes alternate per batch size (eager, then graph), so drift in machine load hits both alike.
+
+Each tandem run's bytes read per step and its fraction of the device's HBM-bandwidth limit are added
+(`cluster/bench/roofline.py`). `--random-weights SHAPE` times a named Llama shape (Llama-3-8B's) with
+random weights drawn on the device instead of `--model`: no checkpoint to carry, no HF reference.
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ class DecodeRow:
 
 
 class Models(Protocol):
-    """Where the bench gets its models: ours per attention backend, HF's over the same weights."""
+    """Where the bench gets its models: ours per attention backend, HF's over the same weights. One that
+    has an `arch` attribute (the LlamaArch, None until known) gets the HBM-bandwidth figures too."""
 
     def ours(self, backend: str) -> tuple[torch.nn.Module, object]:
         """(our model with `backend` attention, its LlamaArch)."""
@@ -111,6 +116,7 @@ class SharedModels:
     def __init__(self, config: EngineConfig):
         self.config = config
         self._loaded: dict[str, tuple[torch.nn.Module, object]] = {}
+        self.arch = None  # the LlamaArch, once a model is loaded
 
     def ours(self, backend: str) -> tuple[torch.nn.Module, object]:
         from kernels.model.loader import load_model
@@ -120,6 +126,7 @@ class SharedModels:
             m = load_model(self.config.model, device=self.config.device, dtype=TORCH_DTYPES[self.config.dtype],
                            backend=backend)
             self._loaded[backend] = (m.model, m.arch)
+            self.arch = m.arch
         return self._loaded[backend]
 
     def hf(self) -> torch.nn.Module:
@@ -353,9 +360,21 @@ def bench_decode(args: argparse.Namespace, models: Models | None = None) -> int:
     unknown = set(backends) - set(BACKEND_NAMES)
     if unknown:
         raise ValueError(f"unknown attention backends {sorted(unknown)}; available: {', '.join(BACKEND_NAMES)}")
-    rows, skipped = compare(models or SharedModels(base), base, spec, backends, with_hf=not args.skip_hf)
+    if args.random_weights:
+        from cluster.bench.roofline import RandomModels
+
+        base = dataclasses.replace(base, model=f"random:{args.random_weights}")
+        models = models or RandomModels(base, args.random_weights, args.seed)
+    models = models or SharedModels(base)
+    rows, skipped = compare(models, base, spec, backends, with_hf=not (args.skip_hf or args.random_weights))
     summary = summarize(rows, skipped, base, spec)
     print_summary(summary)
+    arch = getattr(models, "arch", None)  # the shape, where the Models says (a test's stand-in need not)
+    if arch is not None:
+        from cluster.bench.roofline import decode_bandwidth, print_bandwidth
+
+        summary["bandwidth"] = decode_bandwidth(rows, arch, base, spec.prompt_len)
+        print_bandwidth(summary["bandwidth"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

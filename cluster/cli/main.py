@@ -133,6 +133,9 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", type=lambda t: tuple(t.split(",")), metavar="NAME,...",
                    help="attention backends to time (default: all; those the device cannot run are skipped)")
     p.add_argument("--skip-hf", action="store_true", help="no HF transformers generate reference")
+    p.add_argument("--random-weights", metavar="SHAPE",
+                   help="instead of --model: a Llama of this shape (llama-3-8b, tiny) with seeded random weights "
+                        "drawn on the device, no HF reference (cluster/bench/roofline.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
     spec = p.add_argument_group("with --speculative eagle: plain vs speculative decoding, end to end, on held-out "
@@ -252,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_hicache(args)
         if args.bench == "decode" and args.speculative != "none":
+            if args.random_weights:
+                raise ConfigError("--random-weights times plain decoding: no --speculative")
             from cluster.bench.spec_decode import bench_spec_decode
 
             return bench_spec_decode(args)

@@ -1,7 +1,8 @@
 """scripts/gpu_check_report.py: the figures and checks it reads from each step's output, a step's
 status, the assembled report and its exit status. The sample outputs in tests/data/gpu_check are
-real CPU runs of the same commands with tiny sizes (the decode, h2d, speculative and train-eagle
-ones), cut short; the junit XML and the serve result are in the format those tools write."""
+real CPU runs of the same commands with tiny sizes (the decode, random-weights decode, h2d, speculative
+and train-eagle ones, the serve step's greedy check), cut short; the junit XML and the rest of the
+serve result are in the format those tools write."""
 
 from __future__ import annotations
 
@@ -59,6 +60,34 @@ def test_decode_outputs_that_differ_fail_the_step():
     assert rep.parse_decode(None, "")["checks"] == {"wrote its json": False}
 
 
+def test_decode_of_random_weights_names_the_hbm_fraction_of_each_batchs_best_row():
+    data = _json("decode-8b-tiny-cpu.json")  # a CPU run: no peak, no fraction
+    f = rep.parse_decode(data, "")
+    assert (f["model"], f["dtype"]) == ("random:tiny", "bfloat16") and f["hf_tok_per_s"] == {}
+    assert f["hbm"] == {"peak_gb_per_s": None, "peak_source": "no HBM figure for a cpu device",
+                        "weight_mb_per_step": 0.2}
+    assert all(v["fraction_of_peak"] is None and v["gb_per_s"] > 0 for v in f["best_tok_per_s"].values())
+    assert "request 0 = HF generate" not in f["checks"] and all(f["checks"].values())
+    best = f["best_tok_per_s"]["2"]
+    data["bandwidth"]["peak_bytes_per_s"] = 4.8e12
+    data["bandwidth"]["rows"][f"torch/{best['mode']}/2"] |= {"bytes_per_s": 3.9e12, "fraction_of_peak": 0.8125}
+    f = rep.parse_decode(data, "")
+    assert f["best_tok_per_s"]["2"]["fraction_of_peak"] == 0.812 and f["best_tok_per_s"]["2"]["gb_per_s"] == 3900.0
+    assert f["hbm"]["peak_gb_per_s"] == 4800
+    assert ", 0.81 of HBM peak)" in rep.headline({"kind": "decode", "figures": f})
+
+
+def test_pytest_under_the_sanitizer_fails_unless_it_ran():
+    log = "1 failed, 2 passed, 2 skipped in 41.25s\npytest: CUDA sanitizer {}\n"
+    off = rep.parse_pytest(DATA / "pytest-mixed.xml", log.format("asked, off"))
+    assert off["cuda_sanitizer"] == "off" and off["checks"]["CUDA sanitizer on"] is False
+    on = rep.parse_pytest(DATA / "pytest-mixed.xml", log.format("asked, on"))
+    assert on["checks"]["CUDA sanitizer on"] is True
+    assert "; CUDA sanitizer on" in rep.headline({"kind": "pytest", "figures": on})
+    plain = rep.parse_pytest(DATA / "pytest-mixed.xml", log.format("not asked, off"))
+    assert plain["cuda_sanitizer"] == "not asked" and "CUDA sanitizer on" not in plain["checks"]
+
+
 def test_h2d_ratio_and_target():
     f = rep.parse_h2d(_json("h2d-cpu.json"), "")
     assert f == {"device": "cpu", "ratio": 1.309, "target": 0.8, "meets_target": True, "copier_gb_per_s": 1.15,
@@ -105,6 +134,23 @@ def test_serve_figures_and_checks():
     assert all(f["checks"].values()) and "errors" not in f
     line = rep.headline({"kind": "serve", "figures": f})
     assert "ready in 62.74s; 4 ok, 0 failed, 8 out tok/s, TTFT p50 693 ms" in line
+
+
+def test_serve_greedy_tokens_that_part_at_no_near_tie_fail_the_step():
+    serve = _json("serve-cpu.json")
+    f = rep.parse_serve(serve, "")
+    assert f["greedy"]["verdicts"] == {"The capital of France is": "equal", "def fibonacci(n):": "equal"}
+    assert f["greedy"]["reference"] == {"model": "smollm2", "device": "cpu", "dtype": "float32", "wall_s": 53.79}
+    near, differs = dict(serve["greedy"]["prompts"][0]), dict(serve["greedy"]["prompts"][1])
+    near["verdict"] = "near-tie at step 3 (gap 0.066)"
+    differs |= {"verdict": "differs at step 5 (gap 3.241)", "prompt_ids_equal": False}
+    f = rep.parse_serve({**serve, "greedy": {**serve["greedy"], "prompts": [near, differs]}}, "")
+    assert {k for k, ok in f["checks"].items() if not ok} == {"greedy = HF's (to a near-tie)", "greedy prompt ids = HF's"}
+    near_only = rep.parse_serve({**serve, "greedy": {**serve["greedy"], "prompts": [near]}}, "")
+    assert all(near_only["checks"].values())
+    assert "greedy = HF 0/1 (+1 near-tie)" in rep.headline({"kind": "serve", "figures": near_only})
+    no_reference = rep.parse_serve({**serve, "greedy": {"reference": "exited 1", "served": []}}, "")
+    assert no_reference["checks"]["greedy = HF's (to a near-tie)"] is False
 
 
 def test_serve_failed_requests_and_a_hung_stop_fail_the_step():

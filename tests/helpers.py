@@ -121,14 +121,15 @@ def random_page_tables(seq_lens: list[int], page_size: int, spare_pages: int,
     return num_pages, tables
 
 
-def tiny_draft_head(style=None, seed: int = 0, draft_vocab: int = 64):
+def tiny_draft_head(style=None, seed: int = 0, draft_vocab: int = 64, target=None):
     """A random EAGLE head for the tiny Llama (eagle3 by default, over a `draft_vocab`-token draft
     vocabulary; eagle: the target's lm_head). Random weights: it drafts badly, which verification
-    must make harmless."""
+    must make harmless. `target`: another tiny Llama (`make_tiny_llama`) to draft for; None:
+    `tiny_models()`'s."""
     from kernels.model.eagle import DraftArch, DraftStyle, EagleDraftHead
 
     style = style or DraftStyle.EAGLE3
-    ours, _, arch = tiny_models()
+    ours, _, arch = tiny_models() if target is None else (target, None, target.arch)
     eagle3 = style is DraftStyle.EAGLE3
     head = EagleDraftHead(DraftArch.for_target(arch, style, draft_vocab if eagle3 else None), ours.model.embed_tokens,
                           None if eagle3 else ours.lm_head)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
-SPECULATIVE_METHODS = ("none", "eagle")
+ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "cpu", "torch")
 """`auto` and the names of `kernels.attention.BACKEND_NAMES` (this module imports nothing of tandem's)."""
+SPECULATIVE_METHODS = ("none", "eagle")
 
 
 class ConfigError(ValueError):
@@ -57,6 +57,10 @@ re-searched per token)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Stop token ids one request may give at most."""
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+MAX_LOGIT_BIAS = 1024
+"""Most tokens one request's `logit_bias` names."""
+LOGIT_BIAS_LIMIT = 100.0
+"""A bias is in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (the OpenAI API's range)."""
 """Seeds are 64-bit signed integers (as OpenAI-style clients and vLLM accept)."""
 
 
@@ -112,6 +116,20 @@ class SamplingParams:
     """Token ids that end generation (in addition to EOS unless `ignore_eos`); at most `MAX_STOP_TOKEN_IDS`."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks use it for exact output lengths)."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]: subtracted from the logit of every token the output holds (the OpenAI API's)."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]: subtracted from a token's logit once per time the output holds it."""
+    repetition_penalty: float = 1.0
+    """> 0 (1: off): the logit of every token of the prompt or the output is divided by it where
+    positive, multiplied where negative (HF transformers' and vLLM's)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs (a dict is taken too), biases added to those tokens' logits; at most
+    `MAX_LOGIT_BIAS` tokens, biases in [-100, 100]."""
+    min_p: float = 0.0
+    """In [0, 1]: after temperature, drop tokens whose probability is below min_p x the top token's."""
+    min_tokens: int = 0
+    """EOS and `stop_token_ids` cannot end the output before it holds this many tokens (<= max_tokens)."""
 
     def __post_init__(self):
         require(_is_int(self.max_tokens) and self.max_tokens >= 1,
@@ -127,6 +145,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._check_stop_rules()
+        self._check_logit_rules()
 
     def _check_stop_rules(self) -> None:
         require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
@@ -139,6 +158,31 @@ class SamplingParams:
                  f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
         require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids must be non-negative integers")
+
+    def _check_logit_rules(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            require(_is_real(value) and -2 <= value <= 2, f"{name} must be a number in [-2, 2], got {value!r}")
+        require(_is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        require(_is_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        require(isinstance(bias, (tuple, list, type({}.items()))), "logit_bias must map token ids to numbers")
+        bias = tuple(bias)
+        require(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias may name {MAX_LOGIT_BIAS} tokens at most, got {len(bias)}")
+        require(all(isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
+                    and _is_real(pair[1]) and abs(pair[1]) <= LOGIT_BIAS_LIMIT for pair in bias),
+                f"logit_bias maps token ids >= 0 to biases in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in bias)))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, biases, min_tokens): by the
+        request's own history, so each row is adjusted alone."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -180,7 +224,7 @@ class EngineConfig:
     """Batch-size buckets to capture; empty: 1, 2, 4, 8, 16, 24, 32, ... up to max_running_requests."""
     cpu_compile: bool | None = None
     """CPU, with `cuda_graph`: replayed single-request steps (bucket 1) run each decoder layer through
-    one `torch.compile`d function (inductor; `kernels/model/compiled.py`), compiled at start-up (about
+    one `torch.compile`d function (inductor; `kernels/cpu/compiled.py`), compiled at start-up (about
     6 s on 2 cores for SmolLM2, about 3 s from inductor's cache under ~/.cache/tandem/inductor; a
     served worker compiles beside serving and replays eagerly until then).
     SmolLM2 fp32 batch 1 on 2 cores: ~25 vs ~40 ms a step eager, same greedy tokens; bigger buckets
@@ -189,7 +233,7 @@ class EngineConfig:
     and on prefill workers. `--no-cpu-compile` turns it off."""
     cpu_native_decode: bool = True
     """CPU, float32, with `cuda_graph`: replayed decode steps of up to 4 requests (buckets 1, 2, 4) run
-    their decoder layers in C (`kernels/model/native_decode.py`: each weight row read from memory once
+    their decoder layers in C (`kernels/cpu/decode_layer.py`: each weight row read from memory once
     for all of them, four rows a pass; the norms, rotary, K/V write, attention and activation between
     them on the same threads), built on first use with the system C compiler. SmolLM2 on 2 cores: ~23
     ms a step at 1 request vs ~28 ms compiled, 2 requests ~25-29 vs ~41 eager, 4 ~32 vs ~49, with no

@@ -7,7 +7,8 @@
     4. the device pool, the prefix tree over it, the `KVManager`
     5. the tiers below the tree (L2 host cache, L3 under it), attached to the tree; the sessions
     6. the scheduler: the one owner of request KV
-    7. the runner: eager, inside the graph runner (graphs captured here on CUDA)
+    7. the runner: eager, inside the graph runner, which replays by the step strategy chosen here
+       (`engine/graphs/strategy.py`: CUDA graphs captured here, C layers, compiled, buffers, eager)
     8. the speculator over its KV layer, replaying from the graph runner's buckets
     9. `EngineCore`, which hands its connector the engine's ports (the connector's own construction)
 
@@ -26,13 +27,14 @@ from common.config import ConfigError, EngineConfig
 from engine.connector import ConnectorPorts, KVConnector
 from engine.core import EngineCore, EngineParts
 from engine.graphs.runner import GraphRunner, graph_max_batch
+from engine.graphs.strategy import choose_step_strategy
 from engine.graphs.tree import tree_verify_rows
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
-from kernels.attention import cpu_native, get_backend, resolve_backend
+from kernels.attention import get_backend, resolve_backend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
 from kv_store.device_pool import DevicePool
@@ -90,18 +92,16 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     `populate` (an engine made alone): its CPU KV pool is mapped in before this returns, so it runs
     at full speed at once; without, pages fault in as they are first written (a one-shot run)."""
     device = torch.device(config.device)
-    choose_attention_backend(config, model, draft_head, device)
+    backend = choose_attention_backend(config, model, draft_head, device)
     if config.speculative != "none":
         draft_head = draft_head if draft_head is not None else load_draft_head(config, model, arch)
         check_draft_head(config, draft_head)
     else:
         draft_head = None
-    if config.cpu_prepack is not False and device.type == "cpu":  # None: on (a prefill worker says False)
+    if config.cpu_prepack is not False:  # None: on (a prefill worker says False); CPU weights only
         for module in (model, draft_head):
             if module is not None:
                 prepack_cpu(module)
-    if device.type == "cpu":
-        cpu_native.kernel()  # built (first start on a machine, ~0.3 s) or loaded before any step needs it
     num_layers = arch.num_layers + (1 if draft_head is not None else 0)  # the draft head's KV: the last layer
     resolved = config.resolve(kv_layout(num_layers, config.page_size, arch.num_kv_heads, arch.head_dim,
                                         config.dtype).page_bytes, arch.max_position_embeddings)
@@ -117,10 +117,10 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     scheduler = Scheduler(resolved, pools.kvm, host_cache=tier, sessions=sessions,
                           relocation_version=lambda: pools.device_pool.relocation_version)
     eager = ModelRunner(model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
-    runner = GraphRunner(eager, pools.device_pool, graph_max_batch(resolved), resolved.max_model_len,
-                         enabled=resolved.cuda_graph, sizes=resolved.graph_batch_sizes,
-                         loads_in_flight=pools.device_pool.loads_in_flight, cpu_compile=bool(resolved.cpu_compile),
-                         cpu_native_decode=resolved.cpu_native_decode,
+    plan = choose_step_strategy(resolved, model, device, backend)
+    log.info("decode steps: %s", plan.describe())
+    runner = GraphRunner(eager, pools.device_pool, graph_max_batch(resolved), resolved.max_model_len, plan,
+                         sizes=resolved.graph_batch_sizes, loads_in_flight=pools.device_pool.loads_in_flight,
                          tree_rows=tree_verify_rows(resolved),
                          tree_batch=max(1, min(resolved.max_running_requests, resolved.speculative_max_batch)),
                          compile_in_background=compile_in_background)

@@ -116,6 +116,11 @@ class StopRules:
         self.text_len: int | None = None
         """Where a stop string cut the output text (characters); None: not cut."""
 
+    @property
+    def token_ids(self) -> frozenset[int]:
+        """The tokens that end the request: its stop token ids, and EOS unless `ignore_eos`."""
+        return self._stop_token_ids
+
     def check(self, output_token_ids: Sequence[int], num_tokens: int) -> FinishReason | None:
         """Whether the request ends after its newest output token `output_token_ids[-1]`;
         `num_tokens` counts prompt and output. Call once per appended token, in order."""

@@ -8,7 +8,7 @@ import torch
 
 from engine.request import FinishReason, Request
 from engine.scheduler import ScheduledStep
-from kernels.sampling import sample
+from kernels.sampling import adjust_logits, sample
 
 
 def row_tokens(scheduled: ScheduledStep, logits: torch.Tensor, speculator) -> list[list[int] | Exception | None]:
@@ -50,9 +50,22 @@ def _sample_alone(req: Request, logits: torch.Tensor) -> int | Exception:
 
 
 def _sample(reqs: list[Request], logits: torch.Tensor) -> list[int]:
+    adjusted = [i for i, r in enumerate(reqs) if r.params.adjusts_logits]
+    if adjusted:
+        logits = logits.float().clone()
+        for i in adjusted:
+            logits[i:i + 1] = adjusted_logits(reqs[i], logits[i:i + 1])
     return sample(logits, [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
                   [r.params.top_p for r in reqs], [r.sample_seed for r in reqs],
-                  [len(r.output_token_ids) for r in reqs]).tolist()
+                  [len(r.output_token_ids) for r in reqs], [r.params.min_p for r in reqs]).tolist()
+
+
+def adjusted_logits(req: Request, logits: torch.Tensor, drafts: list[int] | tuple = ()) -> torch.Tensor:
+    """`req`'s logits rows with its rules (`kernels.sampling.adjust_logits`); unchanged without any."""
+    if not req.params.adjusts_logits:
+        return logits
+    stops = req.stop_rules.token_ids if req.stop_rules is not None else req.params.stop_token_ids
+    return adjust_logits(logits, req.params, req.prompt_token_ids, req.output_token_ids, stops, drafts)
 
 
 def apply_stop_rules(req: Request, tokens: list[int] | None) -> tuple[list[int], FinishReason | None]:

@@ -14,7 +14,7 @@ for the descheduled thread (`tandem bench hicache --only retract` on 2 cores: re
 offload ran 0.77x the speed of recomputing). Inline, a copy costs its memcpy time and no more.
 
 How a layer's pages move (`_KernelMove` or `_StagedMove`, chosen per copier):
-- kernel (CUDA, host tier pinned): one `kernels.kv_copy` launch per layer, K and V together; the
+- kernel (CUDA, host tier pinned): one `kernels.cuda.page_copy` launch per layer, K and V together; the
   GPU reads or writes the pinned host pages in place (mapped memory), with the page indices on the
   device, so the host does no per-page work at all; each layer's launch is planned once. Measured on
   an H200 (`tandem bench h2d`: 256 scattered pages x 30 layers, fp32), a load-back ran at 3.6 GB/s
@@ -85,7 +85,7 @@ class PageCopier:
     """Copies pages between `device` and `host` tensors of one layout. `close` stops its thread.
 
     `use_kernel`: None moves pages with the copy kernel wherever it can run (a CUDA device, every
-    host tensor pinned, `kernels.kv_copy` importable) and staged elsewhere; True asks for the kernel
+    host tensor pinned, `kernels.cuda.page_copy` importable) and staged elsewhere; True asks for the kernel
     anyway (tests run it interpreted on CPU tensors); False never uses it. A kernel copy that raises
     is redone staged, and the copier stays staged from then on (`uses_kernel` turns False).
     `inline`: None runs jobs on the caller's thread for a CPU device and on the copier's own thread
@@ -192,19 +192,19 @@ def _kernel_can_run(device: KVCacheTensors, host: KVCacheTensors) -> bool:
     the kernel's module importable (triton installed and working)."""
     if device.k[0].device.type != "cuda" or not all(t.is_pinned() for t in host.k + host.v):
         return False
-    why = import_error("kernels.kv_copy")
+    why = import_error("kernels.cuda.page_copy")
     if why is not None:
         log.info("KV pages move staged, without the copy kernel: %s", why)
     return why is None
 
 
 class _KernelMove:
-    """One launch of `kernels.kv_copy` per layer, K and V together, on the current stream: the GPU
+    """One launch of `kernels.cuda.page_copy` per layer, K and V together, on the current stream: the GPU
     reads (or writes) the pinned host pages in place, so nothing is gathered on the host. Each
     layer's launch is planned once per direction, here: per job the host only launches."""
 
     def __init__(self, device: KVCacheTensors, host: KVCacheTensors):
-        from kernels import kv_copy  # triton only where the kernel runs
+        from kernels.cuda import page_copy as kv_copy  # triton only where the kernel runs
 
         self._device = device.k[0].device
         self._plans = {  # to_host -> one PageCopy per layer

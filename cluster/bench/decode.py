@@ -56,7 +56,7 @@ log = logging.getLogger("tandem.bench")
 DEFAULT_BATCH_SIZES = (1, 8, 32)
 GPU_BATCH_SIZES = (64,)
 """Added to the defaults on CUDA."""
-CPU_BACKENDS = ("torch",)
+CPU_BACKENDS = ("torch", "cpu")
 """Backends with a CPU path; the others are GPU kernels (Triton runs on a CPU only under its
 interpreter, a test tool far too slow to time), skipped on a CPU device."""
 MODES = ("eager", "graph")

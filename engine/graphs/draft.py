@@ -34,7 +34,8 @@ class HeadGraphs:
     """`run` replays the head for one call when a bucket holds it, else returns None (run it eagerly)."""
 
     def __init__(self, head: torch.nn.Module, kv: KVCacheTensors, page_size: int, device: torch.device,
-                 buckets: tuple[int, ...], max_pages: int, feature_dim: int, dtype: torch.dtype):
+                 buckets: tuple[int, ...], max_pages: int, feature_dim: int, dtype: torch.dtype, capture: bool):
+        """`capture`: the engine's steps are captured CUDA graphs (`StepPlan.captures`)."""
         self.head, self.kv, self.page_size, self.buckets = head, kv, page_size, buckets
         self.bufs = StaticBuffers.allocate(buckets[-1], max_pages, device)
         self.features = torch.zeros(buckets[-1], feature_dim, dtype=dtype, device=device)
@@ -42,7 +43,7 @@ class HeadGraphs:
         self.expand = False
         """Replay over the buffers (captured graphs on CUDA, the eager head over them on CPU)."""
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        if device.type == "cuda" and head.self_attn.backend.name != "flashinfer":
+        if capture and head.self_attn.backend.name != "flashinfer":
             self._capture_all(device)
             self.expand = True
 
@@ -99,13 +100,13 @@ class HeadTreeGraphs:
 
     def __init__(self, head: torch.nn.Module, kv: KVCacheTensors, page_size: int, device: torch.device,
                  buckets: tuple[int, ...], max_pages: int, feature_dim: int, dtype: torch.dtype, width: int,
-                 depth: int):
+                 depth: int, capture: bool):
 
         self.head, self.kv, self.page_size, self.buckets, self.width = head, kv, page_size, buckets, width
         self.levels = {d: TreeBuffers(buckets[-1], width, width * d, max_pages, device) for d in range(1, depth)}
         self.features = torch.zeros(buckets[-1] * width, feature_dim, dtype=dtype, device=device)
         self.replays = 0
-        self.expand = device.type == "cuda" and head.self_attn.backend.name == "triton"
+        self.expand = capture and head.self_attn.backend.name == "triton"
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         if self.expand:
             self._capture_all(device)

@@ -25,18 +25,19 @@ S - n + 1 + i) over the same page table. Each layer writes every row's K/V befor
 so row i sees exactly positions < S - n + 1 + i, as in the causal extend the eager step runs; logits
 and features come out in the same order. A bucket is then n rows per request (the engine sizes its
 buckets for `speculative_max_batch` x (k + 1)); the prefix's KV is read n times, which at decode
-batch sizes costs far less than the eager step's kernel launches. CPU steps keep the eager extend
-(`expand_verify`; tests switch it on there).
+batch sizes costs far less than the eager step's kernel launches. Without captured graphs verify
+rows keep the eager extend (`expand_verify`; tests switch it on).
 
-On CUDA each bucket is captured once at start-up into a `torch.cuda.CUDAGraph` (all captures share
+How a bucket replays is the engine's `StepPlan`, chosen once at build (`strategy.py`).
+
+With `cuda_graph` each bucket is captured once at start-up into a `torch.cuda.CUDAGraph` (all captures share
 one memory pool; capture time and memory are logged), with the attention planned for the captured
 width (`seq_lens_cpu` = capacity, the real lengths in the device `seq_lens`), so a replay reads only
-the static buffers. On CPU the same buffers, padding and gates run, and "replay" is the model run
-over the buffers of the bucket: with `engine.cpu_native_decode` (the default) through decoder
-layers in C (`NativeDecode`: nothing to compile; float32 buckets of up to 4 rows, bigger ones
-eagerly through oneDNN; bfloat16 every bucket where the CPU has no bf16 dot products); or where
-the C layer does not serve, with `engine.cpu_compile` for bucket 1 through its decoder layers
-compiled (`CompiledLayers`, six layers a call; compiled at start-up, or by a served worker on a
+the static buffers. On a CPU the same buffers, padding and gates run, and "replay" is the model
+run over the buffers of the bucket: with `c_layers` through decoder layers in C (`NativeDecode`:
+nothing to compile; float32 buckets of up to 4 rows, bigger ones eagerly through oneDNN; bfloat16
+every bucket where the CPU has no bf16 dot products); with `compiled` bucket 1 through its decoder
+layers compiled (`CompiledLayers`, six layers a call; compiled at start-up, or by a served worker on a
 thread beside serving; the KV length is a dynamic dimension, so nothing compiles again while
 serving). Measured on a 2-core CPU, SmolLM2 fp32, 128-token context: batch 1 compiled 24.5 ms a step
 vs 37.5 eager (same greedy tokens); at batch 4 compiled steps were *slower* than eager (99 ms with a
@@ -59,11 +60,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.graphs.capture import StaticBuffers, batch_buckets, bucket_for, capture_graph
+from engine.graphs.strategy import StepPlan, StepStrategy
 from engine.graphs.tree import TreeVerifyGraphs
 from engine.runner import ForwardOut, ForwardRow, ModelRunner
 from kernels.attention.metadata import AttnMetadata
-from kernels.model.compiled import CompiledLayers
-from kernels.model.native_decode import NativeDecode
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledStep
@@ -117,17 +117,18 @@ class GraphRunner:
     """Runs each step: replayed when the gates allow (see the module docstring), else eagerly."""
 
     def __init__(self, eager: ModelRunner, pool: DevicePool, max_batch: int, max_model_len: int,
-                 enabled: bool = True, sizes: Iterable[int] = (),
-                 loads_in_flight: Callable[[], frozenset] = frozenset, cpu_compile: bool = False,
-                 tree_rows: int = 0, tree_batch: int = 1, compile_in_background: bool = False,
-                 cpu_native_decode: bool = False):
-        """`tree_rows`: tokens of a full tree verify row (`tree.tree_verify_rows`; 0: no trees),
-        replayed for up to `tree_batch` requests. `compile_in_background`: the CPU compile waits for
+                 plan: StepPlan = StepPlan(StepStrategy.BUFFERS), sizes: Iterable[int] = (),
+                 loads_in_flight: Callable[[], frozenset] = frozenset, tree_rows: int = 0, tree_batch: int = 1,
+                 compile_in_background: bool = False):
+        """`plan`: how steps replay (`strategy.py`, chosen once by `build_engine`). `tree_rows`: tokens
+        of a full tree verify row (`tree.tree_verify_rows`; 0: no trees), replayed for up to
+        `tree_batch` requests. `compile_in_background` (strategy compiled): the compile waits for
         `start_compile` (a served worker's loop, once it reported ready) and runs on a thread beside
         serving (bucket 1 replays eagerly until it is done); else it runs before the constructor returns."""
         self.eager = eager
         self.pool = pool
-        self.enabled = enabled
+        self.plan = plan
+        self.enabled = plan.replays
         self.page_size = eager.page_size
         self.buckets = batch_buckets(max_batch, sizes)
         self.loads_in_flight = loads_in_flight
@@ -135,30 +136,24 @@ class GraphRunner:
         self.counters = GraphCounters()
         self.gated = True
         """Test-only switch: False replays without the load and relocation gates (the hazard they stop)."""
-        self.expand_verify = eager.device.type == "cuda"
-        """Verify rows replay as decode rows (module docstring); off on CPU, where nothing is captured."""
+        self.expand_verify = plan.captures
+        """Verify rows replay as decode rows (module docstring); off where nothing is captured."""
         self.bufs = StaticBuffers.allocate(self.buckets[-1], -(-max_model_len // self.page_size), eager.device)
         self._graphs: dict[int, _Captured] = {}
-        self._compiled: dict[int, Callable] = {}  # CPU: bucket -> compiled forward that replays it
+        self._compiled: dict[int, Callable] = {}  # CPU: bucket -> the forward that replays it (C layers, compiled)
         self._compiling: threading.Thread | None = None  # a background compile, once started
         self._compile_later: Callable[[], None] | None = None  # a background compile, until started
         self.trees = None  # TreeVerifyGraphs, when the engine drafts trees
-        if enabled and tree_rows:
-
-            capture = eager.device.type == "cuda" and eager.model.backend.name == "triton"
+        if self.enabled and tree_rows:
+            capture = plan.captures and eager.model.backend.name == "triton"
             self.trees = TreeVerifyGraphs(eager, tree_batch, tree_rows, self.bufs.max_pages, capture)
-        if enabled and eager.device.type == "cuda":
+        if plan.strategy is StepStrategy.CUDA_GRAPH:
             self._capture_all()
-        elif enabled and COMPILED_CPU_BUCKET in self.buckets:
-            native = NativeDecode.for_model(eager.model) if cpu_native_decode else None
-            if native is not None:
-                served = [b for b in self.buckets if native.max_rows is None or b <= native.max_rows]
-                self._compiled.update((b, native) for b in served)
-                log.info("decode steps of %s run their layers in C (%s, no compile)",
-                         "any size" if native.max_rows is None else f"up to {native.max_rows} requests",
-                         str(native.dtype).removeprefix("torch."))
-            elif cpu_compile:
-                self._compile(COMPILED_CPU_BUCKET, compile_in_background)
+        elif plan.strategy is StepStrategy.C_LAYERS:
+            native = plan.native
+            self._compiled.update((b, native) for b in self.buckets if native.max_rows is None or b <= native.max_rows)
+        elif plan.strategy is StepStrategy.COMPILED and COMPILED_CPU_BUCKET in self.buckets:
+            self._compile(COMPILED_CPU_BUCKET, compile_in_background)
 
     # ---- the step ----------------------------------------------------------------------------------
     def run(self, step: ScheduledStep) -> ForwardOut:
@@ -245,7 +240,9 @@ class GraphRunner:
                      "; it replays eagerly until then" if background else "")
             start_s = time.perf_counter()
             try:
-                compiled = CompiledLayers(self.eager.model)  # imports the compiler (~1-3 s): not before ready
+                from kernels.cpu.compiled import CompiledLayers  # imports the compiler (~1-3 s): not before ready
+
+                compiled = CompiledLayers(self.eager.model)
                 with compiled.compiling():
                     for n in thread_counts or (torch.get_num_threads(),):
                         torch.set_num_threads(n)  # this thread's count: the loop's stays its own

@@ -47,6 +47,7 @@ from itertools import accumulate
 import torch
 
 from engine.request import Request, RequestStatus
+from engine.tokens import adjusted_logits
 from engine.spec.draft_tree import DraftTree
 from engine.spec.policy import AdaptivePolicy, FixedPolicy
 from kernels.attention.metadata import build_attn_metadata, slot_of
@@ -134,10 +135,11 @@ class EagleSpeculator:
 
         hidden = self.head.arch.layer.hidden_size
         self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, runner.buckets,
-                                 runner.bufs.max_pages, hidden, self._dtype)
+                                 runner.bufs.max_pages, hidden, self._dtype, runner.plan.captures)
         if runner.trees is not None:
             self.tree_graphs = HeadTreeGraphs(self.head, self.kv, self.page_size, self.device, runner.trees.buckets,
-                                              runner.bufs.max_pages, hidden, self._dtype, self.topk, self.k)
+                                              runner.bufs.max_pages, hidden, self._dtype, self.topk, self.k,
+                                              runner.plan.captures)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -178,6 +180,7 @@ class EagleSpeculator:
         req.spec.clear()
         greedy = req.params.greedy
         if parents is None:
+            logits = adjusted_logits(req, logits, drafts)  # row j: after the output and drafts[:j]
             if greedy:
                 out = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
             else:
@@ -201,7 +204,7 @@ class EagleSpeculator:
         """A sampled request's verification inputs: (the target's filtered probs [rows, V], one uniform
         per draft, Exp(1) noise [rows, V]) from its verification stream at its output position."""
         p = req.params
-        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p)
+        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
         g = row_generator(req.sample_seed, len(req.output_token_ids), logits.device, VERIFY_STREAM)
         uniforms = torch.rand(num_drafts, generator=g, device=logits.device)
         return probs, uniforms, torch.empty_like(probs).exponential_(generator=g)
@@ -282,7 +285,9 @@ class EagleSpeculator:
         slots for the verify (and the head rows) are allocated first."""
         trees: dict[Request, DraftTree] = {}
         for req in running:
-            depth, width = self._chain_length(req, max_request_tokens), self.topk
+            # a request whose logits follow its own history (penalties, min_tokens) drafts a chain: a
+            # chain's rows have one history each, a tree's rows one per path
+            depth, width = self._chain_length(req, max_request_tokens), 1 if req.params.adjusts_logits else self.topk
             slots = depth * width if width == 1 else max(depth * width, self._num_nodes(depth))
             if depth and req.request_id in self._last and reserve(req, slots):
                 trees[req] = DraftTree(depth, width)

@@ -19,11 +19,15 @@ __all__ = [
 
 log = logging.getLogger("tandem.kernels")
 
-BACKEND_NAMES: tuple[str, ...] = ("torch", "triton", "flashinfer")
+BACKEND_NAMES: tuple[str, ...] = ("torch", "cpu", "triton", "flashinfer")
+"""torch: the reference, any device. cpu: torch's with decode rows in C (`kernels/cpu/`). triton and
+flashinfer: CUDA kernels (`kernels/cuda/`; triton also runs under the interpreter on a CPU)."""
 AUTO = "auto"
 """Not a backend: the configured name `resolve_backend` replaces by the best one the device can run."""
 AUTO_CUDA_ORDER: tuple[str, ...] = ("flashinfer", "triton")
 """What `auto` tries on a CUDA device, in order, before falling back to torch."""
+AUTO_CPU_ORDER: tuple[str, ...] = ("cpu",)
+"""What `auto` tries on a CPU, before falling back to torch."""
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 FLASHINFER_PREBUILT = "flashinfer_jit_cache"
 """The module of FlashInfer's prebuilt kernels (the `flashinfer-jit-cache` distribution, built for one
@@ -38,12 +42,16 @@ def get_backend(name: str) -> AttentionBackend:
         from kernels.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "cpu":
+        from kernels.cpu.attention_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "triton":
-        from kernels.attention.triton_backend import TritonAttentionBackend
+        from kernels.cuda.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     if name == "flashinfer":
-        from kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+        from kernels.cuda.flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKEND_NAMES)}")
@@ -70,6 +78,12 @@ def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype
             return f"flashinfer runs on CUDA devices only, not {device}"
         if dtype is not None and dtype not in FLASHINFER_DTYPES:
             return f"flashinfer kernels take fp16/bf16, not {dtype}"
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"cpu runs on the CPU only, not {device}"
+        from kernels.cpu import native
+
+        return None if native.kernel() is not None else "its C kernels could not be built here (see the warning)"
     if name != "torch":
         why = import_error(name)
         if why is not None:
@@ -88,10 +102,10 @@ def _jit_only(name: str) -> str | None:
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
     """The backend to build for the configured ``name`` on ``device`` for a model in ``dtype``.
 
-    ``auto``: flashinfer where it is importable on CUDA with its prebuilt kernels (`FLASHINFER_PREBUILT`)
-    and ``dtype`` is fp16/bf16, else triton where
-    it is importable on CUDA, else torch (always torch off CUDA). Any other name is returned as it is
-    if it can serve the model, else ValueError saying why.
+    ``auto``: on CUDA flashinfer where it is importable with its prebuilt kernels (`FLASHINFER_PREBUILT`)
+    and ``dtype`` is fp16/bf16, else triton where it is importable; on a CPU cpu where its C kernels
+    build; else torch. Any other name is returned as it is if it can serve the model, else
+    ValueError saying why.
     """
     if name != AUTO:
         if name not in BACKEND_NAMES:
@@ -101,13 +115,12 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype | 
             raise ValueError(f"attention backend {name!r} cannot be used: {why}")
         return name
     skipped = []
-    if torch.device(device).type == "cuda":
-        for candidate in AUTO_CUDA_ORDER:
-            why = unavailable_reason(candidate, device, dtype) or _jit_only(candidate)
-            if why is None:
-                log.info("attention backend auto -> %s on %s", candidate, device)
-                return candidate
-            skipped.append(f"{candidate}: {why}")
+    for candidate in {"cuda": AUTO_CUDA_ORDER, "cpu": AUTO_CPU_ORDER}.get(torch.device(device).type, ()):
+        why = unavailable_reason(candidate, device, dtype) or _jit_only(candidate)
+        if why is None:
+            log.info("attention backend auto -> %s on %s", candidate, device)
+            return candidate
+        skipped.append(f"{candidate}: {why}")
     if skipped:
         log.info("attention backend auto -> torch on %s (%s)", device, "; ".join(skipped))
     return "torch"

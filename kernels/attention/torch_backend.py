@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import cpu_native
 from kernels.attention.base import AttentionBackend, index_write_kv
 from kernels.attention.metadata import AttnMetadata
 
@@ -109,13 +108,6 @@ def _plan_decode_no_sync(meta: AttnMetadata, seqs: list[int] | None) -> _DecodeP
     mask = kv_pos[None, :] < seq_lens[:, None]  # [B_dec, L]
     return _DecodePlan(rows=rows, page_table=page_table[:, :num_pages], mask=mask[:, None, None, :],
                        seq_lens=seq_lens, every_row=every_row)
-
-
-def _uses_cpu_native(device: torch.device) -> bool:
-    """Whether decode rows on ``device`` may take the native paged kernel (`cpu_native`; a test may
-    patch this to compare against the SDPA path). Not inside torch.compile: a compiled step traces
-    the torch path, which its graph fuses."""
-    return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _uses_cpu_flash(device: torch.device) -> bool:
@@ -255,10 +247,6 @@ class TorchAttentionBackend(AttentionBackend):
         """One query per sequence, so the query heads of a GQA group ride along as the query axis."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         q_dec = q if plan.every_row else q[plan.rows]  # [B_dec, H, hd]
-        if _uses_cpu_native(q.device):
-            out = cpu_native.paged_decode(q_dec, k_cache, v_cache, plan.page_table, plan.seq_lens, scale)
-            if out is not None:  # float32, as q (other dtypes it does not take)
-                return out
         batch = q_dec.shape[0]
         q_grp = q_dec.reshape(batch, num_kv_heads, -1, head_dim)  # [B_dec, kvh, group, hd]
         k = _gather_pages(k_cache, plan.page_table).transpose(1, 2)  # [B_dec, kvh, L, hd]

@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         """`forward`, plus the hidden states entering layers `aux_layer_ids` (each the previous layer's
         output; layer 0's is the embedding), concatenated in that order: ``[T, len(ids) * hidden]``,
         or None for no ids. EAGLE-3 draft heads read them (`kernels/model/eagle.py`).
-        `layers_fn` / `head_fn`: `run_layers` / `run_head` or their compiled forms (`kernels/model/compiled.py`),
+        `layers_fn` / `head_fn`: `run_layers` / `run_head` or their compiled forms (`kernels/cpu/compiled.py`),
         `layers_fn` called on `group_size` layers at a time (it must divide the layer count)."""
         assert kv_cache.num_layers == self.arch.num_layers, (
             f"KV cache has {kv_cache.num_layers} layers, model {self.arch.num_layers}: cache built for another model?"

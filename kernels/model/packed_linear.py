@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import cpu_native
+from kernels.cpu import native as cpu_native
 
 _CPU_PACK_ROWS_HINT = 16
 """Row count oneDNN is told when packing; the layout it gives serves every row count

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.config import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
+from common.config import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
 from router.gateway.schema import CHAT_ROLES, DEFAULT_SESSION_IDLE_TIMEOUT_S, MAX_SESSION_ID_CHARS, \
     MAX_SESSION_IDLE_TIMEOUT_S, ModelLimits
 
@@ -276,10 +276,21 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
         stream: bool | None = None
         stream_options: StreamOptions | None = None
         n: Literal[1] | None = None
-        presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-        frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-        logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
-        user: str | None = None
+        max_completion_tokens: MaxTokens | None = Field(None, description="Wins over max_tokens.")
+        presence_penalty: float | None = Field(None, ge=-2, le=2, description="Subtracted from the logit of "
+                                               "each token the output holds.")
+        frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Subtracted from a token's "
+                                                "logit once per time the output holds it.")
+        repetition_penalty: float | None = Field(None, gt=0, description="Extension (vLLM's, HF's): the logits "
+                                                 "of prompt and output tokens divided by it (1: off).")
+        logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                              Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+            None, description="Token id (a string) -> a bias added to its logit.")
+        min_p: float | None = Field(None, ge=0, le=1, description="Extension: after temperature, drop tokens "
+                                    "below min_p x the top token's probability.")
+        min_tokens: int | None = Field(None, ge=0, description="Extension: EOS and stop_token_ids cannot end "
+                                       "the output before this many tokens.")
+        user: str | None = Field(None, description="Accepted and ignored.")
         session_id: Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_CHARS)] | None = Field(
             None, description="Extension: a turn of this streaming session (POST /v1/sessions). The body then "
                               "carries only the new turn: its prompt (messages) follows the session's history. "
@@ -299,7 +310,6 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
     class ChatCompletionRequest(SamplingFields):
         messages: list[Annotated[InputMessage | AssistantInputMessage, Field(discriminator="role")]] = Field(
             min_length=1)
-        max_completion_tokens: MaxTokens | None = Field(None, description="Wins over max_tokens.")
         logprobs: Literal[False] | None = None
         top_logprobs: Literal[0] | None = None
         tool_choice: Literal["none"] | None = None

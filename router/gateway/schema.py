@@ -23,6 +23,7 @@ from common.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, 
 from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from router.gateway.errors import APIError, invalid
 from router.gateway.json_body import as_int, as_ints, int_list_field, integer_field, number_field, typed_field
+from router.gateway.logit_fields import logit_fields
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
@@ -77,8 +78,7 @@ def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits,
     _check_off(payload, "best_of", 1, "best_of > 1")
     _check_off(payload, "logprobs", 0)
     prompt_ids = [*history, *_completion_prompt(payload, tokenizer, limits.vocab_size)]
-    max_tokens = _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
-    return _request(Endpoint.COMPLETION, payload, prompt_ids, max_tokens, limits)
+    return _request(Endpoint.COMPLETION, payload, prompt_ids, _budget(payload, len(prompt_ids), limits), limits)
 
 
 def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
@@ -95,12 +95,16 @@ def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _unsupported("response_format", "response_format other than {\"type\": \"text\"}")
     messages, prompt_ids = _chat_prompt(payload, tokenizer, history)
-    if payload.get("max_completion_tokens") is not None:  # it wins; max_tokens must still be well-formed
-        _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
-        max_tokens = _max_tokens(payload, "max_completion_tokens", len(prompt_ids), limits)
-    else:
-        max_tokens = _max_tokens(payload, "max_tokens", len(prompt_ids), limits)
+    max_tokens = _budget(payload, len(prompt_ids), limits)
     return replace(_request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits), messages=messages)
+
+
+def _budget(payload: dict, prompt_len: int, limits: ModelLimits) -> int:
+    """`max_completion_tokens` where given (it wins; `max_tokens` must still be well-formed), else `max_tokens`."""
+    if payload.get("max_completion_tokens") is not None:
+        _max_tokens(payload, "max_tokens", prompt_len, limits)
+        return _max_tokens(payload, "max_completion_tokens", prompt_len, limits)
+    return _max_tokens(payload, "max_tokens", prompt_len, limits)
 
 
 def session_id_of(payload: dict) -> str:
@@ -136,10 +140,6 @@ def _check_common(payload: dict, limits: ModelLimits) -> None:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {limits.served_name!r}",
                        code="model_not_found", param="model")
     _check_off(payload, "n", 1, "n other than 1")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if number_field(payload, name) not in (None, 0):
-            raise _unsupported(name, f"a non-zero {name}")
-    _check_off(payload, "logit_bias", {})
     typed_field(payload, "user", str)  # ignored, but documented as a string
 
 
@@ -186,7 +186,8 @@ def _sampling_params(payload: dict, max_tokens: int, limits: ModelLimits) -> Sam
             seed=_bounded_integer(payload, "seed", SEED_MIN, SEED_MAX),
             stop=_stop_strings(payload),
             stop_token_ids=_stop_token_ids(payload, vocab_size),
-            ignore_eos=bool(typed_field(payload, "ignore_eos", bool)))
+            ignore_eos=bool(typed_field(payload, "ignore_eos", bool)),
+            **logit_fields(payload, vocab_size, max_tokens))
     except ConfigError as exc:
         raise invalid(str(exc)) from None
 

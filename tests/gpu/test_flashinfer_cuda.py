@@ -37,7 +37,7 @@ def parity():
 
 
 def flashinfer_backend():
-    from kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+    from kernels.cuda.flashinfer_backend import FlashInferAttentionBackend
 
     return FlashInferAttentionBackend()
 

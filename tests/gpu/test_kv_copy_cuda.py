@@ -1,5 +1,5 @@
 """The page copier on CUDA with a pinned host tier: pages move through the copy kernel
-(`kernels/kv_copy.py`, the GPU reading and writing the pinned host pages in place), byte for byte
+(`kernels/cuda/page_copy.py`, the GPU reading and writing the pinned host pages in place), byte for byte
 both ways, one event per layer; and a kernel that raises leaves the job to the staged path, still
 exact.
 
@@ -72,7 +72,7 @@ def test_pinned_tier_copies_through_the_kernel_both_ways(dtype):
 
 @DTYPES
 def test_a_failing_kernel_falls_back_to_staged_copies(dtype, monkeypatch):
-    from kernels import kv_copy
+    from kernels.cuda import page_copy as kv_copy
 
     def refuse(*args, **kwargs):
         raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from cluster.cli.main import main as tandem_main
+from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.serve_harness import RayHead, metric, start_server, streams_across_a_fault
 
 pytestmark = pytest.mark.slow
@@ -116,6 +117,12 @@ def test_openai_client_matches_tandem_run(client, capsys):
         model="smollm2", prompt=RAW_PROMPT, max_tokens=16, temperature=0, stream=True) if c.choices)
     assert streamed == raw_ref
     assert [m.id for m in client.models.list().data] == ["smollm2"]
+
+
+def test_penalties_biases_and_min_tokens_give_hfs_greedy_tokens_across_workers(client):
+    """Every prompt here prefills on a prefill worker, which samples the first token under the rules
+    (min_tokens, the bias), and the decode worker the rest."""
+    check_logit_rules(client)
 
 
 def test_sixteen_concurrent_streams_and_metrics(cluster):

@@ -8,9 +8,11 @@ from __future__ import annotations
 import time
 
 import httpx
+import openai
 import pytest
 
 from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
+from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.serve_harness import eventually, metric, start_server
 
 pytestmark = pytest.mark.slow
@@ -56,6 +58,17 @@ def hf_answers():
                         eos_token_id=list(loaded.eos_token_ids))
         answers.append((ids, decode(loaded.tokenizer, ids)))
     return answers
+
+
+def test_penalties_biases_and_min_tokens_give_hfs_greedy_tokens_on_verify_rows(eagle_server):
+    """Short prompts prefill on the decode worker itself here; the rules hold on the verify rows (a
+    request with a history-dependent rule drafts chains)."""
+    before = eagle_server.metrics()
+    check_logit_rules(openai.OpenAI(base_url=f"{eagle_server.base_url}/v1", api_key="none", max_retries=0,
+                                    timeout=300))
+    drafted = lambda: metric(eagle_server.metrics(), "tandem:spec_draft_tokens_total") - metric(  # noqa: E731
+        before, "tandem:spec_draft_tokens_total")
+    eventually(lambda: drafted() > 0, "drafts verified under the rules")
 
 
 def test_a_fresh_cache_serves_with_the_shipped_head_and_says_so(eagle_server, fresh_cache):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from cluster.bench.decode import DecodeSpec, bench_decode, compare, make_prompts, summarize
+from cluster.bench.decode import CPU_BACKENDS, DecodeSpec, bench_decode, compare, make_prompts, summarize
 from cluster.cli.args import engine_config_from_args
 from cluster.cli.main import build_parser
 from cluster.serve.config_load import serve_config_from_args
@@ -24,12 +24,16 @@ BASE = EngineConfig(page_size=4, chunk_size=32, debug_kv=True)
 
 
 class TinyModels:
-    """The bench's `Models` over the seeded tiny Llama (torch attention) and its HF twin."""
+    """The bench's `Models` over the seeded tiny Llama (torch or cpu attention) and its HF twin."""
 
     def ours(self, backend: str):
-        assert backend == "torch", f"the tiny model has torch attention only, asked for {backend}"
-        model, _, arch = tiny_models()
-        return model, arch
+        from kernels.attention import get_backend
+        from kernels.model.tiny import make_tiny_llama
+
+        assert backend in CPU_BACKENDS, f"a GPU backend was timed on a CPU: {backend}"
+        model, _ = make_tiny_llama(0)  # tiny_models()'s weights, its own instance: the backend is this run's
+        model.use_attention_backend(get_backend(backend))
+        return model, model.arch
 
     def hf(self):
         return tiny_models()[1]
@@ -69,16 +73,16 @@ def test_the_command_prints_the_table_and_writes_every_row(tmp_path, capsys):
         "--page-size", "4", "--chunk-size", "32", "--json", str(path)])
     assert bench_decode(args, TinyModels()) == 0
     printed = capsys.readouterr().out
-    for other in set(BACKEND_NAMES) - {"torch"}:  # GPU backends: a note on a CPU device, no rows
+    for other in set(BACKEND_NAMES) - set(CPU_BACKENDS):  # GPU backends: a note on a CPU device, no rows
         assert f"note: backend {other} skipped: {other} is a GPU backend, not timed on cpu" in printed
     assert "greedy outputs eager vs graph (torch/2, every request): identical" in printed
     assert "request 0 vs HF generate (batch 2): identical" in printed
     summary = json.loads(path.read_text())
     got = [(r["system"], r["backend"], r["mode"], r["batch"]) for r in summary["rows"]]
     hf_backend = summary["rows"][-1]["backend"]
-    assert got == [("tandem", "torch", "eager", 1), ("tandem", "torch", "graph", 1), ("tandem", "torch", "eager", 2),
-                   ("tandem", "torch", "graph", 2), ("hf_transformers", hf_backend, "generate", 1),
-                   ("hf_transformers", hf_backend, "generate", 2)]
+    assert got == [("tandem", backend, mode, batch) for backend in ("torch", "cpu") for batch in (1, 2)
+                   for mode in ("eager", "graph")] + [("hf_transformers", hf_backend, "generate", 1),
+                                                      ("hf_transformers", hf_backend, "generate", 2)]
     assert hf_backend.startswith("hf:")
     for r in summary["rows"]:
         assert r["steps"] == len(r["step_ms"]) == 4 and r["step_ms_p50"] > 0 and r["tokens_per_s"] > 0
@@ -87,7 +91,7 @@ def test_the_command_prints_the_table_and_writes_every_row(tmp_path, capsys):
         assert len(r["first_request_tokens"]) >= 1 + 1 + 4
     for line in ("torch     eager          1", "torch     graph          2"):
         assert line in printed
-    assert set(summary["skipped_backends"]) == set(BACKEND_NAMES) - {"torch"}
+    assert set(summary["skipped_backends"]) == set(BACKEND_NAMES) - set(CPU_BACKENDS)
 
 
 def test_no_cuda_graph_flag_reaches_run_and_every_serve_group():

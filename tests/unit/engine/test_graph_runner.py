@@ -17,6 +17,7 @@ from common.config import EngineConfig, SamplingParams
 from engine.build import build_engine
 from engine.graphs.capture import batch_buckets, bucket_for
 from engine.graphs.runner import Fallback, GraphCounters, GraphRunner
+from engine.graphs.strategy import StepPlan, StepStrategy
 from engine.runner import ForwardRow
 from engine.scheduler import ScheduledStep
 from kernels.kv_layout import KVCacheTensors
@@ -118,7 +119,7 @@ def test_every_gate_counts_its_fallback_and_runs_eagerly():
     small.run(_step(engine, reqs[:1]))  # its table needs more than 8 / page_size pages
     assert small.counters.fallbacks == {Fallback.BATCH_TOO_LARGE: 1, Fallback.CONTEXT_TOO_LONG: 1}
 
-    off = GraphRunner(runner.eager, pool, max_batch=8, max_model_len=128, enabled=False)
+    off = GraphRunner(runner.eager, pool, max_batch=8, max_model_len=128, plan=StepPlan(StepStrategy.EAGER))
     torch.testing.assert_close(off.run(_step(engine, reqs)).logits, expected)
     assert off.counters.fallbacks == {Fallback.DISABLED: 1} and off.counters.replays == 0
     assert runner.counters.replays == 1  # only the step with nothing against it replayed
@@ -149,7 +150,7 @@ def test_cpu_native_replays_give_hf_greedy_output_and_compile_nothing():
     nothing is compiled (even with cpu_compile), and every output is HF's greedy."""
     import torch._dynamo
 
-    from kernels.model.native_decode import MAX_ROWS, NativeDecode
+    from kernels.cpu.decode_layer import MAX_ROWS, NativeDecode
 
     _, ref, _ = tiny_models()
     prompts, max_tokens = [*make_prompts(3, seed=6), [7]], [12, 5, 9, 7]  # [7]: a lone request inside its first page
@@ -176,7 +177,7 @@ def test_cpu_native_bf16_replays_every_bucket_where_onednn_has_no_bf16_and_match
     engine stepping through torch's bf16 ops (`--no-cpu-native-decode`), batch sizes 1 to 5."""
     from kernels.model import packed_linear
     from kernels.model.loader import make_tiny_llama
-    from kernels.model.native_decode import NativeDecode
+    from kernels.cpu.decode_layer import NativeDecode
 
     monkeypatch.setitem(packed_linear._cpu_packing, torch.bfloat16, False)
     model, _ = make_tiny_llama(0, dtype=torch.bfloat16)
@@ -235,9 +236,9 @@ def _background_engine(monkeypatch, first_call=lambda: None):
     `first_call()` first."""
     from common.config import EngineConfig
     from engine import build_engine
-    from engine.graphs import runner as runner_module
+    from kernels.cpu import compiled as compiled_module
 
-    class Gated(runner_module.CompiledLayers):
+    class Gated(compiled_module.CompiledLayers):
         made: list = []  # one entry a compiled forward made
 
         def __init__(self, model):
@@ -248,7 +249,7 @@ def _background_engine(monkeypatch, first_call=lambda: None):
             first_call()
             return super().forward_with_aux(*args)
 
-    monkeypatch.setattr(runner_module, "CompiledLayers", Gated)
+    monkeypatch.setattr(compiled_module, "CompiledLayers", Gated)  # the runner imports it when it compiles
     ours, _, arch = tiny_models()
     config = EngineConfig(page_size=4, num_pages=256, chunk_size=64, debug_kv=True, cuda_graph=True,
                           cpu_compile=True, cpu_native_decode=False, max_running_requests=2, graph_batch_sizes=(1, 2))
@@ -392,9 +393,9 @@ def test_a_failed_background_compile_leaves_the_step_eager(monkeypatch, caplog):
 
 
 def _compiled_made() -> list:
-    from engine.graphs import runner as runner_module
+    from kernels.cpu import compiled as compiled_module
 
-    return runner_module.CompiledLayers.made
+    return compiled_module.CompiledLayers.made
 
 
 def _count_calls(runner, bucket: int):

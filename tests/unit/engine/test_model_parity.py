@@ -205,7 +205,7 @@ def test_architecture_variants_match_hf(overrides):
 def test_native_decode_layers_match_hf(overrides):
     """Decode steps of 1 and 3 sequences through the C layers (`NativeDecode`; with attention_bias,
     q/k/v and o biases) give HF's logits, like the torch forward."""
-    from kernels.model.native_decode import NativeDecode
+    from kernels.cpu.decode_layer import NativeDecode
 
     ours, reference = make_tiny_llama(seed=5, **overrides)
     native = NativeDecode.for_model(ours)
@@ -235,7 +235,7 @@ def test_native_bf16_decode_layers_round_as_the_torch_model_and_track_hf():
     dot products; `max_rows` otherwise)."""
     import copy
 
-    from kernels.model.native_decode import NativeDecode
+    from kernels.cpu.decode_layer import NativeDecode
 
     ours, reference = make_tiny_llama(seed=5, dtype=torch.bfloat16)
     native = NativeDecode.for_model(ours)
@@ -282,13 +282,13 @@ def test_native_decode_layers_give_the_same_bits_built_for_this_cpu_and_for_the_
     (`TANDEM_CPU_MARCH`): built for the AVX2 baseline (x86-64-v3) and for this CPU (native, AVX-512
     where it has it), a step of 1 and of 3 sequences gives the same bits, so the served tokens of a
     wider CPU are the baseline's wherever the C layers run."""
-    from kernels.attention import cpu_native
-    from kernels.model.native_decode import NativeDecode
+    from kernels.cpu import native as cpu_native
+    from kernels.cpu.decode_layer import NativeDecode
 
     native_lib = cpu_native.kernel()
     assert native_lib is not None, "the kernel did not build: no C compiler?"
     monkeypatch.setenv(cpu_native.MARCH_ENV, "x86-64-v3")
-    baseline_path = tmp_path / "cpu_decode-baseline.so"
+    baseline_path = tmp_path / "cpu_kernels-baseline.so"
     cpu_native.build(cpu_native._compiler(), baseline_path)
     baseline_lib = cpu_native.load(baseline_path)
     ours, _ = make_tiny_llama(seed=5, dtype=dtype)

@@ -21,7 +21,7 @@ import torch
 import kernels.attention as attention
 from common.config import ATTENTION_BACKENDS, ConfigError, EngineConfig
 from kernels.attention import AUTO, BACKEND_NAMES, build_attn_metadata, get_backend, resolve_backend
-from kernels.attention.flashinfer_backend import FlashInferAttentionBackend, paged_kv_index_no_sync
+from kernels.cuda.flashinfer_backend import FlashInferAttentionBackend, paged_kv_index_no_sync
 
 HALF = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 
@@ -46,11 +46,24 @@ def importable(monkeypatch):
 
 # ---- auto ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_auto_is_torch_on_cpu_without_probing_gpu_libraries(importable, dtype):
+def test_auto_is_the_cpu_backend_on_a_cpu_without_probing_gpu_libraries(importable, dtype):
     probed = importable({"flashinfer", "triton"})
-    assert resolve_backend(AUTO, "cpu", dtype) == "torch"
-    assert resolve_backend(AUTO, torch.device("cpu")) == "torch"
+    assert resolve_backend(AUTO, "cpu", dtype) == "cpu"
+    assert resolve_backend(AUTO, torch.device("cpu")) == "cpu"
     assert probed == []
+
+
+def test_auto_on_a_cpu_without_its_c_kernels_is_torch_and_says_why(monkeypatch, caplog):
+    from kernels.cpu import native
+
+    monkeypatch.setattr(native, "_loaded", [None])  # what a machine without a C compiler has
+    with caplog.at_level("INFO", logger="tandem.kernels"):
+        assert resolve_backend(AUTO, "cpu", torch.float32) == "torch"
+    assert "cpu: its C kernels could not be built here" in caplog.text
+    with pytest.raises(ValueError, match="'cpu' cannot be used: its C kernels could not be built"):
+        resolve_backend("cpu", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="cpu runs on the CPU only, not cuda"):
+        resolve_backend("cpu", "cuda", torch.float32)
 
 
 PREBUILT = attention.FLASHINFER_PREBUILT
@@ -103,7 +116,7 @@ def test_named_backends_are_checked_against_device_dtype_and_imports(importable)
 
 @pytest.mark.parametrize("name", ["flash", "Torch", "", "auto "])
 def test_unknown_names_are_rejected_with_the_valid_ones(name):
-    expected = f"unknown attention backend {name!r}; available: auto, torch, triton, flashinfer"
+    expected = f"unknown attention backend {name!r}; available: auto, torch, cpu, triton, flashinfer"
     with pytest.raises(ValueError, match=expected):
         resolve_backend(name, "cpu", torch.float32)
     with pytest.raises(ValueError, match="unknown attention backend"):
@@ -119,14 +132,14 @@ def test_auto_is_a_config_value_not_a_backend():
         get_backend(AUTO)
 
 
-def test_the_loader_resolves_auto_to_torch_on_cpu(tmp_path):
+def test_the_loader_resolves_auto_to_the_cpu_backend_on_a_cpu(tmp_path):
     from kernels.model.loader import build_model
     from kernels.model.tiny import make_tiny_llama
 
     _, ref = make_tiny_llama(seed=3)
     ref.save_pretrained(tmp_path)
     model = build_model(tmp_path, ref.config, "cpu", torch.float32, AUTO)
-    assert model.backend.name == "torch"
+    assert model.backend.name == "cpu"
     assert all(layer.self_attn.backend is model.backend for layer in model.model.layers)
     with pytest.raises(ValueError, match="flashinfer runs on CUDA devices only"):
         build_model(tmp_path, ref.config, "cpu", torch.bfloat16, "flashinfer")
@@ -410,7 +423,7 @@ def test_build_engine_runs_the_configured_backend_whatever_the_model_was_built_w
     a ConfigError before anything is allocated."""
     from engine import build_engine
     from kernels.attention.torch_backend import TorchAttentionBackend
-    from kernels.attention.triton_backend import TritonAttentionBackend
+    from kernels.cuda.triton_backend import TritonAttentionBackend
     from kernels.model.tiny import make_tiny_llama
     from tests.helpers import greedy, make_prompts
 

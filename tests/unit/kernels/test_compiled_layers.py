@@ -7,7 +7,7 @@ import torch
 
 from kernels.attention import build_attn_metadata
 from kernels.kv_layout import KVCacheTensors
-from kernels.model.compiled import CompiledLayers, group_size
+from kernels.cpu.compiled import CompiledLayers, group_size
 from kernels.model.loader import make_tiny_llama
 
 pytestmark = pytest.mark.isa  # inductor vectorises for this CPU

@@ -12,9 +12,10 @@ import logging
 import pytest
 import torch
 
-import kernels.attention.torch_backend as torch_backend
-from kernels.attention import build_attn_metadata, cpu_native
+from kernels.attention import build_attn_metadata
+from kernels.cpu import native as cpu_native
 from kernels.attention.torch_backend import TorchAttentionBackend
+from kernels.cpu.attention_backend import CpuAttentionBackend
 from tests.helpers import random_page_tables
 
 pytestmark = pytest.mark.isa  # the C kernel is built for this CPU (-march)
@@ -112,7 +113,7 @@ def _decode_step(backend, seq_lens, heads=6, kv_heads=2, head_dim=16, page_size=
     return backend.attention(q, k_cache, v_cache, meta, 0.25)
 
 
-def test_a_cpu_decode_step_takes_it_and_agrees_with_the_sdpa_path(monkeypatch):
+def test_the_cpu_backends_decode_step_takes_it_and_agrees_with_the_torch_backends():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -124,16 +125,15 @@ def test_a_cpu_decode_step_takes_it_and_agrees_with_the_sdpa_path(monkeypatch):
 
     seq_lens = [3, 40, 17, 9]
     with Ops() as ops:
-        native = _decode_step(TorchAttentionBackend(), seq_lens)
+        native = _decode_step(CpuAttentionBackend(), seq_lens)
     assert FLASH_OP not in ops.seen and "aten.index_select.default" not in ops.seen, "the step gathered and ran SDPA"
-    monkeypatch.setattr(torch_backend, "_uses_cpu_native", lambda device: False)
     torch.testing.assert_close(native, _decode_step(TorchAttentionBackend(), seq_lens), atol=1e-5, rtol=1e-5)
 
 
 def test_a_build_goes_to_the_cache_root_loads_and_replaces_older_builds(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_native, "_loaded", [])
-    stale = tmp_path / "kernels" / "cpu_decode-0000000000000000.so"
+    stale = tmp_path / "kernels" / "cpu_kernels-0000000000000000.so"
     stale.parent.mkdir()
     stale.write_bytes(b"an older build")
     lib = cpu_native.kernel()

@@ -1,4 +1,4 @@
-"""The KV page copy kernel (`kernels/kv_copy.py`) against plain torch indexing, byte for byte, and
+"""The KV page copy kernel (`kernels/cuda/page_copy.py`) against plain torch indexing, byte for byte, and
 the page copier's kernel path: exact copies through it, and the staged redo when the kernel raises.
 
 Without CUDA the kernel runs under the Triton interpreter on CPU tensors (this directory's conftest
@@ -50,7 +50,7 @@ def assert_same_bytes(got: torch.Tensor, expected: torch.Tensor, what: str) -> N
                          ids=["ps1", "ps16", "ps16-4chunks", "odd-bytes"])
 @pytest.mark.parametrize("to_larger", [True, False], ids=["to-larger", "to-smaller"])
 def test_copies_exactly_the_named_pages(dtype, page_shape, to_larger):
-    from kernels.kv_copy import copy_pages
+    from kernels.cuda.page_copy import copy_pages
 
     num_src, num_dst = (SRC_PAGES, DST_PAGES) if to_larger else (DST_PAGES, SRC_PAGES)
     src_k, src_v = (random_pages(num_src, page_shape, dtype, seed) for seed in (1, 2))
@@ -69,7 +69,7 @@ def test_copies_exactly_the_named_pages(dtype, page_shape, to_larger):
 
 
 def test_no_pages_is_a_no_op():
-    from kernels.kv_copy import copy_pages
+    from kernels.cuda.page_copy import copy_pages
 
     src, dst = random_pages(4, (16, 2, 32), torch.float32, 5), random_pages(4, (16, 2, 32), torch.float32, 6)
     before = dst.clone()
@@ -118,7 +118,7 @@ def test_copier_kernel_path_copies_exactly(direction):
 def test_copier_redoes_a_failed_kernel_copy_staged(monkeypatch, caplog):
     """A kernel that raises (as Triton does for a host pointer it cannot map) costs one warning; the
     job is redone staged and succeeds, and the copier stays staged."""
-    from kernels import kv_copy
+    from kernels.cuda import page_copy as kv_copy
 
     calls = []
 

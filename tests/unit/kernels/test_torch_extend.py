@@ -17,7 +17,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels.attention.torch_backend as torch_backend
-from kernels.attention import cpu_native
 from kernels.attention import build_attn_metadata
 from kernels.attention.metadata import AttnMetadata
 from kernels.attention.torch_backend import TorchAttentionBackend
@@ -231,6 +230,5 @@ def test_short_extends_are_one_masked_flash_call_each(heads, kv_heads, page_size
     assert_matches_reference(case, TorchAttentionBackend())
     _, recorder = recorded_attention(TorchAttentionBackend(), case, 0.125)
     flash_calls = [op for op, _ in recorder.calls if op == FLASH_OP]
-    decode_calls = 0 if dtype == torch.float32 and cpu_native.kernel() is not None else 1  # else the native kernel
-    assert len(flash_calls) == 4 + decode_calls, f"{len(flash_calls)} flash calls for 4 short extends and the decode row"
+    assert len(flash_calls) == 4 + 1, f"{len(flash_calls)} flash calls for 4 short extends and the decode row"
     assert not {op for op in recorder.ops() if "sigmoid" in op or "logaddexp" in op}, "parts merged: the long path"

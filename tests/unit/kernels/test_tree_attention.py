@@ -10,13 +10,15 @@ mask's offsets, slots from the window.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import kernels.attention.torch_backend as torch_backend
 from kernels.attention import build_attn_metadata, get_backend
 from kernels.attention.metadata import TreeMask
-from kernels.attention.triton_backend import TritonAttentionBackend
+from kernels.cuda.triton_backend import TritonAttentionBackend
 from kernels.speculative import ancestor_mask, verify_tree_greedy, verify_tree_mask
 from tests.helpers import random_page_tables
 
@@ -117,7 +119,7 @@ def test_torch_backend_matches_masked_reference(monkeypatch, page_size, heads, k
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (3, 1)], ids=["gqa1", "gqa3"])
 def test_triton_backend_matches_masked_reference(page_size, heads, kv_heads):
-    from kernels.attention import triton_kernels as tk
+    from kernels.cuda import triton_kernels as tk
 
     device = "cpu" if tk.INTERPRETED else "cuda"
     meta, _, caches, q, k, v, dense = tree_step(page_size, heads, kv_heads, torch.float32, seed=3, device=device)
@@ -129,8 +131,8 @@ def test_flashinfer_declines_tree_masks():
     from kernels.attention.base import AttentionBackend
 
     assert AttentionBackend.supports_tree_mask and get_backend("torch").supports_tree_mask
-    source = (torch_backend.__file__.replace("torch_backend", "flashinfer_backend"))
-    assert "supports_tree_mask = False" in open(source).read()
+    source = Path(torch_backend.__file__).parents[1] / "cuda" / "flashinfer_backend.py"
+    assert "supports_tree_mask = False" in source.read_text()
 
 
 def test_greedy_tree_verification_follows_the_target_through_the_tree():

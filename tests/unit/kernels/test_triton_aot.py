@@ -1,5 +1,5 @@
 """Every Triton kernel, at the tiles the backend launches it with, builds ahead of time for sm_80 and
-sm_90 on this CPU (`kernels/attention/triton_aot.py`), and each build fits its target's shared memory
+sm_90 on this CPU (`kernels/cuda/triton_aot.py`), and each build fits its target's shared memory
 and stays within the register and spill budgets. The builds run in child processes: the kernels
 compile only where the Triton interpreter, which this test session turns on, is off."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels.attention import triton_aot
-from kernels.attention.triton_aot import Build, check
+from kernels.cuda import triton_aot
+from kernels.cuda.triton_aot import Build, check
 
 REPO = Path(__file__).resolve().parents[3]
 DTYPES = ("float32", "bfloat16")  # float16 launches bfloat16's tiles
@@ -24,7 +24,7 @@ KERNELS = {"decode_split", "decode_combine", "write_kv", "copy_pages", "extend",
 
 def aot_builds(target: int) -> list[Build]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "kernels.attention.triton_aot", str(target), ",".join(DTYPES),
+    done = subprocess.run([sys.executable, "-m", "kernels.cuda.triton_aot", str(target), ",".join(DTYPES),
                            ",".join(map(str, triton_aot.HEAD_DIMS))],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from kernels.attention import BACKEND_NAMES, build_attn_metadata, get_backend
-from kernels.attention import triton_kernels as tk
+from kernels.cuda import triton_kernels as tk
 from kernels.attention.metadata import AttnMetadata
-from kernels.attention.triton_backend import TileSizes, TritonAttentionBackend, num_kv_splits
+from kernels.cuda.triton_backend import TileSizes, TritonAttentionBackend, num_kv_splits
 from tests.helpers import random_page_tables
 
 pytestmark = pytest.mark.usefixtures("triton_interpreted")
@@ -170,7 +170,7 @@ def test_odd_head_dim_and_forced_tiles():
 
 def test_decode_result_does_not_depend_on_the_split_count(monkeypatch):
     """The split count only sizes the grid (what a replayed graph keeps); any count is exact."""
-    import kernels.attention.triton_backend as tb
+    import kernels.cuda.triton_backend as tb
 
     backend = TritonAttentionBackend(TileSizes(decode_block_n=16, extend_block_m=16, extend_block_n=16))
     case = make_case([1, 1], [50, 6], 16, 4, 2, 32, torch.float32, seed=7)  # seq lens 51, 7: 4 tiles at most

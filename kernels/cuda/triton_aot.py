@@ -9,7 +9,7 @@ the dynamic amount in the kernel's metadata). `check` holds each to the budgets 
 kernel change that would not launch on a GPU, or would spill heavily, fails on the CPU.
 
 Must run where ``TRITON_INTERPRET`` is unset when the kernels are first imported (the interpreter
-swaps `@triton.jit` for an interpreted function there): `python -m kernels.attention.triton_aot`
+swaps `@triton.jit` for an interpreted function there): `python -m kernels.cuda.triton_aot`
 prints one JSON line per build; `tests/unit/kernels/test_triton_aot.py` runs it as a child process.
 """
 
@@ -58,9 +58,9 @@ def _specs(dtype_name: str, head_dim: int):
     import triton
     import triton.language as tl
 
-    from kernels import kv_copy
-    from kernels.attention import triton_kernels as tk
-    from kernels.attention.triton_backend import MAX_KV_SPLITS, _block_d, default_tiles
+    from kernels.cuda import page_copy as kv_copy
+    from kernels.cuda import triton_kernels as tk
+    from kernels.cuda.triton_backend import MAX_KV_SPLITS, _block_d, default_tiles
 
     dtype = getattr(torch, dtype_name)
     tiles = default_tiles(head_dim, dtype, interpreted=False)

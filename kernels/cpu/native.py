@@ -1,4 +1,7 @@
-"""The CPU's native decode-attention kernel (`cpu_decode.c`): built once per machine, loaded with ctypes.
+"""The CPU's native kernels (`*.c` beside this file, one source per kernel, sharing the headers):
+built into one library once per machine, loaded with ctypes. `paged_decode` is the "cpu" attention
+backend's decode (`attention.c`), `linear_bf16` a bf16 matmul (`linear.c`), and `decode_layer.c` a
+whole decoder layer (`kernels/cpu/decode_layer.py`).
 
 Why: a batched CPU decode step attended in two passes over each layer's KV, a gather of every
 sequence's pages into one padded copy (`index_select`) and SDPA's flash kernel over it, which treats
@@ -35,7 +38,11 @@ import torch
 
 log = logging.getLogger("tandem.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("attention.c", "decode_layer.c", "linear.c"))
+HEADERS = tuple(HERE / name for name in ("numerics.h", "attend.h", "matvec.h"))
+LIBRARY = "cpu_kernels"
+"""The library's name in the cache (`cpu_kernels-<key>.so`)."""
 MARCH_ENV = "TANDEM_CPU_MARCH"
 """Environment variable naming the `-march` the kernel is built for; unset: `native`."""
 BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=off")
@@ -144,8 +151,9 @@ def _library_path(compiler: str) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags(), compiler, version, _cpu_identity()]).encode())
-    return default_cache_root() / "kernels" / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    texts = [p.read_text() for p in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, *flags(), compiler, version, _cpu_identity()]).encode())
+    return default_cache_root() / "kernels" / f"{LIBRARY}-{key.hexdigest()[:16]}.so"
 
 
 def _build_and_load() -> ctypes.CDLL | None:
@@ -191,12 +199,12 @@ def build(compiler: str, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags(), *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise OSError(f"{Path(compiler).name} exited {done.returncode}: {done.stderr.strip()[-400:]}")
         os.replace(tmp, path)
-        for stale in path.parent.glob("cpu_decode-*.so"):  # builds of an older source (or another CPU)
+        for stale in path.parent.glob(f"{LIBRARY}-*.so"):  # builds of an older source (or another CPU)
             if stale != path:
                 stale.unlink(missing_ok=True)  # a process that has one loaded keeps its mapping
     finally:

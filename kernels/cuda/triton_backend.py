@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels.attention.triton_kernels as tk
+import kernels.cuda.triton_kernels as tk
 from kernels.attention.base import AttentionBackend, check_new_kv
 from kernels.attention.metadata import AttnMetadata
 
@@ -34,7 +34,7 @@ class TileSizes:
     tree_block_m: int = 16
     """Query rows per program of a tree-masked extend (verify rows, a few per sequence): the mask's
     loads on top of a 32- or 64-row tile spill up to ~1.2 KB a thread on sm_80/sm_90, 16 rows none
-    (`kernels/attention/triton_aot.py` builds both targets on the CPU)."""
+    (`kernels/cuda/triton_aot.py` builds both targets on the CPU)."""
 
     def __post_init__(self) -> None:
         for name in ("decode_block_n", "extend_block_m", "extend_block_n", "tree_block_m"):

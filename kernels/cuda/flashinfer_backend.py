@@ -256,7 +256,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise RuntimeError(
                 "flashinfer attention under CUDA-graph capture with metadata that was not prepared: the graph "
                 "runner must call backend.prepare_graph_decode(meta) outside the capture, before capturing "
-                "and before every replay (see kernels/attention/flashinfer_backend.py)"
+                "and before every replay (see kernels/cuda/flashinfer_backend.py)"
             )
         if self._memo is None or self._memo.meta is not meta or self._memo.shape != shape:
             self._memo = _Planned(meta, shape, self._plan_eager(meta, shape, device))

@@ -2,7 +2,7 @@
 
 One token of one sequence is ~120 matrix-vector products over the weights (SmolLM2: 425 MB of
 float32 a token) and ~20 small ops a layer around them. Inductor's compiled layers
-(`kernels/model/compiled.py`) fuse the small ops but stream the weights at ~15-17 GB/s on 2 cores
+(`kernels/cpu/compiled.py`) fuse the small ops but stream the weights at ~15-17 GB/s on 2 cores
 (one fused product-sum a matmul), and take ~10 s to compile at every start; a C layer reads each
 weight row once, four rows a pass against two tokens at a time, at ~22-24 GB/s (SmolLM2's 120 layer
 matmuls: 17.6 vs 25-28 ms, 2 cores, same run), runs the norms, rotary, K/V write, attention
@@ -31,7 +31,7 @@ import ctypes
 
 import torch
 
-from kernels.attention import cpu_native
+from kernels.cpu import native as cpu_native
 from kernels.model.llama import LlamaForCausalLM, run_head
 from kernels.model.packed_linear import cpu_packing_available
 

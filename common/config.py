@@ -57,6 +57,8 @@ re-searched per token)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Stop token ids one request may give at most."""
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+MAX_CHOICES = 16
+"""Most choices (`n`) one request asks for."""
 MAX_LOGIT_BIAS = 1024
 """Most tokens one request's `logit_bias` names."""
 LOGIT_BIAS_LIMIT = 100.0
@@ -70,6 +72,16 @@ DEFAULT_HOST_CACHE_RATIO = 2.0  # an engine made alone; on CUDA `tandem serve` c
 STAGING_CHUNKS = 4
 """A prefill worker that ships through host staging (its KV on a GPU, a transport that reads host
 memory only: `prefill_worker/staging.py`) has room there for this many prefill chunks of pages."""
+
+
+def sibling_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: choice 0 keeps it (a request with
+    n = 1 is the same request), the others mix the index in, so siblings draw different numbers and
+    the same ones on every repeat, whatever else runs. In [SEED_MIN, SEED_MAX]."""
+    if index == 0:
+        return seed
+    mixed = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % 2**64
+    return mixed - 2**64 if mixed > SEED_MAX else mixed
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,10 @@ class SamplingParams:
     """In [0, 1]: after temperature, drop tokens whose probability is below min_p x the top token's."""
     min_tokens: int = 0
     """EOS and `stop_token_ids` cannot end the output before it holds this many tokens (<= max_tokens)."""
+    share_prompt: bool = False
+    """Not sampling: the prompt's KV enters the prefix tree as soon as it is computed, not when the
+    request ends, so requests with the same prompt admitted meanwhile reuse it (the gateway sets it
+    on choice 0 of a request with `n` > 1, whose siblings start after its first token)."""
 
     def __post_init__(self):
         require(_is_int(self.max_tokens) and self.max_tokens >= 1,

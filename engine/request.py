@@ -102,6 +102,8 @@ class Request:
     """Its stop rules with their incremental state; set by the engine that admits it."""
     spec: DraftState = field(default_factory=lambda: DraftState())
     """Its drafts for the next step (the speculator's)."""
+    prompt_shared: bool = False
+    """Its prompt's whole pages entered the prefix tree while it runs (`Scheduler.share_prompt`)."""
 
     def __post_init__(self):
         if not self.prompt_token_ids:

@@ -115,6 +115,20 @@ class Scheduler:
         """Join `req`, whose KV is already on device (loaded from the host tier), to the batch."""
         req.admit(kv)
         self.running.append(req)
+        self.share_prompt(req)
+
+    def share_prompt(self, req: Request) -> None:
+        """Once all of a running request's prompt is in its KV, a request that asks (`share_prompt`)
+        has the prompt's whole pages enter the prefix tree (as SGLang caches unfinished requests), so
+        a request with the same prompt admitted while it still decodes reuses them: the sibling
+        choices of `n`, which the gateway starts after choice 0's first token. Not for session turns
+        (their history is the session's) nor a request that ends at its first token (a prefill
+        worker's: its pages enter the tree when it ends, at once)."""
+        if (not req.params.share_prompt or req.prompt_shared or req.session_id or not self.config.enable_prefix_cache
+                or req.params.max_tokens <= 1 or req.kv.kv_committed_len < len(req.prompt_token_ids)):
+            return
+        req.prompt_shared = True
+        self.kvm.cache_unfinished(req.kv, req.prompt_token_ids)
 
     def detach(self, req: Request) -> None:
         """Take a RUNNING request out of the batch but keep its KV (pages still in flight);
@@ -133,6 +147,7 @@ class Scheduler:
         self.kvm.commit(req.kv, end)
         if req.kv.kv_allocated_len > end:
             self.kvm.free_tail(req.kv, end)
+        self.share_prompt(req)
 
     def reserve_draft_slots(self, req: Request, num_slots: int) -> bool:
         """Slots for `req`'s next verify row: its last token and `num_slots` drafted past it. False:

@@ -169,6 +169,38 @@ class KVManager:
             f"[{kv.cache_protected_len}, {kv.kv_allocated_len}]: wrote KV into unallocated slots?")
         kv.kv_committed_len = kv_committed_len
 
+    def cache_unfinished(self, kv: ReqKV, token_ids: list[int]) -> int:
+        """Offer a running request's committed whole pages of `token_ids` (its first tokens) to the
+        prefix tree, and protect those the tree took: the request keeps them under its lock on the
+        deeper node, as if it had matched them at admission, so a request with the same tokens admitted
+        now reuses them. Pages the tree already holds another copy of stay the request's own, and so
+        does everything past the first of them. Returns the new `cache_protected_len`.
+
+            | tree's (locked)  | newly the tree's (locked) | own (a duplicate, and after) |
+            0                 cpl                        new cpl
+        """
+        self._expect_active(kv, "cache_unfinished")
+        ps, first = self.page_size, kv.num_protected_pages
+        aligned = min(len(token_ids), kv.kv_committed_len) // ps * ps
+        if aligned <= kv.cache_protected_len:
+            return kv.cache_protected_len
+        taken = set(self.prefix_cache.insert(list(token_ids[:aligned]), kv.pages[:aligned // ps], kv.req_id))
+        end = first
+        while end < aligned // ps and kv.pages[end] in taken:
+            end += 1
+        if len(taken) != end - first:
+            raise KVOwnershipError(f"request {kv.req_id!r}: the tree took pages {sorted(taken)} of its own, not "
+                                   f"a run right after its protected prefix (pages {first}..{aligned // ps})")
+        if end == first:
+            return kv.cache_protected_len
+        match = self.prefix_cache.match(token_ids[:end * ps], end * ps)
+        if match.num_tokens != end * ps or match.pages != kv.pages[:end]:
+            raise KVOwnershipError(f"request {kv.req_id!r}: the tree's path to its {end} cached pages is not its pages")
+        self.prefix_cache.lock(match.node)
+        self.prefix_cache.unlock(kv.locked_node)
+        kv.locked_node, kv.cache_protected_len = match.node, end * ps
+        return kv.cache_protected_len
+
     def free_tail(self, kv: ReqKV, new_len: int) -> list[int]:
         """Shorten the request to `new_len` tokens (spec rejection, retract, session rewind).
 

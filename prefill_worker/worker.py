@@ -80,8 +80,10 @@ class PrefillWorker(EngineWorker):
         need = ceil_div(len(prompt_token_ids), self.engine.config.page_size)
         if len(landing.page_ids) != need:
             raise ValueError(f"landing for {request_id} has {len(landing.page_ids)} pages, the prompt needs {need}")
-        # Prefill samples only the first token; the decode worker applies the stop rules to it.
-        req = self.engine.add_request(prompt_token_ids, dataclasses.replace(params, max_tokens=1, stop=()), request_id)
+        # Prefill samples only the first token (under the request's logit rules: min_tokens holds its
+        # stop tokens back there too); the decode worker applies the stop rules to it.
+        first = dataclasses.replace(params, max_tokens=1, stop=(), min_tokens=min(params.min_tokens, 1))
+        req = self.engine.add_request(prompt_token_ids, first, request_id)
         self.sender.open(req, landing)
 
     def prefill_answer(self, request_id: str, token_ids, prompt_len: int) -> bool:

@@ -104,7 +104,10 @@ class Backend(Protocol):
     max_model_len: int  # prompt + completion tokens at most
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 session_id: str = "") -> AsyncIterator[GenerationChunk]: ...
+                 session_id: str = "", follow: str = "") -> AsyncIterator[GenerationChunk]:
+        """`follow`: the id of a request in flight with the same prompt (choice 0 of `n`): go to the
+        worker that decodes it and prefill there, where its prompt is cached."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -129,8 +129,9 @@ class Dispatcher(TransferPhase):
 
     # ---- Backend -----------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 session_id: str = "") -> AsyncIterator[GenerationChunk]:
-        """Route the request now (raising `BackendError` when it cannot start) and return its stream."""
+                 session_id: str = "", follow: str = "") -> AsyncIterator[GenerationChunk]:
+        """Route the request now (raising `BackendError` when it cannot start) and return its stream.
+        `follow` (`Backend.generate`): to that request's decode worker while it is in flight there."""
         if request_id in self.flights:
             raise BackendError(ErrorKind.REJECTED, f"request id {request_id!r} is already in flight")
         if len(self.flights) >= self.max_pending:
@@ -139,10 +140,14 @@ class Dispatcher(TransferPhase):
         if session_id:
             flight = SessionTurn(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
                                  session_id=session_id)
-            self._route_turn(flight)
+            self._route_to(flight, self.sessions.worker_of(session_id))  # NOT_FOUND before registering
         else:
             flight = Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock())
-            self._route(flight, admit=True)  # raises BackendError before anything is registered
+            leader = self.flights.get(follow)
+            if leader is not None and leader.decode is not None and not leader.decode.gone:
+                self._route_to(flight, leader.decode)
+            else:  # nothing to follow (it finished, or its worker is gone): the policy routes it
+                self._route(flight, admit=True)  # raises BackendError before anything is registered
         self.flights[request_id] = flight
         return self._stream(flight)
 
@@ -202,14 +207,18 @@ class Dispatcher(TransferPhase):
         flight.prefill.lane.enqueue(flight, len(flight.prompt), front=not admit)
         self._pump(flight.prefill)
 
-    def _route_turn(self, turn: SessionTurn) -> None:
-        """Send a session's turn to the worker holding its history (no admission: the session
-        reserved its KV when it opened). Raises BackendError NOT_FOUND before registering anything."""
-        turn.decode = self.sessions.worker_of(turn.session_id)
-        turn.decode.num_active += 1
-        turn.move(Phase.LOCAL)
-        self._by_wire[turn.wire_id] = turn
-        turn.decode.send(p.Generate(turn.wire_id, tuple(turn.prompt), turn.params, turn.session_id))
+    def _route_to(self, flight: Flight, decode: LiveWorker) -> None:
+        """Send `flight` to `decode` to prefill there itself (no admission: choice 0 was admitted): a
+        sibling choice following choice 0, whose prompt that worker holds in its prefix cache; or a
+        session's turn (`session_id`) to the worker holding its history (which reserved its KV)."""
+        if not isinstance(flight, SessionTurn):
+            self.state.record_cached(decode.view(), flight.prompt)
+            flight.limit_epoch = decode.limit.epoch
+        flight.decode = decode
+        decode.num_active += 1
+        flight.move(Phase.LOCAL)
+        self._by_wire[flight.wire_id] = flight
+        decode.send(p.Generate(flight.wire_id, tuple(flight.prompt), flight.params, getattr(flight, "session_id", "")))
 
     def _admissible(self, lives: list[LiveWorker], views: list, num_tokens: int) -> list:
         """The views of the workers that can take a new request of `num_tokens` prompt tokens now;

@@ -27,6 +27,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from gpu_check_common import last_json_line  # beside this script: on sys.path when it runs
+
 LOG_TAIL_CHARS = 3000
 MAX_LISTED = 20
 TIMEOUT_RCS = (124, 137)
@@ -174,7 +176,7 @@ SERVE_KEYS = ("completed", "failed", "duration", "request_throughput", "output_t
 def parse_serve(data: dict | None, log: str) -> dict:
     """The serve driver's JSON (ready, stop) and `bench serve --json`'s last line in its log (`log`)."""
     data = data or {}
-    bench = data.get("bench") or _last_json_line(log)
+    bench = data.get("bench") or last_json_line(log)
     out = {k: data.get(k) for k in ("ready", "start_to_ready_s", "gpu_memory_used_mib", "bench_rc", "bench_wall_s")}
     out["stop"] = data.get("stop")
     out["bench"] = {k: _round(bench.get(k)) for k in SERVE_KEYS if k in bench} if bench else None
@@ -205,16 +207,6 @@ def _read_json(path: Path | None) -> dict | None:
         return json.loads(path.read_text()) if path is not None else None
     except (OSError, ValueError):
         return None
-
-
-def _last_json_line(text: str) -> dict | None:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{") and line.endswith("}"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                return None
-    return None
 
 
 def _round(value):

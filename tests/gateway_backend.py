@@ -68,7 +68,7 @@ class EngineBackend:
 
     # ---- Backend ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       session_id: str = "") -> AsyncIterator[GenerationChunk]:
+                       session_id: str = "", follow: str = "") -> AsyncIterator[GenerationChunk]:
         self.sent[request_id] = (tuple(prompt_token_ids), session_id)
         if self.fail_start is not None:
             raise self.fail_start

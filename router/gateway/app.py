@@ -50,6 +50,7 @@ from router.gateway.responses import SHAPES, TokenIds
 from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
     parse_session
 from router.gateway.sessions import GatewaySession, GatewaySessions, SessionTurn, parse_turn
+from router.gateway.siblings import Siblings
 from router.gateway.streaming import GenerationRun, SSEResponse, sse_frames, unless_disconnected
 
 log = logging.getLogger(__name__)
@@ -140,8 +141,11 @@ class Gateway:
             shape = SHAPES[endpoint](self.served_name)
             if session is not None:  # no await since for_turn: no other turn of it can start meanwhile
                 turn = self.sessions.begin_turn(session, shape.id, parsed)
-            run = GenerationRun(self.backend, shape.id, parsed, self.metrics, arrival_s,
-                                on_end=turn.end if turn is not None else None)
+            if parsed.n > 1:  # no session turn: a session continues one conversation
+                run = Siblings(self.backend, shape.id, parsed, self.metrics, arrival_s)
+            else:
+                run = GenerationRun(self.backend, shape.id, parsed, self.metrics, arrival_s,
+                                    on_end=turn.end if turn is not None else None)
             started, _ = await unless_disconnected(request.receive, run.start)
             if not started:
                 return Response(status_code=CLIENT_CLOSED_STATUS)
@@ -166,13 +170,21 @@ class Gateway:
             return _PARSERS[endpoint](payload, self.backend.tokenizer, self.limits)
         return parse_turn(_PARSERS[endpoint], payload, self.backend.tokenizer, self.limits, session, endpoint)
 
-    def _stream(self, run: GenerationRun, shape: Any, parsed: GenerateRequest, release: Callable[[], None],
-                turn: SessionTurn | None):
+    def _stream(self, run: GenerationRun | Siblings, shape: Any, parsed: GenerateRequest,
+                release: Callable[[], None], turn: SessionTurn | None):
         async def cleanup() -> None:
             await self._finish(run, release, turn)
+        if isinstance(run, Siblings):
+            return SSEResponse(run.frames(shape, parsed.include_usage), cleanup)
         return SSEResponse(sse_frames(run, shape, parsed.include_usage), cleanup)
 
-    async def _complete(self, request: Request, run: GenerationRun, shape: Any, parsed: GenerateRequest) -> Response:
+    async def _complete(self, request: Request, run: GenerationRun | Siblings, shape: Any,
+                        parsed: GenerateRequest) -> Response:
+        if isinstance(run, Siblings):
+            finished, body = await unless_disconnected(request.receive, lambda: run.body(shape))
+            if not finished:
+                return Response(status_code=CLIENT_CLOSED_STATUS)
+            return body.response() if isinstance(body, APIError) else JSONResponse(body)
         finished, result = await unless_disconnected(request.receive, run.collect)
         if not finished:
             return Response(status_code=CLIENT_CLOSED_STATUS)
@@ -192,7 +204,7 @@ class Gateway:
         return err
 
     @staticmethod
-    async def _finish(run: GenerationRun | None, release: Callable[[], None] | None,
+    async def _finish(run: GenerationRun | Siblings | None, release: Callable[[], None] | None,
                       turn: SessionTurn | None = None) -> None:
         with anyio.CancelScope(shield=True):
             if run is not None:

@@ -7,8 +7,8 @@ must agree. Request models are built per app (`request_models`): the served mode
 context length and vocabulary bound fields that a static schema could not.
 
 What the document does not capture: a prompt's token count against the context (400
-`context_length_exceeded`), and completion-only values that mean "off" (n, best_of, echo, logprobs...
-are accepted only at their default).
+`context_length_exceeded`), `min_tokens` past the completion budget, `n` > 1 in a session turn, and
+completion-only values that mean "off" (best_of, echo, logprobs... are accepted only at their default).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.config import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
+from common.config import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
 from router.gateway.schema import CHAT_ROLES, DEFAULT_SESSION_IDLE_TIMEOUT_S, MAX_SESSION_ID_CHARS, \
     MAX_SESSION_IDLE_TIMEOUT_S, ModelLimits
 
@@ -62,7 +62,7 @@ FinishReason = Literal["stop", "length"]
 
 
 class CompletionChoice(BaseModel):
-    index: Literal[0]
+    index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
     text: str
     logprobs: None
     finish_reason: FinishReason
@@ -75,7 +75,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
-    choices: list[CompletionChoice] = Field(min_length=1, max_length=1)
+    choices: list[CompletionChoice] = Field(min_length=1, max_length=MAX_CHOICES)
     usage: Usage
 
 
@@ -85,7 +85,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
-    index: Literal[0]
+    index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
     message: ChatMessage
     logprobs: None
     finish_reason: FinishReason
@@ -97,14 +97,14 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"]
     created: int
     model: str
-    choices: list[ChatChoice] = Field(min_length=1, max_length=1)
+    choices: list[ChatChoice] = Field(min_length=1, max_length=MAX_CHOICES)
     usage: Usage
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids: the rendered prompt's "
                                                                  "token ids.")
 
 
 class CompletionChunkChoice(BaseModel):
-    index: Literal[0]
+    index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
     text: str
     logprobs: None
     finish_reason: FinishReason | None
@@ -127,7 +127,7 @@ class ChatDelta(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
-    index: Literal[0]
+    index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
     delta: ChatDelta
     logprobs: None
     finish_reason: FinishReason | None
@@ -275,7 +275,8 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
                                               "prompt's and the output's token ids. Not with stream.")
         stream: bool | None = None
         stream_options: StreamOptions | None = None
-        n: Literal[1] | None = None
+        n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices: siblings over one prompt, "
+                              "seeded apart (choice i of seed s: a seed of its own, the same on every repeat).")
         max_completion_tokens: MaxTokens | None = Field(None, description="Wins over max_tokens.")
         presence_penalty: float | None = Field(None, ge=-2, le=2, description="Subtracted from the logit of "
                                                "each token the output holds.")

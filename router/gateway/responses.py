@@ -62,15 +62,15 @@ class ResponseShape:
         self.created = int(time.time())
         self.model = model
 
-    def opening_frames(self) -> list[bytes]:
-        """Frames sent before the first token's text."""
+    def opening_frames(self, index: int = 0) -> list[bytes]:
+        """Frames sent before the first token's text of choice `index`."""
         return []
 
-    def delta_frame(self, text: str) -> bytes:
-        return sse(self._chunk(self._delta_choice(text, None)))
+    def delta_frame(self, text: str, index: int = 0) -> bytes:
+        return sse(self._chunk(self._delta_choice(text, None, index)))
 
-    def finish_frame(self, finish_reason: str) -> bytes:
-        return sse(self._chunk(self._delta_choice("", finish_reason)))
+    def finish_frame(self, finish_reason: str, index: int = 0) -> bytes:
+        return sse(self._chunk(self._delta_choice("", finish_reason, index)))
 
     def usage_frame(self, usage: Usage) -> bytes:
         return sse({**self._chunk(None), "choices": [], "usage": usage.body()})
@@ -78,11 +78,18 @@ class ResponseShape:
     def full(self, text: str, finish_reason: str, usage: Usage, token_ids: TokenIds | None = None) -> dict:
         """The non-streaming response body; with `token_ids` (`return_token_ids`), the prompt's and the
         output's token ids where vLLM puts them."""
-        choice = self._full_choice(text, finish_reason)
+        return self.full_choices([(text, finish_reason, token_ids)], usage)
+
+    def full_choices(self, choices: list[tuple[str, str, TokenIds | None]], usage: Usage) -> dict:
+        """The body of a request with several choices (`n`): (text, finish_reason, token ids or None)
+        each, in index order."""
         body = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": usage.body()}
-        if token_ids is not None:
-            self._add_token_ids(body, choice, token_ids)
+                "choices": [], "usage": usage.body()}
+        for index, (text, finish_reason, token_ids) in enumerate(choices):
+            choice = self._full_choice(text, finish_reason, index)
+            body["choices"].append(choice)
+            if token_ids is not None:
+                self._add_token_ids(body, choice, token_ids)
         return body
 
     def _add_token_ids(self, body: dict, choice: dict, token_ids: TokenIds) -> None:
@@ -92,10 +99,10 @@ class ResponseShape:
         return {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model,
                 "choices": [] if choice is None else [choice]}
 
-    def _delta_choice(self, text: str, finish_reason: str | None) -> dict:
+    def _delta_choice(self, text: str, finish_reason: str | None, index: int) -> dict:
         raise NotImplementedError
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict:
+    def _full_choice(self, text: str, finish_reason: str, index: int) -> dict:
         raise NotImplementedError
 
 
@@ -104,11 +111,11 @@ class CompletionShape(ResponseShape):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def _delta_choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _delta_choice(self, text: str, finish_reason: str | None, index: int) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _full_choice(self, text: str, finish_reason: str, index: int) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
 class ChatShape(ResponseShape):
@@ -116,16 +123,16 @@ class ChatShape(ResponseShape):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def opening_frames(self) -> list[bytes]:
-        return [sse(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    def opening_frames(self, index: int = 0) -> list[bytes]:
+        return [sse(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}))]
 
-    def _delta_choice(self, text: str, finish_reason: str | None) -> dict:
+    def _delta_choice(self, text: str, finish_reason: str | None, index: int) -> dict:
         delta = {"content": text} if finish_reason is None else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def _full_choice(self, text: str, finish_reason: str, index: int) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
                 "finish_reason": finish_reason}
 
     def _add_token_ids(self, body: dict, choice: dict, token_ids: TokenIds) -> None:

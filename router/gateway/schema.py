@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from common.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, ConfigError, \
-    SamplingDefaults, SamplingParams
+from common.config import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, \
+    ConfigError, SamplingDefaults, SamplingParams
 from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from router.gateway.errors import APIError, invalid
 from router.gateway.json_body import as_int, as_ints, int_list_field, integer_field, number_field, typed_field
@@ -58,6 +58,8 @@ class GenerateRequest:
     session_id: str = ""  # a turn of this streaming session ("": a plain request)
     messages: tuple[dict[str, str], ...] = ()  # chat: the conversation the prompt renders (history included)
     return_token_ids: bool = False  # the response names the prompt's and the output's token ids (vLLM's field)
+    n: int = 1  # choices: sibling requests over the same prompt (`router.gateway.siblings`)
+    follow: str = ""  # a sibling choice: the id of choice 0's request, whose decode worker it joins
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,6 @@ def _check_common(payload: dict, limits: ModelLimits) -> None:
     if model is not None and model != limits.served_name:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {limits.served_name!r}",
                        code="model_not_found", param="model")
-    _check_off(payload, "n", 1, "n other than 1")
     typed_field(payload, "user", str)  # ignored, but documented as a string
 
 
@@ -169,8 +170,12 @@ def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_token
     return_token_ids = bool(typed_field(payload, "return_token_ids", bool))
     if return_token_ids and stream:
         raise _unsupported("return_token_ids", "return_token_ids with stream (ask without streaming)")
+    n = _bounded_integer(payload, "n", 1, MAX_CHOICES) or 1
+    session_id = session_id_of(payload)
+    if n > 1 and session_id:
+        raise _unsupported("n", "n > 1 in a session turn (a session continues one conversation)")
     return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens, limits), stream,
-                           bool(include_usage), session_id_of(payload), return_token_ids=return_token_ids)
+                           bool(include_usage), session_id, return_token_ids=return_token_ids, n=n)
 
 
 def _sampling_params(payload: dict, max_tokens: int, limits: ModelLimits) -> SamplingParams:

@@ -168,6 +168,8 @@ class GenerationRun:
         args = (self.request_id, self._request.prompt_token_ids, self._request.params)
         if self._request.session_id:
             return self._backend.generate(*args, session_id=self._request.session_id)
+        if self._request.follow:
+            return self._backend.generate(*args, follow=self._request.follow)
         return self._backend.generate(*args)  # as before sessions: a backend without them still serves
 
     def _take(self, chunk: GenerationChunk) -> tuple[str, bool]:

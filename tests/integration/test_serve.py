@@ -125,6 +125,38 @@ def test_penalties_biases_and_min_tokens_give_hfs_greedy_tokens_across_workers(c
     check_logit_rules(client)
 
 
+def test_n_choices_cross_once_are_seeded_apart_and_repeat_alone_or_in_a_busy_batch(client, cluster):
+    """n = 4 with a seed: four different samples, the same four again, and the same four while other
+    streams keep the batch busy; choice 0's prompt crossed from a prefill worker, the three siblings
+    prefilled on its decode worker from the prefix cache it filled (only the last partial page)."""
+    prompt = "Tell me about the harbour town. " * 6 + "The first thing visitors notice is"
+    ask = dict(model="smollm2", prompt=prompt, n=4, seed=3, temperature=0.9, max_tokens=8,
+               extra_body={"ignore_eos": True, "return_token_ids": True})
+    before = cluster.metrics()
+    first = client.completions.create(**ask)
+    after = cluster.metrics()
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2, 3] and len(set(texts)) == 4, texts
+    assert first.usage.completion_tokens == 32
+    routed = lambda samples, **labels: metric(samples, "tandem:requests_routed_total", **labels)  # noqa: E731
+    crossed = sum(routed(after, prefill_worker=w) - routed(before, prefill_worker=w)
+                  for w in ("prefill-0", "prefill-1"))
+    assert crossed == 1 and routed(after, prefill_worker="") - routed(before, prefill_worker="") == 3
+    prompt_len = len(first.choices[0].prompt_token_ids)
+    hits = metric(after, "tandem:prefix_cache_hits_total") - metric(before, "tandem:prefix_cache_hits_total")
+    assert hits >= 3 * (prompt_len - 16), (hits, prompt_len)  # page_size 16: each sibling reused the whole pages
+
+    assert [c.text for c in sorted(client.completions.create(**ask).choices, key=lambda c: c.index)] == texts
+    aclient = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+    async def busy() -> list[str]:
+        others = [aclient.completions.create(model="smollm2", prompt=f"Story {i}: once", max_tokens=24,
+                                             temperature=0.7, extra_body={"ignore_eos": True}) for i in range(4)]
+        *_, mine = await asyncio.gather(*others, aclient.completions.create(**ask))
+        return [c.text for c in sorted(mine.choices, key=lambda c: c.index)]
+    assert asyncio.run(busy()) == texts
+
+
 def test_sixteen_concurrent_streams_and_metrics(cluster):
     server = cluster
     before = server.metrics()

@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from cluster.serve.local_ray import session_members
 from kv_store.transfer.listeners import listening_sockets
+from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.serve_harness import metric, start_server
 
 pytestmark = pytest.mark.slow
@@ -167,5 +169,17 @@ def test_colocated_shape_serves_on_every_worker(tmp_path, capsys):
             assert moved == 2, (worker, moved)
         workers = httpx.get(f"{server.base_url}/debug/workers", timeout=30).json()["workers"]
         assert sorted(w["role"] for w in workers) == ["colocated", "colocated"]
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=300)
+        check_logit_rules(client)
+        before = server.metrics()
+        done = client.completions.create(model="smollm2", prompt="Three random words, each on its own line:\n",
+                                         n=3, seed=1, temperature=1.0, top_p=1.0, max_tokens=8,
+                                         extra_body={"ignore_eos": True})
+        assert len({c.text for c in done.choices}) == 3
+        after = server.metrics()
+        moved = sorted(metric(after, "tandem:requests_routed_total", decode_worker=w)
+                       - metric(before, "tandem:requests_routed_total", decode_worker=w)
+                       for w in ("colocated-0", "colocated-1"))
+        assert moved == [0, 3], "the siblings follow choice 0 to its worker"
     finally:
         assert server.terminate() == 0, server.log_tail()

@@ -71,6 +71,15 @@ def test_penalties_biases_and_min_tokens_give_hfs_greedy_tokens_on_verify_rows(e
     eventually(lambda: drafted() > 0, "drafts verified under the rules")
 
 
+def test_n_seeded_choices_differ_and_repeat_under_speculation(eagle_server):
+    client = openai.OpenAI(base_url=f"{eagle_server.base_url}/v1", api_key="none", max_retries=0, timeout=300)
+    ask = dict(model="smollm2", messages=[{"role": "user", "content": PROMPTS[0]}], n=3, seed=9, temperature=0.8,
+               max_tokens=12)
+    texts = [[c.message.content for c in sorted(client.chat.completions.create(**ask).choices, key=lambda c: c.index)]
+             for _ in range(2)]
+    assert texts[0] == texts[1] and len(set(texts[0])) == 3, texts
+
+
 def test_a_fresh_cache_serves_with_the_shipped_head_and_says_so(eagle_server, fresh_cache):
     deadline = time.monotonic() + 30  # worker logs reach the server's through Ray, a little later
     while "speculative eagle uses the shipped head for smollm2, recipe v" not in eagle_server.log_tail(10 ** 6):

@@ -309,3 +309,44 @@ def test_try_open_reuses_the_prefix_and_a_failed_open_leaves_nothing_behind(kvm)
     kvm.release(b, ReleaseReason.ABORTED, list(range(8)), cache=False)
     assert kvm.prefix_cache.evictable_pages() == 2, "the failed open left the matched path locked"
     assert kvm.try_open("c", 44) is None and "c" not in kvm.live  # no prefix given: 11 pages > 10
+
+
+def test_a_running_request_shares_its_whole_prompt_pages_and_keeps_the_rest(kvm):
+    """`cache_unfinished`: the committed whole pages enter the tree under the request's lock, a second
+    request with the prompt reuses them at once, and each release frees only what it still owns."""
+    prompt = list(range(200, 210))  # two whole pages and two tokens
+    a = kvm.open("a")
+    kvm.try_allocate(a, 11)
+    kvm.commit(a, 10)
+    own = list(a.pages)
+    assert kvm.cache_unfinished(a, prompt) == 8
+    assert a.cache_protected_len == 8 and a.own_pages() == own[2:]
+    assert [kvm.pool.state(p) for p in own] == [PageState.CACHED, PageState.CACHED, PageState.PRIVATE]
+    kvm.check_integrity()
+    with pytest.raises(KVOwnershipError, match="tree-protected"):
+        kvm.free_tail(a, 7)  # the tree's pages are no longer the request's to free
+    b = kvm.open("b")
+    assert kvm.match_prefix(b, prompt) == 8 and b.pages == own[:2]
+    assert kvm.prefix_cache.evict(100) == 0  # both hold the path locked
+    assert kvm.prefix_cache.cached_pages() == 2
+    assert kvm.cache_unfinished(a, prompt) == 8  # again: nothing more to share
+    kvm.release(a, ReleaseReason.FINISHED, prompt + [5])
+    assert kvm.pool.state(own[2]) is PageState.FREE  # the partial page: the request's own to the end
+    assert kvm.pool.state(own[0]) is PageState.CACHED
+    kvm.check_integrity()
+    kvm.release(b, ReleaseReason.ABORTED, prompt)
+
+
+def test_a_prompt_the_tree_holds_another_copy_of_stays_the_requests_own_from_there(kvm):
+    prompt = list(range(300, 312))  # three whole pages
+    a, b = kvm.open("a"), kvm.open("b")
+    for r in (a, b):
+        kvm.try_allocate(r, 12)
+        kvm.commit(r, 12)
+    assert kvm.cache_unfinished(a, prompt) == 12
+    assert kvm.cache_unfinished(b, prompt) == 0  # its first page is a duplicate: nothing shared
+    assert all(kvm.pool.state(p) is PageState.PRIVATE for p in b.pages)
+    kvm.check_integrity()
+    kvm.release(b, ReleaseReason.FINISHED, prompt)  # its duplicates are freed, the tree keeps a's
+    kvm.release(a, ReleaseReason.FINISHED, prompt)
+    assert kvm.prefix_cache.cached_pages() == 3 and kvm.pool.usage().free == 10 - 3

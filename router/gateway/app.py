@@ -40,7 +40,7 @@ from kernels.model.tokenizer import encode_prompt
 from router.gateway.config import GatewayConfig
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
 from router.gateway.hosts import HostGuard, HostPolicy
-from router.gateway.json_body import parse_json_object
+from router.gateway.json_body import check_json_content_type, parse_json_object
 from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from router.gateway.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
     HealthStatus, ModelList, ReadyStatus, SessionDeleted, SessionObject, WorkerList, errors, generation_responses, \
@@ -52,6 +52,8 @@ from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_
 from router.gateway.sessions import GatewaySession, GatewaySessions, SessionTurn, parse_turn
 from router.gateway.siblings import Siblings
 from router.gateway.streaming import GenerationRun, SSEResponse, sse_frames, unless_disconnected
+from router.gateway.tokenize import DetokenizeResponse, TokenizeResponse, detokenize, tokenize, \
+    tokenize_request_models
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +143,7 @@ class Gateway:
             shape = SHAPES[endpoint](self.served_name)
             if session is not None:  # no await since for_turn: no other turn of it can start meanwhile
                 turn = self.sessions.begin_turn(session, shape.id, parsed)
-            if parsed.n > 1:  # no session turn: a session continues one conversation
+            if parsed.n > 1 or parsed.more_prompts:  # never a session turn: it continues one conversation
                 run = Siblings(self.backend, shape.id, parsed, self.metrics, arrival_s)
             else:
                 run = GenerationRun(self.backend, shape.id, parsed, self.metrics, arrival_s,
@@ -271,18 +273,6 @@ class Gateway:
             await run.close()
 
 
-def check_json_content_type(request: Request) -> None:
-    """415 unless the body is declared JSON: `application/json` or `application/<anything>+json`,
-    parameters (charset) allowed. Browsers send other types (text/plain, forms) cross-site without
-    asking the server first; JSON they cannot send without a CORS preflight, which this server fails."""
-    declared = request.headers.get("content-type", "")
-    media_type = declared.partition(";")[0].strip().lower()
-    kind, _, subtype = media_type.partition("/")
-    if kind != "application" or not (subtype == "json" or (subtype.endswith("+json") and len(subtype) > 5)):
-        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got "
-                            f"{declared or 'no Content-Type'!r}", code="unsupported_media_type", param="Content-Type")
-
-
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
                     close_connection=True)  # the rest of the body is never read
@@ -334,6 +324,14 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def delete_session(request: Request, session_id: str) -> Response:
         return await gateway.delete_session(request, session_id)
 
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **errors(400, 401, 403, 408, 413, 415)})
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(gateway, request)
+
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **errors(400, 401, 403, 408, 413, 415)})
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(gateway, request)
+
     @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(401, 403)})
     async def models(request: Request) -> Response:
         gateway.check_api_key(request)
@@ -371,7 +369,7 @@ def _add_openapi(app: FastAPI, gateway: Gateway) -> None:
     vLLM's); with a key it needs the key like /v1/models: it names the served model and its limits."""
     completion, chat = request_models(gateway.limits)
     bodies = {"/v1/completions": completion, "/v1/chat/completions": chat,
-              "/v1/sessions": session_request_model(gateway.limits)}
+              "/v1/sessions": session_request_model(gateway.limits), **tokenize_request_models(gateway.limits)}
 
     def document() -> dict[str, Any]:
         if app.openapi_schema is None:

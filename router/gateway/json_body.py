@@ -11,7 +11,9 @@ import math
 import re
 from typing import Any
 
-from router.gateway.errors import invalid
+from starlette.requests import Request
+
+from router.gateway.errors import APIError, invalid
 
 
 def parse_json_object(body: bytes) -> dict:
@@ -105,3 +107,15 @@ def int_list_field(payload: dict, name: str) -> list[int]:
     if ints is None:
         raise invalid(f"`{name}` must be a list of integers", param=name)
     return ints
+
+
+def check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON: `application/json` or `application/<anything>+json`,
+    parameters (charset) allowed. Browsers send other types (text/plain, forms) cross-site without
+    asking the server first; JSON they cannot send without a CORS preflight, which this server fails."""
+    declared = request.headers.get("content-type", "")
+    media_type = declared.partition(";")[0].strip().lower()
+    kind, _, subtype = media_type.partition("/")
+    if kind != "application" or not (subtype == "json" or (subtype.endswith("+json") and len(subtype) > 5)):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got "
+                            f"{declared or 'no Content-Type'!r}", code="unsupported_media_type", param="Content-Type")

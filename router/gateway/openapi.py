@@ -7,7 +7,8 @@ must agree. Request models are built per app (`request_models`): the served mode
 context length and vocabulary bound fields that a static schema could not.
 
 What the document does not capture: a prompt's token count against the context (400
-`context_length_exceeded`), `min_tokens` past the completion budget, `n` > 1 in a session turn, and
+`context_length_exceeded`), `min_tokens` past the completion budget, `n` > 1 in a session turn, more
+than 16 choices (n x the prompts), and
 completion-only values that mean "off" (best_of, echo, logprobs... are accepted only at their default).
 """
 
@@ -299,10 +300,11 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
 
     class CompletionRequest(SamplingFields):
         prompt: (NonEmptyString | Annotated[list[TokenId], Field(min_length=1)]
-                 | Annotated[list[NonEmptyString], Field(min_length=1, max_length=1)]
-                 | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+                 | Annotated[list[NonEmptyString], Field(min_length=1, max_length=MAX_CHOICES)]
+                 | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1,
+                                                                                          max_length=MAX_CHOICES)]
                  ) = Field(
-            description="One prompt: a string, or token ids, alone or as a batch of one.")
+            description="A string or token ids, or a batch of them (n choices each; n x prompts <= 16).")
         echo: Literal[False] | None = None
         suffix: Literal[""] | None = None
         best_of: Literal[1] | None = None

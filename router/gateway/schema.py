@@ -60,6 +60,11 @@ class GenerateRequest:
     return_token_ids: bool = False  # the response names the prompt's and the output's token ids (vLLM's field)
     n: int = 1  # choices: sibling requests over the same prompt (`router.gateway.siblings`)
     follow: str = ""  # a sibling choice: the id of choice 0's request, whose decode worker it joins
+    more_prompts: tuple[list[int], ...] = ()  # a completion's further prompts (a batch): n choices each
+
+    @property
+    def prompts(self) -> tuple[list[int], ...]:
+        return (self.prompt_token_ids, *self.more_prompts)
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,16 @@ def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits,
     _check_off(payload, "suffix", "")
     _check_off(payload, "best_of", 1, "best_of > 1")
     _check_off(payload, "logprobs", 0)
-    prompt_ids = [*history, *_completion_prompt(payload, tokenizer, limits.vocab_size)]
-    return _request(Endpoint.COMPLETION, payload, prompt_ids, _budget(payload, len(prompt_ids), limits), limits)
+    prompts = [[*history, *p] for p in _completion_prompts(payload, tokenizer, limits.vocab_size)]
+    if not all(prompts):
+        raise invalid("the prompt is empty", param="prompt")
+    if len(prompts) > 1 and history:
+        raise _unsupported("prompt", "more than one prompt in a session turn")
+    longest = max(prompts, key=len)
+    parsed = _request(Endpoint.COMPLETION, payload, longest, _budget(payload, len(longest), limits), limits)
+    if parsed.n * len(prompts) > MAX_CHOICES:
+        raise invalid(f"n x the prompts is at most {MAX_CHOICES} choices, got {parsed.n} x {len(prompts)}", param="n")
+    return replace(parsed, prompt_token_ids=prompts[0], more_prompts=tuple(prompts[1:]))
 
 
 def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
@@ -280,13 +293,20 @@ def _max_tokens(payload: dict, name: str, prompt_len: int, limits: ModelLimits) 
 
 
 # ---- prompts ------------------------------------------------------------------------------------
-def _completion_prompt(payload: dict, tokenizer: Any, vocab_size: int) -> list[int]:
-    """`prompt`: a string, a list of exactly one string, or a list of token ids."""
+def _completion_prompts(payload: dict, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """`prompt`: a string, a non-empty list of token ids, or a batch: a list of (at most `MAX_CHOICES`)
+    strings or token-id lists."""
     prompt = payload.get("prompt")
     if prompt is None:
         raise invalid("`prompt` is required", param="prompt", code="missing_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one: one string, or one list of token ids
+    batch = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+        else [prompt]
+    if len(batch) > MAX_CHOICES:
+        raise invalid(f"at most {MAX_CHOICES} prompts per request, got {len(batch)}", param="prompt")
+    return [_one_prompt(p, tokenizer, vocab_size) for p in batch]
+
+
+def _one_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         return encode_prompt(tokenizer, prompt)
     token_ids = as_ints(prompt) if isinstance(prompt, list) and prompt else None
@@ -294,10 +314,17 @@ def _completion_prompt(payload: dict, tokenizer: Any, vocab_size: int) -> list[i
         if not all(0 <= t < vocab_size for t in token_ids):
             raise invalid(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
         return token_ids
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise _unsupported("prompt", "more than one prompt per request")
-    raise invalid("`prompt` must be a string, a list with one string, or a non-empty list of token ids",
-                  param="prompt")
+    raise invalid("`prompt` must be a string, a non-empty list of token ids, or a list of those", param="prompt")
+
+
+def prompt_ids_of(payload: dict, tokenizer: Any, vocab_size: int) -> list[int]:
+    """A /tokenize body's token ids: its `messages` through the chat template (with the assistant's
+    turn opened, as a chat request renders them), else its `prompt` as a completion encodes it."""
+    if "messages" in payload:
+        return _chat_prompt(payload, tokenizer, ())[1]
+    [ids] = _completion_prompts(payload, tokenizer, vocab_size) if not isinstance(payload.get("prompt"), list) \
+        else [_one_prompt(payload["prompt"], tokenizer, vocab_size)]
+    return ids
 
 
 def _chat_prompt(payload: dict, tokenizer: Any,

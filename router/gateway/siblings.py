@@ -1,4 +1,5 @@
-"""Requests with several choices (`n`): one sibling run per choice over the same prompt.
+"""Requests with several choices: `n` per prompt, and a completion's batch of prompts. One run per
+choice; choice j of prompt i is `index` i * n + j (vLLM's order).
 
 Choice 0 starts first, asking its engine to put its prompt in the prefix tree as soon as it is
 computed (`share_prompt`); the others start once its first token is out, so its prompt is in the
@@ -10,7 +11,7 @@ other and repeat exactly; unseeded, every choice draws its own seed.
 
 Non-streaming, the body has the n choices in index order; streaming, frames of the choices
 interleave as their tokens come, each naming its `index`, and the usage frame (when asked) comes
-after every choice finished. Usage counts the prompt once and every choice's completion tokens. A
+after every choice finished. Usage counts each prompt once and every choice's completion tokens. A
 choice that fails fails the request: its error is the response (or the stream's error frame), and
 the other choices are aborted.
 """
@@ -37,14 +38,17 @@ class Siblings:
 
     def __init__(self, backend: Any, request_id: str, request: GenerateRequest, metrics: GatewayMetrics,
                  arrival_s: float):
-        self.request = request
-        self.runs = [GenerationRun(backend, request_id if i == 0 else f"{request_id}-{i}",
-                                   _choice(request, i, request_id), metrics, arrival_s) for i in range(request.n)]
+        self.request, n = request, request.n
+        ids = [request_id if k == 0 else f"{request_id}-{k}" for k in range(n * len(request.prompts))]
+        self.runs = [GenerationRun(backend, ids[i * n + j], _choice(request, prompt, j, ids[i * n]), metrics,
+                                   arrival_s) for i, prompt in enumerate(request.prompts) for j in range(n)]
+        self.leaders = self.runs[::n]
+        """Each prompt's choice 0."""
 
     async def start(self) -> None:
-        """Choice 0 to its first token, then the others together. Raises the first refusal (`APIError`)."""
-        await self.runs[0].start()
-        await asyncio.gather(*(run.start() for run in self.runs[1:]))
+        """Each prompt's choice 0 to its first token, then the others. Raises the first refusal (`APIError`)."""
+        await asyncio.gather(*(run.start() for run in self.leaders))
+        await asyncio.gather(*(run.start() for run in self.runs if run not in self.leaders))
 
     def fail(self, err: APIError) -> APIError:
         for run in self.runs:
@@ -61,11 +65,11 @@ class Siblings:
         for _, outcome in outcomes:
             if isinstance(outcome, APIError):
                 return outcome
-        prompt = tuple(self.request.prompt_token_ids)
+        prompts = [tuple(p) for p in self.request.prompts for _ in range(self.request.n)]
         choices = [(text, outcome.finish_reason,
                     TokenIds(prompt, tuple(outcome.output_token_ids)) if self.request.return_token_ids else None)
-                   for text, outcome in outcomes]
-        return shape.full_choices(choices, _usage([outcome for _, outcome in outcomes]))
+                   for prompt, (text, outcome) in zip(prompts, outcomes)]
+        return shape.full_choices(choices, self._usage([outcome for _, outcome in outcomes]))
 
     async def frames(self, shape: ResponseShape, include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE body: every choice's opening frames, then their frames as they come."""
@@ -74,7 +78,7 @@ class Siblings:
                 yield frame
         streams = {index: run.events() for index, run in enumerate(self.runs)}
         pending = {asyncio.ensure_future(anext(stream)): index for index, stream in streams.items()}
-        finished: list[Finished] = []
+        finished: list[Finished | None] = [None] * len(self.runs)
         try:
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -93,13 +97,13 @@ class Siblings:
                         yield SSE_DONE
                         return
                     if isinstance(event, Finished):
-                        finished.append(event)
+                        finished[index] = event
                         yield shape.finish_frame(event.finish_reason, index)
                     else:
                         yield shape.delta_frame(event, index)
                     pending[asyncio.ensure_future(anext(streams[index]))] = index
             if include_usage:
-                yield shape.usage_frame(_usage(finished))
+                yield shape.usage_frame(self._usage(finished))
             yield SSE_DONE
         finally:
             for task in pending:
@@ -109,18 +113,20 @@ class Siblings:
                     await stream.aclose()
 
 
-def _choice(request: GenerateRequest, index: int, first_id: str) -> GenerateRequest:
-    """Choice `index`'s own request: n = 1, its seed (`sibling_seed`; unseeded: its own draw); choice
-    0 puts its prompt in the prefix tree as soon as it is computed (`share_prompt`), the others
-    follow it (`follow`: to its decode worker, prefilling there)."""
+    def _usage(self, finished: list[Finished]) -> Usage:
+        """Each prompt once (its cached tokens its choice 0's: what the prompt cost), every completion."""
+        leaders = [f.usage for f in finished[::self.request.n]]
+        return Usage(sum(u.prompt_tokens for u in leaders), sum(f.usage.completion_tokens for f in finished),
+                     sum(u.cached_tokens for u in leaders))
+
+
+def _choice(request: GenerateRequest, prompt: list[int], index: int, leader_id: str) -> GenerateRequest:
+    """Choice `index` of `prompt`: its own request, n = 1, its seed (`sibling_seed`; unseeded: its own
+    draw); choice 0 puts its prompt in the prefix tree as soon as it is computed (`share_prompt`), the
+    others follow it (`follow` = `leader_id`: to its decode worker, prefilling there)."""
     seed = request.params.seed
-    params = replace(request.params, share_prompt=index == 0)
+    params = replace(request.params, share_prompt=index == 0 and request.n > 1)
     if seed is not None:
         params = replace(params, seed=sibling_seed(seed, index))
-    return replace(request, params=params, n=1, follow=first_id if index else "")
-
-
-def _usage(finished: list[Finished]) -> Usage:
-    """The prompt once (its cached tokens choice 0's: what the prompt cost), every completion."""
-    first = finished[0].usage
-    return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finished), first.cached_tokens)
+    return replace(request, prompt_token_ids=prompt, more_prompts=(), params=params, n=1,
+                   follow=leader_id if index else "")

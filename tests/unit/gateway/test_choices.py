@@ -107,3 +107,38 @@ def test_streamed_choices_carry_their_index_and_the_usage_comes_last(client, exp
 def test_bad_n_is_a_400_naming_it(client, fields, param):
     r = client.post("/v1/completions", json={"prompt": PROMPT, **SAMPLING, **fields})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_vllms_order(client, backend, expected):
+    other = "Describe the sea in one sentence:"
+    body = client.post("/v1/completions", json={"prompt": [PROMPT, other], "n": 2, "seed": 11,
+                                                "return_token_ids": True, **SAMPLING}).json()
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"] for c in choices[:2]] == expected[:2]  # prompt 0's choices: the same seeds as alone
+    ids = [encode_prompt(backend.tokenizer, p) for p in (PROMPT, other)]
+    assert [c["prompt_token_ids"] for c in choices] == [ids[0], ids[0], ids[1], ids[1]]
+    alone = client.post("/v1/completions", json={"prompt": ids[1], "n": 2, "seed": 11, **SAMPLING}).json()
+    assert [c["text"] for c in choices[2:]] == [c["text"] for c in alone["choices"]]
+    assert body["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1]) and body["usage"]["completion_tokens"] == 32
+    r = client.post("/v1/completions", json={"prompt": [PROMPT] * 9, "n": 2, **SAMPLING})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = client.post("/v1/completions", json={"prompt": [PROMPT, ""], **SAMPLING})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_tokenize_and_detokenize_are_the_endpoints_own_encodings(client, backend):
+    from kernels.model.tokenizer import apply_chat_template
+
+    tok = backend.tokenizer
+    got = client.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert got["tokens"] == encode_prompt(tok, PROMPT) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == backend.max_model_len
+    messages = [{"role": "user", "content": "Name a color."}]
+    assert client.post("/tokenize", json={"messages": messages}).json()["tokens"] == apply_chat_template(tok, messages)
+    assert client.post("/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": tok.decode(got["tokens"])}
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "x"}, "tokens"), ("/tokenize", {"messages": []}, "messages")]:
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+    assert client.post("/tokenize", content=b"x", headers={"Content-Type": "text/plain"}).status_code == 415

@@ -569,7 +569,8 @@ def test_openapi_document_describes_every_endpoint(client, backend):
     doc = client.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.1") and "securitySchemes" not in doc.get("components", {})
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/health/ready",
-                                 "/debug/workers", "/metrics", "/v1/sessions", "/v1/sessions/{session_id}"}
+                                 "/debug/workers", "/metrics", "/v1/sessions", "/v1/sessions/{session_id}",
+                                 "/tokenize", "/detokenize"}
     schemas = doc["components"]["schemas"]
     for path, request, response in (("/v1/completions", "CompletionRequest", "CompletionResponse"),
                                     ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse")):
@@ -596,7 +597,7 @@ def test_openapi_document_follows_the_api_key(backend):
     assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
     guarded = {path for path, ops in doc["paths"].items() for op in ops.values() if "security" in op}
     assert guarded == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/debug/workers", "/metrics",
-                       "/v1/sessions", "/v1/sessions/{session_id}"}
+                       "/v1/sessions", "/v1/sessions/{session_id}", "/tokenize", "/detokenize"}
 
 
 def test_real_answers_match_the_documented_models(client):

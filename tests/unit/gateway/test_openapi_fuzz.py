@@ -45,7 +45,8 @@ def api_schema(stack):
 # run under this pytest); `test_every_operation_is_fuzzed` keeps this list equal to the document's.
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/health/ready"), ("GET", "/debug/workers"), ("GET", "/metrics"),
-              ("POST", "/v1/sessions"), ("DELETE", "/v1/sessions/{session_id}")]
+              ("POST", "/v1/sessions"), ("DELETE", "/v1/sessions/{session_id}"), ("POST", "/tokenize"),
+              ("POST", "/detokenize")]
 NEVER_200 = {("DELETE", "/v1/sessions/{session_id}")}  # random ids name no open session: 404 is the right answer
 CHECKS = [st_checks.not_a_server_error, st_checks.status_code_conformance, st_checks.content_type_conformance,
           st_checks.response_schema_conformance, st_checks.negative_data_rejection]

@@ -87,3 +87,21 @@ def test_an_idle_sessions_history_makes_room_through_l2_and_its_next_turn_finds_
     assert hits["l2"] >= PAGE, f"the history did not come back from the host tier: {hits}"
     assert hits["l1"] + hits["l2"] >= history_pages, f"part of the history was recomputed: {hits}"
     assert httpx.delete(f"{server.base_url}/v1/sessions/{session_id}", timeout=60).status_code == 200
+
+
+def test_a_session_turn_samples_under_its_logit_rules(server):
+    """A turn's rules see its whole prompt (the history included) as a plain request's do: greedy with
+    repetition_penalty and a banned token gives HF's tokens over the same ids."""
+    from tests.integration.logit_rules_check import hf_greedy_with
+
+    session_id = httpx.post(f"{server.base_url}/v1/sessions", timeout=60, json={"capacity_tokens": 256}).json()["id"]
+    first, new = natural_ids(40, "A session about rivers."), natural_ids(10, "Go on.")
+    answer = complete(server, first, session_id=session_id, return_token_ids=True)["choices"][0]["token_ids"]
+    prompt = [*first, *answer, *new]
+    plain = hf_greedy_with(prompt, MAX_NEW)
+    turn = complete(server, new, session_id=session_id, repetition_penalty=1.3, logit_bias={str(plain[0]): -100},
+                    return_token_ids=True)["choices"][0]
+    assert turn["prompt_token_ids"] == prompt
+    want = hf_greedy_with(prompt, MAX_NEW, repetition_penalty=1.3, sequence_bias={(plain[0],): -100.0})
+    assert turn["token_ids"][:len(want)] == want and want[0] != plain[0], (turn["token_ids"], want)
+    assert httpx.delete(f"{server.base_url}/v1/sessions/{session_id}", timeout=60).status_code == 200

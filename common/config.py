@@ -57,13 +57,15 @@ re-searched per token)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Stop token ids one request may give at most."""
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+"""Seeds are 64-bit signed integers (as OpenAI-style clients and vLLM accept)."""
 MAX_CHOICES = 16
 """Most choices (`n`) one request asks for."""
 MAX_LOGIT_BIAS = 1024
 """Most tokens one request's `logit_bias` names."""
 LOGIT_BIAS_LIMIT = 100.0
 """A bias is in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (the OpenAI API's range)."""
-"""Seeds are 64-bit signed integers (as OpenAI-style clients and vLLM accept)."""
+MAX_LOGPROBS = 20
+"""Most alternatives per position a request's `logprobs` / `prompt_logprobs` ask for (vLLM's default)."""
 
 
 GENERATION_CONFIG_MODES = ("auto", "none")
@@ -142,6 +144,12 @@ class SamplingParams:
     """In [0, 1]: after temperature, drop tokens whose probability is below min_p x the top token's."""
     min_tokens: int = 0
     """EOS and `stop_token_ids` cannot end the output before it holds this many tokens (<= max_tokens)."""
+    logprobs: int | None = None
+    """Each output token's log-probability and its `logprobs` most likely alternatives (0 to
+    `MAX_LOGPROBS`); None: none. Values are the model's log-softmax before any rule or temperature."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token after the first (the prompt is then computed whole: its cached
+    prefix is not reused); None: none."""
     share_prompt: bool = False
     """Not sampling: the prompt's KV enters the prefix tree as soon as it is computed, not when the
     request ends, so requests with the same prompt admitted meanwhile reuse it (the gateway sets it
@@ -162,6 +170,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._check_stop_rules()
         self._check_logit_rules()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     def _check_stop_rules(self) -> None:
         require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")

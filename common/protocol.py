@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from common.config import SamplingParams
+from common.logprobs import TokenLogprobs
 
 
 class WorkerRole(str, enum.Enum):
@@ -92,6 +93,8 @@ class KVComplete:
     draft_feature: bytes = b""
     """With EAGLE: the draft head's feature at the prompt's last position (float32), from which the
     decode worker drafts the request's first decode step; empty without speculation."""
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # each prompt token's (None first), when asked
 
 
 @dataclass(frozen=True)
@@ -325,6 +328,8 @@ class TokenOutput:
     timings: tuple[tuple[str, float], ...] = ()  # on the finishing output: where the request spent time
     emitted_unix_s: float = 0.0  # wall clock when the worker sent it (token relay latency)
     failure: Failure | None = None  # with `error`: why (None exactly when `error` is empty)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on its first output, when asked (None first)
 
 
 @dataclass(frozen=True)

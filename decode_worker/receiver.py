@@ -110,7 +110,7 @@ class KVReceiver(NullConnector):
             self._kv_progress(ib)
         elif isinstance(msg, KVComplete):
             ib.request.spec.feature = msg.draft_feature
-            self._kv_complete(ib, msg.first_token, msg.cached_tokens, dict(msg.timings))
+            self._kv_complete(ib, msg)
         else:
             self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}", msg)
 
@@ -215,7 +215,7 @@ class KVReceiver(NullConnector):
         else:
             ib.session.progress(self.clock())
 
-    def _kv_complete(self, ib: _Inbound, first_token: int, msg_cached: int, timings: dict) -> None:
+    def _kv_complete(self, ib: _Inbound, msg: KVComplete) -> None:
         if ib.phase is not InboundPhase.LANDING:
             self._landing_free(ib, ib.session.failure or FailureReason.ABORTED, ib.session.failure_detail)
             return
@@ -224,16 +224,19 @@ class KVReceiver(NullConnector):
         ib.session.advance(TransferState.DONE, self.clock())
         ib.landed_kv = self.landing.landed(ib.request.request_id)
         req = ib.request
-        req.cached_tokens = msg_cached
-        req.timings.update(timings)
+        req.cached_tokens = msg.cached_tokens
+        req.timings.update(dict(msg.timings))
         req.timings["kv_complete_received"] = self.clock()
-        req.output_token_ids.append(first_token)
+        req.output_token_ids.append(msg.first_token)
+        if msg.first_logprobs is not None:
+            req.output_logprobs.append(msg.first_logprobs)
+        req.prompt_logprobs = list(msg.prompt_logprobs)
         reason = req.stop_rules.check(req.output_token_ids, req.num_tokens)
         ib.move(InboundPhase.LOAD_PENDING)
         if reason is not None:
             self._end_inbound(ib, reason)
         else:
-            self._pending_outputs.append(StepOutput(req.request_id, [first_token], None))
+            self._pending_outputs.append(step_output(req, [msg.first_token], None))
 
     def _start_load(self, ib: _Inbound) -> None:
         req = ib.request

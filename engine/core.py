@@ -29,6 +29,7 @@ from common.faults import internal_error
 from common.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerRole, WorkerStats
 from engine.connector import ConnectorPorts, KVConnector, NullConnector
 from engine.graphs.runner import GraphRunner
+from engine.logprobs import record_output, record_prompt
 from engine.output import StepOutput, step_output
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import ForwardOut, ForwardRow
@@ -106,6 +107,8 @@ class EngineCore:
         """Queue a request (a turn of `session_id` when given: its prompt is the session's history plus
         the new tokens). Raises ValueError (queueing nothing) when it can never fit, and SessionError
         (a ValueError) when the session cannot take it."""
+        if session_id and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available on a session turn (its history's KV is reused)")
         req = self.new_request(prompt_token_ids, params, request_id)
         if session_id:
             self.sessions.start_turn(session_id, req.request_id, req.num_tokens + params.max_tokens)
@@ -315,12 +318,16 @@ class EngineCore:
         kept = ScheduledStep(relocation_version=scheduled.relocation_version,
                              loads_in_flight=scheduled.loads_in_flight)
         committed, emitted, outputs, feature_row = [], [], [], 0
-        for req, row, tokens in zip(scheduled.requests, scheduled.rows, row_tokens(scheduled, out.logits, self.speculator)):
+        for req, row, (tokens, rows) in zip(scheduled.requests, scheduled.rows,
+                                            row_tokens(scheduled, out.logits, self.speculator)):
             first, feature_row = feature_row, feature_row + len(row.token_ids)
             try:
                 if isinstance(tokens, Exception):
                     raise tokens
+                if req.wants_prompt_logprobs:
+                    record_prompt(req, row, out.hidden[first:feature_row], self.model.compute_logits)
                 applied, reason = apply_stop_rules(req, tokens)
+                record_output(req, out.logits, rows, applied)
             except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going
                 outputs += self._fail_request(req, internal_error(req.request_id, exc, "sampling and stop rules"))
                 continue

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.config import SamplingParams
+from common.logprobs import TokenLogprobs
 from common.protocol import FinishReason  # noqa: F401 - the engine's name for it too
 from kv_store.req_kv import ReqKV
 
@@ -104,6 +105,12 @@ class Request:
     """Its drafts for the next step (the speculator's)."""
     prompt_shared: bool = False
     """Its prompt's whole pages entered the prefix tree while it runs (`Scheduler.share_prompt`)."""
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """With `params.logprobs`: one per output token, in order (`engine.logprobs`)."""
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """With `params.prompt_logprobs`: one per prompt token (None first), filled as its chunks run."""
+    prompt_logprobs_sent: bool = False
+    """Its prompt logprobs went out with its first output."""
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -115,6 +122,12 @@ class Request:
     def text_len(self) -> int | None:
         """Where a stop string cut the output text (chars); None: not cut."""
         return self.stop_rules.text_len if self.stop_rules is not None else None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not all known yet: the prompt is computed whole
+        (no cached prefix reused) until its first token."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:

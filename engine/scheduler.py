@@ -282,9 +282,10 @@ class Scheduler:
         skipped = 0  # requests at the front that cannot be admitted before something frees pages
         while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[skipped]
-            if self._start_loading(req):
+            reuse = not req.wants_prompt_logprobs  # its whole prompt is computed, for every position's logits
+            if reuse and self._start_loading(req):
                 continue
-            kv = self.kvm.try_open(req.request_id, budget, req.all_token_ids)
+            kv = self.kvm.try_open(req.request_id, budget, req.all_token_ids, reuse)
             if kv is None and self.sessions.offload_idle():  # an idle session's history goes to the host tier
                 continue
             if kv is None:

@@ -11,26 +11,29 @@ from engine.scheduler import ScheduledStep
 from kernels.sampling import adjust_logits, sample
 
 
-def row_tokens(scheduled: ScheduledStep, logits: torch.Tensor, speculator) -> list[list[int] | Exception | None]:
-    """Per row: the tokens it emits before stop rules, None for a row without logits (a prefill
-    chunk), or the exception that fails its request. Plain rows are sampled as one batch; a verify
-    row's drafts are verified by `speculator`. `logits`: each row's `num_logits` rows, in row order."""
-    tokens: list = [None] * len(scheduled.rows)
+def row_tokens(scheduled: ScheduledStep, logits: torch.Tensor, speculator
+               ) -> list[tuple[list[int] | Exception | None, list[int]]]:
+    """Per row: (the tokens it emits before stop rules, None for a row without logits (a prefill
+    chunk), or the exception that fails its request; the row of `logits` each token was chosen from).
+    Plain rows are sampled as one batch; a verify row's drafts are verified by `speculator`.
+    `logits`: each row's `num_logits` rows, in row order."""
+    out: list = [(None, [])] * len(scheduled.rows)
     plain, plain_at, at = [], [], 0
     for i, (req, row) in enumerate(zip(scheduled.requests, scheduled.rows)):
         if row.num_draft_tokens:
             try:
-                tokens[i] = speculator.verify(req, logits[at:at + row.num_logits])
+                tokens = speculator.verify(req, logits[at:at + row.num_logits])
+                out[i] = tokens, [at + r for r in speculator.emitted_rows(req, len(tokens))]
             except Exception as exc:  # noqa: BLE001 - returned: the caller fails this request alone
-                tokens[i] = exc
+                out[i] = exc, []
         elif row.num_logits:
             plain.append(i)
             plain_at.append(at)
         at += row.num_logits
     rows = logits if len(plain_at) == logits.shape[0] else logits[plain_at]
-    for i, token in zip(plain, sample_rows([scheduled.requests[i] for i in plain], rows)):
-        tokens[i] = token if isinstance(token, Exception) else [token]
-    return tokens
+    for i, at, token in zip(plain, plain_at, sample_rows([scheduled.requests[i] for i in plain], rows)):
+        out[i] = (token, []) if isinstance(token, Exception) else ([token], [at])
+    return out
 
 
 def sample_rows(reqs: list[Request], logits: torch.Tensor) -> list[int | Exception]:

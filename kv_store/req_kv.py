@@ -119,16 +119,19 @@ class KVManager:
         self.live[req_id] = kv
         return kv
 
-    def try_open(self, req_id: object, num_tokens: int, token_ids: list[int] | None = None) -> ReqKV | None:
+    def try_open(self, req_id: object, num_tokens: int, token_ids: list[int] | None = None,
+                 reuse: bool = True) -> ReqKV | None:
         """A new request's KV with pages for `num_tokens` tokens after the longest cached prefix of
-        `token_ids` (when given: that prefix is reused and locked, and the total is capped at
-        `len(token_ids)`), or None, holding nothing, when the pool cannot supply the pages. A failed
-        open is undone here, never by `release`: every release is a real ending with a true reason."""
+        `token_ids` (when given: that prefix is reused and locked unless `reuse` is False, and the
+        total is capped at `len(token_ids)`), or None, holding nothing, when the pool cannot supply
+        the pages. A failed open is undone here, never by `release`: every release is a real ending
+        with a true reason."""
         kv = self.open(req_id)
         if token_ids is None:
             total = num_tokens
         else:
-            total = min(self.match_prefix(kv, token_ids) + num_tokens, len(token_ids))
+            cached = self.match_prefix(kv, token_ids) if reuse else 0
+            total = min(cached + num_tokens, len(token_ids))
         if self.try_allocate(kv, total):
             return kv
         self.prefix_cache.unlock(kv.locked_node)  # try_allocate changed nothing: undo the match alone

@@ -333,10 +333,16 @@ class KVSender(NullConnector):
                 shipment.session.advance(TransferState.DONE, self.clock())
                 req.timings["transfer_done"] = self.clock()
                 self.outbox.append(KVComplete(rid, shipment.first_token, req.cached_tokens, tuple(req.timings.items()),
-                                              shipment.draft_feature))
+                                              shipment.draft_feature, *first_logprobs(req)))
                 self._done.append((req, FinishReason.LENGTH))
             else:
                 self.outbox.append(TransferAborted(rid, shipment.abort_reason, shipment.failure))
                 if req.status is RequestStatus.RUNNING:  # out of the batch, its KV held here
                     self._done.append((req, FinishReason.ABORT))
             del self.shipments[rid]
+
+
+def first_logprobs(req: Request) -> tuple:
+    """(the first token's logprobs or None, the prompt's) as `KVComplete` carries them, where asked."""
+    first = req.output_logprobs[-1] if req.params.logprobs is not None and req.output_logprobs else None
+    return first, tuple(req.prompt_logprobs) if req.params.prompt_logprobs is not None else ()

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.config import SamplingParams
+from common.logprobs import TokenLogprobs
 from common.protocol import GraphStats, SpecStats, TierStats, WorkerRole
 
 
@@ -72,6 +73,8 @@ class GenerationChunk:
     kv_transfer_bytes: int = 0  # on the last chunk, disaggregated only: KV bytes moved for the prompt
     prefill_worker: str = ""  # on the last chunk: the worker that computed the prompt ("" = the decode worker)
     decode_worker: str = ""  # on the last chunk
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # with its first tokens, when asked (None first)
     timings: dict[str, float] = field(default_factory=dict, compare=False)
     """On the last chunk: the finishing worker's monotonic timestamps by event ("reserved",
     "prefill_submitted", "compute_done", "first_write", "transfer_done", "load_start", "load_done",

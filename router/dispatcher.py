@@ -34,7 +34,7 @@ from common.config import SamplingParams
 from common.relay import RelayServer, hello, new_secret
 from router.admission import AdmissionParams, Overloaded, admissible
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
-from router.flights import Flight, Phase, Transfer, failure_outcome, observe_first_token, request_counters
+from router.flights import Flight, Phase, Transfer, failure_outcome, observe_first_token, request_counters, token_chunk
 from router.policy import NoWorkerAvailable, Policy, choose
 from router.policy_types import PolicyParams, RequestView
 from router.sessions import SessionTable, SessionTurn
@@ -294,7 +294,7 @@ class Dispatcher(TransferPhase):
         flight.move(Phase.STREAMING)
         flight.output += msg.new_token_ids
         if msg.finish_reason is None:
-            flight.queue.put_nowait(GenerationChunk(tuple(msg.new_token_ids)))
+            flight.queue.put_nowait(token_chunk(msg))
             return
         flight.queue.put_nowait(flight.last_chunk(msg, live.worker_id))
         if msg.finish_reason is not p.FinishReason.ABORT:

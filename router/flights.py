@@ -97,7 +97,7 @@ class Flight:
             tuple(msg.new_token_ids), msg.finish_reason.value, cached_tokens=msg.cached_tokens, kv_transfer_s=transfer_s,
             kv_transfer_bytes=self.landing_bytes if self.prefill else 0,
             prefill_worker=self.prefill.worker_id if self.prefill else "", decode_worker=decode_worker,
-            timings=timings)
+            logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs, timings=timings)
 
 
 @dataclass(eq=False)
@@ -124,6 +124,11 @@ def failure_outcome(failure: p.Failure, *, tokens_sent: int, attempt: int, max_r
     if tokens_sent or attempt >= max_retries or session:
         return ErrorKind.UNAVAILABLE
     return None
+
+
+def token_chunk(msg: p.TokenOutput) -> GenerationChunk:
+    """The chunk of a worker's output that does not end its request."""
+    return GenerationChunk(tuple(msg.new_token_ids), logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs)
 
 
 def observe_first_token(flight: Flight, ttft_s: float, admission: AdmissionParams) -> None:

@@ -198,6 +198,11 @@ class EagleSpeculator:
         self.counters.count(max(row_depths(parents)), len(out) - 1)
         return out
 
+    def emitted_rows(self, req: Request, num_emitted: int) -> list[int]:
+        """The verify rows (of the last `verify` of `req`) its `num_emitted` tokens were chosen from:
+        a chain's first rows; a tree's accepted path."""
+        return self._paths.get(req.request_id, list(range(num_emitted)))[:num_emitted]
+
     @staticmethod
     def _verify_draws(req: Request, logits: torch.Tensor,
                       num_drafts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -208,11 +208,11 @@ class EngineBackend:
 
     def _chunk(self, out: StepOutput) -> GenerationChunk:
         if out.finish_reason is None:
-            return GenerationChunk(tuple(out.new_token_ids))
+            return GenerationChunk(tuple(out.new_token_ids), logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
         transfer_bytes, transfer_s = self.kv_transfer or (0, None)
         return GenerationChunk(tuple(out.new_token_ids), out.finish_reason.value, cached_tokens=out.cached_tokens,
                                kv_transfer_s=transfer_s, kv_transfer_bytes=transfer_bytes,
-                               decode_worker=WORKER_ID)
+                               decode_worker=WORKER_ID, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
 
 
 def settle_backend(request) -> None:

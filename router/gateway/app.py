@@ -46,12 +46,12 @@ from router.gateway.openapi import ChatCompletionChunk, ChatCompletionResponse, 
     HealthStatus, ModelList, ReadyStatus, SessionDeleted, SessionObject, WorkerList, errors, generation_responses, \
     openapi_document, request_models, session_request_model
 from router.gateway.readiness import ReadinessProbe, serving_workers_alive
-from router.gateway.responses import SHAPES, TokenIds
+from router.gateway.responses import SHAPES
 from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
     parse_session
 from router.gateway.sessions import GatewaySession, GatewaySessions, SessionTurn, parse_turn
 from router.gateway.siblings import Siblings
-from router.gateway.streaming import GenerationRun, SSEResponse, sse_frames, unless_disconnected
+from router.gateway.streaming import GenerationRun, SSEResponse, choice_of, sse_frames, unless_disconnected
 from router.gateway.tokenize import DetokenizeResponse, TokenizeResponse, detokenize, tokenize, \
     tokenize_request_models
 
@@ -140,7 +140,7 @@ class Gateway:
             session = await self.sessions.for_turn(payload)
             parsed = self._parse(endpoint, payload, session)
             release = self.admit()
-            shape = SHAPES[endpoint](self.served_name)
+            shape = SHAPES[endpoint](self.served_name, self.backend.tokenizer)
             if session is not None:  # no await since for_turn: no other turn of it can start meanwhile
                 turn = self.sessions.begin_turn(session, shape.id, parsed)
             if parsed.n > 1 or parsed.more_prompts:  # never a session turn: it continues one conversation
@@ -193,10 +193,8 @@ class Gateway:
         text, outcome = result
         if isinstance(outcome, APIError):
             return outcome.response()
-        token_ids = None
-        if parsed.return_token_ids:
-            token_ids = TokenIds(tuple(parsed.prompt_token_ids), tuple(outcome.output_token_ids))
-        return JSONResponse(shape.full(text, outcome.finish_reason, outcome.usage, token_ids))
+        return JSONResponse(shape.full_choices([choice_of(text, outcome, parsed, parsed.prompt_token_ids)],
+                                               outcome.usage))
 
     def _count(self, run: GenerationRun | None, err: APIError) -> APIError:
         """Count a request's failure once: through its run when it has one."""

@@ -8,8 +8,9 @@ context length and vocabulary bound fields that a static schema could not.
 
 What the document does not capture: a prompt's token count against the context (400
 `context_length_exceeded`), `min_tokens` past the completion budget, `n` > 1 in a session turn, more
-than 16 choices (n x the prompts), and
-completion-only values that mean "off" (best_of, echo, logprobs... are accepted only at their default).
+than 16 choices (n x the prompts), `max_tokens: 0` without `echo`, `top_logprobs` without
+`logprobs: true`, the prompt's logprobs in a session turn, and completion-only values that mean
+"off" (best_of, suffix are accepted only at their default).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.config import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
+from common.config import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
+from router.gateway.openapi_logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 from router.gateway.schema import CHAT_ROLES, DEFAULT_SESSION_IDLE_TIMEOUT_S, MAX_SESSION_ID_CHARS, \
     MAX_SESSION_IDLE_TIMEOUT_S, ModelLimits
 
@@ -65,8 +67,9 @@ FinishReason = Literal["stop", "length"]
 class CompletionChoice(BaseModel):
     index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs (vLLM's).")
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids: the prompt's token ids.")
     token_ids: list[int] | None = Field(None, description="With return_token_ids: every output token id.")
 
@@ -88,7 +91,7 @@ class ChatMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
     message: ChatMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
     token_ids: list[int] | None = Field(None, description="With return_token_ids: every output token id.")
 
@@ -102,12 +105,13 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids: the rendered prompt's "
                                                                  "token ids.")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs (vLLM's).")
 
 
 class CompletionChunkChoice(BaseModel):
     index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
 
 
@@ -130,7 +134,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
 
 
@@ -258,6 +262,7 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
     ModelName = Literal[limits.served_name]  # type: ignore[valid-type]  # noqa: N806 - one value, known at run time
     TokenId = Annotated[int, Field(ge=0, lt=limits.vocab_size)]  # noqa: N806
     MaxTokens = Annotated[int, Field(ge=1, le=limits.max_model_len)]  # noqa: N806
+    Count = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]  # noqa: N806
 
     class SamplingFields(BaseModel):
         model_config = ConfigDict(extra="allow")
@@ -292,6 +297,8 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
                                     "below min_p x the top token's probability.")
         min_tokens: int | None = Field(None, ge=0, description="Extension: EOS and stop_token_ids cannot end "
                                        "the output before this many tokens.")
+        prompt_logprobs: Count | None = Field(None, description="Extension (vLLM's): each prompt token's logprob, "
+                                              "rank and the k best (the prompt is computed whole). Not in a session.")
         user: str | None = Field(None, description="Accepted and ignored.")
         session_id: Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_CHARS)] | None = Field(
             None, description="Extension: a turn of this streaming session (POST /v1/sessions). The body then "
@@ -305,16 +312,19 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
                                                                                           max_length=MAX_CHOICES)]
                  ) = Field(
             description="A string or token ids, or a batch of them (n choices each; n x prompts <= 16).")
-        echo: Literal[False] | None = None
+        max_tokens: Annotated[int, Field(ge=0, le=limits.max_model_len)] | None = Field(
+            None, description="Completion tokens at most (0: with echo, the prompt scored alone); default: "
+                              "gateway.default_max_tokens, capped by the context left.")
+        echo: bool | None = Field(None, description="The prompt's text first (and its tokens' logprobs, with logprobs).")
         suffix: Literal[""] | None = None
         best_of: Literal[1] | None = None
-        logprobs: Literal[0] | None = None
+        logprobs: Count | None = Field(None, description="Each token's logprob and the k best (raw log-softmax).")
 
     class ChatCompletionRequest(SamplingFields):
         messages: list[Annotated[InputMessage | AssistantInputMessage, Field(discriminator="role")]] = Field(
             min_length=1)
-        logprobs: Literal[False] | None = None
-        top_logprobs: Literal[0] | None = None
+        logprobs: bool | None = Field(None, description="Each output token's logprob (raw log-softmax).")
+        top_logprobs: Count | None = Field(None, description="With logprobs: the k best tokens at each position.")
         tool_choice: Literal["none"] | None = None
         tools: Annotated[list[Any], Field(max_length=0)] | None = None
         functions: Annotated[list[Any], Field(max_length=0)] | None = None

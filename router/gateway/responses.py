@@ -15,8 +15,11 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
+from common.logprobs import TokenLogprobs
 from router.gateway.errors import APIError
+from router.gateway.logprobs import Entry, TokenText, chat_content, completion_logprobs, prompt_logprobs_body
 from router.gateway.schema import Endpoint
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -42,6 +45,27 @@ class TokenIds:
     output: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Delta:
+    """Text for the client, and the logprobs of the tokens since the last delta (when asked)."""
+
+    text: str
+    logprobs: tuple[Entry, ...] = ()
+    prompt: bool = False  # an echoed prompt: its text, and its tokens' logprobs
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One finished choice of a non-streaming body."""
+
+    text: str
+    finish_reason: str
+    token_ids: TokenIds | None = None  # with `return_token_ids`
+    logprobs: tuple[Entry, ...] | None = None  # when asked (an echoed prompt's first)
+    prompt: tuple[int, ...] = ()  # its prompt, for `prompt_logprobs`
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked
+
+
 def sse(body: dict) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
@@ -57,52 +81,56 @@ class ResponseShape:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, tokenizer: Any = None):
+        """`tokenizer`: names the tokens of logprobs (None: a request without them)."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self._text_of = TokenText(tokenizer)
 
     def opening_frames(self, index: int = 0) -> list[bytes]:
         """Frames sent before the first token's text of choice `index`."""
         return []
 
-    def delta_frame(self, text: str, index: int = 0) -> bytes:
-        return sse(self._chunk(self._delta_choice(text, None, index)))
+    def delta_frame(self, delta: Delta, index: int = 0) -> bytes:
+        return sse(self._chunk(self._delta_choice(delta, None, index)))
 
     def finish_frame(self, finish_reason: str, index: int = 0) -> bytes:
-        return sse(self._chunk(self._delta_choice("", finish_reason, index)))
+        return sse(self._chunk(self._delta_choice(Delta(""), finish_reason, index)))
 
     def usage_frame(self, usage: Usage) -> bytes:
         return sse({**self._chunk(None), "choices": [], "usage": usage.body()})
 
-    def full(self, text: str, finish_reason: str, usage: Usage, token_ids: TokenIds | None = None) -> dict:
-        """The non-streaming response body; with `token_ids` (`return_token_ids`), the prompt's and the
-        output's token ids where vLLM puts them."""
-        return self.full_choices([(text, finish_reason, token_ids)], usage)
-
-    def full_choices(self, choices: list[tuple[str, str, TokenIds | None]], usage: Usage) -> dict:
-        """The body of a request with several choices (`n`): (text, finish_reason, token ids or None)
-        each, in index order."""
+    def full_choices(self, choices: list[Choice], usage: Usage) -> dict:
+        """The non-streaming body of a request's choices (several with `n` or a batch of prompts), in
+        index order; with token ids (`return_token_ids`), the prompt's and the output's where vLLM
+        puts them."""
         body = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": [], "usage": usage.body()}
-        for index, (text, finish_reason, token_ids) in enumerate(choices):
-            choice = self._full_choice(text, finish_reason, index)
-            body["choices"].append(choice)
-            if token_ids is not None:
-                self._add_token_ids(body, choice, token_ids)
+        for index, choice in enumerate(choices):
+            item = self._full_choice(choice, index)
+            body["choices"].append(item)
+            if choice.token_ids is not None:
+                self._add_token_ids(body, item, choice.token_ids)
+            if choice.prompt_logprobs is not None:
+                self._add_prompt_logprobs(body, item, prompt_logprobs_body(self._text_of, choice.prompt,
+                                                                           choice.prompt_logprobs))
         return body
 
     def _add_token_ids(self, body: dict, choice: dict, token_ids: TokenIds) -> None:
         choice["prompt_token_ids"], choice["token_ids"] = list(token_ids.prompt), list(token_ids.output)
 
+    def _add_prompt_logprobs(self, body: dict, choice: dict, values: list) -> None:
+        choice["prompt_logprobs"] = values
+
     def _chunk(self, choice: dict | None) -> dict:
         return {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model,
                 "choices": [] if choice is None else [choice]}
 
-    def _delta_choice(self, text: str, finish_reason: str | None, index: int) -> dict:
+    def _delta_choice(self, delta: Delta, finish_reason: str | None, index: int) -> dict:
         raise NotImplementedError
 
-    def _full_choice(self, text: str, finish_reason: str, index: int) -> dict:
+    def _full_choice(self, choice: Choice, index: int) -> dict:
         raise NotImplementedError
 
 
@@ -111,11 +139,20 @@ class CompletionShape(ResponseShape):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def _delta_choice(self, text: str, finish_reason: str | None, index: int) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def __init__(self, model: str, tokenizer: Any = None):
+        super().__init__(model, tokenizer)
+        self._offsets: dict[int, int] = {}  # choice index -> text offset of its next streamed token
 
-    def _full_choice(self, text: str, finish_reason: str, index: int) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _delta_choice(self, delta: Delta, finish_reason: str | None, index: int) -> dict:
+        logprobs = None
+        if delta.logprobs:
+            logprobs, self._offsets[index] = completion_logprobs(self._text_of, delta.logprobs,
+                                                                 self._offsets.get(index, 0))
+        return {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _full_choice(self, choice: Choice, index: int) -> dict:
+        logprobs = None if choice.logprobs is None else completion_logprobs(self._text_of, choice.logprobs, 0)[0]
+        return {"index": index, "text": choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
 
 class ChatShape(ResponseShape):
@@ -127,16 +164,23 @@ class ChatShape(ResponseShape):
         return [sse(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}))]
 
-    def _delta_choice(self, text: str, finish_reason: str | None, index: int) -> dict:
-        delta = {"content": text} if finish_reason is None else {}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _delta_choice(self, delta: Delta, finish_reason: str | None, index: int) -> dict:
+        body = {"content": delta.text} if finish_reason is None else {}
+        logprobs = {"content": chat_content(self._text_of, delta.logprobs), "refusal": None} if delta.logprobs \
+            else None
+        return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _full_choice(self, text: str, finish_reason: str, index: int) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish_reason}
+    def _full_choice(self, choice: Choice, index: int) -> dict:
+        logprobs = None if choice.logprobs is None else \
+            {"content": chat_content(self._text_of, choice.logprobs), "refusal": None}
+        return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs,
+                "finish_reason": choice.finish_reason}
 
     def _add_token_ids(self, body: dict, choice: dict, token_ids: TokenIds) -> None:
         body["prompt_token_ids"], choice["token_ids"] = list(token_ids.prompt), list(token_ids.output)
+
+    def _add_prompt_logprobs(self, body: dict, choice: dict, values: list) -> None:
+        body["prompt_logprobs"] = values
 
 
 SHAPES: dict[Endpoint, type[ResponseShape]] = {Endpoint.COMPLETION: CompletionShape, Endpoint.CHAT: ChatShape}

@@ -2,7 +2,7 @@
 
 Parsing is by hand rather than by pydantic models so that each error names its `param` and has the
 status the OpenAI API gives it. Unknown fields are ignored; known fields that would change what the
-model is asked to do and that tandem cannot honour (n > 1, logprobs, echo, tools, ...) are rejected
+model is asked to do and that tandem cannot honour (tools, suffix, best_of > 1, ...) are rejected
 with 400 rather than silently dropped. The body as JSON, and typed reads of its fields, each
 failure naming its param: `router.gateway.json_body`.
 
@@ -24,6 +24,7 @@ from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from router.gateway.errors import APIError, invalid
 from router.gateway.json_body import as_int, as_ints, int_list_field, integer_field, number_field, typed_field
 from router.gateway.logit_fields import logit_fields
+from router.gateway.logprobs import LogprobAsk, chat_fields, completion_fields
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
@@ -61,6 +62,7 @@ class GenerateRequest:
     n: int = 1  # choices: sibling requests over the same prompt (`router.gateway.siblings`)
     follow: str = ""  # a sibling choice: the id of choice 0's request, whose decode worker it joins
     more_prompts: tuple[list[int], ...] = ()  # a completion's further prompts (a batch): n choices each
+    ask: LogprobAsk = LogprobAsk()  # a completion's echo (`router.gateway.logprobs`)
 
     @property
     def prompts(self) -> tuple[list[int], ...]:
@@ -80,20 +82,23 @@ def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits,
     """A /v1/completions body. The prompt is encoded without a chat template or special tokens, and
     follows `history` (a session's token ids so far)."""
     _check_common(payload, limits)
-    _check_off(payload, "echo", False)
     _check_off(payload, "suffix", "")
     _check_off(payload, "best_of", 1, "best_of > 1")
-    _check_off(payload, "logprobs", 0)
+    fields, ask = completion_fields(payload)
+    if ask.prompt_only:
+        payload = {**payload, "max_tokens": 1}
     prompts = [[*history, *p] for p in _completion_prompts(payload, tokenizer, limits.vocab_size)]
     if not all(prompts):
         raise invalid("the prompt is empty", param="prompt")
     if len(prompts) > 1 and history:
         raise _unsupported("prompt", "more than one prompt in a session turn")
+    if session_id_of(payload) and (ask.echo or "prompt_logprobs" in fields):
+        raise _unsupported("echo" if ask.echo else "prompt_logprobs", "the prompt's logprobs in a session turn")
     longest = max(prompts, key=len)
-    parsed = _request(Endpoint.COMPLETION, payload, longest, _budget(payload, len(longest), limits), limits)
+    parsed = _request(Endpoint.COMPLETION, payload, longest, _budget(payload, len(longest), limits), limits, fields)
     if parsed.n * len(prompts) > MAX_CHOICES:
         raise invalid(f"n x the prompts is at most {MAX_CHOICES} choices, got {parsed.n} x {len(prompts)}", param="n")
-    return replace(parsed, prompt_token_ids=prompts[0], more_prompts=tuple(prompts[1:]))
+    return replace(parsed, prompt_token_ids=prompts[0], more_prompts=tuple(prompts[1:]), ask=ask)
 
 
 def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
@@ -101,8 +106,9 @@ def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
     """A /v1/chat/completions body. `history` (a session's messages so far) and the messages go
     through the model's chat template together."""
     _check_common(payload, limits)
-    _check_off(payload, "logprobs", False)
-    _check_off(payload, "top_logprobs", 0)
+    fields = chat_fields(payload)
+    if session_id_of(payload) and "prompt_logprobs" in fields:
+        raise _unsupported("prompt_logprobs", "the prompt's logprobs in a session turn")
     _check_off(payload, "tools", [])
     _check_off(payload, "functions", [])
     _check_off(payload, "tool_choice", "none")
@@ -111,7 +117,7 @@ def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
         raise _unsupported("response_format", "response_format other than {\"type\": \"text\"}")
     messages, prompt_ids = _chat_prompt(payload, tokenizer, history)
     max_tokens = _budget(payload, len(prompt_ids), limits)
-    return replace(_request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits), messages=messages)
+    return replace(_request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits, fields), messages=messages)
 
 
 def _budget(payload: dict, prompt_len: int, limits: ModelLimits) -> int:
@@ -174,7 +180,7 @@ def _check_off(payload: dict, name: str, off: Any, what: str | None = None) -> N
 
 
 def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_tokens: int,
-             limits: ModelLimits) -> GenerateRequest:
+             limits: ModelLimits, logprob_fields: dict[str, Any]) -> GenerateRequest:
     stream = bool(typed_field(payload, "stream", bool))
     options = typed_field(payload, "stream_options", dict) or {}
     include_usage = options.get("include_usage")
@@ -187,11 +193,11 @@ def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_token
     session_id = session_id_of(payload)
     if n > 1 and session_id:
         raise _unsupported("n", "n > 1 in a session turn (a session continues one conversation)")
-    return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens, limits), stream,
+    return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens, limits, logprob_fields), stream,
                            bool(include_usage), session_id, return_token_ids=return_token_ids, n=n)
 
 
-def _sampling_params(payload: dict, max_tokens: int, limits: ModelLimits) -> SamplingParams:
+def _sampling_params(payload: dict, max_tokens: int, limits: ModelLimits, extra: dict[str, Any]) -> SamplingParams:
     """Every sampling field checked here, each error naming its param; SamplingParams re-checks.
     Unset temperature, top_p and top_k come from `limits.sampling`."""
     vocab_size, defaults = limits.vocab_size, limits.sampling
@@ -205,7 +211,7 @@ def _sampling_params(payload: dict, max_tokens: int, limits: ModelLimits) -> Sam
             stop=_stop_strings(payload),
             stop_token_ids=_stop_token_ids(payload, vocab_size),
             ignore_eos=bool(typed_field(payload, "ignore_eos", bool)),
-            **logit_fields(payload, vocab_size, max_tokens))
+            **logit_fields(payload, vocab_size, max_tokens), **extra)
     except ConfigError as exc:
         raise invalid(str(exc)) from None
 

@@ -27,9 +27,9 @@ from typing import Any
 from common.config import sibling_seed
 from router.gateway.errors import APIError, internal
 from router.gateway.metrics import GatewayMetrics
-from router.gateway.responses import SSE_DONE, ResponseShape, TokenIds, Usage, sse_error
+from router.gateway.responses import SSE_DONE, ResponseShape, Usage, sse_error
 from router.gateway.schema import GenerateRequest
-from router.gateway.streaming import Finished, GenerationRun
+from router.gateway.streaming import Finished, GenerationRun, choice_of
 
 
 class Siblings:
@@ -40,10 +40,14 @@ class Siblings:
                  arrival_s: float):
         self.request, n = request, request.n
         ids = [request_id if k == 0 else f"{request_id}-{k}" for k in range(n * len(request.prompts))]
-        self.runs = [GenerationRun(backend, ids[i * n + j], _choice(request, prompt, j, ids[i * n]), metrics,
-                                   arrival_s) for i, prompt in enumerate(request.prompts) for j in range(n)]
+        self.runs: list[GenerationRun] = []
+        for i, prompt in enumerate(request.prompts):
+            for j in range(n):
+                leader = self.runs[i * n] if j and request.params.prompt_logprobs is not None else None
+                self.runs.append(GenerationRun(backend, ids[i * n + j], _choice(request, prompt, j, ids[i * n]),
+                                               metrics, arrival_s, prompt_from=leader))
         self.leaders = self.runs[::n]
-        """Each prompt's choice 0."""
+        """Each prompt's choice 0 (its prompt's logprobs are its siblings' too)."""
 
     async def start(self) -> None:
         """Each prompt's choice 0 to its first token, then the others. Raises the first refusal (`APIError`)."""
@@ -65,10 +69,8 @@ class Siblings:
         for _, outcome in outcomes:
             if isinstance(outcome, APIError):
                 return outcome
-        prompts = [tuple(p) for p in self.request.prompts for _ in range(self.request.n)]
-        choices = [(text, outcome.finish_reason,
-                    TokenIds(prompt, tuple(outcome.output_token_ids)) if self.request.return_token_ids else None)
-                   for prompt, (text, outcome) in zip(prompts, outcomes)]
+        prompts = [p for p in self.request.prompts for _ in range(self.request.n)]
+        choices = [choice_of(text, outcome, self.request, prompt) for prompt, (text, outcome) in zip(prompts, outcomes)]
         return shape.full_choices(choices, self._usage([outcome for _, outcome in outcomes]))
 
     async def frames(self, shape: ResponseShape, include_usage: bool) -> AsyncIterator[bytes]:
@@ -126,6 +128,8 @@ def _choice(request: GenerateRequest, prompt: list[int], index: int, leader_id: 
     others follow it (`follow` = `leader_id`: to its decode worker, prefilling there)."""
     seed = request.params.seed
     params = replace(request.params, share_prompt=index == 0 and request.n > 1)
+    if index:  # its prompt's logprobs are its leader's: it computes only the prompt's last page
+        params = replace(params, prompt_logprobs=None)
     if seed is not None:
         params = replace(params, seed=sibling_seed(seed, index))
     return replace(request, prompt_token_ids=prompt, more_prompts=(), params=params, n=1,

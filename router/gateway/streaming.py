@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,11 +29,13 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from common.logprobs import TokenLogprobs
 from router.backend import BackendError, GenerationChunk
 from router.gateway.detokenize import IncrementalDetokenizer
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, from_backend_error, from_error_kind, internal
+from router.gateway.logprobs import Entry
 from router.gateway.metrics import GatewayMetrics, RequestClock
-from router.gateway.responses import SSE_DONE, ResponseShape, Usage, sse_error
+from router.gateway.responses import SSE_DONE, Choice, Delta, ResponseShape, TokenIds, Usage, sse_error
 from router.gateway.schema import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -50,14 +52,22 @@ class Finished:
     usage: Usage
     output_token_ids: tuple[int, ...] = ()  # every token the backend sent
     text: str = ""  # the whole text (cut before a stop string)
+    logprobs: tuple[Entry, ...] | None = None  # every output token's, when asked (an echoed prompt's first)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked (`prompt_logprobs`, echo)
 
 
 class GenerationRun:
     """Drives `backend.generate` for one request. Use: `await start()`, iterate `events()`, `close()`."""
 
     def __init__(self, backend: Any, request_id: str, request: GenerateRequest, metrics: GatewayMetrics,
-                 arrival_s: float, on_end: Callable[[Finished | APIError | None], None] | None = None):
+                 arrival_s: float, on_end: Callable[[Finished | APIError | None], None] | None = None,
+                 prompt_from: GenerationRun | None = None):
+        """`prompt_from`: the run whose prompt logprobs are this one's (an `n` sibling's leader)."""
         self._backend, self.request_id, self._request = backend, request_id, request
+        self._prompt_from = prompt_from
+        self.prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # as the backend sent them
+        self._logprobs: list[Entry] = []  # every output token's (when asked)
+        self._unsent = 0  # of them, not yet in a delta
         self._on_end = on_end
         self._metrics = metrics
         self._clock = RequestClock(metrics, arrival_s)
@@ -80,14 +90,21 @@ class GenerationRun:
         self._metrics.temperature.observe(self._request.params.temperature)
         self._metrics.top_p.observe(self._request.params.top_p)
 
-    async def events(self) -> AsyncIterator[str | Finished | APIError]:
-        """Text deltas (`str`, never empty), then exactly one `Finished` or `APIError`."""
+    async def events(self) -> AsyncIterator[Delta | Finished | APIError]:
+        """Deltas (an echoed prompt's first; never empty), then exactly one `Finished` or `APIError`."""
         assert self._first is not None, "events() before a successful start()"
         chunk, self._first = self._first, None
+        if self._request.ask.echo:
+            self._take_prompt(chunk)
+            prompt = self._backend.tokenizer.decode(list(self._request.prompt_token_ids), skip_special_tokens=False)
+            yield Delta(prompt, self._prompt_entries(), prompt=True)
         while True:
-            delta, last = self._take(chunk)
-            if delta:
-                yield delta
+            text, last = self._take(chunk)
+            entries = tuple(self._logprobs[len(self._logprobs) - self._unsent:]) if self._unsent and \
+                (text or last) else ()
+            if (text or entries) and not self._request.ask.prompt_only:
+                self._unsent -= len(entries)
+                yield Delta(text, entries)
             if last:
                 break
             try:
@@ -102,8 +119,8 @@ class GenerationRun:
         """The whole text and the outcome (non-streaming)."""
         parts = []
         async for event in self.events():
-            if isinstance(event, str):
-                parts.append(event)
+            if isinstance(event, Delta):
+                parts.append(event.text)
             else:
                 return "".join(parts), event
         raise AssertionError("events() ended without an outcome")
@@ -172,8 +189,23 @@ class GenerationRun:
             return self._backend.generate(*args, follow=self._request.follow)
         return self._backend.generate(*args)  # as before sessions: a backend without them still serves
 
+    def _take_prompt(self, chunk: GenerationChunk) -> None:
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
+
+    def _prompt_entries(self) -> tuple[Entry, ...]:
+        """The prompt's tokens with their logprobs (a leader's, for a sibling), when asked; else ()."""
+        values = self._prompt_from.prompt_logprobs if self._prompt_from is not None else self.prompt_logprobs
+        if self._request.params.logprobs is None or not values:
+            return ()
+        return tuple(zip(self._request.prompt_token_ids, values))
+
     def _take(self, chunk: GenerationChunk) -> tuple[str, bool]:
         """(text delta of `chunk`, whether the run's text is complete after it)."""
+        self._take_prompt(chunk)
+        if self._request.params.logprobs is not None:
+            self._logprobs += zip(chunk.new_token_ids, chunk.logprobs)
+            self._unsent += min(len(chunk.new_token_ids), len(chunk.logprobs))
         self._clock.on_tokens(len(chunk.new_token_ids), time.monotonic())
         delta = self._detok.feed(chunk.new_token_ids)
         if chunk.finish_reason is not None or chunk.error:
@@ -190,8 +222,16 @@ class GenerationRun:
         reason = last.finish_reason if last.finish_reason is not None else "stop"
         self._ended = True
         self._clock.on_success(reason, time.monotonic())
-        usage = Usage(len(self._request.prompt_token_ids), self._detok.num_tokens, last.cached_tokens)
-        finished = Finished(reason, usage, tuple(self._detok.token_ids), self._detok.text)
+        ask, params = self._request.ask, self._request.params
+        usage = Usage(len(self._request.prompt_token_ids), 0 if ask.prompt_only else self._detok.num_tokens,
+                      last.cached_tokens)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = (*(self._prompt_entries() if ask.echo else ()), *(() if ask.prompt_only else self._logprobs))
+        prompt = self._prompt_from.prompt_logprobs if self._prompt_from is not None else self.prompt_logprobs
+        finished = Finished(reason, usage, () if ask.prompt_only else tuple(self._detok.token_ids),
+                            "" if ask.prompt_only else self._detok.text, logprobs,
+                            prompt if params.prompt_logprobs is not None or self._prompt_from is not None else None)
         self._tell_end(finished)
         return finished
 
@@ -204,13 +244,20 @@ class GenerationRun:
         return err
 
 
+def choice_of(text: str, outcome: Finished, request: GenerateRequest, prompt: Sequence[int]) -> Choice:
+    """A finished choice's part of a non-streaming body (`prompt`: its own, in a batch)."""
+    token_ids = TokenIds(tuple(prompt), outcome.output_token_ids) if request.return_token_ids else None
+    shown = None if request.ask.echo_logprobs_only else outcome.prompt_logprobs
+    return Choice(text, outcome.finish_reason, token_ids, outcome.logprobs, tuple(prompt), shown)
+
+
 async def sse_frames(run: GenerationRun, shape: ResponseShape, include_usage: bool) -> AsyncIterator[bytes]:
     """The SSE body of a started run (see `responses` for the frame order)."""
     for frame in shape.opening_frames():
         yield frame
     try:
         async for event in run.events():
-            if isinstance(event, str):
+            if isinstance(event, Delta):
                 yield shape.delta_frame(event)
             elif isinstance(event, APIError):
                 yield sse_error(event)

@@ -16,7 +16,9 @@ import openai
 import pytest
 
 from cluster.cli.main import main as tandem_main
+from tests.integration.lm_eval_check import check_lm_eval
 from tests.integration.logit_rules_check import check_logit_rules
+from tests.integration.logprobs_check import check_logprobs
 from tests.integration.serve_harness import RayHead, metric, start_server, streams_across_a_fault
 
 pytestmark = pytest.mark.slow
@@ -123,6 +125,15 @@ def test_penalties_biases_and_min_tokens_give_hfs_greedy_tokens_across_workers(c
     """Every prompt here prefills on a prefill worker, which samples the first token under the rules
     (min_tokens, the bias), and the decode worker the rest."""
     check_logit_rules(client)
+
+
+def test_logprobs_are_hfs_across_workers(client):
+    """The prompt's and the first token's from a prefill worker, the rest from the decode worker."""
+    check_logprobs(client)
+
+
+def test_lm_eval_local_completions_scores_as_its_hf_backend(cluster):
+    check_lm_eval(cluster.base_url, API_KEY)
 
 
 def test_n_choices_cross_once_are_seeded_apart_and_repeat_alone_or_in_a_busy_batch(client, cluster):

@@ -16,6 +16,7 @@ import pytest
 from cluster.serve.local_ray import session_members
 from kv_store.transfer.listeners import listening_sockets
 from tests.integration.logit_rules_check import check_logit_rules
+from tests.integration.logprobs_check import check_logprobs
 from tests.integration.serve_harness import metric, start_server
 
 pytestmark = pytest.mark.slow
@@ -171,6 +172,7 @@ def test_colocated_shape_serves_on_every_worker(tmp_path, capsys):
         assert sorted(w["role"] for w in workers) == ["colocated", "colocated"]
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=300)
         check_logit_rules(client)
+        check_logprobs(client)
         before = server.metrics()
         done = client.completions.create(model="smollm2", prompt="Three random words, each on its own line:\n",
                                          n=3, seed=1, temperature=1.0, top_p=1.0, max_tokens=8,

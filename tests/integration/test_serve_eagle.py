@@ -12,7 +12,9 @@ import openai
 import pytest
 
 from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
+from tests.integration.lm_eval_check import check_lm_eval
 from tests.integration.logit_rules_check import check_logit_rules
+from tests.integration.logprobs_check import check_logprobs
 from tests.integration.serve_harness import eventually, metric, start_server
 
 pytestmark = pytest.mark.slow
@@ -69,6 +71,15 @@ def test_penalties_biases_and_min_tokens_give_hfs_greedy_tokens_on_verify_rows(e
     drafted = lambda: metric(eagle_server.metrics(), "tandem:spec_draft_tokens_total") - metric(  # noqa: E731
         before, "tandem:spec_draft_tokens_total")
     eventually(lambda: drafted() > 0, "drafts verified under the rules")
+
+
+def test_logprobs_come_from_the_targets_verify_rows_and_lm_eval_scores_as_hf(eagle_server):
+    before = eagle_server.metrics()
+    check_logprobs(openai.OpenAI(base_url=f"{eagle_server.base_url}/v1", api_key="none", max_retries=0, timeout=300))
+    drafted = metric(eagle_server.metrics(), "tandem:spec_draft_tokens_total") - metric(
+        before, "tandem:spec_draft_tokens_total")
+    assert drafted > 0, "no draft was verified: the logprobs did not come from verify rows"
+    check_lm_eval(eagle_server.base_url)
 
 
 def test_n_seeded_choices_differ_and_repeat_under_speculation(eagle_server):

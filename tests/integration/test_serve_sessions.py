@@ -105,3 +105,23 @@ def test_a_session_turn_samples_under_its_logit_rules(server):
     want = hf_greedy_with(prompt, MAX_NEW, repetition_penalty=1.3, sequence_bias={(plain[0],): -100.0})
     assert turn["token_ids"][:len(want)] == want and want[0] != plain[0], (turn["token_ids"], want)
     assert httpx.delete(f"{server.base_url}/v1/sessions/{session_id}", timeout=60).status_code == 200
+
+
+def test_a_session_turns_logprobs_are_hfs_over_its_whole_prompt(server):
+    """A turn's logprobs are the model's after the history (whose KV the session kept); its prompt's
+    logprobs are refused, naming the field (that KV is not computed again)."""
+    from tests.integration.logprobs_check import TOLERANCE, hf_logprobs
+
+    session_id = httpx.post(f"{server.base_url}/v1/sessions", timeout=60, json={"capacity_tokens": 256}).json()["id"]
+    first, new = natural_ids(30, "A session about mountains."), natural_ids(8, "Tell me more.")
+    answer = complete(server, first, session_id=session_id, return_token_ids=True)["choices"][0]["token_ids"]
+    turn = complete(server, new, session_id=session_id, logprobs=2, return_token_ids=True)["choices"][0]
+    prompt, tokens = [*first, *answer, *new], turn["token_ids"]
+    assert turn["prompt_token_ids"] == prompt and len(turn["logprobs"]["token_logprobs"]) == len(tokens)
+    want = hf_logprobs(prompt + tokens)
+    got = turn["logprobs"]["token_logprobs"]
+    assert got == pytest.approx([float(want[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)], abs=TOLERANCE)
+    refused = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+        "model": "smollm2", "prompt": new, "session_id": session_id, "prompt_logprobs": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    assert httpx.delete(f"{server.base_url}/v1/sessions/{session_id}", timeout=60).status_code == 200

@@ -10,10 +10,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from common.grammar_spec import GrammarSpec
+
 DTYPES = ("float32", "bfloat16", "float16")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "cpu", "torch")
-"""`auto` and the names of `kernels.attention.BACKEND_NAMES` (this module imports nothing of tandem's)."""
+"""`auto` and the names of `kernels.attention.BACKEND_NAMES` (this module imports nothing of tandem's
+but `common.grammar_spec`)."""
 SPECULATIVE_METHODS = ("none", "eagle")
 
 
@@ -150,6 +153,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """The same for every prompt token after the first (the prompt is then computed whole: its cached
     prefix is not reused); None: none."""
+    grammar: GrammarSpec | None = None
+    """Structured outputs: every token is sampled among those the grammar allows (`engine/structured.py`)."""
     share_prompt: bool = False
     """Not sampling: the prompt's KV enters the prefix tree as soon as it is computed, not when the
     request ends, so requests with the same prompt admitted meanwhile reuse it (the gateway sets it
@@ -174,6 +179,7 @@ class SamplingParams:
             value = getattr(self, name)
             require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        require(self.grammar is None or isinstance(self.grammar, GrammarSpec), "grammar must be a GrammarSpec")
 
     def _check_stop_rules(self) -> None:
         require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ import torch
 from common.config import EngineConfig, SamplingParams
 from common.faults import internal_error
 from common.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerRole, WorkerStats
+from engine.batch import run_batch
 from engine.connector import ConnectorPorts, KVConnector, NullConnector
 from engine.graphs.runner import GraphRunner
 from engine.logprobs import record_output, record_prompt
@@ -37,8 +37,9 @@ from engine.scheduler import ScheduledStep, Scheduler
 from engine.sessions import NullSessions, SessionError, SessionManager
 from engine.spec.factory import NullSpeculator
 from engine.spec.speculator import Committed, EagleSpeculator
-from engine.stats import graph_stats, pool_stats, spec_stats, tier_stats
+from engine.stats import IntegrityBeat, graph_stats, pool_stats, spec_stats, tier_stats
 from engine.stop import StopRules
+from engine.structured import StructuredOutputs
 from engine.tokens import apply_stop_rules, row_tokens
 from kernels.kv_layout import KVCacheTensors
 from kv_store.device_pool import DevicePool
@@ -50,11 +51,6 @@ log = logging.getLogger("tandem.engine")
 
 IDLE_COPY_WAIT_S = 0.005
 """A step that scheduled nothing while tier copies are in flight waits this long for one to land."""
-
-BUSY_INTEGRITY_INTERVAL_S = 5.0
-"""How often the heartbeat's integrity check runs while requests run: it walks every page of every
-tier (~30-80 ms with a 4,096-page host tier on a CPU, a whole decode step that every request waits
-for), so not on every beat then. Debug mode (TANDEM_DEBUG_KV=1) still checks after every step."""
 
 
 def debug_kv_enabled(config: EngineConfig) -> bool:
@@ -96,10 +92,11 @@ class EngineCore:
         self._ids = itertools.count()
         self.debug_kv = debug_kv_enabled(self.config)
         self.num_retractions = 0
-        self._integrity_checked_s, self._integrity_error = float("-inf"), ""  # the heartbeat's check (stats)
+        self.integrity = IntegrityBeat(lambda: self.check_integrity())  # the heartbeat's check (`stats`)
         ports = ConnectorPorts(self.kv_cache, self.device_pool, self.config.page_size, self.scheduler,
                                self.new_request, self.speculator.export_feature, self.kvm.check_integrity)
         self.connector = connector(ports) if connector is not None else NullConnector()
+        self.structured = StructuredOutputs(self.tokenizer, self.arch.vocab_size, tuple(sorted(self.eos_token_ids)))
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -114,7 +111,10 @@ class EngineCore:
             self.sessions.start_turn(session_id, req.request_id, req.num_tokens + params.max_tokens)
             req.session_id = session_id
         self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        if params.grammar is not None and not self.structured.prepare(params.grammar).done():
+            self.structured.hold(req)  # queued once its grammar compiled (`StructuredOutputs.take_ready`)
+        else:
+            self.scheduler.add(req)
         return req
 
     def new_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
@@ -132,6 +132,10 @@ class EngineCore:
         if len(prompt_token_ids) >= limit:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate: this engine "
                              f"holds at most {limit} tokens per request (context length / KV pool)")
+        if params.grammar is not None:
+            if params.min_tokens:
+                raise ValueError("min_tokens cannot be combined with a grammar (which decides where the output ends)")
+            self.structured.prepare(params.grammar)  # compiles beside the steps from now
         rules = StopRules(params, self.eos_token_ids, self.tokenizer, limit)
         return Request(request_id, list(prompt_token_ids), params, stop_rules=rules)
 
@@ -140,6 +144,10 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None or req.status is RequestStatus.FINISHED:
             return False
+        if self.structured.release(req):  # waiting for its grammar's compile: holds nothing yet
+            self.requests.pop(request_id)
+            req.finish(FinishReason.ABORT)
+            return True
         if req in self.scheduler.running or req.status in (RequestStatus.WAITING, RequestStatus.LOADING):
             self.finish(req, FinishReason.ABORT)
         else:  # held by the connector (KV still in flight): it releases the request when it can
@@ -166,7 +174,7 @@ class EngineCore:
         """Whether a step would do anything: requests to schedule, the connector's or the host tier's own
         work, or a session to reap."""
         return (self.scheduler.has_work() or self.connector.busy() or self.host_cache.busy()
-                or self.sessions.reap_due())
+                or self.sessions.reap_due() or bool(self.structured.held))
 
     # ---- sessions ----------------------------------------------------------------------------------
     def open_session(self, session_id: str, capacity_tokens: int, idle_timeout_s: float) -> None:
@@ -185,7 +193,7 @@ class EngineCore:
         and release what the connector no longer holds. Returns per-request progress."""
         self.host_cache.poll()
         self.sessions.reap()
-        outputs = self.connector.before_step()
+        outputs = self.connector.before_step() + self._reject(self.structured.take_ready(self.scheduler.add))
         self.end_stopped()
         arrived = self.connector.take_arrived()
         for req, kv in arrived:
@@ -227,16 +235,8 @@ class EngineCore:
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
                  on_finish: Callable[[Request], None] | None = None) -> list[Request]:
-        """Run `prompts` to completion; returns their finished requests in input order."""
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        assert len(params_list) == len(prompts), "one SamplingParams per prompt"
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        by_id = {r.request_id: r for r in reqs}
-        while any(r.status is not RequestStatus.FINISHED for r in reqs):
-            for out in self.step():
-                if out.finish_reason is not None and on_finish is not None and out.request_id in by_id:
-                    on_finish(by_id[out.request_id])
-        return reqs
+        """Run `prompts` to completion; returns their finished requests in input order (`engine.batch`)."""
+        return run_batch(self, prompts, params, on_finish)
 
     def output_text(self, req: Request) -> str:
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
@@ -250,23 +250,13 @@ class EngineCore:
         return self.scheduler.max_request_tokens()
 
     def stats(self, role: WorkerRole, host_pool: PagePool | None = None, transfers: int = 0) -> WorkerStats:
-        """The heartbeat's view of this engine, with the integrity check's verdict (a failure is
-        reported, not raised). The check runs on every call while the engine is idle, and at most
-        every `BUSY_INTEGRITY_INTERVAL_S` while it has work (its last verdict stands between)."""
-        now = time.monotonic()
-        if not self.scheduler.has_work() or now - self._integrity_checked_s >= BUSY_INTEGRITY_INTERVAL_S:
-            self._integrity_checked_s = now
-            try:
-                self.check_integrity()
-                self._integrity_error = ""
-            except AssertionError as exc:
-                self._integrity_error = str(exc) or "integrity check failed"
-        error = self._integrity_error
+        """The heartbeat's view of this engine, with the integrity check's verdict (`IntegrityBeat`)."""
         l2 = self.host_cache.pool
         return WorkerStats(role, pool_stats(self.device_pool.pages), pool_stats(host_pool) if host_pool else None,
                            len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.loading),
-                           transfers, error, pool_stats(l2) if l2 is not None else None, self.tier_stats(),
-                           self.graph_stats(), self.spec_stats())
+                           transfers, self.integrity.verdict(self.scheduler.has_work()),
+                           pool_stats(l2) if l2 is not None else None, self.tier_stats(), self.graph_stats(),
+                           self.spec_stats())
 
     def spec_stats(self) -> SpecStats:
         return spec_stats(self.speculator.counters)
@@ -280,6 +270,7 @@ class EngineCore:
     def close(self) -> None:
         self.connector.close()
         self.host_cache.close()
+        self.structured.close()
 
     # ---- helpers -----------------------------------------------------------------------------------
 
@@ -318,6 +309,7 @@ class EngineCore:
         kept = ScheduledStep(relocation_version=scheduled.relocation_version,
                              loads_in_flight=scheduled.loads_in_flight)
         committed, emitted, outputs, feature_row = [], [], [], 0
+        self.structured.ensure_states([r for r, row in zip(scheduled.requests, scheduled.rows) if row.num_logits])
         for req, row, (tokens, rows) in zip(scheduled.requests, scheduled.rows,
                                             row_tokens(scheduled, out.logits, self.speculator)):
             first, feature_row = feature_row, feature_row + len(row.token_ids)
@@ -328,6 +320,8 @@ class EngineCore:
                     record_prompt(req, row, out.hidden[first:feature_row], self.model.compute_logits)
                 applied, reason = apply_stop_rules(req, tokens)
                 record_output(req, out.logits, rows, applied)
+                if self.structured.accept(req, applied) and reason is None:
+                    reason = FinishReason.STOP  # its grammar ended (a stop token that ignore_eos kept going)
             except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going
                 outputs += self._fail_request(req, internal_error(req.request_id, exc, "sampling and stop rules"))
                 continue
@@ -385,6 +379,17 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         req.error = error
         return [step_output(req, [], FinishReason.ABORT, error, Failure.INTERNAL)]
+
+    def _reject(self, failed: list[tuple[Request, str]]) -> list[StepOutput]:
+        """End requests that can never run as asked (their grammar did not compile), each with its error."""
+        outputs = []
+        for req, error in failed:
+            self.requests.pop(req.request_id, None)
+            req.error = error
+            req.finish(FinishReason.ABORT)
+            if not self.connector.request_failed(req, error):
+                outputs.append(step_output(req, [], FinishReason.ABORT, error, Failure.REJECTED))
+        return outputs
 
     def _after_step(self) -> None:
         if self.debug_kv or not self.scheduler.has_work():

@@ -1,10 +1,9 @@
-"""Structured outputs: a request's grammar (JSON schema, any JSON object, regex, a choice of strings,
-EBNF) compiled by xgrammar for one tokenizer, and the per-request matcher that masks logits to the
-tokens the grammar allows. The one adapter over xgrammar: its errors become `GrammarError`.
+"""Structured outputs: a request's grammar (`common.grammar_spec.GrammarSpec`: a JSON schema, any JSON
+object, a regex, a choice of strings, EBNF) compiled by xgrammar for one tokenizer, and the
+per-request matcher that masks logits to the tokens the grammar allows. Its errors are `GrammarError`s.
 
-Owns: `GrammarSpec` (what a request asks for; frozen, hashable, pickles), `GrammarCompiler` (one per
-engine: the tokenizer's vocabulary as xgrammar sees it, a thread pool and an LRU cache of compiled
-grammars), `CompiledGrammar` (immutable, shared by threads and requests) and `GrammarState` (one
+Owns: `GrammarCompiler` (one per engine: the tokenizer's vocabulary as xgrammar sees it, a thread
+pool and an LRU cache of compiled grammars), `CompiledGrammar` (immutable, shared by threads and requests) and `GrammarState` (one
 request's position in its grammar; not thread-safe, and not picklable: another process rebuilds it
 from the spec and the accepted token ids with `GrammarCompiler.rebuild_state`).
 
@@ -17,8 +16,6 @@ stop string) simply drops its state, its output possibly an incomplete sentence 
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -29,86 +26,10 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
-JSON_MAX_WHITESPACE = 20
-"""Whitespace characters at most between two JSON tokens (as llama.cpp's `[ \\t]{0,20}`): without a
-bound a weak model can pad with newlines until `max_tokens`; 20 still fits indented output."""
-_ANY_OBJECT_SCHEMA = '{"type":"object"}'
-_XGR_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+from common.grammar_spec import GrammarError, GrammarSpec, compile_error, grammar_of
 
-
-class GrammarError(ValueError):
-    """A spec that does not compile, or token ids a grammar refuses: xgrammar's words, minus its source location."""
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request constrains its output to. Built with the helpers below, which make equal asks
-    equal specs: it keys the compile cache and travels in SamplingParams between processes.
-
-    kind:   one of KINDS.
-    text:   json_schema: the schema as compact JSON, keys in the caller's order (xgrammar emits
-            properties in declared order, so sorting them would change the output); regex: the
-            pattern; choice: a JSON list of the strings; grammar: EBNF (GBNF, root rule `root`);
-            json_object: "".
-    strict: json_schema only (True elsewhere): properties and items the schema does not name are
-            refused (xgrammar's strict_mode; `additionalProperties: true` still allows them).
-    """
-
-    kind: str
-    text: str
-    strict: bool = True
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise GrammarError(f"unknown grammar kind {self.kind!r}: expected one of {', '.join(KINDS)}")
-        if not self.strict and self.kind != "json_schema":
-            raise GrammarError(f"strict=False is a json_schema option, not one of {self.kind!r}")
-        if self.kind == "json_object" and self.text:
-            raise GrammarError("a json_object spec has no text: use json_schema for a schema")
-        if self.kind == "choice":
-            _check_choices(self.text)
-
-    @staticmethod
-    def json_schema(schema: dict | bool, strict: bool = True) -> GrammarSpec:
-        if not isinstance(schema, (dict, bool)):
-            raise GrammarError(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
-        return GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")),
-                           strict)
-
-    @staticmethod
-    def json_object() -> GrammarSpec:
-        """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
-        return GrammarSpec("json_object", "")
-
-    @staticmethod
-    def regex(pattern: str) -> GrammarSpec:
-        return GrammarSpec("regex", pattern)
-
-    @staticmethod
-    def choice(choices: Sequence[str]) -> GrammarSpec:
-        """Exactly one of `choices`, whole."""
-        return GrammarSpec("choice", json.dumps(list(choices), ensure_ascii=False))
-
-    @staticmethod
-    def grammar(ebnf: str) -> GrammarSpec:
-        return GrammarSpec("grammar", ebnf)
-
-
-def _check_choices(text: str) -> list[str]:
-    try:
-        choices = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise GrammarError(f"choice text is not a JSON list: {exc}") from None
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-        raise GrammarError(f"choice text must be a non-empty JSON list of strings, not {text[:80]!r}")
-    return choices
-
-
-def _choice_ebnf(text: str) -> str:
-    # JSON string escapes (\" \\ \n \uXXXX) are EBNF string escapes too; an empty choice is "".
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in _check_choices(text))
-
+__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarSpec", "GrammarState", "allocate_bitmask",
+           "apply_bitmask"]
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """A CPU bitmask, every token allowed.  # [num_rows, ceil(vocab_size / 32)] int32, bit j of word
@@ -264,23 +185,12 @@ class GrammarCompiler:
             self.cached_bytes -= self._entry_bytes.pop(spec, 0)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        grammar = grammar_of(spec)  # raises GrammarError
         try:
-            compiled = self._compile_xgr(spec)
+            compiled = self._xgr.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's C++ errors are RuntimeErrors
-            lines = (_XGR_PREFIX.sub("", line).strip() for line in str(exc).splitlines())
-            raise GrammarError(f"{spec.kind} does not compile: {' '.join(filter(None, lines))[:1000]}") from None
+            raise compile_error(spec, exc) from None
         return CompiledGrammar(spec, self.vocab_size, compiled)
-
-    def _compile_xgr(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        if spec.kind in ("json_schema", "json_object"):
-            schema, strict = (spec.text, spec.strict) if spec.kind == "json_schema" else (_ANY_OBJECT_SCHEMA, False)
-            return self._xgr.compile_json_schema(schema, any_whitespace=True, strict_mode=strict,
-                                                 max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        if spec.kind == "regex":
-            return self._xgr.compile_regex(spec.text)
-        if spec.kind == "choice":
-            return self._xgr.compile_grammar(_choice_ebnf(spec.text))
-        return self._xgr.compile_grammar(spec.text)
 
 
 class GrammarState:

@@ -23,6 +23,7 @@ from common.protocol import FinishReason  # noqa: F401 - the engine's name for i
 from kv_store.req_kv import ReqKV
 
 if TYPE_CHECKING:
+    from engine.grammar import GrammarState
     from engine.stop import StopRules
     from kv_store.hicache import LoadTicket
 
@@ -111,6 +112,8 @@ class Request:
     """With `params.prompt_logprobs`: one per prompt token (None first), filled as its chunks run."""
     prompt_logprobs_sent: bool = False
     """Its prompt logprobs went out with its first output."""
+    grammar: GrammarState | None = None
+    """With `params.grammar`: its matcher, past every output token (`engine/structured.py`)."""
 
     def __post_init__(self):
         if not self.prompt_token_ids:

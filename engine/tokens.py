@@ -53,7 +53,7 @@ def _sample_alone(req: Request, logits: torch.Tensor) -> int | Exception:
 
 
 def _sample(reqs: list[Request], logits: torch.Tensor) -> list[int]:
-    adjusted = [i for i, r in enumerate(reqs) if r.params.adjusts_logits]
+    adjusted = [i for i, r in enumerate(reqs) if r.params.adjusts_logits or r.params.grammar is not None]
     if adjusted:
         logits = logits.float().clone()
         for i in adjusted:
@@ -64,11 +64,23 @@ def _sample(reqs: list[Request], logits: torch.Tensor) -> list[int]:
 
 
 def adjusted_logits(req: Request, logits: torch.Tensor, drafts: list[int] | tuple = ()) -> torch.Tensor:
-    """`req`'s logits rows with its rules (`kernels.sampling.adjust_logits`); unchanged without any."""
-    if not req.params.adjusts_logits:
+    """`req`'s logits rows with its rules (`kernels.sampling.adjust_logits`), then its grammar's mask
+    (row j: after `drafts[:j]`; `engine/structured.py`), as a new tensor; `logits` itself without either."""
+    if not req.params.adjusts_logits and req.params.grammar is None:
         return logits
-    stops = req.stop_rules.token_ids if req.stop_rules is not None else req.params.stop_token_ids
-    return adjust_logits(logits, req.params, req.prompt_token_ids, req.output_token_ids, stops, drafts)
+    if req.params.grammar is not None and req.grammar is None:
+        raise RuntimeError("its grammar has no matcher (it did not compile; see the log)")
+    if req.params.adjusts_logits:
+        stops = req.stop_rules.token_ids if req.stop_rules is not None else req.params.stop_token_ids
+        logits = adjust_logits(logits, req.params, req.prompt_token_ids, req.output_token_ids, stops, drafts)
+    else:
+        logits = logits.float().clone()
+    if req.grammar is not None:
+        if drafts:
+            req.grammar.fill_draft_masks(logits, drafts)
+        else:
+            req.grammar.fill_mask(logits)
+    return logits
 
 
 def apply_stop_rules(req: Request, tokens: list[int] | None) -> tuple[list[int], FinishReason | None]:

@@ -199,8 +199,7 @@ class EagleSpeculator:
         return out
 
     def emitted_rows(self, req: Request, num_emitted: int) -> list[int]:
-        """The verify rows (of the last `verify` of `req`) its `num_emitted` tokens were chosen from:
-        a chain's first rows; a tree's accepted path."""
+        """The rows of `req`'s last verify its tokens came from: a chain's first, a tree's accepted path."""
         return self._paths.get(req.request_id, list(range(num_emitted)))[:num_emitted]
 
     @staticmethod
@@ -290,9 +289,10 @@ class EagleSpeculator:
         slots for the verify (and the head rows) are allocated first."""
         trees: dict[Request, DraftTree] = {}
         for req in running:
-            # a request whose logits follow its own history (penalties, min_tokens) drafts a chain: a
-            # chain's rows have one history each, a tree's rows one per path
-            depth, width = self._chain_length(req, max_request_tokens), 1 if req.params.adjusts_logits else self.topk
+            # a request whose logits follow its own history (penalties, min_tokens, a grammar) drafts a
+            # chain: a chain's rows have one history each, a tree's rows one per path
+            own = req.params.adjusts_logits or req.params.grammar is not None
+            depth, width = self._chain_length(req, max_request_tokens), 1 if own else self.topk
             slots = depth * width if width == 1 else max(depth * width, self._num_nodes(depth))
             if depth and req.request_id in self._last and reserve(req, slots):
                 trees[req] = DraftTree(depth, width)

@@ -47,7 +47,8 @@ class ServingTokenizer:
     def __init__(self, model_dir: Path, chat_template: str | None) -> None:
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_file(str(Path(model_dir) / TOKENIZER_FILE))
+        self.model_dir = Path(model_dir)
+        self._tokenizer = Tokenizer.from_file(str(self.model_dir / TOKENIZER_FILE))
         config = _read_config(Path(model_dir))
         self.chat_template = chat_template
         self.special_tokens = {k: _token_text(v) for k, v in config.items()

@@ -5,6 +5,7 @@ import copy
 import pytest
 
 import engine.core as core_mod
+import engine.stats as stats_mod
 from common.config import ConfigError, EngineConfig, SamplingParams
 from common.protocol import WorkerRole
 from engine import build_engine
@@ -167,7 +168,7 @@ def test_heartbeat_integrity_check_runs_every_beat_at_rest_and_at_most_every_int
     for _ in range(3):
         assert engine.stats(WorkerRole.COLOCATED).integrity_error == ""
     assert checks == []  # busy, within the interval of the last check: the verdict stands
-    monkeypatch.setattr(core_mod, "BUSY_INTEGRITY_INTERVAL_S", 0.0)
+    monkeypatch.setattr(stats_mod, "BUSY_INTEGRITY_INTERVAL_S", 0.0)
     engine.stats(WorkerRole.COLOCATED)
     assert checks == [True]  # the interval passed: checked while busy
     engine.abort(req.request_id)

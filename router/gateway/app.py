@@ -52,6 +52,7 @@ from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_
 from router.gateway.sessions import GatewaySession, GatewaySessions, SessionTurn, parse_turn
 from router.gateway.siblings import Siblings
 from router.gateway.streaming import GenerationRun, SSEResponse, choice_of, sse_frames, unless_disconnected
+from router.gateway.structured import check_grammar
 from router.gateway.tokenize import DetokenizeResponse, TokenizeResponse, detokenize, tokenize, \
     tokenize_request_models
 
@@ -139,6 +140,8 @@ class Gateway:
             payload = parse_json_object(body)
             session = await self.sessions.for_turn(payload)
             parsed = self._parse(endpoint, payload, session)
+            if parsed.params.grammar is not None:
+                await check_grammar(parsed.params.grammar, parsed.grammar_param)
             release = self.admit()
             shape = SHAPES[endpoint](self.served_name, self.backend.tokenizer)
             if session is not None:  # no await since for_turn: no other turn of it can start meanwhile

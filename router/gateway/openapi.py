@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.config import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
 from router.gateway.openapi_logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
+from router.gateway.openapi_structured import ResponseFormat, StructuredOutputs
 from router.gateway.schema import CHAT_ROLES, DEFAULT_SESSION_IDLE_TIMEOUT_S, MAX_SESSION_ID_CHARS, \
     MAX_SESSION_IDLE_TIMEOUT_S, ModelLimits
 
@@ -234,11 +235,6 @@ class TextPart(BaseModel):
     text: str
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
-
-
 StopString = NonEmptyString = Annotated[str, Field(min_length=1)]
 
 
@@ -299,6 +295,9 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
                                        "the output before this many tokens.")
         prompt_logprobs: Count | None = Field(None, description="Extension (vLLM's): each prompt token's logprob, "
                                               "rank and the k best (the prompt is computed whole). Not in a session.")
+        response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: the output "
+                                                       "is sampled within it (compact JSON). Not with min_tokens.")
+        structured_outputs: StructuredOutputs | None = None
         user: str | None = Field(None, description="Accepted and ignored.")
         session_id: Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_CHARS)] | None = Field(
             None, description="Extension: a turn of this streaming session (POST /v1/sessions). The body then "
@@ -328,7 +327,6 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
         tool_choice: Literal["none"] | None = None
         tools: Annotated[list[Any], Field(max_length=0)] | None = None
         functions: Annotated[list[Any], Field(max_length=0)] | None = None
-        response_format: ResponseFormat | None = None
 
     CompletionRequest.__name__ = CompletionRequest.__qualname__ = "CompletionRequest"
     ChatCompletionRequest.__name__ = ChatCompletionRequest.__qualname__ = "ChatCompletionRequest"

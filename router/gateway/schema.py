@@ -25,6 +25,7 @@ from router.gateway.errors import APIError, invalid
 from router.gateway.json_body import as_int, as_ints, int_list_field, integer_field, number_field, typed_field
 from router.gateway.logit_fields import logit_fields
 from router.gateway.logprobs import LogprobAsk, chat_fields, completion_fields
+from router.gateway.structured import grammar_field
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
@@ -63,6 +64,7 @@ class GenerateRequest:
     follow: str = ""  # a sibling choice: the id of choice 0's request, whose decode worker it joins
     more_prompts: tuple[list[int], ...] = ()  # a completion's further prompts (a batch): n choices each
     ask: LogprobAsk = LogprobAsk()  # a completion's echo (`router.gateway.logprobs`)
+    grammar_param: str = ""  # the field `params.grammar` came from (`router.gateway.structured`)
 
     @property
     def prompts(self) -> tuple[list[int], ...]:
@@ -85,6 +87,7 @@ def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits,
     _check_off(payload, "suffix", "")
     _check_off(payload, "best_of", 1, "best_of > 1")
     fields, ask = completion_fields(payload)
+    grammar_param = _grammar(payload, fields)
     if ask.prompt_only:
         payload = {**payload, "max_tokens": 1}
     prompts = [[*history, *p] for p in _completion_prompts(payload, tokenizer, limits.vocab_size)]
@@ -98,7 +101,8 @@ def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits,
     parsed = _request(Endpoint.COMPLETION, payload, longest, _budget(payload, len(longest), limits), limits, fields)
     if parsed.n * len(prompts) > MAX_CHOICES:
         raise invalid(f"n x the prompts is at most {MAX_CHOICES} choices, got {parsed.n} x {len(prompts)}", param="n")
-    return replace(parsed, prompt_token_ids=prompts[0], more_prompts=tuple(prompts[1:]), ask=ask)
+    return replace(parsed, prompt_token_ids=prompts[0], more_prompts=tuple(prompts[1:]), ask=ask,
+                   grammar_param=grammar_param)
 
 
 def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
@@ -107,17 +111,26 @@ def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
     through the model's chat template together."""
     _check_common(payload, limits)
     fields = chat_fields(payload)
+    grammar_param = _grammar(payload, fields)
     if session_id_of(payload) and "prompt_logprobs" in fields:
         raise _unsupported("prompt_logprobs", "the prompt's logprobs in a session turn")
     _check_off(payload, "tools", [])
     _check_off(payload, "functions", [])
     _check_off(payload, "tool_choice", "none")
-    fmt = payload.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _unsupported("response_format", "response_format other than {\"type\": \"text\"}")
     messages, prompt_ids = _chat_prompt(payload, tokenizer, history)
     max_tokens = _budget(payload, len(prompt_ids), limits)
-    return replace(_request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits, fields), messages=messages)
+    return replace(_request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits, fields), messages=messages,
+                   grammar_param=grammar_param)
+
+
+def _grammar(payload: dict, fields: dict[str, Any]) -> str:
+    """Put the request's grammar (if any) in `fields`; the field it came from."""
+    spec, param = grammar_field(payload)
+    if spec is not None:
+        if as_int(payload.get("min_tokens")):
+            raise _unsupported("min_tokens", f"min_tokens with {param} (the grammar decides where the output ends)")
+        fields["grammar"] = spec
+    return param
 
 
 def _budget(payload: dict, prompt_len: int, limits: ModelLimits) -> int:

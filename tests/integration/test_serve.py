@@ -19,6 +19,7 @@ from cluster.cli.main import main as tandem_main
 from tests.integration.lm_eval_check import check_lm_eval
 from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
+from tests.integration.structured_check import check_structured
 from tests.integration.serve_harness import RayHead, metric, start_server, streams_across_a_fault
 
 pytestmark = pytest.mark.slow
@@ -130,6 +131,11 @@ def test_penalties_biases_and_min_tokens_give_hfs_greedy_tokens_across_workers(c
 def test_logprobs_are_hfs_across_workers(client):
     """The prompt's and the first token's from a prefill worker, the rest from the decode worker."""
     check_logprobs(client)
+
+
+def test_structured_outputs_hold_for_the_openai_sdk_and_langchain_across_workers(cluster):
+    """The prefill worker samples the first token under the grammar; the decode worker resumes it."""
+    check_structured(cluster.base_url, API_KEY)
 
 
 def test_lm_eval_local_completions_scores_as_its_hf_backend(cluster):

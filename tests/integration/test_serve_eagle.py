@@ -15,6 +15,7 @@ from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
 from tests.integration.lm_eval_check import check_lm_eval
 from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
+from tests.integration.structured_check import check_structured
 from tests.integration.serve_harness import eventually, metric, start_server
 
 pytestmark = pytest.mark.slow
@@ -80,6 +81,14 @@ def test_logprobs_come_from_the_targets_verify_rows_and_lm_eval_scores_as_hf(eag
         before, "tandem:spec_draft_tokens_total")
     assert drafted > 0, "no draft was verified: the logprobs did not come from verify rows"
     check_lm_eval(eagle_server.base_url)
+
+
+def test_structured_outputs_verify_drafts_under_the_grammar(eagle_server):
+    before = eagle_server.metrics()
+    check_structured(eagle_server.base_url)
+    drafted = metric(eagle_server.metrics(), "tandem:spec_draft_tokens_total") - metric(
+        before, "tandem:spec_draft_tokens_total")
+    assert drafted > 0, "no draft was verified under a grammar"
 
 
 def test_n_seeded_choices_differ_and_repeat_under_speculation(eagle_server):

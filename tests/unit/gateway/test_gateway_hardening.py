@@ -584,7 +584,7 @@ def test_openapi_document_describes_every_endpoint(client, backend):
                 "/ErrorResponse"), (path, status)
     props = schemas["CompletionRequest"]["properties"]
     assert {"const": MODEL, "type": "string"} in props["model"]["anyOf"]  # this app's model, by name
-    assert {"maximum": backend.max_model_len, "minimum": 1, "type": "integer"} in props["max_tokens"]["anyOf"]
+    assert {"maximum": backend.max_model_len, "minimum": 0, "type": "integer"} in props["max_tokens"]["anyOf"]  # 0: echo
     assert schemas["ErrorResponse"]["required"] == ["error"]
     assert set(schemas["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
     assert {"CompletionChunk", "ChatCompletionChunk"} <= set(schemas)

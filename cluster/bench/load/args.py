@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from cluster.bench.load.datasets import DATASETS
 
@@ -22,6 +23,17 @@ def parse_sweep(text: str) -> tuple[str, tuple[float, ...]]:
     return name.replace("-", "_"), parsed
 
 
+def json_object(text: str) -> dict:
+    """--extra-body's value: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--extra-body takes a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--extra-body takes a JSON object, got {type(value).__name__}")
+    return value
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.description = ("Drive an OpenAI-compatible endpoint (--base-url: tandem or any other server; without it, a "
                      "`tandem serve` started here) with a dataset at a request rate and/or concurrency; prints "
@@ -37,6 +49,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     target.add_argument("--temperature", type=float, default=0.0, help="sent in every body (default greedy)")
     target.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="ask for exact output lengths (servers that know ignore_eos)")
+    target.add_argument("--extra-body", type=json_object, default={}, metavar="JSON",
+                        help="fields merged into every body, e.g. '{\"response_format\": {...}}' (a grammar's cost)")
     target.add_argument("--http-client", choices=("auto", "aiohttp", "httpx"), default="auto",
                         help="the client's HTTP library (auto: aiohttp when installed, it costs less CPU per request)")
     target.add_argument("--config", metavar="FILE", help="cluster YAML of a server started here (and the baseline)")

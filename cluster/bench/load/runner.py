@@ -209,7 +209,7 @@ def bench_load(args: argparse.Namespace) -> int:
             wait_ready(server, headers, args.ready_timeout_s)
         wait_warm(server, headers, args.ready_timeout_s)
         target = Target(server.url, args.endpoint, args.model or first_model(server.url, headers), key,
-                        args.ignore_eos, args.temperature, http_library=args.http_client)
+                        args.ignore_eos, args.temperature, args.extra_body, http_library=args.http_client)
         use_ray = args.num_clients > 1 or args.address is not None
         clients = (RayClients(args.address or "local", args.num_clients, tokenizer_dir, args.client_cpus) if use_ray
                    else InProcessClient(codec, not args.disable_tqdm))

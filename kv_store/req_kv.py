@@ -176,8 +176,9 @@ class KVManager:
         """Offer a running request's committed whole pages of `token_ids` (its first tokens) to the
         prefix tree, and protect those the tree took: the request keeps them under its lock on the
         deeper node, as if it had matched them at admission, so a request with the same tokens admitted
-        now reuses them. Pages the tree already holds another copy of stay the request's own, and so
-        does everything past the first of them. Returns the new `cache_protected_len`.
+        now reuses them. When the tree already holds another copy of the page after its protected
+        prefix (in any tier: its KV arrived from elsewhere, or another request computed the same
+        tokens meanwhile), nothing is offered. Returns the new `cache_protected_len`.
 
             | tree's (locked)  | newly the tree's (locked) | own (a duplicate, and after) |
             0                 cpl                        new cpl
@@ -185,8 +186,9 @@ class KVManager:
         self._expect_active(kv, "cache_unfinished")
         ps, first = self.page_size, kv.num_protected_pages
         aligned = min(len(token_ids), kv.kv_committed_len) // ps * ps
-        if aligned <= kv.cache_protected_len:
-            return kv.cache_protected_len
+        cpl = kv.cache_protected_len
+        if aligned <= cpl or self.prefix_cache.cached_len(token_ids[:aligned]) > cpl:
+            return cpl  # (the tree has another copy of its next page: it would take the pages after that)
         taken = set(self.prefix_cache.insert(list(token_ids[:aligned]), kv.pages[:aligned // ps], kv.req_id))
         end = first
         while end < aligned // ps and kv.pages[end] in taken:

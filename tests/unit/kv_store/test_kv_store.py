@@ -337,6 +337,24 @@ def test_a_running_request_shares_its_whole_prompt_pages_and_keeps_the_rest(kvm)
     kvm.release(b, ReleaseReason.ABORTED, prompt)
 
 
+def test_a_prompt_whose_first_pages_the_tree_holds_another_copy_of_is_not_offered(kvm):
+    """b's KV came from elsewhere (a transfer) while the tree held a copy of its first page: offering
+    it would let the tree take b's later pages, past a page b does not protect (found by the API fuzz:
+    an `n` leader's prompt landed on a decode worker)."""
+    a, b = kvm.open("a"), kvm.open("b")
+    kvm.try_allocate(a, 4)
+    kvm.commit(a, 4)
+    assert kvm.cache_unfinished(a, list(range(300, 304))) == 4
+    kvm.try_allocate(b, 12)
+    kvm.commit(b, 12)
+    assert kvm.cache_unfinished(b, list(range(300, 304)) + list(range(500, 508))) == 0
+    assert all(kvm.pool.state(p) is PageState.PRIVATE for p in b.pages)
+    kvm.check_integrity()
+    kvm.release(b, ReleaseReason.FINISHED, list(range(300, 304)) + list(range(500, 508)))
+    kvm.release(a, ReleaseReason.FINISHED, list(range(300, 304)))
+    kvm.check_integrity()
+
+
 def test_a_prompt_the_tree_holds_another_copy_of_stays_the_requests_own_from_there(kvm):
     prompt = list(range(300, 312))  # three whole pages
     a, b = kvm.open("a"), kvm.open("b")

@@ -79,13 +79,13 @@ class ServingTokenizer:
         text = self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self.clean_up_tokenization_spaces else text
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = False,
-                            tokenize: bool = True) -> str | list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = True, tools: list[dict] | None = None) -> str | list[int]:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        text = self._template.render(messages=messages, tools=None, documents=None,
+        text = self._template.render(messages=messages, tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self.special_tokens)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -140,13 +140,14 @@ def _clean_up_spaces(text: str) -> str:
     return text
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]] | str) -> list[int]:
-    """Token ids of ``messages`` (or one user message ``str``) with the assistant prompt appended."""
+def apply_chat_template(tokenizer: Any, messages: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of ``messages`` (or one user message ``str``) with the assistant prompt appended;
+    ``tools`` (OpenAI's `tools` items) go to the template, for templates that render them."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this tokenizer has no chat template; use encode_prompt() for raw completions")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return encode_prompt(tokenizer, text)
 
 

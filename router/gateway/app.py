@@ -55,6 +55,7 @@ from router.gateway.streaming import GenerationRun, SSEResponse, choice_of, sse_
 from router.gateway.structured import check_grammar
 from router.gateway.tokenize import DetokenizeResponse, TokenizeResponse, detokenize, tokenize, \
     tokenize_request_models
+from router.gateway.tool_parsers import parser_for
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ class Gateway:
         self.backend, self.config, self._state = backend, config, state
         self.served_name = config.served_model_name or backend.model_name
         self.limits = ModelLimits(self.served_name, backend.max_model_len, len(backend.tokenizer),
-                                  config.default_max_tokens, config.max_prompt_tokens, sampling)
+                                  config.default_max_tokens, config.max_prompt_tokens, sampling,
+                                  parser_for(config.tool_call_parser, getattr(backend.tokenizer, "chat_template", None)))
         self.metrics = GatewayMetrics(backend, getattr(backend, "extra_collectors", ()))
         self._probe_metrics = GatewayMetrics(backend)  # readiness probes are not traffic: never scraped
         self.created = int(time.time())

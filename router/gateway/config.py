@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import GENERATION_CONFIG_MODES, require
+from router.gateway.tool_parsers import PARSERS
 
 API_KEY_ENV = "TANDEM_API_KEY"
 """Environment variable read for `gateway.api_key` when neither the file nor an override sets that key."""
@@ -33,6 +34,10 @@ class GatewayConfig:
     sampling (a local HF dir's generation_config.json; for the bundled SmolLM2 its model card's
     temperature 0.2, top_p 0.9); `none`, the OpenAI API's defaults (temperature 1). A field the
     request sets always wins. The start-up log and /v1/models say what applies."""
+    tool_call_parser: str = "auto"
+    """How a chat's tool calls are read from the output (vLLM's --tool-call-parser): `hermes`,
+    `llama3_json`, `mistral`, or `auto` (by the chat template's markers; hermes for templates without
+    tools, which the gateway then describes in that form itself: `router.gateway.tools`)."""
     max_pending_requests: int = 256
     """Requests in flight at most (counted once their body is read and valid); more get 429."""
     ready_timeout_s: float = 30.0
@@ -65,6 +70,8 @@ class GatewayConfig:
         require(self.default_max_tokens >= 1, f"gateway.default_max_tokens must be >= 1, got {self.default_max_tokens}")
         require(self.generation_config in GENERATION_CONFIG_MODES,
                 f"gateway.generation_config must be one of {GENERATION_CONFIG_MODES}, got {self.generation_config!r}")
+        require(self.tool_call_parser in ("auto", *PARSERS),
+                f"gateway.tool_call_parser must be auto or one of {PARSERS}, got {self.tool_call_parser!r}")
         require(self.max_pending_requests >= 1,
                  f"gateway.max_pending_requests must be >= 1, got {self.max_pending_requests}")
         require(self.ready_timeout_s > 0, f"gateway.ready_timeout_s must be > 0, got {self.ready_timeout_s}")

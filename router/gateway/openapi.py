@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from common.config import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
 from router.gateway.openapi_logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 from router.gateway.openapi_structured import ResponseFormat, StructuredOutputs
+from router.gateway.openapi_tools import TextPart, ToolCallDelta, ToolCallItem, ToolChoice, ToolMessage, Tools
 from router.gateway.schema import CHAT_ROLES, DEFAULT_SESSION_IDLE_TIMEOUT_S, MAX_SESSION_ID_CHARS, \
     MAX_SESSION_IDLE_TIMEOUT_S, ModelLimits
 
@@ -62,7 +63,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionChoice(BaseModel):
@@ -86,7 +87,8 @@ class CompletionResponse(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="Null when the answer is tool calls alone.")
+    tool_calls: list[ToolCallItem] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -130,6 +132,7 @@ class CompletionChunk(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -229,18 +232,12 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
-    text: str
-
-
 StopString = NonEmptyString = Annotated[str, Field(min_length=1)]
 
 
 class InputMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal[tuple(sorted(CHAT_ROLES - {"assistant"}))]  # type: ignore[valid-type]
+    role: Literal[tuple(sorted(CHAT_ROLES - {"assistant", "tool"}))]  # type: ignore[valid-type]
     content: str | list[TextPart] = Field(description="Text, or text parts joined by newlines.")
 
 
@@ -250,6 +247,7 @@ class AssistantInputMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["assistant"]
     content: str | list[TextPart] | None
+    tool_calls: list[ToolCallItem] | None = None
 
 
 def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel]]:
@@ -320,12 +318,14 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
         logprobs: Count | None = Field(None, description="Each token's logprob and the k best (raw log-softmax).")
 
     class ChatCompletionRequest(SamplingFields):
-        messages: list[Annotated[InputMessage | AssistantInputMessage, Field(discriminator="role")]] = Field(
-            min_length=1)
+        messages: list[Annotated[InputMessage | AssistantInputMessage | ToolMessage, Field(discriminator="role")]] = \
+            Field(min_length=1)
         logprobs: bool | None = Field(None, description="Each output token's logprob (raw log-softmax).")
         top_logprobs: Count | None = Field(None, description="With logprobs: the k best tokens at each position.")
-        tool_choice: Literal["none"] | None = None
-        tools: Annotated[list[Any], Field(max_length=0)] | None = None
+        tools: Tools | None = None
+        tool_choice: ToolChoice | None = Field(None, description="Default auto with tools. required and a named "
+                                               "function are enforced by a grammar. Not with response_format.")
+        parallel_tool_calls: bool | None = Field(None, description="Default true.")
         functions: Annotated[list[Any], Field(max_length=0)] | None = None
 
     CompletionRequest.__name__ = CompletionRequest.__qualname__ = "CompletionRequest"

@@ -21,6 +21,7 @@ from common.logprobs import TokenLogprobs
 from router.gateway.errors import APIError
 from router.gateway.logprobs import Entry, TokenText, chat_content, completion_logprobs, prompt_logprobs_body
 from router.gateway.schema import Endpoint
+from router.gateway.tool_parsers import ToolCall
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -52,6 +53,7 @@ class Delta:
     text: str
     logprobs: tuple[Entry, ...] = ()
     prompt: bool = False  # an echoed prompt: its text, and its tokens' logprobs
+    tool_calls: tuple[ToolCall, ...] = ()  # the output's tool calls (with the last delta)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Choice:
     logprobs: tuple[Entry, ...] | None = None  # when asked (an echoed prompt's first)
     prompt: tuple[int, ...] = ()  # its prompt, for `prompt_logprobs`
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 def sse(body: dict) -> bytes:
@@ -166,6 +169,9 @@ class ChatShape(ResponseShape):
 
     def _delta_choice(self, delta: Delta, finish_reason: str | None, index: int) -> dict:
         body = {"content": delta.text} if finish_reason is None else {}
+        if delta.tool_calls:
+            body = {**({"content": delta.text} if delta.text else {}),
+                    "tool_calls": [call.body(i) for i, call in enumerate(delta.tool_calls)]}
         logprobs = {"content": chat_content(self._text_of, delta.logprobs), "refusal": None} if delta.logprobs \
             else None
         return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -173,8 +179,11 @@ class ChatShape(ResponseShape):
     def _full_choice(self, choice: Choice, index: int) -> dict:
         logprobs = None if choice.logprobs is None else \
             {"content": chat_content(self._text_of, choice.logprobs), "refusal": None}
-        return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs,
-                "finish_reason": choice.finish_reason}
+        message = {"role": "assistant", "content": choice.text}
+        if choice.tool_calls:
+            message = {"role": "assistant", "content": choice.text or None,
+                       "tool_calls": [call.body() for call in choice.tool_calls]}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
     def _add_token_ids(self, body: dict, choice: dict, token_ids: TokenIds) -> None:
         body["prompt_token_ids"], choice["token_ids"] = list(token_ids.prompt), list(token_ids.output)

@@ -20,14 +20,15 @@ from typing import Any
 
 from common.config import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, \
     ConfigError, SamplingDefaults, SamplingParams
-from kernels.model.tokenizer import apply_chat_template, encode_prompt
+from kernels.model.tokenizer import encode_prompt
 from router.gateway.errors import APIError, invalid
 from router.gateway.json_body import as_int, as_ints, int_list_field, integer_field, number_field, typed_field
 from router.gateway.logit_fields import logit_fields
 from router.gateway.logprobs import LogprobAsk, chat_fields, completion_fields
+from router.gateway.messages import CHAT_ROLES, chat_prompt, unsupported
 from router.gateway.structured import grammar_field
+from router.gateway.tools import ToolAsk, forced_grammar, tools_field
 
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 DEFAULT_SESSION_IDLE_TIMEOUT_S = 300.0
 MAX_SESSION_IDLE_TIMEOUT_S = 3600.0
 MAX_SESSION_ID_CHARS = 128
@@ -48,6 +49,7 @@ class ModelLimits:
     default_max_tokens: int  # when the request names none (capped by the context left)
     max_prompt_tokens: int | None  # None: only max_model_len limits the prompt
     sampling: SamplingDefaults = SamplingDefaults()  # what unset sampling fields become
+    tool_parser: str = "hermes"  # how tool calls are read from the output (`router.gateway.tool_parsers`)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class GenerateRequest:
     more_prompts: tuple[list[int], ...] = ()  # a completion's further prompts (a batch): n choices each
     ask: LogprobAsk = LogprobAsk()  # a completion's echo (`router.gateway.logprobs`)
     grammar_param: str = ""  # the field `params.grammar` came from (`router.gateway.structured`)
+    tools: ToolAsk | None = None  # a chat's tools, unless none or tool_choice "none" (`router.gateway.tools`)
 
     @property
     def prompts(self) -> tuple[list[int], ...]:
@@ -94,9 +97,9 @@ def parse_completion(payload: dict, tokenizer: Any, limits: ModelLimits,
     if not all(prompts):
         raise invalid("the prompt is empty", param="prompt")
     if len(prompts) > 1 and history:
-        raise _unsupported("prompt", "more than one prompt in a session turn")
+        raise unsupported("prompt", "more than one prompt in a session turn")
     if session_id_of(payload) and (ask.echo or "prompt_logprobs" in fields):
-        raise _unsupported("echo" if ask.echo else "prompt_logprobs", "the prompt's logprobs in a session turn")
+        raise unsupported("echo" if ask.echo else "prompt_logprobs", "the prompt's logprobs in a session turn")
     longest = max(prompts, key=len)
     parsed = _request(Endpoint.COMPLETION, payload, longest, _budget(payload, len(longest), limits), limits, fields)
     if parsed.n * len(prompts) > MAX_CHOICES:
@@ -113,14 +116,19 @@ def parse_chat(payload: dict, tokenizer: Any, limits: ModelLimits,
     fields = chat_fields(payload)
     grammar_param = _grammar(payload, fields)
     if session_id_of(payload) and "prompt_logprobs" in fields:
-        raise _unsupported("prompt_logprobs", "the prompt's logprobs in a session turn")
-    _check_off(payload, "tools", [])
+        raise unsupported("prompt_logprobs", "the prompt's logprobs in a session turn")
     _check_off(payload, "functions", [])
-    _check_off(payload, "tool_choice", "none")
-    messages, prompt_ids = _chat_prompt(payload, tokenizer, history)
+    _check_off(payload, "function_call", "none")
+    tools = tools_field(payload, limits.tool_parser)
+    if tools is not None and tools.forced:
+        if grammar_param or as_int(payload.get("min_tokens")):
+            clash = grammar_param or "min_tokens"
+            raise unsupported(clash, f"{clash} with a tool_choice that forces a call")
+        fields["grammar"], grammar_param = forced_grammar(tools), "tool_choice"
+    messages, prompt_ids = chat_prompt(payload, tokenizer, history, tools)
     max_tokens = _budget(payload, len(prompt_ids), limits)
     return replace(_request(Endpoint.CHAT, payload, prompt_ids, max_tokens, limits, fields), messages=messages,
-                   grammar_param=grammar_param)
+                   grammar_param=grammar_param, tools=tools)
 
 
 def _grammar(payload: dict, fields: dict[str, Any]) -> str:
@@ -128,7 +136,7 @@ def _grammar(payload: dict, fields: dict[str, Any]) -> str:
     spec, param = grammar_field(payload)
     if spec is not None:
         if as_int(payload.get("min_tokens")):
-            raise _unsupported("min_tokens", f"min_tokens with {param} (the grammar decides where the output ends)")
+            raise unsupported("min_tokens", f"min_tokens with {param} (the grammar decides where the output ends)")
         fields["grammar"] = spec
     return param
 
@@ -189,7 +197,7 @@ def _check_off(payload: dict, name: str, off: Any, what: str | None = None) -> N
     else:
         is_off = type(value) is type(off) and value == off
     if not is_off:
-        raise _unsupported(name, what)
+        raise unsupported(name, what)
 
 
 def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_tokens: int,
@@ -201,11 +209,11 @@ def _request(endpoint: Endpoint, payload: dict, prompt_ids: list[int], max_token
         raise invalid("`stream_options.include_usage` must be a boolean", param="stream_options.include_usage")
     return_token_ids = bool(typed_field(payload, "return_token_ids", bool))
     if return_token_ids and stream:
-        raise _unsupported("return_token_ids", "return_token_ids with stream (ask without streaming)")
+        raise unsupported("return_token_ids", "return_token_ids with stream (ask without streaming)")
     n = _bounded_integer(payload, "n", 1, MAX_CHOICES) or 1
     session_id = session_id_of(payload)
     if n > 1 and session_id:
-        raise _unsupported("n", "n > 1 in a session turn (a session continues one conversation)")
+        raise unsupported("n", "n > 1 in a session turn (a session continues one conversation)")
     return GenerateRequest(endpoint, prompt_ids, _sampling_params(payload, max_tokens, limits, logprob_fields), stream,
                            bool(include_usage), session_id, return_token_ids=return_token_ids, n=n)
 
@@ -340,55 +348,7 @@ def prompt_ids_of(payload: dict, tokenizer: Any, vocab_size: int) -> list[int]:
     """A /tokenize body's token ids: its `messages` through the chat template (with the assistant's
     turn opened, as a chat request renders them), else its `prompt` as a completion encodes it."""
     if "messages" in payload:
-        return _chat_prompt(payload, tokenizer, ())[1]
+        return chat_prompt(payload, tokenizer)[1]
     [ids] = _completion_prompts(payload, tokenizer, vocab_size) if not isinstance(payload.get("prompt"), list) \
         else [_one_prompt(payload["prompt"], tokenizer, vocab_size)]
     return ids
-
-
-def _chat_prompt(payload: dict, tokenizer: Any,
-                 history: Sequence[dict[str, str]]) -> tuple[tuple[dict[str, str], ...], list[int]]:
-    """(the whole conversation as plain messages, its token ids through the chat template)."""
-    messages = payload.get("messages")
-    if messages is None:
-        raise invalid("`messages` is required", param="messages", code="missing_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("`messages` must be a non-empty list", param="messages")
-    plain = (*history, *(_message(m, i) for i, m in enumerate(messages)))
-    try:
-        return plain, apply_chat_template(tokenizer, list(plain))
-    except Exception as exc:  # the template itself rejects some conversations (jinja raise_exception)
-        raise invalid(f"the chat template rejected these messages: {exc}", param="messages") from None
-
-
-def _message(message: Any, index: int) -> dict[str, str]:
-    """One message as {role, content: str}; text parts are joined by newlines."""
-    param = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise invalid(f"{param} must be an object with `role` and `content`", param=param)
-    role = message.get("role")
-    if role == "tool" or message.get("tool_calls"):
-        raise _unsupported(f"{param}.role", "tool messages and tool calls")
-    if not isinstance(role, str) or role not in CHAT_ROLES:  # a dict or list is unhashable: test the type first
-        raise invalid(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param=f"{param}.role")
-    content = message.get("content")
-    if isinstance(content, str):
-        return {"role": role, "content": content}
-    if isinstance(content, list):
-        return {"role": role, "content": "\n".join(_text_part(p, f"{param}.content[{i}]")
-                                                   for i, p in enumerate(content))}
-    if content is None and role == "assistant":
-        return {"role": role, "content": ""}
-    raise invalid(f"{param}.content must be a string or a list of text parts", param=f"{param}.content")
-
-
-def _text_part(part: Any, param: str) -> str:
-    if not isinstance(part, dict) or part.get("type") != "text":
-        raise _unsupported(param, "content parts other than {\"type\": \"text\"}")
-    if not isinstance(part.get("text"), str):
-        raise invalid(f"{param}.text must be a string", param=f"{param}.text")
-    return part["text"]
-
-
-def _unsupported(param: str, what: str | None = None) -> APIError:
-    return invalid(f"{what or param} is not supported by this server", param=param, code="unsupported_parameter")

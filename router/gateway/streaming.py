@@ -37,6 +37,8 @@ from router.gateway.logprobs import Entry
 from router.gateway.metrics import GatewayMetrics, RequestClock
 from router.gateway.responses import SSE_DONE, Choice, Delta, ResponseShape, TokenIds, Usage, sse_error
 from router.gateway.schema import GenerateRequest
+from router.gateway.tool_parsers import ToolCall
+from router.gateway.tools import ContentStream, output_calls
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class Finished:
     text: str = ""  # the whole text (cut before a stop string)
     logprobs: tuple[Entry, ...] | None = None  # every output token's, when asked (an echoed prompt's first)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked (`prompt_logprobs`, echo)
+    tool_calls: tuple[ToolCall, ...] = ()  # read from the output (`router.gateway.tools`); then `text` is the rest
 
 
 class GenerationRun:
@@ -67,6 +70,8 @@ class GenerationRun:
         self._prompt_from = prompt_from
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # as the backend sent them
         self._logprobs: list[Entry] = []  # every output token's (when asked)
+        self._content = ContentStream(request.tools) if request.tools is not None else None
+        self._calls: tuple[ToolCall, ...] = ()  # the output's tool calls, once it ended
         self._unsent = 0  # of them, not yet in a delta
         self._on_end = on_end
         self._metrics = metrics
@@ -100,11 +105,14 @@ class GenerationRun:
             yield Delta(prompt, self._prompt_entries(), prompt=True)
         while True:
             text, last = self._take(chunk)
+            if self._content is not None:
+                text = self._tool_content(text, last and not chunk.error)
             entries = tuple(self._logprobs[len(self._logprobs) - self._unsent:]) if self._unsent and \
                 (text or last) else ()
-            if (text or entries) and not self._request.ask.prompt_only:
+            calls = self._calls if last else ()
+            if (text or entries or calls) and not self._request.ask.prompt_only:
                 self._unsent -= len(entries)
-                yield Delta(text, entries)
+                yield Delta(text, entries, tool_calls=calls)
             if last:
                 break
             try:
@@ -189,6 +197,16 @@ class GenerationRun:
             return self._backend.generate(*args, follow=self._request.follow)
         return self._backend.generate(*args)  # as before sessions: a backend without them still serves
 
+    def _tool_content(self, text: str, ended: bool) -> str:
+        """The content part of `text` (the calls are held back); once the output `ended`, its calls."""
+        text = self._content.feed(text)
+        if ended:
+            _, calls = output_calls(self._request.tools, self._detok.text)
+            self._calls = tuple(calls)
+            if not calls:
+                text += self._content.flush()
+        return text
+
     def _take_prompt(self, chunk: GenerationChunk) -> None:
         if chunk.prompt_logprobs:
             self.prompt_logprobs = chunk.prompt_logprobs
@@ -229,9 +247,12 @@ class GenerationRun:
         if params.logprobs is not None:
             logprobs = (*(self._prompt_entries() if ask.echo else ()), *(() if ask.prompt_only else self._logprobs))
         prompt = self._prompt_from.prompt_logprobs if self._prompt_from is not None else self.prompt_logprobs
-        finished = Finished(reason, usage, () if ask.prompt_only else tuple(self._detok.token_ids),
-                            "" if ask.prompt_only else self._detok.text, logprobs,
-                            prompt if params.prompt_logprobs is not None or self._prompt_from is not None else None)
+        text = "" if ask.prompt_only else self._detok.text
+        if self._calls:
+            reason, text = "tool_calls", output_calls(self._request.tools, text)[0] or ""
+        finished = Finished(reason, usage, () if ask.prompt_only else tuple(self._detok.token_ids), text, logprobs,
+                            prompt if params.prompt_logprobs is not None or self._prompt_from is not None else None,
+                            self._calls)
         self._tell_end(finished)
         return finished
 
@@ -248,7 +269,9 @@ def choice_of(text: str, outcome: Finished, request: GenerateRequest, prompt: Se
     """A finished choice's part of a non-streaming body (`prompt`: its own, in a batch)."""
     token_ids = TokenIds(tuple(prompt), outcome.output_token_ids) if request.return_token_ids else None
     shown = None if request.ask.echo_logprobs_only else outcome.prompt_logprobs
-    return Choice(text, outcome.finish_reason, token_ids, outcome.logprobs, tuple(prompt), shown)
+    if outcome.tool_calls:
+        text = outcome.text
+    return Choice(text, outcome.finish_reason, token_ids, outcome.logprobs, tuple(prompt), shown, outcome.tool_calls)
 
 
 async def sse_frames(run: GenerationRun, shape: ResponseShape, include_usage: bool) -> AsyncIterator[bytes]:

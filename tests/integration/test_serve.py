@@ -20,6 +20,7 @@ from tests.integration.lm_eval_check import check_lm_eval
 from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
 from tests.integration.structured_check import check_structured
+from tests.integration.tools_check import check_tools
 from tests.integration.serve_harness import RayHead, metric, start_server, streams_across_a_fault
 
 pytestmark = pytest.mark.slow
@@ -136,6 +137,10 @@ def test_logprobs_are_hfs_across_workers(client):
 def test_structured_outputs_hold_for_the_openai_sdk_and_langchain_across_workers(cluster):
     """The prefill worker samples the first token under the grammar; the decode worker resumes it."""
     check_structured(cluster.base_url, API_KEY)
+
+
+def test_tool_calls_reassemble_for_the_openai_sdk_and_langchain_across_workers(cluster):
+    check_tools(cluster.base_url, API_KEY)
 
 
 def test_lm_eval_local_completions_scores_as_its_hf_backend(cluster):

@@ -16,6 +16,7 @@ from tests.integration.lm_eval_check import check_lm_eval
 from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
 from tests.integration.structured_check import check_structured
+from tests.integration.tools_check import check_tools
 from tests.integration.serve_harness import eventually, metric, start_server
 
 pytestmark = pytest.mark.slow
@@ -89,6 +90,7 @@ def test_structured_outputs_verify_drafts_under_the_grammar(eagle_server):
     drafted = metric(eagle_server.metrics(), "tandem:spec_draft_tokens_total") - metric(
         before, "tandem:spec_draft_tokens_total")
     assert drafted > 0, "no draft was verified under a grammar"
+    check_tools(eagle_server.base_url)  # a forced call's grammar on verify rows
 
 
 def test_n_seeded_choices_differ_and_repeat_under_speculation(eagle_server):

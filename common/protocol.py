@@ -94,6 +94,7 @@ class KVComplete:
     """With EAGLE: the draft head's feature at the prompt's last position (float32), from which the
     decode worker drafts the request's first decode step; empty without speculation."""
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
+    cached_tiers: tuple[int, int, int] = (0, 0, 0)  # cached_tokens by tier: (device, host, L3)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # each prompt token's (None first), when asked
 
 
@@ -330,6 +331,7 @@ class TokenOutput:
     failure: Failure | None = None  # with `error`: why (None exactly when `error` is empty)
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on its first output, when asked (None first)
+    cached_tiers: tuple[int, int, int] = ()  # on the finishing output: cached_tokens by tier (device, host, L3)
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,8 @@ class KVReceiver(NullConnector):
         ib.landed_kv = self.landing.landed(ib.request.request_id)
         req = ib.request
         req.cached_tokens = msg.cached_tokens
+        _, host, l3 = msg.cached_tiers
+        req.tier.host_hit_tokens, req.tier.l3_hit_tokens = host + l3, l3
         req.timings.update(dict(msg.timings))
         req.timings["kv_complete_received"] = self.clock()
         req.output_token_ids.append(msg.first_token)

@@ -28,7 +28,7 @@ LANDING_WAIT_S = 0.05
 
 def token_output(out: StepOutput) -> p.TokenOutput:
     return p.TokenOutput(out.request_id, tuple(out.new_token_ids), out.finish_reason, out.error, out.cached_tokens,
-                         out.timings, time.time(), out.failure, out.logprobs, out.prompt_logprobs)
+                         out.timings, time.time(), out.failure, out.logprobs, out.prompt_logprobs, out.cached_tiers)
 
 
 class ColocatedWorker(EngineWorker):

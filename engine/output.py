@@ -26,6 +26,7 @@ class StepOutput:
     cached_tokens: int = 0  # set on the finishing output
     timings: tuple[tuple[str, float], ...] = ()  # set on the finishing output
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
+    cached_tiers: tuple[int, int, int] = ()  # on the finishing output: cached_tokens by tier (device, host, L3)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on its first output carrying them, when asked
 
 
@@ -42,4 +43,4 @@ def step_output(req: Request, tokens: list[int], reason: FinishReason | None, er
         return StepOutput(req.request_id, tokens, None, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     req.timings.setdefault("finished", time.monotonic())
     return StepOutput(req.request_id, tokens, reason, error, failure, req.cached_tokens, tuple(req.timings.items()),
-                      logprobs, prompt_logprobs)
+                      logprobs, req.cached_tiers, prompt_logprobs)

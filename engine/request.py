@@ -48,6 +48,8 @@ class TierState:
 
     host_hit_tokens: int = 0
     """Prompt tokens loaded back from the host tier before its first admission (of `cached_tokens`)."""
+    l3_hit_tokens: int = 0
+    """Of those, tokens an L3 prefetch had brought to the host tier."""
     l3_checked: bool = False
     """Whether the host tier has looked its prompt up in L3 (once per request)."""
     load_ticket: LoadTicket | None = None
@@ -125,6 +127,12 @@ class Request:
     def text_len(self) -> int | None:
         """Where a stop string cut the output text (chars); None: not cut."""
         return self.stop_rules.text_len if self.stop_rules is not None else None
+
+    @property
+    def cached_tiers(self) -> tuple[int, int, int]:
+        """`cached_tokens` by the tier that held them at admission: (device, host, L3)."""
+        host, l3 = self.tier.host_hit_tokens, self.tier.l3_hit_tokens
+        return self.cached_tokens - host, host - l3, l3
 
     @property
     def wants_prompt_logprobs(self) -> bool:

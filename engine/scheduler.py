@@ -254,6 +254,7 @@ class Scheduler:
         req.start_loading(ticket)
         if req.num_retractions == 0:
             req.tier.host_hit_tokens += ticket.num_tokens
+            req.tier.l3_hit_tokens += ticket.from_l3
         self.loading.append(req)
         return True
 

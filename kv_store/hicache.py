@@ -55,6 +55,7 @@ class LoadTicket:
     node: TreeNode
     loads: tuple[Load, ...]
     num_tokens: int  # tokens its own loads bring to device (0 when it waits for another request's)
+    from_l3: int = 0  # of them, tokens an L3 prefetch brought to the host tier (served from L3)
     prefetch: Prefetch | None = None  # waited for per the L3 prefetch policy
 
 
@@ -303,11 +304,11 @@ class HostCache:
             node.fetched_from_l3 = False  # served once from L3; kept in L2 from now on
         self.counters.l3_hit_tokens += from_l3
         self.counters.l2_hit_tokens += num_tokens - from_l3
-        return self._ticket(load.locked, (load,), num_tokens, prefetch)
+        return self._ticket(load.locked, (load,), num_tokens, prefetch, from_l3)
 
     def _ticket(self, node: TreeNode, loads: tuple[Load, ...], num_tokens: int,
-                prefetch: Prefetch | None = None) -> LoadTicket:
-        ticket = LoadTicket(node, loads, num_tokens, self.l3.waited_for(prefetch))
+                prefetch: Prefetch | None = None, from_l3: int = 0) -> LoadTicket:
+        ticket = LoadTicket(node, loads, num_tokens, from_l3, self.l3.waited_for(prefetch))
         self.tree.lock(node)
         self._tickets[id(ticket)] = ticket
         return ticket

@@ -332,8 +332,9 @@ class KVSender(NullConnector):
             if shipment.abort_reason is None:
                 shipment.session.advance(TransferState.DONE, self.clock())
                 req.timings["transfer_done"] = self.clock()
+                first, prompt = first_logprobs(req)
                 self.outbox.append(KVComplete(rid, shipment.first_token, req.cached_tokens, tuple(req.timings.items()),
-                                              shipment.draft_feature, *first_logprobs(req)))
+                                              shipment.draft_feature, first, req.cached_tiers, prompt))
                 self._done.append((req, FinishReason.LENGTH))
             else:
                 self.outbox.append(TransferAborted(rid, shipment.abort_reason, shipment.failure))

@@ -97,7 +97,7 @@ class Flight:
             tuple(msg.new_token_ids), msg.finish_reason.value, cached_tokens=msg.cached_tokens, kv_transfer_s=transfer_s,
             kv_transfer_bytes=self.landing_bytes if self.prefill else 0,
             prefill_worker=self.prefill.worker_id if self.prefill else "", decode_worker=decode_worker,
-            logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs, timings=timings)
+            logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs, cached_tiers=msg.cached_tiers, timings=timings)
 
 
 @dataclass(eq=False)

@@ -212,7 +212,8 @@ class EngineBackend:
         transfer_bytes, transfer_s = self.kv_transfer or (0, None)
         return GenerationChunk(tuple(out.new_token_ids), out.finish_reason.value, cached_tokens=out.cached_tokens,
                                kv_transfer_s=transfer_s, kv_transfer_bytes=transfer_bytes,
-                               decode_worker=WORKER_ID, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
+                               decode_worker=WORKER_ID, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
+                               cached_tiers=out.cached_tiers)
 
 
 def settle_backend(request) -> None:

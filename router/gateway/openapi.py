@@ -52,8 +52,17 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class CachedTokensDetails(BaseModel):
+    """Where the cached prompt tokens were found at admission (SGLang's split)."""
+
+    device: int = Field(ge=0)
+    host: int = Field(ge=0)
+    l3: int = Field(ge=0)
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(ge=0)
+    cached_tokens_details: CachedTokensDetails | None = None
 
 
 class Usage(BaseModel):

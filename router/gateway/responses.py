@@ -31,11 +31,14 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cached_tiers: tuple[int, int, int] = ()  # those by the tier that held them (device, host, L3); () unknown
 
     def body(self) -> dict:
+        details: dict = {"cached_tokens": self.cached_tokens}
+        if self.cached_tiers:
+            details["cached_tokens_details"] = dict(zip(("device", "host", "l3"), self.cached_tiers))
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "total_tokens": self.prompt_tokens + self.completion_tokens, "prompt_tokens_details": details}
 
 
 @dataclass(frozen=True)

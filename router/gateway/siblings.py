@@ -118,8 +118,9 @@ class Siblings:
     def _usage(self, finished: list[Finished]) -> Usage:
         """Each prompt once (its cached tokens its choice 0's: what the prompt cost), every completion."""
         leaders = [f.usage for f in finished[::self.request.n]]
+        tiers = tuple(map(sum, zip(*(u.cached_tiers for u in leaders)))) if all(u.cached_tiers for u in leaders) else ()
         return Usage(sum(u.prompt_tokens for u in leaders), sum(f.usage.completion_tokens for f in finished),
-                     sum(u.cached_tokens for u in leaders))
+                     sum(u.cached_tokens for u in leaders), tiers)
 
 
 def _choice(request: GenerateRequest, prompt: list[int], index: int, leader_id: str) -> GenerateRequest:

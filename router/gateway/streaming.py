@@ -242,7 +242,7 @@ class GenerationRun:
         self._clock.on_success(reason, time.monotonic())
         ask, params = self._request.ask, self._request.params
         usage = Usage(len(self._request.prompt_token_ids), 0 if ask.prompt_only else self._detok.num_tokens,
-                      last.cached_tokens)
+                      last.cached_tokens, last.cached_tiers)
         logprobs = None
         if params.logprobs is not None:
             logprobs = (*(self._prompt_entries() if ask.echo else ()), *(() if ask.prompt_only else self._logprobs))

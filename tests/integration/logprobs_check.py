@@ -1,7 +1,7 @@
 """One check for every served path (imported by the serve test modules): logprobs through the official
 `openai` SDK equal HF transformers' log-softmax of the same tokens on the same weights: a chat's
 (`logprobs`, `top_logprobs`), whole and streamed (disaggregated, the first token's come from the
-prefill worker), and a completion that echoes its prompt with `max_tokens: 0` (the prompt scored
+prefill worker; the repeat's usage splits its cached tokens by tier), and a completion that echoes its prompt with `max_tokens: 0` (the prompt scored
 alone)."""
 
 from __future__ import annotations
@@ -51,7 +51,12 @@ def _check_chat(client: openai.OpenAI) -> None:
         assert [t.logprob for t in item.top_logprobs] == pytest.approx(want[start + i].topk(2).values.tolist(),
                                                                        abs=TOLERANCE)
     stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=8, temperature=0,
-                                            logprobs=True, top_logprobs=2, stream=True)
-    streamed = [item for chunk in stream for c in chunk.choices if c.logprobs for item in c.logprobs.content]
+                                            logprobs=True, top_logprobs=2, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = [item for chunk in chunks for c in chunk.choices if c.logprobs for item in c.logprobs.content]
+    details = chunks[-1].usage.prompt_tokens_details  # the repeat found the prompt cached, on device
+    assert details.cached_tokens > 0 and details.model_extra["cached_tokens_details"] == {
+        "device": details.cached_tokens, "host": 0, "l3": 0}
     assert [s.token for s in streamed] == [c.token for c in content]
     assert [s.logprob for s in streamed] == pytest.approx([c.logprob for c in content], abs=TOLERANCE)

@@ -96,6 +96,7 @@ def test_prefix_evicted_from_l1_is_loaded_back_not_recomputed():
     assert seen_loading and req.output_token_ids == expect.output_token_ids
     aligned = (len(history) + len(first.output_token_ids) - 1) // 4 * 4  # what the first request committed
     assert req.tier.host_hit_tokens == aligned and req.cached_tokens == aligned
+    assert req.cached_tiers == (0, aligned, 0)  # what the usage's cached_tokens_details says
     settle(engine)
     engine.check_integrity()
     cold.check_integrity()

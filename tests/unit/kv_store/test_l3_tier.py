@@ -55,6 +55,7 @@ def test_a_prefix_written_by_one_engine_is_served_from_l3_on_another(l3, shared_
     assert req.output_token_ids == expect
     stats = second.tier_stats()
     assert req.cached_tokens == len(shared) // PAGE * PAGE and stats.hit_tokens_l3 == req.cached_tokens
+    assert req.cached_tiers == (0, 0, req.cached_tokens)
     assert stats.l3_get_pages == len(shared) // PAGE and dict(stats.prefetches) == {"completed": 1}
     settle(second)
     second.check_integrity()

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from common.protocol import Failure
+
 if TYPE_CHECKING:
     from common.config import SamplingParams
     from engine.output import StepOutput
@@ -89,7 +91,7 @@ class KVConnector(Protocol):
 
     def request_finished(self, req: Request, reason: FinishReason) -> bool: ...
 
-    def request_failed(self, req: Request, error: str) -> bool: ...
+    def request_failed(self, req: Request, error: str, failure: Failure = Failure.INTERNAL) -> bool: ...
 
     def take_finished(self) -> list[tuple[Request, FinishReason]]: ...
 
@@ -121,7 +123,7 @@ class NullConnector:
     def request_finished(self, req: Request, reason: FinishReason) -> bool:
         return False
 
-    def request_failed(self, req: Request, error: str) -> bool:
+    def request_failed(self, req: Request, error: str, failure: Failure = Failure.INTERNAL) -> bool:
         return False
 
     def take_finished(self) -> list[tuple[Request, FinishReason]]:

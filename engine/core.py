@@ -25,6 +25,7 @@ import torch
 
 from common.config import EngineConfig, SamplingParams
 from common.faults import internal_error
+from common.grammar_spec import GrammarError
 from common.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerRole, WorkerStats
 from engine.batch import run_batch
 from engine.connector import ConnectorPorts, KVConnector, NullConnector
@@ -239,8 +240,7 @@ class EngineCore:
         return run_batch(self, prompts, params, on_finish)
 
     def output_text(self, req: Request) -> str:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        return text if req.text_len is None else text[:req.text_len]
+        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)[:req.text_len]
 
     def check_integrity(self) -> None:
         self.kvm.check_integrity()
@@ -323,7 +323,9 @@ class EngineCore:
                 if self.structured.accept(req, applied) and reason is None:
                     reason = FinishReason.STOP  # its grammar ended (a stop token that ignore_eos kept going)
             except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going
-                outputs += self._fail_request(req, internal_error(req.request_id, exc, "sampling and stop rules"))
+                grammar = isinstance(exc, GrammarError)  # allows no token: the request's own doing
+                outputs += self._fail_request(req, str(exc) if grammar else internal_error(
+                    req.request_id, exc, "sampling and stop rules"), Failure.REJECTED if grammar else Failure.INTERNAL)
                 continue
             start = req.kv.kv_committed_len
             committed.append(Committed(req, start, self._commit(req, row, len(applied)), first))
@@ -367,10 +369,10 @@ class EngineCore:
         elif req in self.scheduler.running:
             self.scheduler.detach(req)
 
-    def _fail_request(self, req: Request, error: str) -> list[StepOutput]:
+    def _fail_request(self, req: Request, error: str, failure: Failure = Failure.INTERNAL) -> list[StepOutput]:
         """A fault of `req`'s own ended it (`error` for its client): ABORT through the release path
-        and an "internal" error, unless the connector ends it its own way (it holds the KV on)."""
-        if self.connector.request_failed(req, error):
+        and `failure`, unless the connector ends it its own way (it holds the KV on)."""
+        if self.connector.request_failed(req, error, failure):
             if req in self.scheduler.running:
                 self.scheduler.detach(req)
             return []
@@ -378,7 +380,7 @@ class EngineCore:
             self.scheduler.finish(req, FinishReason.ABORT)
         self.requests.pop(req.request_id, None)
         req.error = error
-        return [step_output(req, [], FinishReason.ABORT, error, Failure.INTERNAL)]
+        return [step_output(req, [], FinishReason.ABORT, error, failure)]
 
     def _reject(self, failed: list[tuple[Request, str]]) -> list[StepOutput]:
         """End requests that can never run as asked (their grammar did not compile), each with its error."""
@@ -387,7 +389,7 @@ class EngineCore:
             self.requests.pop(req.request_id, None)
             req.error = error
             req.finish(FinishReason.ABORT)
-            if not self.connector.request_failed(req, error):
+            if not self.connector.request_failed(req, error, Failure.REJECTED):
                 outputs.append(step_output(req, [], FinishReason.ABORT, error, Failure.REJECTED))
         return outputs
 

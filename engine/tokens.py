@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from common.grammar_spec import GrammarError
 from engine.request import FinishReason, Request
 from engine.scheduler import ScheduledStep
 from kernels.sampling import adjust_logits, sample
@@ -80,6 +81,9 @@ def adjusted_logits(req: Request, logits: torch.Tensor, drafts: list[int] | tupl
             req.grammar.fill_draft_masks(logits, drafts)
         else:
             req.grammar.fill_mask(logits)
+        if not torch.isfinite(logits[0]).any():  # row 0: where the output is now (a verify row's later ones follow drafts)
+            raise GrammarError(f"its grammar allows no token after {len(req.output_token_ids)} output tokens "
+                               "(a grammar with no finite completion?)")
     return logits
 
 

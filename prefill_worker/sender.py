@@ -163,12 +163,12 @@ class KVSender(NullConnector):
             req.timings["compute_done"] = self.clock()
         return True
 
-    def request_failed(self, req: Request, error: str) -> bool:
+    def request_failed(self, req: Request, error: str, failure: Failure = Failure.INTERNAL) -> bool:
         """A fault of its own ends the transfer: the decode worker hears `TransferAborted`, and the KV
         is released once no write reads it. A request with nothing to ship is released at once."""
         if req.request_id not in self.shipments:
             return False
-        self.abort_transfer(req.request_id, FailureReason.ABORTED, error, Failure.INTERNAL)
+        self.abort_transfer(req.request_id, FailureReason.ABORTED, error, failure)
         return True
 
     def take_finished(self) -> list[tuple[Request, FinishReason]]:

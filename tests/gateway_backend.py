@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from common.config import SamplingParams
-from common.protocol import WorkerRole
+from common.protocol import Failure, WorkerRole
 from engine.output import StepOutput
 from engine.sessions import SessionError
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
@@ -209,6 +209,9 @@ class EngineBackend:
     def _chunk(self, out: StepOutput) -> GenerationChunk:
         if out.finish_reason is None:
             return GenerationChunk(tuple(out.new_token_ids), logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs)
+        if out.error:  # as the dispatcher maps a worker's failure (`router.flights.failure_outcome`)
+            kind = ErrorKind.REJECTED if out.failure is Failure.REJECTED else ErrorKind.INTERNAL
+            return GenerationChunk(tuple(out.new_token_ids), "abort", error=out.error, error_kind=kind)
         transfer_bytes, transfer_s = self.kv_transfer or (0, None)
         return GenerationChunk(tuple(out.new_token_ids), out.finish_reason.value, cached_tokens=out.cached_tokens,
                                kv_transfer_s=transfer_s, kv_transfer_bytes=transfer_bytes,

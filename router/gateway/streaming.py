@@ -30,9 +30,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from common.logprobs import TokenLogprobs
-from router.backend import BackendError, GenerationChunk
+from router.backend import BackendError, ErrorKind, GenerationChunk
 from router.gateway.detokenize import IncrementalDetokenizer
-from router.gateway.errors import CLIENT_DISCONNECT, APIError, from_backend_error, from_error_kind, internal
+from router.gateway.errors import CLIENT_DISCONNECT, APIError, from_backend_error, from_error_kind, internal, invalid
 from router.gateway.logprobs import Entry
 from router.gateway.metrics import GatewayMetrics, RequestClock
 from router.gateway.responses import SSE_DONE, Choice, Delta, ResponseShape, TokenIds, Usage, sse_error
@@ -90,6 +90,10 @@ class GenerationRun:
         self._first = await self._next_chunk()
         if self._first.error and not self._first.new_token_ids:
             self._backend_done = True  # an error chunk is the last one
+            if self._first.error_kind is ErrorKind.REJECTED and self._request.grammar_param and "grammar" in \
+                    self._first.error:  # a worker found the grammar unusable: name the field it came from
+                raise invalid(f"`{self._request.grammar_param}`: {self._first.error}",
+                              param=self._request.grammar_param, code="invalid_grammar")
             raise from_error_kind(self._first.error_kind, self._first.error)
         self._metrics.prompt_tokens.inc(len(self._request.prompt_token_ids))
         self._metrics.temperature.observe(self._request.params.temperature)

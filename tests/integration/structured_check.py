@@ -1,8 +1,9 @@
 """One check for every served path (imported by the serve test modules): structured outputs through
 clients no one here wrote. The `openai` SDK's `chat.completions.parse` with a Pydantic model returns
 the parsed object; LangChain's `ChatOpenAI.with_structured_output` too; vLLM's `structured_outputs`
-(regex, choice) hold; sixteen concurrent streams under a JSON schema all parse and validate; a
-schema that does not parse is a 400 naming its field."""
+(regex, choice) hold; n siblings each follow the schema; sixteen concurrent streams under a JSON schema all parse and validate; a
+schema that does not parse, or a grammar that allows no token (found by the worker that samples
+the first token), is a 400 naming its field."""
 
 from __future__ import annotations
 
@@ -48,6 +49,15 @@ def check_structured(base_url: str, api_key: str = "none") -> None:
         client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=8, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "$ref": "#/nowhere"}}})
     assert bad.value.body["param"] == "response_format" and "does not compile" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as dead:  # parses, but allows no token: the worker says so
+        client.completions.create(model="smollm2", prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"grammar": "root ::= root root"}})
+    assert dead.value.body["param"] == "structured_outputs" and "allows no token" in dead.value.body["message"]
+    siblings = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=40, n=3, seed=5,
+                                              temperature=1.0, response_format={"type": "json_schema", "json_schema": {
+                                                  "name": "pick", "schema": SCHEMA, "strict": True}})
+    for choice in siblings.choices:  # each sibling samples under its own matcher
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     asyncio.run(_sixteen_streams(base_url, api_key))
 
 

@@ -643,3 +643,32 @@ def test_a_prompt_longer_than_the_context_names_no_negative_budget(backend, clie
     long_ids = [9906] * (backend.max_model_len + 5)
     error = assert_error(client.post(COMPLETION, json={"prompt": long_ids}), 400, "context_length_exceeded", "prompt")
     assert "-" not in error["message"]
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+# Hostile grammars and tools: each is refused naming its field (or served within its budget), never
+# reaching a worker in a form that takes it down; the server answers a plain request afterwards.
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": _nested(200)}}}, None),
+    ({"structured_outputs": {"regex": "(a|b" * 500}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= root root"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": ["x"] * 10_000}}, None),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "response_format"),
+])
+def test_hostile_grammars_and_tools_are_refused_or_served_within_budget(client, fields, param):
+    r = client.post(CHAT, json={"messages": QUESTION, "max_tokens": 4, **fields})
+    if param is not None:
+        assert_error(r, 400, param=param)
+    else:
+        assert r.status_code in (200, 400), r.text
+    assert client.post(CHAT, json={"messages": QUESTION, "max_tokens": 1}).status_code == 200

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from common.config import SamplingParams
@@ -217,6 +218,22 @@ class EngineBackend:
                                kv_transfer_s=transfer_s, kv_transfer_bytes=transfer_bytes,
                                decode_worker=WORKER_ID, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
                                cached_tiers=out.cached_tiers)
+
+
+@contextlib.contextmanager
+def smollm2_backend(num_pages: int = 128, **kw) -> Iterator[EngineBackend]:
+    """An `EngineBackend` over a SmolLM2 engine of `num_pages` (`kw`: the backend's); afterwards its
+    faults cleared, idle, its pool at rest, closed."""
+    from tests.helpers import assert_pool_at_rest, make_smollm2_engine
+
+    backend = EngineBackend(make_smollm2_engine(num_pages=num_pages), **kw)
+    try:
+        yield backend
+    finally:
+        backend.reset_faults()
+        backend.wait_idle()
+        backend.on_engine(assert_pool_at_rest)
+        backend.close()
 
 
 def settle_backend(request) -> None:

@@ -10,33 +10,11 @@ import pytest
 
 from common.config import SamplingParams, sibling_seed
 from kernels.model.tokenizer import encode_prompt
-from tests.gateway_backend import EngineBackend, settle_backend
-from tests.gateway_http import app_client
-from tests.helpers import assert_pool_at_rest, make_smollm2_engine
+from tests.helpers import make_smollm2_engine
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
           "combined movable metal type, oil-based ink and a wooden press. Its effects were")
 SAMPLING = {"temperature": 0.9, "top_p": 0.95, "max_tokens": 8, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def backend():
-    backend = EngineBackend(make_smollm2_engine(num_pages=128))
-    yield backend
-    backend.wait_idle()
-    backend.on_engine(assert_pool_at_rest)
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def client(backend):
-    return app_client(backend)
-
-
-@pytest.fixture(autouse=True)
-def engine_at_rest(request):
-    yield
-    settle_backend(request)
 
 
 @pytest.fixture(scope="module")

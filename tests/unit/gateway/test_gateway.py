@@ -20,9 +20,9 @@ from kernels.model.tokenizer import apply_chat_template, encode_prompt
 from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
 from router.gateway.detokenize import IncrementalDetokenizer, final_text
-from tests.gateway_backend import WORKER_ID, EngineBackend, settle_backend
+from tests.gateway_backend import WORKER_ID, smollm2_backend
 from tests.gateway_http import BASE_URL, app_client, assert_error as assert_error_body
-from tests.helpers import assert_pool_at_rest, greedy, make_smollm2_engine
+from tests.helpers import greedy, make_smollm2_engine
 
 try:
     import httpx
@@ -39,12 +39,8 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def backend():
-    backend = EngineBackend(make_smollm2_engine(num_pages=128), kv_transfer=TRANSFER)
-    yield backend
-    backend.reset_faults()
-    backend.wait_idle()
-    backend.on_engine(assert_pool_at_rest)
-    backend.close()
+    with smollm2_backend(kv_transfer=TRANSFER) as backend:
+        yield backend
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +57,6 @@ def reference():
 @pytest.fixture(scope="module")
 def tok(backend):
     return backend.tokenizer
-
-
-@pytest.fixture(scope="module")
-def client(backend):
-    return app_client(backend)
-
-
-@pytest.fixture(autouse=True)
-def engine_at_rest(request):
-    """After each test: no request holds KV; faults cleared."""
-    yield
-    settle_backend(request)
 
 
 def events(response) -> list:
@@ -151,7 +135,8 @@ def test_completion_text_matches_offline_engine(client, tok, reference):
     usage = body["usage"]
     assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == len(req.output_token_ids)
     assert usage["total_tokens"] == len(ids) + len(req.output_token_ids)
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0,
+                                              "cached_tokens_details": {"device": 0, "host": 0, "l3": 0}}
     for prompt in (ids, [PROMPT], [ids]):  # token ids and batches of one are the same prompt
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0})
         assert r.json()["choices"][0]["text"] == text

@@ -17,9 +17,8 @@ from cluster.serve.config import GatewayConfig
 from common.config import SamplingDefaults
 from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
-from tests.gateway_backend import EngineBackend, settle_backend
+from tests.gateway_backend import smollm2_backend
 from tests.gateway_http import app_client, assert_error
-from tests.helpers import assert_pool_at_rest, make_smollm2_engine
 
 try:
     import httpx
@@ -36,18 +35,8 @@ TRACEBACK = ('Traceback (most recent call last):\n  File "/srv/ops/tandem/decode
 
 @pytest.fixture(scope="module")
 def backend():
-    backend = EngineBackend(make_smollm2_engine(num_pages=64))
-    yield backend
-    backend.reset_faults()
-    backend.wait_idle()
-    backend.on_engine(assert_pool_at_rest)
-    backend.close()
-
-
-@pytest.fixture(autouse=True)
-def engine_at_rest(request):
-    yield
-    settle_backend(request)
+    with smollm2_backend(num_pages=64) as backend:
+        yield backend
 
 
 @pytest.fixture(scope="module")

@@ -11,32 +11,11 @@ import pytest
 import torch
 
 from kernels.model.tokenizer import apply_chat_template, encode_prompt
-from tests.gateway_backend import EngineBackend, settle_backend
-from tests.gateway_http import app_client, assert_error
-from tests.helpers import assert_pool_at_rest, make_smollm2_engine, smollm2
+from tests.gateway_http import assert_error
+from tests.helpers import smollm2
 
 QUESTION = [{"role": "user", "content": "Name a color."}]
 TOL = 2e-3  # fp32 against fp32, different kernels
-
-
-@pytest.fixture(scope="module")
-def backend():
-    backend = EngineBackend(make_smollm2_engine(num_pages=128))
-    yield backend
-    backend.wait_idle()
-    backend.on_engine(assert_pool_at_rest)
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def client(backend):
-    return app_client(backend)
-
-
-@pytest.fixture(autouse=True)
-def engine_at_rest(request):
-    yield
-    settle_backend(request)
 
 
 def _hf(ids: list[int]) -> torch.Tensor:

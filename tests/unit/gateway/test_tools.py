@@ -13,9 +13,6 @@ import pytest
 from common.grammar_spec import grammar_of
 from router.gateway.tool_parsers import parse, parser_for
 from router.gateway.tools import ContentStream, ToolAsk, forced_grammar, output_calls, render
-from tests.gateway_backend import EngineBackend, settle_backend
-from tests.gateway_http import app_client
-from tests.helpers import assert_pool_at_rest, make_smollm2_engine
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -79,26 +76,6 @@ def test_rendering_for_templates_with_and_without_tools():
     messages, tools = render(history, ask, "{% for t in tools %}{% endfor %}")
     assert tools == [{"type": "function", "function": WEATHER}]
     assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"} and messages[3]["role"] == "tool"
-
-
-@pytest.fixture(scope="module")
-def backend():
-    backend = EngineBackend(make_smollm2_engine(num_pages=128))
-    yield backend
-    backend.wait_idle()
-    backend.on_engine(assert_pool_at_rest)
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def client(backend):
-    return app_client(backend)
-
-
-@pytest.fixture(autouse=True)
-def engine_at_rest(request):
-    yield
-    settle_backend(request)
 
 
 def test_a_named_choice_always_calls_it_whole_and_streamed(client):

@@ -180,6 +180,8 @@ class SamplingParams:
             require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         require(self.grammar is None or isinstance(self.grammar, GrammarSpec), "grammar must be a GrammarSpec")
+        require(self.grammar is None or not self.min_tokens,
+                "min_tokens cannot be combined with a grammar (which decides where the output ends)")
 
     def _check_stop_rules(self) -> None:
         require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")

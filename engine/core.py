@@ -5,12 +5,11 @@ end goes through `Scheduler.finish` -> `KVManager.release`. Workers differ only 
 the engine holds (`connector.py`): it is told when a step's KV is valid and when a request
 finished, and hands over requests whose KV arrived and held requests that may be released.
 
-A fault is confined to the request that caused it: a forward pass that raises is retried row by
-row, a batched sample that raises is retried row by row, and a request whose own row (or stop
-check) still raises ends in ABORT with an "internal" error through the release path, while the
-rest of the step goes on. Only a fault no request can be blamed for reaches the caller: a KV
-integrity failure after failing requests, or a step whose every row failed while the model cannot
-run even a probe token (the model or device is broken, not a request).
+A fault is confined to the request that caused it: a forward pass or a batched sample that raises
+is retried row by row, and a request whose own row (or stop check) still raises ends in ABORT with
+an "internal" error through the release path while the step goes on. Only a fault no request can be
+blamed for reaches the caller: a KV integrity failure, or a step whose every row failed while the
+model cannot run even a probe token (the model or device is broken, not a request).
 """
 
 from __future__ import annotations
@@ -93,7 +92,7 @@ class EngineCore:
         self._ids = itertools.count()
         self.debug_kv = debug_kv_enabled(self.config)
         self.num_retractions = 0
-        self.integrity = IntegrityBeat(lambda: self.check_integrity())  # the heartbeat's check (`stats`)
+        self.integrity = IntegrityBeat()  # the heartbeat's check (`stats`)
         ports = ConnectorPorts(self.kv_cache, self.device_pool, self.config.page_size, self.scheduler,
                                self.new_request, self.speculator.export_feature, self.kvm.check_integrity)
         self.connector = connector(ports) if connector is not None else NullConnector()
@@ -112,8 +111,9 @@ class EngineCore:
             self.sessions.start_turn(session_id, req.request_id, req.num_tokens + params.max_tokens)
             req.session_id = session_id
         self.requests[req.request_id] = req
-        if params.grammar is not None and not self.structured.prepare(params.grammar).done():
-            self.structured.hold(req)  # queued once its grammar compiled (`StructuredOutputs.take_ready`)
+        compiling = self.structured.prepare(params.grammar) if params.grammar is not None else None
+        if compiling is not None and (not compiling.done() or compiling.exception() is not None):
+            self.structured.hold(req)  # queued once its grammar compiled, refused if it did not (`take_ready`)
         else:
             self.scheduler.add(req)
         return req
@@ -134,8 +134,6 @@ class EngineCore:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate: this engine "
                              f"holds at most {limit} tokens per request (context length / KV pool)")
         if params.grammar is not None:
-            if params.min_tokens:
-                raise ValueError("min_tokens cannot be combined with a grammar (which decides where the output ends)")
             self.structured.prepare(params.grammar)  # compiles beside the steps from now
         rules = StopRules(params, self.eos_token_ids, self.tokenizer, limit)
         return Request(request_id, list(prompt_token_ids), params, stop_rules=rules)
@@ -146,8 +144,7 @@ class EngineCore:
         if req is None or req.status is RequestStatus.FINISHED:
             return False
         if self.structured.release(req):  # waiting for its grammar's compile: holds nothing yet
-            self.requests.pop(request_id)
-            req.finish(FinishReason.ABORT)
+            self._end_held(req)
             return True
         if req in self.scheduler.running or req.status in (RequestStatus.WAITING, RequestStatus.LOADING):
             self.finish(req, FinishReason.ABORT)
@@ -194,7 +191,9 @@ class EngineCore:
         and release what the connector no longer holds. Returns per-request progress."""
         self.host_cache.poll()
         self.sessions.reap()
-        outputs = self.connector.before_step() + self._reject(self.structured.take_ready(self.scheduler.add))
+        outputs = self.connector.before_step()
+        outputs += [out for req, error in self.structured.take_ready(self.scheduler.add)
+                    for out in self._end_held(req, error)]
         self.end_stopped()
         arrived = self.connector.take_arrived()
         for req, kv in arrived:
@@ -254,7 +253,7 @@ class EngineCore:
         l2 = self.host_cache.pool
         return WorkerStats(role, pool_stats(self.device_pool.pages), pool_stats(host_pool) if host_pool else None,
                            len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.loading),
-                           transfers, self.integrity.verdict(self.scheduler.has_work()),
+                           transfers, self.integrity.verdict(self.scheduler.has_work(), self.check_integrity),
                            pool_stats(l2) if l2 is not None else None, self.tier_stats(), self.graph_stats(),
                            self.spec_stats())
 
@@ -382,16 +381,16 @@ class EngineCore:
         req.error = error
         return [step_output(req, [], FinishReason.ABORT, error, failure)]
 
-    def _reject(self, failed: list[tuple[Request, str]]) -> list[StepOutput]:
-        """End requests that can never run as asked (their grammar did not compile), each with its error."""
-        outputs = []
-        for req, error in failed:
-            self.requests.pop(req.request_id, None)
-            req.error = error
-            req.finish(FinishReason.ABORT)
-            if not self.connector.request_failed(req, error, Failure.REJECTED):
-                outputs.append(step_output(req, [], FinishReason.ABORT, error, Failure.REJECTED))
-        return outputs
+    def _end_held(self, req: Request, error: str = "") -> list[StepOutput]:
+        """End a request held for its grammar (it holds no KV): aborted, or its grammar did not compile."""
+        self.requests.pop(req.request_id, None)
+        if req.session_id:
+            self.sessions.abandon_turn(req.session_id, req.request_id)
+        req.error = error
+        req.finish(FinishReason.ABORT)
+        if not error or self.connector.request_failed(req, error, Failure.REJECTED):
+            return []
+        return [step_output(req, [], FinishReason.ABORT, error, Failure.REJECTED)]
 
     def _after_step(self) -> None:
         if self.debug_kv or not self.scheduler.has_work():

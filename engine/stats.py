@@ -15,19 +15,20 @@ for), so not on every beat then. Debug mode (TANDEM_DEBUG_KV=1) still checks aft
 
 
 class IntegrityBeat:
-    """The heartbeat's integrity verdict: `check` runs on every beat while the engine is idle, and at most
-    every `BUSY_INTEGRITY_INTERVAL_S` while it has work (its last verdict stands between)."""
+    """The heartbeat's integrity verdict: the check runs on every beat while the engine is idle, and at
+    most every `BUSY_INTEGRITY_INTERVAL_S` while it has work (its last verdict stands between). Holds no
+    reference to the engine (a dropped engine must not be kept alive by a cycle)."""
 
-    def __init__(self, check: Callable[[], None]):
-        self._check, self._checked_s, self._error = check, float("-inf"), ""
+    def __init__(self):
+        self._checked_s, self._error = float("-inf"), ""
 
-    def verdict(self, busy: bool) -> str:
-        """"" when the check passed, else its failure (reported, not raised)."""
+    def verdict(self, busy: bool, check: Callable[[], None]) -> str:
+        """"" when `check` passed, else its failure (reported, not raised)."""
         now = time.monotonic()
         if not busy or now - self._checked_s >= BUSY_INTEGRITY_INTERVAL_S:
             self._checked_s = now
             try:
-                self._check()
+                check()
                 self._error = ""
             except AssertionError as exc:
                 self._error = str(exc) or "integrity check failed"

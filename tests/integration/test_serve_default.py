@@ -17,6 +17,7 @@ from cluster.serve.local_ray import session_members
 from kv_store.transfer.listeners import listening_sockets
 from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
+from tests.integration.tools_check import check_tools
 from tests.integration.serve_harness import metric, start_server
 
 pytestmark = pytest.mark.slow
@@ -173,6 +174,7 @@ def test_colocated_shape_serves_on_every_worker(tmp_path, capsys):
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=300)
         check_logit_rules(client)
         check_logprobs(client)
+        check_tools(server.base_url)  # a forced call's grammar on a colocated worker
         before = server.metrics()
         done = client.completions.create(model="smollm2", prompt="Three random words, each on its own line:\n",
                                          n=3, seed=1, temperature=1.0, top_p=1.0, max_tokens=8,

@@ -108,8 +108,8 @@ def test_a_session_turn_samples_under_its_logit_rules(server):
 
 
 def test_a_session_turns_logprobs_are_hfs_over_its_whole_prompt(server):
-    """A turn's logprobs are the model's after the history (whose KV the session kept); its prompt's
-    logprobs are refused, naming the field (that KV is not computed again)."""
+    """A turn's logprobs are the model's after the history (whose KV the session kept); a turn samples
+    under a grammar; its prompt's logprobs are refused, naming the field (that KV is not computed again)."""
     from tests.integration.logprobs_check import TOLERANCE, hf_logprobs
 
     session_id = httpx.post(f"{server.base_url}/v1/sessions", timeout=60, json={"capacity_tokens": 256}).json()["id"]
@@ -121,6 +121,9 @@ def test_a_session_turns_logprobs_are_hfs_over_its_whole_prompt(server):
     want = hf_logprobs(prompt + tokens)
     got = turn["logprobs"]["token_logprobs"]
     assert got == pytest.approx([float(want[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)], abs=TOLERANCE)
+    choice = complete(server, natural_ids(6, "Yes or no?"), session_id=session_id,
+                      structured_outputs={"choice": ["yes", "no"]})["choices"][0]  # a turn under a grammar
+    assert choice["text"] in ("yes", "no") and choice["finish_reason"] == "stop"
     refused = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
         "model": "smollm2", "prompt": new, "session_id": session_id, "prompt_logprobs": 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"

@@ -345,10 +345,11 @@ def _one_prompt(prompt: Any, tokenizer: Any, vocab_size: int) -> list[int]:
 
 
 def prompt_ids_of(payload: dict, tokenizer: Any, vocab_size: int) -> list[int]:
-    """A /tokenize body's token ids: its `messages` through the chat template (with the assistant's
-    turn opened, as a chat request renders them), else its `prompt` as a completion encodes it."""
+    """A /tokenize body's token ids: its `messages` (and `tools`) through the chat template (with the
+    assistant's turn opened, as a chat request renders them), else its `prompt` as a completion
+    encodes it."""
     if "messages" in payload:
-        return chat_prompt(payload, tokenizer)[1]
+        return chat_prompt(payload, tokenizer, (), tools_field(payload, "hermes"))[1]  # rendering: any parser
     [ids] = _completion_prompts(payload, tokenizer, vocab_size) if not isinstance(payload.get("prompt"), list) \
         else [_one_prompt(payload["prompt"], tokenizer, vocab_size)]
     return ids

@@ -106,3 +106,11 @@ def test_required_calls_follow_their_tools_schemas_and_a_result_continues_the_co
               "tools": TOOLS, "max_tokens": 8, "temperature": 0}
     r = client.post("/v1/chat/completions", json=follow)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+
+
+def test_tokenize_renders_the_tools_as_a_chat_does(client):
+    body = {"messages": QUESTION, "tools": TOOLS, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+    chat = client.post("/v1/chat/completions", json=body).json()
+    tokens = client.post("/tokenize", json={"messages": QUESTION, "tools": TOOLS}).json()["tokens"]
+    plain = client.post("/tokenize", json={"messages": QUESTION}).json()["tokens"]
+    assert tokens == chat["prompt_token_ids"] and len(tokens) > len(plain)

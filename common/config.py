@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 from common.grammar_spec import GrammarSpec
@@ -77,6 +78,14 @@ DEFAULT_HOST_CACHE_RATIO = 2.0  # an engine made alone; on CUDA `tandem serve` c
 STAGING_CHUNKS = 4
 """A prefill worker that ships through host staging (its KV on a GPU, a transport that reads host
 memory only: `prefill_worker/staging.py`) has room there for this many prefill chunks of pages."""
+
+
+DEBUG_KV_ENV = "TANDEM_DEBUG_KV"
+
+
+def debug_kv_from_env() -> bool:
+    """TANDEM_DEBUG_KV is set (not empty, not 0): check KV integrity after every step."""
+    return os.environ.get(DEBUG_KV_ENV, "0") not in ("", "0")
 
 
 def sibling_seed(seed: int, index: int) -> int:

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from common.config import EngineConfig, SamplingParams
+from common.config import EngineConfig, SamplingParams, debug_kv_from_env
 from common.faults import internal_error
 from common.grammar_spec import GrammarError
 from common.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerRole, WorkerStats
@@ -54,7 +53,7 @@ IDLE_COPY_WAIT_S = 0.005
 
 
 def debug_kv_enabled(config: EngineConfig) -> bool:
-    return config.debug_kv or os.environ.get("TANDEM_DEBUG_KV", "0") not in ("", "0")
+    return config.debug_kv or debug_kv_from_env()
 
 
 @dataclass(frozen=True)

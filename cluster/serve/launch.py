@@ -14,6 +14,7 @@ group drains like one to this process).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -79,7 +80,7 @@ def _placed(config: ServeConfig, model_dir, node_gpus: int | None, gpu_bytes: in
     """(`config` with its CUDA workers fitted on the node's GPUs and every size resolved, the plan)."""
     from cluster.serve.memory import ModelShape, node_ram_bytes, plan_memory
 
-    config = fit_gpus(config, node_gpus)
+    config = with_debug_kv(fit_gpus(config, node_gpus))
     return plan_memory(config, ModelShape.read(model_dir), node_ram_bytes(), gpu_bytes)
 
 
@@ -105,6 +106,19 @@ def print_plan(config: ServeConfig, gpus: int | None = None, gpu_memory_gib: flo
     for line in plan.describe():
         print(line)
     return 0
+
+
+def with_debug_kv(config: ServeConfig) -> ServeConfig:
+    """`config` with every group's engine checking KV after each step where TANDEM_DEBUG_KV is set here:
+    workers are Ray actors that do not see this process's environment (on a cluster, not even its node)."""
+    from common.config import debug_kv_from_env
+
+    if not debug_kv_from_env():
+        return config
+    log.info("TANDEM_DEBUG_KV is set: every worker checks its KV integrity after each step (slower)")
+    groups = {name: dataclasses.replace(g, engine=dataclasses.replace(g.engine, debug_kv=True))
+              for name, g in (("prefill", config.prefill), ("decode", config.decode), ("colocated", config.colocated))}
+    return dataclasses.replace(config, **groups)
 
 
 def fit_gpus(config: ServeConfig, node_gpus: int | None) -> ServeConfig:

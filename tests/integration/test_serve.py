@@ -16,6 +16,9 @@ import openai
 import pytest
 
 from cluster.cli.main import main as tandem_main
+from common.config import SamplingParams, sibling_seed
+from engine.batch import run_batch
+from tests.helpers import make_smollm2_engine
 from tests.integration.lm_eval_check import check_lm_eval
 from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
@@ -49,7 +52,7 @@ def cluster(tmp_path_factory):
     server = None
     try:
         server = start_server(tmp, ["--config", str(tmp / "cluster.yaml"), "--address", head.address], api_key=API_KEY,
-                              env=head.env)
+                              env={**head.env, "TANDEM_DEBUG_KV": "1"})  # reaches the workers through their config
         server.ray_address, server.ray_env = head.address, head.env
         yield server
     finally:
@@ -150,9 +153,12 @@ def test_lm_eval_local_completions_scores_as_its_hf_backend(cluster):
 def test_n_choices_cross_once_are_seeded_apart_and_repeat_alone_or_in_a_busy_batch(client, cluster):
     """n = 4 with a seed: four different samples, the same four again, and the same four while other
     streams keep the batch busy; choice 0's prompt crossed from a prefill worker, the three siblings
-    prefilled on its decode worker from the prefix cache it filled (only the last partial page)."""
+    prefilled on its decode worker from the prefix cache it filled (only the last partial page). On
+    that other path, and in an engine alone, each choice is the same: choice i is the request seeded
+    `sibling_seed(3, i)` (top_p is set: the served default is the model card's)."""
     prompt = "Tell me about the harbour town. " * 6 + "The first thing visitors notice is"
-    ask = dict(model="smollm2", prompt=prompt, n=4, seed=3, temperature=0.9, max_tokens=8,
+    sampling = dict(temperature=0.9, top_p=0.95, max_tokens=8)
+    ask = dict(model="smollm2", prompt=prompt, n=4, seed=3, **sampling,
                extra_body={"ignore_eos": True, "return_token_ids": True})
     before = cluster.metrics()
     first = client.completions.create(**ask)
@@ -167,6 +173,15 @@ def test_n_choices_cross_once_are_seeded_apart_and_repeat_alone_or_in_a_busy_bat
     prompt_len = len(first.choices[0].prompt_token_ids)
     hits = metric(after, "tandem:prefix_cache_hits_total") - metric(before, "tandem:prefix_cache_hits_total")
     assert hits >= 3 * (prompt_len - 16), (hits, prompt_len)  # page_size 16: each sibling reused the whole pages
+    ids = [c.token_ids for c in sorted(first.choices, key=lambda c: c.index)]
+    alone = [client.completions.create(**{**ask, "n": 1, "seed": sibling_seed(3, i)}).choices[0].token_ids
+             for i in (1, 2, 3)]  # each crossed from a prefill worker: its prompt computed there, not forked
+    assert alone == ids[1:]
+    engine = make_smollm2_engine(enable_prefix_cache=False)
+    reqs = run_batch(engine, [first.choices[0].prompt_token_ids] * 4,
+                     [SamplingParams(seed=sibling_seed(3, i), ignore_eos=True, **sampling) for i in range(4)])
+    assert [r.output_token_ids for r in reqs] == ids
+    engine.check_integrity()
 
     assert [c.text for c in sorted(client.completions.create(**ask).choices, key=lambda c: c.index)] == texts
     aclient = openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)

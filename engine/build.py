@@ -34,7 +34,7 @@ from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
-from kernels.attention import get_backend, resolve_backend
+from kernels.attention import AUTO, get_backend, resolve_backend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
 from kv_store.device_pool import DevicePool
@@ -72,6 +72,12 @@ def choose_attention_backend(config: EngineConfig, model: torch.nn.Module, draft
         name = resolve_backend(config.attention_backend, device, dtype)
     except ValueError as exc:
         raise ConfigError(f"engine.attention_backend: {exc}") from None
+    lacks = _lacks(get_backend(name), getattr(model, "arch", None))
+    if lacks and config.attention_backend != AUTO:
+        raise ConfigError(f"engine.attention_backend: {name} takes no {lacks} attention, which this model has")
+    if lacks:
+        log.info("attention backend auto -> torch: %s takes no %s attention, which this model has", name, lacks)
+        name = "torch"
     if model.backend.name != name:
         model.use_attention_backend(get_backend(name))
     if draft_head is not None and draft_head.self_attn.backend.name != name:
@@ -79,6 +85,13 @@ def choose_attention_backend(config: EngineConfig, model: torch.nn.Module, draft
     log.info("attention backend: %s (engine.attention_backend %s, %s, %s)", name, config.attention_backend,
              device, str(dtype).removeprefix("torch."))
     return name
+
+
+def _lacks(backend, arch) -> str:
+    """What of `arch`'s attention (sliding windows, soft caps) `backend` cannot do, in words ('' if none)."""
+    needs = [(getattr(arch, "windowed", False), "supports_window", "sliding-window"),
+             (getattr(arch, "attn_softcap", None) is not None, "supports_softcap", "soft-capped")]
+    return " or ".join(word for need, flag, word in needs if need and not getattr(backend, flag))
 
 
 def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None, eos_token_ids: Sequence[int] = (),
@@ -93,6 +106,9 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     at full speed at once; without, pages fault in as they are first written (a one-shot run)."""
     device = torch.device(config.device)
     backend = choose_attention_backend(config, model, draft_head, device)
+    if config.speculative != "none" and (getattr(arch, "windowed", False) or getattr(arch, "attn_softcap", None)):
+        raise ConfigError(f"engine.speculative: {config.speculative} is not supported for {arch.model_type}: its "
+                          "sliding-window or soft-capped attention takes no draft tree masks")
     if config.speculative != "none":
         draft_head = draft_head if draft_head is not None else load_draft_head(config, model, arch)
         check_draft_head(config, draft_head)

@@ -75,7 +75,8 @@ def choose_step_strategy(config, model: torch.nn.Module, device: torch.device, b
         if native is not None:
             rows = "any size" if native.max_rows is None else f"up to {native.max_rows} requests"
             return StepPlan(StepStrategy.C_LAYERS, f"{rows}, {str(native.dtype).removeprefix('torch.')}", native)
-        passed.append("the C layers do not take this model")
+        passed.append("the C layers do not take this model" if getattr(model, "arch", None) is None or
+                      model.arch.plain_llama else f"the C layers are Llama's, not {model.arch.model_type}'s")
     if config.cpu_compile:
         return StepPlan(StepStrategy.COMPILED, "; ".join(passed))
     return StepPlan(StepStrategy.BUFFERS, "; ".join([*passed, "engine.cpu_compile off"]))

@@ -22,6 +22,10 @@ class AttentionBackend(ABC):
     name: str
     supports_tree_mask: bool = True
     """Whether `attention` honours `AttnMetadata`'s tree masks (speculative tree drafting)."""
+    supports_window: bool = False
+    """Whether `attention` takes a `window` (sliding-window layers)."""
+    supports_softcap: bool = False
+    """Whether `attention` takes a `softcap` (soft-capped scores)."""
 
     @abstractmethod
     def write_kv(
@@ -42,11 +46,18 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttnMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of each new token over its own sequence's positions ``[0, pos]``, or
         with a tree mask (``meta.tree_mask``) over what its mask row names in the tree window.
 
         ``H`` must be a multiple of ``kvh`` (GQA: query head h reads KV head ``h // (H // kvh)``).
+        ``window`` (a sliding-window layer: Mistral, Gemma's local layers): the token at position
+        ``pos`` sees only positions ``(pos - window, pos]``, its last ``window`` (itself included),
+        as transformers masks them. ``softcap`` (Gemma 2): each score ``s`` (after ``scale``)
+        becomes ``softcap * tanh(s / softcap)`` before the softmax. A backend that cannot honour
+        either says so (`supports_window`, `supports_softcap` False): the engine then chooses another.
         Returns ``[T, H, hd]`` in q's dtype.
         """
 

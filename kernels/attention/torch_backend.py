@@ -28,6 +28,8 @@ same with its window in place of the new tokens: the window part takes the mask 
 -inf) instead of the causal flag, and everything before the window is the non-causal prefix. The kernel tiles queries and keys itself, so no score
 tensor is ever ``O(q * s)``; chunking the prefix bounds the gathered K/V copy to ``C`` positions.
 
+Sliding-window and soft-capped layers take their own path (`kernels/attention/windowed.py`).
+
 Nothing here reads a device value back to the host; all sizes come from ``meta.*_cpu``.
 """
 
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 
 from kernels.attention.base import AttentionBackend, index_write_kv
 from kernels.attention.metadata import AttnMetadata
+from kernels.attention.windowed import attend_windowed
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,8 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
+    supports_window = True
+    supports_softcap = True
 
     def __init__(self, prefix_chunk_tokens: int = 2048) -> None:
         assert prefix_chunk_tokens >= 1, f"prefix_chunk_tokens={prefix_chunk_tokens} must be positive"
@@ -221,10 +226,13 @@ class TorchAttentionBackend(AttentionBackend):
         index_write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
         assert num_heads % num_kv_heads == 0, f"{num_heads} query heads not a multiple of {num_kv_heads} kv heads"
+        if window is not None or softcap is not None:
+            return attend_windowed(q, k_cache, v_cache, meta, scale, window, softcap)
         plan = self._plan_for(meta)
         if plan.decode is not None and plan.decode.every_row:
             return self._decode(q, k_cache, v_cache, plan.decode, scale)

@@ -67,6 +67,8 @@ class NativeDecode:
         if not isinstance(model, LlamaForCausalLM):  # a wrapper (a test's) keeps its own forward
             return None
         arch, lib = model.arch, cpu_native.kernel()
+        if not arch.plain_llama:  # the C layer is Llama's alone (q/k norms, windows, experts: the torch layers)
+            return None
         weight = model.model.layers[0].mlp.gate_up_proj.weight
         if lib is None or weight.device.type != "cpu" or weight.dtype not in DTYPES or arch.mlp_bias:
             return None

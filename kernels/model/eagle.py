@@ -37,7 +37,8 @@ from torch import nn
 from kernels.attention import AttnMetadata
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.arch import LlamaArch
-from kernels.model.llama import LlamaAttention, LlamaMLP, RMSNorm
+from kernels.model.layers import LlamaMLP, RMSNorm
+from kernels.model.llama import LlamaAttention
 from kernels.model.packed_linear import PackedLinear
 from kernels.model.rope import RotaryTable
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder over a ragged batch with paged KV (Llama, SmolLM, Qwen2, Mistral).
+"""The decoder over a ragged batch with paged KV: Llama and the families `LlamaArch` describes
+(Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen2/3-MoE), each a set of switches on one layer.
 
 Module names follow transformers' ``LlamaForCausalLM`` except that q/k/v and gate/up are packed
 into one transposed matmul each (``PackedLinear``); ``load_hf_state_dict`` maps HF names. The
@@ -9,57 +10,37 @@ forward takes flat tensors (no batch axis): T new tokens of B sequences, describ
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionBackend, AttnMetadata, get_backend
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.arch import LlamaArch
+from kernels.model.hf_names import ignored_key, v5_names
+from kernels.model.hf_names import packing as hf_packing
+from kernels.model.layers import LlamaMLP, RMSNorm, SparseMoeMLP
 from kernels.model.packed_linear import PackedLinear
 from kernels.model.rope import RotaryTable, apply_rotary
+from kernels.model.rope_config import RopeScaling
 
 __all__ = ["LlamaArch", "LlamaForCausalLM"]
 
 
-class RMSNorm(nn.Module):
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale in the input dtype."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 == self.weight.dtype:
-            # One fused op, bit-identical to the lines below in float32 (and ~1.5x faster on CPU);
-            # half types keep HF's order (normalise, cast, then scale), which the fused op does not.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
-        super().__init__()
-        inter = arch.intermediate_size
-        self.gate_up_proj = PackedLinear(arch.hidden_size, (inter, inter), bias=arch.mlp_bias)
-        self.down_proj = PackedLinear(inter, (arch.hidden_size,), bias=arch.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
-
-
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: LlamaArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: LlamaArch, backend: AttentionBackend, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.scale
+        self.window, self.softcap = arch.window_of(layer), arch.attn_softcap
+        self.rope_index = 1 if self.window is not None and arch.local_rope_theta is not None else 0
+        """Which of the model's RoPE tables it reads (1: the windowed layers' own, Gemma 3)."""
         self.backend = backend
         q_dim, kv_dim = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.qkv_proj = PackedLinear(arch.hidden_size, (q_dim, kv_dim, kv_dim), bias=arch.attention_bias)
         self.o_proj = PackedLinear(q_dim, (arch.hidden_size,), bias=arch.o_proj_bias)
+        self.q_norm = self.k_norm = None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, arch.gemma_norms)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, arch.gemma_norms)
 
     def forward(
         self,
@@ -72,7 +53,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, hd]
+        if self.window is None and self.softcap is None:
+            o = self.backend.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, hd]
+        else:
+            o = self.backend.attention(q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -81,6 +65,14 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 kvh) hd]
         qk_dim = (self.num_heads + self.num_kv_heads) * self.head_dim
+        if cos.dim() == 3:  # [tables, T, hd]: the model has more than one RoPE
+            cos, sin = cos[self.rope_index], sin[self.rope_index]
+        if self.q_norm is not None:  # each head normed before RoPE (Qwen3, Gemma 3)
+            q_dim = self.num_heads * self.head_dim
+            q = apply_rotary(self.q_norm(qkv[:, :q_dim].view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, q_dim:qk_dim].view(num_tokens, self.num_kv_heads, self.head_dim)),
+                             cos, sin)
+            return q, k, qkv[:, qk_dim:].view(num_tokens, self.num_kv_heads, self.head_dim)
         # q and k heads rotate in one call: they are adjacent in the packed output
         qk = apply_rotary(qkv[:, :qk_dim].view(num_tokens, -1, self.head_dim), cos, sin)  # [T, H + kvh, hd]
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [T, H, hd], [T, kvh, hd]
@@ -88,16 +80,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: LlamaArch, backend: AttentionBackend, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, backend)
-        self.mlp = LlamaMLP(arch)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, backend, layer)
+        self.mlp = SparseMoeMLP(arch) if arch.moe_layers and arch.moe_layers[layer] else LlamaMLP(arch)
+        norm = lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if arch.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        if self.pre_feedforward_layernorm is None:
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -107,8 +106,8 @@ class LlamaModel(nn.Module):
         if not weight.is_meta:  # nn.Embedding's own init; a model made on meta is loaded, not initialised
             nn.init.normal_(weight)  # (on meta that init would import torch._dynamo: ~2 s of a worker's start)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)
 
 
 def run_layers(layers: tuple[LlamaDecoderLayer, ...], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -128,7 +127,7 @@ def run_head(model: LlamaForCausalLM, x: torch.Tensor, logits_indices: torch.Ten
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The final norm of every row, and float32 logits of rows `logits_indices`."""
     hidden = model.model.norm(x)
-    return hidden, model.lm_head(hidden[logits_indices]).float()
+    return hidden, model.compute_logits(hidden[logits_indices])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied checkpoints: `load_hf_state_dict` makes lm_head's weight the embedding itself (one tensor).
         self.lm_head = PackedLinear(arch.hidden_size, (arch.vocab_size,), bias=False)
         self.rotary = RotaryTable(arch)
+        self.local_rotary = RotaryTable(arch, arch.local_rope_theta, RopeScaling()) if arch.local_rope_theta else None
 
     def use_attention_backend(self, backend: AttentionBackend) -> None:
         """Attend through `backend` from now on, in every layer (the engine's choice, made once when it
@@ -181,7 +181,12 @@ class LlamaForCausalLM(nn.Module):
         assert all(0 <= i < self.arch.num_layers for i in aux_layer_ids), f"aux layers {aux_layer_ids} out of range"
         assert self.arch.num_layers % group_size == 0, f"groups of {group_size} do not divide {self.arch.num_layers} layers"
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.arch.embed_scale is not None:
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, hd] each; sin signed for apply_rotary
+        if self.local_rotary is not None:  # [2, T, hd]: each layer reads its own (`LlamaAttention.rope_index`)
+            local_cos, local_sin = self.local_rotary.cos_sin(positions, x.dtype)
+            cos, sin = torch.stack((cos, local_cos)), torch.stack((sin, local_sin))
         layers, entering = tuple(self.model.layers), []
         for start in range(0, len(layers), group_size):
             end = start + group_size
@@ -193,8 +198,10 @@ class LlamaForCausalLM(nn.Module):
         return hidden, logits, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` final-normed states -> float32 ``[N, vocab]`` (for spec-decode heads)."""
-        return self.lm_head(hidden).float()
+        """``[N, hidden]`` final-normed states -> float32 ``[N, vocab]`` (soft-capped where the model caps them)."""
+        logits = self.lm_head(hidden)
+        cap = self.arch.final_softcap
+        return (logits if cap is None else torch.tanh(logits / cap) * cap).float()
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], device: torch.device | str | None = None) -> None:
         """Load HF ``LlamaForCausalLM`` weights by name, strictly, packing them (see PackedLinear).
@@ -205,8 +212,8 @@ class LlamaForCausalLM(nn.Module):
         (one module's parts at a time beside what is loaded: the checkpoint itself can stay on the
         host); None: a parameter on the meta device takes the tensor's device, others keep theirs.
         """
-        given = {k: v for k, v in state_dict.items() if not _ignored_key(k, self.arch)}
-        packing = self._hf_packing()
+        given = {k: v for k, v in v5_names(state_dict, self.arch).items() if not ignored_key(k, self.arch)}
+        packing = hf_packing(self.arch)
         direct = [n for n, _ in self.named_parameters() if not n.endswith((".weight", ".bias")) or
                   n.rsplit(".", 1)[0] not in packing]
         expected = set(direct)
@@ -233,17 +240,6 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings:  # the same [vocab, hidden] values: hold them once
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def _hf_packing(self) -> dict[str, tuple[str, ...]]:
-        """Our PackedLinear module name -> the HF module names it packs, in order."""
-        packing = {"lm_head": ("model.embed_tokens" if self.arch.tie_word_embeddings else "lm_head",)}
-        for i in range(self.arch.num_layers):
-            pre = f"model.layers.{i}."
-            packing[pre + "self_attn.qkv_proj"] = tuple(pre + f"self_attn.{x}_proj" for x in "qkv")
-            packing[pre + "self_attn.o_proj"] = (pre + "self_attn.o_proj",)
-            packing[pre + "mlp.gate_up_proj"] = (pre + "mlp.gate_proj", pre + "mlp.up_proj")
-            packing[pre + "mlp.down_proj"] = (pre + "mlp.down_proj",)
-        return packing
-
     @staticmethod
     def _target_device(param: torch.Tensor, tensor: torch.Tensor, device: torch.device | str | None) -> torch.device:
         if device is not None:
@@ -262,10 +258,6 @@ class LlamaForCausalLM(nn.Module):
     def _check_shape(name: str, checkpoint: torch.Size, model: torch.Size) -> None:
         if tuple(checkpoint) != tuple(model):
             raise ValueError(f"weight {name}: checkpoint shape {tuple(checkpoint)} != model {tuple(model)}")
-
-
-def _ignored_key(key: str, arch: LlamaArch) -> bool:
-    return key.endswith("rotary_emb.inv_freq") or (arch.tie_word_embeddings and key == "lm_head.weight")
 
 
 def _check_keys(expected: set[str], given: set[str]) -> None:

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from kernels.model.arch import LlamaArch, RopeScaling
+from kernels.model.arch import LlamaArch
+from kernels.model.rope_config import RopeScaling
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -17,7 +18,40 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_scale(inv_freq, scaling)
+    if scaling.rope_type == "yarn":
+        return _yarn_frequencies(head_dim, theta, scaling)
     return inv_freq
+
+
+def attention_factor(scaling: RopeScaling) -> float:
+    """What cos and sin are multiplied by: 1, but for yarn (its `attention_factor`, else derived from
+    the factor and `mscale` / `mscale_all_dim` as the YaRN paper's code does)."""
+    if scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def log_scale(m: float) -> float:
+        return 1.0 if scaling.factor <= 1 else 0.1 * m * math.log(scaling.factor) + 1.0
+    if scaling.mscale and scaling.mscale_all_dim:
+        return log_scale(scaling.mscale) / log_scale(scaling.mscale_all_dim)
+    return log_scale(1.0)
+
+
+def _yarn_frequencies(head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: dimensions that turn many times over the pretraining context keep their frequency, those
+    that turn less than once are interpolated (divided by the factor), a linear ramp between."""
+    def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times over the original context
+        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high != low else 0.001)
+            ).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (1.0 / (s.factor * base)) * (1 - keep) + (1.0 / base) * keep
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -42,9 +76,13 @@ class RotaryTable:
     (its first half negated), so `apply_rotary` is one flip and three arithmetic ops.
     """
 
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, theta: float | None = None, scaling: RopeScaling | None = None) -> None:
+        """The model's RoPE, or one of `theta` and `scaling` (Gemma 3's windowed layers' own)."""
         self.max_positions = arch.max_position_embeddings
-        self.inv_freq = inv_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling)  # [hd/2] f32
+        theta = arch.rope_theta if theta is None else theta
+        scaling = arch.rope_scaling if scaling is None else scaling
+        self.inv_freq = inv_frequencies(arch.head_dim, theta, scaling)  # [hd/2] f32
+        self.factor = attention_factor(scaling)
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,9 +91,12 @@ class RotaryTable:
             pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)  # [P]
             freqs = pos[:, None] * self.inv_freq.to(device)[None, :]  # [P, hd/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
-            sin = emb.sin().to(dtype)
+            cos, sin = emb.cos(), emb.sin()
+            if self.factor != 1.0:
+                cos, sin = cos * self.factor, sin * self.factor
+            sin = sin.to(dtype)
             sin[:, : sin.shape[1] // 2].neg_()  # exact: the sign rotate-half gives the first half
-            self._tables[key] = (emb.cos().to(dtype), sin)
+            self._tables[key] = (cos.to(dtype), sin)
         return self._tables[key]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -358,8 +358,8 @@ def test_qwen2_qkv_bias_matches_hf():
 
 
 def test_unsupported_rope_type_is_rejected():
-    config = tiny_llama_config(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=2.0))
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+    config = tiny_llama_config(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
         LlamaArch.from_hf_config(config)
 
 

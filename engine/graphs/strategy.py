@@ -7,7 +7,8 @@
                  multiply the dtype natively) replayed through decoder layers in C (`kernels/cpu/`);
                  needs the "cpu" attention backend (the layers attend with its kernel), a model the
                  layers take, and the C kernels built here
-    compiled     CPU: bucket 1 replayed through inductor-compiled decoder layers (`engine.cpu_compile`)
+    compiled     CPU: bucket 1 replayed through inductor-compiled decoder layers (`engine.cpu_compile`; a
+                 MoE model, whose routing sizes the experts' work from the step's tokens, runs buffers)
     buffers      CPU: every bucket replayed by the eager model over the static buffers (the same
                  padding and gates as a graph replay, nothing captured or compiled)
     eager        every step runs the eager forward (`engine.cuda_graph` off)
@@ -77,6 +78,8 @@ def choose_step_strategy(config, model: torch.nn.Module, device: torch.device, b
             return StepPlan(StepStrategy.C_LAYERS, f"{rows}, {str(native.dtype).removeprefix('torch.')}", native)
         passed.append("the C layers do not take this model" if getattr(model, "arch", None) is None or
                       model.arch.plain_llama else f"the C layers are Llama's, not {model.arch.model_type}'s")
-    if config.cpu_compile:
+    if config.cpu_compile and getattr(getattr(model, "arch", None), "is_moe", False):
+        passed.append("a MoE model's routing sizes each expert's work from the step's tokens: eager")
+    elif config.cpu_compile:
         return StepPlan(StepStrategy.COMPILED, "; ".join(passed))
     return StepPlan(StepStrategy.BUFFERS, "; ".join([*passed, "engine.cpu_compile off"]))

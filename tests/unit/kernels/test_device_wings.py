@@ -20,6 +20,7 @@ ENTRY_POINTS = {
     "engine.graphs.strategy": {"kernels.cpu.decode_layer"},  # the one place a step strategy is chosen
     "engine.graphs.runner": {"kernels.cpu.compiled"},  # strategy `compiled`: inductor, imported when it compiles
     "kv_store.copier": {"kernels.cuda.page_copy"},  # the one page copier
+    "kernels.experts": {"kernels.cuda.fused_moe"},  # MoE experts: the fused Triton kernel on CUDA
 }
 DEVICE_CHECK = re.compile(r"\.device\.type\b|\bdevice\.type\b|\.is_cuda\b|torch\.cuda\.is_available\(")
 

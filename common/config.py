@@ -74,6 +74,8 @@ MAX_LOGPROBS = 20
 
 GENERATION_CONFIG_MODES = ("auto", "none")
 DEFAULT_KV_MEMORY_GIB = 2.0  # an engine made alone (tandem run, benches, tests), when neither size is given
+USEFUL_POOL_BATCHES = 4
+"""A pool sized from memory holds at most this many full running batches (`EngineConfig.useful_pages`)."""
 DEFAULT_HOST_CACHE_RATIO = 2.0  # an engine made alone; on CUDA `tandem serve` caps it by the RAM budget
 STAGING_CHUNKS = 4
 """A prefill worker that ships through host staging (its KV on a GPU, a transport that reads host
@@ -378,18 +380,24 @@ class EngineConfig:
         require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len}")
 
+    def useful_pages(self, max_model_len: int) -> int:
+        """The most device pages a pool sized from memory gets: `USEFUL_POOL_BATCHES` running batches of
+        full-length requests. A tiny model's pages are so small that a memory budget alone would give
+        it millions, each one walked by every integrity check."""
+        return 1 + -(-USEFUL_POOL_BATCHES * self.max_running_requests * max_model_len // self.page_size)
+
     def resolve(self, bytes_per_page: int, max_position_embeddings: int) -> "EngineConfig":
         """Fill the auto fields from the loaded model; returns a new config."""
+        max_model_len = self.max_model_len or max_position_embeddings
+        require(max_model_len <= max_position_embeddings,
+                 f"max_model_len {max_model_len} exceeds the model's {max_position_embeddings} positions")
         kv_bytes = (self.kv_memory_gib or DEFAULT_KV_MEMORY_GIB) * 2**30
-        num_pages = self.num_pages or max(2, int(kv_bytes) // bytes_per_page)
+        num_pages = self.num_pages or min(max(2, int(kv_bytes) // bytes_per_page), self.useful_pages(max_model_len))
         host_pages = self.host_cache_pages
         if host_pages is None:
             ratio = DEFAULT_HOST_CACHE_RATIO if self.host_cache_ratio is None else self.host_cache_ratio
             host_pages = int(num_pages * ratio)
         if not self.enable_prefix_cache or host_pages < 2:
             host_pages = 0
-        max_model_len = self.max_model_len or max_position_embeddings
-        require(max_model_len <= max_position_embeddings,
-                 f"max_model_len {max_model_len} exceeds the model's {max_position_embeddings} positions")
         return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len, host_cache_pages=host_pages,
                                    cpu_prepack=self.cpu_prepack is not False, cpu_compile=bool(self.cpu_compile))

@@ -218,7 +218,8 @@ def plan_memory(config, shape: ModelShape, ram_bytes: int, gpu_bytes: int | None
         kv_pages = None
         if name in weights:
             share = left * (weights[name] / group.count) / sum(weights.values())
-            kv_pages = max(2, int(share // (page_bytes * (1 + _planned_host_ratio(engine)))))
+            kv_pages = max(2, min(int(share // (page_bytes * (1 + _planned_host_ratio(engine)))),
+                                  engine.useful_pages(min(engine.max_model_len or shape.max_context, shape.max_context))))
             engine = dataclasses.replace(engine, num_pages=kv_pages)
         if _cuda_auto_host(engine):  # RAM the budget leaves, none where CPU pools took it
             host_bytes = 0 if weights else max(0, left) // cuda_hosts

@@ -129,6 +129,7 @@ class PipeLink:
         self._inbox: list = []
         self._aside, self._set_aside = aside, []
         self.closed = False  # the pipe ended: the process is gone
+        self._interrupts = 0  # collects cancelled so far (`collect`)
         self.crashed = ""  # the traceback of its WorkerCrashed, if it sent one
         self.last_beat_s = self.last_step_s = time.monotonic()
         self.stats: p.WorkerStats | None = None
@@ -144,7 +145,14 @@ class PipeLink:
                 self._conn.send(msg)
 
     async def collect(self, timeout_s: float) -> list:
-        return await asyncio.to_thread(self._collect, timeout_s)
+        seen = self._interrupts
+        try:
+            return await asyncio.to_thread(self._collect, timeout_s, seen)
+        except asyncio.CancelledError:  # wake its thread, or closing the event loop waits out the timeout
+            with self._cond:
+                self._interrupts += 1
+                self._cond.notify_all()
+            raise
 
     async def take_aside(self, timeout_s: float = 30.0):
         """The oldest message set aside (see `aside`), waiting up to `timeout_s` for one."""
@@ -156,9 +164,11 @@ class PipeLink:
                 raise TimeoutError(f"nothing set aside within {timeout_s}s")
             return self._set_aside.pop(0)
 
-    def _collect(self, timeout_s: float) -> list:
+    def _collect(self, timeout_s: float, seen: int) -> list:
         with self._cond:
-            self._cond.wait_for(lambda: self._inbox or self.closed, timeout_s)
+            self._cond.wait_for(lambda: self._inbox or self.closed or self._interrupts != seen, timeout_s)
+            if self._interrupts != seen:  # its caller was cancelled: leave the messages to the next
+                return []
             if self.closed and not self._inbox:
                 raise ConnectionError("the worker's pipe closed")
             out, self._inbox = self._inbox, []

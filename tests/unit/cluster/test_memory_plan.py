@@ -92,3 +92,19 @@ def test_with_l3_a_cpu_worker_keeps_a_staging_host_tier_out_of_its_share():
     for group, w in zip((config.prefill, config.decode), p.workers):
         assert group.engine.host_cache_ratio == L3_STAGING_HOST_RATIO and w.host_pages == int(w.kv_pages * 0.5)
     assert p.total_bytes <= 6 * GIB
+
+
+def test_a_tiny_models_pools_hold_a_few_full_batches_not_the_whole_budget():
+    """A tiny model's pages are so small that the budget alone would give it millions (each walked by
+    every integrity check): a pool sized from memory holds at most `USEFUL_POOL_BATCHES` full batches."""
+    from common.config import USEFUL_POOL_BATCHES, EngineConfig
+
+    tiny = ModelShape(num_params=3_000_000, num_linear_params=3_000_000, num_layers=3, num_kv_heads=2, head_dim=16,
+                      max_context=256)
+    config, p = plan_memory(load_serve_config(None, {"memory.budget_gib": 6}), tiny, ram_bytes=24 * GIB)
+    for worker, group in zip(p.workers, (config.prefill, config.decode)):
+        running = group.engine.max_running_requests
+        assert worker.kv_pages == 1 + USEFUL_POOL_BATCHES * running * 256 // 16, worker
+    alone = EngineConfig(max_running_requests=8, page_size=16).resolve(bytes_per_page=1024, max_position_embeddings=256)
+    assert alone.num_pages == 1 + USEFUL_POOL_BATCHES * 8 * 256 // 16
+    assert EngineConfig().resolve(PAGE_BYTES, 8192).num_pages == 2 * GIB // PAGE_BYTES  # SmolLM2's: the memory's

@@ -242,3 +242,28 @@ def test_make_worker_assembles_each_role_and_names_a_wrong_one():
         worker.check_integrity()
         worker.close()
         transport.close()
+
+
+def test_a_cancelled_collect_frees_its_thread_at_once_and_loses_no_message():
+    """Closing an event loop waits for its threads: a cancelled long-poll must not hold it for its timeout
+    (it held every `tandem run --mode disaggregated` 5 s), and a message that comes later is kept."""
+    import multiprocessing as mp
+
+    from cluster.worker_host.process import PipeLink
+
+    parent, child = mp.Pipe()
+    link = PipeLink(parent, "test")
+
+    async def cancelled() -> None:
+        task = asyncio.create_task(link.collect(30.0))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    t0 = time.monotonic()
+    asyncio.run(cancelled())
+    assert time.monotonic() - t0 < 5.0
+    child.send(p.Shutdown())
+    assert asyncio.run(link.collect(5.0)) == [p.Shutdown()]
+    child.close()

@@ -55,12 +55,13 @@ def _families() -> dict[str, tuple[str, str, dict]]:
 FAMILIES = _families()
 
 
-def reference(name: str, seed: int = 0):
-    """transformers' model of family `name`, random weights (norms and biases too, so they matter)."""
+def reference(name: str, seed: int = 0, **overrides):
+    """transformers' model of family `name` (`overrides`: config fields), random weights (norms and
+    biases too, so they matter)."""
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"  # softcaps and windows as transformers computes them in full
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()

@@ -8,6 +8,10 @@ new token sees every cached position and the new ones up to itself). A wrapper i
 ``(k_cache, v_cache)`` in FlashInfer's "NHD" layout, which is tandem's ``[num_pages, page_size, kvh, hd]``;
 new K/V are written with ``index_copy_``, as the torch backend does. FlashInfer runs fp16/bf16 only.
 
+A sliding window and a soft cap are plan arguments (``window_left``, ``logits_soft_cap``), and a model's
+layers may differ in them (Gemma alternates windowed and global layers). So each `_Variant` a step uses
+has a wrapper of its own, planned on the step's first layer of that variant and reused by the others.
+
 FlashInfer takes the page table in CSR form (``paged_kv_index_no_sync``). For sequence ``b`` with
 ``s_b`` KV positions in ``n_b = ceil(s_b / page_size)`` pages (none when it has no new tokens: no query
 reads them)::
@@ -25,8 +29,9 @@ CUDA graphs, decode only. FlashInfer plans on the host and ``plan()`` cannot be 
 built with ``use_cuda_graph=True`` has fixed index buffers that every ``plan()`` rewrites in place, and
 the captured kernels read them. The graph runner's side of the contract:
 
-1. run at least one eager step first (the usual warm-up): the attention shape (heads, head_dim, dtype,
-   scale) a graph plan is for is the one that step used;
+1. run at least one eager step of the whole model first (the usual warm-up): the attention shape (heads,
+   head_dim, dtype, scale) a graph plan is for is the one that step used, and the variants it plans are
+   every one an eager step has used (a layer with a variant no eager step used raises under capture);
 2. before capturing a batch-size bucket, call ``prepare_graph_decode(meta)`` outside the capture, with
    the metadata object it then passes to the captured forward (one token per sequence; ``page_table``
    the static ``[B, W]`` buffer; ``seq_lens_cpu`` may be the capacity ``W * page_size``);
@@ -35,14 +40,14 @@ the captured kernels read them. The graph runner's side of the contract:
 4. never let the backend plan inside a capture: ``attention`` under capture with metadata that was not
    prepared raises.
 
-Each ``(B, W)`` gets its own graph wrapper with buffers for ``B + 1`` indptrs, ``B`` last-page lengths
-and ``B * W`` page ids (every row full), so any lengths up to the captured width fit.
+Each ``(B, W)`` and variant gets its own graph wrapper with buffers for ``B + 1`` indptrs, ``B`` last-page
+lengths and ``B * W`` page ids (every row full), so any lengths up to the captured width fit.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
@@ -153,6 +158,29 @@ def _shape_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
     return _Shape(q.shape[1], k_cache.shape[2], q.shape[2], meta.page_size, q.dtype, float(scale))
 
 
+@dataclass(frozen=True)
+class _Variant:
+    """A layer's score rule, which FlashInfer takes at plan time rather than at run time."""
+
+    window: int | None  # sliding window: a token sees its last `window` positions; None: all before it
+    softcap: float | None  # scores become softcap * tanh(score / softcap); None: not capped
+
+    def __post_init__(self) -> None:
+        assert self.window is None or self.window >= 1, f"window={self.window} must be >= 1 (None: no window)"
+        assert self.softcap is None or self.softcap > 0, f"softcap={self.softcap} must be > 0 (None: no soft cap)"
+
+    @property
+    def plan_kwargs(self) -> dict[str, Any]:
+        """What plan() takes for it; nothing for a plain layer, so its plan is FlashInfer's default."""
+        kwargs: dict[str, Any] = {}
+        if self.window is not None:
+            kwargs["window_left"] = self.window - 1  # FlashInfer counts the positions left of the query
+        if self.softcap is not None:
+            kwargs["logits_soft_cap"] = self.softcap
+        return kwargs
+
+
+
 class _Wrapper:
     """A FlashInfer wrapper and the fence of its last plan.
 
@@ -176,11 +204,13 @@ class _Wrapper:
             self._last_plan.record(torch.cuda.current_stream(self._device))
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Planned:
+    """One step's planned wrappers, one per variant its layers have used so far."""
+
     meta: AttnMetadata  # held, so its identity is not reused while the plan is memoised
     shape: _Shape
-    wrapper: _Wrapper
+    wrappers: dict[_Variant, _Wrapper] = field(default_factory=dict)
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -192,15 +222,18 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     name = "flashinfer"
     supports_tree_mask = False  # its custom-mask prefill is not wired in: tree drafting needs torch or triton
+    supports_window = True
+    supports_softcap = True
 
     def __init__(self, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         assert workspace_bytes > 0, f"workspace_bytes={workspace_bytes} must be positive"
         self._fi = import_flashinfer()
         self.workspace_bytes = workspace_bytes
         self._workspace: torch.Tensor | None = None  # [workspace_bytes] uint8
-        self._eager: dict[tuple[str, bool], _Wrapper] = {}  # (kind, tensor cores) -> wrapper
-        self._graph: dict[tuple[int, int, bool], _Wrapper] = {}  # (batch, table width, tensor cores) -> wrapper
+        self._eager: dict[tuple[str, bool, _Variant], _Wrapper] = {}  # (kind, tensor cores, variant) -> wrapper
+        self._graph: dict[tuple[int, int, bool, _Variant], _Wrapper] = {}  # (batch, width, tensor cores, variant)
         self._shape: _Shape | None = None  # of the latest eager step: what prepare_graph_decode plans for
+        self._variants: dict[_Variant, None] = {}  # every variant an eager step used, in first-use order
         self._memo: _Planned | None = None  # the current step's eager plan
         self._graph_memo: _Planned | None = None  # the latest prepare_graph_decode
 
@@ -215,20 +248,23 @@ class FlashInferAttentionBackend(AttentionBackend):
         index_write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         shape = _shape_of(q, k_cache, v_cache, meta, scale)
+        variant = _Variant(window, softcap)
         assert meta.tree_mask is None, "flashinfer takes no tree masks here (tree drafting needs torch or triton)"
         if meta.num_tokens == 0 or meta.num_seqs == 0:
             return torch.empty_like(q)
-        wrapper = self._wrapper_for(meta, shape, q.device)
+        wrapper = self._wrapper_for(meta, shape, variant, q.device)
         q = q if q.stride(-1) == 1 else q.contiguous()
         return wrapper.wrapper.run(q, (k_cache, v_cache))  # [T, H, hd]
 
     def prepare_graph_decode(self, meta: AttnMetadata) -> None:
         """Plan the decode step a CUDA graph captures or replays, outside the capture (the contract
-        is in the module docstring). The next ``attention`` calls with this very ``meta`` run the
-        graph wrapper of its ``(batch, page-table width)``, whose fixed buffers this rewrites."""
+        is in the module docstring). Plans every variant the eager steps have used; the next ``attention``
+        calls with this very ``meta`` run the graph wrapper of its ``(batch, page-table width)`` and their
+        variant, whose fixed buffers this rewrites."""
         shape = self._shape
         assert shape is not None, "prepare_graph_decode before any eager step: run the warm-up step first"
         assert shape.page_size == meta.page_size, f"page_size {meta.page_size} != the model's {shape.page_size}"
@@ -240,49 +276,60 @@ class FlashInferAttentionBackend(AttentionBackend):
             "prepare_graph_decode inside a CUDA-graph capture: FlashInfer's plan runs on the host; call it before"
         )
         batch, width = meta.page_table.shape
-        wrapper = self._graph_wrapper(batch, width, shape.decode_tensor_cores, device)
-        self._plan_decode(wrapper, paged_kv_index_no_sync(meta), shape)
-        self._graph_memo = _Planned(meta, shape, wrapper)
+        index = paged_kv_index_no_sync(meta)
+        planned = _Planned(meta, shape)
+        for variant in self._variants:
+            wrapper = self._graph_wrapper(batch, width, shape.decode_tensor_cores, variant, device)
+            self._plan_decode(wrapper, index, shape, variant)
+            planned.wrappers[variant] = wrapper
+        self._graph_memo = planned
 
     # ---- plans ---------------------------------------------------------------------------------------
-    def _wrapper_for(self, meta: AttnMetadata, shape: _Shape, device: torch.device) -> _Wrapper:
-        """The planned wrapper of this step: the graph plan when ``meta`` was prepared for one, else the
-        eager plan, made on the step's first layer and memoised on the metadata object."""
+    def _wrapper_for(self, meta: AttnMetadata, shape: _Shape, variant: _Variant, device: torch.device) -> _Wrapper:
+        """The planned wrapper of this step and variant: the graph plan when ``meta`` was prepared for one,
+        else the eager plan, made on the step's first layer of the variant and memoised with the metadata."""
         graph = self._graph_memo
         if graph is not None and graph.meta is meta:
             assert graph.shape == shape, f"graph planned for {graph.shape}, layer has {shape}: one model per backend"
-            return graph.wrapper
+            if variant in graph.wrappers:
+                return graph.wrappers[variant]
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                "flashinfer attention under CUDA-graph capture with metadata that was not prepared: the graph "
-                "runner must call backend.prepare_graph_decode(meta) outside the capture, before capturing "
-                "and before every replay (see kernels/cuda/flashinfer_backend.py)"
+                f"flashinfer attention under CUDA-graph capture with metadata or a variant ({variant}) that was not "
+                "prepared: the graph runner must call backend.prepare_graph_decode(meta) outside the capture, "
+                "before capturing and before every replay, after an eager step of every layer (see "
+                "kernels/cuda/flashinfer_backend.py)"
             )
         if self._memo is None or self._memo.meta is not meta or self._memo.shape != shape:
-            self._memo = _Planned(meta, shape, self._plan_eager(meta, shape, device))
+            self._memo = _Planned(meta, shape)
+        if variant not in self._memo.wrappers:
+            self._memo.wrappers[variant] = self._plan_eager(meta, shape, variant, device)
         self._shape = shape
-        return self._memo.wrapper
+        self._variants[variant] = None
+        return self._memo.wrappers[variant]
 
-    def _plan_eager(self, meta: AttnMetadata, shape: _Shape, device: torch.device) -> _Wrapper:
+    def _plan_eager(self, meta: AttnMetadata, shape: _Shape, variant: _Variant, device: torch.device) -> _Wrapper:
         index = paged_kv_index_no_sync(meta)
         if all(q_len == 1 for q_len in meta.query_lens_cpu):
-            wrapper = self._eager_wrapper("decode", shape.decode_tensor_cores, device)
-            self._plan_decode(wrapper, index, shape)
+            wrapper = self._eager_wrapper("decode", shape.decode_tensor_cores, variant, device)
+            self._plan_decode(wrapper, index, shape, variant)
             return wrapper
-        wrapper = self._eager_wrapper("prefill", False, device)
+        wrapper = self._eager_wrapper("prefill", False, variant, device)
         wrapper.plan(
             index.qo_indptr_cpu, index.kv_indptr_cpu, index.kv_indices, index.kv_last_page_len_cpu,
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size,
             causal=True, sm_scale=shape.scale, q_data_type=shape.dtype, kv_data_type=shape.dtype, non_blocking=True,
+            **variant.plan_kwargs,
         )
         return wrapper
 
     @staticmethod
-    def _plan_decode(wrapper: _Wrapper, index: PagedKVIndex, shape: _Shape) -> None:
+    def _plan_decode(wrapper: _Wrapper, index: PagedKVIndex, shape: _Shape, variant: _Variant) -> None:
         wrapper.plan(
             index.kv_indptr_cpu, index.kv_indices, index.kv_last_page_len_cpu,
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size,
             q_data_type=shape.dtype, kv_data_type=shape.dtype, sm_scale=shape.scale, non_blocking=True,
+            **variant.plan_kwargs,
         )
 
     # ---- wrappers ------------------------------------------------------------------------------------
@@ -295,8 +342,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         return self._workspace
 
-    def _eager_wrapper(self, kind: str, tensor_cores: bool, device: torch.device) -> _Wrapper:
-        key = (kind, tensor_cores)
+    def _eager_wrapper(self, kind: str, tensor_cores: bool, variant: _Variant, device: torch.device) -> _Wrapper:
+        key = (kind, tensor_cores, variant)
         if key not in self._eager:
             workspace = self._workspace_on(device)
             if kind == "decode":
@@ -307,8 +354,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._eager[key] = _Wrapper(wrapper, device)
         return self._eager[key]
 
-    def _graph_wrapper(self, batch: int, width: int, tensor_cores: bool, device: torch.device) -> _Wrapper:
-        key = (batch, width, tensor_cores)
+    def _graph_wrapper(self, batch: int, width: int, tensor_cores: bool, variant: _Variant,
+                       device: torch.device) -> _Wrapper:
+        key = (batch, width, tensor_cores, variant)
         if key not in self._graph:
             def buffer(size: int) -> torch.Tensor:
                 return torch.zeros(size, dtype=torch.int32, device=device)

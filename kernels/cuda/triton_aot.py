@@ -35,6 +35,16 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float32", "bfloat16", "float16")
 PAGE_SIZE = 16
 GROUP = 4  # query heads per KV head (Llama-3-8B's)
+FLOAT_ARGS = {"qk_scale", "softcap_log2"}
+"""The kernels' runtime arguments that are fp32; every other non-pointer is an int64."""
+SCORE_RULES = {
+    "": {"HAS_WINDOW": False, "HAS_SOFTCAP": False},
+    "_window": {"HAS_WINDOW": True, "HAS_SOFTCAP": False},  # Mistral, Gemma 3's local layers
+    "_softcap": {"HAS_WINDOW": False, "HAS_SOFTCAP": True},  # Gemma 2's global layers
+    "_window_softcap": {"HAS_WINDOW": True, "HAS_SOFTCAP": True},  # Gemma 2's local layers
+}
+"""Name suffix -> flags of each build of the attention kernels; the register allocator's spills do not
+grow monotonically with the code, so each combination a model launches is built."""
 
 
 @dataclass(frozen=True)
@@ -74,9 +84,10 @@ def _specs(dtype_name: str, head_dim: int):
     page_words = PAGE_SIZE * 8 * head_dim * torch.tensor([], dtype=dtype).element_size() // word_bytes
     copy_block = min(triton.next_power_of_2(kv_copy.PROGRAM_BYTES // word_bytes), triton.next_power_of_2(page_words))
     copy_word = {torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8"}[word_dtype]
+    decode = {**shared, "GROUP": GROUP, "BLOCK_H": 16, "BLOCK_N": tiles.decode_block_n, "DOT_DTYPE": dot}
     specs = [
-        ("decode_split", tk.decode_split_kernel, {**shared, "GROUP": GROUP, "BLOCK_H": 16,
-                                                  "BLOCK_N": tiles.decode_block_n, "DOT_DTYPE": dot}, tiles.num_warps),
+        *((f"decode_split{suffix}", tk.decode_split_kernel, {**decode, **flags}, tiles.num_warps)
+          for suffix, flags in SCORE_RULES.items()),
         ("decode_combine", tk.decode_combine_kernel, {"HEAD_DIM": head_dim, "BLOCK_D": block_d,
                                                       "BLOCK_S": MAX_KV_SPLITS}, 4),
         ("write_kv", tk.write_kv_kernel, {"NUM_KV_HEADS": 8, "HEAD_DIM": head_dim, "BLOCK_KVH": 8, "BLOCK_D": block_d,
@@ -84,10 +95,12 @@ def _specs(dtype_name: str, head_dim: int):
         ("copy_pages", kv_copy.copy_pages_kernel, {"PAGE_WORDS": page_words, "BLOCK": copy_block,
                                                    "EVEN": page_words % copy_block == 0}, 4),
     ]
-    for has_tree, block_m in ((False, tiles.extend_block_m), (True, tiles.tree_block_m)):
-        specs.append((f"extend{'_tree' if has_tree else ''}", tk.extend_kernel,
-                      {**shared, "GROUP": GROUP, "BLOCK_M": block_m, "BLOCK_N": tiles.extend_block_n,
-                       "DOT_DTYPE": dot, "HAS_TREE": has_tree}, tiles.num_warps))
+    extend = {**shared, "GROUP": GROUP, "BLOCK_N": tiles.extend_block_n, "DOT_DTYPE": dot}
+    for suffix, flags in SCORE_RULES.items():
+        specs.append((f"extend{suffix}", tk.extend_kernel,
+                      {**extend, "BLOCK_M": tiles.extend_block_m, "HAS_TREE": False, **flags}, tiles.num_warps))
+    specs.append(("extend_tree", tk.extend_kernel,  # never with a window (the backend refuses it)
+                  {**extend, "BLOCK_M": tiles.tree_block_m, "HAS_TREE": True, **SCORE_RULES[""]}, tiles.num_warps))
     out = []
     for name, fn, constexprs, warps in specs:
         signature = {}
@@ -98,7 +111,7 @@ def _specs(dtype_name: str, head_dim: int):
                 default = copy_word if name == "copy_pages" and not arg.endswith("idx_ptr") else "i64"
                 signature[arg] = "*" + pointers.get(arg, default)
             else:
-                signature[arg] = "fp32" if arg.startswith("scale") else "i64"
+                signature[arg] = "fp32" if arg in FLOAT_ARGS else "i64"
         out.append((name, fn, signature, constexprs, warps))
     return out
 

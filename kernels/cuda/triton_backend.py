@@ -1,7 +1,8 @@
 """The Triton attention backend: launches the kernels of ``triton_kernels`` for one layer.
 
 A step whose sequences all have query_len == 1 runs the split-K decode kernels; any other step
-(prefill, extend over a cached prefix, mixed) runs the extend kernel for every sequence. Launch
+(prefill, extend over a cached prefix, mixed) runs the extend kernel for every sequence. A sliding
+window and a soft cap are compile-time variants of the same kernels (`_ScoreRule`). Launch
 grids and tile sizes come from ``meta.*_cpu`` and tensor shapes only: nothing here reads a device
 value back to the host.
 """
@@ -59,6 +60,31 @@ def default_tiles(head_dim: int, dtype: torch.dtype, interpreted: bool | None = 
     return TileSizes(decode_block_n=block, extend_block_m=block, extend_block_n=block, num_warps=warps)
 
 
+@dataclass(frozen=True)
+class _ScoreRule:
+    """How one layer turns q.k into log2-domain scores and which positions it sees, as the kernels'
+    ``qk_scale, softcap_log2, window`` arguments and ``HAS_WINDOW`` / ``HAS_SOFTCAP`` flags
+    (`triton_kernels` module docstring). An argument whose flag is off is passed as 0 and never read."""
+
+    scale: float
+    window: int | None  # None: every earlier position is visible
+    softcap: float | None  # None: scores are not capped
+
+    def __post_init__(self) -> None:
+        assert self.window is None or self.window >= 1, f"window={self.window} must be >= 1 (None: no window)"
+        assert self.softcap is None or self.softcap > 0, f"softcap={self.softcap} must be > 0 (None: no soft cap)"
+
+    @property
+    def args(self) -> tuple[float, float, int]:
+        if self.softcap is None:
+            return self.scale * tk.LOG2E, 0.0, self.window or 0
+        return 2 * tk.LOG2E * self.scale / self.softcap, self.softcap * tk.LOG2E, self.window or 0
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        return {"HAS_WINDOW": self.window is not None, "HAS_SOFTCAP": self.softcap is not None}
+
+
 def num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int) -> int:
     """Splits per sequence so a small batch still fills the GPU; any value is correct (the
     kernel reads seq_len on the device), this one only sets the parallelism."""
@@ -84,6 +110,8 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton kernels; compiled on CUDA, or interpreted where ``TRITON_INTERPRET=1``."""
 
     name = "triton"
+    supports_window = True
+    supports_softcap = True
 
     def __init__(self, tiles: TileSizes | None = None) -> None:
         self._tiles = tiles  # None: default_tiles(head_dim, dtype) per call
@@ -113,7 +141,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float,
+        window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
         assert num_heads % num_kv_heads == 0, f"{num_heads} query heads not a multiple of {num_kv_heads} kv heads"
@@ -122,36 +151,43 @@ class TritonAttentionBackend(AttentionBackend):
         assert q.dtype == k_cache.dtype, f"q is {q.dtype} but the cache is {k_cache.dtype}: model and KV dtypes differ?"
         assert meta.page_table.stride(-1) == 1, "page_table rows must be contiguous (a transposed view?)"
         _check_caches(k_cache, v_cache)
+        if window is not None and meta.tree_mask is not None:
+            raise NotImplementedError(
+                "triton attention with a sliding window and a tree mask: a tree node's window over slots is "
+                "undefined; speculative tree drafting is refused for sliding-window models")
+        rule = _ScoreRule(scale, window, softcap)
         q = _last_dim_contiguous(q)
         out = torch.empty_like(q)  # [T, H, hd]
         if meta.num_tokens == 0 or meta.num_seqs == 0:
             return out
         tiles = self._tiles or default_tiles(q.shape[2], q.dtype)
         if meta.decode_only:
-            self._decode(q, k_cache, v_cache, meta, scale, out, tiles)
+            self._decode(q, k_cache, v_cache, meta, rule, out, tiles)
         else:
-            self._extend(q, k_cache, v_cache, meta, scale, out, tiles)
+            self._extend(q, k_cache, v_cache, meta, rule, out, tiles)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttnMetadata, scale: float, out: torch.Tensor, tiles: TileSizes) -> None:
-        """Row b of q is sequence b (one token each)."""
+    def _decode(q, k_cache, v_cache, meta: AttnMetadata, rule: _ScoreRule, out: torch.Tensor,
+                tiles: TileSizes) -> None:
+        """Row b of q is sequence b (one token each); a windowed one reads at most `window` positions."""
         num_seqs, (num_heads, head_dim), num_kv_heads = meta.num_seqs, q.shape[1:], k_cache.shape[2]
         group = num_heads // num_kv_heads
-        splits = num_kv_splits(num_seqs, num_kv_heads, max(meta.seq_lens_cpu), tiles.decode_block_n)
+        kv_len = meta.max_seq_len if rule.window is None else min(meta.max_seq_len, rule.window)
+        splits = num_kv_splits(num_seqs, num_kv_heads, kv_len, tiles.decode_block_n)
         mid_o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
         block_d = _block_d(head_dim)
         tk.decode_split_kernel[(num_seqs, num_kv_heads, splits)](
             q, k_cache, v_cache, meta.page_table, meta.seq_lens, mid_o, mid_lse,
-            scale * tk.LOG2E, splits,
+            *rule.args, splits,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.page_table.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
             PAGE_SIZE=meta.page_size, BLOCK_N=tiles.decode_block_n, DOT_DTYPE=_dot_dtype(k_cache.dtype),
-            num_warps=tiles.num_warps,
+            **rule.flags, num_warps=tiles.num_warps,
         )
         tk.decode_combine_kernel[(num_seqs, num_heads)](
             mid_o, mid_lse, out, splits,
@@ -161,7 +197,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     @staticmethod
-    def _extend(q, k_cache, v_cache, meta: AttnMetadata, scale: float, out: torch.Tensor, tiles: TileSizes) -> None:
+    def _extend(q, k_cache, v_cache, meta: AttnMetadata, rule: _ScoreRule, out: torch.Tensor,
+                tiles: TileSizes) -> None:
         num_heads, head_dim = q.shape[1:]
         has_tree = meta.tree_mask is not None
         block_m = tiles.tree_block_m if has_tree else tiles.extend_block_m
@@ -169,13 +206,13 @@ class TritonAttentionBackend(AttentionBackend):
         tree = (meta.tree_mask, meta.tree_mask_start, meta.tree_widths) if has_tree else (meta.seq_lens,) * 3
         tk.extend_kernel[(m_blocks, meta.num_seqs, num_heads)](
             q, k_cache, v_cache, out, meta.page_table, meta.query_start_loc, meta.seq_lens, *tree,
-            scale * tk.LOG2E,
+            *rule.args,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.page_table.stride(0),
             HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), GROUP=num_heads // k_cache.shape[2],
             PAGE_SIZE=meta.page_size, BLOCK_M=block_m, BLOCK_N=tiles.extend_block_n,
-            DOT_DTYPE=_dot_dtype(k_cache.dtype), HAS_TREE=has_tree, num_warps=tiles.num_warps,
+            DOT_DTYPE=_dot_dtype(k_cache.dtype), HAS_TREE=has_tree, **rule.flags, num_warps=tiles.num_warps,
         )
 
 

@@ -11,6 +11,16 @@ Every kernel reads lengths from device tensors, so a launch grid sized from host
 ever an upper bound: a grid that is too large idles, never reads a wrong position. That is what
 lets a captured decode graph replay with longer sequences than it was captured with.
 
+Sliding window (``HAS_WINDOW``): row at ``pos`` sees only ``(pos - window, pos]``. Each program starts
+its KV loop at the first position its earliest row can see, so pages wholly behind the window are never
+loaded; only the rows of an extend block that sit later than its first need a per-position mask.
+
+Soft cap (``HAS_SOFTCAP``): a score ``x`` (after the softmax scale) becomes ``c * tanh(x / c)``. Triton's
+interpreter has no libdevice, so tanh is written out with exp2, accurate to ~2e-7 absolute: with
+``y = 2 log2(e) x / c`` (what ``qk_scale`` makes of q.k), ``tanh(x / c) = 1 - 2 / (1 + 2^y)``, and the
+log2-domain score is that times ``softcap_log2 = c log2(e)``. Without it ``qk_scale`` is
+``scale log2(e)``. Both flags are constexpr: a kernel without them is the one it was before.
+
 Numerics: softmax runs in the log2 domain in fp32; P is rounded to V's dtype before P @ V, as
 flash attention does on tensor cores. Both matmuls take their operands in ``DOT_DTYPE`` and
 accumulate in fp32: the cache dtype when compiled, fp32 for fp32 caches (``ieee``, never tf32) and
@@ -33,6 +43,8 @@ import triton.language as tl
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 LOG2E = 1.4426950408889634
+NO_SCORE_YET = tl.constexpr(-1.0e30)
+"""A windowed extend row's running max before it has seen a position: below any log2 score, yet finite."""
 
 
 @triton.jit
@@ -63,21 +75,24 @@ def write_kv_kernel(
 @triton.jit
 def decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-    scale_log2, num_splits,
+    qk_scale, softcap_log2, window, num_splits,
     stride_q_t, stride_q_h,
     stride_c_page, stride_c_slot, stride_c_head,
     stride_pt_b,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """Stage 1 of decode, program (b, kv head g, split s): the GROUP query heads of g, row b of q,
     over split s's KV range; writes the normalised partial output and its log2-sum-exp.
 
-    Split s covers ``[s * split_len, min((s + 1) * split_len, seq_len))`` with split_len =
-    ceil(seq_len / num_splits) rounded up to BLOCK_N; split 0 is never empty (seq_len >= 1),
-    a later one may be and then writes lse = -inf. Query heads are padded to BLOCK_H (>= 16, what
-    tl.dot needs); padded rows read zeros and are never stored.
+    The visible range is ``[lo, seq_len)``: lo = 0, or ``max(seq_len - window, 0)`` with a window (the
+    query sits at seq_len - 1). Split s covers ``[lo + s * split_len, min(lo + (s + 1) * split_len, seq_len))``
+    with split_len = ceil((seq_len - lo) / num_splits) rounded up to BLOCK_N, so every position a split
+    loads is visible; split 0 is never empty (seq_len >= 1), a later one may be and then writes
+    lse = -inf. Query heads are padded to BLOCK_H (>= 16, what tl.dot needs); padded rows read zeros
+    and are never stored.
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -89,8 +104,12 @@ def decode_split_kernel(
     d_ok = d < HEAD_DIM
 
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = 0
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     q_off = b * stride_q_t + heads[:, None] * stride_q_h + d[None, :]
@@ -106,7 +125,9 @@ def decode_split_kernel(
         kv_off = kv_off[:, None] + d[None, :]  # [BLOCK_N, BLOCK_D]
         kv_mask = kv_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale  # [BLOCK_H, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = (1.0 - 2.0 / (1.0 + tl.exp2(s))) * softcap_log2  # tanh; 2^s = inf gives 1, 0 gives -1
         s = tl.where(kv_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the block holds a valid position
         alpha = tl.exp2(m_i - m_new)
@@ -150,21 +171,25 @@ def decode_combine_kernel(
 def extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     tree_mask_ptr, tree_start_ptr, tree_width_ptr,
-    scale_log2,
+    qk_scale, softcap_log2, window,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_page, stride_c_slot, stride_c_head,
     stride_pt_b,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    HAS_TREE: tl.constexpr,
+    HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """Program (m, b, h): query rows ``[m * BLOCK_M, (m + 1) * BLOCK_M)`` of sequence b, head h,
     causal over ``[0, own position]`` (flash attention, online softmax). With ``HAS_TREE``, a
     sequence of window width w > 0 (metadata.TreeMask) sees inside its last w positions only what
-    its mask rows (``tree_mask[start + i * w + j]``) name.
+    its mask rows (``tree_mask[start + i * w + j]``) name. With ``HAS_WINDOW`` (never with a tree:
+    the backend refuses that) row i sees ``(pos_i - window, pos_i]``, and the loop starts at the first
+    row's lower bound.
 
-    A program past its sequence's q_len runs no KV block and stores nothing. Every row of a
-    live block (padding rows too) sees position 0, so no row's running max stays -inf.
+    A program past its sequence's q_len runs no KV block and stores nothing. Without a window every
+    row of a live block (padding rows too) sees position 0, so no row's running max stays -inf; with
+    one a row may see nothing of a block, so its running max starts at the finite ``NO_SCORE_YET``
+    (exp2 of -inf minus it is 0, of it minus itself 1: its sums stay 0 until it sees a position).
     """
     m_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -189,10 +214,18 @@ def extend_kernel(
     # The block's last row sits at prefix + (m + 1) * BLOCK_M - 1; nothing past it is visible.
     kv_end = tl.minimum(seq_len, prefix + (m_block + 1) * BLOCK_M)
     kv_end = tl.where(m_block * BLOCK_M < q_len, kv_end, 0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if HAS_WINDOW:
+        kv_start = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0)  # the block's first row's window
+        m_i = tl.full([BLOCK_M], NO_SCORE_YET, tl.float32)
+        # row i sees kv_rel in (row_lo, row_hi], offsets from kv_start: int32 tiles spill less than int64 on sm_80
+        row_lo = (pos - window - kv_start).to(tl.int32)
+        row_hi = (pos - kv_start).to(tl.int32)
+    else:
+        kv_start = 0
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         kv_pos = n0 + tl.arange(0, BLOCK_N)
         kv_ok = kv_pos < kv_end
         page = tl.load(page_table_ptr + b * stride_pt_b + kv_pos // PAGE_SIZE, mask=kv_ok, other=0)  # masked: page 0
@@ -200,12 +233,18 @@ def extend_kernel(
         kv_off = kv_off[:, None] + d[None, :]  # [BLOCK_N, BLOCK_D]
         kv_mask = kv_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
-        visible = kv_ok[None, :] & (kv_pos[None, :] <= pos[:, None])
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = (1.0 - 2.0 / (1.0 + tl.exp2(s))) * softcap_log2  # tanh; 2^s = inf gives 1, 0 gives -1
+        if HAS_WINDOW:
+            kv_rel = (kv_pos - kv_start).to(tl.int32)
+            visible = kv_ok[None, :] & (kv_rel[None, :] > row_lo[:, None]) & (kv_rel[None, :] <= row_hi[:, None])
+        else:
+            visible = kv_ok[None, :] & (kv_pos[None, :] <= pos[:, None])
         if HAS_TREE:
-            window = seq_len - tree_width
-            in_window = kv_pos[None, :] >= window
-            mask_off = tree_start + i[:, None] * tree_width + (kv_pos[None, :] - window)
+            tree_lo = seq_len - tree_width
+            in_window = kv_pos[None, :] >= tree_lo
+            mask_off = tree_start + i[:, None] * tree_width + (kv_pos[None, :] - tree_lo)
             seen = tl.load(tree_mask_ptr + mask_off, mask=visible & in_window & row_ok[:, None], other=0)
             visible = visible & ((~in_window) | (seen != 0))
         s = tl.where(visible, s, float("-inf"))

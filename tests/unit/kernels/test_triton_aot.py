@@ -19,7 +19,8 @@ from kernels.cuda.triton_aot import Build, check
 
 REPO = Path(__file__).resolve().parents[3]
 DTYPES = ("float32", "bfloat16")  # float16 launches bfloat16's tiles
-KERNELS = {"decode_split", "decode_combine", "write_kv", "copy_pages", "extend", "extend_tree"}
+KERNELS = {"decode_combine", "write_kv", "copy_pages", "extend_tree",
+           *(kernel + rule for kernel in ("decode_split", "extend") for rule in triton_aot.SCORE_RULES)}
 
 
 def aot_builds(target: int) -> list[Build]:

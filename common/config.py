@@ -90,16 +90,6 @@ def debug_kv_from_env() -> bool:
     return os.environ.get(DEBUG_KV_ENV, "0") not in ("", "0")
 
 
-def sibling_seed(seed: int, index: int) -> int:
-    """The seed of choice `index` of a request seeded with `seed`: choice 0 keeps it (a request with
-    n = 1 is the same request), the others mix the index in, so siblings draw different numbers and
-    the same ones on every repeat, whatever else runs. In [SEED_MIN, SEED_MAX]."""
-    if index == 0:
-        return seed
-    mixed = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % 2**64
-    return mixed - 2**64 if mixed > SEED_MAX else mixed
-
-
 @dataclass(frozen=True)
 class SamplingDefaults:
     """What a request's unset sampling fields become; a field the request sets always wins. The

@@ -69,3 +69,50 @@ def v5_names(state_dict: dict[str, torch.Tensor], arch: LlamaArch) -> dict[str, 
             [torch.cat((p["gate_proj"], p["up_proj"])) for p in ordered])
         out[f"{layer}.mlp.experts.down_proj"] = torch.stack([p["down_proj"] for p in ordered])
     return out
+
+
+def shard_tensors(state_dict: dict[str, torch.Tensor], arch: LlamaArch, shard) -> dict[str, torch.Tensor]:
+    """`state_dict` (v5 names, the whole model of `arch`) cut to what `shard` (`kernels.model.tp.Shard`)
+    holds, as views: query/KV heads' rows of q/k/v (Phi-3's fused q/k/v and gate/up cut part by part),
+    intermediate columns' rows of gate/up and columns of down, each expert's likewise, the vocabulary's
+    rows of the embedding and the head; row-parallel biases (o_proj, down_proj) on rank 0 alone, zeros
+    elsewhere. Norms, routers and gates whole."""
+    hd = arch.head_dim
+    q_rows = _rows(shard.q_heads, hd)
+    kv_rows = _rows(shard.kv_heads, hd)
+    q_dim, kv_dim = arch.num_heads * hd, arch.num_kv_heads * hd
+    out = {}
+    for key, t in state_dict.items():
+        inter = shard.shared_intermediate if ".shared_expert." in key else shard.intermediate
+        if key in ("model.embed_tokens.weight", "lm_head.weight"):
+            t = t[shard.vocab.start:shard.vocab.stop]
+        elif key.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            t = t[q_rows]
+        elif key.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+                           "self_attn.v_proj.bias")):
+            t = t[kv_rows]
+        elif key.endswith("self_attn.qkv_proj.weight"):  # Phi-3: q, k, v stacked
+            q, k, v = t.split((q_dim, kv_dim, kv_dim))
+            t = torch.cat((q[q_rows], k[kv_rows], v[kv_rows]))
+        elif key.endswith("self_attn.o_proj.weight"):
+            t = t[:, q_rows]
+        elif key.endswith("mlp.gate_up_proj.weight"):  # Phi-3: gate, up stacked
+            gate, up = t.chunk(2)
+            t = torch.cat((gate[inter.start:inter.stop], up[inter.start:inter.stop]))
+        elif key.endswith(("gate_proj.weight", "up_proj.weight")) and ".experts." not in key:
+            t = t[inter.start:inter.stop]
+        elif key.endswith("down_proj.weight") and ".experts." not in key:
+            t = t[:, inter.start:inter.stop]
+        elif key.endswith("experts.gate_up_proj"):
+            cols, half = shard.moe_intermediate, t.shape[1] // 2
+            t = torch.cat((t[:, cols.start:cols.stop], t[:, half + cols.start:half + cols.stop]), dim=1)
+        elif key.endswith("experts.down_proj"):
+            t = t[:, :, shard.moe_intermediate.start:shard.moe_intermediate.stop]
+        elif key.endswith(("o_proj.bias", "down_proj.bias")) and shard.rank != 0:
+            t = torch.zeros_like(t)
+        out[key] = t
+    return out
+
+
+def _rows(heads: range, head_dim: int) -> slice:
+    return slice(heads.start * head_dim, heads.stop * head_dim)

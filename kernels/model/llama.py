@@ -15,12 +15,13 @@ from torch import nn
 from kernels.attention import AttentionBackend, AttnMetadata, get_backend
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.arch import LlamaArch
-from kernels.model.hf_names import ignored_key, v5_names
+from kernels.model.hf_names import ignored_key, shard_tensors, v5_names
 from kernels.model.hf_names import packing as hf_packing
 from kernels.model.layers import LlamaMLP, RMSNorm, SparseMoeMLP
 from kernels.model.packed_linear import PackedLinear
 from kernels.model.rope import RotaryTable, apply_rotary
 from kernels.model.rope_config import RopeScaling
+from kernels.model.tp import TPGroup
 
 __all__ = ["LlamaArch", "LlamaForCausalLM"]
 
@@ -80,8 +81,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, backend: AttentionBackend, layer: int = 0) -> None:
+    def __init__(self, arch: LlamaArch, backend: AttentionBackend, layer: int = 0, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
+        """Its tensor-parallel group: the attention's and the MLP's outputs are partial sums (`kernels/model/tp.py`)."""
         self.self_attn = LlamaAttention(arch, backend, layer)
         self.mlp = SparseMoeMLP(arch) if arch.moe_layers and arch.moe_layers[layer] else LlamaMLP(arch)
         norm = lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)  # noqa: E731
@@ -91,22 +94,27 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        attended = self._summed(self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache))
         if self.pre_feedforward_layernorm is None:
             x = x + attended
-            return x + self.mlp(self.post_attention_layernorm(x))
+            return x + self._summed(self.mlp(self.post_attention_layernorm(x)))
         x = x + self.post_attention_layernorm(attended)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self._summed(self.mlp(self.pre_feedforward_layernorm(x))))
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: LlamaArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: LlamaArch, backend: AttentionBackend, tp: TPGroup | None = None,
+                 vocab_rows: int | None = None) -> None:
         super().__init__()
-        weight = torch.empty(arch.vocab_size, arch.hidden_size)
+        rows = arch.vocab_size if vocab_rows is None else vocab_rows
+        weight = torch.empty(rows, arch.hidden_size)
         if not weight.is_meta:  # nn.Embedding's own init; a model made on meta is loaded, not initialised
             nn.init.normal_(weight)  # (on meta that init would import torch._dynamo: ~2 s of a worker's start)
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, i) for i in range(arch.num_layers))
+        self.embed_tokens = nn.Embedding(rows, arch.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)
 
 
@@ -133,13 +141,18 @@ def run_head(model: LlamaForCausalLM, x: torch.Tensor, logits_indices: torch.Ten
 class LlamaForCausalLM(nn.Module):
     """Ragged-batch Llama forward over paged KV. Loads HF checkpoints with ``load_hf_state_dict``."""
 
-    def __init__(self, arch: LlamaArch, backend: AttentionBackend | None = None) -> None:
+    def __init__(self, arch: LlamaArch, backend: AttentionBackend | None = None, tp: TPGroup | None = None) -> None:
+        """`tp`: this rank's tensor-parallel group; the model then holds its shard (`kernels/model/tp.py`):
+        `arch` is its own part's (heads, columns), `full_arch` the whole model's."""
         super().__init__()
+        self.full_arch, self.tp = arch, tp
+        arch = arch if tp is None else tp.shard.local_arch(arch)
         self.arch = arch
         self.backend = backend if backend is not None else get_backend("torch")
-        self.model = LlamaModel(arch, self.backend)
+        vocab_rows = None if tp is None else len(tp.shard.vocab)
+        self.model = LlamaModel(arch, self.backend, tp, vocab_rows)
         # Tied checkpoints: `load_hf_state_dict` makes lm_head's weight the embedding itself (one tensor).
-        self.lm_head = PackedLinear(arch.hidden_size, (arch.vocab_size,), bias=False)
+        self.lm_head = PackedLinear(arch.hidden_size, (vocab_rows or arch.vocab_size,), bias=False)
         self.rotary = RotaryTable(arch)
         self.local_rotary = RotaryTable(arch, arch.local_rope_theta, RopeScaling()) if arch.local_rope_theta else None
 
@@ -180,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         )
         assert all(0 <= i < self.arch.num_layers for i in aux_layer_ids), f"aux layers {aux_layer_ids} out of range"
         assert self.arch.num_layers % group_size == 0, f"groups of {group_size} do not divide {self.arch.num_layers} layers"
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        x = self.model.embed_tokens(input_ids) if self.tp is None else self.tp.embed(self.model.embed_tokens, input_ids)
         if self.arch.embed_scale is not None:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, hd] each; sin signed for apply_rotary
@@ -200,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` final-normed states -> float32 ``[N, vocab]`` (soft-capped where the model caps them)."""
         logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.arch.vocab_size)
         cap = self.arch.final_softcap
         return (logits if cap is None else torch.tanh(logits / cap) * cap).float()
 
@@ -212,7 +227,9 @@ class LlamaForCausalLM(nn.Module):
         (one module's parts at a time beside what is loaded: the checkpoint itself can stay on the
         host); None: a parameter on the meta device takes the tensor's device, others keep theirs.
         """
-        given = {k: v for k, v in v5_names(state_dict, self.arch).items() if not ignored_key(k, self.arch)}
+        given = {k: v for k, v in v5_names(state_dict, self.full_arch).items() if not ignored_key(k, self.arch)}
+        if self.tp is not None:
+            given = shard_tensors(given, self.full_arch, self.tp.shard)
         packing = hf_packing(self.arch)
         direct = [n for n, _ in self.named_parameters() if not n.endswith((".weight", ".bias")) or
                   n.rsplit(".", 1)[0] not in packing]

@@ -21,6 +21,7 @@ from kernels.model.convert import SMOLLM2_SPEC, ensure_smollm2, resolve_model_di
 from kernels.model.llama import LlamaForCausalLM
 from kernels.model.tiny import make_tiny_llama, tiny_llama_config
 from kernels.model.tokenizer import load_hf_tokenizer, load_tokenizer
+from kernels.model.tp import TPGroup
 
 __all__ = [
     "LoadedModel",
@@ -57,16 +58,18 @@ def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(
-    model_dir: Path, hf_config: Any, device: torch.device | str, dtype: torch.dtype, backend: str
+    model_dir: Path, hf_config: Any, device: torch.device | str, dtype: torch.dtype, backend: str,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
-    """Our model with the directory's weights, materialised directly on ``device`` in ``dtype``.
+    """Our model with the directory's weights, materialised directly on ``device`` in ``dtype``
+    (`tp`: only this rank's shard of them, `kernels/model/tp.py`).
 
     ``backend`` is an attention backend name or ``auto``, resolved here for ``device`` and ``dtype``
     (``kernels.attention.resolve_backend``; the model's ``backend.name`` says what it became)."""
     arch = LlamaArch.from_hf_config(hf_config)
     attention = get_backend(resolve_backend(backend, device, dtype))
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, attention).to(dtype)
+        model = LlamaForCausalLM(arch, attention, tp).to(dtype)
     model.load_hf_state_dict(_read_state_dict(model_dir), device=device)
     leftover = [name for name, p in model.named_parameters() if p.is_meta]
     assert not leftover, f"parameters never loaded (still on meta): {leftover[:5]}"

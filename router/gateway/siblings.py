@@ -24,12 +24,22 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from common.config import sibling_seed
+from common.config import SEED_MAX
 from router.gateway.errors import APIError, internal
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.responses import SSE_DONE, ResponseShape, Usage, sse_error
 from router.gateway.schema import GenerateRequest
 from router.gateway.streaming import Finished, GenerationRun, choice_of
+
+
+def sibling_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: choice 0 keeps it (a request with
+    n = 1 is the same request), the others mix the index in, so siblings draw different numbers and
+    the same ones on every repeat, whatever else runs. In [SEED_MIN, SEED_MAX] (`common.config`)."""
+    if index == 0:
+        return seed
+    mixed = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % 2**64
+    return mixed - 2**64 if mixed > SEED_MAX else mixed
 
 
 class Siblings:

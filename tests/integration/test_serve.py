@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from cluster.cli.main import main as tandem_main
-from common.config import SamplingParams, sibling_seed
+from common.config import SamplingParams
+from router.gateway.siblings import sibling_seed
 from engine.batch import run_batch
 from tests.helpers import make_smollm2_engine
 from tests.integration.lm_eval_check import check_lm_eval

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from common.config import SamplingParams, sibling_seed
+from common.config import SamplingParams
+from router.gateway.siblings import sibling_seed
 from kernels.model.tokenizer import encode_prompt
 from tests.helpers import make_smollm2_engine
 

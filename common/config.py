@@ -321,6 +321,8 @@ class EngineConfig:
     """Tree drafting: the verify takes this many of the tree's candidates (each expanded node's
     `speculative_topk` likeliest children), the likeliest by cumulative draft probability (EAGLE-2's
     re-ranking); 0: `speculative_topk * num_draft_tokens`. In [0, 64]."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over, a process each (`kernels/model/tp.py`, `engine/tp.py`)."""
     speculative_max_batch: int = 8
     """Requests drafted for only while the running batch has at most this many: above it a verify
     costs more than the drafts save (measured, docs/design.md §6); the draft head's KV is kept
@@ -365,6 +367,8 @@ class EngineConfig:
         require(self.speculative_topk * self.num_draft_tokens <= 64,
                 f"speculative_topk x num_draft_tokens must be at most 64 tree nodes, got "
                 f"{self.speculative_topk} x {self.num_draft_tokens}")
+        require(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         require(_is_int(self.speculative_max_batch) and self.speculative_max_batch >= 0,
                 f"speculative_max_batch must be an integer >= 0, got {self.speculative_max_batch!r}")
         require(self.max_model_len is None or self.max_model_len >= 2,

@@ -40,6 +40,9 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
                                                              "layers (compiled with --cpu-compile), not the C layer")),
     "--no-cpu-prepack": ("cpu_prepack", dict(action="store_const", const=False,
                                              help="CPU: do not keep weights in oneDNN's packed layout too")),
+    "--tensor-parallel-size": ("tensor_parallel_size", dict(
+        type=int, metavar="N", aliases=("-tp",), help="split the model over N ranks, a process each (gloo on "
+                                                      "the CPU, NCCL on CUDA: one GPU a rank)")),
     "--speculative": ("speculative", dict(choices=SPECULATIVE_METHODS,
                                           help="speculative decoding: eagle drafts tokens with an EAGLE head, "
                                                "the model verifies them (same output)")),
@@ -68,7 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, defaults: bool = True, note: 
     for flag, (field, options) in ENGINE_FLAGS.items():
         default = getattr(engine, field) if defaults else None
         shown = f" (default {default})" if default is not None and "action" not in options else ""
-        p.add_argument(flag, dest=field, default=default, **{**options, "help": options["help"] + shown + note})
+        names = (flag, *options.get("aliases", ()))
+        options = {k: v for k, v in options.items() if k != "aliases"}
+        p.add_argument(*names, dest=field, default=default, **{**options, "help": options["help"] + shown + note})
 
 
 def engine_fields_from_args(args: argparse.Namespace) -> dict:

@@ -33,6 +33,11 @@ def load_engine(config: EngineConfig, populate: bool = True) -> EngineCore:
     from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.loader import load_model
 
+    if config.tensor_parallel_size > 1:
+        from engine.tp import load_tp_engine
+
+        return load_tp_engine(config, populate)
+
     loaded = load_model(config.model, device=config.device, dtype=TORCH_DTYPES[config.dtype],
                         backend=config.attention_backend)
     return build_engine(config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids, populate=populate)

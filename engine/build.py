@@ -34,6 +34,7 @@ from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
+from engine.tp import LeadModel, LeadRunner
 from kernels.attention import AUTO, get_backend, resolve_backend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
@@ -97,13 +98,14 @@ def _lacks(backend, arch) -> str:
 def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None, eos_token_ids: Sequence[int] = (),
                  connector: ConnectorFactory | None = None, l3: L3Config | None = None,
                  draft_head: torch.nn.Module | None = None, compile_in_background: bool = False,
-                 populate: bool = True) -> EngineCore:
+                 populate: bool = True, control=None) -> EngineCore:
     """An engine for `model` (`draft_head`: the EAGLE head when `config.speculative` is `eagle`; None
     loads it from `config.draft_model`). Raises ConfigError before allocating anything it cannot serve.
     `compile_in_background`: `config.cpu_compile`'s compile runs beside serving, from
     `engine.runner.start_compile()` (a served worker's loop), not before this returns (`GraphRunner`).
     `populate` (an engine made alone): its CPU KV pool is mapped in before this returns, so it runs
-    at full speed at once; without, pages fault in as they are first written (a one-shot run)."""
+    at full speed at once; without, pages fault in as they are first written (a one-shot run).
+    `control`: rank 0's control group of a tensor-parallel engine (`engine/tp.py:load_tp_engine`)."""
     device = torch.device(config.device)
     backend = choose_attention_backend(config, model, draft_head, device)
     if config.speculative != "none" and (getattr(arch, "windowed", False) or getattr(arch, "attn_softcap", None)):
@@ -132,7 +134,12 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
                 if resolved.enable_prefix_cache else NullSessions())
     scheduler = Scheduler(resolved, pools.kvm, host_cache=tier, sessions=sessions,
                           relocation_version=lambda: pools.device_pool.relocation_version)
-    eager = ModelRunner(model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
+    if control is None:
+        eager = ModelRunner(model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
+    else:  # rank 0 of a tensor-parallel engine (`engine/tp.py`): the other ranks size their KV as this
+        control.send(("config", resolved))
+        eager = LeadRunner(control, model, pools.target_kv, resolved.page_size, device)
+        model = LeadModel(model, control)
     plan = choose_step_strategy(resolved, model, device, backend)
     log.info("decode steps: %s", plan.describe())
     runner = GraphRunner(eager, pools.device_pool, graph_max_batch(resolved), resolved.max_model_len, plan,

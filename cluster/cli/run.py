@@ -77,6 +77,10 @@ def run_offline(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     config = engine_config_from_args(args)
+    if args.mode == "disaggregated" and config.tensor_parallel_size > 1:
+        from common.config import ConfigError
+
+        raise ConfigError("--tensor-parallel-size runs colocated for now (not with --mode disaggregated)")
     run = _run_disaggregated if args.mode == "disaggregated" else _run_colocated
     results = run(args, config, prompts, params)
     failed = 0

@@ -9,6 +9,7 @@ device; no transformers model object is constructed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,13 +83,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     backend: str = "torch",
     cache_dir: Path | None = None,
+    tp: Callable[[Any], TPGroup] | None = None,
 ) -> LoadedModel:
-    """Resolve ``spec``, load weights, tokenizer and config; ``backend`` as in ``build_model``."""
+    """Resolve ``spec``, load weights, tokenizer and config; ``backend`` as in ``build_model``; `tp`:
+    the rank's tensor-parallel group for the model's config (it then loads the rank's shard)."""
     from transformers import AutoConfig
 
     model_dir = resolve_model_dir(spec, cache_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    model = build_model(model_dir, hf_config, device, dtype, backend)
+    model = build_model(model_dir, hf_config, device, dtype, backend, None if tp is None else tp(hf_config))
     tokenizer = load_hf_tokenizer(model_dir)
     return LoadedModel(
         model=model,

@@ -1,0 +1,217 @@
+"""A tensor-parallel engine: one process a rank, the scheduler, the KV manager and every decision on
+rank 0, every rank running the same forward on its shard of the model (`kernels/model/tp.py`).
+
+Rank 0 is an ordinary `EngineCore` whose model runner and model are leads (`LeadRunner`,
+`LeadModel`): before each forward (and each head-only pass: prompt logprobs) they send what it runs
+to the other ranks over a control group (gloo, on every device), then run it themselves. The others
+(`follow`) hold a KV cache of the same pages for their own heads and run what they are sent: the page
+tables are rank 0's, so their pages hold the same tokens. The model's collectives then meet.
+
+Not yet under tensor parallelism: CUDA graphs and the CPU's compiled and C decode layers (every step
+runs eagerly), the host tier and L3, speculative decoding, disaggregated workers. `prepare` turns off
+what is on by default and refuses what was asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.config import ConfigError, EngineConfig
+from engine.runner import ModelRunner
+
+log = logging.getLogger("tandem.engine")
+
+CONTROL_TIMEOUT = datetime.timedelta(days=7)
+"""How long a rank waits for rank 0's next call: an idle server sends none for as long as it idles.
+A rank that dies is seen sooner: its peers' sockets close."""
+START_TIMEOUT = datetime.timedelta(minutes=5)
+"""How long the ranks wait for each other to join the group."""
+
+
+def prepare(config: EngineConfig) -> EngineConfig:
+    """`config` for a tensor-parallel engine: eager steps, no host tier; what cannot run so refused."""
+    if config.speculative != "none":
+        raise ConfigError("engine.speculative: speculative decoding does not run under tensor parallelism yet")
+    if config.host_cache_pages or config.host_cache_ratio:
+        raise ConfigError("the host tier (host_cache_pages / host_cache_ratio) does not run under tensor "
+                          "parallelism yet")
+    return dataclasses.replace(config, cuda_graph=False, cpu_compile=False, cpu_native_decode=False,
+                               host_cache_ratio=0.0, host_cache_pages=0)
+
+
+class ControlGroup:
+    """Rank 0's calls to the other ranks: pickled objects broadcast over a gloo group."""
+
+    def __init__(self) -> None:
+        self.group = torch.distributed.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+    def send(self, call: tuple) -> None:
+        torch.distributed.broadcast_object_list([call], src=0, group=self.group)
+
+    def receive(self) -> tuple:
+        box = [None]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+class LeadRunner(ModelRunner):
+    """Rank 0's model runner: each forward (and the probe) is sent to the other ranks first."""
+
+    def __init__(self, control: ControlGroup, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.control = control
+
+    def forward(self, rows):
+        self.control.send(("forward", rows))
+        return super().forward(rows)
+
+    def probe(self) -> None:
+        self.control.send(("probe",))
+        super().probe()
+
+
+class LeadModel:
+    """Rank 0's model as the engine sees it: a head-only pass (`compute_logits`) is sent to the other
+    ranks first (their vocabulary slices are gathered); everything else is the model's."""
+
+    def __init__(self, model: torch.nn.Module, control: ControlGroup) -> None:
+        self._model, self._control = model, control
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._control.send(("logits", hidden.cpu()))
+        return self._model.compute_logits(hidden)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def follow(control: ControlGroup, runner: ModelRunner, model: torch.nn.Module) -> None:
+    """A rank other than 0: run rank 0's calls until it says stop."""
+    while True:
+        call = control.receive()
+        if call[0] == "forward":
+            with torch.inference_mode():
+                runner.forward(call[1])
+        elif call[0] == "logits":
+            with torch.inference_mode():
+                model.compute_logits(call[1].to(runner.device))
+        elif call[0] == "probe":
+            runner.probe()
+        elif call[0] == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown call from rank 0: {call[0]!r}")
+
+
+def rank_device(config: EngineConfig, rank: int) -> str:
+    """Rank `rank`'s device: `cuda:<rank>` where the engine is on CUDA (one GPU a rank), else the CPU."""
+    return f"cuda:{rank}" if torch.device(config.device).type == "cuda" else config.device
+
+
+def join(rank: int, size: int, init_method: str, device: str) -> None:
+    """Join the group (NCCL on CUDA, gloo on the CPU) as `rank`. The ranks are on this host: gloo
+    listens on the loopback interface (unless GLOO_SOCKET_IFNAME names another)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                         timeout=START_TIMEOUT)
+
+
+def load_shard(config: EngineConfig, rank: int, size: int, device: str):
+    """This rank's `LoadedModel` (`loaded.model` holds the rank's shard, `loaded.arch` its shapes)."""
+    from kernels.kv_layout import TORCH_DTYPES
+    from kernels.model.arch import LlamaArch
+    from kernels.model.loader import load_model
+    from kernels.model.tp import Shard, TPGroup
+
+    def shard_of(hf_config):
+        return TPGroup(Shard.of(LlamaArch.from_hf_config(hf_config), rank, size))
+    return load_model(config.model, device=device, dtype=TORCH_DTYPES[config.dtype],
+                      backend=config.attention_backend, tp=shard_of)
+
+
+def follower_main(rank: int, size: int, init_method: str, config: EngineConfig) -> None:
+    """A rank other than 0, in a process of its own: its shard, then the KV cache rank 0's resolved config
+    sizes (sent once it is built), then `follow`."""
+    from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors
+
+    device = rank_device(config, rank)
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    join(rank, size, init_method, device)
+    control = ControlGroup()
+    loaded = load_shard(config, rank, size, device)
+    kind, resolved = control.receive()
+    assert kind == "config", f"rank 0 sent {kind!r} before its config"
+    arch = loaded.arch
+    kv = KVCacheTensors.allocate(arch.num_layers, resolved.num_pages, resolved.page_size, arch.num_kv_heads,
+                                 arch.head_dim, TORCH_DTYPES[resolved.dtype], device)
+    from engine.build import choose_attention_backend
+
+    choose_attention_backend(resolved, loaded.model, None, torch.device(device))
+    follow(control, ModelRunner(loaded.model, kv, resolved.page_size, device), loaded.model)
+    torch.distributed.destroy_process_group()
+
+
+class Followers:
+    """The processes of ranks 1..size-1 (spawned), and the rendezvous rank 0 joins them through."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.tensor_parallel_size
+        self._dir = tempfile.TemporaryDirectory(prefix="tandem-tp-")
+        self.init_method = f"file://{Path(self._dir.name) / 'rendezvous'}"
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=follower_main, args=(rank, size, self.init_method, config),
+                                  name=f"tandem-tp-rank{rank}", daemon=True) for rank in range(1, size)]
+        for proc in self.procs:
+            proc.start()
+        log.info("tensor parallel: %d ranks (rank 0 here, pids %s)", size, [p.pid for p in self.procs])
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        for proc in self.procs:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self._dir.cleanup()
+
+
+def load_tp_engine(config: EngineConfig, populate: bool = True):
+    """A colocated engine over `config.tensor_parallel_size` ranks (this process rank 0, the others
+    spawned); `engine.close()` stops them."""
+    from engine.build import build_engine
+
+    config = prepare(config)
+    followers = Followers(config)
+    try:
+        device = rank_device(config, 0)
+        join(0, config.tensor_parallel_size, followers.init_method, device)
+        control = ControlGroup()
+        loaded = load_shard(config, 0, config.tensor_parallel_size, device)
+        engine = build_engine(dataclasses.replace(config, device=device), loaded.model, loaded.arch,
+                              loaded.tokenizer, loaded.eos_token_ids, populate=populate, control=control)
+    except BaseException:
+        followers.join(timeout_s=1.0)
+        raise
+    closing = engine.close
+
+    def close() -> None:
+        try:
+            closing()
+        finally:
+            control.send(("stop",))
+            followers.join()
+            torch.distributed.destroy_process_group()
+    engine.close = close
+    return engine
+

@@ -1,0 +1,44 @@
+"""`tandem run --tensor-parallel-size 2` on the CPU: two ranks (this process and a spawned one, gloo
+on loopback) give transformers' greedy tokens, for SmolLM2 (its 3 KV heads split 2 + 1) on a batch of
+prompts sharing a prefix (the second batch from the prefix cache), and for a tiny Gemma 3 and Qwen3-MoE;
+KV integrity checked after every step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.cli.main import main as tandem_main
+from tests.helpers import hf_greedy, smollm2
+from tests.integration.test_serve_families import NEW_TOKENS, PROMPT, write_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def run_tp(capsys, args: list[str]) -> list[dict]:
+    capsys.readouterr()
+    assert tandem_main(["run", "--tensor-parallel-size", "2", "--raw", "--json", *args]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+
+
+def test_smollm2_at_tp2_gives_transformers_greedy_tokens_from_a_batch_and_the_prefix_cache(capsys, tmp_path,
+                                                                                         monkeypatch):
+    monkeypatch.setenv("TANDEM_DEBUG_KV", "1")
+    loaded, reference = smollm2()
+    story = "The harbour town was quiet before the boats came in. The fishermen mended their nets, and "
+    prompts = [story + "the children", story + "the old captain told them", "A recipe for bread starts with"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts * 2))
+    results = run_tp(capsys, ["--prompts-file", str(tmp_path / "prompts.jsonl"), "--max-tokens", "12",
+                              "--max-running", "3", "--page-size", "4"])
+    eos = list(loaded.eos_token_ids)
+    expected = [hf_greedy(reference, loaded.tokenizer.encode(p, add_special_tokens=False), 12, eos) for p in prompts]
+    assert [r["token_ids"] for r in results] == expected * 2
+    assert sum(r["cached_tokens"] for r in results) > 0  # the prompts' shared prefix, and the repeats
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3-moe"])
+def test_a_tiny_model_at_tp2_gives_transformers_greedy_tokens(name, capsys, tmp_path):
+    expected = write_checkpoint(name, tmp_path)
+    (result,) = run_tp(capsys, ["--model", str(tmp_path), "--prompt", PROMPT, "--max-tokens", str(NEW_TOKENS)])
+    assert result["token_ids"] == expected

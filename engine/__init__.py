@@ -34,7 +34,7 @@ def load_engine(config: EngineConfig, populate: bool = True) -> EngineCore:
     from kernels.model.loader import load_model
 
     if config.tensor_parallel_size > 1:
-        from engine.tp import load_tp_engine
+        from engine.tp_launch import load_tp_engine
 
         return load_tp_engine(config, populate)
 

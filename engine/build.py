@@ -105,7 +105,7 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     `engine.runner.start_compile()` (a served worker's loop), not before this returns (`GraphRunner`).
     `populate` (an engine made alone): its CPU KV pool is mapped in before this returns, so it runs
     at full speed at once; without, pages fault in as they are first written (a one-shot run).
-    `control`: rank 0's control group of a tensor-parallel engine (`engine/tp.py:load_tp_engine`)."""
+    `control`: rank 0's control group of a tensor-parallel engine (`engine/tp_launch.py:load_tp_engine`)."""
     device = torch.device(config.device)
     backend = choose_attention_backend(config, model, draft_head, device)
     if config.speculative != "none" and (getattr(arch, "windowed", False) or getattr(arch, "attn_softcap", None)):

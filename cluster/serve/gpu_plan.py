@@ -6,8 +6,8 @@
       - GPU_RESERVE_BYTES (CUDA context, a prefill chunk's activations, graph pools, allocator slack)
       = its KV pool (sizes set by hand, num_pages or kv_memory_gib, are kept and counted)
 
-A worker drives one device whatever `num_gpus` says (there is no tensor parallelism), so a share is at
-most one GPU. Host memory of a CUDA worker (its host tier, a decode worker's landing, a prefill
+A served worker drives one device whatever `num_gpus` says (`tandem serve` takes no tensor parallelism
+yet; `tp_needed` says how many ranks a model would need), so a share is at most one GPU. Host memory of a CUDA worker (its host tier, a decode worker's landing, a prefill
 worker's staging) is RAM, planned with the budget in `cluster/serve/memory.py`.
 
 The served context (`max_model_len`) is the model's, capped by `engine.max_model_len` and by the
@@ -84,16 +84,44 @@ def plan_gpus(config, shape, gpu_bytes: int | None) -> tuple[object, tuple[GpuWo
         if engine.num_pages is None and engine.kv_memory_gib is None:
             kv_bytes = share - weights - GPU_RESERVE_BYTES
             if kv_bytes < MIN_GPU_KV_BYTES:
+                needed = tp_needed(shape, weights, gpu_bytes, utilization)
+                tp = (f"; whole {gpu_bytes / GIB:.0f} GiB GPUs hold it only split over {needed} ranks "
+                      f"(tensor_parallel_size {needed}: tandem run takes it, tandem serve not yet)"
+                      if needed and needed > 1 else "; no tensor-parallel degree up to 64 fits it either" if not needed else "")
                 raise ConfigError(
                     f"{name}: {fraction:g} of a {gpu_bytes / GIB:.0f} GiB GPU at memory.gpu_memory_utilization "
                     f"{utilization:g} is {share / GIB:.1f} GiB, which cannot hold the weights "
                     f"({weights / GIB:.1f} GiB, {engine.dtype}), {GPU_RESERVE_BYTES / GIB:.0f} GiB of reserve and a KV "
-                    "pool: give the group more of a GPU (num_gpus), fewer workers per GPU, or a smaller dtype")
+                    f"pool{tp}: give the group more of a GPU (num_gpus), fewer workers per GPU, or a smaller dtype")
             engine = dataclasses.replace(engine, num_pages=max(2, kv_bytes // page_bytes))
         kv_pages = engine.resolve(page_bytes, 1 << 30).num_pages
         plans.append(GpuWorkerPlan(name, group.count, fraction, share, weights, kv_pages, page_bytes, engine.page_size))
         resolved[name] = dataclasses.replace(group, engine=engine)
     return dataclasses.replace(config, **resolved), tuple(plans)
+
+
+TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
+PLANNED_GPU_GIB = (24, 48, 80, 141)
+"""GPU sizes `--plan-only` says the tensor-parallel degree of (L4/A10-class, L40S, A100/H100, H200)."""
+
+
+def tp_needed(shape, weight_bytes: int, gpu_bytes: int, utilization: float) -> int | None:
+    """The fewest ranks (whole GPUs of `gpu_bytes`) whose shares hold `weight_bytes` split evenly, the
+    reserve and a minimal KV pool each, at a degree the model's KV heads split at (`kernels/model/tp.py`:
+    a divisor of them, or a multiple); None: none up to 64."""
+    share = utilization * gpu_bytes
+    for degree in TP_DEGREES:
+        heads_split = degree <= shape.num_kv_heads or degree % shape.num_kv_heads == 0
+        if heads_split and weight_bytes / degree + GPU_RESERVE_BYTES + MIN_GPU_KV_BYTES <= share:
+            return degree
+    return None
+
+
+def tp_advice(shape, weight_bytes: int, dtype: str, utilization: float) -> str:
+    """One line: the tensor-parallel degree the model needs on GPUs of each of `PLANNED_GPU_GIB`."""
+    degrees = [f"{gib} GiB: {tp_needed(shape, weight_bytes, gib * GIB, utilization) or '>64'}" for gib in PLANNED_GPU_GIB]
+    return (f"  tensor parallelism for {weight_bytes / GIB:.1f} GiB of {dtype} weights, ranks (GPUs) a worker "
+            f"needs at least: {', '.join(degrees)}")
 
 
 def served_context(config, shape) -> int:

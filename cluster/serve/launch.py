@@ -105,6 +105,14 @@ def print_plan(config: ServeConfig, gpus: int | None = None, gpu_memory_gib: flo
                   f"on {group.engine.device} in {group.engine.dtype}")
     for line in plan.describe():
         print(line)
+    cuda = [g.engine for g in (config.prefill, config.decode, config.colocated) if g.count and g.engine.device != "cpu"]
+    if cuda:
+        from cluster.serve.gpu_plan import tp_advice
+        from cluster.serve.memory import ModelShape
+
+        shape = ModelShape.read(resolve_model_dir(config.model))
+        print(tp_advice(shape, shape.weight_bytes(cuda[0], prepacked=False), cuda[0].dtype,
+                        config.memory.gpu_memory_utilization))
     return 0
 
 

@@ -1,5 +1,5 @@
 """CUDA workers' memory without a GPU (`cluster/serve/gpu_plan.py`, `tandem serve --plan-only`): real
-model shapes (Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B) as header-only safetensors written from HF's own
+model shapes (Llama-3-8B and -70B, Qwen2.5-7B, Llama-3.2-1B, Qwen3-30B-A3B, Gemma-3-27B) as header-only safetensors written from HF's own
 model on the meta device, which ours loads strictly on meta too; a mocked 141 GiB or 80 GiB GPU."""
 
 from __future__ import annotations
@@ -30,6 +30,19 @@ SHAPES = {
                          max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
                                        "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}),
+    "llama-3-70b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192,
+                        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
+                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+                          rope_theta=1000000.0, tie_word_embeddings=False),
+    "gemma-3-27b": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262208,
+                        hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
+                        num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168, sliding_window=1024,
+                        max_position_embeddings=131072, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                        rope_scaling={"rope_type": "linear", "factor": 8.0}, tie_word_embeddings=True),
 }
 
 
@@ -118,3 +131,23 @@ def test_plan_only_prints_the_placement_and_starts_nothing(tmp_path, capsys):
     assert "decode x1: 1 CPU, 0.5 GPU each, on cuda in bfloat16" in out
     assert "max model length 8,192 tokens" in out and "staging" in out and "0.5 of a GPU" in out
     assert main(["serve", "--plan-gpus", "1"]) == 2  # only with --plan-only
+
+
+@pytest.mark.parametrize("name, degrees", [("llama-3-70b", {24: 8, 48: 4, 80: 2, 141: 2}),
+                                           ("qwen3-30b-a3b", {24: 4, 48: 2, 80: 1, 141: 1}),
+                                           ("gemma-3-27b", {24: 4, 48: 2, 80: 1, 141: 1})])
+def test_the_plan_says_how_many_ranks_a_large_model_needs_on_each_gpu_size(tmp_path, capsys, name, degrees):
+    from cluster.serve.gpu_plan import tp_needed
+
+    model_dir, _ = header_only_model(tmp_path, name)
+    shape = ModelShape.read(model_dir)
+    weights = shape.num_params * 2  # bfloat16
+    assert {gib: tp_needed(shape, weights, gib * GIB, 0.9) for gib in degrees} == degrees
+    if degrees[141] > 1:  # a whole H200 cannot hold it: refused, naming the degree that would
+        with pytest.raises(ConfigError, match=rf"only split over {degrees[141]} ranks \(tensor_parallel_size"):
+            plan_for(model_dir, 2, 141, **{"prefill.num_gpus": 1, "decode.num_gpus": 1})
+        return
+    assert main(["serve", "--plan-only", "--model", str(model_dir), "--device", "cuda", "--plan-gpus", "2",
+                 "--plan-gpu-memory-gib", "141"]) == 0
+    advice = "needs at least: " + ", ".join(f"{gib} GiB: {n}" for gib, n in degrees.items())
+    assert advice in capsys.readouterr().out

@@ -79,6 +79,8 @@ def load_tp_engine(config: EngineConfig, populate: bool = True):
     """A colocated engine over `config.tensor_parallel_size` ranks (this process rank 0, the others
     spawned); `engine.close()` stops them."""
     config = prepare(config)
+    if torch.device(config.device).type == "cpu":  # the ranks share this machine's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
     followers = Followers(config)
     try:
         device = rank_device(config, 0)

@@ -44,6 +44,8 @@
 #                          dtype (computed while the server starts; equal, or parted where HF's top two
 #                          logits are within 0.5: scripts/gpu_check_greedy.py); bench serve (32 prompts,
 #                          concurrency 8); SIGTERM
+#   tp2           (90 s)   only on a node with 2+ GPUs (its timeout then added to the budget): tandem
+#                          run at tensor-parallel size 1 and 2, float32 greedy, 4 prompts: the same tokens
 #                 -----
 #                  480 s   the foreground steps' sum (`--plan` adds it up); no step runs past
 #                          GPU_CHECK_BUDGET_S (default 480) from the start
@@ -88,7 +90,7 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ "$mode" = dry ]; then
     BUDGET_S=${GPU_CHECK_BUDGET_S:-1500}
     DEVICE=cpu
-    T_SETUP=120 T_ENV=60 T_PYTEST=120 T_TRAIN=300 T_8B=120 T_BF16=300 T_FP32=300 T_H2D=60 T_SPEC=400 T_SERVE=400
+    T_SETUP=120 T_ENV=60 T_PYTEST=120 T_TRAIN=300 T_8B=120 T_BF16=300 T_FP32=300 T_H2D=60 T_SPEC=400 T_SERVE=400 T_TP=240
     DECODE_SIZES=(--batch-sizes "1,2" --prompt-len 16 --steps 4 --warmup-steps 1)
     RANDOM_DECODE=(--device cpu --backends torch --random-weights tiny "${DECODE_SIZES[@]}")
     SANITIZER=()  # a CPU torch cannot run the CUDA sanitizer (it asserts a CUDA build at every op)
@@ -105,7 +107,7 @@ if [ "$mode" = dry ]; then
 else
     BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
     DEVICE=cuda
-    T_SETUP=45 T_ENV=15 T_PYTEST=160 T_TRAIN=160 T_8B=45 T_BF16=35 T_FP32=35 T_H2D=15 T_SPEC=35 T_SERVE=95
+    T_SETUP=45 T_ENV=15 T_PYTEST=160 T_TRAIN=160 T_8B=45 T_BF16=35 T_FP32=35 T_H2D=15 T_SPEC=35 T_SERVE=95 T_TP=90
     DECODE_SIZES=(--batch-sizes "1,16" --prompt-len 128 --steps 32 --warmup-steps 4)
     RANDOM_DECODE=(--device cuda --backends triton --random-weights llama-3-8b --batch-sizes "1,16,64"
                    --prompt-len 128 --steps 32 --warmup-steps 4)
@@ -278,6 +280,20 @@ run_step serve serve "$T_SERVE" out/serve.json -- \
     --bench-log "$LOGDIR/logs/serve-bench.log" --deadline-s "$((T_SERVE - 10))" --ready-timeout-s "$((T_SERVE - 40))" \
     --stop-timeout-s 20 --greedy-timeout-s "$T_GREEDY" "${SERVE_PROJECT_SETS[@]}" -- "${SERVE_FLAGS[@]}" :: \
     --dataset-name random --ignore-eos "${LOAD_SIZES[@]}" --seed 0 --disable-tqdm --json
+
+# TP=2 against TP=1, only on a node with two GPUs or more (its timeout then added to the budget)
+gpus=0
+[ "$mode" = gpu ] && gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$mode" = plan ]; then
+    printf '%-12s %4ss  %s\n' tp2 "($T_TP)" "(with 2+ GPUs) $PY $STEPS tp --device $DEVICE"
+elif [ "$mode" = dry ] || [ "${gpus:-0}" -ge 2 ]; then
+    BUDGET_S=$((BUDGET_S + T_TP))
+    run_step tp2 tp "$T_TP" out/tp2.json -- \
+        "$PY" "$STEPS" tp --out "$LOGDIR/out/tp2.json" --device "$DEVICE" --timeout-s "$((T_TP / 2 - 5))"
+else
+    record "$((order + 1))" tp2 tp "" "" "$T_TP" "" "" "skipped: ${gpus:-0} GPU(s), TP=2 needs two" -- \
+        "$PY" "$STEPS" tp --device "$DEVICE"
+fi
 
 trap - INT TERM
 assemble

@@ -197,9 +197,15 @@ def parse_serve(data: dict | None, log: str) -> dict:
     return out
 
 
+def parse_tp(data: dict | None, log: str) -> dict:
+    if not data:
+        return {}
+    return {k: data.get(k) for k in ("equal", "parted", "prompts", "tp1_wall_s", "tp2_wall_s", "error")}
+
+
 PARSERS = {"setup": (parse_setup, "json"), "env": (parse_env, "json"), "pytest": (parse_pytest, "path"),
            "decode": (parse_decode, "json"), "h2d": (parse_h2d, "json"), "train_eagle": (parse_train_eagle, "path"),
-           "spec_decode": (parse_spec_decode, "json"), "serve": (parse_serve, "json")}
+           "spec_decode": (parse_spec_decode, "json"), "serve": (parse_serve, "json"), "tp": (parse_tp, "json")}
 
 
 def _read_json(path: Path | None) -> dict | None:
@@ -291,6 +297,10 @@ def headline(step: dict) -> str:
     if kind == "spec_decode" and "batches" in f:
         return "; ".join(f"b{b} {v['speedup']:.2f}x plain, {v['tokens_per_verify']:.2f} tokens/verify"
                          for b, v in f["batches"].items())
+    if kind == "tp" and "equal" in f:
+        return (f"TP=2 greedy = TP=1 on {f.get('prompts')} prompts: {f['equal']}"
+                + (f" (parted: {f['parted']})" if f.get("parted") else "")
+                + f"; wall TP=1 {f.get('tp1_wall_s')}s, TP=2 {f.get('tp2_wall_s')}s")
     if kind == "serve":
         b = f.get("bench") or {}
         if f.get("ready") != "ready":

@@ -11,6 +11,8 @@ library at import (setup runs on the system python3, before the venv exists).
     serve             (venv python) `tandem serve`, ready, the greedy check, `bench serve`, stop (gpu_check_serve.py)
     greedy-reference  (venv python) HF's greedy tokens of the served model, the serve step's child
                       (gpu_check_greedy.py)
+    tp                (venv python) `tandem run` at tensor-parallel size 1 and 2 on the same prompts
+                      (float32, greedy): the same tokens, and each run's wall time
 """
 
 from __future__ import annotations
@@ -103,6 +105,38 @@ def sanitizer_state() -> str:
     return f"{'asked' if SANITIZER_ENV in os.environ else 'not asked'}, {'on' if running else 'off'}"
 
 
+# ---- tp ----------------------------------------------------------------------------------------------
+TP_PROMPTS = ("The harbour town was quiet before the boats came in, and", "A recipe for bread starts with",
+              "def fibonacci(n):", "The three largest planets of the solar system are")
+
+
+def tp_check(args: argparse.Namespace) -> int:
+    """Greedy tokens of `TP_PROMPTS` at TP=1 and TP=2 (float32: summation order moves a logit by ~1e-6,
+    far below any gap a greedy choice makes here); 0 when they are the same."""
+    import time
+
+    prompts = [arg for prompt in TP_PROMPTS for arg in ("--prompt", prompt)]
+    out: dict = {"prompts": len(TP_PROMPTS), "device": args.device}
+    tokens = {}
+    for size in (1, 2):
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "cluster.cli", "run", "--device", args.device, "--dtype", "float32",
+                               "--raw", "--json", "--max-tokens", "16", "--no-cuda-graph",
+                               "--tensor-parallel-size", str(size), *prompts],
+                              capture_output=True, text=True, timeout=args.timeout_s)
+        print(done.stderr[-3000:], flush=True)
+        out[f"tp{size}_wall_s"] = round(time.monotonic() - started, 2)
+        if done.returncode != 0:
+            out["error"] = f"TP={size} exited {done.returncode}"
+            write_json(args.out, out)
+            return 1
+        tokens[size] = [json.loads(line)["token_ids"] for line in done.stdout.splitlines() if line.startswith("{")]
+    out["parted"] = [i for i, (a, b) in enumerate(zip(tokens[1], tokens[2])) if a != b]
+    out["equal"] = tokens[1] == tokens[2]
+    write_json(args.out, out)
+    return 0 if out["equal"] else 1
+
+
 # ---- the command -----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -115,11 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("pytest_args", nargs=argparse.REMAINDER)
     add_serve_args(sub.add_parser("serve"))
     add_reference_args(sub.add_parser("greedy-reference"))
+    tp = sub.add_parser("tp")
+    tp.add_argument("--out", required=True)
+    tp.add_argument("--device", default="cuda")
+    tp.add_argument("--timeout-s", type=float, default=120.0, help="each run's")
     args = p.parse_args(argv)
     for name in ("pytest_args", "rest", "serve_args"):  # REMAINDER keeps the `--` that introduced it
         if getattr(args, name, None) and getattr(args, name)[0] == "--":
             setattr(args, name, getattr(args, name)[1:])
-    steps = {"setup": setup, "env": env, "pytest": run_pytest, "serve": serve, "greedy-reference": reference}
+    steps = {"setup": setup, "env": env, "pytest": run_pytest, "serve": serve, "greedy-reference": reference,
+             "tp": tp_check}
     return steps[args.step](args)
 
 

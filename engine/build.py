@@ -17,6 +17,7 @@ Each part gets what it needs when it is made; nothing is wired after `EngineCore
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
-from engine.tp import LeadModel, LeadRunner
+from engine.tp import LeadGraphRunner, LeadModel, LeadRunner
 from kernels.attention import AUTO, get_backend, resolve_backend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
@@ -142,7 +143,8 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
         model = LeadModel(model, control)
     plan = choose_step_strategy(resolved, model, device, backend)
     log.info("decode steps: %s", plan.describe())
-    runner = GraphRunner(eager, pools.device_pool, graph_max_batch(resolved), resolved.max_model_len, plan,
+    graphs = GraphRunner if control is None else functools.partial(LeadGraphRunner, control)
+    runner = graphs(eager, pools.device_pool, graph_max_batch(resolved), resolved.max_model_len, plan,
                          sizes=resolved.graph_batch_sizes, loads_in_flight=pools.device_pool.loads_in_flight,
                          tree_rows=tree_verify_rows(resolved),
                          tree_batch=max(1, min(resolved.max_running_requests, resolved.speculative_max_batch)),

@@ -1,14 +1,16 @@
 """A tensor-parallel engine: one process a rank, the scheduler, the KV manager and every decision on
 rank 0, every rank running the same forward on its shard of the model (`kernels/model/tp.py`).
 
-Rank 0 is an ordinary `EngineCore` whose model runner and model are leads (`LeadRunner`,
-`LeadModel`): before each forward (and each head-only pass: prompt logprobs) they send what it runs
-to the other ranks over a control group (gloo, on every device), then run it themselves. The others
+Rank 0 is an ordinary `EngineCore` whose runners and model are leads (`LeadRunner`, `LeadGraphRunner`,
+`LeadModel`): before each forward, each graph replay (its bucket: rank 0's gates decide) and each
+head-only pass (prompt logprobs) they send what it runs to the other ranks over a control group (gloo,
+on every device), then run it themselves. Every rank builds the same graph buckets, capturing them
+(CUDA) in the same order, so the collectives inside meet. The others
 (`follow`) hold a KV cache of the same pages for their own heads and run what they are sent: the page
 tables are rank 0's, so their pages hold the same tokens. The model's collectives then meet.
 
-Not yet under tensor parallelism: CUDA graphs and the CPU's compiled and C decode layers (every step
-runs eagerly), the host tier and L3, speculative decoding, disaggregated workers. `prepare` turns off
+Not yet under tensor parallelism: the CPU's compiled and C decode layers (its replays run the eager
+layers over the static buffers), the host tier and L3, speculative decoding, disaggregated workers. `prepare` turns off
 what is on by default and refuses what was asked for.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from common.config import ConfigError, EngineConfig
+from engine.graphs.runner import GraphRunner
 from engine.runner import ModelRunner
 
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
@@ -32,14 +35,15 @@ START_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def prepare(config: EngineConfig) -> EngineConfig:
-    """`config` for a tensor-parallel engine: eager steps, no host tier; what cannot run so refused."""
+    """`config` for a tensor-parallel engine: no CPU compile or C layers, no host tier; what cannot
+    run so refused."""
     if config.speculative != "none":
         raise ConfigError("engine.speculative: speculative decoding does not run under tensor parallelism yet")
     if config.host_cache_pages or config.host_cache_ratio:
         raise ConfigError("the host tier (host_cache_pages / host_cache_ratio) does not run under tensor "
                           "parallelism yet")
-    return dataclasses.replace(config, cuda_graph=False, cpu_compile=False, cpu_native_decode=False,
-                               host_cache_ratio=0.0, host_cache_pages=0)
+    return dataclasses.replace(config, cpu_compile=False, cpu_native_decode=False, host_cache_ratio=0.0,
+                               host_cache_pages=0)
 
 
 class ControlGroup:
@@ -73,6 +77,19 @@ class LeadRunner(ModelRunner):
         super().probe()
 
 
+class LeadGraphRunner(GraphRunner):
+    """Rank 0's graph runner: each replay (bucket and rows) is sent to the other ranks first; an eager
+    step goes through its `LeadRunner`."""
+
+    def __init__(self, control: ControlGroup, *args, **kwargs) -> None:
+        self.control = control
+        super().__init__(*args, **kwargs)
+
+    def _replay(self, rows, bucket: int):
+        self.control.send(("replay", rows, bucket))
+        return super()._replay(rows, bucket)
+
+
 class LeadModel:
     """Rank 0's model as the engine sees it: a head-only pass (`compute_logits`) is sent to the other
     ranks first (their vocabulary slices are gathered); everything else is the model's."""
@@ -88,13 +105,15 @@ class LeadModel:
         return getattr(self._model, name)
 
 
-def follow(control: ControlGroup, runner: ModelRunner, model: torch.nn.Module) -> None:
+def follow(control: ControlGroup, runner: GraphRunner, model: torch.nn.Module) -> None:
     """A rank other than 0: run rank 0's calls until it says stop."""
     while True:
         call = control.receive()
         if call[0] == "forward":
             with torch.inference_mode():
                 runner.forward(call[1])
+        elif call[0] == "replay":
+            runner.replay(call[1], call[2])
         elif call[0] == "logits":
             with torch.inference_mode():
                 model.compute_logits(call[1].to(runner.device))

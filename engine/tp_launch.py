@@ -13,8 +13,11 @@ import torch
 
 from common.config import EngineConfig
 from engine.build import build_engine, choose_attention_backend
+from engine.graphs.runner import GraphRunner, graph_max_batch
+from engine.graphs.strategy import choose_step_strategy
 from engine.runner import ModelRunner
 from engine.tp import ControlGroup, follow, join, prepare, rank_device
+from kv_store.device_pool import DevicePool
 
 log = logging.getLogger("tandem.engine")
 
@@ -47,8 +50,12 @@ def follower_main(rank: int, size: int, init_method: str, config: EngineConfig) 
     arch = loaded.arch
     kv = KVCacheTensors.allocate(arch.num_layers, resolved.num_pages, resolved.page_size, arch.num_kv_heads,
                                  arch.head_dim, TORCH_DTYPES[resolved.dtype], device)
-    choose_attention_backend(resolved, loaded.model, None, torch.device(device))
-    follow(control, ModelRunner(loaded.model, kv, resolved.page_size, device), loaded.model)
+    backend = choose_attention_backend(resolved, loaded.model, None, torch.device(device))
+    eager = ModelRunner(loaded.model, kv, resolved.page_size, device)
+    plan = choose_step_strategy(resolved, loaded.model, torch.device(device), backend)  # rank 0's, as it chose
+    graphs = GraphRunner(eager, DevicePool(kv), graph_max_batch(resolved), resolved.max_model_len, plan,
+                         sizes=resolved.graph_batch_sizes)  # captured (CUDA) with rank 0's, bucket by bucket
+    follow(control, graphs, loaded.model)
     torch.distributed.destroy_process_group()
 
 

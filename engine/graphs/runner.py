@@ -171,6 +171,11 @@ class GraphRunner:
         """An eager step, ungated (a failed batch retried row by row)."""
         return self.eager.forward(rows)
 
+    def replay(self, rows: list[ForwardRow], bucket: int) -> ForwardOut:
+        """Decode rows through bucket `bucket`'s replay, ungated: a tensor-parallel rank runs what its
+        rank 0 decided (`engine/tp.py`)."""
+        return self._replay(rows, bucket)
+
     def probe(self) -> None:
         self.eager.probe()
 

@@ -85,9 +85,11 @@ def _specs(dtype_name: str, head_dim: int):
     copy_block = min(triton.next_power_of_2(kv_copy.PROGRAM_BYTES // word_bytes), triton.next_power_of_2(page_words))
     copy_word = {torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8"}[word_dtype]
     decode = {**shared, "GROUP": GROUP, "BLOCK_H": 16, "BLOCK_N": tiles.decode_block_n, "DOT_DTYPE": dot}
+    # float32 on CUDA is the reference dtype (served models are half): its plain kernels only
+    rules = SCORE_RULES if dtype_name != "float32" else {"": SCORE_RULES[""]}
     specs = [
         *((f"decode_split{suffix}", tk.decode_split_kernel, {**decode, **flags}, tiles.num_warps)
-          for suffix, flags in SCORE_RULES.items()),
+          for suffix, flags in rules.items()),
         ("decode_combine", tk.decode_combine_kernel, {"HEAD_DIM": head_dim, "BLOCK_D": block_d,
                                                       "BLOCK_S": MAX_KV_SPLITS}, 4),
         ("write_kv", tk.write_kv_kernel, {"NUM_KV_HEADS": 8, "HEAD_DIM": head_dim, "BLOCK_KVH": 8, "BLOCK_D": block_d,
@@ -96,7 +98,7 @@ def _specs(dtype_name: str, head_dim: int):
                                                    "EVEN": page_words % copy_block == 0}, 4),
     ]
     extend = {**shared, "GROUP": GROUP, "BLOCK_N": tiles.extend_block_n, "DOT_DTYPE": dot}
-    for suffix, flags in SCORE_RULES.items():
+    for suffix, flags in rules.items():
         specs.append((f"extend{suffix}", tk.extend_kernel,
                       {**extend, "BLOCK_M": tiles.extend_block_m, "HAS_TREE": False, **flags}, tiles.num_warps))
     specs.append(("extend_tree", tk.extend_kernel,  # never with a window (the backend refuses it)
@@ -118,21 +120,28 @@ def _specs(dtype_name: str, head_dim: int):
 
 def build(target: int, dtype_name: str, head_dim: int, workdir: Path) -> list[Build]:
     """Every kernel for this dtype and head size, compiled for sm_`target`."""
+    builds = []
+    for name, fn, signature, constexprs, warps in _specs(dtype_name, head_dim):
+        cubin = workdir / f"{name}-{target}-{dtype_name}-{head_dim}.cubin"
+        regs, local, shared = compile_kernel(fn, signature, constexprs, target, warps, cubin)
+        builds.append(Build(name, target, dtype_name, head_dim, warps, regs, local, shared))
+    return builds
+
+
+def compile_kernel(fn, signature: dict, constexprs: dict, target: int, num_warps: int, cubin: Path
+                   ) -> tuple[int, int, int]:
+    """Compile the Triton kernel `fn` for sm_`target` into `cubin`; (registers, local bytes a thread,
+    shared bytes: static and dynamic)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    builds = []
-    for name, fn, signature, constexprs, warps in _specs(dtype_name, head_dim):
-        index = {arg: i for i, arg in enumerate(fn.arg_names)}
-        source = ASTSource(fn=fn, signature=signature, constexprs={(index[k],): v for k, v in constexprs.items()})
-        kernel = triton.compile(source, target=GPUTarget("cuda", target, 32), options={"num_warps": warps})
-        cubin = workdir / f"{name}-{target}-{dtype_name}-{head_dim}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        regs, local, static_shared = _resource_usage(cubin)
-        builds.append(Build(name, target, dtype_name, head_dim, warps, regs, local,
-                            static_shared + int(kernel.metadata.shared)))
-    return builds
+    index = {arg: i for i, arg in enumerate(fn.arg_names)}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(index[k],): v for k, v in constexprs.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", target, 32), options={"num_warps": num_warps})
+    cubin.write_bytes(kernel.asm["cubin"])
+    regs, local, static_shared = _resource_usage(cubin)
+    return regs, local, static_shared + int(kernel.metadata.shared)
 
 
 def _resource_usage(cubin: Path) -> tuple[int, int, int]:

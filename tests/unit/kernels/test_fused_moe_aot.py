@@ -71,20 +71,11 @@ def _specs(dtype_name: str, phase: str):
 
 def build(target: int, dtype_name: str, phase: str, workdir: Path) -> list[MoeBuild]:
     """Both kernels for this dtype and phase, compiled for sm_`target`."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     builds = []
     for name, fn, signature, constexprs, tiles in _specs(dtype_name, phase):
-        index = {arg: i for i, arg in enumerate(fn.arg_names)}
-        source = ASTSource(fn=fn, signature=signature, constexprs={(index[k],): v for k, v in constexprs.items()})
-        kernel = triton.compile(source, target=GPUTarget("cuda", target, 32), options={"num_warps": tiles.num_warps})
         cubin = workdir / f"{name}-{target}-{dtype_name}-{phase}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        regs, local, static_shared = triton_aot._resource_usage(cubin)
-        builds.append(MoeBuild(name, target, dtype_name, phase, tiles.block_m, tiles.num_warps, regs, local,
-                               static_shared + int(kernel.metadata.shared)))
+        regs, local, shared = triton_aot.compile_kernel(fn, signature, constexprs, target, tiles.num_warps, cubin)
+        builds.append(MoeBuild(name, target, dtype_name, phase, tiles.block_m, tiles.num_warps, regs, local, shared))
     return builds
 
 

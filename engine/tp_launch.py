@@ -3,10 +3,13 @@ each loading its shard of the model."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import multiprocessing as mp
+import signal
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,31 +23,35 @@ from engine.tp import ControlGroup, follow, join, prepare, rank_device
 from kv_store.device_pool import DevicePool
 
 log = logging.getLogger("tandem.engine")
+PR_SET_PDEATHSIG = 1
 
 
-def load_shard(config: EngineConfig, rank: int, size: int, device: str):
-    """This rank's `LoadedModel` (`loaded.model` holds the rank's shard, `loaded.arch` its shapes)."""
+def load_shard(config: EngineConfig, rank: int, size: int, device: str, serving: bool = False):
+    """This rank's `LoadedModel` (`loaded.model` holds the rank's shard, `loaded.arch` its shapes);
+    `serving`: loaded as a served worker loads (`load_for_serving`: no transformers)."""
     from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.arch import LlamaArch
-    from kernels.model.loader import load_model
+    from kernels.model.loader import load_for_serving, load_model
     from kernels.model.tp import Shard, TPGroup
 
     def shard_of(hf_config):
         return TPGroup(Shard.of(LlamaArch.from_hf_config(hf_config), rank, size))
-    return load_model(config.model, device=device, dtype=TORCH_DTYPES[config.dtype],
-                      backend=config.attention_backend, tp=shard_of)
+    load = load_for_serving if serving else load_model
+    return load(config.model, device=device, dtype=TORCH_DTYPES[config.dtype], backend=config.attention_backend,
+                tp=shard_of)
 
 
-def follower_main(rank: int, size: int, init_method: str, config: EngineConfig) -> None:
-    """A rank other than 0, in a process of its own: its shard, then the KV cache rank 0's resolved config
-    sizes (sent once it is built), then `follow`."""
+def follower_main(rank: int, size: int, init_method: str, config: EngineConfig, serving: bool = False) -> None:
+    """A rank other than 0, in a process of its own (dying with its parent): its shard, then the KV
+    cache rank 0's resolved config sizes (sent once it is built), then `follow`."""
     from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors
 
+    _die_with_parent()
     device = rank_device(config, rank)
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     join(rank, size, init_method, device)
     control = ControlGroup()
-    loaded = load_shard(config, rank, size, device)
+    loaded = load_shard(config, rank, size, device, serving)
     kind, resolved = control.receive()
     assert kind == "config", f"rank 0 sent {kind!r} before its config"
     arch = loaded.arch
@@ -59,15 +66,25 @@ def follower_main(rank: int, size: int, init_method: str, config: EngineConfig) 
     torch.distributed.destroy_process_group()
 
 
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a killed worker's ranks must not wait
+    for its next call for days)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the ranks end when their sockets close
+        pass
+
+
 class Followers:
     """The processes of ranks 1..size-1 (spawned), and the rendezvous rank 0 joins them through."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, serving: bool = False) -> None:
         size = config.tensor_parallel_size
         self._dir = tempfile.TemporaryDirectory(prefix="tandem-tp-")
         self.init_method = f"file://{Path(self._dir.name) / 'rendezvous'}"
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=follower_main, args=(rank, size, self.init_method, config),
+        self.procs = [ctx.Process(target=follower_main, args=(rank, size, self.init_method, config, serving),
                                   name=f"tandem-tp-rank{rank}", daemon=True) for rank in range(1, size)]
         for proc in self.procs:
             proc.start()
@@ -82,32 +99,59 @@ class Followers:
         self._dir.cleanup()
 
 
-def load_tp_engine(config: EngineConfig, populate: bool = True):
-    """A colocated engine over `config.tensor_parallel_size` ranks (this process rank 0, the others
-    spawned); `engine.close()` stops them."""
+@dataclass
+class Ranks:
+    """Rank 0's side of a started group: its config (prepared, its device), the other ranks, the
+    control group, its shard (`kernels.model.loader.LoadedModel`)."""
+
+    config: EngineConfig
+    followers: Followers
+    control: ControlGroup
+    loaded: object
+
+    def stop_with(self, engine) -> None:
+        """`engine.close()` (rank 0's engine, built with `control`) also stops the other ranks."""
+        closing = engine.close
+
+        def close() -> None:
+            try:
+                closing()
+            finally:
+                self.control.send(("stop",))
+                self.followers.join()
+                torch.distributed.destroy_process_group()
+        engine.close = close
+
+
+def start_ranks(config: EngineConfig, serving: bool = False) -> Ranks:
+    """Spawn ranks 1..N-1 of `config.tensor_parallel_size`, join them as rank 0, load rank 0's shard
+    (`serving`: as a served worker loads, without transformers). Build the engine with `control`, then
+    `stop_with` it."""
     config = prepare(config)
     if torch.device(config.device).type == "cpu":  # the ranks share this machine's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
-    followers = Followers(config)
+    followers = Followers(config, serving)
     try:
         device = rank_device(config, 0)
         join(0, config.tensor_parallel_size, followers.init_method, device)
         control = ControlGroup()
-        loaded = load_shard(config, 0, config.tensor_parallel_size, device)
-        engine = build_engine(dataclasses.replace(config, device=device), loaded.model, loaded.arch,
-                              loaded.tokenizer, loaded.eos_token_ids, populate=populate, control=control)
+        loaded = load_shard(config, 0, config.tensor_parallel_size, device, serving)
     except BaseException:
         followers.join(timeout_s=1.0)
         raise
-    closing = engine.close
+    return Ranks(dataclasses.replace(config, device=device), followers, control, loaded)
 
-    def close() -> None:
-        try:
-            closing()
-        finally:
-            control.send(("stop",))
-            followers.join()
-            torch.distributed.destroy_process_group()
-    engine.close = close
+
+def load_tp_engine(config: EngineConfig, populate: bool = True):
+    """A colocated engine over `config.tensor_parallel_size` ranks (this process rank 0, the others
+    spawned); `engine.close()` stops them."""
+    ranks = start_ranks(config)
+    try:
+        loaded = ranks.loaded
+        engine = build_engine(ranks.config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
+                              populate=populate, control=ranks.control)
+    except BaseException:
+        ranks.followers.join(timeout_s=1.0)
+        raise
+    ranks.stop_with(engine)
     return engine
-

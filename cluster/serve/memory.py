@@ -137,12 +137,14 @@ class WorkerPlan:
     page_bytes: int
     page_size: int
     staging_pages: int = 0  # a CUDA prefill worker's host staging
+    ranks: int = 1  # its tensor-parallel ranks, a process each (their weights and pages add up to one model's)
 
     @property
     def ram_bytes(self) -> int:
         """What one worker of the group holds in RAM by this plan."""
         device = self.weight_bytes + self.kv_pages * self.page_bytes if self.on_cpu else 0
-        return WORKER_OVERHEAD_BYTES + device + (self.landing_pages + self.host_pages + self.staging_pages) * self.page_bytes
+        return (WORKER_OVERHEAD_BYTES * self.ranks + device
+                + (self.landing_pages + self.host_pages + self.staging_pages) * self.page_bytes)
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,9 @@ class MemoryPlan:
             extra += f", staging {w.staging_pages * w.page_bytes / GIB:.2f} GiB" if w.staging_pages else ""
             host = (f"host tier {w.host_pages * w.page_bytes / GIB:.2f} GiB = {(w.host_pages - 1) * w.page_size:,} tokens"
                     if w.host_pages else "host tier off")
-            lines.append(f"  {w.role} x{w.count}: each ~{w.ram_bytes / GIB:.2f} GiB in RAM: process "
-                         f"~{WORKER_OVERHEAD_BYTES / GIB:.1f} GiB, {kv}{extra}, {host}")
+            procs = f"{w.ranks} processes (tensor-parallel ranks)" if w.ranks > 1 else "process"
+            lines.append(f"  {w.role} x{w.count}: each ~{w.ram_bytes / GIB:.2f} GiB in RAM: {procs} "
+                         f"~{WORKER_OVERHEAD_BYTES * w.ranks / GIB:.1f} GiB, {kv}{extra}, {host}")
         lines += [w.describe() for w in self.gpu_workers]
         if self.max_model_len:
             lines.append(f"  max model length {self.max_model_len:,} tokens")
@@ -229,7 +232,7 @@ def plan_memory(config, shape: ModelShape, ram_bytes: int, gpu_bytes: int | None
         sized = engine.resolve(page_bytes, 1 << 30)
         plans.append(WorkerPlan(name, group.count, engine.device == "cpu", shape.weight_bytes(engine, prepacked),
                                 sized.num_pages, landing_pages, sized.host_cache_pages, page_bytes, engine.page_size,
-                                _staging_pages(name, engine)))
+                                _staging_pages(name, engine), engine.tensor_parallel_size))
         resolved[name] = dataclasses.replace(group, engine=engine,
                                              host_pages=landing_pages if name == "decode" else group.host_pages)
     config = dataclasses.replace(config, **resolved)
@@ -277,7 +280,7 @@ def _fixed_part(name: str, group, shape: ModelShape, config) -> tuple[int, int, 
     landing = 0
     if name == "decode":
         landing = group.host_pages or _landing_pages(config, engine)
-    fixed = WORKER_OVERHEAD_BYTES + landing * page_bytes
+    fixed = WORKER_OVERHEAD_BYTES * engine.tensor_parallel_size + landing * page_bytes
     sized = engine.resolve(page_bytes, 1 << 30)  # sizes set by hand (or the defaults off the budget)
     if engine.device == "cpu":
         fixed += shape.weight_bytes(engine, prepacked)

@@ -56,6 +56,8 @@ def build_worker(spec: WorkerSpec, transport=None):
     if spec.role is WorkerRole.PREFILL:  # it never decodes: compiling its decode step would only delay its start
         engine = dataclasses.replace(engine, cpu_compile=False)
     spec = dataclasses.replace(spec, engine=engine)
+    if engine.tensor_parallel_size > 1:  # a colocated worker over ranks (the config refuses other roles)
+        return _build_tensor_parallel(spec, transport, start_s)
     loaded = load_for_serving(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype],
                               backend=spec.engine.attention_backend)
     log.info("model loaded %.1f s after the worker began building (imports included)", time.perf_counter() - start_s)
@@ -81,6 +83,26 @@ def build_worker(spec: WorkerSpec, transport=None):
     return worker, transport
 
 
+def _build_tensor_parallel(spec: WorkerSpec, transport, start_s: float):
+    """A colocated worker whose engine spans `spec.engine.tensor_parallel_size` ranks: this process
+    rank 0, the others spawned beside it (`engine/tp_launch.py`), stopped with the engine."""
+    from engine.tp_launch import start_ranks
+    from kv_store.transfer.local import LocalTransport
+
+    assert spec.role is WorkerRole.COLOCATED, f"a {spec.role.value} worker takes no tensor parallelism yet"
+    ranks = start_ranks(spec.engine, serving=True)
+    loaded = ranks.loaded
+    try:
+        worker = make_worker(WorkerRole.COLOCATED, ranks.config, loaded.model, loaded.arch, tokenizer=loaded.tokenizer,
+                             eos_token_ids=loaded.eos_token_ids, l3=spec.l3, control=ranks.control)
+    except BaseException:
+        ranks.followers.join(timeout_s=1.0)
+        raise
+    ranks.stop_with(worker.engine)
+    log.info("worker built in %.1f s over %d ranks", time.perf_counter() - start_s, spec.engine.tensor_parallel_size)
+    return worker, transport or LocalTransport()
+
+
 def worker_role(role: WorkerRole | str) -> WorkerRole:
     """`role`, or the role its value names; a clear error for any other."""
     try:
@@ -92,10 +114,11 @@ def worker_role(role: WorkerRole | str) -> WorkerRole:
 def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, transport=None, *, host_pages: int = 0,
                 tokenizer=None, eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
                 clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None, draft_head=None,
-                compile_in_background: bool = False):
+                compile_in_background: bool = False, control=None):
     """The `role` worker (a `WorkerRole` or its value) over `model`: its engine built with the
     role's connector (a prefill worker's `KVSender`, a decode worker's `KVReceiver` with `host_pages`
-    landing pages, both over `transport`), then the worker around the engine."""
+    landing pages, both over `transport`), then the worker around the engine (`control`: rank 0's
+    control group of a tensor-parallel engine)."""
     from decode_worker.receiver import KVReceiver
     from decode_worker.worker import ColocatedWorker, DecodeWorker
     from engine import build_engine
@@ -114,5 +137,5 @@ def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, trans
     workers = {WorkerRole.PREFILL: PrefillWorker, WorkerRole.DECODE: DecodeWorker,
                WorkerRole.COLOCATED: ColocatedWorker}
     engine = build_engine(config, model, arch, tokenizer, eos_token_ids, connector=connectors[role], l3=l3,
-                          draft_head=draft_head, compile_in_background=compile_in_background)
+                          draft_head=draft_head, compile_in_background=compile_in_background, control=control)
     return workers[role](engine)

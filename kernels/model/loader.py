@@ -122,13 +122,15 @@ def read_config(model_dir: Path) -> Any:
 
 
 def load_for_serving(spec: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                     backend: str = "torch", cache_dir: Path | None = None) -> LoadedModel:
+                     backend: str = "torch", cache_dir: Path | None = None,
+                     tp: Callable[[Any], TPGroup] | None = None) -> LoadedModel:
     """`load_model` for a worker: the config read as JSON (`read_config`) and the gateway's tokenizer
     (`load_tokenizer`: the `tokenizers` library), so a worker never imports transformers, which took
-    ~2.5 s of each worker's start on 2 cores (both workers start at once). Same weights, same ids."""
+    ~2.5 s of each worker's start on 2 cores (both workers start at once). Same weights, same ids.
+    `tp`: as `load_model` takes it."""
     model_dir = resolve_model_dir(spec, cache_dir)
     hf_config = read_config(model_dir)
-    model = build_model(model_dir, hf_config, device, dtype, backend)
+    model = build_model(model_dir, hf_config, device, dtype, backend, None if tp is None else tp(hf_config))
     tokenizer = load_tokenizer(model_dir)
     return LoadedModel(model=model, arch=model.arch, hf_config=hf_config, tokenizer=tokenizer, model_dir=model_dir,
                        eos_token_ids=eos_token_ids(hf_config, tokenizer, model_dir))

@@ -42,3 +42,35 @@ def test_a_tiny_model_at_tp2_gives_transformers_greedy_tokens(name, capsys, tmp_
     expected = write_checkpoint(name, tmp_path)
     (result,) = run_tp(capsys, ["--model", str(tmp_path), "--prompt", PROMPT, "--max-tokens", str(NEW_TOKENS)])
     assert result["token_ids"] == expected
+
+
+def test_tandem_serve_colocated_at_tp2_gives_transformers_greedy_tokens(tmp_path_factory):
+    """`tandem serve` with one colocated worker over 2 ranks (spawned by its actor): three concurrent
+    completions give transformers' greedy tokens, a streamed chat completes; the ranks stop with it."""
+    import asyncio
+
+    import openai
+
+    from tests.integration.serve_harness import serving
+
+    loaded, reference = smollm2()
+    story = "The harbour town was quiet before the boats came in. The fishermen mended their nets, and "
+    prompts = [story + "the children", story + "the old captain told them", "A recipe for bread starts with"]
+    eos = list(loaded.eos_token_ids)
+    expected = [hf_greedy(reference, loaded.tokenizer.encode(p, add_special_tokens=False), 12, eos) for p in prompts]
+    args = ["--set", "prefill.count=0", "--set", "decode.count=0", "--set", "colocated.count=1",
+            "--set", "colocated.engine.tensor_parallel_size=2", "--set", "engine.num_pages=256"]
+    with serving(tmp_path_factory, "serve-tp2", args, env={"TANDEM_DEBUG_KV": "1"}, warm=False) as server:
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+        async def run() -> tuple[list, str]:
+            done = await asyncio.gather(*(client.completions.create(
+                model="smollm2", prompt=p, max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+                for p in prompts))
+            stream = await client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi!"}],
+                                                          max_tokens=8, temperature=0, stream=True)
+            text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+            await client.close()
+            return [d.choices[0].token_ids for d in done], text
+        tokens, chat = asyncio.run(run())
+        assert tokens == expected and chat

@@ -116,7 +116,7 @@ def follow(control: ControlGroup, runner: GraphRunner, model: torch.nn.Module) -
             runner.replay(call[1], call[2])
         elif call[0] == "logits":
             with torch.inference_mode():
-                model.compute_logits(call[1].to(runner.device))
+                model.compute_logits(call[1].to(runner.eager.device))
         elif call[0] == "probe":
             runner.probe()
         elif call[0] == "stop":

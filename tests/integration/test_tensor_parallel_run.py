@@ -11,6 +11,7 @@ import pytest
 
 from cluster.cli.main import main as tandem_main
 from tests.helpers import hf_greedy, smollm2
+from tests.integration.logprobs_check import check_logprobs
 from tests.integration.test_serve_families import NEW_TOKENS, PROMPT, write_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,8 @@ def test_a_tiny_model_at_tp2_gives_transformers_greedy_tokens(name, capsys, tmp_
 
 def test_tandem_serve_colocated_at_tp2_gives_transformers_greedy_tokens(tmp_path_factory):
     """`tandem serve` with one colocated worker over 2 ranks (spawned by its actor): three concurrent
-    completions give transformers' greedy tokens, a streamed chat completes; the ranks stop with it."""
+    completions give transformers' greedy tokens, a streamed chat completes, logprobs (the output's
+    and an echoed prompt's) are transformers'; the ranks stop with it."""
     import asyncio
 
     import openai
@@ -74,3 +76,5 @@ def test_tandem_serve_colocated_at_tp2_gives_transformers_greedy_tokens(tmp_path
             return [d.choices[0].token_ids for d in done], text
         tokens, chat = asyncio.run(run())
         assert tokens == expected and chat
+        # logprobs: the head's vocabulary slices gathered; the echoed prompt's through a head-only pass
+        check_logprobs(openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=120))

@@ -131,9 +131,11 @@ def rank_device(config: EngineConfig, rank: int) -> str:
 
 
 def join(rank: int, size: int, init_method: str, device: str) -> None:
-    """Join the group (NCCL on CUDA, gloo on the CPU) as `rank`. The ranks are on this host: gloo
-    listens on the loopback interface (unless GLOO_SOCKET_IFNAME names another)."""
+    """Join the group (NCCL on CUDA, gloo on the CPU) as `rank`. The ranks are on this host: gloo and
+    NCCL's bootstrap listen on the loopback interface (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
+    name another)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # NCCL's bootstrap sockets (its data moves over NVLink/PCIe)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(device)

@@ -33,11 +33,15 @@ def test_a_tiny_model_at_tp2_gives_transformers_greedy_tokens(name, capsys, tmp_
 def test_tandem_serve_colocated_at_tp2_gives_transformers_greedy_tokens(tmp_path_factory):
     """`tandem serve` with one colocated worker over 2 ranks (spawned by its actor): three concurrent
     completions give transformers' greedy tokens, a streamed chat completes, logprobs (the output's
-    and an echoed prompt's) are transformers'; the ranks stop with it."""
+    and an echoed prompt's) are transformers'; the ranks listen on loopback only and stop with it."""
     import asyncio
+
+    from pathlib import Path
 
     import openai
 
+    from cluster.serve.local_ray import session_members
+    from kv_store.transfer.listeners import listening_sockets
     from tests.integration.serve_harness import serving
 
     loaded, reference = smollm2()
@@ -67,3 +71,8 @@ def test_tandem_serve_colocated_at_tp2_gives_transformers_greedy_tokens(tmp_path
         assert again.choices[0].token_ids == expected[1] and again.usage.prompt_tokens_details.cached_tokens > 0
         # logprobs: the head's vocabulary slices gathered; the echoed prompt's through a head-only pass
         check_logprobs(sync)
+        processes = {pid for session in server.sessions() for pid in session_members(session)}
+        ranks = [pid for pid in processes if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+        assert len(ranks) == 1, "rank 1 was not found beside the worker's actor"
+        beyond = [str(lst) for pid in processes for lst in listening_sockets(pid) if not lst.is_loopback]
+        assert beyond == [], f"listening beyond loopback: {beyond}"

@@ -80,6 +80,10 @@ class WorkerGroupConfig:
                 f"host_pages must be >= 2 (scratch page + one usable) or null, got {self.host_pages}")
         require(self.num_cpus > 0 or self.num_gpus > 0,
                  "num_cpus and num_gpus are both 0: a placement-group bundle needs some resource")
+        require(self.count == 0 or not self.engine.device.startswith("cuda") or self.engine.tensor_parallel_size == 1
+                or self.num_gpus >= self.engine.tensor_parallel_size,
+                f"num_gpus ({self.num_gpus:g}) must be at least engine.tensor_parallel_size "
+                f"({self.engine.tensor_parallel_size}) on CUDA: one GPU a rank")
         require(self.count == 0 or self.num_gpus > 0 or not self.engine.device.startswith("cuda"),
                  f"num_gpus must be > 0 when engine.device is {self.engine.device!r} "
                  "(Ray hides every GPU from a worker that requests none)")

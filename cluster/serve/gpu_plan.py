@@ -43,10 +43,12 @@ class GpuWorkerPlan:
     kv_pages: int  # scratch page included
     page_bytes: int
     page_size: int
+    ranks: int = 1  # tensor-parallel: a GPU each, every figure but the tokens per rank
 
     def describe(self) -> str:
         kv = self.kv_pages * self.page_bytes
-        return (f"  {self.role} x{self.count} on the GPU: each {self.gpu_fraction:g} of a GPU, "
+        where = f"{self.ranks} GPUs (tensor-parallel ranks), each" if self.ranks > 1 else f"each {self.gpu_fraction:g} of a GPU"
+        return (f"  {self.role} x{self.count} on the GPU: {where}, "
                 f"{self.share_bytes / GIB:.1f} GiB: weights {self.weight_bytes / GIB:.2f} GiB, reserve "
                 f"{GPU_RESERVE_BYTES / GIB:.1f} GiB, KV {kv / GIB:.2f} GiB = {(self.kv_pages - 1) * self.page_size:,} tokens")
 
@@ -79,8 +81,9 @@ def plan_gpus(config, shape, gpu_bytes: int | None) -> tuple[object, tuple[GpuWo
             continue
         fraction = min(group.num_gpus, 1.0)
         share = int(fraction * utilization * gpu_bytes)
-        weights = shape.weight_bytes(engine, prepacked=False)
-        page_bytes = shape.page_bytes(engine)
+        ranks = engine.tensor_parallel_size  # a GPU each: each holds its shard and its heads' share of a page
+        weights = shape.weight_bytes(engine, prepacked=False) // ranks
+        page_bytes = shape.page_bytes(engine) * -(-shape.num_kv_heads // ranks) // shape.num_kv_heads
         if engine.num_pages is None and engine.kv_memory_gib is None:
             kv_bytes = share - weights - GPU_RESERVE_BYTES
             if kv_bytes < MIN_GPU_KV_BYTES:
@@ -95,7 +98,8 @@ def plan_gpus(config, shape, gpu_bytes: int | None) -> tuple[object, tuple[GpuWo
                     f"pool{tp}: give the group more of a GPU (num_gpus), fewer workers per GPU, or a smaller dtype")
             engine = dataclasses.replace(engine, num_pages=max(2, kv_bytes // page_bytes))
         kv_pages = engine.resolve(page_bytes, 1 << 30).num_pages
-        plans.append(GpuWorkerPlan(name, group.count, fraction, share, weights, kv_pages, page_bytes, engine.page_size))
+        plans.append(GpuWorkerPlan(name, group.count, fraction, share, weights, kv_pages, page_bytes, engine.page_size,
+                                   ranks))
         resolved[name] = dataclasses.replace(group, engine=engine)
     return dataclasses.replace(config, **resolved), tuple(plans)
 

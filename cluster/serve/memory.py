@@ -253,9 +253,14 @@ def _staging_pages(name: str, engine: EngineConfig) -> int:
 
 def _with_host_tier(group, with_l3: bool):
     """`group` with its CPU engine's host tier decided when not asked for: off, or with L3 a staging
-    area of `L3_STAGING_HOST_RATIO` (pages fetched from L3 land in host pages first)."""
+    area of `L3_STAGING_HOST_RATIO` (pages fetched from L3 land in host pages first); a tensor-parallel
+    engine's off on any device (it takes none yet: `engine/tp.py`)."""
     engine = group.engine
-    if engine.device != "cpu" or engine.host_cache_ratio is not None or engine.host_cache_pages is not None:
+    if engine.host_cache_ratio is not None or engine.host_cache_pages is not None:
+        return group
+    if engine.tensor_parallel_size > 1:
+        return dataclasses.replace(group, engine=dataclasses.replace(engine, host_cache_ratio=0.0))
+    if engine.device != "cpu":
         return group
     ratio = L3_STAGING_HOST_RATIO if with_l3 else 0.0
     return dataclasses.replace(group, engine=dataclasses.replace(engine, host_cache_ratio=ratio))

@@ -151,3 +151,20 @@ def test_the_plan_says_how_many_ranks_a_large_model_needs_on_each_gpu_size(tmp_p
                  "--plan-gpu-memory-gib", "141"]) == 0
     advice = "needs at least: " + ", ".join(f"{gib} GiB: {n}" for gib, n in degrees.items())
     assert advice in capsys.readouterr().out
+
+
+def test_a_colocated_worker_over_two_gpus_holds_half_the_weights_and_its_heads_pages_on_each(tmp_path):
+    """Llama-3-70B does not fit one 141 GiB GPU; a colocated worker at tensor_parallel_size 2 with two GPUs
+    does: each rank's share holds half the weights and pages of half the KV heads. One GPU a rank."""
+    model_dir, _ = header_only_model(tmp_path, "llama-3-70b")
+    colocated = {"prefill.count": 0, "decode.count": 0, "colocated.count": 1,
+                 "colocated.engine.tensor_parallel_size": 2}
+    with pytest.raises(ConfigError, match=r"num_gpus \(1\) must be at least engine.tensor_parallel_size \(2\)"):
+        plan_for(model_dir, 2, 141, **colocated)
+    config, plan = plan_for(model_dir, 2, 141, **colocated, **{"colocated.num_gpus": 2})
+    (worker,) = plan.gpu_workers
+    shape = ModelShape.read(model_dir)
+    assert worker.ranks == 2 and worker.weight_bytes == shape.num_params * 2 // 2
+    assert worker.page_bytes * 2 == shape.page_bytes(config.colocated.engine)
+    assert worker.weight_bytes + GPU_RESERVE_BYTES + worker.kv_pages * worker.page_bytes <= worker.share_bytes
+    assert config.colocated.engine.host_cache_ratio == 0.0  # no host tier under TP yet

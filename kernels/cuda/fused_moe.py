@@ -39,6 +39,16 @@ SMALL_BLOCK_ROWS = 16
 
 
 @triton.jit
+def _block_pairs(block, rows, sorted_pairs_ptr, block_expert_ptr, BLOCK_M: tl.constexpr):
+    """Block `block`'s expert, which of its BLOCK_M rows hold a pair, and those pairs' ids."""
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    row_ok = m < rows
+    pair = tl.load(sorted_pairs_ptr + block * BLOCK_M + m, mask=row_ok, other=0)  # [BLOCK_M]
+    return expert, row_ok, pair
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, gate_up_ptr, hidden_ptr, sorted_pairs_ptr, block_expert_ptr, block_rows_ptr,
     hidden_size, inter_size, top_k,
@@ -52,10 +62,7 @@ def gate_up_kernel(
     rows = tl.load(block_rows_ptr + block)
     if rows == 0:
         return
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    row_ok = m < rows
-    pair = tl.load(sorted_pairs_ptr + block * BLOCK_M + m, mask=row_ok, other=0)  # [BLOCK_M]
+    expert, row_ok, pair = _block_pairs(block, rows, sorted_pairs_ptr, block_expert_ptr, BLOCK_M)
     token = pair // top_k
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter_size
@@ -99,10 +106,7 @@ def down_kernel(
     rows = tl.load(block_rows_ptr + block)
     if rows == 0:
         return
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    row_ok = m < rows
-    pair = tl.load(sorted_pairs_ptr + block * BLOCK_M + m, mask=row_ok, other=0)  # [BLOCK_M]
+    expert, row_ok, pair = _block_pairs(block, rows, sorted_pairs_ptr, block_expert_ptr, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden_size
     kk = tl.arange(0, BLOCK_K)

@@ -1,7 +1,7 @@
 """Wire types between workers (bottom of the import graph: plain frozen dataclasses, no torch).
 
-A `Landing` tells a prefill worker where its KV goes: the decode worker's transport session, the
-host-tier pages reserved for the request, and the memory layout to compute byte addresses from.
+A `Landing` (`common/landing.py`) tells a prefill worker where its KV goes: the decode worker's
+transport session(s), the landing pages reserved for the request, and the layout to address them by.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from common.config import SamplingParams
+from common.landing import KVLayout, Landing, LandingShard  # noqa: F401 - wire types, re-exported
 from common.logprobs import TokenLogprobs
 
 
@@ -25,57 +26,6 @@ class WorkerRole(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Layer-first paged layout shared by device and host pools:
-    per layer, K and V each `[num_pages, page_size, num_kv_heads, head_dim]`."""
-
-    num_layers: int
-    page_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
-    element_bytes: int
-
-    @property
-    def page_bytes_per_tensor(self) -> int:
-        """Bytes of one page in one layer's K (or V) tensor: the unit a page moves in."""
-        return self.page_size * self.num_kv_heads * self.head_dim * self.element_bytes
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V."""
-        return 2 * self.num_layers * self.page_bytes_per_tensor
-
-    def check_compatible(self, other: "KVLayout") -> None:
-        if self != other:
-            raise ValueError(f"KV layouts differ (prefill and decode must run the same model, dtype and "
-                             f"page size): {self} vs {other}")
-
-
-@dataclass(frozen=True)
-class Landing:
-    """Host-tier pages a decode worker reserved for one request's prompt KV.
-
-    Byte address of token slot `page_ids[i]`'s page in layer l:  k_base[l] + page_ids[i] * stride
-    (same for V), with `stride = layout.page_bytes_per_tensor`. Page i holds prompt tokens
-    `[i * page_size, (i + 1) * page_size)`.
-    """
-
-    request_id: str
-    session: str  # the decode worker's transport session id
-    page_ids: tuple[int, ...]
-    k_base: tuple[int, ...]  # per layer, address of host K tensor
-    v_base: tuple[int, ...]
-    layout: KVLayout
-    timeout_s: float  # the decode worker frees the landing this long after reserving it
-
-    def page_addrs(self, layer: int, index: int) -> tuple[int, int]:
-        """(K address, V address) of the `index`-th landing page in `layer`."""
-        offset = self.page_ids[index] * self.layout.page_bytes_per_tensor
-        return self.k_base[layer] + offset, self.v_base[layer] + offset
 
 
 # ---- prefill <-> decode messages ---------------------------------------------------------------

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from common.config import SamplingParams
 from common.faults import internal_error
 from common.protocol import AbortTransfer, Failure, KVComplete, KVProgress, Landing, TransferAborted
+from decode_worker.rank_landing import OtherLandings
 from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput, step_output
 from engine.request import FinishReason, Request, RequestStatus
@@ -71,9 +72,11 @@ class KVReceiver(NullConnector):
     Messages for prefill workers accumulate in `outbox` as (peer, message)."""
 
     def __init__(self, ports: ConnectorPorts, transport: Transport, host_pages: int,
-                 deadlines: TransferDeadlines = TransferDeadlines(), clock: Callable[[], float] = time.monotonic):
+                 deadlines: TransferDeadlines = TransferDeadlines(), clock: Callable[[], float] = time.monotonic,
+                 others: Callable[[], OtherLandings] | None = None):
         """`ports`: what the engine lends (`EngineCore` makes the receiver with them); a landing pool of
-        `host_pages` pages is made here and registered with `transport`."""
+        `host_pages` pages is made here and registered with `transport`. Rank 0 of an engine over
+        ranks: `others` makes the other ranks' side of its landings (`rank_landing.py`), once its own is."""
         self.ports, self.kv = ports, ports.kv
         self.transport, self.deadlines, self.clock = transport, deadlines, clock
         self.inbound: dict[str, _Inbound] = {}
@@ -84,6 +87,7 @@ class KVReceiver(NullConnector):
         self.landing = LandingPool(ports.device_pool, host_pages)
         for t in (*self.landing.kv.k, *self.landing.kv.v):
             self._regions.enter_context(self.transport.register_tensor(t))
+        self.others = others() if others is not None else None
 
     # ---- the worker's requests ---------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, peer: str) -> Landing | None:
@@ -96,6 +100,8 @@ class KVReceiver(NullConnector):
                                     self.deadlines.waiting_s + self.deadlines.transferring_s)
         if landing is None:
             return None
+        if self.others is not None:
+            landing = self.others.spread(landing)
         session = TransferSession(request_id, self.deadlines, self.clock())
         session.advance(TransferState.WAITING, self.clock())
         req.timings["reserved"] = self.clock()
@@ -249,6 +255,8 @@ class KVReceiver(NullConnector):
         ib.move(InboundPhase.LOADING)
         ib.residency = move_residency(ib.residency, Residency.LOADING, req.request_id)
         req.timings["load_start"] = self.clock()
+        if self.others is not None:  # their copies end before this returns (a failure fails the request)
+            self.others.load(list(ib.landed_kv.pages), list(kv.pages))
         ib.load = self.landing.start_load(ib.landed_kv, kv)
 
     def _loaded(self, ib: _Inbound, job: CopyJob) -> None:

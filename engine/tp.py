@@ -60,6 +60,13 @@ class ControlGroup:
         torch.distributed.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def gather(self, obj: Any) -> list | None:
+        """Every rank's `obj` on rank 0 (in rank order; None on the others): a rank's answer to a call."""
+        rank0 = torch.distributed.get_rank() == 0
+        out = [None] * torch.distributed.get_world_size() if rank0 else None
+        torch.distributed.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
 
 class LeadRunner(ModelRunner):
     """Rank 0's model runner: each forward (and the probe) is sent to the other ranks first."""
@@ -105,11 +112,14 @@ class LeadModel:
         return getattr(self._model, name)
 
 
-def follow(control: ControlGroup, runner: GraphRunner, model: torch.nn.Module) -> None:
-    """A rank other than 0: run rank 0's calls until it says stop."""
+def follow(control: ControlGroup, runner: GraphRunner, model: torch.nn.Module, calls: dict | None = None) -> None:
+    """A rank other than 0: run rank 0's calls until it says stop (`calls`: its worker role's, by name)."""
+    calls = calls or {}
     while True:
         call = control.receive()
-        if call[0] == "forward":
+        if call[0] in calls:
+            calls[call[0]](*call[1:])
+        elif call[0] == "forward":
             with torch.inference_mode():
                 runner.forward(call[1])
         elif call[0] == "replay":

@@ -3,12 +3,15 @@ each loading its shard of the model."""
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import signal
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,35 +26,54 @@ from engine.tp import ControlGroup, follow, join, prepare, rank_device
 from kv_store.device_pool import DevicePool
 
 log = logging.getLogger("tandem.engine")
-PR_SET_PDEATHSIG = 1
 
 
 def load_shard(config: EngineConfig, rank: int, size: int, device: str, serving: bool = False):
-    """This rank's `LoadedModel` (`loaded.model` holds the rank's shard, `loaded.arch` its shapes);
-    `serving`: loaded as a served worker loads (`load_for_serving`: no transformers)."""
+    """(This rank's `LoadedModel` (`loaded.model` holds the rank's shard, `loaded.arch` its shapes),
+    every rank's `Shard`); `serving`: loaded as a served worker loads (`load_for_serving`: no transformers)."""
     from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.arch import LlamaArch
     from kernels.model.loader import load_for_serving, load_model
     from kernels.model.tp import Shard, TPGroup
 
+    shards = []
+
     def shard_of(hf_config):
-        return TPGroup(Shard.of(LlamaArch.from_hf_config(hf_config), rank, size))
+        arch = LlamaArch.from_hf_config(hf_config)
+        shards[:] = [Shard.of(arch, r, size) for r in range(size)]
+        return TPGroup(shards[rank])
     load = load_for_serving if serving else load_model
-    return load(config.model, device=device, dtype=TORCH_DTYPES[config.dtype], backend=config.attention_backend,
-                tp=shard_of)
+    loaded = load(config.model, device=device, dtype=TORCH_DTYPES[config.dtype], backend=config.attention_backend,
+                  tp=shard_of)
+    return loaded, shards
 
 
-def follower_main(rank: int, size: int, init_method: str, config: EngineConfig, serving: bool = False) -> None:
+@dataclass
+class RankContext:
+    """What a worker role's part on a rank other than 0 (`role.start(ctx)`, e.g. a prefill worker's
+    `RankSender`) is given: its rank, every rank's `Shard`, its KV cache, the control group, and
+    where to register what closes when the rank stops."""
+
+    rank: int
+    shards: list
+    kv: object
+    control: ControlGroup
+    closing: contextlib.ExitStack
+
+
+def follower_main(rank: int, size: int, init_method: str, config: EngineConfig, serving: bool = False,
+                  role=None, parent: int = 0) -> None:
     """A rank other than 0, in a process of its own (dying with its parent): its shard, then the KV
-    cache rank 0's resolved config sizes (sent once it is built), then `follow`."""
+    cache rank 0's resolved config sizes (sent once it is built), its worker role's part (`role`, with
+    a `start(RankContext) -> calls by name`), then `follow`."""
     from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors
 
-    _die_with_parent()
+    _die_with_parent(parent)
     device = rank_device(config, rank)
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     join(rank, size, init_method, device)
     control = ControlGroup()
-    loaded = load_shard(config, rank, size, device, serving)
+    loaded, shards = load_shard(config, rank, size, device, serving)
     kind, resolved = control.receive()
     assert kind == "config", f"rank 0 sent {kind!r} before its config"
     arch = loaded.arch
@@ -62,29 +84,38 @@ def follower_main(rank: int, size: int, init_method: str, config: EngineConfig, 
     plan = choose_step_strategy(resolved, loaded.model, torch.device(device), backend)  # rank 0's, as it chose
     graphs = GraphRunner(eager, DevicePool(kv), graph_max_batch(resolved), resolved.max_model_len, plan,
                          sizes=resolved.graph_batch_sizes)  # captured (CUDA) with rank 0's, bucket by bucket
-    follow(control, graphs, loaded.model)
+    with contextlib.ExitStack() as closing:
+        calls = role.start(RankContext(rank, shards, kv, control, closing)) if role is not None else {}
+        follow(control, graphs, loaded.model, calls)
     torch.distributed.destroy_process_group()
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent dies (a killed worker's ranks must not wait
-    for its next call for days)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the ranks end when their sockets close
-        pass
+def _die_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """This process ends when `parent` (rank 0's process) does: a killed worker's ranks must not wait
+    for its next call for days. A watch on the parent pid, not `PR_SET_PDEATHSIG`: that fires when
+    the spawning *thread* ends (a served worker spawns its ranks from a thread that ends before the
+    worker closes). A SIGTERM or SIGINT sent to the whole process group (a terminal's Ctrl-C, a
+    supervisor stopping the server) is rank 0's to act on: it stops the ranks ("stop") as it closes,
+    which a rank that had ended first would make fail."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+    threading.Thread(target=watch, name="tandem-tp-parent-watch", daemon=True).start()
 
 
 class Followers:
     """The processes of ranks 1..size-1 (spawned), and the rendezvous rank 0 joins them through."""
 
-    def __init__(self, config: EngineConfig, serving: bool = False) -> None:
+    def __init__(self, config: EngineConfig, serving: bool = False, role=None) -> None:
         size = config.tensor_parallel_size
         self._dir = tempfile.TemporaryDirectory(prefix="tandem-tp-")
         self.init_method = f"file://{Path(self._dir.name) / 'rendezvous'}"
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=follower_main, args=(rank, size, self.init_method, config, serving),
+        self.procs = [ctx.Process(target=follower_main, args=(rank, size, self.init_method, config, serving, role, os.getpid()),
                                   name=f"tandem-tp-rank{rank}", daemon=True) for rank in range(1, size)]
         for proc in self.procs:
             proc.start()
@@ -102,12 +133,13 @@ class Followers:
 @dataclass
 class Ranks:
     """Rank 0's side of a started group: its config (prepared, its device), the other ranks, the
-    control group, its shard (`kernels.model.loader.LoadedModel`)."""
+    control group, its shard (`kernels.model.loader.LoadedModel`), every rank's `Shard`."""
 
     config: EngineConfig
     followers: Followers
     control: ControlGroup
     loaded: object
+    shards: list
 
     def stop_with(self, engine) -> None:
         """`engine.close()` (rank 0's engine, built with `control`) also stops the other ranks."""
@@ -123,23 +155,23 @@ class Ranks:
         engine.close = close
 
 
-def start_ranks(config: EngineConfig, serving: bool = False) -> Ranks:
-    """Spawn ranks 1..N-1 of `config.tensor_parallel_size`, join them as rank 0, load rank 0's shard
-    (`serving`: as a served worker loads, without transformers). Build the engine with `control`, then
-    `stop_with` it."""
+def start_ranks(config: EngineConfig, serving: bool = False, role=None) -> Ranks:
+    """Spawn ranks 1..N-1 of `config.tensor_parallel_size` (each running `role`'s part, `follower_main`),
+    join them as rank 0, load rank 0's shard (`serving`: as a served worker loads, without
+    transformers). Build the engine with `control`, then `stop_with` it."""
     config = prepare(config)
     if torch.device(config.device).type == "cpu":  # the ranks share this machine's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
-    followers = Followers(config, serving)
+    followers = Followers(config, serving, role)
     try:
         device = rank_device(config, 0)
         join(0, config.tensor_parallel_size, followers.init_method, device)
         control = ControlGroup()
-        loaded = load_shard(config, 0, config.tensor_parallel_size, device, serving)
+        loaded, shards = load_shard(config, 0, config.tensor_parallel_size, device, serving)
     except BaseException:
         followers.join(timeout_s=1.0)
         raise
-    return Ranks(dataclasses.replace(config, device=device), followers, control, loaded)
+    return Ranks(dataclasses.replace(config, device=device), followers, control, loaded, shards)
 
 
 def load_tp_engine(config: EngineConfig, populate: bool = True):

@@ -15,11 +15,15 @@ host memory: `staging.reads_in_place`), pages go through staging (`prefill_worke
 copy device -> staging pages first (the request's device pages pinned under the copy job until it is
 done), then the write from the staging pages, which are free again when that write retires. A request
 whose pages do not all fit the staging pages ships them in pieces, as pages free up.
+
+Over tensor-parallel ranks (on either side) a write is one transfer per rank pair holding the same
+heads, each from the prefill rank that holds them (`rank_writes.py`), under one handle.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,12 +33,13 @@ from common.protocol import Failure, KVComplete, KVProgress, Landing, TransferAb
 from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput
 from engine.request import FinishReason, Request, RequestStatus
-from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob
 from kv_store.req_kv import ceil_div
 from kv_store.stream_order import order_for
-from kv_store.transfer.base import TransferError, TransferStatus, Transport, WriteOp, coalesce
+from kv_store.transfer.base import TransferError, TransferStatus, Transport
+from kv_store.transfer.heads import SourceKV, sent_heads
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
+from prefill_worker.rank_writes import OtherRanks, ShardWrites
 from prefill_worker.staging import StagingPages, reads_in_place
 
 
@@ -76,10 +81,12 @@ class KVSender(NullConnector):
     (KVProgress, KVComplete, TransferAborted) for the worker's loop to deliver."""
 
     def __init__(self, ports: ConnectorPorts, transport: Transport, deadlines: TransferDeadlines = TransferDeadlines(),
-                 clock: Callable[[], float] = time.monotonic, staging_pages: int = 64):
+                 clock: Callable[[], float] = time.monotonic, staging_pages: int = 64,
+                 others: OtherRanks | None = None):
         """`ports`: what the engine lends (`EngineCore` makes the sender with them); its KV tensors are
         registered with `transport` here, or, where the transport cannot read them in place, this
-        many `staging_pages` (module docstring)."""
+        many `staging_pages` (module docstring). Rank 0 of an engine over ranks: `others`, the other
+        ranks' writes (`rank_writes.py`)."""
         self.ports, self.kv, self.kv_cache = ports, ports.kv, ports.kv_cache
         self.transport, self.deadlines, self.clock = transport, deadlines, clock
         self.shipments: dict[str, _Shipment] = {}
@@ -90,9 +97,17 @@ class KVSender(NullConnector):
         self._staging_at_handle: dict[object, list[int]] = {}  # staged writes: handle -> the pages it reads
         self._order = order_for(self.kv_cache.k[0].device)
         self.staging = None if reads_in_place(self.kv_cache, transport) else StagingPages(self.kv_cache, staging_pages)
+        if others is not None and self.staging is not None:
+            raise TransferError("a prefill worker over tensor-parallel ranks ships from its device pools in place: it "
+                                "needs a transport that reads device memory (install the `gpu` extra's Mooncake)")
         shipped_from = self.kv_cache if self.staging is None else self.staging.kv
         for t in (*shipped_from.k, *shipped_from.v):
             self._regions.enter_context(self.transport.register_tensor(t))
+        self.writes = ShardWrites(transport, others)
+        heads = () if others is None else (others.held[0], sent_heads(others.held, 0))
+        self._source = SourceKV.of(shipped_from, *heads)
+        layout = ports.device_pool.layout  # landings are laid out for the whole model's heads
+        self.layout = layout if others is None else dataclasses.replace(layout, num_kv_heads=others.num_kv_heads)
 
     # ---- the worker's requests ---------------------------------------------------------------------
     def open(self, req: Request, landing: Landing) -> None:
@@ -135,6 +150,7 @@ class KVSender(NullConnector):
         for (staged now), and deadlines; each shipment's work confined to it (a fault aborts that
         transfer alone)."""
         now = self.clock()
+        self.writes.refresh()
         for rid, shipment in list(self.shipments.items()):
             self._confined(rid, self._poll_writes, rid, shipment, now)
             if self.staging is not None:
@@ -228,7 +244,7 @@ class KVSender(NullConnector):
         self._order.host_wait(self._order.mark())
         # The write reads cached pages too: a retract or abort may drop the request's tree lock
         # long before this handle retires, so the handle pins all it reads, whoever owns it.
-        handle = self._write(shipment, self.kv_cache, kv.pages[start:upto], start, upto)
+        handle = self._write(shipment, kv.pages[start:upto], start, upto)
         if handle is not None:
             shipment.handles.add(self.kv.pin_for_transfer(kv, start, upto, handle))
 
@@ -260,20 +276,18 @@ class KVSender(NullConnector):
             if shipment.abort_reason is not None:
                 self.staging.give_back(staged.staging_pages)
                 continue
-            handle = self._write(shipment, self.staging.kv, staged.staging_pages, staged.start, staged.stop)
+            handle = self._write(shipment, staged.staging_pages, staged.start, staged.stop)
             if handle is None:
                 self.staging.give_back(staged.staging_pages)
                 continue
             shipment.handles.add(handle)
             self._staging_at_handle[handle] = staged.staging_pages
 
-    def _write(self, shipment: _Shipment, source: KVCacheTensors, src_pages: list[int], start: int,
-               stop: int) -> object | None:
-        """Write `src_pages` of `source` (the request's pages [start, stop)) to its landing; the
-        handle, or None when the transport refused it (the transfer is aborted then)."""
-        ops = self._write_ops(source, src_pages, shipment.landing, start)
+    def _write(self, shipment: _Shipment, src_pages: list[int], start: int, stop: int) -> object | None:
+        """Write `src_pages` of the pool shipped from (the request's pages [start, stop)) to its
+        landing; the handle, or None when the transport refused it (the transfer is aborted then)."""
         try:
-            handle = self.transport.write(shipment.landing.session, ops)
+            handle = self.writes.write(self._source, shipment.landing, src_pages, start)
         except TransferError as exc:
             self.abort_transfer(shipment.request.request_id, FailureReason.TRANSPORT_ERROR, str(exc))
             return None
@@ -285,30 +299,17 @@ class KVSender(NullConnector):
         shipment.bytes_sent += handle.num_bytes
         return handle
 
-    @staticmethod
-    def _write_ops(source: KVCacheTensors, src_pages: list[int], landing: Landing, start: int) -> list[WriteOp]:
-        """Layer-first layout: `src_pages[j]` of layer l is landing page `start + j`, one contiguous
-        block per K and V; `coalesce` merges runs of consecutive pages on both sides into one op."""
-        stride = landing.layout.page_bytes_per_tensor
-        ops = []
-        for layer, (k, v) in enumerate(zip(source.k, source.v)):
-            for j, page in enumerate(src_pages):
-                dst_k, dst_v = landing.page_addrs(layer, start + j)
-                ops.append(WriteOp(k.data_ptr() + page * stride, dst_k, stride))
-                ops.append(WriteOp(v.data_ptr() + page * stride, dst_v, stride))
-        return coalesce(ops)
-
     def _poll_writes(self, rid: str, shipment: _Shipment, now: float) -> None:
         for handle in list(shipment.handles):
-            status = self.transport.poll(handle)
+            status = self.writes.poll(handle)
             if status is TransferStatus.PENDING:
                 continue
             if status is TransferStatus.FAILED:
-                self.abort_transfer(rid, FailureReason.TRANSPORT_ERROR, str(self.transport.error(handle)))
-                if not self.transport.settled(handle):
+                self.abort_transfer(rid, FailureReason.TRANSPORT_ERROR, str(self.writes.error(handle)))
+                if not self.writes.settled(handle):
                     continue  # abandoned batches may still read these pages and write the landing
             shipment.handles.discard(handle)
-            self.transport.retire(handle)
+            self.writes.retire(handle)
             staging_pages = self._staging_at_handle.pop(handle, None)
             if staging_pages is None:
                 self.kv.unpin_transfer(handle)  # terminal and settled: nothing reads its pages now

@@ -76,7 +76,7 @@ class PrefillWorker(EngineWorker):
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params, landing: p.Landing) -> None:
         """Prefill `prompt_token_ids` into `landing`. Raises ValueError (holding nothing) on a bad landing."""
-        landing.layout.check_compatible(self.engine.device_pool.layout)
+        landing.layout.check_compatible(self.sender.layout)
         need = ceil_div(len(prompt_token_ids), self.engine.config.page_size)
         if len(landing.page_ids) != need:
             raise ValueError(f"landing for {request_id} has {len(landing.page_ids)} pages, the prompt needs {need}")

@@ -56,7 +56,7 @@ def build_worker(spec: WorkerSpec, transport=None):
     if spec.role is WorkerRole.PREFILL:  # it never decodes: compiling its decode step would only delay its start
         engine = dataclasses.replace(engine, cpu_compile=False)
     spec = dataclasses.replace(spec, engine=engine)
-    if engine.tensor_parallel_size > 1:  # a colocated worker over ranks (the config refuses other roles)
+    if engine.tensor_parallel_size > 1:
         return _build_tensor_parallel(spec, transport, start_s)
     loaded = load_for_serving(spec.engine.model, device=spec.engine.device, dtype=TORCH_DTYPES[spec.engine.dtype],
                               backend=spec.engine.attention_backend)
@@ -84,17 +84,34 @@ def build_worker(spec: WorkerSpec, transport=None):
 
 
 def _build_tensor_parallel(spec: WorkerSpec, transport, start_s: float):
-    """A colocated worker whose engine spans `spec.engine.tensor_parallel_size` ranks: this process
-    rank 0, the others spawned beside it (`engine/tp_launch.py`), stopped with the engine."""
+    """A worker whose engine spans `spec.engine.tensor_parallel_size` ranks: this process rank 0, the
+    others spawned beside it (`engine/tp_launch.py`), stopped with the engine. A prefill or decode
+    worker's ranks each get a transport of their own: KV moves rank pair by rank pair
+    (`prefill_worker/rank_writes.py`, `decode_worker/rank_landing.py`)."""
+    from decode_worker.rank_landing import OtherLandings, RankLanding
     from engine.tp_launch import start_ranks
     from kv_store.transfer.local import LocalTransport
+    from prefill_worker.rank_writes import OtherRanks, RankSender
 
-    assert spec.role is WorkerRole.COLOCATED, f"a {spec.role.value} worker takes no tensor parallelism yet"
-    ranks = start_ranks(spec.engine, serving=True)
-    loaded = ranks.loaded
+    role, kwargs, others = spec.role, {}, None
+    if role is not WorkerRole.COLOCATED:
+        if transport is None:
+            from kv_store.transfer.mooncake import MooncakeTransport
+
+            transport = MooncakeTransport(spec.transport.hostname, spec.transport.protocol)
+        hostname = transport.session_id.rsplit(":", 1)[0]  # the other ranks bind where rank 0 did
+        others = (RankSender(hostname, spec.transport.protocol) if role is WorkerRole.PREFILL
+                  else RankLanding(hostname, spec.transport.protocol, spec.host_pages))
+    ranks = start_ranks(spec.engine, serving=True, role=others)
+    loaded, held = ranks.loaded, [shard.kv_heads for shard in ranks.shards]
+    if role is WorkerRole.PREFILL:
+        kwargs = dict(others=OtherRanks(ranks.control, held))
+    elif role is WorkerRole.DECODE:
+        kwargs = dict(others=lambda: OtherLandings(ranks.control, held))
     try:
-        worker = make_worker(WorkerRole.COLOCATED, ranks.config, loaded.model, loaded.arch, tokenizer=loaded.tokenizer,
-                             eos_token_ids=loaded.eos_token_ids, l3=spec.l3, control=ranks.control)
+        worker = make_worker(role, ranks.config, loaded.model, loaded.arch, transport, host_pages=spec.host_pages,
+                             deadlines=spec.transport, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
+                             l3=spec.l3, control=ranks.control, **kwargs)
     except BaseException:
         ranks.followers.join(timeout_s=1.0)
         raise
@@ -114,11 +131,11 @@ def worker_role(role: WorkerRole | str) -> WorkerRole:
 def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, transport=None, *, host_pages: int = 0,
                 tokenizer=None, eos_token_ids=(), deadlines: TransferDeadlines = TransferDeadlines(),
                 clock: Callable[[], float] = time.monotonic, l3: L3Config | None = None, draft_head=None,
-                compile_in_background: bool = False, control=None):
+                compile_in_background: bool = False, control=None, others=None):
     """The `role` worker (a `WorkerRole` or its value) over `model`: its engine built with the
     role's connector (a prefill worker's `KVSender`, a decode worker's `KVReceiver` with `host_pages`
     landing pages, both over `transport`), then the worker around the engine (`control`: rank 0's
-    control group of a tensor-parallel engine)."""
+    control group of a tensor-parallel engine; `others`: its connector's side of the other ranks')."""
     from decode_worker.receiver import KVReceiver
     from decode_worker.worker import ColocatedWorker, DecodeWorker
     from engine import build_engine
@@ -131,8 +148,8 @@ def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, trans
     if role is WorkerRole.PREFILL and config.cuda_graph:  # it never decodes: capturing buckets would only cost
         config = dataclasses.replace(config, cuda_graph=False)  # start-up time and device memory
     staging_pages = STAGING_CHUNKS * -(-config.chunk_size // config.page_size)
-    connectors = {WorkerRole.PREFILL: lambda ports: KVSender(ports, transport, deadlines, clock, staging_pages),
-                  WorkerRole.DECODE: lambda ports: KVReceiver(ports, transport, host_pages, deadlines, clock),
+    connectors = {WorkerRole.PREFILL: lambda ports: KVSender(ports, transport, deadlines, clock, staging_pages, others),
+                  WorkerRole.DECODE: lambda ports: KVReceiver(ports, transport, host_pages, deadlines, clock, others),
                   WorkerRole.COLOCATED: None}
     workers = {WorkerRole.PREFILL: PrefillWorker, WorkerRole.DECODE: DecodeWorker,
                WorkerRole.COLOCATED: ColocatedWorker}

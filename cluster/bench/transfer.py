@@ -124,7 +124,7 @@ def bench_transfer(args: argparse.Namespace) -> int:
     per_page, tensor_page = layout.page_bytes, layout.page_bytes_per_tensor
     max_pages = -(-max(lengths) // config.page_size)
     rows = []
-    with ProcessViews(pair_specs(config, host_pages=max_pages * 2 + 8)) as views:
+    with ProcessViews(pair_specs(config, None, host_pages=max_pages * 2 + 8)) as views:
         for i, length in enumerate(lengths):
             pages = -(-length // config.page_size)
             kv_bytes = pages * per_page

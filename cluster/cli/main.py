@@ -32,6 +32,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["colocated", "disaggregated"], default="colocated",
                    help="disaggregated: a prefill and a decode process connected over Mooncake TCP")
     p.add_argument("--host-pages", type=int, default=4096, help="decode host-tier pages (disaggregated)")
+    for side in ("prefill", "decode"):
+        p.add_argument(f"--{side}-tensor-parallel-size", type=int, metavar="N",
+                       help=f"disaggregated: the {side} worker's ranks (default: --tensor-parallel-size)")
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:

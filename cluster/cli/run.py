@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import json
 import logging
@@ -77,10 +79,11 @@ def run_offline(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     config = engine_config_from_args(args)
-    if args.mode == "disaggregated" and config.tensor_parallel_size > 1:
+    sides = (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size)
+    if args.mode != "disaggregated" and sides != (None, None):
         from common.config import ConfigError
 
-        raise ConfigError("--tensor-parallel-size runs colocated for now (not with --mode disaggregated)")
+        raise ConfigError("--prefill/--decode-tensor-parallel-size need --mode disaggregated (else: --tensor-parallel-size)")
     run = _run_disaggregated if args.mode == "disaggregated" else _run_colocated
     results = run(args, config, prompts, params)
     failed = 0
@@ -138,7 +141,9 @@ def _run_disaggregated(args, config, prompts, params) -> list[RunResult]:
     tokenizer = load_tokenizer(resolve_model_dir(config.model))
     token_ids = [tokenize_prompt(tokenizer, p, args.raw) for p in prompts]
     t0 = time.perf_counter()
-    with ProcessViews(pair_specs(config, args.host_pages)) as views:
+    sides = [dataclasses.replace(config, tensor_parallel_size=n or config.tensor_parallel_size)
+             for n in (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size)]
+    with ProcessViews(pair_specs(*sides, args.host_pages)) as views:
         log.info("prefill and decode workers ready in %.2fs", time.perf_counter() - t0)
         t1 = time.perf_counter()
         with _progress(len(prompts)) as bar:

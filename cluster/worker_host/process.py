@@ -229,7 +229,9 @@ class ProcessViews:
         self.procs: dict[str, _Proc] = {}
         for worker_id, spec in specs.items():
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(spec, child, build), name=f"tandem-{worker_id}", daemon=True)
+            # a worker over ranks spawns them, which a daemonic process may not (it ends with its pipe)
+            proc = ctx.Process(target=worker_main, args=(spec, child, build), name=f"tandem-{worker_id}",
+                               daemon=spec.engine.tensor_parallel_size == 1)
             proc.start()
             child.close()
             self.procs[worker_id] = _Proc(worker_id, spec, proc, parent)
@@ -319,13 +321,15 @@ class ProcessViews:
 # ---- offline use: one prefill and one decode process, the dispatcher in front -----------------------
 
 
-def pair_specs(engine, host_pages: int, transport=None, heartbeat_interval_s: float = 0.5) -> dict[str, WorkerSpec]:
-    """"prefill-0" and "decode-0" on `engine` (`transport`: a `TransportConfig`, default loopback TCP)."""
+def pair_specs(engine, decode_engine, host_pages: int, transport=None,
+               heartbeat_interval_s: float = 0.5) -> dict[str, WorkerSpec]:
+    """"prefill-0" on `engine` and "decode-0" on `decode_engine` (None: `engine`; `transport`: a
+    `TransportConfig`, default loopback TCP)."""
     from kv_store.transfer.config import TransportConfig
 
     transport = transport or TransportConfig()
     return {"prefill-0": WorkerSpec(p.WorkerRole.PREFILL, engine, transport=transport, heartbeat_interval_s=heartbeat_interval_s),
-            "decode-0": WorkerSpec(p.WorkerRole.DECODE, engine, host_pages=host_pages, transport=transport,
+            "decode-0": WorkerSpec(p.WorkerRole.DECODE, decode_engine or engine, host_pages=host_pages, transport=transport,
                                    heartbeat_interval_s=heartbeat_interval_s)}
 
 

@@ -69,7 +69,7 @@ def make_views():
 
     def make(page_size=16, chunk_size=32, transport=None, num_pages=1024, host_pages=1024, heartbeat_timeout_s=5.0):
         config = EngineConfig(page_size=page_size, chunk_size=chunk_size, num_pages=num_pages, debug_kv=True)
-        views = ProcessViews(pair_specs(config, host_pages, transport), build=build_debug_worker,
+        views = ProcessViews(pair_specs(config, None, host_pages, transport), build=build_debug_worker,
                              aside=lambda msg: isinstance(msg, KVDigest), heartbeat_timeout_s=heartbeat_timeout_s)
         made.append(views)
         return views

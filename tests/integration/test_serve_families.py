@@ -1,7 +1,8 @@
 """Architectures beyond Llama served end to end: tiny random checkpoints written by transformers (with
 SmolLM2's tokenizer beside them), served disaggregated by `tandem run --mode disaggregated` (prefill
 and decode worker processes, KV crossing between them) and by `tandem serve` (Ray actors over Mooncake
-TCP, the official `openai` client), against transformers' greedy tokens."""
+TCP, the official `openai` client), against transformers' greedy tokens; `tandem run` with one side over
+two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -40,12 +41,15 @@ def write_checkpoint(name: str, path) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe"])  # the others: tests/unit/engine/test_model_families.py
-def test_tandem_run_disaggregated_gives_transformers_greedy_tokens(name, tmp_path, capsys):
+@pytest.mark.parametrize("name,side", [("qwen3-moe", "prefill"), ("gemma3", "decode")])  # the others: unit-tested
+def test_tandem_run_disaggregated_across_tp_degrees_gives_transformers_greedy_tokens(name, side, tmp_path, capsys):
+    """The `side` worker over 2 ranks (its 2 KV heads one a rank), the other on one: each prefill rank
+    writes its head into the decode landing(s) holding it."""
     expected = write_checkpoint(name, tmp_path)
     capsys.readouterr()
     assert tandem_main(["run", "--model", str(tmp_path), "--mode", "disaggregated", "--raw", "--json",
-                        "--prompt", PROMPT, "--max-tokens", str(NEW_TOKENS), "--page-size", "4"]) == 0
+                        "--prompt", PROMPT, "--max-tokens", str(NEW_TOKENS), "--page-size", "4",
+                        f"--{side}-tensor-parallel-size", "2"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["token_ids"] == expected, name
 

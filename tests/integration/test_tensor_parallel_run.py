@@ -1,5 +1,5 @@
 """Tensor parallelism at TP=2 on the CPU (gloo on loopback): `tandem run --tensor-parallel-size 2` (this
-process rank 0, a spawned rank 1) for a tiny Gemma 3 and Qwen3-MoE, and `tandem serve` with a colocated
+process rank 0, a spawned rank 1) for a tiny model of each family, and `tandem serve` with a colocated
 worker over two ranks for SmolLM2 (its 3 KV heads split 2 + 1), against transformers' greedy tokens
 and logprobs; KV integrity checked after every step."""
 
@@ -13,6 +13,7 @@ from cluster.cli.main import main as tandem_main
 from tests.helpers import hf_greedy, smollm2
 from tests.integration.logprobs_check import check_logprobs
 from tests.integration.test_serve_families import NEW_TOKENS, PROMPT, write_checkpoint
+from tests.unit.engine.test_model_families import FAMILIES
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ def run_tp(capsys, args: list[str]) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3-moe"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_a_tiny_model_at_tp2_gives_transformers_greedy_tokens(name, capsys, tmp_path):
     expected = write_checkpoint(name, tmp_path)
     (result,) = run_tp(capsys, ["--model", str(tmp_path), "--prompt", PROMPT, "--max-tokens", str(NEW_TOKENS)])

@@ -9,8 +9,11 @@ on every device), then run it themselves. Every rank builds the same graph bucke
 (`follow`) hold a KV cache of the same pages for their own heads and run what they are sent: the page
 tables are rank 0's, so their pages hold the same tokens. The model's collectives then meet.
 
+A worker role may add calls of its own on the other ranks (`follow`'s `calls`: a prefill worker's
+writes, a decode worker's landing loads); a call's answer comes back through `ControlGroup.gather`.
+
 Not yet under tensor parallelism: the CPU's compiled and C decode layers (its replays run the eager
-layers over the static buffers), the host tier and L3, speculative decoding, disaggregated workers. `prepare` turns off
+layers over the static buffers), the host tier and L3, speculative decoding. `prepare` turns off
 what is on by default and refuses what was asked for.
 """
 

@@ -89,7 +89,7 @@ def plan_gpus(config, shape, gpu_bytes: int | None) -> tuple[object, tuple[GpuWo
             if kv_bytes < MIN_GPU_KV_BYTES:
                 needed = tp_needed(shape, weights, gpu_bytes, utilization)
                 tp = (f"; whole {gpu_bytes / GIB:.0f} GiB GPUs hold it only split over {needed} ranks "
-                      f"(tensor_parallel_size {needed}: tandem run takes it, tandem serve not yet)"
+                      f"({name}.engine.tensor_parallel_size={needed} with {name}.num_gpus={needed})"
                       if needed and needed > 1 else "; no tensor-parallel degree up to 64 fits it either" if not needed else "")
                 raise ConfigError(
                     f"{name}: {fraction:g} of a {gpu_bytes / GIB:.0f} GiB GPU at memory.gpu_memory_utilization "

@@ -144,7 +144,7 @@ def test_the_plan_says_how_many_ranks_a_large_model_needs_on_each_gpu_size(tmp_p
     weights = shape.num_params * 2  # bfloat16
     assert {gib: tp_needed(shape, weights, gib * GIB, 0.9) for gib in degrees} == degrees
     if degrees[141] > 1:  # a whole H200 cannot hold it: refused, naming the degree that would
-        with pytest.raises(ConfigError, match=rf"only split over {degrees[141]} ranks \(tensor_parallel_size"):
+        with pytest.raises(ConfigError, match=rf"only split over {degrees[141]} ranks \(prefill.engine.tensor_parallel_size={degrees[141]} "):
             plan_for(model_dir, 2, 141, **{"prefill.num_gpus": 1, "decode.num_gpus": 1})
         return
     assert main(["serve", "--plan-only", "--model", str(model_dir), "--device", "cuda", "--plan-gpus", "2",

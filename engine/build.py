@@ -35,7 +35,7 @@ from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
-from engine.tp import LeadGraphRunner, LeadModel, LeadRunner
+from engine.tp import LeadCopier, LeadGraphRunner, LeadModel, LeadRunner
 from kernels.attention import AUTO, get_backend, resolve_backend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
@@ -108,6 +108,9 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     at full speed at once; without, pages fault in as they are first written (a one-shot run).
     `control`: rank 0's control group of a tensor-parallel engine (`engine/tp_launch.py:load_tp_engine`)."""
     device = torch.device(config.device)
+    if control is not None and l3 is not None:
+        raise ConfigError("kv_store.l3 does not run under tensor parallelism yet (each rank's pages would need "
+                          "keys of their own); the host tier does")
     backend = choose_attention_backend(config, model, draft_head, device)
     if config.speculative != "none" and (getattr(arch, "windowed", False) or getattr(arch, "attn_softcap", None)):
         raise ConfigError(f"engine.speculative: {config.speculative} is not supported for {arch.model_type}: its "
@@ -139,6 +142,8 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
         eager = ModelRunner(model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
     else:  # rank 0 of a tensor-parallel engine (`engine/tp.py`): the other ranks size their KV as this
         control.send(("config", resolved))
+        if isinstance(tier, HostCache):  # the other ranks copy between their own pages and host tier
+            tier.copier = LeadCopier(tier.copier, control)
         eager = LeadRunner(control, model, pools.target_kv, resolved.page_size, device)
         model = LeadModel(model, control)
     plan = choose_step_strategy(resolved, model, device, backend)

@@ -12,8 +12,11 @@ tables are rank 0's, so their pages hold the same tokens. The model's collective
 A worker role may add calls of its own on the other ranks (`follow`'s `calls`: a prefill worker's
 writes, a decode worker's landing loads); a call's answer comes back through `ControlGroup.gather`.
 
+The host tier is per rank: every rank holds host pages of the same count for its heads, and rank 0's
+tier sends each copy it makes (`LeadCopier`); its decisions (what to back up, evict, load) are rank 0's.
+
 Not yet under tensor parallelism: the CPU's compiled and C decode layers (its replays run the eager
-layers over the static buffers), the host tier and L3, speculative decoding. `prepare` turns off
+layers over the static buffers), L3, speculative decoding. `prepare` turns off
 what is on by default and refuses what was asked for.
 """
 
@@ -38,15 +41,10 @@ START_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def prepare(config: EngineConfig) -> EngineConfig:
-    """`config` for a tensor-parallel engine: no CPU compile or C layers, no host tier; what cannot
-    run so refused."""
+    """`config` for a tensor-parallel engine: no CPU compile or C layers; what cannot run so refused."""
     if config.speculative != "none":
         raise ConfigError("engine.speculative: speculative decoding does not run under tensor parallelism yet")
-    if config.host_cache_pages or config.host_cache_ratio:
-        raise ConfigError("the host tier (host_cache_pages / host_cache_ratio) does not run under tensor "
-                          "parallelism yet")
-    return dataclasses.replace(config, cpu_compile=False, cpu_native_decode=False, host_cache_ratio=0.0,
-                               host_cache_pages=0)
+    return dataclasses.replace(config, cpu_compile=False, cpu_native_decode=False)
 
 
 class ControlGroup:
@@ -98,6 +96,23 @@ class LeadGraphRunner(GraphRunner):
     def _replay(self, rows, bucket: int):
         self.control.send(("replay", rows, bucket))
         return super()._replay(rows, bucket)
+
+
+class LeadCopier:
+    """Rank 0's host tier copier (`kv_store.copier.PageCopier`): each copy between device and host
+    pages is sent to the other ranks first, which make it between their own pages and host tier
+    before running their next call, so in the order rank 0 issued it and before any forward that
+    reads or rewrites those pages; then it is rank 0's (its job, which rank 0's tier waits on)."""
+
+    def __init__(self, copier, control: ControlGroup) -> None:
+        self._copier, self._control = copier, control
+
+    def submit(self, direction, src_pages: list[int], dst_pages: list[int]):
+        self._control.send(("tier_copy", direction, list(src_pages), list(dst_pages)))
+        return self._copier.submit(direction, src_pages, dst_pages)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._copier, name)
 
 
 class LeadModel:

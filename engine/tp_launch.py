@@ -86,8 +86,31 @@ def follower_main(rank: int, size: int, init_method: str, config: EngineConfig, 
                          sizes=resolved.graph_batch_sizes)  # captured (CUDA) with rank 0's, bucket by bucket
     with contextlib.ExitStack() as closing:
         calls = role.start(RankContext(rank, shards, kv, control, closing)) if role is not None else {}
+        if resolved.host_cache_pages:  # its host tier: rank 0's tier sends each copy (`engine.tp.LeadCopier`)
+            calls["tier_copy"] = _tier_copies(kv, resolved.host_cache_pages, closing)
         follow(control, graphs, loaded.model, calls)
     torch.distributed.destroy_process_group()
+
+
+def _tier_copies(kv, num_pages: int, closing: contextlib.ExitStack):
+    """A rank's host tier of `num_pages` pages for its heads, and the call making rank 0's copies on it
+    (each done before the rank's next call)."""
+    from kv_store.copier import PageCopier
+    from kv_store.hicache import host_tensors
+
+    copier = PageCopier(kv, host_tensors(kv, num_pages), name="tier-copier")
+    closing.callback(copier.close)
+
+    def tier_copy(direction, src_pages: list[int], dst_pages: list[int]) -> None:
+        job = copier.submit(direction, src_pages, dst_pages)
+        if not job.wait(TIER_COPY_TIMEOUT_S) or job.error is not None:
+            raise RuntimeError(f"host tier copy {direction.name} failed on this rank: {job.error!r}")
+    return tier_copy
+
+
+TIER_COPY_TIMEOUT_S = 60.0
+"""The longest a rank waits for one of its host tier's copies; past it (or on a failed copy) the rank
+stops, and rank 0's next collective fails (a rank whose pages may differ from rank 0's must not go on)."""
 
 
 def _die_with_parent(parent: int, poll_s: float = 0.5) -> None:

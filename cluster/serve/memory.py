@@ -254,7 +254,7 @@ def _staging_pages(name: str, engine: EngineConfig) -> int:
 def _with_host_tier(group, with_l3: bool):
     """`group` with its CPU engine's host tier decided when not asked for: off, or with L3 a staging
     area of `L3_STAGING_HOST_RATIO` (pages fetched from L3 land in host pages first); a tensor-parallel
-    engine's off on any device (it takes none yet: `engine/tp.py`)."""
+    engine's off on any device unless asked for (one per rank, rank 0 deciding: `engine/tp.py`)."""
     engine = group.engine
     if engine.host_cache_ratio is not None or engine.host_cache_pages is not None:
         return group

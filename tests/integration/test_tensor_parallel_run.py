@@ -77,3 +77,41 @@ def test_tandem_serve_colocated_at_tp2_gives_transformers_greedy_tokens(tmp_path
         assert len(ranks) == 1, "rank 1 was not found beside the worker's actor"
         beyond = [str(lst) for pid in processes for lst in listening_sockets(pid) if not lst.is_loopback]
         assert beyond == [], f"listening beyond loopback: {beyond}"
+
+
+def test_a_tp2_engine_brings_a_history_back_from_every_ranks_host_tier():
+    """Rank 0's host tier decides; each rank backs up and loads its own heads' pages. A history evicted
+    from the device pool, whose device pages another prompt then overwrote, comes back from the host
+    tiers of both ranks: transformers' greedy tokens (rank 1 loading nothing would attend over the
+    other prompt's KV), the pools at rest after."""
+    from common.config import EngineConfig, SamplingParams
+    from engine.tp_launch import load_tp_engine
+    from kv_store.residency import Residency
+    from tests.helpers import assert_pool_at_rest
+
+    loaded, reference = smollm2()
+    encode = lambda text: loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    history = encode("The harbour town was quiet before the boats came in. The fishermen mended their nets, "
+                     "and the children ran along the pier to watch the gulls circle over the water.")
+    other = encode("A recipe for bread starts with flour, water, salt and yeast; the dough rests for an hour "
+                   "in a warm place until it doubles, then it is shaped, proofed again and baked hot.")
+    question = history + encode(" Then the old captain")
+    expected = hf_greedy(reference, question, 6, list(loaded.eos_token_ids))
+    config = EngineConfig(tensor_parallel_size=2, page_size=16, num_pages=1 + 8, host_cache_pages=1 + 16,
+                          chunk_size=64)
+    engine = load_tp_engine(config)
+    try:
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        engine.generate([history], greedy)
+        while engine.busy():
+            engine.step()
+        assert engine.kvm.prefix_cache.evict(1000) > 0
+        assert all(n.residency is Residency.HOST for n in engine.kvm.prefix_cache.nodes())
+        engine.generate([other], greedy)  # its pages are the ones the history left
+        [again] = engine.generate([question], SamplingParams(max_tokens=6, temperature=0.0))
+        assert again.tier.host_hit_tokens > 0 and again.output_token_ids == expected
+        while engine.busy():
+            engine.step()
+        assert_pool_at_rest(engine)
+    finally:
+        engine.close()

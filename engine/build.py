@@ -137,7 +137,8 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
                                               * resolved.page_size), offload=bool(resolved.host_cache_pages))
                 if resolved.enable_prefix_cache else NullSessions())
     scheduler = Scheduler(resolved, pools.kvm, host_cache=tier, sessions=sessions,
-                          relocation_version=lambda: pools.device_pool.relocation_version)
+                          relocation_version=lambda: pools.device_pool.relocation_version,
+                          kv_window=getattr(arch, "kv_window", None))
     if control is None:
         eager = ModelRunner(model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
     else:  # rank 0 of a tensor-parallel engine (`engine/tp.py`): the other ranks size their KV as this

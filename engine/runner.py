@@ -62,6 +62,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = torch.device(device)
         self.aux_layer_ids = aux_layer_ids
+        self.kv_window = getattr(getattr(model, "arch", None), "kv_window", None)  # pages behind it may be freed
 
     @torch.inference_mode()
     def forward(self, rows: list[ForwardRow]) -> ForwardOut:
@@ -74,7 +75,8 @@ class ModelRunner:
             logits_rows.extend(range(end - r.num_logits, end))
         masks = [None if r.draft_parents is None else verify_tree_mask(r.draft_parents) for r in rows]
         meta, positions = build_attn_metadata(self.page_size, query_lens, [r.seq_len for r in rows],
-                                              [r.pages for r in rows], logits_rows, self.device, masks=masks)
+                                              [r.pages for r in rows], logits_rows, self.device, masks=masks,
+                                              window=self.kv_window)
         input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64, device=self.device)
         return self.run_model(input_ids, positions, meta)
 

@@ -67,10 +67,13 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kvm: KVManager,
                  host_cache: HostCache | NullHostCache | None = None,
                  sessions: SessionManager | NullSessions | None = None,
-                 relocation_version: Callable[[], int] = lambda: 0):
+                 relocation_version: Callable[[], int] = lambda: 0, kv_window: int | None = None):
+        """`kv_window`: a model whose every layer has a sliding window, the widest: when pages run
+        short, decoding requests' pages behind it are freed first (`_drop_behind_windows`)."""
         assert config.num_pages is not None and config.max_model_len is not None, "config not resolved"
         self.config = config
         self.kvm = kvm
+        self.kv_window = kv_window
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []
@@ -195,8 +198,8 @@ class Scheduler:
             if n == 0:
                 return 0
         while not self.kvm.try_allocate(req.kv, max(req.kv.kv_allocated_len, req.kv.kv_committed_len + n)):
-            if self.sessions.offload_idle():  # an idle session's history goes to the host tier first
-                continue
+            if self._drop_behind_windows() or self.sessions.offload_idle():  # pages no token sees again, then
+                continue  # an idle session's history to the host tier
             candidates = [r for r in self.running if r is req or self._retractable(r)]
             victim = max(candidates, key=lambda r: r.arrival)
             if victim is req and not self._retractable(req):
@@ -206,6 +209,17 @@ class Scheduler:
                 return 0
         step.add(req, n)
         return used
+
+    def _drop_behind_windows(self) -> int:
+        """Pages running requests' later tokens cannot see (a sliding window on every layer), freed;
+        how many. Decoding requests only: a prefill worker ships its pages whole, and a session's
+        history is its next turn's prefix. Only when pages run short: a request that dropped pages
+        offers nothing more to the prefix cache. The next token, at `end`, sees from
+        `end - window + 1` on (one position of margin here)."""
+        if not self.kv_window:
+            return 0
+        return sum(len(self.kvm.drop_behind(r.kv, r.kv.kv_committed_len - self.kv_window)) for r in self.running
+                   if r.kv.kv_committed_len > len(r.prompt_token_ids) and not r.session_id)
 
     def _retractable(self, req: Request) -> bool:
         """A request whose own pages are lent to a transfer (a prefill worker's write) cannot release
@@ -287,7 +301,7 @@ class Scheduler:
             if reuse and self._start_loading(req):
                 continue
             kv = self.kvm.try_open(req.request_id, budget, req.all_token_ids, reuse)
-            if kv is None and self.sessions.offload_idle():  # an idle session's history goes to the host tier
+            if kv is None and (self._drop_behind_windows() or self.sessions.offload_idle()):  # (as in running)
                 continue
             if kv is None:
                 if self._yield_tickets(req) or self.running or self.loading:

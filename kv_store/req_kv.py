@@ -10,8 +10,13 @@ A request's page table `pages[i]` holds tokens `[i * page_size, (i + 1) * page_s
     len(pages) == ceil(kv_allocated_len / page_size)
 
 Pages below `cache_protected_len` belong to the tree; the request only holds a lock on them. Pages
-from `cache_protected_len` on are the request's own and leave only through `free_tail` (shortening)
-or `release` (the end, whatever the reason).
+from `cache_protected_len` on are the request's own and leave only through `free_tail` (shortening),
+`drop_behind` (a model whose every layer has a sliding window: pages no later token can see) or
+`release` (the end, whatever the reason). A dropped page's slot holds `SCRATCH_PAGE`, which no
+kernel reads behind the window; a request with dropped pages offers nothing more to the tree.
+
+    | CACHED | dropped: SCRATCH_PAGE | PRIVATE ...
+    0      cpl               cpl + dropped pages
 
 A transfer that reads a request's pages pins every one of them, whoever owns it, until its handle
 retires (DESIGN §4 rule 2): `pin_for_transfer` ... `unpin_transfer`, exactly once per handle. The
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 
 from kv_store.page_pool import KVOwnershipError, PagePool, PageState
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
+from kv_store.req_checks import check_manager
 from kv_store.tree_node import TreeNode
 
 
@@ -39,6 +45,10 @@ class ReleaseReason(enum.Enum):
 class ReqKVState(enum.Enum):
     ACTIVE = "active"
     RELEASED = "released"
+
+
+SCRATCH_PAGE = 0
+"""Page 0 of every pool: never allocated (padding rows write it); a dropped page's slot points at it."""
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -70,6 +80,7 @@ class ReqKV:
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
     state: ReqKVState = ReqKVState.ACTIVE
+    dropped: int = 0  # own pages freed behind a sliding window: pages[num_protected_pages:][:dropped]
     _cache_protected_len: int = 0
 
     @property
@@ -89,8 +100,8 @@ class ReqKV:
         return self._cache_protected_len // self.page_size
 
     def own_pages(self) -> list[int]:
-        """Pages this request owns outright: `pages[cache_protected_len / page_size:]`."""
-        return self.pages[self.num_protected_pages:]
+        """Pages this request owns outright: `pages[cache_protected_len / page_size + dropped:]`."""
+        return self.pages[self.num_protected_pages + self.dropped:]
 
 
 class KVManager:
@@ -184,6 +195,8 @@ class KVManager:
             0                 cpl                        new cpl
         """
         self._expect_active(kv, "cache_unfinished")
+        if kv.dropped:  # the tree holds whole prefixes: one with a hole is no prefix
+            return kv.cache_protected_len
         ps, first = self.page_size, kv.num_protected_pages
         aligned = min(len(token_ids), kv.kv_committed_len) // ps * ps
         cpl = kv.cache_protected_len
@@ -218,11 +231,31 @@ class KVManager:
                 f"request {kv.req_id!r}: free_tail to {new_len} outside [{kv.cache_protected_len}, "
                 f"{kv.kv_allocated_len}]: would free tree-protected pages or grow the request")
         keep = ceil_div(new_len, self.page_size)
+        if keep < kv.num_protected_pages + kv.dropped:
+            raise KVOwnershipError(f"request {kv.req_id!r}: free_tail to {new_len} would free pages dropped behind "
+                                   "its window already")
         freed = kv.pages[keep:]
         self.pool.free(freed, kv.req_id)
         del kv.pages[keep:]
         kv.kv_allocated_len = new_len
         kv.kv_committed_len = min(kv.kv_committed_len, new_len)
+        return freed
+
+    def drop_behind(self, kv: ReqKV, first_visible: int) -> list[int]:
+        """Free `kv`'s own pages wholly before token `first_visible` (the first position any of its
+        later tokens can see: every layer has a sliding window), oldest first, stopping at a page
+        lent out (IN_FLIGHT); their slots become `SCRATCH_PAGE`. Returns the freed pages."""
+        self._expect_active(kv, "drop pages behind its window")
+        first = kv.num_protected_pages + kv.dropped
+        end = first
+        while end < min(first_visible // self.page_size, len(kv.pages) - 1) and (
+                self.pool.state(kv.pages[end]) is PageState.PRIVATE):
+            end += 1
+        freed = kv.pages[first:end]
+        if freed:
+            self.pool.free(freed, kv.req_id)
+            kv.pages[first:end] = [SCRATCH_PAGE] * len(freed)
+            kv.dropped += len(freed)
         return freed
 
     def release(self, kv: ReqKV, reason: ReleaseReason, token_ids: list[int], cache: bool = True) -> None:
@@ -245,7 +278,7 @@ class KVManager:
         assert not cache or len(token_ids) >= kv.kv_committed_len, (
             f"request {kv.req_id!r}: release with {len(token_ids)} tokens < kv_committed_len {kv.kv_committed_len}")
         ps = self.page_size
-        aligned = kv.kv_committed_len // ps * ps
+        aligned = kv.kv_committed_len // ps * ps if not kv.dropped else kv.cache_protected_len
         taken = set(self.prefix_cache.insert(list(token_ids[:aligned]), kv.pages[:aligned // ps], kv.req_id)
                     if cache else ())
         self.pool.free([p for p in kv.own_pages() if p not in taken], kv.req_id)
@@ -269,6 +302,8 @@ class KVManager:
         self._expect_active(kv, "pin for a transfer")
         if handle in self.transfer_pins:
             raise KVOwnershipError(f"transfer handle {handle!r} pinned twice: one handle reused for two writes?")
+        if kv.dropped and first_page < kv.num_protected_pages + kv.dropped:
+            raise KVOwnershipError(f"request {kv.req_id!r}: transfer of pages from {first_page}, dropped behind its window")
         if not 0 <= first_page < end_page <= len(kv.pages):
             raise KVOwnershipError(f"request {kv.req_id!r}: transfer of pages [{first_page}, {end_page}) outside "
                                    f"its page table of {len(kv.pages)}")
@@ -328,58 +363,9 @@ class KVManager:
 
     # ---- checks ------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Pool, tree, transfer pins and every live request agree (DESIGN §3). Raises AssertionError
-        naming the cause."""
-        self.pool.check_integrity()
-        locks: dict[int, int] = {}
-        holders = [kv.locked_node for kv in self.live.values()]
-        holders += [pin.tree_node for pin in self.transfer_pins.values()]
-        holders += list(self.prefix_pins.values())
-        for key, node in self.prefix_pins.items():
-            assert self.prefix_cache.holds(node) and node.residency.on_device, (
-                f"prefix pinned by {key!r} left the device tier (tree node {node.id}): evicted while pinned?")
-        host_pins: dict[int, int] = {}
-        for key, node in self.offloaded_pins.items():
-            assert self.prefix_cache.holds(node), f"prefix offloaded by {key!r} left the tree (node {node.id})"
-            host_pins[node.id] = host_pins.get(node.id, 0) + 1
-        for node in holders:
-            locks[node.id] = locks.get(node.id, 0) + 1
-        for handle, pin in self.transfer_pins.items():
-            self._check_pin(handle, pin)
-        self.prefix_cache.check_integrity(locks, host_pins)
-        owned = sum(self._check_request(kv) for kv in self.live.values())
-        loading = self.prefix_cache.pages_held_by_tier()
-        usage = self.pool.usage()
-        assert owned + loading == usage.private + usage.in_flight, (
-            f"live requests own {owned} pages and loads in flight {loading}, but the pool has {usage.private} PRIVATE + {usage.in_flight} IN_FLIGHT: "
-            "pages leaked by a request that ended without release()?")
-
-    def _check_request(self, kv: ReqKV) -> int:
-        rid, ps = kv.req_id, self.page_size
-        assert kv.state is ReqKVState.ACTIVE, f"request {rid!r} RELEASED but still live"
-        assert kv.cache_protected_len % ps == 0, (
-            f"request {rid!r}: cache_protected_len {kv.cache_protected_len} not page-aligned (page_size {ps})")
-        assert 0 <= kv.cache_protected_len <= kv.kv_committed_len <= kv.kv_allocated_len, (
-            f"request {rid!r}: lengths out of order: protected {kv.cache_protected_len}, committed "
-            f"{kv.kv_committed_len}, allocated {kv.kv_allocated_len}")
-        assert len(kv.pages) == ceil_div(kv.kv_allocated_len, ps), (
-            f"request {rid!r}: {len(kv.pages)} pages for {kv.kv_allocated_len} allocated tokens")
-        for i, p in enumerate(kv.pages):
-            st = self.pool.state(p)
-            want = (PageState.CACHED,) if i < kv.num_protected_pages else (PageState.PRIVATE, PageState.IN_FLIGHT)
-            assert st in want, f"request {rid!r} page table slot {i} -> page {p} is {st.value}, expected {want}"
-            if st is not PageState.CACHED:
-                assert self.pool.owner(p) == rid, f"request {rid!r} lists page {p} owned by {self.pool.owner(p)!r}"
-        return len(kv.own_pages())
-
-    def _check_pin(self, handle: object, pin: TransferPin) -> None:
-        assert self.prefix_cache.holds(pin.tree_node), (
-            f"tree node {pin.tree_node.id} pinned by transfer {handle!r} is no longer in the tree: evicted while "
-            "a transfer still reads it?")
-        for p in pin.own_pages:
-            assert handle in self.pool.handles(p) and self.pool.owner(p) == pin.req_id, (
-                f"page {p} pinned by transfer {handle!r} of request {pin.req_id!r} is {self.pool.state(p).value} "
-                f"owned by {self.pool.owner(p)!r}: returned before the handle retired?")
+        """Pool, tree, transfer pins and every live request agree (DESIGN §3; `req_checks.py`). Raises
+        AssertionError naming the cause."""
+        check_manager(self)
 
     def _expect_active(self, kv: ReqKV, action: str) -> None:
         if kv.state is not ReqKVState.ACTIVE:

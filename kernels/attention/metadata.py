@@ -100,7 +100,8 @@ class AttnMetadata:
 
 
 def _check_lengths(
-    page_size: int, query_lens: list[int], seq_lens: list[int], page_tables: list[list[int]], allow_scratch_page: bool
+    page_size: int, query_lens: list[int], seq_lens: list[int], page_tables: list[list[int]], allow_scratch_page: bool,
+    window: int | None = None,
 ) -> None:
     assert page_size >= 1, f"page_size={page_size} must be positive"
     assert len(query_lens) == len(seq_lens) == len(page_tables), (
@@ -112,7 +113,8 @@ def _check_lengths(
         assert len(pages) * page_size >= s_len, (
             f"seq {b}: {len(pages)} pages of {page_size} cannot hold seq_len={s_len}: pages not allocated?"
         )
-        assert allow_scratch_page or 0 not in pages[: -(-s_len // page_size)], (
+        seen = 0 if window is None else max(0, s_len - q_len - window + 1) // page_size  # first page a row sees
+        assert allow_scratch_page or 0 not in pages[seen: -(-s_len // page_size)], (
             f"seq {b} maps a live position to scratch page 0: {pages} (page not allocated?)"
         )
 
@@ -172,6 +174,7 @@ def build_attn_metadata(
     device: torch.device | str,
     allow_scratch_page: bool = False,
     masks: list[TreeMask | None] | None = None,
+    window: int | None = None,
 ) -> tuple[AttnMetadata, torch.Tensor]:
     """Build metadata and positions ``[T] int64`` for a ragged step, from host lists.
 
@@ -179,9 +182,10 @@ def build_attn_metadata(
     tokens; rows are padded with page 0 to the longest table. ``logits_rows`` are indices into
     the T new tokens (e.g. the last row of each sampling sequence). ``allow_scratch_page`` lets
     padding sequences (graph padding rows) live on page 0; otherwise that is a bug and asserts.
-    ``masks[b]``: seq b's `TreeMask` (None: causal); None: every sequence is causal.
+    ``masks[b]``: seq b's `TreeMask` (None: causal); None: every sequence is causal. ``window``: a
+    sliding window on every layer: pages behind it may be page 0 (freed, `KVManager.drop_behind`).
     """
-    _check_lengths(page_size, query_lens, seq_lens, page_tables, allow_scratch_page)
+    _check_lengths(page_size, query_lens, seq_lens, page_tables, allow_scratch_page, window)
     masks = masks if masks is not None else [None] * len(query_lens)
     _check_masks(query_lens, seq_lens, masks)
     num_tokens = sum(query_lens)

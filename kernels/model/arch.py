@@ -111,6 +111,12 @@ class LlamaArch:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
+    def kv_window(self) -> int | None:
+        """The widest sliding window when every layer has one (KV behind it is never read again), else None."""
+        windows = self.layer_windows
+        return max(windows) if windows and all(w is not None for w in windows) else None
+
+    @property
     def windowed(self) -> bool:
         """Some layer has a sliding window."""
         return any(w is not None for w in self.layer_windows)

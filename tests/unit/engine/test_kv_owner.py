@@ -14,7 +14,7 @@ WORKER_PACKAGES = ("engine", "prefill_worker", "decode_worker")
 OWNER = "engine/scheduler.py"
 HOLDERS = (OWNER, "engine/sessions.py", "engine/core.py")
 REQUEST_METHODS = {"open", "try_open", "match_prefix", "try_allocate", "commit", "cache_unfinished", "free_tail",
-                   "release", "pin_for_transfer", "unpin_transfer", "lent_pages"}
+                   "drop_behind", "release", "pin_for_transfer", "unpin_transfer", "lent_pages"}
 
 
 def kv_manager_methods() -> dict[str, ast.FunctionDef]:

@@ -130,6 +130,39 @@ def test_greedy_tokens_through_an_engine_with_its_prefix_cache(family):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("name", ["mistral-window", "phi3-window"])
+def test_pages_behind_a_window_on_every_layer_are_freed_when_pages_run_short(name, tmp_path):
+    """Two requests decoding 40 tokens past their window of 8 over 4-token pages need 27 pages; the
+    pool has 16. Pages behind their windows are freed as room runs short (their slots the scratch
+    page, reused by the other request): nobody is retracted, transformers' greedy tokens, with and
+    without the prefix cache; KV integrity checked every step."""
+    ref = reference(name)
+    ref.save_pretrained(tmp_path)
+    ours = build_model(tmp_path, read_config(tmp_path), "cpu", torch.float32, "torch")
+    assert ours.arch.kv_window == WINDOW
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (14, 9)]
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, min_new_tokens=40,
+                               eos_token_id=None, pad_token_id=0)
+            expected.append(out[0, len(prompt):].tolist())
+    for prefix_cache in (False, True):
+        engine = build_engine(EngineConfig(page_size=4, num_pages=1 + 16, chunk_size=8, max_model_len=128,
+                                           debug_kv=True, cuda_graph=False, enable_prefix_cache=prefix_cache),
+                              ours, ours.arch)
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
+        dropped = 0
+        while engine.busy():
+            engine.step()
+            dropped = max([dropped] + [r.kv.dropped for r in reqs if r.kv is not None and r.kv.state.name == "ACTIVE"])
+        assert [r.output_token_ids for r in reqs] == expected, (name, prefix_cache)
+        assert dropped > 0 and engine.num_retractions == 0, (dropped, prefix_cache)
+        engine.check_integrity()
+        assert engine.kvm.pool.usage().private == 0
+
+
 def test_llama_with_no_variation_is_plain():
     import transformers
 

@@ -1,0 +1,65 @@
+"""The KV manager's integrity check (`KVManager.check_integrity`, DESIGN §3): pool, prefix tree,
+transfer pins and every live request's page table agree. Read-only."""
+
+from __future__ import annotations
+
+from kv_store.page_pool import PageState
+
+
+def check_manager(kvm) -> None:
+    """`kvm`'s (a `req_kv.KVManager`) pool, tree, transfer pins and live requests agree (DESIGN §3).
+    Raises AssertionError naming the cause."""
+    kvm.pool.check_integrity()
+    locks: dict[int, int] = {}
+    holders = [kv.locked_node for kv in kvm.live.values()]
+    holders += [pin.tree_node for pin in kvm.transfer_pins.values()]
+    holders += list(kvm.prefix_pins.values())
+    for key, node in kvm.prefix_pins.items():
+        assert kvm.prefix_cache.holds(node) and node.residency.on_device, (
+            f"prefix pinned by {key!r} left the device tier (tree node {node.id}): evicted while pinned?")
+    host_pins: dict[int, int] = {}
+    for key, node in kvm.offloaded_pins.items():
+        assert kvm.prefix_cache.holds(node), f"prefix offloaded by {key!r} left the tree (node {node.id})"
+        host_pins[node.id] = host_pins.get(node.id, 0) + 1
+    for node in holders:
+        locks[node.id] = locks.get(node.id, 0) + 1
+    for handle, pin in kvm.transfer_pins.items():
+        _check_pin(kvm, handle, pin)
+    kvm.prefix_cache.check_integrity(locks, host_pins)
+    owned = sum(_check_request(kvm, kv) for kv in kvm.live.values())
+    loading = kvm.prefix_cache.pages_held_by_tier()
+    usage = kvm.pool.usage()
+    assert owned + loading == usage.private + usage.in_flight, (
+        f"live requests own {owned} pages and loads in flight {loading}, but the pool has {usage.private} PRIVATE + {usage.in_flight} IN_FLIGHT: "
+        "pages leaked by a request that ended without release()?")
+
+def _check_request(kvm, kv) -> int:
+    rid, ps = kv.req_id, kvm.page_size
+    assert kv.state.name == "ACTIVE", f"request {rid!r} RELEASED but still live"
+    assert kv.cache_protected_len % ps == 0, (
+        f"request {rid!r}: cache_protected_len {kv.cache_protected_len} not page-aligned (page_size {ps})")
+    assert 0 <= kv.cache_protected_len <= kv.kv_committed_len <= kv.kv_allocated_len, (
+        f"request {rid!r}: lengths out of order: protected {kv.cache_protected_len}, committed "
+        f"{kv.kv_committed_len}, allocated {kv.kv_allocated_len}")
+    assert len(kv.pages) == -(-kv.kv_allocated_len // ps), (
+        f"request {rid!r}: {len(kv.pages)} pages for {kv.kv_allocated_len} allocated tokens")
+    dropped = range(kv.num_protected_pages, kv.num_protected_pages + kv.dropped)
+    for i, p in enumerate(kv.pages):
+        if i in dropped:
+            assert p == 0, f"request {rid!r} page table slot {i}, dropped behind its window, -> page {p}, not 0"
+            continue
+        st = kvm.pool.state(p)
+        want = (PageState.CACHED,) if i < kv.num_protected_pages else (PageState.PRIVATE, PageState.IN_FLIGHT)
+        assert st in want, f"request {rid!r} page table slot {i} -> page {p} is {st.value}, expected {want}"
+        if st is not PageState.CACHED:
+            assert kvm.pool.owner(p) == rid, f"request {rid!r} lists page {p} owned by {kvm.pool.owner(p)!r}"
+    return len(kv.own_pages())
+
+def _check_pin(kvm, handle: object, pin) -> None:
+    assert kvm.prefix_cache.holds(pin.tree_node), (
+        f"tree node {pin.tree_node.id} pinned by transfer {handle!r} is no longer in the tree: evicted while "
+        "a transfer still reads it?")
+    for p in pin.own_pages:
+        assert handle in kvm.pool.handles(p) and kvm.pool.owner(p) == pin.req_id, (
+            f"page {p} pinned by transfer {handle!r} of request {pin.req_id!r} is {kvm.pool.state(p).value} "
+            f"owned by {kvm.pool.owner(p)!r}: returned before the handle retired?")

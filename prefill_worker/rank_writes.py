@@ -171,42 +171,48 @@ class RankSender:
 
     def start(self, ctx) -> dict:
         """`ctx`: the rank's `engine.tp_launch.RankContext`. Returns its calls by name."""
-        from kv_store.stream_order import order_for
         from kv_store.transfer.mooncake import MooncakeTransport
 
         transport = MooncakeTransport(self.hostname, self.protocol)
-        held = [shard.kv_heads for shard in ctx.shards]
+        ctx.closing.callback(transport.close)  # after the regions (an exit stack unwinds backwards)
         if not transport.reads_device_memory and ctx.kv.k[0].device.type != "cpu":
             raise TransferError("a prefill worker over tensor-parallel ranks ships from its device pools in place: "
                                 "it needs a transport that reads device memory (install the `gpu` extra's Mooncake)")
         for t in (*ctx.kv.k, *ctx.kv.v):
             ctx.closing.enter_context(transport.register_tensor(t))
-        ctx.closing.callback(transport.close)
-        writes, source = ShardWrites(transport), SourceKV.of(ctx.kv, held[ctx.rank], sent_heads(held, ctx.rank))
-        order, open_writes = order_for(ctx.kv.k[0].device), {}
+        shipper = _RankShipper(ShardWrites(transport), ctx)
+        return {"ship": shipper.ship, "ship_poll": shipper.poll}
 
-        def ship(key: int, landing: Landing, src_pages: tuple, start: int) -> None:
-            order.host_wait(order.mark())  # the forward that wrote these pages is done
-            try:
-                open_writes[key] = writes.write(source, landing, list(src_pages), start)
-            except TransferError as exc:
-                open_writes[key] = str(exc)
 
-        def ship_poll() -> None:
-            said = {}
-            for key, handle in list(open_writes.items()):
-                if isinstance(handle, str):
-                    said[key] = (TransferStatus.FAILED.value, handle, True)
-                    del open_writes[key]
-                    continue
-                status = writes.poll(handle)
-                if status is TransferStatus.PENDING:
-                    continue
-                settled = writes.settled(handle)
-                said[key] = (status.value, str(writes.error(handle) or ""), settled)
-                if settled:
-                    writes.retire(handle)
-                    del open_writes[key]
-            ctx.control.gather(said)
+class _RankShipper:
+    """A rank's writes that rank 0 asked for, by rank 0's key, until reported settled."""
 
-        return {"ship": ship, "ship_poll": ship_poll}
+    def __init__(self, writes: ShardWrites, ctx) -> None:
+        from kv_store.stream_order import order_for
+
+        held = [shard.kv_heads for shard in ctx.shards]
+        self.writes, self.control = writes, ctx.control
+        self.source = SourceKV.of(ctx.kv, held[ctx.rank], sent_heads(held, ctx.rank))
+        self.order = order_for(ctx.kv.k[0].device)
+        self.open: dict[int, object] = {}  # key -> handle, or the error that refused it
+
+    def ship(self, key: int, landing: Landing, src_pages: tuple, start: int) -> None:
+        self.order.host_wait(self.order.mark())  # the forward that wrote these pages is done
+        try:
+            self.open[key] = self.writes.write(self.source, landing, list(src_pages), start)
+        except TransferError as exc:
+            self.open[key] = exc
+
+    def poll(self) -> None:
+        """Gather to rank 0 {key: (status, error, settled)} of the writes that ended; forget the settled."""
+        said = {}
+        for key, handle in list(self.open.items()):
+            if isinstance(handle, TransferError):
+                said[key] = (TransferStatus.FAILED.value, str(handle), True)
+            elif (status := self.writes.poll(handle)) is not TransferStatus.PENDING:
+                said[key] = (status.value, str(self.writes.error(handle) or ""), self.writes.settled(handle))
+                if said[key][2]:
+                    self.writes.retire(handle)
+            if key in said and said[key][2]:
+                del self.open[key]
+        self.control.gather(said)

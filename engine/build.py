@@ -35,7 +35,7 @@ from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
-from engine.tp import LeadCopier, LeadGraphRunner, LeadModel, LeadRunner
+from engine.tp import LeadCopier, LeadGraphRunner, LeadHead, LeadModel, LeadRunner, lead_moves
 from kernels.attention import AUTO, get_backend, resolve_backend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
@@ -145,7 +145,7 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
         control.send(("config", resolved))
         if isinstance(tier, HostCache):  # the other ranks copy between their own pages and host tier
             tier.copier = LeadCopier(tier.copier, control)
-        eager = LeadRunner(control, model, pools.target_kv, resolved.page_size, device)
+        eager = LeadRunner(control, model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
         model = LeadModel(model, control)
     plan = choose_step_strategy(resolved, model, device, backend)
     log.info("decode steps: %s", plan.describe())
@@ -155,10 +155,21 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
                          tree_rows=tree_verify_rows(resolved),
                          tree_batch=max(1, min(resolved.max_running_requests, resolved.speculative_max_batch)),
                          compile_in_background=compile_in_background)
-    speculator = make_speculator(resolved, draft_head, device, pools.draft_kv, pools.target_kv, runner)
+    speculator = _speculator(resolved, draft_head, device, pools, runner, control)
     parts = EngineParts(resolved, model, arch, tokenizer, frozenset(eos_token_ids), pools.kv_cache, pools.device_pool,
                         pools.kvm, tier, sessions, scheduler, runner, speculator)
     return EngineCore(parts, connector)
+
+
+def _speculator(config: EngineConfig, head, device: torch.device, pools: _Pools, runner, control):
+    """Step 7: what `config.speculative` asks for; on rank 0 of a tensor-parallel engine its head's
+    calls and K/V moves go to every rank (`engine/tp.py:LeadHead`) and replay no graphs of its own."""
+    if control is None:
+        return make_speculator(config, head, device, pools.draft_kv, pools.target_kv, runner)
+    speculator = make_speculator(config, head and LeadHead(head, control), device, pools.draft_kv, pools.target_kv)
+    if head is not None:
+        speculator.move_kv = lead_moves(speculator.move_kv, control)
+    return speculator
 
 
 def _pools(config: EngineConfig, arch, num_layers: int, device: torch.device) -> _Pools:

@@ -15,8 +15,11 @@ writes, a decode worker's landing loads); a call's answer comes back through `Co
 The host tier is per rank: every rank holds host pages of the same count for its heads, and rank 0's
 tier sends each copy it makes (`LeadCopier`); its decisions (what to back up, evict, load) are rank 0's.
 
+EAGLE's head is sharded as a decoder layer is and runs on every rank (`LeadHead`): each pass and each
+move of a verified tree's K/V is sent like a forward.
+
 Not yet under tensor parallelism: the CPU's compiled and C decode layers (its replays run the eager
-layers over the static buffers), L3, speculative decoding. `prepare` turns off
+layers over the static buffers), L3, graphs of the EAGLE head (its calls run eagerly). `prepare` turns off
 what is on by default and refuses what was asked for.
 """
 
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 
-from common.config import ConfigError, EngineConfig
+from common.config import EngineConfig
 from engine.graphs.runner import GraphRunner
 from engine.runner import ModelRunner
 
@@ -41,9 +44,7 @@ START_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def prepare(config: EngineConfig) -> EngineConfig:
-    """`config` for a tensor-parallel engine: no CPU compile or C layers; what cannot run so refused."""
-    if config.speculative != "none":
-        raise ConfigError("engine.speculative: speculative decoding does not run under tensor parallelism yet")
+    """`config` for a tensor-parallel engine: no CPU compile or C layers."""
     return dataclasses.replace(config, cpu_compile=False, cpu_native_decode=False)
 
 
@@ -97,6 +98,71 @@ class LeadGraphRunner(GraphRunner):
         self.control.send(("replay", rows, bucket))
         return super()._replay(rows, bucket)
 
+    def tree_replay(self, rows, bucket: int):
+        self.control.send(("tree_replay", rows, bucket))
+        return super().tree_replay(rows, bucket)
+
+
+class LeadHead:
+    """Rank 0's EAGLE head, sharded as a decoder layer (`kernels/model/eagle.py`): each pass through
+    it (a draft step, a catch-up's K/V writes, an arriving feature's logits) and each move of a
+    verified tree's K/V (`lead_moves`) is sent to the other ranks first, then it is rank 0's. Its
+    calls replay no graphs under tensor parallelism: they run as sent on every rank."""
+
+    def __init__(self, head: torch.nn.Module, control: ControlGroup) -> None:
+        self._head, self._control = head, control
+
+    def __call__(self, input_ids, features, positions, meta, kv_cache):
+        self._control.send(("head", input_ids.cpu(), features.cpu(), positions.cpu(), meta_to(meta, "cpu")))
+        return self._head(input_ids, features, positions, meta, kv_cache)
+
+    def write_kv(self, input_ids, features, positions, slot_mapping, kv_cache) -> None:
+        self._control.send(("head_kv", input_ids.cpu(), features.cpu(), positions.cpu(), slot_mapping.cpu()))
+        self._head.write_kv(input_ids, features, positions, slot_mapping, kv_cache)
+
+    def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
+        self._control.send(("head_logits", x.cpu()))
+        return self._head.draft_logits(x)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._head, name)
+
+
+def lead_moves(move, control: ControlGroup):
+    """`move(src, dst)` (a speculator's K/V move) sent to the other ranks first."""
+    def moved(src: torch.Tensor, dst: torch.Tensor) -> None:
+        control.send(("move_kv", src.cpu(), dst.cpu()))
+        move(src, dst)
+    return moved
+
+
+def head_calls(head: torch.nn.Module, draft_kv, target_kv, device: str) -> dict:
+    """A rank's side of `LeadHead` and `lead_moves`: its shard of the head over its draft K/V layer,
+    the moves over its target K/V."""
+    from engine.spec.draft_tree import move_slots
+
+    def run(input_ids, features, positions, meta) -> None:
+        with torch.inference_mode():
+            head(input_ids.to(device), features.to(device), positions.to(device), meta_to(meta, device), draft_kv)
+
+    def write_kv(input_ids, features, positions, slot_mapping) -> None:
+        with torch.inference_mode():
+            head.write_kv(input_ids.to(device), features.to(device), positions.to(device), slot_mapping.to(device),
+                          draft_kv)
+
+    def logits(x) -> None:
+        with torch.inference_mode():
+            head.draft_logits(x.to(device))
+    return {"head": run, "head_kv": write_kv, "head_logits": logits,
+            "move_kv": lambda src, dst: move_slots(target_kv, src.to(device), dst.to(device))}
+
+
+def meta_to(meta, device: str):
+    """`meta` (an `AttnMetadata`) with its tensors on `device` (sent between ranks through the host)."""
+    moved = {f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
+             if f.init and isinstance(getattr(meta, f.name), torch.Tensor)}
+    return dataclasses.replace(meta, **moved)
+
 
 class LeadCopier:
     """Rank 0's host tier copier (`kv_store.copier.PageCopier`): each copy between device and host
@@ -142,6 +208,8 @@ def follow(control: ControlGroup, runner: GraphRunner, model: torch.nn.Module, c
                 runner.forward(call[1])
         elif call[0] == "replay":
             runner.replay(call[1], call[2])
+        elif call[0] == "tree_replay":
+            runner.tree_replay(call[1], call[2])
         elif call[0] == "logits":
             with torch.inference_mode():
                 model.compute_logits(call[1].to(runner.eager.device))

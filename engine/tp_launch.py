@@ -20,9 +20,11 @@ import torch
 from common.config import EngineConfig
 from engine.build import build_engine, choose_attention_backend
 from engine.graphs.runner import GraphRunner, graph_max_batch
+from engine.graphs.tree import tree_verify_rows
 from engine.graphs.strategy import choose_step_strategy
 from engine.runner import ModelRunner
-from engine.tp import ControlGroup, follow, join, prepare, rank_device
+from engine.spec.factory import load_draft_head
+from engine.tp import ControlGroup, follow, head_calls, join, prepare, rank_device
 from kv_store.device_pool import DevicePool
 
 log = logging.getLogger("tandem.engine")
@@ -77,17 +79,22 @@ def follower_main(rank: int, size: int, init_method: str, config: EngineConfig, 
     kind, resolved = control.receive()
     assert kind == "config", f"rank 0 sent {kind!r} before its config"
     arch = loaded.arch
-    kv = KVCacheTensors.allocate(arch.num_layers, resolved.num_pages, resolved.page_size, arch.num_kv_heads,
-                                 arch.head_dim, TORCH_DTYPES[resolved.dtype], device)
-    backend = choose_attention_backend(resolved, loaded.model, None, torch.device(device))
+    head = load_draft_head(resolved, loaded.model, arch) if resolved.speculative != "none" else None  # its shard
+    all_kv = KVCacheTensors.allocate(arch.num_layers + (head is not None), resolved.num_pages, resolved.page_size,
+                                     arch.num_kv_heads, arch.head_dim, TORCH_DTYPES[resolved.dtype], device)
+    kv = KVCacheTensors(all_kv.k[:arch.num_layers], all_kv.v[:arch.num_layers])  # the head's layer last, as rank 0's
+    backend = choose_attention_backend(resolved, loaded.model, head, torch.device(device))
     eager = ModelRunner(loaded.model, kv, resolved.page_size, device)
     plan = choose_step_strategy(resolved, loaded.model, torch.device(device), backend)  # rank 0's, as it chose
     graphs = GraphRunner(eager, DevicePool(kv), graph_max_batch(resolved), resolved.max_model_len, plan,
-                         sizes=resolved.graph_batch_sizes)  # captured (CUDA) with rank 0's, bucket by bucket
-    with contextlib.ExitStack() as closing:
-        calls = role.start(RankContext(rank, shards, kv, control, closing)) if role is not None else {}
+                         sizes=resolved.graph_batch_sizes, tree_rows=tree_verify_rows(resolved),
+                         tree_batch=max(1, min(resolved.max_running_requests, resolved.speculative_max_batch)))
+    with contextlib.ExitStack() as closing:  # (graphs captured (CUDA) with rank 0's, bucket by bucket)
+        calls = role.start(RankContext(rank, shards, all_kv, control, closing)) if role is not None else {}
+        if head is not None:
+            calls.update(head_calls(head, KVCacheTensors(all_kv.k[-1:], all_kv.v[-1:]), kv, device))
         if resolved.host_cache_pages:  # its host tier: rank 0's tier sends each copy (`engine.tp.LeadCopier`)
-            calls["tier_copy"] = _tier_copies(kv, resolved.host_cache_pages, closing)
+            calls["tier_copy"] = _tier_copies(all_kv, resolved.host_cache_pages, closing)
         follow(control, graphs, loaded.model, calls)
     torch.distributed.destroy_process_group()
 

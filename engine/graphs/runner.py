@@ -161,7 +161,7 @@ class GraphRunner:
         reason, bucket, tree = self._gate(step)
         if reason is None:
             self.counters.replays += 1
-            return self.trees.replay(step.rows, bucket) if tree else self._replay(_decode_rows(step.rows), bucket)
+            return self.tree_replay(step.rows, bucket) if tree else self._replay(_decode_rows(step.rows), bucket)
         self.counters.fallbacks[reason] += 1
         if reason is Fallback.RELOCATED:
             step.refresh_rows(self.pool.relocation_version)
@@ -175,6 +175,10 @@ class GraphRunner:
         """Decode rows through bucket `bucket`'s replay, ungated: a tensor-parallel rank runs what its
         rank 0 decided (`engine/tp.py`)."""
         return self._replay(rows, bucket)
+
+    def tree_replay(self, rows: list[ForwardRow], bucket: int) -> ForwardOut:
+        """Tree verify rows through the tree graphs' bucket `bucket`, ungated (as `replay`)."""
+        return self.trees.replay(rows, bucket)
 
     def probe(self) -> None:
         self.eager.probe()

@@ -91,3 +91,11 @@ class DraftTree:
         row = {n: i + 1 for i, n in enumerate(chosen)}
         assert all(self.parents[n] < 0 or self.parents[n] in row for n in chosen), "a chosen node lost its parent"
         return [self.tokens[n] for n in chosen], [row.get(self.parents[n], 0) for n in chosen]
+
+
+def move_slots(kv, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V of flat slots `src` to slots `dst` in every layer of `kv` (a `KVCacheTensors`):
+    a verified tree's accepted rows to the chain after the last committed token."""
+    for cache in (*kv.k, *kv.v):
+        flat = cache.view(-1, *cache.shape[2:])
+        flat.index_copy_(0, dst, flat.index_select(0, src))

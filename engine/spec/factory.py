@@ -76,4 +76,6 @@ def load_draft_head(config: EngineConfig, model: torch.nn.Module, arch) -> Eagle
     if path is None or not (path / "config.json").is_file():
         raise ConfigError(f"speculative {config.speculative} needs engine.draft_model: a draft head directory with "
                           f"config.json (got {config.draft_model!r}; `tandem train-eagle` makes one for a model)")
-    return load_eagle_checkpoint(path, arch, model.model.embed_tokens, model.lm_head, model.backend)
+    tp = getattr(model, "tp", None)  # a rank's shard of the target: the head's shard (full shapes: `full_arch`)
+    return load_eagle_checkpoint(path, model.full_arch if tp is not None else arch, model.model.embed_tokens,
+                                 model.lm_head, model.backend, tp)

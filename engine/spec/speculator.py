@@ -38,6 +38,8 @@ would have left; the catch-up reads the path's features.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -48,7 +50,7 @@ import torch
 
 from engine.request import Request, RequestStatus
 from engine.tokens import adjusted_logits
-from engine.spec.draft_tree import DraftTree
+from engine.spec.draft_tree import DraftTree, move_slots
 from engine.spec.policy import AdaptivePolicy, FixedPolicy
 from kernels.attention.metadata import build_attn_metadata, slot_of
 from kernels.kv_layout import KVCacheTensors
@@ -120,6 +122,7 @@ class EagleSpeculator:
         self.k, self.max_batch, self.topk = num_draft_tokens, max_batch, topk
         self.tree_nodes = tree_nodes  # nodes a tree's verify takes (0: topk x its depth)
         self.kv, self.target_kv = kv, target_kv
+        self.move_kv = functools.partial(move_slots, target_kv)  # (src, dst) slots; a TP rank 0 sends it on
         self._paths: dict[str, list[int]] = {}  # request id -> rows of its verified tree path (row 0 first)
         self.policy = policy or FixedPolicy()
         self._step = (0, 0, 0)  # this step's (decode rows, decode tokens, verifies before it), for the policy
@@ -220,10 +223,7 @@ class EagleSpeculator:
         if not moves:
             return
         src, dst = ([slot_of(req.kv.pages, c + r, self.page_size) for r in rows] for rows in zip(*moves))
-        src, dst = self._longs(src), self._longs(dst)
-        for cache in (*self.target_kv.k, *self.target_kv.v):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat.index_copy_(0, dst, flat.index_select(0, src))
+        self.move_kv(self._longs(src), self._longs(dst))
 
     # ---- catch up ----------------------------------------------------------------------------------
     @torch.inference_mode()

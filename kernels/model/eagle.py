@@ -85,13 +85,16 @@ class DraftArch:
 
 class EagleDraftHead(nn.Module):
     """See the module docstring. The token embedding and (eagle) the lm_head are the target's,
-    passed in by reference (`embed`, `target_lm_head`), never copied."""
+    passed in by reference (`embed`, `target_lm_head`), never copied. With `tp` (a rank of a
+    tensor-parallel target, `kernels/model/tp.py`) the head is sharded as a decoder layer is: its
+    heads and MLP columns, its attention's and MLP's outputs summed over the ranks; the target's
+    embedding and lm_head are vocabulary-parallel; `fc`, the norms and an eagle3 lm_head are whole."""
 
     def __init__(self, arch: DraftArch, embed: nn.Embedding, target_lm_head: PackedLinear | None = None,
-                 backend=None) -> None:
+                 backend=None, tp=None) -> None:
         super().__init__()
-        self.arch = arch
-        layer, h = arch.layer, arch.layer.hidden_size
+        self.arch, self.tp = arch, tp
+        layer, h = arch.layer if tp is None else tp.shard.local_arch(arch.layer), arch.layer.hidden_size
         eagle3 = arch.style is DraftStyle.EAGLE3
         self.embed = embed  # the target's; not a parameter of this head's checkpoint
         self.fc = PackedLinear(arch.feature_size if eagle3 else 2 * h, (h,), bias=not eagle3)
@@ -129,11 +132,11 @@ class EagleDraftHead(nn.Module):
         """Returns x ``[T, h]`` (the next draft step's feature) and float32 draft logits
         ``[num_logits, draft_vocab]`` for rows ``meta.logits_indices`` (`token_map` maps their ids)."""
         assert kv_cache.num_layers == 1, f"a draft head's KV has one layer, got {kv_cache.num_layers}"
-        emb = self.embed(input_ids)  # [T, h]
+        emb = self._embed(input_ids)  # [T, h]
         cos, sin = self.rotary.cos_sin(positions, emb.dtype)
         residual, attn_in = self._attn_input(emb, features)
-        r = residual + self.self_attn(attn_in, cos, sin, meta, kv_cache.k[0], kv_cache.v[0])
-        x = r + self.mlp(self.post_attention_layernorm(r))
+        r = residual + self._summed(self.self_attn(attn_in, cos, sin, meta, kv_cache.k[0], kv_cache.v[0]))
+        x = r + self._summed(self.mlp(self.post_attention_layernorm(r)))
         return x, self.draft_logits(x[meta.logits_indices])
 
     @torch.no_grad()
@@ -142,7 +145,7 @@ class EagleDraftHead(nn.Module):
         """Only the K/V `forward` would write for these rows (at ``slot_mapping``): for rows whose
         output nothing reads, such as a catch-up's rows before each sequence's last. A row's K/V
         depend on its own token, feature and position alone."""
-        emb = self.embed(input_ids)
+        emb = self._embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, emb.dtype)
         _, k, v = self.self_attn.project(self._attn_input(emb, features)[1], cos, sin)
         self.self_attn.backend.write_kv(kv_cache.k[0], kv_cache.v[0], k, v, slot_mapping)
@@ -159,7 +162,14 @@ class EagleDraftHead(nn.Module):
         final norm and lm_head; eagle: the target's lm_head)."""
         if self.arch.style is DraftStyle.EAGLE3:
             return self.lm_head(self.norm(x)).float()
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        return (logits if self.tp is None else self.tp.gather_vocab(logits, self.arch.layer.vocab_size)).float()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids) if self.tp is None else self.tp.embed(self.embed, input_ids)
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.token_map[draft_ids]
@@ -167,7 +177,10 @@ class EagleDraftHead(nn.Module):
     def load_published(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load a published state dict by its names (q/k/v and gate/up packed, cast to this head's
         dtype). Tensors of the target a checkpoint may carry (embed_tokens, an eagle head's unused
-        input_layernorm) are ignored; a missing or misshapen tensor raises ValueError."""
+        input_layernorm) are ignored; a missing or misshapen tensor raises ValueError. Sharded
+        (`tp`): cut to this rank's part as a target layer's tensors are."""
+        if self.tp is not None:
+            tensors = _shard_head(tensors, self.arch, self.tp.shard)
         style, loaded = self.arch.style, {}
         for ours, names in _published_linears(style).items():
             module = self.get_submodule(ours)
@@ -218,6 +231,15 @@ def _published_norms(style: DraftStyle) -> dict[str, str]:
     return norms
 
 
+def _shard_head(tensors: dict[str, torch.Tensor], arch: DraftArch, shard) -> dict[str, torch.Tensor]:
+    """A head's published tensors cut to `shard`'s part (its layer's as a target layer's; an eagle3
+    head's own lm_head, over the draft vocabulary, whole)."""
+    from kernels.model.hf_names import shard_tensors
+
+    whole = {name: t for name, t in tensors.items() if name == "lm_head.weight"}
+    return {**shard_tensors({n: t for n, t in tensors.items() if n not in whole}, arch.layer, shard), **whole}
+
+
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
         raise ValueError(f"the EAGLE checkpoint has no {name!r} (not an EAGLE-1/2 or EAGLE-3 head?)")
@@ -237,9 +259,10 @@ def checkpoint_style(config: dict) -> DraftStyle:
 
 
 def load_eagle_checkpoint(path: Path, target: LlamaArch, embed: nn.Embedding, target_lm_head: PackedLinear,
-                          backend=None) -> EagleDraftHead:
-    """A published EAGLE-1/2 or EAGLE-3 head for `target` from a directory with config.json and
-    `*.safetensors` or `pytorch_model.bin`. Raises ValueError when its shapes do not fit `target`."""
+                          backend=None, tp=None) -> EagleDraftHead:
+    """A published EAGLE-1/2 or EAGLE-3 head for `target` (the whole model's shapes) from a directory
+    with config.json and `*.safetensors` or `pytorch_model.bin`; with `tp`, this rank's shard of it.
+    Raises ValueError when its shapes do not fit `target`."""
     config = json.loads((path / "config.json").read_text())
     style = checkpoint_style(config)
     if config.get("hidden_size", target.hidden_size) != target.hidden_size:
@@ -247,7 +270,7 @@ def load_eagle_checkpoint(path: Path, target: LlamaArch, embed: nn.Embedding, ta
     aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     arch = DraftArch.for_target(target, style, config.get("draft_vocab_size"),
                                 tuple(aux) if aux is not None else None)
-    head = EagleDraftHead(arch, embed, target_lm_head if style is DraftStyle.EAGLE else None, backend)
+    head = EagleDraftHead(arch, embed, target_lm_head if style is DraftStyle.EAGLE else None, backend, tp)
     head.to(dtype=embed.weight.dtype)  # the checkpoint's tensors are cast to the target's dtype
     head.load_published(_read_tensors(path))
     return head.to(device=embed.weight.device)

@@ -115,3 +115,33 @@ def test_a_tp2_engine_brings_a_history_back_from_every_ranks_host_tier():
         assert_pool_at_rest(engine)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_eagle_at_tp2_drafts_with_a_sharded_head_and_gives_transformers_greedy_tokens(topk):
+    """SmolLM2's shipped EAGLE head sharded over two ranks (its heads and MLP columns, the target's
+    vocabulary-parallel embedding and head): chain drafting and tree drafting (whose accepted path's
+    K/V moves on every rank) give transformers' greedy tokens, with drafts accepted."""
+    import dataclasses
+
+    from cluster.cli.args import with_default_draft
+    from common.config import EngineConfig, SamplingParams
+    from engine.tp_launch import load_tp_engine
+    from tests.helpers import assert_pool_at_rest
+
+    loaded, reference = smollm2()
+    prompts = ["List the days of the week: Monday, Tuesday,", "The harbour town was quiet before the boats came in."]
+    ids = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    expected = [hf_greedy(reference, p, 16, list(loaded.eos_token_ids)) for p in ids]
+    config = with_default_draft(EngineConfig(tensor_parallel_size=2, speculative="eagle", num_pages=128))
+    engine = load_tp_engine(dataclasses.replace(config, speculative_topk=topk, debug_kv=True))
+    try:
+        reqs = engine.generate(ids, SamplingParams(max_tokens=16, temperature=0.0))
+        assert [r.output_token_ids for r in reqs] == expected
+        counters = engine.speculator.counters
+        assert counters.verifies > 0 and counters.mean_accepted_length > 1.2, counters
+        while engine.busy():
+            engine.step()
+        assert_pool_at_rest(engine)
+    finally:
+        engine.close()

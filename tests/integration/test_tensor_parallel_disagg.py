@@ -1,8 +1,8 @@
 """Disaggregation across tensor-parallel degrees on the CPU: `tandem serve` with a prefill worker at
-TP=2 and a decode worker at TP=1, and the reverse. Every prompt crosses (no local prefill), each
-prefill rank writing its KV heads into the decode rank(s) holding them over Mooncake TCP; the tokens
-are transformers' greedy tokens, again from the prefix cache, and the KV bytes moved are exactly the
-prompts' pages; KV integrity checked after every step."""
+TP=2 and a decode worker at TP=1, and the reverse with EAGLE (its head sharded on both ranks of the
+decode worker). Every prompt crosses (no local prefill), each prefill rank writing its KV heads into
+the decode rank(s) holding them over Mooncake TCP; the tokens are transformers' greedy tokens, again
+from the prefix cache; KV integrity checked after every step."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ PROMPTS = [STORY + "the children", STORY + "the old captain told them", "A recip
 NEW_TOKENS = 10
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_prefill_and_decode_at_different_tp_degrees_give_transformers_greedy_tokens(prefill_tp, decode_tp,
+@pytest.mark.parametrize("prefill_tp,decode_tp,eagle", [(2, 1, False), (1, 2, True)])
+def test_prefill_and_decode_at_different_tp_degrees_give_transformers_greedy_tokens(prefill_tp, decode_tp, eagle,
                                                                                      tmp_path_factory):
     import openai
 
@@ -32,7 +32,8 @@ def test_prefill_and_decode_at_different_tp_degrees_give_transformers_greedy_tok
     args = ["--set", "prefill.count=1", "--set", "decode.count=1", "--set", "colocated.count=0",
             "--set", f"prefill.engine.tensor_parallel_size={prefill_tp}",
             "--set", f"decode.engine.tensor_parallel_size={decode_tp}",
-            "--set", "router.local_prefill_max_tokens=0", "--set", "engine.num_pages=256"]
+            "--set", "router.local_prefill_max_tokens=0", "--set", "engine.num_pages=256",
+            *(["--set", "engine.speculative=eagle"] if eagle else [])]
     name = f"serve-tp{prefill_tp}to{decode_tp}"
     with serving(tmp_path_factory, name, args, env={"TANDEM_DEBUG_KV": "1"}, warm=False) as server:
         before = server.metrics()
@@ -49,5 +50,8 @@ def test_prefill_and_decode_at_different_tp_degrees_give_transformers_greedy_tok
         again = sync.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=NEW_TOKENS, temperature=0,
                                         extra_body={"return_token_ids": True})
         assert again.choices[0].token_ids == expected[1] and again.usage.prompt_tokens_details.cached_tokens > 0
-        moved = metric(server.metrics(), "tandem:kv_transfer_bytes_total") - metric(before, "tandem:kv_transfer_bytes_total")
-        assert moved > 0
+        after = server.metrics()
+        moved = lambda name: metric(after, name) - metric(before, name)  # noqa: E731
+        assert moved("tandem:kv_transfer_bytes_total") > 0
+        if eagle:  # the decode worker's sharded head drafted, and the target took some of its drafts
+            assert moved("tandem:spec_draft_tokens_total") > 0 and moved("tandem:spec_accepted_tokens_total") > 0

@@ -35,12 +35,14 @@ from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
 from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
 from engine.tiers import host_cache, model_id
-from engine.tp import LeadCopier, LeadGraphRunner, LeadHead, LeadModel, LeadRunner, lead_moves
+from engine.tp import LeadGraphRunner, LeadHead, LeadModel, LeadRunner, lead_moves
+from engine.tp_tiers import LeadCopier, LeadL3, rank_l3
 from kernels.attention import AUTO, get_backend, resolve_backend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
 from kv_store.device_pool import DevicePool
 from kv_store.hicache import HostCache, NullHostCache
+from kv_store.l3.bridge import L3Bridge
 from kv_store.l3.config import L3Config
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.req_kv import KVManager
@@ -108,9 +110,6 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     at full speed at once; without, pages fault in as they are first written (a one-shot run).
     `control`: rank 0's control group of a tensor-parallel engine (`engine/tp_launch.py:load_tp_engine`)."""
     device = torch.device(config.device)
-    if control is not None and l3 is not None:
-        raise ConfigError("kv_store.l3 does not run under tensor parallelism yet (each rank's pages would need "
-                          "keys of their own); the host tier does")
     backend = choose_attention_backend(config, model, draft_head, device)
     if config.speculative != "none" and (getattr(arch, "windowed", False) or getattr(arch, "attn_softcap", None)):
         raise ConfigError(f"engine.speculative: {config.speculative} is not supported for {arch.model_type}: its "
@@ -132,7 +131,9 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
         populating = populate_in_background(pools.kv_cache.k + pools.kv_cache.v)
         if populating is not None:
             populating.join()
-    tier = _tiers(resolved, pools, l3, model_id(config.model, model, draft_head))
+    l3_model_id = model_id(config.model, model, draft_head)
+    own_l3 = rank_l3(l3, model.tp.shard) if control is not None and l3 is not None else l3  # this rank's keys
+    tier = _tiers(resolved, pools, own_l3, l3_model_id)
     sessions = (SessionManager(pools.kvm, int(resolved.session_kv_fraction * pools.device_pool.pages.num_usable
                                               * resolved.page_size), offload=bool(resolved.host_cache_pages))
                 if resolved.enable_prefix_cache else NullSessions())
@@ -142,9 +143,11 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     if control is None:
         eager = ModelRunner(model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
     else:  # rank 0 of a tensor-parallel engine (`engine/tp.py`): the other ranks size their KV as this
-        control.send(("config", resolved))
+        control.send(("config", resolved, (l3, l3_model_id) if l3 is not None else None))
         if isinstance(tier, HostCache):  # the other ranks copy between their own pages and host tier
             tier.copier = LeadCopier(tier.copier, control)
+            if isinstance(tier.l3, L3Bridge):  # ... and put and fetch their own parts of L3's pages
+                tier.l3.l3 = LeadL3(tier.l3.l3, control)
         eager = LeadRunner(control, model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
         model = LeadModel(model, control)
     plan = choose_step_strategy(resolved, model, device, backend)

@@ -12,14 +12,13 @@ tables are rank 0's, so their pages hold the same tokens. The model's collective
 A worker role may add calls of its own on the other ranks (`follow`'s `calls`: a prefill worker's
 writes, a decode worker's landing loads); a call's answer comes back through `ControlGroup.gather`.
 
-The host tier is per rank: every rank holds host pages of the same count for its heads, and rank 0's
-tier sends each copy it makes (`LeadCopier`); its decisions (what to back up, evict, load) are rank 0's.
+The host tier and L3 are per rank, rank 0 deciding (`engine/tp_tiers.py`).
 
 EAGLE's head is sharded as a decoder layer is and runs on every rank (`LeadHead`): each pass and each
 move of a verified tree's K/V is sent like a forward.
 
 Not yet under tensor parallelism: the CPU's compiled and C decode layers (its replays run the eager
-layers over the static buffers), L3, graphs of the EAGLE head (its calls run eagerly). `prepare` turns off
+layers over the static buffers), graphs of the EAGLE head (its calls run eagerly). `prepare` turns off
 what is on by default and refuses what was asked for.
 """
 
@@ -162,23 +161,6 @@ def meta_to(meta, device: str):
     moved = {f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
              if f.init and isinstance(getattr(meta, f.name), torch.Tensor)}
     return dataclasses.replace(meta, **moved)
-
-
-class LeadCopier:
-    """Rank 0's host tier copier (`kv_store.copier.PageCopier`): each copy between device and host
-    pages is sent to the other ranks first, which make it between their own pages and host tier
-    before running their next call, so in the order rank 0 issued it and before any forward that
-    reads or rewrites those pages; then it is rank 0's (its job, which rank 0's tier waits on)."""
-
-    def __init__(self, copier, control: ControlGroup) -> None:
-        self._copier, self._control = copier, control
-
-    def submit(self, direction, src_pages: list[int], dst_pages: list[int]):
-        self._control.send(("tier_copy", direction, list(src_pages), list(dst_pages)))
-        return self._copier.submit(direction, src_pages, dst_pages)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._copier, name)
 
 
 class LeadModel:

@@ -25,6 +25,7 @@ from engine.graphs.strategy import choose_step_strategy
 from engine.runner import ModelRunner
 from engine.spec.factory import load_draft_head
 from engine.tp import ControlGroup, follow, head_calls, join, prepare, rank_device
+from engine.tp_tiers import RankTiers
 from kv_store.device_pool import DevicePool
 
 log = logging.getLogger("tandem.engine")
@@ -76,7 +77,7 @@ def follower_main(rank: int, size: int, init_method: str, config: EngineConfig, 
     join(rank, size, init_method, device)
     control = ControlGroup()
     loaded, shards = load_shard(config, rank, size, device, serving)
-    kind, resolved = control.receive()
+    kind, resolved, l3 = control.receive()  # l3: (rank 0's L3Config, its model id) or None
     assert kind == "config", f"rank 0 sent {kind!r} before its config"
     arch = loaded.arch
     head = load_draft_head(resolved, loaded.model, arch) if resolved.speculative != "none" else None  # its shard
@@ -93,31 +94,10 @@ def follower_main(rank: int, size: int, init_method: str, config: EngineConfig, 
         calls = role.start(RankContext(rank, shards, all_kv, control, closing)) if role is not None else {}
         if head is not None:
             calls.update(head_calls(head, KVCacheTensors(all_kv.k[-1:], all_kv.v[-1:]), kv, device))
-        if resolved.host_cache_pages:  # its host tier: rank 0's tier sends each copy (`engine.tp.LeadCopier`)
-            calls["tier_copy"] = _tier_copies(all_kv, resolved.host_cache_pages, closing)
+        if resolved.host_cache_pages:  # its host tier and L3 part, kept as rank 0's (`engine/tp_tiers.py`)
+            calls.update(RankTiers(all_kv, resolved.host_cache_pages, l3, shards[rank], control, closing).calls())
         follow(control, graphs, loaded.model, calls)
     torch.distributed.destroy_process_group()
-
-
-def _tier_copies(kv, num_pages: int, closing: contextlib.ExitStack):
-    """A rank's host tier of `num_pages` pages for its heads, and the call making rank 0's copies on it
-    (each done before the rank's next call)."""
-    from kv_store.copier import PageCopier
-    from kv_store.hicache import host_tensors
-
-    copier = PageCopier(kv, host_tensors(kv, num_pages), name="tier-copier")
-    closing.callback(copier.close)
-
-    def tier_copy(direction, src_pages: list[int], dst_pages: list[int]) -> None:
-        job = copier.submit(direction, src_pages, dst_pages)
-        if not job.wait(TIER_COPY_TIMEOUT_S) or job.error is not None:
-            raise RuntimeError(f"host tier copy {direction.name} failed on this rank: {job.error!r}")
-    return tier_copy
-
-
-TIER_COPY_TIMEOUT_S = 60.0
-"""The longest a rank waits for one of its host tier's copies; past it (or on a failed copy) the rank
-stops, and rank 0's next collective fails (a rank whose pages may differ from rank 0's must not go on)."""
 
 
 def _die_with_parent(parent: int, poll_s: float = 0.5) -> None:
@@ -204,14 +184,14 @@ def start_ranks(config: EngineConfig, serving: bool = False, role=None) -> Ranks
     return Ranks(dataclasses.replace(config, device=device), followers, control, loaded, shards)
 
 
-def load_tp_engine(config: EngineConfig, populate: bool = True):
+def load_tp_engine(config: EngineConfig, populate: bool = True, l3=None):
     """A colocated engine over `config.tensor_parallel_size` ranks (this process rank 0, the others
-    spawned); `engine.close()` stops them."""
+    spawned; `l3`: an `L3Config` under its host tier); `engine.close()` stops them."""
     ranks = start_ranks(config)
     try:
         loaded = ranks.loaded
         engine = build_engine(ranks.config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
-                              populate=populate, control=ranks.control)
+                              populate=populate, control=ranks.control, l3=l3)
     except BaseException:
         ranks.followers.join(timeout_s=1.0)
         raise

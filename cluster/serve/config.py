@@ -211,9 +211,6 @@ class ServeConfig:
                                              if getattr(self, g).count}}  # an empty group's engine is inert
         for name, engine in engines.items():
             require(engine.model == self.model, f"{name}.model must equal model {self.model!r}, got {engine.model!r}")
-            require(engine.tensor_parallel_size == 1 or self.kv_store.l3 is None,
-                    f"{name}.tensor_parallel_size: kv_store.l3 does not run under tensor parallelism yet (the host "
-                    "tier does)")
         require(self.prefill.count == 0 or self.decode.count >= 1,
                  f"prefill.count={self.prefill.count} needs decode.count >= 1: prefill workers hand their KV to decode workers")
         # With the check above, this implies at least one worker in total.

@@ -254,13 +254,11 @@ def _staging_pages(name: str, engine: EngineConfig) -> int:
 def _with_host_tier(group, with_l3: bool):
     """`group` with its CPU engine's host tier decided when not asked for: off, or with L3 a staging
     area of `L3_STAGING_HOST_RATIO` (pages fetched from L3 land in host pages first); a tensor-parallel
-    engine's off on any device unless asked for (one per rank, rank 0 deciding: `engine/tp.py`)."""
+    engine's as a CPU engine's on any device (one per rank, rank 0 deciding: `engine/tp_tiers.py`)."""
     engine = group.engine
     if engine.host_cache_ratio is not None or engine.host_cache_pages is not None:
         return group
-    if engine.tensor_parallel_size > 1:
-        return dataclasses.replace(group, engine=dataclasses.replace(engine, host_cache_ratio=0.0))
-    if engine.device != "cpu":
+    if engine.device != "cpu" and engine.tensor_parallel_size == 1:
         return group
     ratio = L3_STAGING_HOST_RATIO if with_l3 else 0.0
     return dataclasses.replace(group, engine=dataclasses.replace(engine, host_cache_ratio=ratio))

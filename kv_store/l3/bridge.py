@@ -110,6 +110,7 @@ class L3Bridge:
             pages = self.pool.alloc(pf.num_found, pf)
             self.pool.hand_off(pages, pf, pf)
             return self.l3.fetch(pf, pages)
+        pf.num_found = self.l3.arrived(pf)
         self.pool.retire(pf)
         attached = self._attach(pf)
         self.pool.free([p for p in pf.host_pages if p not in attached], pf)

@@ -139,6 +139,10 @@ class L3Tier:
             time.sleep(0.005)
         return True
 
+    def arrived(self, prefetch: Prefetch) -> int:
+        """How many leading pages of a finished fetch arrived (a tensor-parallel rank 0's asks every rank)."""
+        return prefetch.num_found
+
     def count(self, outcome: str) -> None:
         self.counters.prefetches[outcome] = self.counters.prefetches.get(outcome, 0) + 1
 
@@ -170,15 +174,18 @@ class L3Tier:
             if not prefetch.num_found and self._faults() > before:
                 prefetch.error = self.store.last_error or "L3 unavailable"  # a fault, not an absent prefix
             return
-        n = len(prefetch.host_pages)
-        payloads = self.store.get_pages(prefetch.keys[:n])
+        prefetch.num_found = self.read_now(prefetch.keys[:len(prefetch.host_pages)], prefetch.host_pages)
+
+    def read_now(self, keys: list[str], host_pages: list[int]) -> int:
+        """Get `keys` from the store into `host_pages` on the caller's thread; how many leading pages
+        arrived (a store fault is a miss)."""
         got = 0
-        for page, payload in zip(prefetch.host_pages, payloads):
+        for page, payload in zip(host_pages, self.store.get_pages(keys)):
             if payload is None:
                 break
             self._bytes.unpack(page, payload)
             got += 1
-        prefetch.num_found = got
+        return got
 
 
 def _stop_all(queues) -> None:

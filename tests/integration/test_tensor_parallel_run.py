@@ -145,3 +145,40 @@ def test_eagle_at_tp2_drafts_with_a_sharded_head_and_gives_transformers_greedy_t
         assert_pool_at_rest(engine)
     finally:
         engine.close()
+
+
+def test_a_tp2_engine_serves_a_history_another_wrote_to_l3_each_rank_its_own_part(redis_server):
+    """Two TP=2 engines in turn over one Redis: the first writes a history to L3, each rank its heads'
+    part of every page under keys of its own; the second, with nothing on its device or host, fetches
+    it (each rank its part, the pages every rank got) and continues it with transformers' tokens."""
+    from common.config import EngineConfig, SamplingParams
+    from engine.tp_launch import load_tp_engine
+    from kv_store.l3.config import L3Config
+
+    client = redis_server.client()
+    client.flushall()
+    l3 = L3Config(url=redis_server.url, prefetch_policy="wait_complete", prefetch_min_pages=2, error_backoff_s=0.0)
+    loaded, reference = smollm2()
+    encode = lambda text: loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    history = encode("The harbour town was quiet before the boats came in. The fishermen mended their nets, "
+                     "and the children ran along the pier to watch the gulls circle over the water.")
+    question = history + encode(" Then the old captain")
+    expected = hf_greedy(reference, question, 6, list(loaded.eos_token_ids))
+    config = EngineConfig(tensor_parallel_size=2, page_size=16, num_pages=64, host_cache_pages=1 + 32, chunk_size=64)
+    first = load_tp_engine(config, l3=l3)
+    try:
+        first.generate([history], SamplingParams(max_tokens=1, temperature=0.0))
+        while first.busy():
+            first.step()
+        assert first.host_cache.l3.flush(10.0)
+    finally:
+        first.close()  # the other rank's writes drain as its L3 part closes
+    keys = [k.decode() for k in client.keys("*")]
+    parts = {prefix: sum(prefix in k for k in keys) for prefix in ("tp2h0-2:", "tp2h2-3:")}
+    assert parts["tp2h0-2:"] == parts["tp2h2-3:"] >= len(history) // 16, (parts, keys)
+    second = load_tp_engine(config, l3=l3)
+    try:
+        [again] = second.generate([question], SamplingParams(max_tokens=6, temperature=0.0))
+        assert again.tier.l3_hit_tokens > 0 and again.output_token_ids == expected
+    finally:
+        second.close()

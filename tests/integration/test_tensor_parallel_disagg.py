@@ -2,7 +2,8 @@
 TP=2 and a decode worker at TP=1, and the reverse with EAGLE (its head sharded on both ranks of the
 decode worker). Every prompt crosses (no local prefill), each prefill rank writing its KV heads into
 the decode rank(s) holding them over Mooncake TCP; the tokens are transformers' greedy tokens, again
-from the prefix cache; KV integrity checked after every step."""
+from the prefix cache, and through a session's two turns (its history kept by the decode worker's
+ranks); KV integrity checked after every step."""
 
 from __future__ import annotations
 
@@ -50,8 +51,31 @@ def test_prefill_and_decode_at_different_tp_degrees_give_transformers_greedy_tok
         again = sync.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=NEW_TOKENS, temperature=0,
                                         extra_body={"return_token_ids": True})
         assert again.choices[0].token_ids == expected[1] and again.usage.prompt_tokens_details.cached_tokens > 0
+        check_a_session(server.base_url, loaded, reference, eos)
         after = server.metrics()
         moved = lambda name: metric(after, name) - metric(before, name)  # noqa: E731
         assert moved("tandem:kv_transfer_bytes_total") > 0
         if eagle:  # the decode worker's sharded head drafted, and the target took some of its drafts
             assert moved("tandem:spec_draft_tokens_total") > 0 and moved("tandem:spec_accepted_tokens_total") > 0
+
+
+def check_a_session(base_url: str, loaded, reference, eos: list[int]) -> None:
+    """Two turns of a session: each transformers' greedy continuation of the whole conversation, the
+    second finding the first's history cached."""
+    import httpx
+
+    session = httpx.post(f"{base_url}/v1/sessions", timeout=60, json={"capacity_tokens": 256}).json()["id"]
+    history: list[int] = []
+    for turn, text in enumerate(["A session about rivers. The longest river", " And the widest one"]):
+        new = loaded.tokenizer.encode(text, add_special_tokens=False)
+        resp = httpx.post(f"{base_url}/v1/completions", timeout=300, json={
+            "model": "smollm2", "prompt": new if turn else history + new, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "session_id": session, "return_token_ids": True})
+        assert resp.status_code == 200, resp.text
+        choice, usage = resp.json()["choices"][0], resp.json()["usage"]
+        history = history + new
+        assert choice["token_ids"] == hf_greedy(reference, history, NEW_TOKENS, eos)
+        if turn:
+            assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+        history += choice["token_ids"]
+    assert httpx.delete(f"{base_url}/v1/sessions/{session}", timeout=60).status_code == 200

@@ -3,7 +3,7 @@ and an L3 part on every rank, each for that rank's KV heads, every decision rank
 
     rank 0                                          the other ranks (`RankTiers`)
     its tier's copier sends each copy first         "tier_copy": the same pages, their own host tier
-      (`engine.tp.LeadCopier`)
+      (`LeadCopier`)
     its L3 sends each put first (`LeadL3.put`)      "l3_put": the same keys, their own host pages
     a finished fetch asks what arrived              "l3_fetch": the same keys into the same host
       (`LeadL3.arrived`): the fewest pages any        pages, read now; answers how many arrived

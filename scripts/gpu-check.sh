@@ -44,8 +44,9 @@
 #                          dtype (computed while the server starts; equal, or parted where HF's top two
 #                          logits are within 0.5: scripts/gpu_check_greedy.py); bench serve (32 prompts,
 #                          concurrency 8); SIGTERM
-#   tp2           (90 s)   only on a node with 2+ GPUs (its timeout then added to the budget): tandem
-#                          run at tensor-parallel size 1 and 2, float32 greedy, 4 prompts: the same tokens
+#   tp2          (180 s)   only on a node with 2+ GPUs (its timeout then added to the budget): tandem
+#                          run, float32 greedy, 4 prompts, at TP=1, at TP=2 eager and with CUDA graphs,
+#                          and disaggregated with prefill at TP=2 and decode at TP=1: the same tokens
 #                 -----
 #                  480 s   the foreground steps' sum (`--plan` adds it up); no step runs past
 #                          GPU_CHECK_BUDGET_S (default 480) from the start
@@ -107,7 +108,7 @@ if [ "$mode" = dry ]; then
 else
     BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
     DEVICE=cuda
-    T_SETUP=45 T_ENV=15 T_PYTEST=160 T_TRAIN=160 T_8B=45 T_BF16=35 T_FP32=35 T_H2D=15 T_SPEC=35 T_SERVE=95 T_TP=90
+    T_SETUP=45 T_ENV=15 T_PYTEST=160 T_TRAIN=160 T_8B=45 T_BF16=35 T_FP32=35 T_H2D=15 T_SPEC=35 T_SERVE=95 T_TP=180
     DECODE_SIZES=(--batch-sizes "1,16" --prompt-len 128 --steps 32 --warmup-steps 4)
     RANDOM_DECODE=(--device cuda --backends triton --random-weights llama-3-8b --batch-sizes "1,16,64"
                    --prompt-len 128 --steps 32 --warmup-steps 4)
@@ -289,7 +290,7 @@ if [ "$mode" = plan ]; then
 elif [ "$mode" = dry ] || [ "${gpus:-0}" -ge 2 ]; then
     BUDGET_S=$((BUDGET_S + T_TP))
     run_step tp2 tp "$T_TP" out/tp2.json -- \
-        "$PY" "$STEPS" tp --out "$LOGDIR/out/tp2.json" --device "$DEVICE" --timeout-s "$((T_TP / 2 - 5))"
+        "$PY" "$STEPS" tp --out "$LOGDIR/out/tp2.json" --device "$DEVICE" --timeout-s "$((T_TP / 4 - 5))"
 else
     record "$((order + 1))" tp2 tp "" "" "$T_TP" "" "" "skipped: ${gpus:-0} GPU(s), TP=2 needs two" -- \
         "$PY" "$STEPS" tp --device "$DEVICE"

@@ -200,7 +200,7 @@ def parse_serve(data: dict | None, log: str) -> dict:
 def parse_tp(data: dict | None, log: str) -> dict:
     if not data:
         return {}
-    return {k: data.get(k) for k in ("equal", "parted", "prompts", "tp1_wall_s", "tp2_wall_s", "error")}
+    return {k: v for k, v in data.items() if k in ("equal", "parted", "prompts", "error") or k.endswith("_wall_s")}
 
 
 PARSERS = {"setup": (parse_setup, "json"), "env": (parse_env, "json"), "pytest": (parse_pytest, "path"),
@@ -298,9 +298,10 @@ def headline(step: dict) -> str:
         return "; ".join(f"b{b} {v['speedup']:.2f}x plain, {v['tokens_per_verify']:.2f} tokens/verify"
                          for b, v in f["batches"].items())
     if kind == "tp" and "equal" in f:
-        return (f"TP=2 greedy = TP=1 on {f.get('prompts')} prompts: {f['equal']}"
-                + (f" (parted: {f['parted']})" if f.get("parted") else "")
-                + f"; wall TP=1 {f.get('tp1_wall_s')}s, TP=2 {f.get('tp2_wall_s')}s")
+        parted = {name: rows for name, rows in (f.get("parted") or {}).items() if rows}
+        walls = ", ".join(f"{k[:-len('_wall_s')]} {v}s" for k, v in f.items() if k.endswith("_wall_s"))
+        return (f"TP=2 runs' greedy = TP=1's on {f.get('prompts')} prompts: {f['equal']}"
+                + (f" (parted: {parted})" if parted else "") + f"; wall {walls}")
     if kind == "serve":
         b = f.get("bench") or {}
         if f.get("ready") != "ready":

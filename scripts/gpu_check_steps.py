@@ -110,29 +110,36 @@ TP_PROMPTS = ("The harbour town was quiet before the boats came in, and", "A rec
               "def fibonacci(n):", "The three largest planets of the solar system are")
 
 
+TP_RUNS = {"tp1": ["--no-cuda-graph"], "tp2": ["--tensor-parallel-size", "2", "--no-cuda-graph"],
+           "tp2_graphs": ["--tensor-parallel-size", "2"],
+           "tp2_to_tp1": ["--mode", "disaggregated", "--prefill-tensor-parallel-size", "2"]}
+"""The runs of `tp_check`, each against "tp1": eager at TP=2, CUDA graphs replayed at TP=2 (NCCL inside
+every graph), a prefill worker at TP=2 shipping into a decode worker at TP=1 (a transfer per rank pair)."""
+
+
 def tp_check(args: argparse.Namespace) -> int:
-    """Greedy tokens of `TP_PROMPTS` at TP=1 and TP=2 (float32: summation order moves a logit by ~1e-6,
-    far below any gap a greedy choice makes here); 0 when they are the same."""
+    """Greedy tokens of `TP_PROMPTS` for each of `TP_RUNS` (float32: summation order moves a logit by
+    ~1e-6, far below any gap a greedy choice makes here); 0 when every run has TP=1's tokens."""
     import time
 
     prompts = [arg for prompt in TP_PROMPTS for arg in ("--prompt", prompt)]
     out: dict = {"prompts": len(TP_PROMPTS), "device": args.device}
     tokens = {}
-    for size in (1, 2):
+    for name, extra in TP_RUNS.items():
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "cluster.cli", "run", "--device", args.device, "--dtype", "float32",
-                               "--raw", "--json", "--max-tokens", "16", "--no-cuda-graph",
-                               "--tensor-parallel-size", str(size), *prompts],
+                               "--raw", "--json", "--max-tokens", "16", *extra, *prompts],
                               capture_output=True, text=True, timeout=args.timeout_s)
         print(done.stderr[-3000:], flush=True)
-        out[f"tp{size}_wall_s"] = round(time.monotonic() - started, 2)
+        out[f"{name}_wall_s"] = round(time.monotonic() - started, 2)
         if done.returncode != 0:
-            out["error"] = f"TP={size} exited {done.returncode}"
+            out["error"] = f"{name} exited {done.returncode}"
             write_json(args.out, out)
             return 1
-        tokens[size] = [json.loads(line)["token_ids"] for line in done.stdout.splitlines() if line.startswith("{")]
-    out["parted"] = [i for i, (a, b) in enumerate(zip(tokens[1], tokens[2])) if a != b]
-    out["equal"] = tokens[1] == tokens[2]
+        tokens[name] = [json.loads(line)["token_ids"] for line in done.stdout.splitlines() if line.startswith("{")]
+    out["parted"] = {name: [i for i, (a, b) in enumerate(zip(tokens["tp1"], got)) if a != b]
+                     for name, got in tokens.items() if name != "tp1"}
+    out["equal"] = all(got == tokens["tp1"] for got in tokens.values())
     write_json(args.out, out)
     return 0 if out["equal"] else 1
 

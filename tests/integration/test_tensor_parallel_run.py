@@ -79,49 +79,11 @@ def test_tandem_serve_colocated_at_tp2_gives_transformers_greedy_tokens(tmp_path
         assert beyond == [], f"listening beyond loopback: {beyond}"
 
 
-def test_a_tp2_engine_brings_a_history_back_from_every_ranks_host_tier():
-    """Rank 0's host tier decides; each rank backs up and loads its own heads' pages. A history evicted
-    from the device pool, whose device pages another prompt then overwrote, comes back from the host
-    tiers of both ranks: transformers' greedy tokens (rank 1 loading nothing would attend over the
-    other prompt's KV), the pools at rest after."""
-    from common.config import EngineConfig, SamplingParams
-    from engine.tp_launch import load_tp_engine
-    from kv_store.residency import Residency
-    from tests.helpers import assert_pool_at_rest
-
-    loaded, reference = smollm2()
-    encode = lambda text: loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    history = encode("The harbour town was quiet before the boats came in. The fishermen mended their nets, "
-                     "and the children ran along the pier to watch the gulls circle over the water.")
-    other = encode("A recipe for bread starts with flour, water, salt and yeast; the dough rests for an hour "
-                   "in a warm place until it doubles, then it is shaped, proofed again and baked hot.")
-    question = history + encode(" Then the old captain")
-    expected = hf_greedy(reference, question, 6, list(loaded.eos_token_ids))
-    config = EngineConfig(tensor_parallel_size=2, page_size=16, num_pages=1 + 8, host_cache_pages=1 + 16,
-                          chunk_size=64)
-    engine = load_tp_engine(config)
-    try:
-        greedy = SamplingParams(max_tokens=1, temperature=0.0)
-        engine.generate([history], greedy)
-        while engine.busy():
-            engine.step()
-        assert engine.kvm.prefix_cache.evict(1000) > 0
-        assert all(n.residency is Residency.HOST for n in engine.kvm.prefix_cache.nodes())
-        engine.generate([other], greedy)  # its pages are the ones the history left
-        [again] = engine.generate([question], SamplingParams(max_tokens=6, temperature=0.0))
-        assert again.tier.host_hit_tokens > 0 and again.output_token_ids == expected
-        while engine.busy():
-            engine.step()
-        assert_pool_at_rest(engine)
-    finally:
-        engine.close()
-
-
-@pytest.mark.parametrize("topk", [1, 2])
-def test_eagle_at_tp2_drafts_with_a_sharded_head_and_gives_transformers_greedy_tokens(topk):
+def test_eagle_at_tp2_drafts_with_a_sharded_head_and_gives_transformers_greedy_tokens():
     """SmolLM2's shipped EAGLE head sharded over two ranks (its heads and MLP columns, the target's
-    vocabulary-parallel embedding and head): chain drafting and tree drafting (whose accepted path's
-    K/V moves on every rank) give transformers' greedy tokens, with drafts accepted."""
+    vocabulary-parallel embedding and head): tree drafting (tree verify replays, and the accepted
+    path's K/V moved, on every rank) gives transformers' greedy tokens, with drafts accepted. (Chain
+    drafting: the served 1 -> 2 test.)"""
     import dataclasses
 
     from cluster.cli.args import with_default_draft
@@ -134,7 +96,7 @@ def test_eagle_at_tp2_drafts_with_a_sharded_head_and_gives_transformers_greedy_t
     ids = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     expected = [hf_greedy(reference, p, 16, list(loaded.eos_token_ids)) for p in ids]
     config = with_default_draft(EngineConfig(tensor_parallel_size=2, speculative="eagle", num_pages=128))
-    engine = load_tp_engine(dataclasses.replace(config, speculative_topk=topk, debug_kv=True))
+    engine = load_tp_engine(dataclasses.replace(config, speculative_topk=2, debug_kv=True))
     try:
         reqs = engine.generate(ids, SamplingParams(max_tokens=16, temperature=0.0))
         assert [r.output_token_ids for r in reqs] == expected
@@ -147,13 +109,17 @@ def test_eagle_at_tp2_drafts_with_a_sharded_head_and_gives_transformers_greedy_t
         engine.close()
 
 
-def test_a_tp2_engine_serves_a_history_another_wrote_to_l3_each_rank_its_own_part(redis_server):
-    """Two TP=2 engines in turn over one Redis: the first writes a history to L3, each rank its heads'
-    part of every page under keys of its own; the second, with nothing on its device or host, fetches
-    it (each rank its part, the pages every rank got) and continues it with transformers' tokens."""
+def test_tp2_engines_bring_a_history_back_from_every_ranks_host_tier_and_l3(redis_server):
+    """Rank 0 decides; each rank backs up, loads, puts and fetches its own heads' part. A history
+    evicted from the device pool, whose device pages another prompt then overwrote, comes back from
+    the host tiers of both ranks (rank 1 loading nothing would attend over the other prompt's KV); a
+    second engine, with nothing on its device or host, fetches it from L3 (each rank its part, under
+    keys of its own; the pages every rank got): transformers' greedy tokens both times."""
     from common.config import EngineConfig, SamplingParams
     from engine.tp_launch import load_tp_engine
     from kv_store.l3.config import L3Config
+    from kv_store.residency import Residency
+    from tests.helpers import assert_pool_at_rest
 
     client = redis_server.client()
     client.flushall()
@@ -162,17 +128,28 @@ def test_a_tp2_engine_serves_a_history_another_wrote_to_l3_each_rank_its_own_par
     encode = lambda text: loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     history = encode("The harbour town was quiet before the boats came in. The fishermen mended their nets, "
                      "and the children ran along the pier to watch the gulls circle over the water.")
+    other = encode("A recipe for bread starts with flour, water, salt and yeast; the dough rests for an hour "
+                   "in a warm place until it doubles, then it is shaped, proofed again and baked hot.")
     question = history + encode(" Then the old captain")
     expected = hf_greedy(reference, question, 6, list(loaded.eos_token_ids))
-    config = EngineConfig(tensor_parallel_size=2, page_size=16, num_pages=64, host_cache_pages=1 + 32, chunk_size=64)
-    first = load_tp_engine(config, l3=l3)
+    config = EngineConfig(tensor_parallel_size=2, page_size=16, num_pages=1 + 8, host_cache_pages=1 + 16,
+                          chunk_size=64)
+    first, greedy = load_tp_engine(config, l3=l3), SamplingParams(max_tokens=1, temperature=0.0)
     try:
-        first.generate([history], SamplingParams(max_tokens=1, temperature=0.0))
+        first.generate([history], greedy)
+        while first.busy():
+            first.step()
+        assert first.kvm.prefix_cache.evict(1000) > 0
+        assert all(n.residency is Residency.HOST for n in first.kvm.prefix_cache.nodes())
+        first.generate([other], greedy)  # its pages are the ones the history left
+        [again] = first.generate([question], SamplingParams(max_tokens=6, temperature=0.0))
+        assert again.tier.host_hit_tokens > 0 and again.output_token_ids == expected
         while first.busy():
             first.step()
         assert first.host_cache.l3.flush(10.0)
+        assert_pool_at_rest(first)
     finally:
-        first.close()  # the other rank's writes drain as its L3 part closes
+        first.close()  # the other rank's L3 writes drain as its L3 part closes
     keys = [k.decode() for k in client.keys("*")]
     parts = {prefix: sum(prefix in k for k in keys) for prefix in ("tp2h0-2:", "tp2h2-3:")}
     assert parts["tp2h0-2:"] == parts["tp2h2-3:"] >= len(history) // 16, (parts, keys)

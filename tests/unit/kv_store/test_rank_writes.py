@@ -14,7 +14,7 @@ from common.landing import KVLayout, Landing, LandingShard
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.tp import split
 from kv_store.transfer import LocalTransport
-from kv_store.transfer.base import TransferStatus
+from kv_store.transfer.base import TransferError, TransferStatus
 from kv_store.transfer.heads import SourceKV, sent_heads
 from prefill_worker.rank_writes import GroupWrite, OtherRanks, ShardWrites
 
@@ -136,3 +136,19 @@ def test_a_write_over_ranks_is_done_only_when_every_rank_says_so_and_settled_onl
             assert len(control.sent) == polls and control.answers == []
     finally:
         transport.close()
+
+
+def test_a_prefill_rank_over_a_device_pool_needs_a_transport_that_reads_device_memory():
+    """A rank whose pool is device memory (`meta` stands for it here) and whose transport copies from
+    host memory only (the non-CUDA Mooncake build) is refused before it registers anything."""
+    from engine.tp_launch import RankContext
+    from kernels.model.tp import Shard
+    from prefill_worker.rank_writes import RankSender
+    from tests.unit.kernels.test_tensor_parallel import smollm2_like
+
+    pool = KVCacheTensors.allocate(LAYERS, PAGES, PAGE_SIZE, 1, HEAD_DIM, torch.float32, "meta")
+    shards = [Shard.of(smollm2_like(), r, 2) for r in range(2)]
+    with contextlib.ExitStack() as closing:
+        ctx = RankContext(1, shards, pool, control=None, closing=closing)
+        with pytest.raises(TransferError, match="needs a transport that reads device memory"):
+            RankSender("127.0.0.1", "tcp").start(ctx)

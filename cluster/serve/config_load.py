@@ -139,7 +139,7 @@ def _build_group(name: str, raw: Mapping[str, Any], engine_fields: dict[str, Any
     engine = _make(EngineConfig, fields, f"{name}.engine.")
     raw = {"count": DEFAULT_COUNTS[name], **raw}
     if "num_gpus" not in raw and engine.device.startswith("cuda"):
-        raw["num_gpus"] = 1.0  # Ray hides every GPU from a worker that requests none
+        raw["num_gpus"] = float(engine.tensor_parallel_size)  # a GPU a rank; Ray hides every GPU from a worker asking none
     return _make(WorkerGroupConfig, raw, f"{name}.", {"engine": engine})
 
 

@@ -6,9 +6,11 @@
       - GPU_RESERVE_BYTES (CUDA context, a prefill chunk's activations, graph pools, allocator slack)
       = its KV pool (sizes set by hand, num_pages or kv_memory_gib, are kept and counted)
 
-A served worker drives one device whatever `num_gpus` says (`tandem serve` takes no tensor parallelism
-yet; `tp_needed` says how many ranks a model would need), so a share is at most one GPU. Host memory of a CUDA worker (its host tier, a decode worker's landing, a prefill
-worker's staging) is RAM, planned with the budget in `cluster/serve/memory.py`.
+A worker over `engine.tensor_parallel_size` ranks drives one GPU a rank (its `num_gpus` at least that
+many, one placement-group bundle, so one node): each rank holds its shard of the weights and its heads'
+share of every page, so the plan is made for one rank's share (`tp_needed` says how many ranks a model
+would need). Host memory of a CUDA worker (its host tier, a decode worker's landing, a prefill worker's
+staging) is RAM, planned with the budget in `cluster/serve/memory.py`.
 
 The served context (`max_model_len`) is the model's, capped by `engine.max_model_len` and by the
 smallest pool of a worker that holds a whole request. Pure: the caller reads the GPU's memory

@@ -8,6 +8,7 @@ so a second whole-GPU worker on a one-GPU node would be given a device that is n
 
     demand = sum(count x num_gpus) over CUDA groups
     demand <= GPUs                 -> as configured
+    a worker over ranks (TP > 1)   -> ServeStartError: a rank drives a whole GPU (a worker asks one a rank)
     every CUDA worker asks 1 GPU   -> each asks 1 / ceil(workers / GPUs): on one GPU, prefill and decode
                                       0.5 each; 3 workers on 2 GPUs 0.5 each (Ray packs two on one)
     otherwise                      -> ServeStartError naming the demand and the GPUs
@@ -76,6 +77,12 @@ def share_gpus(config: ServeConfig, node_gpus: int) -> ServeConfig:
     if demand <= node_gpus + 1e-9:
         return config
     asks = ", ".join(f"{name}: {g.count} x {g.num_gpus:g}" for name, g in groups.items())
+    ranked = {name: g.engine.tensor_parallel_size for name, g in groups.items() if g.engine.tensor_parallel_size > 1}
+    if ranked:  # a rank drives a whole GPU: ranks of two workers are not packed onto one
+        over = ", ".join(f"{name} at tensor_parallel_size {tp}" for name, tp in ranked.items())
+        raise GPUPlacementError(f"the CUDA workers ask for {demand:g} GPUs ({asks}; {over}, a GPU a rank) and this "
+                                f"node has {node_gpus}: serve one colocated worker over the GPUs (--num-prefill 0 "
+                                "--num-decode 0 --num-colocated 1), or lower the counts or tensor_parallel_size")
     if any(g.num_gpus != 1.0 for g in groups.values()):
         raise GPUPlacementError(f"the CUDA workers ask for {demand:g} GPUs ({asks}) and this node has {node_gpus}: "
                                 "lower the groups' num_gpus (fractions share a GPU) or their counts")

@@ -253,12 +253,11 @@ def _staging_pages(name: str, engine: EngineConfig) -> int:
 
 def _with_host_tier(group, with_l3: bool):
     """`group` with its CPU engine's host tier decided when not asked for: off, or with L3 a staging
-    area of `L3_STAGING_HOST_RATIO` (pages fetched from L3 land in host pages first); a tensor-parallel
-    engine's as a CPU engine's on any device (one per rank, rank 0 deciding: `engine/tp_tiers.py`)."""
+    area of `L3_STAGING_HOST_RATIO` (pages fetched from L3 land in host pages first). A CUDA engine's is
+    planned from the RAM left (`_cuda_auto_host`); under tensor parallelism each rank holds its heads'
+    share of every host page (rank 0 deciding: `engine/tp_tiers.py`), the same RAM in all."""
     engine = group.engine
-    if engine.host_cache_ratio is not None or engine.host_cache_pages is not None:
-        return group
-    if engine.device != "cpu" and engine.tensor_parallel_size == 1:
+    if engine.host_cache_ratio is not None or engine.host_cache_pages is not None or engine.device != "cpu":
         return group
     ratio = L3_STAGING_HOST_RATIO if with_l3 else 0.0
     return dataclasses.replace(group, engine=dataclasses.replace(engine, host_cache_ratio=ratio))

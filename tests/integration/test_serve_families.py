@@ -1,8 +1,8 @@
 """Architectures beyond Llama served end to end: tiny random checkpoints written by transformers (with
 SmolLM2's tokenizer beside them), served disaggregated by `tandem run --mode disaggregated` (prefill
 and decode worker processes, KV crossing between them) and by `tandem serve` (Ray actors over Mooncake
-TCP, the official `openai` client), against transformers' greedy tokens; `tandem run` with one side over
-two tensor-parallel ranks."""
+TCP, the official `openai` client, every worker over two tensor-parallel ranks), against transformers'
+greedy tokens; `tandem run` with one side over two ranks."""
 
 from __future__ import annotations
 
@@ -57,15 +57,16 @@ def test_tandem_run_disaggregated_across_tp_degrees_gives_transformers_greedy_to
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory):
     """A tiny Gemma 2 (windowed and global layers alternating, window 8, soft caps) served with the
-    defaults: disaggregated, a prefill and a decode worker, KV integrity checked after every step."""
+    defaults but `-tp 2`: disaggregated, a prefill and a decode worker each over two ranks, KV integrity
+    checked after every step (every family so: `scripts/serve_families.py`)."""
     path = tmp_path_factory.mktemp("gemma2-model")
     expected = write_checkpoint("gemma2", path)
-    with serving(tmp_path_factory, "serve-gemma2", ["--model", str(path)], env={"TANDEM_DEBUG_KV": "1"},
+    with serving(tmp_path_factory, "serve-gemma2", ["--model", str(path), "-tp", "2"], env={"TANDEM_DEBUG_KV": "1"},
                  warm=False) as server:  # not timing-bound: its decode step may compile beside serving
         yield server, expected
 
 
-def test_served_gemma2_gives_transformers_greedy_tokens_again_from_its_prefix_cache(gemma2):
+def test_served_gemma2_at_tp2_gives_transformers_greedy_tokens_again_from_its_prefix_cache(gemma2):
     server, expected = gemma2
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=120)
     ask = dict(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,

@@ -160,11 +160,12 @@ def test_a_colocated_worker_over_two_gpus_holds_half_the_weights_and_its_heads_p
     colocated = {"prefill.count": 0, "decode.count": 0, "colocated.count": 1,
                  "colocated.engine.tensor_parallel_size": 2}
     with pytest.raises(ConfigError, match=r"num_gpus \(1\) must be at least engine.tensor_parallel_size \(2\)"):
-        plan_for(model_dir, 2, 141, **colocated)
-    config, plan = plan_for(model_dir, 2, 141, **colocated, **{"colocated.num_gpus": 2})
+        plan_for(model_dir, 2, 141, **colocated, **{"colocated.num_gpus": 1})
+    config, plan = plan_for(model_dir, 2, 141, **colocated)  # by default a GPU a rank
     (worker,) = plan.gpu_workers
     shape = ModelShape.read(model_dir)
     assert worker.ranks == 2 and worker.weight_bytes == shape.num_params * 2 // 2
     assert worker.page_bytes * 2 == shape.page_bytes(config.colocated.engine)
     assert worker.weight_bytes + GPU_RESERVE_BYTES + worker.kv_pages * worker.page_bytes <= worker.share_bytes
-    assert config.colocated.engine.host_cache_ratio == 0.0  # no host tier under TP yet
+    assert config.colocated.num_gpus == 2.0
+    assert config.colocated.engine.host_cache_pages > 0  # from the RAM left; each rank holds its heads' share

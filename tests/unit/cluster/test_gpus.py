@@ -63,6 +63,21 @@ def test_what_cannot_be_shared_is_refused_with_the_numbers():
     assert share_gpus(cpu, 0) is cpu  # nothing on CUDA: nothing to fit
 
 
+def test_a_worker_over_ranks_asks_a_gpu_a_rank_and_is_not_packed_onto_fewer():
+    """`-tp 2` on CUDA: each worker asks Ray for 2 GPUs (one bundle, one node; the ranks see the two
+    Ray hands it as cuda:0 and cuda:1); 4 GPUs hold prefill and decode, 2 do not, with the way out."""
+    config = cuda_config(**{"engine.tensor_parallel_size": 2})
+    assert (config.prefill.num_gpus, config.decode.num_gpus) == (2.0, 2.0)
+    assert share_gpus(config, 4) is config
+    with pytest.raises(GPUPlacementError, match=r"ask for 4 GPUs \(prefill: 1 x 2, decode: 1 x 2; prefill at "
+                                                r"tensor_parallel_size 2, decode at tensor_parallel_size 2, a GPU a "
+                                                r"rank\) and this node has 2: serve one colocated worker"):
+        share_gpus(config, 2)
+    colocated = cuda_config(**{"engine.tensor_parallel_size": 2, "prefill.count": 0, "decode.count": 0,
+                               "colocated.count": 1})
+    assert share_gpus(colocated, 2) is colocated and colocated.colocated.num_gpus == 2.0
+
+
 def test_the_local_instance_is_told_the_nodes_gpus_not_the_demand(monkeypatch):
     """`tandem serve`'s own Ray instance declares the node's GPUs (1 here), with the groups fitted on
     it; before, it declared what the groups asked (2), and Ray handed the second worker GPU 1."""

@@ -235,6 +235,8 @@ class Generate:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     session_id: str = ""  # a turn of this session (its prompt: the session's history + the new tokens)
+    resume_output: tuple[int, ...] = ()
+    """The output a worker that died had already streamed: the request resumes after it (migrated)."""
 
 
 @dataclass(frozen=True)

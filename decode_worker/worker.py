@@ -40,7 +40,8 @@ class ColocatedWorker(EngineWorker):
     def handle(self, msg) -> list:
         if isinstance(msg, p.Generate):
             try:
-                self.engine.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id, msg.session_id)
+                self.engine.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id, msg.session_id,
+                                        msg.resume_output)
             except ValueError as exc:  # SessionError too
                 return [p.TokenOutput(msg.request_id, (), p.FinishReason.ABORT, str(exc), failure=p.Failure.REJECTED)]
         elif isinstance(msg, p.OpenSession):

@@ -30,7 +30,7 @@ from engine.connector import ConnectorPorts, KVConnector, NullConnector
 from engine.graphs.runner import GraphRunner
 from engine.logprobs import record_output, record_prompt
 from engine.output import StepOutput, step_output
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, Request, RequestStatus, check_tokens
 from engine.runner import ForwardOut, ForwardRow
 from engine.scheduler import ScheduledStep, Scheduler
 from engine.sessions import NullSessions, SessionError, SessionManager
@@ -99,13 +99,13 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, session_id: str = "") -> Request:
+                    request_id: str | None = None, session_id: str = "", resumed: Sequence[int] = ()) -> Request:
         """Queue a request (a turn of `session_id` when given: its prompt is the session's history plus
-        the new tokens). Raises ValueError (queueing nothing) when it can never fit, and SessionError
-        (a ValueError) when the session cannot take it."""
+        the new tokens; `resumed`: `Generate.resume_output`). Raises ValueError (queueing nothing) when
+        it can never fit, and SessionError (a ValueError) when the session cannot take it."""
         if session_id and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs are not available on a session turn (its history's KV is reused)")
-        req = self.new_request(prompt_token_ids, params, request_id)
+        req = self.new_request(prompt_token_ids, params, request_id, resumed)
         if session_id:
             self.sessions.start_turn(session_id, req.request_id, req.num_tokens + params.max_tokens)
             req.session_id = session_id
@@ -117,25 +117,24 @@ class EngineCore:
             self.scheduler.add(req)
         return req
 
-    def new_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
+    def new_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
+                    resumed: Sequence[int] = ()) -> Request:
         """A new Request, not queued (a receiver holds it until its KV lands), or ValueError when it
-        can never be served here."""
+        can never be served here. `resumed`: its output so far (`Request.resume`)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
-        vocab = self.arch.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         limit = self.scheduler.max_request_tokens()
-        if len(prompt_token_ids) >= limit:
-            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate: this engine "
-                             f"holds at most {limit} tokens per request (context length / KV pool)")
+        check_tokens(prompt_token_ids, resumed, self.arch.vocab_size, limit, params.max_tokens)
         if params.grammar is not None:
             self.structured.prepare(params.grammar)  # compiles beside the steps from now
-        rules = StopRules(params, self.eos_token_ids, self.tokenizer, limit)
-        return Request(request_id, list(prompt_token_ids), params, stop_rules=rules)
+        req = Request(request_id, list(prompt_token_ids), params,
+                      stop_rules=StopRules(params, self.eos_token_ids, self.tokenizer, limit))
+        if resumed:
+            req.resume(resumed)
+        return req
 
     def abort(self, request_id: str) -> bool:
         """End a request now, releasing its KV. Returns False when it is unknown or already done."""

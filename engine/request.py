@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import itertools
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,22 @@ if TYPE_CHECKING:
     from engine.grammar import GrammarState
     from engine.stop import StopRules
     from kv_store.hicache import LoadTicket
+
+
+def check_tokens(prompt_token_ids: Sequence[int], resumed: Sequence[int], vocab: int, limit: int,
+                 max_tokens: int) -> None:
+    """ValueError unless a request of `prompt_token_ids` (its output so far `resumed`) can run on an
+    engine of `vocab` tokens holding `limit` tokens a request."""
+    if any(not 0 <= t < vocab for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if len(prompt_token_ids) >= limit:
+        raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate: this engine "
+                         f"holds at most {limit} tokens per request (context length / KV pool)")
+    if any(not 0 <= t < vocab for t in resumed):
+        raise ValueError(f"resumed output token ids must be in [0, {vocab})")
+    if resumed and (len(resumed) >= max_tokens or len(prompt_token_ids) + len(resumed) >= limit):
+        raise ValueError(f"a resumed output of {len(resumed)} tokens leaves no room to generate (max_tokens "
+                         f"{max_tokens}, {limit} tokens a request here)")
 
 
 class RequestStatus(enum.Enum):
@@ -163,6 +180,19 @@ class Request:
 
     def loaded(self) -> None:
         self._move(RequestStatus.LOADING, RequestStatus.WAITING)
+
+    def resume(self, output_token_ids: Sequence[int]) -> None:
+        """A request another worker was serving when it died: `output_token_ids` already reached the
+        client. It runs as a retracted one does (its prompt and that output prefilled, through the
+        prefix cache and the tiers), so every rule sees its whole output: the sampler's position
+        (`row_generator(seed, len(output))`: with its seed, token-identical to an undisturbed run),
+        penalties, `min_tokens` and `max_tokens`, stop strings (fed here), the grammar (its matcher is
+        made by replaying the output). The prompt's logprobs went out with its first tokens."""
+        assert self.status is RequestStatus.WAITING and not self.output_token_ids, self.request_id
+        self.output_token_ids = list(output_token_ids)
+        self.prompt_logprobs_sent = True
+        if self.stop_rules is not None:
+            self.stop_rules.resume(self.output_token_ids)
 
     def retract(self) -> None:
         self._move(RequestStatus.RUNNING, RequestStatus.WAITING)

@@ -134,6 +134,12 @@ class StopRules:
             return FinishReason.LENGTH
         return None
 
+    def resume(self, output_token_ids: Sequence[int]) -> None:
+        """The output a resumed request already has (`Request.resume`): none of it ended the request
+        where it was made, so the stop strings are only fed it, as its tokens arrived there."""
+        if self._strings is not None:
+            self._strings.feed(output_token_ids)
+
     @property
     def chars_searched(self) -> int:
         return self._strings.chars_searched if self._strings is not None else 0

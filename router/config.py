@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from common.config import require, require_min
 from router.admission import DEFAULT_TTFT_BUDGET_S, AdmissionParams
+from router.migration import MigrationParams
 from router.policy import Policy
 from router.policy_types import PolicyParams
 
@@ -22,6 +23,13 @@ class RouterConfig(PolicyParams):
     """One of round_robin | least_load | cache_aware | kv_cost."""
     max_transfer_retries: int = 1
     """Re-routes of a request whose KV transfer failed before any token reached the client (>= 0)."""
+    max_migrations: int = 2
+    """Times a request's stream moves to another worker when the one serving it dies mid-stream
+    (>= 0; 0: such streams end with an error). It resumes after the tokens already streamed, token-
+    identical with its seed (`router/migration.py`)."""
+    migration_timeout_s: float = 30.0
+    """How long such a stream waits for a worker to resume on (the dead one's restart, where it had no
+    peer), seconds (> 0); past it the client gets the error."""
     max_queue_delay_s: float = DEFAULT_TTFT_BUDGET_S
     """Admission: the TTFT budget, seconds (> 0). A request is admitted and queues (in the router,
     holding no KV) while its predicted first token is within it; past it, it gets 429 + Retry-After
@@ -50,12 +58,16 @@ class RouterConfig(PolicyParams):
     def __post_init__(self):
         super().__post_init__()
         require(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
-        require_min(self, "", 0, "max_transfer_retries", "max_queued_requests")
+        require_min(self, "", 0, "max_transfer_retries", "max_queued_requests", "max_migrations")
+        self.migration()  # its checks
         require(isinstance(self.max_queue_delay_s, (int, float)) and self.max_queue_delay_s > 0,
                 f"max_queue_delay_s must be > 0, got {self.max_queue_delay_s}")
         for name in ("prefill_window_tokens", "max_requests_per_worker"):
             value = getattr(self, name)
             require(value is None or value >= 1, f"{name} must be >= 1 or null, got {value}")
+
+    def migration(self) -> MigrationParams:
+        return MigrationParams(self.max_migrations, self.migration_timeout_s)
 
     def admission(self, prefill_chunk_size: int, decode_max_running: int) -> AdmissionParams:
         """The admission knobs with the automatic ones resolved from the worker groups' engines."""

@@ -1,25 +1,16 @@
-"""The dispatcher: the gateway's backend over a set of workers (DESIGN §2 steps 2-8).
+"""The dispatcher: the gateway's backend over a set of workers (docs/design.md §2, §8).
 
 It owns every in-flight request between the gateway and the workers: picks a route with the pure
 policy, asks the decode worker for a landing, hands the prompt to the prefill worker, relays the
 prefill <-> decode messages, and streams tokens back. It never touches KV: each worker releases its
-own, and the dispatcher's job on failure is to tell the survivors (`PeerDead`, `Abort`).
-
-Workers are reached through `WorkerLink`s (a Ray actor handle under `tandem serve`, the pipe of a
-spawned process under `tandem run --mode disaggregated` and `tandem bench transfer`, an in-process
-`WorkerHost` in tests) and described by a `ViewSource` (the controller's views, or
-`ProcessViews`). Each `LiveWorker` runs one sender task (messages leave in order, batched) and one
-collector task (long-poll: every message a worker produced since the last poll arrives in one call).
-
-A request's phases and the transfer record it leaves behind: `router.flights`. The transfer phase of
-a disaggregated request (reserve a landing, hand the prompt to the prefill worker, relay between
-the two): `router.transfer_phase`, mixed into `Dispatcher`.
+own, and the dispatcher's job on failure is to tell the survivors (`PeerDead`, `Abort`). Workers
+are reached through `WorkerLink`s and watched through a `ViewSource` (`router.workers`). A request's
+phases: `router.flights`; the transfer phase (reserve, hand-off, relay): `router.transfer_phase`.
 
 A transfer failure, or the death of a worker, before any token reached the client re-routes the
-request (at most `max_transfer_retries` times); after that the client gets a clean error.
-
-Streaming sessions (`router.sessions`): a session is opened on one decode or colocated worker, and
-each of its turns goes there alone (`Generate` with `session_id`), never re-routed.
+request (at most `max_transfer_retries` times); after that a dead worker's stream resumes on another
+worker (`router.migration`), and what cannot be resumed gets a clean error. A streaming session's
+turns go to the worker holding its history alone (`router.sessions`).
 """
 
 from __future__ import annotations
@@ -34,7 +25,9 @@ from common.config import SamplingParams
 from common.relay import RelayServer, hello, new_secret
 from router.admission import AdmissionParams, Overloaded, admissible
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
-from router.flights import Flight, Phase, Transfer, failure_outcome, observe_first_token, request_counters, token_chunk
+from router.answers import Answers
+from router.flights import WAITING, Flight, Phase, Transfer, failure_outcome, observe_first_token, request_counters, token_chunk
+from router.migration import MigrationParams, Migrations, seeded
 from router.policy import NoWorkerAvailable, Policy, choose
 from router.policy_types import PolicyParams, RequestView
 from router.sessions import SessionTable, SessionTurn
@@ -56,9 +49,9 @@ class Dispatcher(TransferPhase):
                  collect_timeout_s: float = 5.0, reserve_retry_s: float = 0.05, landing_timeout_s: float = 30.0,
                  admission: AdmissionParams = AdmissionParams(), session_open_timeout_s: float = 10.0,
                  prefill_answers: bool = True, relay_host: str | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        """`relay_host`: where the token relay listens (`common/relay.py`; workers whose link
-        `relays` connect to it); None: every message comes through the collect long-poll."""
+                 migration: MigrationParams = MigrationParams(), clock: Callable[[], float] = time.monotonic):
+        """`relay_host`: where the token relay (`common/relay.py`) listens; None: every message comes
+        through the collect long-poll."""
         self.source, self.tokenizer = source, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.policy, self.policy_params = policy, policy_params
@@ -66,7 +59,7 @@ class Dispatcher(TransferPhase):
         self.max_pending, self.max_transfer_retries = max_pending, max_transfer_retries
         self.refresh_interval_s, self.collect_timeout_s = refresh_interval_s, collect_timeout_s
         self.reserve_retry_s, self.landing_timeout_s = reserve_retry_s, landing_timeout_s
-        self.admission, self.clock, self.prefill_answers = admission, clock, prefill_answers
+        self.admission, self.clock, self.answers = admission, clock, Answers(self.state, prefill_answers)
         self.sessions, self.session_open_timeout_s = SessionTable(), session_open_timeout_s
         self.lives: dict[str, LiveWorker] = {}
         self.flights: dict[str, Flight] = {}
@@ -74,8 +67,10 @@ class Dispatcher(TransferPhase):
         self._transfers: dict[str, Transfer] = {}
         self._tasks: list[asyncio.Task] = []
         self.relay, self.polls = relay_metrics()
-        self.reroutes, self.refusals, self.answers = request_counters()
-        self.extra_collectors = [self.relay, self.polls, self.reroutes, self.refusals, self.answers]
+        self.reroutes, self.refusals = request_counters()
+        self.migrations = Migrations(migration)
+        self.extra_collectors = [self.relay, self.polls, self.reroutes, self.refusals, self.answers.counter,
+                                 self.migrations.counter]
         self.relay_host, self._relay_secret = relay_host, new_secret()
         self._relay_server: RelayServer | None = None
 
@@ -90,8 +85,7 @@ class Dispatcher(TransferPhase):
 
     async def close(self) -> None:
         """Abort everything still in flight (their streams end with an error), then stop every task."""
-        for flight in list(self.flights.values()):
-            # Not `abort` alone: a consumer still iterating would wait forever for a last chunk.
+        for flight in list(self.flights.values()):  # not `abort` alone: a consumer would wait for a last chunk
             self._shut_down(flight)
         for live in self.lives.values():
             await live.flush()
@@ -103,8 +97,7 @@ class Dispatcher(TransferPhase):
             await self._relay_server.close()
 
     async def drain(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for in-flight requests to finish; abort the rest. Returns how
-        many were aborted."""
+        """Wait up to `timeout_s` for in-flight requests to finish; abort the rest (returns how many)."""
         deadline = time.monotonic() + timeout_s
         while self.flights and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -126,6 +119,7 @@ class Dispatcher(TransferPhase):
                 self._adopt(info)
             if live is not None:
                 self._worker_gone(live, f"replaced by incarnation {info.incarnation}")
+        self._resume_parked()
 
     # ---- Backend -----------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -137,6 +131,7 @@ class Dispatcher(TransferPhase):
         if len(self.flights) >= self.max_pending:
             raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later",
                                retry_after_s=1.0)
+        params = seeded(params)
         if session_id:
             flight = SessionTurn(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
                                  session_id=session_id)
@@ -166,14 +161,13 @@ class Dispatcher(TransferPhase):
         self._end(flight)
 
     def num_requests(self) -> tuple[int, int]:
-        waiting = sum(f.phase in (Phase.QUEUED, Phase.RESERVING, Phase.BACKOFF) for f in self.flights.values())
+        waiting = sum(f.phase in WAITING for f in self.flights.values())
         return len(self.flights) - waiting, waiting
 
     def worker_gauges(self) -> list[WorkerGauge]:
         return [live.gauge() for live in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
 
-    def worker_details(self) -> list[dict]:
-        """Each worker's identity and last heartbeat stats, as plain JSON-able dicts."""
+    def worker_details(self) -> list[dict]:  # each worker's identity and last heartbeat stats (JSON-able)
         return [live.details() for live in sorted(self.lives.values(), key=lambda lv: lv.worker_id)]
 
     # ---- routing -----------------------------------------------------------------------------------
@@ -208,9 +202,8 @@ class Dispatcher(TransferPhase):
         self._pump(flight.prefill)
 
     def _route_to(self, flight: Flight, decode: LiveWorker) -> None:
-        """Send `flight` to `decode` to prefill there itself (no admission: choice 0 was admitted): a
-        sibling choice following choice 0, whose prompt that worker holds in its prefix cache; or a
-        session's turn (`session_id`) to the worker holding its history (which reserved its KV)."""
+        """Send `flight` to `decode` to prefill there itself, unadmitted: a sibling choice following choice 0
+        (its prompt cached there), or a session's turn to the worker holding its history."""
         if not isinstance(flight, SessionTurn):
             self.state.record_cached(decode.view(), flight.prompt)
             flight.limit_epoch = decode.limit.epoch
@@ -232,13 +225,15 @@ class Dispatcher(TransferPhase):
             raise BackendError(ErrorKind.QUEUE_FULL, f"the server is at capacity ({exc}); retry later",
                                retry_after_s=exc.refusal.retry_after_s) from None
 
-    def _failed(self, flight: Flight, failure: p.Failure, why: str) -> None:
-        """Its worker failed it (or died): re-routed when `failure_outcome` allows and a route exists,
-        else ended with the error kind it gives."""
+    def _failed(self, flight: Flight, failure: p.Failure, why: str, died: bool = False) -> None:
+        """Its worker failed it (or `died`, a session's history with it): re-routed when `failure_outcome`
+        allows and a route exists; else, if it died, it waits to resume; else it ends with that error."""
         kind = failure_outcome(failure, tokens_sent=flight.tokens_sent, attempt=flight.attempt,
-                               max_retries=self.max_transfer_retries, session=isinstance(flight, SessionTurn))
+                               max_retries=self.max_transfer_retries, session=isinstance(flight, SessionTurn) and not died)
         if kind is None and self._reroute(flight, why):
             return
+        if died:
+            return self._park_or_fail(flight, why)
         self._finish_error(flight, kind or ErrorKind.UNAVAILABLE, why)
 
     def _reroute(self, flight: Flight, why: str) -> bool:
@@ -298,21 +293,8 @@ class Dispatcher(TransferPhase):
             return
         flight.queue.put_nowait(flight.last_chunk(msg, live.worker_id))
         if msg.finish_reason is not p.FinishReason.ABORT:
-            self._cache_history(flight, live)
+            self.answers.finished(flight, live)
         self._end(flight)
-
-    def _cache_history(self, flight: Flight, decoder: LiveWorker) -> None:
-        """A request finished: its decode worker's prefix cache took the prompt and the output's KV (all
-        but the last token, which has none). Its prefill worker gets the answer too (`PrefillAnswer`),
-        so that a conversation's next turn, routed there, finds its whole history cached."""
-        history = flight.prompt + flight.output[:-1]
-        self.state.record_cached(decoder.view(), history)
-        prefill = flight.prefill
-        if not self.prefill_answers or prefill is None or prefill.gone or len(flight.output) < 2:
-            return
-        prefill.send(p.PrefillAnswer(f"{flight.wire_id}:answer", tuple(history), len(flight.prompt)))
-        self.state.record_cached(prefill.view(), history)
-        self.answers.inc()
 
     # ---- endings -----------------------------------------------------------------------------------
     def _abort_on_worker(self, flight: Flight) -> None:
@@ -384,10 +366,28 @@ class Dispatcher(TransferPhase):
             try:
                 self._route(flight, admit=False)
             except BackendError as exc:
-                self._finish_error(flight, exc.kind, exc.message)
+                self._park_or_fail(flight, exc.message, exc.kind)
         self._transfers_gone_with(live)
         for flight in [f for f in self.flights.values() if f.decode is live]:
-            self._failed(flight, p.Failure.TRANSFER, f"worker {live.worker_id} died: {why}")
+            self._failed(flight, p.Failure.TRANSFER, f"worker {live.worker_id} died: {why}", died=True)
+        self._resume_parked()
+
+    def _park_or_fail(self, flight: Flight, why: str, kind: ErrorKind = ErrorKind.UNAVAILABLE) -> None:
+        """Its worker died and no route takes it now: it waits to resume on one (`router.migration`)."""
+        if not self.migrations.wants(flight):
+            return self._finish_error(flight, kind, why)
+        self._unroute(flight)
+        self.migrations.park(flight, self.clock(), why.splitlines()[0])
+
+    def _resume_parked(self) -> None:
+        """Streams whose worker died resume on one that decodes (or end once out of time)."""
+        ready, expired = self.migrations.take(self.lives.values(), self.clock())
+        for park in expired:
+            self._finish_error(park.flight, ErrorKind.UNAVAILABLE, park.error(self.migrations.params))
+        for flight, worker in ready:
+            message = self.migrations.resume(flight, worker)
+            self._by_wire[flight.wire_id] = flight
+            worker.send(message)
 
     async def _refresh_forever(self) -> None:
         while True:

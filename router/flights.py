@@ -12,7 +12,9 @@ One request, disaggregated (wire id = `<request_id>.<attempt>`):
     local prefill (no prefill worker):  LOCAL --tokens--> STREAMING -> done
 
 A failed transfer or a dead worker routes it again from any phase before STREAMING
-(`failure_outcome` decides); `Flight.move` checks every move against `_MOVES`.
+(`failure_outcome` decides); after that, or with no route to take it, a dead worker's request
+waits to resume (MIGRATING -> LOCAL on another worker, after the tokens it streamed:
+`router.migration`). `Flight.move` checks every move against `_MOVES`.
 
 The landing is reserved only when the prefill worker has room for the prompt (`PrefillLane`), so a
 transfer's deadlines never count time the request spent queued, and no request is re-prefilled
@@ -39,9 +41,12 @@ class Phase(enum.Enum):
     PREFILLING = "prefilling"
     LOCAL = "local"  # the decode worker prefills it itself
     STREAMING = "streaming"  # tokens are flowing
+    MIGRATING = "migrating"  # its worker died mid-stream: waiting for one to resume on (`router.migration`)
     DONE = "done"
 
 
+WAITING = frozenset({Phase.QUEUED, Phase.RESERVING, Phase.BACKOFF, Phase.MIGRATING})
+"""The phases of a request no worker computes for yet (the gauge of waiting requests)."""
 _ROUTES = {Phase.QUEUED, Phase.LOCAL}  # where a route (a first one, or a re-route) puts a request
 _MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.QUEUED: frozenset({Phase.RESERVING, *_ROUTES, Phase.DONE}),  # re-queued when its worker died
@@ -50,9 +55,13 @@ _MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.PREFILLING: frozenset({Phase.STREAMING, *_ROUTES, Phase.DONE}),
     Phase.LOCAL: frozenset({Phase.STREAMING, *_ROUTES, Phase.DONE}),
     Phase.STREAMING: frozenset({Phase.STREAMING, Phase.DONE}),  # a token reached the client: no re-route
+    Phase.MIGRATING: frozenset({Phase.LOCAL, Phase.DONE}),  # resumed on a worker that prefills it locally
     Phase.DONE: frozenset(),
 }
-"""The moves `Flight.move` allows: the diagram above, plus a re-route from any phase before STREAMING."""
+for _phase in set(Phase) - {Phase.MIGRATING, Phase.DONE}:  # a dead worker's request waits from any phase
+    _MOVES[_phase] |= {Phase.MIGRATING}
+"""The moves `Flight.move` allows: the diagram above, plus a re-route from any phase before STREAMING
+and a wait to resume (MIGRATING) from any phase."""
 
 
 class PhaseError(RuntimeError):
@@ -67,6 +76,7 @@ class Flight:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     phase: Phase = Phase.QUEUED
     attempt: int = 0
+    migrations: int = 0  # times its stream resumed on another worker
     prefill: LiveWorker | None = None
     decode: LiveWorker | None = None
     output: list[int] = field(default_factory=list)  # token ids streamed so far
@@ -94,7 +104,8 @@ class Flight:
         transfer_s = (timings["transfer_done"] - timings["first_write"]
                       if "transfer_done" in timings and "first_write" in timings else None)
         return GenerationChunk(
-            tuple(msg.new_token_ids), msg.finish_reason.value, cached_tokens=msg.cached_tokens, kv_transfer_s=transfer_s,
+            tuple(msg.new_token_ids), msg.finish_reason.value, kv_transfer_s=transfer_s,
+            cached_tokens=min(msg.cached_tokens, len(self.prompt)),  # a resumed run's also counts its output
             kv_transfer_bytes=self.landing_bytes if self.prefill else 0,
             prefill_worker=self.prefill.worker_id if self.prefill else "", decode_worker=decode_worker,
             logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs, cached_tiers=msg.cached_tiers, timings=timings)
@@ -138,8 +149,7 @@ def observe_first_token(flight: Flight, ttft_s: float, admission: AdmissionParam
 
 
 def request_counters():
-    """(re-routes, refusals at arrival by role, answers sent to be prefilled): what happened to requests
-    on their way to a worker, and after."""
+    """(re-routes, refusals at arrival by role): what happened to requests on their way to a worker."""
     from prometheus_client import Counter
 
     reroutes = Counter("tandem:request_reroutes_total",
@@ -148,7 +158,4 @@ def request_counters():
     refusals = Counter("tandem:requests_refused_total",
                        "Requests refused at arrival because the workers could not serve them promptly (429)",
                        ["role"], registry=None)
-    answers = Counter("tandem:answer_prefills_total",
-                      "Finished answers sent to their prefill worker to be cached for the conversation's next turn",
-                      registry=None)
-    return reroutes, refusals, answers
+    return reroutes, refusals

@@ -255,7 +255,7 @@ async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, sa
         policy=Policy(rc.policy), policy_params=rc,
         max_pending=config.gateway.max_pending_requests, max_transfer_retries=rc.max_transfer_retries,
         refresh_interval_s=config.cluster.heartbeat_interval_s, landing_timeout_s=config.transport.bootstrapping_s,
-        prefill_answers=rc.prefill_answers, relay_host=_relay_host(config),
+        prefill_answers=rc.prefill_answers, relay_host=_relay_host(config), migration=rc.migration(),
         admission=rc.admission(config.prefill.engine.chunk_size, min(
             g.engine.max_running_requests for g in (config.decode, config.colocated) if g.count)))
 

@@ -315,33 +315,83 @@ def test_prefill_death_mid_transfer_reroutes_to_local_prefill(hosts, tok, refere
     assert again[-1].prefill_worker == "prefill-0"
 
 
-def test_decode_death_mid_stream_fails_the_request(hosts, tok):
-    prefill, decode = hosts["prefill-0"], hosts["decode-0"]
-    cluster = Cluster(hosts, "prefill-0", "decode-0")
+SEEDED = dict(max_tokens=40, temperature=0.8, top_p=0.95, seed=77, ignore_eos=True)
+
+
+def test_decode_death_mid_stream_resumes_on_another_decode_worker_token_identically(hosts, tok):
+    """A seeded sampled stream whose decode worker dies after two chunks goes on on the other decode
+    worker from the tokens already streamed: the stream is the undisturbed run's, no token repeated
+    or missing, one uninterrupted stream."""
+    prefill = hosts["prefill-0"]
+    cluster = Cluster(hosts, "prefill-0", "decode-0", "decode-tiny")
+    params = dataclasses.replace(greedy(), **SEEDED)
 
     async def scenario(d):
-        stream = d.generate("t4", chat(tok, 2), greedy(max_tokens=LONG, ignore_eos=True))
+        undisturbed = await collect(d.generate("t4-ref", chat(tok, 2), params))
+        stream = d.generate("t4", chat(tok, 2), params)
+        got = [await next_chunk(stream) for _ in range(2)]
+        victim = d.flights["t4"].decode.worker_id
+        cluster.cut(victim)
+        rest = await collect(stream, 30)
+        assert not d.flights and d.num_requests() == (0, 0)
+        assert d.migrations.counter.labels(outcome="resumed")._value.get() == 1
+        survivor = hosts[({"decode-0", "decode-tiny"} - {victim}).pop()]
+        await wait_at_rest(prefill, survivor)
+        hosts[victim].deliver([p.Abort("t4.0")])  # the "dead" host still runs it
+        await wait_at_rest(hosts[victim])
+        return undisturbed, got + rest, victim, survivor.worker_id
+
+    undisturbed, chunks, victim, survivor = serve(cluster, tok, scenario)
+    assert_finished_cleanly(undisturbed)
+    assert_finished_cleanly(chunks)
+    assert tokens(chunks) == tokens(undisturbed) and len(tokens(chunks)) == SEEDED["max_tokens"]
+    assert chunks[-1].decode_worker == survivor != victim
+
+
+def test_a_stream_with_no_live_peer_waits_for_its_workers_restart_and_fails_past_the_timeout(hosts, tok):
+    """The only decode worker dies mid-stream: the stream waits (MIGRATING, counted as waiting) and
+    resumes, token-identically, on the worker's next incarnation; with no restart within
+    `migration.timeout_s`, it ends with a clean 503-kind error naming why."""
+    from router.migration import MigrationParams
+
+    prefill, decode = hosts["prefill-0"], hosts["decode-0"]
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+    params = dataclasses.replace(greedy(), **SEEDED)
+
+    async def scenario(d):
+        undisturbed = await collect(d.generate("t4c-ref", chat(tok, 3), params))
+        stream = d.generate("t4c", chat(tok, 3), params)
         got = [await next_chunk(stream) for _ in range(2)]
         cluster.cut("decode-0")
-        rest = await collect(stream, 5)
-        assert not d.flights and d.num_requests() == (0, 0)
-        gauges = {g.worker_id: g for g in d.worker_gauges()}
-        assert not gauges["decode-0"].alive and gauges["prefill-0"].alive
-        # Nothing left that can decode: refused up front, nothing registered.
-        with pytest.raises(BackendError) as refused:
-            d.generate("t4-refused", chat(tok, 0), greedy(max_tokens=2))
-        assert refused.value.kind is ErrorKind.UNAVAILABLE and refused.value.retry_after_s
-        assert not d.flights
-        await wait_at_rest(prefill)
-        decode.deliver([p.Abort("t4.0")])  # the "dead" host still runs it
+        await wait_for(lambda: d.flights["t4c"].phase is Phase.MIGRATING, "the stream to wait for a worker")
+        assert d.num_requests() == (0, 1)
+        decode.deliver([p.Abort("t4c.0")])  # the "dead" host still runs it
         await wait_at_rest(decode)
-        return got, rest
+        cluster.restart("decode-0")
+        rest = await collect(stream, 30)
+        await wait_at_rest(prefill, decode)
+        return undisturbed, got + rest
 
-    got, rest = serve(cluster, tok, scenario)
-    assert all(c.new_token_ids and c.finish_reason is None for c in got)
-    last = rest[-1]
-    assert last.finish_reason == "abort" and last.error_kind is ErrorKind.UNAVAILABLE and "decode-0" in last.error
-    assert all(c.finish_reason is None for c in rest[:-1]) and last.new_token_ids == ()
+    undisturbed, chunks = serve(cluster, tok, scenario)
+    assert_finished_cleanly(chunks)
+    assert tokens(chunks) == tokens(undisturbed)
+
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+
+    async def no_restart(d):
+        stream = d.generate("t4d", chat(tok, 3), params)
+        got = [await next_chunk(stream)]
+        cluster.cut("decode-0")
+        rest = await collect(stream, 10)
+        assert not d.flights
+        decode.deliver([p.Abort("t4d.0")])
+        await wait_at_rest(prefill, decode)
+        return got + rest
+
+    chunks = serve(cluster, tok, no_restart, migration=MigrationParams(timeout_s=0.5))
+    last = chunks[-1]
+    assert last.finish_reason == "abort" and last.error_kind is ErrorKind.UNAVAILABLE, last
+    assert "decode-0" in last.error and "no worker could resume its stream within 0.5 s" in last.error
 
 
 def test_decode_death_before_the_first_token_reroutes_to_another_decode_worker(hosts, tok, reference):

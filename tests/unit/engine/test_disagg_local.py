@@ -340,7 +340,7 @@ def test_a_finished_answer_is_prefilled_where_its_prompt_was_so_the_next_turn_fi
         turn_two = first + answer + [5, 6, 7, 8, 9]
         out, last = await run(d, "t2", turn_two, greedy(max_tokens=8))
         await at_rest(*hosts.values())
-        return answer, turn_two, out, last, d.answers._value.get()
+        return answer, turn_two, out, last, d.answers.counter._value.get()
 
     answer, turn_two, out, last, answers_sent = serve(hosts, scenario, prefill_answers=prefill_answers)
     assert len(answer) == 13 and out == hf_greedy(ref, turn_two, 8)

@@ -370,14 +370,16 @@ async def complete(dispatcher, request_id: str, prompt: list[int], params) -> Co
 
 def offline_dispatcher(views, num_requests: int, max_model_len: int, **kw):
     """A dispatcher for an offline run of `num_requests`: it has no client to refuse, so admission
-    queues everything (the prefill window still paces the reservations, as under `tandem serve`)."""
+    queues everything (the prefill window still paces the reservations, as under `tandem serve`), and
+    no dead worker restarts, so none of its streams waits for one (`router.migration`)."""
     from router.admission import AdmissionParams
     from router.dispatcher import Dispatcher
+    from router.migration import MigrationParams
 
     n = max(1, num_requests)
     admission = AdmissionParams(max_queue_delay_s=1e9, max_queued_requests=n, max_requests_per_worker=n)
     return Dispatcher(views, tokenizer=None, model_name="offline", max_model_len=max_model_len, max_pending=n,
-                      admission=admission, **kw)
+                      admission=admission, **{"migration": MigrationParams(max_migrations=0), **kw})
 
 
 async def serve_prompts(views, prompts: list[list[int]], params, *, id_prefix: str = "req", max_model_len: int = 0,

@@ -208,3 +208,46 @@ def streams_across_a_fault(base_url: str, api_key: str, n: int, fault, timeout_s
             await client.close()
 
     return asyncio.run(run())
+
+
+def seeded_streams(base_url: str, api_key: str, n: int, fault=None, timeout_s: float = 180,
+                   max_tokens: int = 32) -> list[tuple[str, int, float]]:
+    """`n` concurrent seeded sampled streams ("List i fruits:", seed i, `max_tokens`, EOS ignored), each
+    as (its text, or "error: <message>"; completion tokens from its usage; its longest gap between
+    chunks, seconds). With `fault`, once every stream has streamed a chunk, `fault()` runs (blocking,
+    in a thread). Every stream must end within `timeout_s`."""
+    import openai
+
+    async def run() -> list[tuple[str, int, float]]:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=300)
+        started = [asyncio.Event() for _ in range(n)]
+
+        async def one(i: int) -> tuple[str, int, float]:
+            text, tokens, gap, last = [], 0, 0.0, None
+            try:
+                stream = await client.completions.create(
+                    model="smollm2", prompt=f"List {i} fruits:", max_tokens=max_tokens, temperature=0.8, seed=i,
+                    stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    now = time.monotonic()
+                    gap, last = max(gap, now - last) if last is not None else 0.0, now
+                    if chunk.choices:
+                        text.append(chunk.choices[0].text)
+                        started[i].set()
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                return "".join(text), tokens, gap
+            except openai.APIError as exc:
+                started[i].set()
+                return f"error: {exc.message}", tokens, gap
+
+        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        try:
+            if fault is not None:
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+                await asyncio.to_thread(fault)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())

@@ -43,7 +43,8 @@ engine: {num_pages: 256, chunk_size: 128, max_model_len: 1024}
 prefill: {count: 1, num_cpus: 1, resources: {tandem_prefill: 1}}
 decode: {count: 1, num_cpus: 1, host_pages: 256, resources: {tandem_decode: 1}}
 transport: {hostname: auto}
-router: {max_queue_delay_s: 600, max_queued_requests: 64, local_prefill_max_tokens: 0}  # every prompt crosses nodes
+router: {max_queue_delay_s: 600, max_queued_requests: 64, local_prefill_max_tokens: 0,  # every prompt crosses nodes
+         migration_timeout_s: 5.0}  # a stream whose decode node is gone waits this long for a worker
 cluster: {heartbeat_timeout_s: 10.0, drain_timeout_s: 5.0, worker_start_timeout_s: 120.0}
 """
 PROMPTS = ["The three primary colors are", "A KV cache stores"]
@@ -178,7 +179,8 @@ def test_two_load_clients_on_two_nodes_count_every_request_once(cluster, tmp_pat
 
 
 def test_stopping_the_decode_node_under_load_then_starting_it_again(cluster, reference):
-    """In-flight requests end (finished or a clean error) without hanging; with no node that has room,
+    """In-flight streams wait `migration_timeout_s` for a worker to resume on, then end with a clean error,
+    none hanging; with no node that has room,
     the controller says so and leaves the decode worker down (waiting spends no restart); the prefill
     worker holds nothing; a new decode node brings decode-0 back, and output is the reference again."""
     server, ray_cluster = cluster, cluster.ray
@@ -188,6 +190,7 @@ def test_stopping_the_decode_node_under_load_then_starting_it_again(cluster, ref
     outcomes = streams_across_a_fault(server.base_url, API_KEY, 4, decode_node.stop, 60)
     assert all(o == "length" or (o.startswith("error: ") and len(o) > len("error: ")) for o in outcomes), outcomes
     assert any(o.startswith("error") for o in outcomes), "stopping the decode node mid-stream failed nothing"
+    assert all("no worker could resume its stream within 5 s" in o for o in outcomes if o.startswith("error")), outcomes
 
     resp = complete(server, PROMPTS[0], timeout_s=30)  # refused at once: no decode worker
     assert resp.status_code == 503 and "retry-after" in resp.headers, resp.text

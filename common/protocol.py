@@ -46,6 +46,9 @@ class KVComplete:
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
     cached_tiers: tuple[int, int, int] = (0, 0, 0)  # cached_tokens by tier: (device, host, L3)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # each prompt token's (None first), when asked
+    page_sums: tuple[int, ...] = ()
+    """CRC-32 of each landing page as the prefill worker shipped it (`PageBytes.crc32`), verified by the
+    decode worker before the first token goes out; () where not computed (a worker over ranks, staging)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,8 @@ class TierStats:
     l3_put_seconds: float = 0.0
     l3_errors: int = 0  # failed calls (server down, timeout, AUTH, OOM): every page they were for a miss
     l3_corrupt: int = 0  # values that failed verification (deleted, never used)
+    transfer_corrupt: int = 0  # landed prompts whose page checksum failed (the request re-routed, never served)
+    l2_corrupt: int = 0  # host-tier pages whose checksum failed at load-back (dropped, recomputed)
     prefetches: tuple[tuple[str, int], ...] = ()  # (outcome, count): completed, partial, short, no_room, failed
     sessions_open: int = 0
     session_pages: int = 0  # device pages sessions hold between turns

@@ -54,7 +54,7 @@ class RankLanding:
         """`ctx`: the rank's `engine.tp_launch.RankContext`. Sends rank 0 its `LandingShard`; returns
         its calls by name."""
         from kv_store.copier import Direction, PageCopier
-        from kv_store.hicache import host_tensors
+        from kv_store.tier_copies import host_tensors
         from kv_store.transfer.mooncake import MooncakeTransport
 
         transport = MooncakeTransport(self.hostname, self.protocol)

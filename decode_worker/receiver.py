@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,11 +28,14 @@ from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput, step_output
 from engine.request import FinishReason, Request, RequestStatus
 from kv_store.copier import CopyJob
+from kv_store.l3.codec import PageBytes
 from kv_store.landing import LandingPool
 from kv_store.req_kv import ReleaseReason, ReqKV
 from kv_store.residency import Residency, move_residency
 from kv_store.transfer.base import Transport
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
+
+log = logging.getLogger("tandem.decode")
 
 
 class InboundPhase(enum.Enum):
@@ -85,6 +89,7 @@ class KVReceiver(NullConnector):
         self._arrived: list[tuple[Request, ReqKV]] = []
         self._regions = contextlib.ExitStack()
         self.landing = LandingPool(ports.device_pool, host_pages)
+        self._page_bytes, self.checksum_failures = PageBytes(self.landing.kv), 0
         for t in (*self.landing.kv.k, *self.landing.kv.v):
             self._regions.enter_context(self.transport.register_tensor(t))
         self.others = others() if others is not None else None
@@ -229,6 +234,8 @@ class KVReceiver(NullConnector):
             ib.session.advance(TransferState.TRANSFERRING, self.clock())
         ib.session.advance(TransferState.DONE, self.clock())
         ib.landed_kv = self.landing.landed(ib.request.request_id)
+        if not self._sums_match(ib, msg.page_sums):
+            return
         req = ib.request
         req.cached_tokens = msg.cached_tokens
         _, host, l3 = msg.cached_tiers
@@ -245,6 +252,22 @@ class KVReceiver(NullConnector):
             self._end_inbound(ib, reason)
         else:
             self._pending_outputs.append(step_output(req, [msg.first_token], None))
+
+    def _sums_match(self, ib: _Inbound, sums: tuple[int, ...]) -> bool:
+        """Whether every landed page has the checksum its prefill worker shipped it with; if not, the
+        landing is let go and the request fails as a failed transfer (re-routed: computed again),
+        before its first token goes out."""
+        pages = ib.landed_kv.pages[:len(sums)]
+        bad = [i for i, (page, crc) in enumerate(zip(pages, sums)) if self._page_bytes.crc32(page) != crc]
+        if not bad:
+            return True
+        self.checksum_failures += 1
+        detail = f"landed KV page(s) {bad} of {len(sums)} failed their checksum"
+        log.error("request %s: %s; the landing is dropped and the prompt computed again", ib.request.request_id, detail)
+        self.landing.release(ib.landed_kv, ReleaseReason.TRANSFER_FAILED)
+        del self.inbound[ib.request.request_id]
+        self._report(ib.request, FinishReason.ABORT, f"transfer corrupt: {detail}", Failure.TRANSFER)
+        return False
 
     def _start_load(self, ib: _Inbound) -> None:
         req = ib.request

@@ -81,6 +81,9 @@ class KVConnector(Protocol):
     """Made by `EngineCore` from a worker's factory (`Callable[[ConnectorPorts], KVConnector]`): its
     constructor registers memory and builds its pools."""
 
+    checksum_failures: int
+    """Arrived KV that failed its checksum (each such request failed as a transfer, never served)."""
+
     def before_step(self) -> list[StepOutput]: ...
 
     def take_stopped(self) -> list[Request]: ...
@@ -107,6 +110,8 @@ class KVConnector(Protocol):
 class NullConnector:
     """Colocated: every request is prefilled and decoded here; nothing arrives or leaves. Its no-ops
     are also the defaults the other connectors inherit for the hooks they do not need."""
+
+    checksum_failures = 0
 
     def before_step(self) -> list[StepOutput]:
         return []

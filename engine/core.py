@@ -262,7 +262,8 @@ class EngineCore:
         return graph_stats(self.runner.counters, self.runner.compiling())
 
     def tier_stats(self) -> TierStats:
-        return tier_stats(self.host_cache, self.scheduler.hit_tokens_l1, self.sessions, self.config.page_size)
+        return tier_stats(self.host_cache, self.scheduler.hit_tokens_l1, self.sessions, self.config.page_size,
+                          self.connector.checksum_failures)
 
     def close(self) -> None:
         self.connector.close()

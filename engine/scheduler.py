@@ -259,7 +259,8 @@ class Scheduler:
     def _start_loading(self, req: Request) -> bool:
         """When `req`'s cached prefix continues in the host tier, start bringing it to device and park
         `req` in `loading`; False when there is nothing (more) to load."""
-        ticket = self.host_cache.start_load(req.all_token_ids, req.num_tokens - 1, fetch_l3=not req.tier.l3_checked)
+        ticket = self.host_cache.start_load(req.all_token_ids, req.num_tokens - 1, fetch_l3=not req.tier.l3_checked,
+                                            who=req.request_id)
         req.tier.l3_checked = True
         if ticket is None:
             return False

@@ -76,7 +76,7 @@ class RankTiers:
     def __init__(self, kv, num_pages: int, l3: tuple | None, shard, control, closing) -> None:
         """`l3`: (rank 0's `L3Config`, its model id) or None; `shard`: this rank's `Shard`."""
         from kv_store.copier import PageCopier
-        from kv_store.hicache import host_tensors
+        from kv_store.tier_copies import host_tensors
 
         self.host = host_tensors(kv, num_pages)
         self.copier = PageCopier(kv, self.host, name="tier-copier")

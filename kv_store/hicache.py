@@ -26,12 +26,11 @@ import itertools
 import time
 from dataclasses import dataclass
 
-import torch
-
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import Direction, PageCopier
 from kv_store.device_pool import DevicePool
-from kv_store.l2_eviction import evict_l2
+from kv_store.l2_eviction import corrupt_copy, drop_unheld, evict_l2
+from kv_store.l3.codec import PageBytes
 from kv_store.l3.bridge import L3Bridge, NullBridge
 from kv_store.l3.tier import L3Tier, Prefetch
 from kv_store.page_pool import PagePool, PageState
@@ -78,6 +77,8 @@ class HostCache:
         self._loads: dict[int, Load] = {}
         self._tickets: dict[int, LoadTicket] = {}
         self._ids = itertools.count(1)
+        self.page_bytes = PageBytes(host_kv) if host_kv.k[0].device.type == "cpu" else None
+        self.sums: dict[int, int] = {}  # host page -> CRC-32 of what its backup wrote (checked at load-back)
 
     # ---- tree hooks --------------------------------------------------------------------------------
     def on_insert(self, node: TreeNode) -> None:
@@ -128,6 +129,8 @@ class HostCache:
         return not node.residency.in_transit
 
     def free_host(self, node: TreeNode) -> None:
+        for page in node.host_pages:
+            self.sums.pop(page, None)
         self.pool.evict(node.host_pages, node.id)
         self.counters.l2_evicted_pages += len(node.host_pages)
         node.host_pages = []
@@ -144,7 +147,8 @@ class HostCache:
         return sum(len(p) for ld in self._loads.values() for p in ld.device_pages)
 
     # ---- the scheduler's side ------------------------------------------------------------------------
-    def start_load(self, token_ids: list[int], max_match_tokens: int, fetch_l3: bool = False) -> LoadTicket | None:
+    def start_load(self, token_ids: list[int], max_match_tokens: int, fetch_l3: bool = False,
+                   who: str = "") -> LoadTicket | None:
         """When the cached prefix of `token_ids[:max_match_tokens]` continues below L1, a ticket for
         bringing it to device (a new load, or loads already in flight for those nodes); None when
         there is nothing below L1 or no device page for it (the request computes it instead). With
@@ -159,14 +163,17 @@ class HostCache:
             return self._wait_for_loads(below, prefetch)
         run = list(itertools.takewhile(lambda n: n.residency is Residency.HOST, below))
         self.tree.lock(run[-1])  # no eviction below may take the run while device pages are found
-        load = Load(next(self._ids), [], [], locked=run[-1])
+        load, bad = Load(next(self._ids), [], [], locked=run[-1]), None
         for node in run:
+            if (bad := corrupt_copy(self, node, who)) is not None:
+                break  # it and what lies below it are computed again
             pages = self._alloc_device(len(node.host_pages), load)
             if pages is None:
                 break
             load.nodes.append(node)
             load.device_pages.append(pages)
         self.tree.unlock(run[-1])
+        drop_unheld(self.tree, bad)
         if not load.nodes:
             return self._ticket(path[-1], (), 0, prefetch) if prefetch else None
         return self._begin_load(load, prefetch)
@@ -275,6 +282,8 @@ class HostCache:
             node.residency = move_residency(node.residency, Residency.DEVICE, f"tree node {node.id} backup failed")
             return
         self.pool.give_to_tree(write.host_pages, write, node.id)
+        if self.page_bytes is not None:  # the bytes just written, checked again at load-back
+            self.sums.update((page, self.page_bytes.crc32(page)) for page in write.host_pages)
         node.host_pages = write.host_pages
         node.residency = move_residency(node.residency, Residency.BOTH, f"tree node {node.id} backed up")
         self.counters.l1_to_l2_bytes += write.job.num_bytes
@@ -351,15 +360,6 @@ class HostCache:
         return evict_l2(self.tree, num_pages, self.free_host)
 
 
-def host_tensors(like: KVCacheTensors, num_pages: int) -> KVCacheTensors:
-    """Host pages in `like`'s layout. Uninitialised: a host page is read only after a copy wrote it."""
-    page = like.k[0]
-    shape = (num_pages,) + tuple(page.shape[1:])
-    pin = torch.cuda.is_available()
-    make = lambda: torch.empty(shape, dtype=page.dtype, device="cpu", pin_memory=pin)  # noqa: E731
-    return KVCacheTensors([make() for _ in like.k], [make() for _ in like.v])
-
-
 class NullHostCache:
     """No host tier (turned off, or no prefix cache): nothing is ever below L1."""
 
@@ -368,7 +368,8 @@ class NullHostCache:
         self.pool = None
         self.l3 = NullBridge()
 
-    def start_load(self, token_ids: list[int], max_match_tokens: int, fetch_l3: bool = False) -> LoadTicket | None:
+    def start_load(self, token_ids: list[int], max_match_tokens: int, fetch_l3: bool = False,
+                   who: str = "") -> LoadTicket | None:
         return None
 
     def release_ticket(self, ticket: LoadTicket) -> None:

@@ -4,16 +4,23 @@ the host tier needs room, and in what order.
 Host copies of nodes still on device go first (dropping one costs nothing: the device pages stay
 valid), then unlocked host-only leaves; least recently used first in each group. A host-pinned node
 (`TreeNode.host_pins`, an offloaded session) keeps its copy.
+
+A host copy whose bytes changed since its backup wrote them (its CRC-32, `HostCache.sums`, checked
+as a load-back starts: `corrupt_copy`) is never loaded: it and every node below it leave the tree
+(`drop_unheld`), counted and logged, and the requests that wanted them compute them again.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Callable
 
 from kv_store.radix_cache import RadixPrefixCache
 from kv_store.residency import Residency, move_residency
-from kv_store.tree_node import TreeNode
+from kv_store.tree_node import TreeNode, subtree
+
+log = logging.getLogger(__name__)
 
 
 def evict_l2(tree: RadixPrefixCache, num_pages: int, free_host: Callable[[TreeNode], None]) -> int:
@@ -43,3 +50,24 @@ def evict_l2(tree: RadixPrefixCache, num_pages: int, free_host: Callable[[TreeNo
 
 def _host_leaf(node: TreeNode) -> bool:
     return node.residency is Residency.HOST and node.lock_ref == node.host_pins == 0 and not node.children
+
+
+def corrupt_copy(tier, node: TreeNode, who: str) -> TreeNode | None:
+    """`node` when a page of its host copy no longer has the CRC-32 its backup gave it (`tier`: the
+    `HostCache`; `who`: the request that asked, for the log), else None."""
+    if tier.page_bytes is None:
+        return None
+    bad = [p for p in node.host_pages if p in tier.sums and tier.page_bytes.crc32(p) != tier.sums[p]]
+    if not bad:
+        return None
+    tier.counters.l2_corrupt += len(bad)
+    log.error("request %s: host page(s) %s of cached prefix node %d failed their checksum at load-back; the "
+              "node and what lies below it leave the tree and are computed again", who or "?", bad, node.id)
+    return node
+
+
+def drop_unheld(tree: RadixPrefixCache, node: TreeNode | None) -> None:
+    """Drop `node` and its subtree when nothing holds any of them (else they stay, unloaded, until then)."""
+    if node is not None and all(n.lock_ref == n.host_pins == 0 and not n.residency.in_transit
+                                for n in (node, *subtree(node))):
+        tree.drop_subtree(node)

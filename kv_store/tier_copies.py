@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob
 from kv_store.tree_node import TreeNode
 
@@ -65,3 +68,13 @@ class TierCounters:
     l1_evicted_pages: int = 0  # device pages of nodes that left L1 (to L2 or dropped)
     l2_evicted_pages: int = 0
     copy_errors: int = 0
+    l2_corrupt: int = 0  # host pages whose checksum failed at load-back (dropped, recomputed)
+
+
+def host_tensors(like: KVCacheTensors, num_pages: int) -> KVCacheTensors:
+    """Host pages in `like`'s layout. Uninitialised: a host page is read only after a copy wrote it."""
+    page = like.k[0]
+    shape = (num_pages,) + tuple(page.shape[1:])
+    pin = torch.cuda.is_available()
+    make = lambda: torch.empty(shape, dtype=page.dtype, device="cpu", pin_memory=pin)  # noqa: E731
+    return KVCacheTensors([make() for _ in like.k], [make() for _ in like.v])

@@ -34,6 +34,7 @@ from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput
 from engine.request import FinishReason, Request, RequestStatus
 from kv_store.copier import CopyJob
+from kv_store.l3.codec import PageBytes
 from kv_store.req_kv import ceil_div
 from kv_store.stream_order import order_for
 from kv_store.transfer.base import TransferError, TransferStatus, Transport
@@ -104,6 +105,9 @@ class KVSender(NullConnector):
         for t in (*shipped_from.k, *shipped_from.v):
             self._regions.enter_context(self.transport.register_tensor(t))
         self.writes = ShardWrites(transport, others)
+        # each landing page's CRC-32 for the decode side to verify, read where the transport reads it
+        self._sums = PageBytes(self.kv_cache) if self.staging is None and others is None and \
+            self.kv_cache.k[0].device.type == "cpu" else None
         heads = () if others is None else (others.held[0], sent_heads(others.held, 0))
         self._source = SourceKV.of(shipped_from, *heads)
         layout = ports.device_pool.layout  # landings are laid out for the whole model's heads
@@ -335,13 +339,20 @@ class KVSender(NullConnector):
                 req.timings["transfer_done"] = self.clock()
                 first, prompt = first_logprobs(req)
                 self.outbox.append(KVComplete(rid, shipment.first_token, req.cached_tokens, tuple(req.timings.items()),
-                                              shipment.draft_feature, first, req.cached_tiers, prompt))
+                                              shipment.draft_feature, first, req.cached_tiers, prompt,
+                                              self._page_sums(req, shipment.landing)))
                 self._done.append((req, FinishReason.LENGTH))
             else:
                 self.outbox.append(TransferAborted(rid, shipment.abort_reason, shipment.failure))
                 if req.status is RequestStatus.RUNNING:  # out of the batch, its KV held here
                     self._done.append((req, FinishReason.ABORT))
             del self.shipments[rid]
+
+    def _page_sums(self, req: Request, landing: Landing) -> tuple[int, ...]:
+        """CRC-32 of each prompt page as written into `landing` (whole pages: one decode rank)."""
+        if self._sums is None or landing.shards:
+            return ()
+        return tuple(self._sums.crc32(page) for page in req.kv.pages[:len(landing.page_ids)])
 
 
 def first_logprobs(req: Request) -> tuple:

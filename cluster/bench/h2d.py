@@ -30,7 +30,7 @@ import torch
 from cluster.bench.decode import sync_device
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors
 from kv_store.copier import Direction, PageCopier
-from kv_store.hicache import host_tensors
+from kv_store.tier_copies import host_tensors
 
 TARGET = 0.8
 """The copier's bandwidth / the plain pinned copy's, at least."""

@@ -114,6 +114,14 @@ class PageBytes:
         self._check(page_id)
         return b"".join([view[page_id] for view in self._views])
 
+    def crc32(self, page_id: int) -> int:
+        """CRC-32 of page `page_id`'s payload (as `pack` would make it), without copying it."""
+        self._check(page_id)
+        crc = 0
+        for view in self._views:
+            crc = zlib.crc32(view[page_id], crc)
+        return crc
+
     def unpack(self, page_id: int, payload) -> None:
         """Copy `payload` (packed under the same layout) into page `page_id`, in place."""
         self._check(page_id)

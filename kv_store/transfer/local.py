@@ -8,6 +8,7 @@ handle API is the same as Mooncake's, so callers cannot tell the difference.
 Fault injection lets other packages test their deadlines and release paths without Mooncake:
 
     fail_next(n)        the next n writes copy nothing and are FAILED with a TransferFailed
+    corrupt_next(n)     the next n writes copy, then flip one byte of what they wrote, and are DONE
     stall_next(n)       the next n writes copy nothing and stay PENDING ...
     release_stalled()   ... until released: copied then DONE (or FAILED if `fail=True`, or if the
                         peer or its regions went away meanwhile)
@@ -61,6 +62,7 @@ class LocalTransport(Transport):
             self._handles = HandleTable()
             self._stalled: list[HandleRecord] = []
             self._fail_budget = 0
+            self._corrupt_budget = 0
             self._stall_budget = 0
             self._closed = False
 
@@ -100,6 +102,9 @@ class LocalTransport(Transport):
             self._stalled.append(record)
         else:
             _copy(record.ops)
+            if self._corrupt_budget:
+                self._corrupt_budget -= 1
+                _flip_byte(record.ops[-1])
             record.mark_done()
 
     def poll(self, handle: TransferHandle) -> TransferStatus:
@@ -130,6 +135,12 @@ class LocalTransport(Transport):
         """The next `num_writes` writes copy nothing and are FAILED with a `TransferFailed`."""
         with _LOCK:
             self._fail_budget += num_writes
+
+    def corrupt_next(self, num_writes: int = 1) -> None:
+        """The next `num_writes` writes copy, then flip a byte in the middle of their last op's
+        destination (a corruption no transport error reports), and are DONE."""
+        with _LOCK:
+            self._corrupt_budget += num_writes
 
     def stall_next(self, num_writes: int = 1) -> None:
         """The next `num_writes` writes copy nothing and stay PENDING until `release_stalled`."""
@@ -172,3 +183,9 @@ def _copy(ops: Sequence[WriteOp]) -> None:
     """memmove every op; both ends were validated against registered, host-mapped regions."""
     for op in ops:
         ctypes.memmove(op.dst_addr, op.src_addr, op.length)
+
+
+def _flip_byte(op: WriteOp) -> None:
+    """Invert one byte in the middle of `op`'s destination (fault injection: `corrupt_next`)."""
+    at = ctypes.c_ubyte.from_address(op.dst_addr + op.length // 2)
+    at.value ^= 0xFF

@@ -159,6 +159,9 @@ _TIER_COUNTERS = (  # (metric, documentation, extra label, {label value: TierSta
     ("tandem:l3_pages", "Pages read from / written to the L3 store.", "op", {"get": "l3_get_pages", "put": "l3_put_pages"}),
     ("tandem:l3_errors", "L3 faults, each a counted miss.", "kind", {"call": "l3_errors", "corrupt": "l3_corrupt"}),
     ("tandem:l3_seconds", "Seconds spent in L3 calls.", "op", {"get": "l3_get_seconds", "put": "l3_put_seconds"}),
+    ("tandem:kv_checksum_failures", "KV that failed its checksum where it crossed a boundary: a landed prompt "
+     "(transfer), a host page at load-back (l2), an L3 value; each discarded and computed again, never served.",
+     "boundary", {"transfer": "transfer_corrupt", "l2": "l2_corrupt", "l3": "l3_corrupt"}),
 )
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import Direction, PageCopier
-from kv_store.hicache import host_tensors
+from kv_store.tier_copies import host_tensors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -371,3 +371,22 @@ def test_an_answer_is_prefilled_only_past_a_prompt_still_cached_and_at_most_one_
     assert cached_after("a3", [9] * 30 + answer, 30) == (False, 0)  # its prompt is not cached: nothing recomputed
     worker.check_integrity()
     worker.close()
+
+
+def test_a_landed_page_corrupted_in_transfer_is_never_served_the_prompt_is_computed_again(make_hosts, prompts,
+                                                                                          hf_outputs):
+    """A byte flipped in a landing page by the transport (no transport error reports it): the decode
+    worker's checksum check fails the request as a transfer before its first token, the dispatcher
+    re-routes it, and the client gets transformers' tokens; the failure is counted and logged."""
+    hosts = make_hosts()
+
+    async def scenario(d, views):
+        hosts["prefill-0"].transport.corrupt_next(1)
+        got = await run(d, "corrupt", prompts[5], greedy(max_tokens=24))
+        await at_rest(*hosts.values())
+        stats = await fresh_stats(hosts["decode-0"])
+        return got, d.reroutes._value.get(), stats.tiers.transfer_corrupt
+
+    (tokens, last), reroutes, corrupt = serve(hosts, scenario)
+    assert tokens == hf_outputs[5] and not last.error
+    assert reroutes == 1 and corrupt == 1

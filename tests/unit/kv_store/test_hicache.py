@@ -193,3 +193,30 @@ def test_an_engine_dropped_without_close_frees_its_pools_and_stops_its_copier():
     del engine
     gc.collect()
     assert device() is None and host() is None and copier() is None, "the dropped engine's KV was kept alive"
+
+
+def test_a_host_copy_corrupted_in_l2_is_never_loaded_it_is_computed_again():
+    """A byte of a backed-up page changed in host memory (bit rot, a stray write): the load-back's
+    checksum check refuses that node and everything below it (dropped from the tree, counted), the
+    prefix above it still loads, and the request's tokens are the cold engine's."""
+    engine = make_engine(page_size=4, num_pages=64, host_cache_pages=128)
+    cold = make_engine(page_size=4, num_pages=64, enable_prefix_cache=False)
+    [history] = make_prompts(1, min_len=40, max_len=40, seed=4)
+    [first] = engine.generate([history], greedy(max_tokens=8))
+    settle(engine)
+    turn2 = history + first.output_token_ids + [7, 8, 9]
+    engine.generate([history[:20] + [5, 6, 7, 8]], greedy(max_tokens=2))  # the tree splits at 20 tokens
+    settle(engine)
+    engine.kvm.prefix_cache.evict(1000)
+    upper = next(n for n in nodes(engine) if n.parent is engine.kvm.prefix_cache.root)
+    lower = next(n for n in nodes(engine) if n.parent is upper and n.key[0] == history[len(upper.key)])
+    victim = lower.host_pages[1]
+    engine.host_cache.kv.v[-1][victim].view(-1)[5] += 1.0  # one value of one layer of one page
+    req = engine.add_request(turn2, greedy(max_tokens=8))
+    settle(engine)
+    [expect] = cold.generate([turn2], greedy(max_tokens=8))
+    assert req.output_token_ids == expect.output_token_ids
+    assert engine.host_cache.counters.l2_corrupt == 1
+    assert req.tier.host_hit_tokens == len(upper.key)  # the prefix above it came back from L2
+    assert lower not in nodes(engine) and victim not in engine.host_cache.sums
+    engine.check_integrity()

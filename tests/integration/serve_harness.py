@@ -211,8 +211,8 @@ def streams_across_a_fault(base_url: str, api_key: str, n: int, fault, timeout_s
 
 
 def seeded_streams(base_url: str, api_key: str, n: int, fault=None, timeout_s: float = 180,
-                   max_tokens: int = 32) -> list[tuple[str, int, float]]:
-    """`n` concurrent seeded sampled streams ("List i fruits:", seed i, `max_tokens`, EOS ignored), each
+                   max_tokens: int = 32, temperature: float = 0.8) -> list[tuple[str, int, float]]:
+    """`n` concurrent seeded streams ("List i fruits:", seed i, `max_tokens`, EOS ignored), each
     as (its text, or "error: <message>"; completion tokens from its usage; its longest gap between
     chunks, seconds). With `fault`, once every stream has streamed a chunk, `fault()` runs (blocking,
     in a thread). Every stream must end within `timeout_s`."""
@@ -226,7 +226,7 @@ def seeded_streams(base_url: str, api_key: str, n: int, fault=None, timeout_s: f
             text, tokens, gap, last = [], 0, 0.0, None
             try:
                 stream = await client.completions.create(
-                    model="smollm2", prompt=f"List {i} fruits:", max_tokens=max_tokens, temperature=0.8, seed=i,
+                    model="smollm2", prompt=f"List {i} fruits:", max_tokens=max_tokens, temperature=temperature, seed=i,
                     stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
                 async for chunk in stream:
                     now = time.monotonic()

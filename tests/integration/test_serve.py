@@ -380,6 +380,18 @@ def test_killing_a_prefill_worker_mid_transfer_reroutes_its_requests(cluster):
     wait_workers_at_rest(server)
 
 
+def test_killing_a_prefill_worker_after_the_first_tokens_loses_no_stream(cluster):
+    """Once every stream has its first token its KV has landed: a prefill worker SIGKILLed then costs
+    none of them a token (each is the undisturbed text), and the controller brings it back."""
+    server = cluster
+    victim = next(w for w in workers(server) if w["worker_id"] == "prefill-0")
+    undisturbed = seeded_streams(server.base_url, API_KEY, 6)
+    faulted = seeded_streams(server.base_url, API_KEY, 6, lambda: os.kill(victim["pid"], signal.SIGKILL))
+    assert [text for text, _, _ in faulted] == [text for text, _, _ in undisturbed]
+    found = wait_workers_at_rest(server, timeout_s=180)
+    assert next(w for w in found if w["worker_id"] == "prefill-0")["incarnation"] == victim["incarnation"] + 1
+
+
 def test_killing_the_decode_worker_mid_stream_loses_no_stream(cluster):
     """The only decode worker SIGKILLed under 8 seeded sampled streams: each waits for the worker's
     restart and resumes there after the tokens it had streamed, so every stream completes with the

@@ -17,7 +17,7 @@ from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
 from tests.integration.structured_check import check_structured
 from tests.integration.tools_check import check_tools
-from tests.integration.serve_harness import eventually, metric, start_server
+from tests.integration.serve_harness import eventually, metric, seeded_streams, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -130,3 +130,19 @@ def test_greedy_answers_equal_hf_greedy_and_drafts_were_verified(eagle_server, h
     accepted = metric(after, "tandem:spec_accepted_tokens_total") - metric(before, "tandem:spec_accepted_tokens_total")
     # a working head gets a good share accepted (the shipped one: ~half at k = 3); a broken one ~none
     assert accepted >= 0.2 * produced, f"{accepted} of {drafted} drafts accepted for {produced} tokens"
+
+
+def test_streams_resume_token_identically_after_the_decode_worker_is_killed(eagle_server):
+    """Last in this module (it kills the decode worker): 4 greedy streams drafting with EAGLE across a
+    SIGKILL of the only decode worker resume on its restart, each the undisturbed text."""
+    import os
+    import signal
+
+    server = eagle_server
+    decode = next(w for w in server.workers() if w["role"] == "decode")
+    undisturbed = seeded_streams(server.base_url, "none", 4, temperature=0.0)
+    faulted = seeded_streams(server.base_url, "none", 4, lambda: os.kill(decode["pid"], signal.SIGKILL),
+                             temperature=0.0)
+    assert [text for text, _, _ in faulted] == [text for text, _, _ in undisturbed]
+    assert all(tokens == 32 for _, tokens, _ in faulted), faulted
+    assert metric(server.metrics(), "tandem:request_migrations_total", outcome="resumed") >= 1

@@ -135,7 +135,7 @@ class Dispatcher(TransferPhase):
         if session_id:
             flight = SessionTurn(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
                                  session_id=session_id)
-            self._route_to(flight, self.sessions.worker_of(session_id))  # NOT_FOUND before registering
+            self._route_to(flight, self.sessions.worker_of(session_id, self.lives.values()))  # raises first
         else:
             flight = Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock())
             leader = self.flights.get(follow)

@@ -128,3 +128,34 @@ def test_a_session_turns_logprobs_are_hfs_over_its_whole_prompt(server):
         "model": "smollm2", "prompt": new, "session_id": session_id, "prompt_logprobs": 1})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
     assert httpx.delete(f"{server.base_url}/v1/sessions/{session_id}", timeout=60).status_code == 200
+
+
+def test_a_session_outlives_its_decode_worker(server):
+    """Last in this module (it kills the decode worker): a turn streaming when the session's worker
+    is SIGKILLed resumes on its restart with HF's tokens, and the session's next turn opens it again
+    there, finding the history the resumed turn left cached, with HF's tokens."""
+    import os
+    import signal
+
+    import openai
+
+    loaded, reference = smollm2()
+    sid = httpx.post(f"{server.base_url}/v1/sessions", timeout=60,
+                     json={"capacity_tokens": 240, "idle_timeout_s": 600}).json()["id"]
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=300)
+    prompt = natural_ids(60, "A session that survives.")
+    stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                                       extra_body={"session_id": sid, "ignore_eos": True})
+    decode = next(w for w in server.workers() if w["role"] == "decode")
+    text = []
+    for chunk in stream:
+        if chunk.choices:
+            if not text:
+                os.kill(decode["pid"], signal.SIGKILL)
+            text.append(chunk.choices[0].text)
+    answer = hf_greedy(reference, prompt, 40)
+    assert "".join(text) == loaded.tokenizer.decode(answer, skip_special_tokens=True)
+    new = natural_ids(10, "Then?")
+    turn = complete(server, new, session_id=sid)
+    assert answer_is_hf(turn, prompt + answer + new)
+    assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] > len(prompt)

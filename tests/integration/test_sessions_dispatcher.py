@@ -2,7 +2,7 @@
 `WorkerHost` threads with a `LocalTransport` each, the tiny Llama in place of a loaded model): a
 session lives on one decode worker, its turns all go there and hit its pinned history, each turn's
 greedy tokens equal a no-cache engine's for the whole conversation, closing releases the pin, and a
-worker's death loses its sessions with a clear error."""
+session outlives its worker's death (its turn resumed, the session opened again elsewhere)."""
 
 from __future__ import annotations
 
@@ -102,32 +102,48 @@ def test_turns_stay_on_the_session_worker_and_match_the_reference(hosts, referen
     assert unknown.kind is ErrorKind.NOT_FOUND and "not open" in unknown.message
 
 
-def test_a_dead_worker_loses_its_sessions(hosts):
+def test_a_session_outlives_its_worker(hosts, reference):
+    """The session's worker dies while a turn streams: the turn resumes on the other decode worker
+    (a plain request there, its tokens the reference's), and the session's next turn opens it again
+    there, where that history is now cached, and goes on with the reference's tokens. An orphan
+    left idle past its idle timeout is lost, with why."""
+    import asyncio
+
     prompt = make_prompts(1, min_len=13, max_len=13, seed=5)[0]
 
     async def scenario(d, views):
-        a = await d.open_session(100, 60.0)
+        a = await d.open_session(300, 60.0)
         where = holder(hosts, a)
-        await run(d, "t0", prompt, 3, session_id=a)
+        first, _ = await run(d, "t0", prompt, 3, session_id=a)
+        turn1 = prompt + first + [7, 8]
+        stream = d.generate("t1", turn1, greedy(max_tokens=24), session_id=a)
+        got = [await asyncio.wait_for(stream.__anext__(), 30)]
         views.dead.add(where)
-        await wait_for(lambda: d.lives[where].gone, "the dispatcher to bury the worker")
-        errors = []
-        for rid in ("t1", "t2"):
-            with pytest.raises(BackendError) as lost:
-                d.generate(rid, prompt + [7], greedy(max_tokens=2), session_id=a)
-            errors.append(lost.value)
-        b = await d.open_session(100, 60.0)  # the survivor takes new sessions
-        survivor = holder(hosts, b)
-        assert await d.close_session(b)
-        hosts[where].deliver([p.CloseSession(a)])  # the in-process host outlives its "death": tidy it
+        got += [chunk async for chunk in stream]
+        second = [t for c in got for t in c.new_token_ids]
+        turn2 = turn1 + second + [9]
+        third, last = await run(d, "t2", turn2, 4, session_id=a)
+        moved = ({*DECODES} - {where}).pop()
+        assert a in sessions_of(hosts[moved])
+        hosts[where].deliver([p.CloseSession(a), p.Abort("t1.0")])  # the in-process host outlives its "death"
+        b = await d.open_session(100, 0.05)
+        views.dead.add(moved)  # b is on the survivor: now every decode worker is dead
+        await wait_for(lambda: all(lv.gone for wid, lv in d.lives.items() if wid in DECODES), "both buried")
+        await asyncio.sleep(0.1)  # past b's idle timeout
+        with pytest.raises(BackendError) as lost:
+            d.generate("t3", prompt, greedy(max_tokens=2), session_id=b)
+        for wid in DECODES:
+            hosts[wid].deliver([p.CloseSession(a), p.CloseSession(b)])
         await wait_for(lambda: not any(sessions_of(hosts[w]) for w in DECODES), "every session to close")
         await all_at_rest(hosts)
-        return where, survivor, errors
+        return where, moved, (turn1, second), (turn2, third, last), got[-1], lost.value, d.sessions.reopened
 
-    where, survivor, (first, second) = serve(hosts, scenario)
-    assert survivor != where
-    assert first.kind is ErrorKind.NOT_FOUND and f"its worker {where} died" in first.message
-    assert second.kind is ErrorKind.NOT_FOUND and "not open" in second.message
+    where, moved, (turn1, second), (turn2, third, last), resumed, lost, reopened = serve(hosts, scenario)
+    assert moved != where and reopened == 1
+    assert not resumed.error and second == reference(turn1, 24) and resumed.decode_worker == moved
+    assert third == reference(turn2, 4) and last.decode_worker == moved and not last.error
+    assert last.cached_tokens > len(turn1)  # the resumed turn's history was cached where it moved
+    assert lost.kind is ErrorKind.NOT_FOUND and "died" in lost.message
 
 
 def test_open_failures_map_to_their_kinds(hosts):

@@ -37,6 +37,18 @@ if [[ ",${1:-}," == *",test,"* ]] && ! command -v redis-server >/dev/null; then
     fi
 fi
 
+# The network-host tests build namespaces and shape links with iproute2 (`ip`, `tc`).
+if [[ ",${1:-}," == *",test,"* ]] && ! { command -v ip >/dev/null && command -v tc >/dev/null; }; then
+    sudo_cmd=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo_cmd="sudo"
+    if command -v apt-get >/dev/null && { [ "$(id -u)" -eq 0 ] || [ -n "$sudo_cmd" ]; }; then
+        echo "setup: installing iproute2 (apt-get install iproute2) for the network-host tests"
+        $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq iproute2 >/dev/null
+    else
+        echo "setup: iproute2 (ip, tc) is missing and apt-get/root is not available; the network-host" \
+             "tests fail saying so" >&2
+    fi
+fi
+
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # CPU torch first: a range that admits newer torch would otherwise pull CUDA packages.

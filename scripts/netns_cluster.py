@@ -9,8 +9,9 @@ on a bridge, Ray nodes started inside them, and faults on the links between them
 Each host's processes run through `ip netns exec` in an OS session of their own, so a host is
 killed as a machine dies (every process in its namespace at once); its files live under the
 cluster's work directory. Faults: `cut(host)` / `restore(host)` set the host's link down and up
-(`ip link set ... down`), `netem(host, delay_ms, loss_pct)` shapes it (`tc qdisc ... netem`),
-`kill(host)` SIGKILLs every process in it. `down()` stops everything and removes the namespaces,
+(`ip link set ... down`), `netem(host, delay_ms, loss_pct)` delays and drops on it (`tc qdisc ...
+netem`, where the kernel has it), `throttle(host, rate_kbit)` slows it (`tbf`), `kill(host)` SIGKILLs
+every process in it. `down()` stops everything and removes the namespaces,
 the links and the bridge; `sweep()` removes any left by a run that died.
 
 Needs root (CAP_NET_ADMIN) and iproute2: `unavailable()` says why not, in one line.
@@ -131,13 +132,24 @@ class NetnsCluster:
         _ip("link", "set", self.hosts[host].veth, "up")
 
     def netem(self, host: str, delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:
-        """Delay and loss on traffic to `host` (0, 0: the link as it was)."""
-        veth = self.hosts[host].veth
+        """Delay and loss on traffic to `host` (0, 0: the link as it was). RuntimeError, saying so,
+        where the kernel has no netem queueing discipline (sch_netem)."""
         if not delay_ms and not loss_pct:
-            subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], capture_output=True, timeout=30)
-            return
-        subprocess.run(["tc", "qdisc", "replace", "dev", veth, "root", "netem", "delay", f"{delay_ms}ms",
-                        "loss", f"{loss_pct}%"], capture_output=True, timeout=30, check=True)
+            return self.unshape(host)
+        self._tc(host, "netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%")
+
+    def throttle(self, host: str, rate_kbit: int) -> None:
+        """Traffic to `host` at most `rate_kbit` kbit/s (a token bucket: a slow link)."""
+        self._tc(host, "tbf", "rate", f"{rate_kbit}kbit", "burst", "32kbit", "latency", "400ms")
+
+    def unshape(self, host: str) -> None:
+        subprocess.run(["tc", "qdisc", "del", "dev", self.hosts[host].veth, "root"], capture_output=True, timeout=30)
+
+    def _tc(self, host: str, kind: str, *args: str) -> None:
+        done = subprocess.run(["tc", "qdisc", "replace", "dev", self.hosts[host].veth, "root", kind, *args],
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"`tc qdisc ... {kind}` failed: {done.stderr.strip()} (a kernel without sch_{kind}?)")
 
     def down(self) -> None:
         """Kill every host's processes, remove the namespaces, links, bridge and work directory."""

@@ -112,6 +112,13 @@ def test_workers_on_their_hosts_serve_hfs_text_with_kv_crossing_the_link(net, re
         resp = complete(net, prompt)
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"] == reference[prompt]
+    net.throttle("decode", 2000)  # a slow link to the decode host (~0.4 s a prompt's KV): slower, not wrong
+    try:
+        for prompt in PROMPTS:
+            resp = complete(net, prompt)
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == reference[prompt], resp.text
+    finally:
+        net.unshape("decode")
 
 
 def test_cutting_the_decode_hosts_link_under_load_loses_no_stream(net, reference):

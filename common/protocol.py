@@ -72,6 +72,7 @@ class Failure(enum.Enum):
     """Why a request ended with an error, which decides what the dispatcher does with it."""
 
     TRANSFER = "transfer"  # its KV transfer failed: re-routed while no token reached the client
+    CORRUPT = "corrupt"  # its landed KV failed its checksum: re-routed (computed again) with a budget of its own
     REJECTED = "rejected"  # it can never be served as asked (a closed session, say): the client's error
     INTERNAL = "internal"  # a fault of its own while serving it: a retry would meet it again
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common import chaos
 from common.config import SamplingParams
 from common.faults import internal_error
 from common.protocol import AbortTransfer, Failure, KVComplete, KVProgress, Landing, TransferAborted
@@ -258,6 +259,8 @@ class KVReceiver(NullConnector):
         landing is let go and the request fails as a failed transfer (re-routed: computed again),
         before its first token goes out."""
         pages = ib.landed_kv.pages[:len(sums)]
+        if pages and chaos.strike("landing"):
+            chaos.damage(self._page_bytes.first_bytes(pages[0]))
         bad = [i for i, (page, crc) in enumerate(zip(pages, sums)) if self._page_bytes.crc32(page) != crc]
         if not bad:
             return True
@@ -266,7 +269,7 @@ class KVReceiver(NullConnector):
         log.error("request %s: %s; the landing is dropped and the prompt computed again", ib.request.request_id, detail)
         self.landing.release(ib.landed_kv, ReleaseReason.TRANSFER_FAILED)
         del self.inbound[ib.request.request_id]
-        self._report(ib.request, FinishReason.ABORT, f"transfer corrupt: {detail}", Failure.TRANSFER)
+        self._report(ib.request, FinishReason.ABORT, f"transfer corrupt: {detail}", Failure.CORRUPT)
         return False
 
     def _start_load(self, ib: _Inbound) -> None:

@@ -26,6 +26,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from common import chaos
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import Direction, PageCopier
 from kv_store.device_pool import DevicePool
@@ -284,6 +285,8 @@ class HostCache:
         self.pool.give_to_tree(write.host_pages, write, node.id)
         if self.page_bytes is not None:  # the bytes just written, checked again at load-back
             self.sums.update((page, self.page_bytes.crc32(page)) for page in write.host_pages)
+            if chaos.strike("l2"):
+                chaos.damage(self.page_bytes.first_bytes(write.host_pages[0]))
         node.host_pages = write.host_pages
         node.residency = move_residency(node.residency, Residency.BOTH, f"tree node {node.id} backed up")
         self.counters.l1_to_l2_bytes += write.job.num_bytes

@@ -64,6 +64,10 @@ for _phase in set(Phase) - {Phase.MIGRATING, Phase.DONE}:  # a dead worker's req
 and a wait to resume (MIGRATING) from any phase."""
 
 
+CORRUPT_RETRIES = 3
+"""Re-routes a request whose landed KV failed its checksum gets beyond `max_transfer_retries`."""
+
+
 class PhaseError(RuntimeError):
     """A move the table does not allow: a bug in the dispatcher."""
 
@@ -132,6 +136,8 @@ def failure_outcome(failure: p.Failure, *, tokens_sent: int, attempt: int, max_r
         return ErrorKind.REJECTED
     if failure is p.Failure.INTERNAL:  # a fault of its own: a retry would meet it again
         return ErrorKind.INTERNAL
+    if failure is p.Failure.CORRUPT and not tokens_sent and attempt < max_retries + CORRUPT_RETRIES:
+        return None  # damaged bytes are no sign that the next route fails: never served, computed again
     if tokens_sent or attempt >= max_retries or session:
         return ErrorKind.UNAVAILABLE
     return None

@@ -66,6 +66,10 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                                                        "weights and threads: ITL, cold TTFT, concurrent tok/s"))
     _add_h2d_args(sub.add_parser("h2d", help="host -> device KV tier loads (the page copier) vs a plain pinned copy_ "
                                              "of the same bytes"))
+    from cluster.bench.chaos import add_chaos_args
+
+    add_chaos_args(sub.add_parser("chaos", help="`tandem serve` under steady load while workers and Redis are killed "
+                                                "and KV is damaged at random: what every request became"))
 
 
 def _add_overload_args(p: argparse.ArgumentParser) -> None:
@@ -275,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.h2d import bench_h2d
 
             return bench_h2d(args)
+        if args.bench == "chaos":
+            from cluster.bench.chaos import bench_chaos
+
+            return bench_chaos(args)
         from cluster.bench.offline import bench_offline
 
         return bench_offline(args)

@@ -145,11 +145,16 @@ class ClusterConfig:
     scheduler step. It listens where the transfer engine binds (`transport.hostname`: loopback by
     default; "auto": the gateway node's address) and takes only connections that present the
     secret the gateway made at start. false: Ray calls only."""
+    inject_faults: str = ""
+    """Chaos runs only (`tandem bench chaos`): the workers damage KV on purpose, "site=chance,..." with
+    sites landing (a landed prompt page) and l2 (a host-tier page), so the checks that catch it are
+    exercised (`common/chaos.py`). Empty (the default): nothing is injected."""
 
     def __post_init__(self):
         require(self.address is None or _valid_address(self.address),
                  f"cluster.address must be null, 'auto', 'ray://host:port' or 'host:port', got {self.address!r}")
         require(self.namespace != "", "cluster.namespace must be non-empty")
+        _check_faults(self.inject_faults)
         require(self.num_cpus is None or self.num_cpus >= 1, f"cluster.num_cpus must be >= 1 or null, got {self.num_cpus}")
         require(self.num_cpus is None or self.address is None,
                  f"cluster.num_cpus sizes a local Ray instance; it cannot be set with cluster.address {self.address!r}")
@@ -241,3 +246,12 @@ class ServeConfig:
         l3 = self.kv_store.l3
         out["kv_store"] = {"l3": dataclasses.asdict(l3) if l3 is not None else None}
         return out
+
+
+def _check_faults(spec: str) -> None:
+    from common.chaos import parse
+
+    try:
+        parse(spec)
+    except ValueError as exc:
+        raise ConfigError(f"cluster.{exc}") from None

@@ -220,7 +220,8 @@ class Controller:
             engine = dataclasses.replace(engine, cpu_compile=slot.role is not p.WorkerRole.PREFILL)
         spec = WorkerSpec(slot.role, engine, host_pages=slot.group.host_pages,
                           transport=cfg.transport, heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
-                          torch_threads=slot.group.torch_threads, l3=cfg.kv_store.l3, core_share=self._core_share(slot))
+                          torch_threads=slot.group.torch_threads, l3=cfg.kv_store.l3, core_share=self._core_share(slot),
+                          inject_faults=cfg.cluster.inject_faults)
         actor = ray.remote(WorkerActor).options(
             num_cpus=slot.group.num_cpus, num_gpus=slot.group.num_gpus, resources=custom_resources(slot.group),
             max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,

@@ -34,6 +34,7 @@ class WorkerSpec:
     torch_threads: int = 1
     l3: L3Config | None = None  # the shared L3 store under the host cache; None: none
     core_share: CoreShareSpec | None = None  # lend/borrow torch threads with the node's other workers (cores.py)
+    inject_faults: str = ""  # chaos runs only (`common/chaos.py`): "site=chance,..."
 
     def __post_init__(self):
         object.__setattr__(self, "role", worker_role(self.role))
@@ -52,6 +53,11 @@ def build_worker(spec: WorkerSpec, transport=None):
     from kernels.model.loader import load_for_serving
 
     torch.set_num_threads(spec.torch_threads)
+    if spec.inject_faults:
+        from common import chaos
+
+        chaos.configure(spec.inject_faults)
+        log.warning("injecting faults on purpose (a chaos run): %s", spec.inject_faults)
     engine = with_default_draft(spec.engine)  # this node's cached head
     if spec.role is WorkerRole.PREFILL:  # it never decodes: compiling its decode step would only delay its start
         engine = dataclasses.replace(engine, cpu_compile=False)

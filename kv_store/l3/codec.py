@@ -114,6 +114,11 @@ class PageBytes:
         self._check(page_id)
         return b"".join([view[page_id] for view in self._views])
 
+    def first_bytes(self, page_id: int):
+        """Page `page_id`'s bytes in layer 0's K (a writable numpy view: fault injection, `common/chaos.py`)."""
+        self._check(page_id)
+        return self._views[0][page_id]
+
     def crc32(self, page_id: int) -> int:
         """CRC-32 of page `page_id`'s payload (as `pack` would make it), without copying it."""
         self._check(page_id)

@@ -52,6 +52,9 @@ def test_a_flight_moves_only_along_the_diagram(src, dst):
     (p.Failure.REJECTED, 3, 1, True, ErrorKind.REJECTED),
     (p.Failure.INTERNAL, 0, 0, False, ErrorKind.INTERNAL),  # a retry would meet the same fault
     (p.Failure.INTERNAL, 2, 0, True, ErrorKind.INTERNAL),
+    (p.Failure.CORRUPT, 0, 1, False, None),  # damaged landed KV: computed again past the transfer retries
+    (p.Failure.CORRUPT, 0, 3, False, None),
+    (p.Failure.CORRUPT, 0, 4, False, ErrorKind.UNAVAILABLE),  # 1 + 3 re-routes spent
 ])
 def test_only_a_failed_transfer_before_any_token_is_routed_again(failure, tokens_sent, attempt, session, expected):
     assert failure_outcome(failure, tokens_sent=tokens_sent, attempt=attempt, max_retries=1,

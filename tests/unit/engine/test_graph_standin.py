@@ -120,13 +120,19 @@ def test_triton_decode_replays_from_captured_metadata_give_the_eager_engines_tok
         assert sorted(runner._graphs) == [1, 2, 4] and model.backend.name == "triton"
         captured_lens = {b: g.graph.meta.seq_lens_cpu for b, g in runner._graphs.items()}
         assert all(lens == (CAPACITY,) * b for b, lens in captured_lens.items())  # capacity, not a step's
-        got = [r.output_token_ids for r in engine.generate(prompts, params)]
-        replays = sum(g.graph.replays for g in runner._graphs.values())
-        assert runner.counters.replays == replays >= 8, (runner.counters, replays)
-        assert got == expected
+        assert replayed_tokens(engine, prompts, params) == expected
         engine.check_integrity()
     finally:
         engine.close()
+
+
+def replayed_tokens(engine, prompts, params) -> list[list[int]]:
+    """Each request's tokens; its decode steps were replays of the stand-in graphs (8 at least)."""
+    runner = engine.runner
+    got = [r.output_token_ids for r in engine.generate(prompts, params)]
+    replays = sum(g.graph.replays for g in runner._graphs.values())
+    assert runner.counters.replays == replays >= 8, (runner.counters, replays)
+    return got
 
 
 # ---- speculative decoding ---------------------------------------------------------------------------

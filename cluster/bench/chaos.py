@@ -233,9 +233,13 @@ def add_chaos_args(p) -> None:
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
+    p.add_argument("--once", choices=("kill_decode", "kill_prefill"),
+                   help="instead: `--streams` seeded streams of `--max-tokens` undisturbed, then again with this "
+                        "one fault once every stream has a token; each stream's text compared, and the latency "
+                        "the fault added to each (p50/p99)")
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -257,6 +261,10 @@ def bench_chaos(args) -> int:
     server = SpawnedServer(flags)
     try:
         wait_ready(server, {}, args.ready_timeout_s)
+        if args.once:
+            from cluster.bench.chaos_once import bench_once
+
+            return bench_once(server, args)
         report = asyncio.run(_run(server, redis, args))
     finally:
         code = server.stop()
@@ -298,7 +306,7 @@ async def _run(server, redis, args) -> dict:
     for kind in sorted({r.kind for r in records}):
         times = [r.recovery_s for r in records if r.kind == kind and r.recovery_s is not None]
         recovery[kind] = {"count": sum(r.kind == kind for r in records), "recovered": len(times),
-                          "p50_s": _percentile(times, 50), "p99_s": _percentile(times, 99)}
+                          "p50_s": percentile(times, 50), "p99_s": percentile(times, 99)}
     return {
         "duration_s": args.duration_s, "streams": args.streams, "inject": args.inject,
         "sent": len(sent), "by_kind": dict(collections.Counter(req.kind for req in sent)),

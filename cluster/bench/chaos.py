@@ -39,6 +39,7 @@ HUNG_S = 180.0  # a request with no end this long after it was sent is hung
 REDIS_DOWN_S = 5.0
 SESSION_TURNS, SESSION_TOKENS = 3, 256  # a conversation: 3 turns of <= 50 + 32 tokens
 WATCH_EVERY_S = 2.0
+ERROR_PAUSE_S = 1.0
 PROBE_TIMEOUT_S = 120.0
 WORDS = ("harbour boats market nets captain bread river stone lamp field winter letter garden "
          "engine bridge signal cable page token cache").split()
@@ -129,6 +130,7 @@ async def _client(i: int, base_url: str, stop_at: float, max_tokens: int, sent: 
                 req.error = getattr(exc, "message", None) or str(exc)
                 if kind == "session":
                     session_id = ""  # a failed turn leaves the history as it was: start a new conversation
+                await asyncio.sleep(ERROR_PAUSE_S)  # as a client told to retry after a while
             if not any(r is req for r in sent):
                 sent.append(req)
             req.ended_s = time.monotonic()
@@ -161,6 +163,8 @@ async def _faults(server, redis, base_url: str, start: float, stop_at: float, ev
         kind = rng.choice(("kill_decode", "kill_prefill", "kill_redis"))
         at = time.monotonic()
         if kind == "kill_redis":
+            if redis.proc is None or redis.proc.poll() is not None:
+                continue  # still down from the last time
             redis.kill()
             asyncio.get_running_loop().call_later(REDIS_DOWN_S, redis.start)
         else:
@@ -257,6 +261,7 @@ def bench_chaos(args) -> int:
     flags = ["--set", "kv_store.l3.backend=redis", "--set", f"kv_store.l3.url={redis.url}",
              "--set", "router.local_prefill_max_tokens=0", "--set", "decode.engine.num_pages=128",
              "--set", "decode.engine.host_cache_ratio=4", "--set", f"cluster.inject_faults={args.inject}",
+             "--set", "cluster.max_restarts=10000",  # the faults here are the point: no crash-loop guard
              *(f for s in args.set for f in ("--set", s))]
     server = SpawnedServer(flags)
     try:

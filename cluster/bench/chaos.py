@@ -37,7 +37,7 @@ log = logging.getLogger("tandem.bench")
 
 HUNG_S = 180.0  # a request with no end this long after it was sent is hung
 REDIS_DOWN_S = 5.0
-SESSION_TURNS, SESSION_TOKENS = 3, 256  # a conversation: 3 turns of <= 50 + 32 tokens
+SESSION_TURNS, SESSION_TOKENS = 2, 176  # a conversation: 2 turns of <= 50 + 32 tokens (6 fit a small pool's budget)
 WATCH_EVERY_S = 2.0
 ERROR_PAUSE_S = 1.0
 PROBE_TIMEOUT_S = 120.0

@@ -138,3 +138,20 @@ def test_eagle_verifies_drafts_under_the_mask(engine):
     assert req.output_token_ids == plain.output_token_ids
     assert sum(n for k, n in accepted.items() if k > 0) > 0, "no draft was accepted"
     _check_json(engine, req)
+
+
+def test_a_resumed_request_continues_under_its_grammar_where_it_was(engine):
+    """A JSON-schema request resumed from part of its output (a worker died mid-stream,
+    `Request.resume`): its matcher is rebuilt from that output, and the seeded continuation is the
+    undisturbed one, valid JSON."""
+    spec = GrammarSpec.json_schema(SCHEMA)
+    params = SamplingParams(max_tokens=160, grammar=spec, temperature=1.0, seed=3)
+    prompt = _prompts()[0]
+    [whole] = engine.generate([prompt], params)
+    _check_json(engine, whole)
+    cut = len(whole.output_token_ids) // 2
+    req = engine.add_request(prompt, params, resumed=whole.output_token_ids[:cut])
+    while engine.busy():
+        engine.step()
+    assert req.output_token_ids == whole.output_token_ids
+    _check_json(engine, req)

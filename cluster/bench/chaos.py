@@ -260,7 +260,7 @@ def bench_chaos(args) -> int:
     # tier busy (the L2 checks run); L3 on a Redis of our own (killed and restarted below)
     flags = ["--set", "kv_store.l3.backend=redis", "--set", f"kv_store.l3.url={redis.url}",
              "--set", "router.local_prefill_max_tokens=0", "--set", "decode.engine.num_pages=128",
-             "--set", "decode.engine.host_cache_ratio=4", "--set", f"cluster.inject_faults={args.inject}",
+             "--set", "decode.engine.host_cache_ratio=4", *(["--set", f"cluster.inject_faults={args.inject}"] * bool(args.inject)),
              "--set", "cluster.max_restarts=10000",  # the faults here are the point: no crash-loop guard
              *(f for s in args.set for f in ("--set", s))]
     server = SpawnedServer(flags)

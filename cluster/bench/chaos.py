@@ -33,9 +33,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.bench.chaos_once import HUNG_S, bench_once, percentile
+
 log = logging.getLogger("tandem.bench")
 
-HUNG_S = 180.0  # a request with no end this long after it was sent is hung
 REDIS_DOWN_S = 5.0
 SESSION_TURNS, SESSION_TOKENS = 2, 176  # a conversation: 2 turns of <= 50 + 32 tokens (6 fit a small pool's budget)
 WATCH_EVERY_S = 2.0
@@ -243,13 +244,6 @@ def add_chaos_args(p) -> None:
                         "the fault added to each (p50/p99)")
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 def bench_chaos(args) -> int:
     from cluster.bench.serve import SpawnedServer, wait_ready
     from kv_store.l3.redis_process import RedisServer
@@ -267,8 +261,6 @@ def bench_chaos(args) -> int:
     try:
         wait_ready(server, {}, args.ready_timeout_s)
         if args.once:
-            from cluster.bench.chaos_once import bench_once
-
             return bench_once(server, args)
         report = asyncio.run(_run(server, redis, args))
     finally:

@@ -28,8 +28,10 @@
 #                          the step
 #   pytest-csan   (160 s)  TORCH_CUDA_SANITIZER=1 pytest -m gpu on every other tests/gpu file (the
 #                          engine, graphs, speculation, the page copier: the streams and events it
-#                          checks), junit XML; the dry run does not ask (a CPU torch cannot run it)
-#   train-eagle   (160 s)  tandem train-eagle --device cuda (~95 s on an H200); it and pytest-csan run
+#                          checks), junit XML, -x: its first failure's traceback is in the log even when
+#                          the step then runs out of time; the dry run does not ask (a CPU torch cannot)
+#   train-eagle   (160 s)  tandem train-eagle --device cuda on 1,024 prompts, 2 epochs (the whole recipe
+#                          outlasts 160 s on an H200 shared with the two pytest steps); it and pytest-csan run
 #                          beside pytest: all correctness work, none timed against anything
 #   decode-8b       45 s   tandem bench decode --random-weights llama-3-8b (bf16 weights drawn on the
 #                          GPU, Triton, eager and graph): tok/s at batch 1, 16, 64 and the fraction of
@@ -37,7 +39,8 @@
 #   decode-bf16     35 s   tandem bench decode bf16, batch 1 and 16, triton (+ flashinfer with its jit cache)
 #   decode-fp32     35 s   the same in fp32, triton, with HF generate as the reference
 #   h2d             15 s   tandem bench h2d: the tier copier vs a plain pinned copy_
-#   eagle-bench     35 s   tandem bench decode --speculative eagle with that head, batch 1 and 8
+#   eagle-bench     35 s   tandem bench decode --speculative eagle, batch 1 and 8, with the shipped head
+#                          (the dry run: the head trained above)
 #   serve           95 s   tandem serve, one prefill + one decode worker sharing the GPU (num_gpus 0.5
 #                          each), /health/ready; 4 fixed prompts over /v1/completions (greedy, 16
 #                          tokens, ignore_eos) against HF's greedy tokens of the same model, device and
@@ -115,7 +118,7 @@ else
     SANITIZER=(env TORCH_CUDA_SANITIZER=1)
     BF16_BACKENDS=triton FP32_BACKENDS=triton  # flashinfer added to bf16 below when its kernels are prebuilt
     H2D_SIZES=(--pages 256 --repeats 5)
-    TRAIN_SIZES=()  # the default head: all training prompts, 4 epochs
+    TRAIN_SIZES=(--num-prompts 1024 --epochs 2)  # training runs on CUDA; eagle-bench uses the shipped head
     SPEC_SIZES=(--batch-sizes "1,8" --num-prompts 8 --max-tokens 64 --repeats 2)
     SERVE_FLAGS=(--device cuda --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5)
     T_GREEDY=30
@@ -244,7 +247,7 @@ order=$((order + 1))  # the background step took this number in its own subshell
 [ "$mode" = plan ] && wait "$train_pid"
 NOTE="ran beside pytest (sharing the GPU)$([ "$mode" = dry ] && echo "; dry run: no sanitizer")" \
     run_step pytest-csan pytest "$T_PYTEST" out/pytest-csan.xml -- "${SANITIZER[@]}" \
-    "$PY" "$STEPS" pytest -- -m gpu -q -p no:cacheprovider --junitxml "$LOGDIR/out/pytest-csan.xml" "${sanitized_tests[@]}" &
+    "$PY" "$STEPS" pytest -- -m gpu -q -x -p no:cacheprovider --junitxml "$LOGDIR/out/pytest-csan.xml" "${sanitized_tests[@]}" &
 csan_pid=$!
 order=$((order + 1))
 [ "$mode" = plan ] && wait "$csan_pid"
@@ -268,7 +271,10 @@ run_step h2d h2d "$T_H2D" out/h2d.json -- \
 
 draft=(--draft-model "$HEAD_DIR")
 NOTE=""
-if [ "$mode" != plan ] && [ ! -f "$HEAD_DIR/eval.json" ]; then
+if [ "$mode" = gpu ]; then
+    draft=()  # the shipped head, the one `--speculative eagle` serves: train-eagle's recipe is shortened
+    NOTE="the default (shipped) head"
+elif [ "$mode" != plan ] && [ ! -f "$HEAD_DIR/eval.json" ]; then
     draft=()  # no head was trained here: the one the project finds by default, if any
     NOTE="no head from train-eagle: the default head"
 fi

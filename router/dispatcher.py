@@ -2,15 +2,14 @@
 
 It owns every in-flight request between the gateway and the workers: picks a route with the pure
 policy, asks the decode worker for a landing, hands the prompt to the prefill worker, relays the
-prefill <-> decode messages, and streams tokens back. It never touches KV: each worker releases its
-own, and the dispatcher's job on failure is to tell the survivors (`PeerDead`, `Abort`). Workers
-are reached through `WorkerLink`s and watched through a `ViewSource` (`router.workers`). A request's
+prefill <-> decode messages, streams tokens back. It never touches KV: each worker releases its own;
+on failure it tells the survivors (`PeerDead`, `Abort`). Workers: `router.workers`; a request's
 phases: `router.flights`; the transfer phase (reserve, hand-off, relay): `router.transfer_phase`.
 
 A transfer failure, or the death of a worker, before any token reached the client re-routes the
-request (at most `max_transfer_retries` times); after that a dead worker's stream resumes on another
-worker (`router.migration`), and what cannot be resumed gets a clean error. A streaming session's
-turns go to the worker holding its history alone (`router.sessions`).
+request (at most `max_transfer_retries` times); after that a dead or draining worker's stream resumes
+on another (`router.migration`), or gets a clean error. A new request that finds no decoding worker
+while one restarts waits for it. A session's turns go to the worker holding its history (`router.sessions`).
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ class Dispatcher(TransferPhase):
                  admission: AdmissionParams = AdmissionParams(), session_open_timeout_s: float = 10.0,
                  prefill_answers: bool = True, relay_host: str | None = None,
                  migration: MigrationParams = MigrationParams(), clock: Callable[[], float] = time.monotonic):
-        """`relay_host`: where the token relay (`common/relay.py`) listens; None: every message comes
-        through the collect long-poll."""
+        """`relay_host`: where the token relay (`common/relay.py`) listens; None: all messages by long-poll."""
         self.source, self.tokenizer = source, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.policy, self.policy_params = policy, policy_params
@@ -78,17 +76,14 @@ class Dispatcher(TransferPhase):
     async def start(self) -> None:
         if self.relay_host is not None:
             self._relay_server = RelayServer(self.relay_host, self._relay_secret, self._relay_sink)
-            port = await self._relay_server.start()
-            log.info("token relay listening on %s:%d", self.relay_host, port)
+            log.info("token relay listening on %s:%d", self.relay_host, await self._relay_server.start())
         await self.refresh()
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="dispatcher-refresh"))
 
     async def close(self) -> None:
         """Abort everything still in flight (their streams end with an error), then stop every task."""
-        for flight in list(self.flights.values()):  # not `abort` alone: a consumer would wait for a last chunk
-            self._shut_down(flight)
-        for live in self.lives.values():
-            await live.flush()
+        self.abort_all()
+        await asyncio.gather(*(live.flush() for live in self.lives.values()))
         tasks = self._tasks + [t for live in self.lives.values() for t in live.tasks]
         for task in tasks:
             task.cancel()
@@ -96,13 +91,10 @@ class Dispatcher(TransferPhase):
         if self._relay_server is not None:
             await self._relay_server.close()
 
-    async def drain(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for in-flight requests to finish; abort the rest (returns how many)."""
-        deadline = time.monotonic() + timeout_s
-        while self.flights and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+    def abort_all(self) -> int:
+        """End every stream in flight with an error, released on its workers; returns how many."""
         left = list(self.flights.values())
-        for flight in left:
+        for flight in left:  # not `abort` alone: a consumer would wait for a last chunk
             self._shut_down(flight)
         return len(left)
 
@@ -114,6 +106,8 @@ class Dispatcher(TransferPhase):
                 live.info = info
                 if not info.alive:
                     self._worker_gone(live, "the controller declared it dead")
+                elif info.draining:
+                    self._drain(live)
                 continue
             if info.alive:  # first, so requests of the old incarnation can be re-routed to the new one
                 self._adopt(info)
@@ -129,8 +123,7 @@ class Dispatcher(TransferPhase):
         if request_id in self.flights:
             raise BackendError(ErrorKind.REJECTED, f"request id {request_id!r} is already in flight")
         if len(self.flights) >= self.max_pending:
-            raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later",
-                               retry_after_s=1.0)
+            raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later", retry_after_s=1.0)
         params = seeded(params)
         if session_id:
             flight = SessionTurn(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
@@ -139,26 +132,26 @@ class Dispatcher(TransferPhase):
         else:
             flight = Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock())
             leader = self.flights.get(follow)
-            if leader is not None and leader.decode is not None and not leader.decode.gone:
+            if leader is not None and leader.decode is not None and leader.decode.view().alive:
                 self._route_to(flight, leader.decode)
             else:  # nothing to follow (it finished, or its worker is gone): the policy routes it
-                self._route(flight, admit=True)  # raises BackendError before anything is registered
+                try:
+                    self._route(flight, admit=True)  # raises BackendError before anything is registered
+                except BackendError as exc:  # no worker decodes now: held while one restarts, else raised
+                    self.migrations.hold(flight, exc, self.lives.values(), self.clock())
         self.flights[request_id] = flight
         return self._stream(flight)
 
     async def open_session(self, capacity_tokens: int, idle_timeout_s: float) -> str:
-        return await self.sessions.open(self.lives.values(), capacity_tokens, idle_timeout_s,
-                                        self.session_open_timeout_s)
+        return await self.sessions.open(self.lives.values(), capacity_tokens, idle_timeout_s, self.session_open_timeout_s)
 
     async def close_session(self, session_id: str) -> bool:
         return self.sessions.close(session_id)
 
     async def abort(self, request_id: str) -> None:
-        flight = self.flights.pop(request_id, None)
-        if flight is None:
-            return
-        self._abort_on_worker(flight)
-        self._end(flight)
+        if (flight := self.flights.pop(request_id, None)) is not None:
+            self._abort_on_worker(flight)
+            self._end(flight)
 
     def num_requests(self) -> tuple[int, int]:
         waiting = sum(f.phase in WAITING for f in self.flights.values())
@@ -172,9 +165,9 @@ class Dispatcher(TransferPhase):
 
     # ---- routing -----------------------------------------------------------------------------------
     def _route(self, flight: Flight, *, admit: bool) -> None:
-        """Pick its workers and queue it on its prefill worker's lane (or send it to its decode worker
-        to prefill locally). `admit`: a new arrival, refused (429) when no worker can take it promptly;
-        a request admitted before (re-routed, back from a full host tier) goes to the front instead."""
+        """Pick its workers and queue it on its prefill worker's lane (or send it to its decode worker to
+        prefill locally). `admit`: a new arrival, refused (429) when no worker can take it promptly; one
+        admitted before (re-routed, back from a full host tier) goes to the front instead."""
         lives = [lv for lv in self.lives.values() if not lv.gone]
         views = [lv.view() for lv in lives]
         if admit:
@@ -303,17 +296,15 @@ class Dispatcher(TransferPhase):
             flight.decode.send(p.Abort(flight.wire_id))
 
     def _shut_down(self, flight: Flight) -> None:
-        """Shutdown: release it on the workers, then end its stream with an error. In this order:
-        `_finish_error` ends the flight, after which `abort` finds nothing to tell the decode worker,
-        and the request would run there until its own stop rules."""
+        """Shutdown: release it on the workers, then end its stream with an error (in this order: once
+        ended, `abort` finds nothing to tell the decode worker, and it would run on to its stop rules)."""
         self._abort_on_worker(flight)
         self._finish_error(flight, ErrorKind.UNAVAILABLE, "the server is shutting down")
 
     def _finish_error(self, flight: Flight, kind: ErrorKind, error: str) -> None:
-        if flight.phase is Phase.DONE:
-            return
-        flight.queue.put_nowait(GenerationChunk((), "abort", error=error, error_kind=kind))
-        self._end(flight)
+        if flight.phase is not Phase.DONE:
+            flight.queue.put_nowait(GenerationChunk((), "abort", error=error, error_kind=kind))
+            self._end(flight)
 
     def _end(self, flight: Flight) -> None:
         """The request is over for the dispatcher (the workers release their own KV)."""
@@ -360,16 +351,26 @@ class Dispatcher(TransferPhase):
             if not lv.gone and lv.info.role in roles:
                 lv.send(notice)
         # Queued ones first, so that a window freed below is never handed to a request bound for `live`.
-        queued = live.lane.drain() + [f for f in self.flights.values() if f.decode is live and f.phase is Phase.QUEUED]
+        self._route_afresh(live.lane.drain() + [f for f in self.flights.values() if f.decode is live and f.phase is Phase.QUEUED])
+        self._transfers_gone_with(live)
+        for flight in [f for f in self.flights.values() if f.decode is live]:
+            self._failed(flight, p.Failure.TRANSFER, f"worker {live.worker_id} died: {why}", died=True)
+        self._resume_parked()
+
+    def _route_afresh(self, queued: list[Flight]) -> None:
         for flight in queued:  # never handed to a worker: routed afresh, not a re-route
             self._unroute(flight)
             try:
                 self._route(flight, admit=False)
             except BackendError as exc:
                 self._park_or_fail(flight, exc.message, exc.kind)
-        self._transfers_gone_with(live)
-        for flight in [f for f in self.flights.values() if f.decode is live]:
-            self._failed(flight, p.Failure.TRANSFER, f"worker {live.worker_id} died: {why}", died=True)
+
+    def _drain(self, live: LiveWorker) -> None:
+        """`live` stops soon (`WorkerInfo.draining`): its queue is routed afresh, its streams moved away."""
+        self._route_afresh(live.lane.drain())
+        for flight in self.migrations.leaving(live, self.flights.values(), self.lives.values()):
+            self._abort_on_worker(flight)
+            self._park_or_fail(flight, f"worker {live.worker_id} is draining")
         self._resume_parked()
 
     def _park_or_fail(self, flight: Flight, why: str, kind: ErrorKind = ErrorKind.UNAVAILABLE) -> None:
@@ -385,9 +386,8 @@ class Dispatcher(TransferPhase):
         for park in expired:
             self._finish_error(park.flight, ErrorKind.UNAVAILABLE, park.error(self.migrations.params))
         for flight, worker in ready:
-            message = self.migrations.resume(flight, worker)
+            worker.send(self.migrations.resume(flight, worker))  # queued: no answer before the next line
             self._by_wire[flight.wire_id] = flight
-            worker.send(message)
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -8,6 +8,10 @@ undisturbed run, so the client sees one stream, no token repeated or missing.
 A stream with no worker to resume on (the default cluster has one decode worker) waits, parked here,
 for one to join (the dead one's restart) for at most `MigrationParams.timeout_s`; only past it, or
 past `max_migrations` deaths, does it end with the clean error a dead worker gave before.
+
+A worker being drained (a rolling restart, SIGTERM: `cluster.serve.controller.restart_worker`) moves
+its streams the same way before it stops, when a peer can take them; with none they run on there,
+and what is left at the stop resumes as after a death.
 """
 
 from __future__ import annotations
@@ -21,12 +25,19 @@ from dataclasses import dataclass
 from common import protocol as p
 from common.config import SamplingParams, require
 from common.protocol import WorkerRole
+from router.backend import BackendError, ErrorKind
 from router.flights import Flight, Phase
 from router.workers import LiveWorker
 
 log = logging.getLogger("tandem.dispatcher")
 RESUMERS = (WorkerRole.DECODE, WorkerRole.COLOCATED)
 """The roles a stream resumes on: they decode (a prefill worker only ships KV)."""
+
+
+def resumers(lives: Iterable[LiveWorker], but: LiveWorker | None = None) -> list[LiveWorker]:
+    """The live workers a stream can resume on: they decode, and are not draining (nor `but`)."""
+    return [lv for lv in lives if not lv.gone and lv.info.alive and not lv.info.draining
+            and lv.info.role in RESUMERS and lv is not but]
 
 
 def seeded(params: SamplingParams) -> SamplingParams:
@@ -83,6 +94,24 @@ class Migrations:
             return False
         return True
 
+    def leaving(self, draining: LiveWorker, flights: Iterable[Flight], lives: Iterable[LiveWorker]) -> list[Flight]:
+        """The streams to move off `draining` now: those it decodes, within the limit (the others run
+        on there), when a peer can take them (none: all run on)."""
+        if not resumers(lives, but=draining):
+            return []
+        return [f for f in flights if f.decode is draining and f.phase in (Phase.LOCAL, Phase.STREAMING)
+                and f.migrations < self.params.max_migrations]
+
+    def hold(self, flight: Flight, error: BackendError, lives: Iterable[LiveWorker], now: float) -> None:
+        """A new request no worker can decode now (`error`, 503): it waits as a parked stream (with no
+        output yet) while a worker that decodes is draining or restarting (known, not alive); else
+        `error` is raised."""
+        lives = list(lives)
+        coming_back = [lv for lv in lives if lv.info.role in RESUMERS and (lv.gone or lv.info.draining)]
+        if error.kind is not ErrorKind.UNAVAILABLE or not coming_back or resumers(lives):
+            raise error
+        self.park(flight, now, error.message)
+
     def park(self, flight: Flight, now: float, why: str) -> None:
         flight.move(Phase.MIGRATING)
         self.parked.append(Parked(flight, now + self.params.timeout_s, why))
@@ -92,7 +121,7 @@ class Migrations:
         parked. Ended ones (the client went away) are dropped."""
         self.parked = [park for park in self.parked if park.flight.phase is Phase.MIGRATING]
         ready, expired, waiting = [], [], []
-        workers = [lv for lv in lives if not lv.gone and lv.info.alive and lv.info.role in RESUMERS]
+        workers = resumers(lives)
         for park in self.parked:
             if workers:
                 worker = min(workers, key=lambda lv: lv.num_active)

@@ -55,6 +55,7 @@ class WorkerInfo:
     restarts: int
     link: Any  # WorkerLink
     pid: int = 0  # the worker's process id, when known (operators, tests)
+    draining: bool = False  # stopping soon (a restart, SIGTERM): route it nothing new, move its streams
 
 
 class ViewSource(Protocol):
@@ -184,7 +185,7 @@ class LiveWorker:
     def view(self) -> WorkerView:
         """What the routing policy sees."""
         stats = self.info.stats
-        return WorkerView(self.worker_id, self.info.role, not self.gone, num_running=self.num_active,
+        return WorkerView(self.worker_id, self.info.role, not (self.gone or self.info.draining), num_running=self.num_active,
                           num_waiting=stats.num_waiting if stats else 0,
                           kv_usage=_usage(stats.device) if stats else 0.0,
                           pending_prefill_tokens=self.pending_prefill_tokens,
@@ -208,7 +209,7 @@ class LiveWorker:
         out = {"worker_id": self.worker_id, "role": self.info.role.value, "incarnation": self.info.incarnation,
                "alive": not self.gone, "restarts": self.info.restarts, "pid": self.info.pid,
                "session": self.info.session, "stats": dataclasses.asdict(self.info.stats) if self.info.stats else None,
-               "num_active": self.num_active}
+               "num_active": self.num_active, "draining": self.info.draining}
         lane = self.lane
         out["admission"] = ({"queued_requests": lane.num_queued, "queued_tokens": lane.queued_tokens,
                              "window_tokens": lane.window_tokens, "tokens_per_s": lane.rate.tokens_per_s}

@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.train.cli import add_train_eagle_args
 
     add_train_eagle_args(sub.add_parser("train-eagle", help="distil an EAGLE-3 draft head for a model (CPU)"))
+    from cluster.cli.restart import add_restart_args
+
+    add_restart_args(sub.add_parser("restart", help="rolling restart of a running `tandem serve`'s workers "
+                                    "(each drained first: its streams continue elsewhere)"))
     return parser
 
 
@@ -241,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.cli.run import run_offline
 
             return run_offline(args)
+        if args.command == "restart":
+            from cluster.cli.restart import run_restart
+
+            return run_restart(args)
         if args.command == "train-eagle":
             from cluster.train.cli import run_train_eagle
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 
 from cluster.worker_host.build import WorkerSpec
 from cluster.worker_host.thread import HostBeat, WorkerHost
@@ -29,6 +30,15 @@ class WorkerActor:
             spec = dataclasses.replace(spec, transport=dataclasses.replace(
                 spec.transport, hostname=ray.util.get_node_ip_address()))
         self.host = WorkerHost(spec, worker_id)
+        try:  # SIGTERM (a node drained, a pod deleted): drained by the controller, then stopped by it
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the process's main thread: Ray's own handler stays (the process exits)
+            logging.warning("%s: SIGTERM cannot be caught here; it ends the process undrained", worker_id)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if not self.host.draining:
+            logging.warning("SIGTERM: draining (the controller moves my streams, then stops me)")
+        self.host.draining = True
 
     def ready(self) -> tuple[str, int, int]:
         """(transport session id, max_request_tokens, pid) once the model is loaded and the loop runs."""
@@ -72,7 +82,7 @@ class ControllerViews:
     async def workers(self) -> list[WorkerInfo]:
         records = await self.controller.views.remote()
         return [WorkerInfo(r.worker_id, r.role, r.incarnation, r.alive, r.session, r.stats, r.restarts,
-                           self._link(r), r.pid) for r in records]
+                           self._link(r), r.pid, r.draining) for r in records]
 
     def _link(self, record) -> RayWorkerLink | None:
         if record.handle is None:

@@ -15,8 +15,9 @@ The heartbeat is answered off the loop thread, so a long step does not look like
 stuck in one step past `step_timeout_s` does.
 
 A slot's life:   STARTING --ready--> ALIVE --beat fails--> DEAD --restart--> STARTING ...
-                                                        |   (bundle placed, budget left)
-                                                        `-- max_restarts 0 --> GIVEN_UP
+                                       |                |   (bundle placed, budget left)
+                                       |                `-- max_restarts 0 --> GIVEN_UP
+                                       `-- drain (asked, or the worker got SIGTERM) --> STOPPED --> STARTING
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class WorkerRecord:
     handle: object | None
     max_request_tokens: int
     pid: int  # the worker process (0 before it first started)
+    draining: bool = False  # being drained before a stop: routed nothing new, its streams moved off
 
 
 @dataclass(eq=False)
@@ -137,6 +139,14 @@ class _Slot:
     last_beat: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None
     waiting_for: str = ""  # why it last stayed down ("": it did not), so each wait is logged once
+    draining: bool = False  # `restart_worker` runs on it (asked for, or the worker got SIGTERM)
+    beats_idle: int = 0  # heartbeats in a row, while draining, that found it holding no request
+    drain_task: asyncio.Task | None = None  # a drain the worker asked for (SIGTERM)
+
+
+def _held(stats: p.WorkerStats | None) -> int:
+    """Requests a worker holds by its last stats (-1: none reported yet)."""
+    return -1 if stats is None else stats.num_running + stats.num_waiting + stats.num_transfers
 
 
 def last_line(exc: BaseException) -> str:
@@ -190,14 +200,50 @@ class Controller:
 
     async def views(self) -> list[WorkerRecord]:
         return [WorkerRecord(s.worker_id, s.role, s.incarnation, s.state is SlotState.ALIVE, s.session, s.stats,
-                             s.restarts, s.handle if s.state is SlotState.ALIVE else None, s.max_request_tokens, s.pid)
+                             s.restarts, s.handle if s.state is SlotState.ALIVE else None, s.max_request_tokens, s.pid,
+                             s.draining)
                 for s in self.slots.values()]
+
+    async def restart_worker(self, worker_id: str, drain_timeout_s: float | None = None) -> dict:
+        """Drain the worker, stop it, start a new incarnation in its bundle (spending no restart budget).
+        Draining, the dispatcher routes it nothing new and moves its streams to a peer that decodes
+        (`router.migration`; with none they run on). Once two heartbeats in a row find it idle, or after
+        `drain_timeout_s` (default `cluster.drain_timeout_s`), it stops; what it held resumes as after a death."""
+        slot = self.slots[worker_id]
+        timeout_s = self.config.cluster.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        if slot.draining or slot.state is not SlotState.ALIVE:
+            return {"worker_id": worker_id, "restarted": False,
+                    "why": "already draining" if slot.draining else f"not alive ({slot.state.value})"}
+        slot.draining, slot.beats_idle = True, 0
+        log.warning("%s incarnation %d: draining (at most %.0fs), then a restart", worker_id, slot.incarnation, timeout_s)
+        started = time.monotonic()
+        while slot.state is SlotState.ALIVE and slot.beats_idle < 2 and time.monotonic() - started < timeout_s:
+            await asyncio.sleep(min(0.1, self.config.cluster.heartbeat_interval_s))
+        drained_s, held = round(time.monotonic() - started, 2), _held(slot.stats)
+        if slot.state is SlotState.ALIVE:
+            await self._stop(slot, self.config.cluster.heartbeat_timeout_s)
+        slot.draining = False
+        try:
+            await self._launch(slot)
+        except Exception as exc:  # noqa: BLE001 - the watch restarts it as after a crash
+            log.error("%s: restart after drain failed: %s", worker_id, last_line(exc))
+            return {"worker_id": worker_id, "restarted": False, "why": last_line(exc), "drained_s": drained_s}
+        return {"worker_id": worker_id, "restarted": True, "incarnation": slot.incarnation,
+                "drained_s": drained_s, "requests_left_at_stop": held}
+
+    async def rolling_restart(self, worker_ids: list[str] | None = None,
+                              drain_timeout_s: float | None = None) -> list[dict]:
+        """`restart_worker` on each (default: every worker, prefill first), one at a time: the next
+        starts draining once the one before is ready again."""
+        order = worker_ids or sorted(self.slots, key=lambda w: (self.slots[w].role is not p.WorkerRole.PREFILL, w))
+        if unknown := [w for w in order if w not in self.slots]:
+            raise ValueError(f"no such worker: {', '.join(unknown)} (workers: {', '.join(self.slots)})")
+        return [await self.restart_worker(w, drain_timeout_s) for w in order]
 
     async def kill_worker(self, worker_id: str) -> None:
         """Ops/test hook: kill the worker's process now, as a crash would (no goodbye)."""
-        slot = self.slots[worker_id]
-        if slot.handle is not None:
-            ray.kill(slot.handle, no_restart=True)
+        if (handle := self.slots[worker_id].handle) is not None:
+            ray.kill(handle, no_restart=True)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop every worker (loop, transport, process) and release the placement groups."""
@@ -304,6 +350,9 @@ class Controller:
         slot.last_beat = time.monotonic()
         if beat.stats is not None:
             slot.stats = beat.stats
+        slot.beats_idle = slot.beats_idle + 1 if slot.draining and _held(beat.stats) == 0 else 0
+        if beat.draining and not slot.draining and not self._stopping:  # it got SIGTERM: drain, then restart
+            slot.drain_task = asyncio.create_task(self.restart_worker(slot.worker_id))
 
     def _declare_dead(self, slot: _Slot, why: str) -> None:
         if self._stopping:

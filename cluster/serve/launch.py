@@ -260,12 +260,16 @@ async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, sa
             g.engine.max_running_requests for g in (config.decode, config.colocated) if g.count)))
 
     async def on_shutdown() -> None:
-        aborted = await dispatcher.drain(0.0)  # uvicorn already waited `drain_timeout_s` for them
+        aborted = dispatcher.abort_all()  # uvicorn already waited `drain_timeout_s` for them
         if aborted:
             log.warning("aborted %d requests still running at shutdown", aborted)
         await dispatcher.close()
 
-    app = build_app(dispatcher, config.gateway, sampling=sampling, on_shutdown=on_shutdown)
+    async def restart_workers(worker_ids: list[str] | None, drain_timeout_s: float | None) -> list[dict]:
+        return await controller.rolling_restart.remote(worker_ids, drain_timeout_s)
+
+    app = build_app(dispatcher, config.gateway, sampling=sampling, on_shutdown=on_shutdown,
+                    restart_workers=restart_workers)
     # The gateway's own server: the connection bounds of `config.gateway` apply as in every other use.
     server = GatewayServer(app, config.gateway, graceful_timeout_s=config.cluster.drain_timeout_s,
                            log_level="info", access_log=False)

@@ -129,6 +129,7 @@ class HostBeat:
     stats: p.WorkerStats | None  # None until the loop has sent its first stats beat
     crashed: str  # the loop's traceback when it died; "" while it runs
     loop_silent_s: float  # since the loop last passed between steps (a hung step grows it)
+    draining: bool = False  # the process got SIGTERM: the controller drains it, then stops it
 
 
 class WorkerHost:
@@ -146,6 +147,7 @@ class WorkerHost:
         self.spec, self.worker_id = spec, worker_id
         self.conn = QueueConn()
         self.crashed = ""
+        self.draining = False  # set by the process's SIGTERM handler (`cluster.serve.actors`)
         self._build_error: BaseException | None = None
         built = threading.Event()
         self._thread = threading.Thread(target=self._build_and_run, args=(build, built), name=f"tandem-{worker_id}",
@@ -169,7 +171,8 @@ class WorkerHost:
         return self.conn.collect(timeout_s)
 
     def heartbeat(self) -> HostBeat:
-        return HostBeat(self.worker_id, self.conn.stats, self.crashed, max(0.0, time.time() - self.conn.stats_unix_s))
+        return HostBeat(self.worker_id, self.conn.stats, self.crashed, max(0.0, time.time() - self.conn.stats_unix_s),
+                        self.draining)
 
     def shutdown(self, timeout_s: float = 10.0) -> bool:
         """Stop the loop and close the transport. Returns False when the loop did not stop in time

@@ -7,6 +7,7 @@
     GET  /health/ready                           a real one-token generation, cached (readiness.py)
     GET  /metrics                                Prometheus text exposition of this app's registry (API key as /v1)
     GET  /debug/workers                          each worker's last reported state (API key as /v1)
+    POST /admin/restart                          a rolling restart of the workers (admin.py; API key as /v1)
     GET  /openapi.json                           the OpenAPI document of all of these (openapi.py)
 
 Every request first passes the Host/Origin check (403, hosts.py). A generation request then passes,
@@ -37,6 +38,7 @@ from starlette.requests import ClientDisconnect
 
 from common.config import SamplingDefaults, SamplingParams
 from kernels.model.tokenizer import encode_prompt
+from router.gateway.admin import RestartWorkers, add_admin_routes
 from router.gateway.config import GatewayConfig
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
 from router.gateway.hosts import HostGuard, HostPolicy
@@ -282,7 +284,8 @@ def _too_large(limit: int) -> APIError:
 
 
 def build_app(backend: Any, config: GatewayConfig, *, sampling: SamplingDefaults = SamplingDefaults(),
-              on_shutdown: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+              on_shutdown: Callable[[], Awaitable[None]] | None = None,
+              restart_workers: RestartWorkers | None = None) -> FastAPI:
     """A new app serving `backend` (a `router.backend.Backend`) as configured by `config`, filling
     requests' unset sampling fields from `sampling` (`config.generation_config` resolved for the
     model: `kernels.model.generation_config.sampling_defaults`).
@@ -304,6 +307,7 @@ def build_app(backend: Any, config: GatewayConfig, *, sampling: SamplingDefaults
     app.add_middleware(HostGuard, policy=HostPolicy.for_bind(config.host, config.allowed_hosts))
     install_handlers(app)
     _add_routes(app, gateway)
+    add_admin_routes(app, gateway, restart_workers)
     _add_openapi(app, gateway)
     return app
 

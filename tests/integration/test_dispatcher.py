@@ -131,6 +131,7 @@ class _Entry:
     link: Link
     incarnation: int = 1
     alive: bool = True
+    draining: bool = False
 
 
 class Cluster:
@@ -142,7 +143,12 @@ class Cluster:
 
     async def workers(self) -> list[WorkerInfo]:
         return [WorkerInfo(wid, WorkerRole(e.host.spec.role), e.incarnation, e.alive, e.host.session,
-                           e.host.conn.stats, e.incarnation - 1, e.link) for wid, e in self.entries.items()]
+                           e.host.conn.stats, e.incarnation - 1, e.link, draining=e.draining)
+                for wid, e in self.entries.items()]
+
+    def drain(self, wid: str) -> None:
+        """As the controller does before it stops a worker (a rolling restart, SIGTERM)."""
+        self.entries[wid].draining = True
 
     def link(self, wid: str) -> Link:
         return self.entries[wid].link
@@ -159,7 +165,7 @@ class Cluster:
     def restart(self, wid: str) -> None:
         """A new incarnation on the same host (the host's state must be at rest first)."""
         e = self.entries[wid]
-        e.incarnation, e.alive, e.link = e.incarnation + 1, True, Link(e.host)
+        e.incarnation, e.alive, e.link, e.draining = e.incarnation + 1, True, Link(e.host), False
 
 
 def serve(cluster: Cluster, tok, scenario, **kw):
@@ -394,6 +400,67 @@ def test_a_stream_with_no_live_peer_waits_for_its_workers_restart_and_fails_past
     assert "decode-0" in last.error and "no worker could resume its stream within 0.5 s" in last.error
 
 
+def test_a_draining_decode_worker_hands_its_streams_to_a_peer_token_identically(hosts, tok):
+    """A decode worker marked draining mid-stream (a rolling restart, SIGTERM): the dispatcher
+    releases the stream there (Abort: that worker comes to rest with no cut link) and resumes it on the
+    other decode worker, the undisturbed run's tokens; a new request goes to the peer only."""
+    prefill = hosts["prefill-0"]
+    cluster = Cluster(hosts, "prefill-0", "decode-0", "decode-tiny")
+    params = dataclasses.replace(greedy(), **SEEDED)
+
+    async def scenario(d):
+        undisturbed = await collect(d.generate("t4e-ref", chat(tok, 2), params))
+        stream = d.generate("t4e", chat(tok, 2), params)
+        got = [await next_chunk(stream) for _ in range(2)]
+        victim = d.flights["t4e"].decode.worker_id
+        survivor = ({"decode-0", "decode-tiny"} - {victim}).pop()
+        cluster.drain(victim)
+        rest = await collect(stream, 30)
+        await wait_at_rest(hosts[victim])  # released by the dispatcher's Abort, while its link lives
+        later = await collect(d.generate("t4e-new", chat(tok, 1), greedy(max_tokens=4)))
+        await wait_at_rest(prefill, hosts[survivor], hosts[victim])
+        assert d.migrations.counter.labels(outcome="resumed")._value.get() == 1
+        return undisturbed, got + rest, survivor, later
+
+    undisturbed, chunks, survivor, later = serve(cluster, tok, scenario)
+    assert_finished_cleanly(chunks)
+    assert tokens(chunks) == tokens(undisturbed) and len(tokens(chunks)) == SEEDED["max_tokens"]
+    assert chunks[-1].decode_worker == survivor
+    assert_finished_cleanly(later)
+    assert later[-1].decode_worker == survivor
+
+
+def test_the_only_decode_worker_draining_keeps_its_streams_and_holds_new_requests(hosts, tok, reference):
+    """With no peer, a draining worker's streams run on there to their end; a new request meanwhile
+    waits (counted as waiting, not refused) and is served by the worker's next incarnation."""
+    prefill, decode = hosts["prefill-0"], hosts["decode-0"]
+    cluster = Cluster(hosts, "prefill-0", "decode-0")
+    params = dataclasses.replace(greedy(), **SEEDED)
+    [expected] = reference([chat(tok, 1)], 4)
+
+    async def scenario(d):
+        undisturbed = await collect(d.generate("t4f-ref", chat(tok, 3), params))
+        stream = d.generate("t4f", chat(tok, 3), params)
+        got = [await next_chunk(stream)]
+        cluster.drain("decode-0")
+        await wait_for(lambda: d.lives["decode-0"].info.draining, "the dispatcher to see the drain")
+        held = d.generate("t4f-new", chat(tok, 1), greedy(max_tokens=4))
+        assert d.flights["t4f-new"].phase is Phase.MIGRATING and d.num_requests() == (1, 1)
+        rest = await collect(stream, 30)  # on the draining worker, undisturbed
+        await wait_at_rest(prefill, decode)
+        cluster.restart("decode-0")
+        answered = await collect(held, 30)
+        await wait_at_rest(prefill, decode)
+        assert d.migrations.counter.labels(outcome="resumed")._value.get() == 1  # the held one
+        return undisturbed, got + rest, answered
+
+    undisturbed, chunks, answered = serve(cluster, tok, scenario)
+    assert_finished_cleanly(chunks)
+    assert tokens(chunks) == tokens(undisturbed) and chunks[-1].decode_worker == "decode-0"
+    assert_finished_cleanly(answered)
+    assert tokens(answered) == expected
+
+
 def test_decode_death_before_the_first_token_reroutes_to_another_decode_worker(hosts, tok, reference):
     prefill, decode, tiny = hosts["prefill-0"], hosts["decode-0"], hosts["decode-tiny"]
     prompt = chat(tok, 1)
@@ -562,7 +629,7 @@ def test_drain_and_close_end_open_streams_and_abort_them_on_the_workers(hosts, t
     async def scenario(d):
         stream = d.generate("t8-drain", chat(tok, 3), greedy(max_tokens=LONG, ignore_eos=True))
         await next_chunk(stream)
-        assert await d.drain(0.0) == 1
+        assert d.abort_all() == 1
         rest = await collect(stream, 2)
         assert rest[-1].error_kind is ErrorKind.UNAVAILABLE and rest[-1].finish_reason == "abort"
         await wait_at_rest(prefill, decode, timeout_s=3.0)  # aborted there too, not left to run LONG tokens

@@ -25,7 +25,7 @@ from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
 from tests.integration.structured_check import check_structured
 from tests.integration.tools_check import check_tools
-from tests.integration.serve_harness import RayHead, metric, seeded_streams, start_server
+from tests.integration.serve_harness import RayHead, eventually, metric, seeded_streams, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -412,3 +412,67 @@ def test_killing_the_decode_worker_mid_stream_loses_no_stream(cluster):
     reborn = next(w for w in found if w["worker_id"] == "decode-0")
     assert reborn["incarnation"] == 2 and reborn["restarts"] == 1 and reborn["pid"] != decode["pid"]
     assert metric(server.metrics(), "tandem:worker_restarts", worker="decode-0") == 1
+
+
+def migrations_resumed(server) -> float:
+    return metric(server.metrics(), "tandem:request_migrations_total", outcome="resumed")
+
+
+def test_sigterm_to_the_decode_worker_drains_it_before_it_stops(cluster):
+    """SIGTERM (a node drained, a pod deleted) mid-stream: the worker is drained, not killed: with no
+    peer its streams run on there to their end (none needs resuming), then the controller stops it
+    and starts the next incarnation."""
+    server = cluster
+    decode = next(w for w in workers(server) if w["worker_id"] == "decode-0")
+    undisturbed = seeded_streams(server.base_url, API_KEY, 6)
+    before = migrations_resumed(server)
+    drained = seeded_streams(server.base_url, API_KEY, 6, lambda: os.kill(decode["pid"], signal.SIGTERM))
+    assert [text for text, _, _ in drained] == [text for text, _, _ in undisturbed]
+    assert migrations_resumed(server) == before, "a stream was resumed: SIGTERM killed the worker undrained"
+    eventually(lambda: any(w["worker_id"] == "decode-0" and w["incarnation"] > decode["incarnation"]
+                           for w in workers(server)), "the drained worker's next incarnation", timeout_s=120)
+    found = wait_workers_at_rest(server, timeout_s=120)
+    reborn = next(w for w in found if w["worker_id"] == "decode-0")
+    assert reborn["incarnation"] == decode["incarnation"] + 1 and reborn["pid"] != decode["pid"]
+    assert reborn["restarts"] == decode["restarts"]  # asked for: no crash counted
+
+
+def test_a_rolling_restart_loses_no_stream_and_holds_new_requests(cluster, capsys):
+    """`tandem restart` (POST /admin/restart) of the only decode worker, then a prefill worker, under
+    seeded streams: each stream is the undisturbed text (they ran on while the decode worker drained,
+    then resumed on its next incarnation); a request sent while it drains waits for it and gets the
+    greedy answer, not a 503; every restarted worker is a new incarnation."""
+    server = cluster
+    before = {w["worker_id"]: w for w in workers(server)}
+    undisturbed = seeded_streams(server.base_url, API_KEY, 6, max_tokens=48)
+    prompt = {"model": "smollm2", "prompt": RAW_PROMPT, "max_tokens": 8, "temperature": 0}
+    expected = httpx.post(f"{server.base_url}/v1/completions", json=prompt, headers=server.headers(), timeout=60)
+    codes, held = [], []
+
+    def restart() -> None:
+        import threading
+
+        def ask_meanwhile() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(w["draining"] for w in workers(server)
+                                                          if w["worker_id"] == "decode-0"):
+                time.sleep(0.1)
+            held.append(httpx.post(f"{server.base_url}/v1/completions", json=prompt, headers=server.headers(),
+                                   timeout=120))
+        asker = threading.Thread(target=ask_meanwhile)
+        asker.start()
+        codes.append(tandem_main(["restart", "--url", server.base_url, "--api-key", API_KEY,
+                                  "--workers", "decode-0,prefill-1", "--drain-timeout-s", "1"]))
+        asker.join()
+
+    faulted = seeded_streams(server.base_url, API_KEY, 6, restart, max_tokens=48)
+    assert codes == [0]
+    assert [text for text, _, _ in faulted] == [text for text, _, _ in undisturbed]
+    assert held and held[0].status_code == 200, held[0].text if held else "no request was sent while it drained"
+    assert held[0].json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
+    reports = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["worker_id"], r["restarted"]) for r in reports] == [("decode-0", True), ("prefill-1", True)]
+    found = {w["worker_id"]: w for w in wait_workers_at_rest(server, timeout_s=120)}
+    for wid in ("prefill-1", "decode-0"):
+        assert found[wid]["incarnation"] == before[wid]["incarnation"] + 1, found[wid]
+    assert found["prefill-0"]["incarnation"] == before["prefill-0"]["incarnation"]

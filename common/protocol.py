@@ -74,6 +74,7 @@ class Failure(enum.Enum):
     TRANSFER = "transfer"  # its KV transfer failed: re-routed while no token reached the client
     CORRUPT = "corrupt"  # its landed KV failed its checksum: re-routed (computed again) with a budget of its own
     REJECTED = "rejected"  # it can never be served as asked (a closed session, say): the client's error
+    BUSY = "busy"  # no room for it there now (a session's KV budget full): the client retries later (429)
     INTERNAL = "internal"  # a fault of its own while serving it: a retry would meet it again
 
 

@@ -18,7 +18,7 @@ from decode_worker.receiver import InboundPhase, KVReceiver
 from engine.core import EngineCore
 from engine.hosted import EngineWorker
 from engine.output import StepOutput
-from engine.sessions import SessionError
+from engine.sessions import SessionBusy, SessionError
 
 __all__ = ["ColocatedWorker", "DecodeWorker", "InboundPhase"]
 
@@ -42,8 +42,9 @@ class ColocatedWorker(EngineWorker):
             try:
                 self.engine.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id, msg.session_id,
                                         msg.resume_output)
-            except ValueError as exc:  # SessionError too
-                return [p.TokenOutput(msg.request_id, (), p.FinishReason.ABORT, str(exc), failure=p.Failure.REJECTED)]
+            except ValueError as exc:  # SessionError too; SessionBusy: no room now, a retry may find some
+                failure = p.Failure.BUSY if isinstance(exc, SessionBusy) else p.Failure.REJECTED
+                return [p.TokenOutput(msg.request_id, (), p.FinishReason.ABORT, str(exc), failure=failure)]
         elif isinstance(msg, p.OpenSession):
             try:
                 self.engine.open_session(msg.session_id, msg.capacity_tokens, msg.idle_timeout_s)

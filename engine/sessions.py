@@ -34,6 +34,10 @@ class SessionError(ValueError):
     """A session request that cannot be served (unknown session, busy, over capacity or budget)."""
 
 
+class SessionBusy(SessionError):
+    """No room for the session here now (the session KV budget is full): a later retry may succeed."""
+
+
 class SessionState(enum.Enum):
     IDLE = "idle"  # between turns: history pinned
     IN_TURN = "in_turn"  # a turn is running (one at a time)
@@ -59,6 +63,7 @@ class SessionManager:
         self.offload = offload  # a host tier keeps offloaded histories; without one there is nowhere to go
         self.sessions: dict[str, Session] = {}
         self.num_offloaded = 0  # offloads so far
+        self.refused: dict[str, str] = {}  # session -> why its open was refused for room (the latest 256)
 
     @property
     def reserved_tokens(self) -> int:
@@ -71,8 +76,13 @@ class SessionManager:
             raise SessionError(f"capacity_tokens must be >= 1 and idle_timeout_s > 0, got {capacity_tokens}, "
                                f"{idle_timeout_s}")
         if self.reserved_tokens + capacity_tokens > self.budget_tokens:
-            raise SessionError(f"session KV budget full: {self.reserved_tokens} of {self.budget_tokens} tokens "
-                               f"reserved by {len(self.sessions)} open sessions; close one or ask for less")
+            why = (f"session KV budget full: {self.reserved_tokens} of {self.budget_tokens} tokens "
+                   f"reserved by {len(self.sessions)} open sessions; close one or ask for less")
+            self.refused[session_id] = why  # its turn, sent right behind the open, is told the same
+            if len(self.refused) > 256:
+                del self.refused[next(iter(self.refused))]
+            raise SessionBusy(why)
+        self.refused.pop(session_id, None)
         session = Session(session_id, capacity_tokens, idle_timeout_s, self.clock())
         self.sessions[session_id] = session
         return session
@@ -89,6 +99,9 @@ class SessionManager:
     def start_turn(self, session_id: str, request_id: str, num_tokens_max: int) -> None:
         """`request_id` becomes the session's running turn; raises SessionError when it cannot."""
         session = self.sessions.get(session_id)
+        if session is None and session_id in self.refused:  # opened again here after its worker died: no room
+            raise SessionBusy(f"session {session_id!r} could not be opened here ({self.refused[session_id]}); "
+                              "retry later")
         if session is None:
             raise SessionError(f"session {session_id!r} is not open (closed, reaped after its idle timeout, "
                                "or opened on another worker)")

@@ -134,6 +134,8 @@ def failure_outcome(failure: p.Failure, *, tokens_sent: int, attempt: int, max_r
     client, retries are left, and it is no session's turn (whose history lives on that worker)."""
     if failure is p.Failure.REJECTED:
         return ErrorKind.REJECTED
+    if failure is p.Failure.BUSY:
+        return ErrorKind.QUEUE_FULL
     if failure is p.Failure.INTERNAL:  # a fault of its own: a retry would meet it again
         return ErrorKind.INTERNAL
     if failure is p.Failure.CORRUPT and not tokens_sent and attempt < max_retries + CORRUPT_RETRIES:

@@ -98,7 +98,11 @@ class SessionTable:
             if not waiting[1].done():
                 waiting[1].set_result(msg.error)
         elif msg.error and self._held.get(msg.session_id) is live:  # an orphan's open failed: its turn fails
-            self._forget(msg.session_id, f"opening it again on worker {live.worker_id} failed: {msg.error}")
+            if BUDGET_FULL in msg.error:  # no room there now (its turn gets 429): an orphan still
+                del self._held[msg.session_id]
+                self._orphans[msg.session_id] = (f"no worker had room to open it again ({msg.error})", time.monotonic())
+            else:
+                self._forget(msg.session_id, f"opening it again on worker {live.worker_id} failed: {msg.error}")
         elif not msg.error and msg.session_id not in self._held:  # opened after its caller gave up
             live.send(p.CloseSession(msg.session_id))
 

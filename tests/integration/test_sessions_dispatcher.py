@@ -146,6 +146,35 @@ def test_a_session_outlives_its_worker(hosts, reference):
     assert lost.kind is ErrorKind.NOT_FOUND and "died" in lost.message
 
 
+def test_an_orphan_with_no_room_to_open_again_gets_429_and_stays_an_orphan(hosts, reference):
+    """The session's worker dies; the survivor's session budget is full: the next turn is refused
+    with QUEUE_FULL (429, retry later), not lost; once room is made the retried turn opens it there."""
+    prompt = make_prompts(1, min_len=13, max_len=13, seed=6)[0]
+
+    async def scenario(d, views):
+        a = await d.open_session(300, 60.0)
+        where = holder(hosts, a)
+        survivor = ({*DECODES} - {where}).pop()
+        hosts[where].deliver([p.CloseSession(a)])  # the in-process host outlives its "death"
+        views.dead.add(where)
+        await wait_for(lambda: d.lives[where].gone, "the holder buried")
+        filler = [await d.open_session(500, 60.0)]  # the survivor's budget (512 tokens) is now full
+        assert holder(hosts, filler[0]) == survivor
+        _, full = await run(d, "t0", prompt, 3, session_id=a)
+        await d.close_session(filler[0])
+        await wait_for(lambda: not sessions_of(hosts[survivor]), "room made")
+        out, last = await run(d, "t1", prompt, 3, session_id=a)
+        assert holder(hosts, a) == survivor
+        hosts[survivor].deliver([p.CloseSession(a)])
+        await wait_for(lambda: not sessions_of(hosts[survivor]), "every session to close")
+        await all_at_rest(hosts)
+        return full, out, last
+
+    full, out, last = serve(hosts, scenario)
+    assert full.error_kind is ErrorKind.QUEUE_FULL and "budget full" in full.error, full
+    assert out == reference(prompt, 3) and not last.error
+
+
 def test_open_failures_map_to_their_kinds(hosts):
     async def scenario(d, views):
         held = [await d.open_session(300, 60.0), await d.open_session(300, 60.0)]  # one per decode worker

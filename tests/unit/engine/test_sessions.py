@@ -159,6 +159,10 @@ def test_a_decode_worker_serves_session_turns_through_the_worker_contract():
     assert out[-1].finish_reason is p.FinishReason.LENGTH and worker.engine.sessions.sessions["s"].pinned_tokens == 32
     [rejected] = worker.handle(p.Generate("t1", tuple(prompt), greedy(max_tokens=4), session_id="gone"))
     assert rejected.failure is p.Failure.REJECTED and "not open" in rejected.error
+    # a session opened again here (its worker died) with no room: its turn, right behind, is told to retry
+    assert "budget full" in worker.handle(p.OpenSession("moved", 300, 60.0))[0].error
+    [busy] = worker.handle(p.Generate("t2", tuple(prompt), greedy(max_tokens=4), session_id="moved"))
+    assert busy.failure is p.Failure.BUSY and "retry later" in busy.error
     worker.handle(p.CloseSession("s"))
     assert not worker.engine.sessions.sessions and not worker.engine.kvm.prefix_pins
     worker.check_integrity()

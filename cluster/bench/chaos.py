@@ -5,9 +5,10 @@ compared, and the report says what became of each.
 
     load     `--streams` clients, each looping over: a seeded sampled completion (most), one with
              n = 2, or the next turn of its own streaming session
-    faults   every ~`--fault-every-s` (exponential), one of: SIGKILL the decode worker, SIGKILL the
-             prefill worker, SIGKILL Redis (restarted `REDIS_DOWN_S` later); each fault's recovery
-             time is until a 1-token probe answers 200 again
+    faults   every ~`--fault-every-s` (exponential), one of the target's (`cluster/bench/chaos_targets.py`):
+             SIGKILL the decode or the prefill worker, SIGTERM the decode worker (drained, then
+             restarted), a rolling restart of it, SIGKILL Redis (restarted later); across network
+             hosts also a link cut; each fault's recovery time is until a 1-token probe answers 200 again
     damage   `cluster.inject_faults`: landed prompt pages and host-tier pages damaged at random
              (`common/chaos.py`), each to be caught by its checksum and computed again
     verdict  sent; completed and token-identical to the undisturbed replay; completed but different
@@ -25,19 +26,17 @@ import collections
 import contextlib
 import json
 import logging
-import os
 import random
-import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.bench.chaos_once import HUNG_S, bench_once, percentile
+from cluster.bench.chaos_targets import ChaosTarget, LocalTarget
 
 log = logging.getLogger("tandem.bench")
 
-REDIS_DOWN_S = 5.0
 SESSION_TURNS, SESSION_TOKENS = 2, 176  # a conversation: 2 turns of <= 50 + 32 tokens (6 fit a small pool's budget)
 WATCH_EVERY_S = 2.0
 ERROR_PAUSE_S = 1.0
@@ -153,28 +152,17 @@ async def _probe(base_url: str) -> bool:
         return False
 
 
-async def _faults(server, redis, base_url: str, start: float, stop_at: float, every_s: float,
+async def _faults(target: ChaosTarget, start: float, stop_at: float, every_s: float,
                   rng: random.Random, records: list[FaultRecord]) -> None:
-    import httpx
-
+    base_url = target.url
     while True:
         await asyncio.sleep(rng.expovariate(1.0 / every_s))
         if time.monotonic() >= stop_at:
             return
-        kind = rng.choice(("kill_decode", "kill_prefill", "kill_redis"))
+        kind = rng.choice(target.kinds)
         at = time.monotonic()
-        if kind == "kill_redis":
-            if redis.proc is None or redis.proc.poll() is not None:
-                continue  # still down from the last time
-            redis.kill()
-            asyncio.get_running_loop().call_later(REDIS_DOWN_S, redis.start)
-        else:
-            role = kind.split("_")[1]
-            workers = httpx.get(f"{base_url}/debug/workers", timeout=30).json()["workers"]
-            victim = next((w for w in workers if w["role"] == role and w["alive"]), None)
-            if victim is None:
-                continue
-            os.kill(victim["pid"], signal.SIGKILL)
+        if not await asyncio.to_thread(target.inflict, kind):
+            continue
         log.info("chaos: %s at %.0f s", kind, at - start)
         while not await _probe(base_url) and time.monotonic() - at < PROBE_TIMEOUT_S:
             await asyncio.sleep(0.5)
@@ -262,7 +250,7 @@ def bench_chaos(args) -> int:
         wait_ready(server, {}, args.ready_timeout_s)
         if args.once:
             return bench_once(server, args)
-        report = asyncio.run(_run(server, redis, args))
+        report = asyncio.run(run_chaos(LocalTarget(server, redis), args))
     finally:
         code = server.stop()
         redis.stop()
@@ -274,30 +262,32 @@ def bench_chaos(args) -> int:
     return 0 if ok else 1
 
 
-async def _run(server, redis, args) -> dict:
+async def run_chaos(target: ChaosTarget, args) -> dict:
+    """The load, the faults, the replay on `target`; the report (`_print` shows it)."""
     import httpx
 
+    base_url = target.url
     rng = random.Random(args.seed)
     sent: list[Sent] = []
     records: list[FaultRecord] = []
     start = time.monotonic()
     stop_at = start + args.duration_s
-    clients = [asyncio.create_task(_client(i, server.url, stop_at, args.max_tokens, sent, args.seed))
+    clients = [asyncio.create_task(_client(i, base_url, stop_at, args.max_tokens, sent, args.seed))
                for i in range(args.streams)]
-    faults = asyncio.create_task(_faults(server, redis, server.url, start, stop_at, args.fault_every_s, rng, records))
+    faults = asyncio.create_task(_faults(target, start, stop_at, args.fault_every_s, rng, records))
     watch, watching = CounterWatch(), asyncio.Event()
-    watcher = asyncio.create_task(_watch(server.url, watch, watching))
+    watcher = asyncio.create_task(_watch(base_url, watch, watching))
     await asyncio.gather(*clients)
     await faults
     log.info("chaos: load over after %.0f s; replaying %d requests undisturbed", time.monotonic() - start, len(sent))
     done = [req for req in sent if not req.error and not req.hung]
-    replayed = await _replay(server.url, done, args.streams)
+    replayed = await _replay(base_url, done, args.streams)
     wrong = sum(1 for req, again in zip(done, replayed) if isinstance(again, list) and again != req.texts)
     unverified = sum(1 for again in replayed if isinstance(again, str))
-    watch.read(httpx.get(f"{server.url}/metrics", timeout=30).text)
+    watch.read(httpx.get(f"{base_url}/metrics", timeout=30).text)
     watching.set()
     await watcher
-    workers = httpx.get(f"{server.url}/debug/workers", timeout=30).json()["workers"]
+    workers = httpx.get(f"{base_url}/debug/workers", timeout=30).json()["workers"]
     causes = collections.Counter(req.error.splitlines()[0][:120] for req in sent if req.error)
     recovery: dict[str, dict] = {}
     for kind in sorted({r.kind for r in records}):

@@ -31,24 +31,11 @@ sys.path.insert(0, str(REPO))
 
 from cluster.bench.chaos import _print, add_chaos_args, run_chaos  # noqa: E402 - after the path
 from cluster.bench.chaos_targets import REDIS_DOWN_S, WORKER_FAULTS, hurt_worker  # noqa: E402
-from scripts.netns_cluster import NetnsCluster, unavailable  # noqa: E402
+from scripts.netns_cluster import NetnsCluster, serve_config, unavailable  # noqa: E402
 
 LINK_DOWN_S = 10.0
 REDIS_PORT = 6390
 SERVE_PORT = 8000
-
-
-def config(gateway_ip: str) -> str:
-    return f"""
-model: smollm2
-engine: {{num_pages: 256, chunk_size: 128, max_model_len: 1024}}
-prefill: {{count: 1, num_cpus: 1, resources: {{tandem_prefill: 1}}}}
-decode: {{count: 2, num_cpus: 1, host_pages: 256, resources: {{tandem_decode: 1}}}}
-transport: {{hostname: auto}}
-router: {{max_queue_delay_s: 600, local_prefill_max_tokens: 0, migration_timeout_s: 30.0}}
-gateway: {{host: "{gateway_ip}", allowed_hosts: ["{gateway_ip}"]}}
-cluster: {{heartbeat_timeout_s: 5.0, drain_timeout_s: 5.0, worker_start_timeout_s: 120.0, max_restarts: 10000}}
-"""
 
 
 def serve_flags(gateway_ip: str, args) -> list[str]:
@@ -123,7 +110,7 @@ def main() -> int:
         net.start_ray({"prefill": {"tandem_prefill": 1, "tandem_decode": 1}, "decode": {"tandem_decode": 1}},
                       cpus={"prefill": 2})
         head = net.hosts["head"].ip
-        (net.workdir / "cluster.yaml").write_text(config(head))
+        (net.workdir / "cluster.yaml").write_text(serve_config(head))
         serve = net.run("head", [sys.executable, "-m", "cluster.cli", "serve", "--config", str(net.workdir / "cluster.yaml"),
                                  "--address", net.ray_address, "--port", str(SERVE_PORT), *serve_flags(head, args)],
                         env={**net.ray_env(), "PYTHONUNBUFFERED": "1"}, log_name="serve", cwd=REPO)

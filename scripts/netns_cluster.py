@@ -209,6 +209,21 @@ class NetnsCluster:
             raise RuntimeError(f"`ray start` on {host} failed (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
 
 
+def serve_config(gateway_ip: str) -> str:
+    """`tandem serve`'s config for these hosts: the gateway on the head host, prefill-0 on the prefill
+    host, two decode workers (one each on the prefill and decode hosts), every prompt crossing a link."""
+    return f"""
+model: smollm2
+engine: {{num_pages: 256, chunk_size: 128, max_model_len: 1024}}
+prefill: {{count: 1, num_cpus: 1, resources: {{tandem_prefill: 1}}}}
+decode: {{count: 2, num_cpus: 1, host_pages: 256, resources: {{tandem_decode: 1}}}}
+transport: {{hostname: auto}}
+router: {{max_queue_delay_s: 600, local_prefill_max_tokens: 0, migration_timeout_s: 30.0}}
+gateway: {{host: "{gateway_ip}", allowed_hosts: ["{gateway_ip}"]}}
+cluster: {{heartbeat_timeout_s: 5.0, drain_timeout_s: 5.0, worker_start_timeout_s: 120.0, max_restarts: 10000}}
+"""
+
+
 def sweep() -> list[str]:
     """Remove every namespace and bridge named like this module's (a run that died left them)."""
     gone = []

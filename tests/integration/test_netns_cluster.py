@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from scripts.netns_cluster import NetnsCluster, unavailable
+from scripts.netns_cluster import NetnsCluster, serve_config, unavailable
 from tests.helpers import hf_greedy, smollm2
 from tests.integration.serve_harness import REPO, free_port, metric, seeded_streams
 
@@ -24,19 +24,6 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 PROMPTS = ["The three primary colors are", "A KV cache stores"]
-
-
-def config(gateway_ip: str) -> str:
-    return f"""
-model: smollm2
-engine: {{num_pages: 256, chunk_size: 128, max_model_len: 1024}}
-prefill: {{count: 1, num_cpus: 1, resources: {{tandem_prefill: 1}}}}
-decode: {{count: 2, num_cpus: 1, host_pages: 256, resources: {{tandem_decode: 1}}}}
-transport: {{hostname: auto}}
-router: {{max_queue_delay_s: 600, local_prefill_max_tokens: 0, migration_timeout_s: 20.0}}
-gateway: {{host: "{gateway_ip}", allowed_hosts: ["{gateway_ip}"]}}
-cluster: {{heartbeat_timeout_s: 5.0, drain_timeout_s: 5.0, worker_start_timeout_s: 120.0}}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +36,7 @@ def net():
                           cpus={"prefill": 2})
         port = free_port()
         gateway = cluster.hosts["head"].ip
-        (cluster.workdir / "cluster.yaml").write_text(config(gateway))
+        (cluster.workdir / "cluster.yaml").write_text(serve_config(gateway))
         proc = cluster.run("head", [sys.executable, "-m", "cluster.cli", "serve", "--config",
                                     str(cluster.workdir / "cluster.yaml"), "--address", cluster.ray_address,
                                     "--port", str(port)],

@@ -74,6 +74,7 @@ class _Shipment:
     pages_done: int = 0
     copies: list[_Staged] = field(default_factory=list)  # staged only: copies not yet written, in order
     deferred: bool = False  # staged only: completed pages staging had no room for yet
+    sums: dict = field(default_factory=dict)  # staged only: request page index -> CRC-32 of its staged copy
 
 
 class KVSender(NullConnector):
@@ -105,9 +106,9 @@ class KVSender(NullConnector):
         for t in (*shipped_from.k, *shipped_from.v):
             self._regions.enter_context(self.transport.register_tensor(t))
         self.writes = ShardWrites(transport, others)
-        # each landing page's CRC-32 for the decode side to verify, read where the transport reads it
-        self._sums = PageBytes(self.kv_cache) if self.staging is None and others is None and \
-            self.kv_cache.k[0].device.type == "cpu" else None
+        # each landing page's CRC-32 for the decode side to verify, read where the transport reads it (a
+        # device pool read in place is not summed: a device-side sum belongs in a kernel)
+        self._sums = PageBytes(shipped_from) if others is None and shipped_from.k[0].device.type == "cpu" else None
         heads = () if others is None else (others.held[0], sent_heads(others.held, 0))
         self._source = SourceKV.of(shipped_from, *heads)
         layout = ports.device_pool.layout  # landings are laid out for the whole model's heads
@@ -280,6 +281,9 @@ class KVSender(NullConnector):
             if shipment.abort_reason is not None:
                 self.staging.give_back(staged.staging_pages)
                 continue
+            if self._sums is not None:  # the staged copy is what the transport reads
+                shipment.sums.update((staged.start + i, self._sums.crc32(page))
+                                     for i, page in enumerate(staged.staging_pages))
             handle = self._write(shipment, staged.staging_pages, staged.start, staged.stop)
             if handle is None:
                 self.staging.give_back(staged.staging_pages)
@@ -340,7 +344,7 @@ class KVSender(NullConnector):
                 first, prompt = first_logprobs(req)
                 self.outbox.append(KVComplete(rid, shipment.first_token, req.cached_tokens, tuple(req.timings.items()),
                                               shipment.draft_feature, first, req.cached_tiers, prompt,
-                                              self._page_sums(req, shipment.landing)))
+                                              self._page_sums(req, shipment)))
                 self._done.append((req, FinishReason.LENGTH))
             else:
                 self.outbox.append(TransferAborted(rid, shipment.abort_reason, shipment.failure))
@@ -348,11 +352,14 @@ class KVSender(NullConnector):
                     self._done.append((req, FinishReason.ABORT))
             del self.shipments[rid]
 
-    def _page_sums(self, req: Request, landing: Landing) -> tuple[int, ...]:
-        """CRC-32 of each prompt page as written into `landing` (whole pages: one decode rank)."""
-        if self._sums is None or landing.shards:
+    def _page_sums(self, req: Request, shipment: _Shipment) -> tuple[int, ...]:
+        """CRC-32 of each prompt page as written into its landing (whole pages: one decode rank)."""
+        num_pages = len(shipment.landing.page_ids)
+        if self._sums is None or shipment.landing.shards:
             return ()
-        return tuple(self._sums.crc32(page) for page in req.kv.pages[:len(landing.page_ids)])
+        if self.staging is not None:
+            return tuple(shipment.sums[i] for i in range(num_pages)) if len(shipment.sums) >= num_pages else ()
+        return tuple(self._sums.crc32(page) for page in req.kv.pages[:num_pages])
 
 
 def first_logprobs(req: Request) -> tuple:

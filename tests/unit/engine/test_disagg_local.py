@@ -374,10 +374,11 @@ def test_an_answer_is_prefilled_only_past_a_prompt_still_cached_and_at_most_one_
 
 
 def test_a_landed_page_corrupted_in_transfer_is_never_served_the_prompt_is_computed_again(make_hosts, prompts,
-                                                                                          hf_outputs):
+                                                                                          hf_outputs, shipping):
     """A byte flipped in a landing page by the transport (no transport error reports it): the decode
     worker's checksum check fails the request as a transfer before its first token, the dispatcher
-    re-routes it, and the client gets transformers' tokens; the failure is counted and logged."""
+    re-routes it, and the client gets transformers' tokens; the failure is counted and logged. Both
+    ways a prefill worker ships: the sums of a staged transfer are its staged copies'."""
     hosts = make_hosts()
 
     async def scenario(d, views):

@@ -81,6 +81,8 @@ class GenerationChunk:
     "prefill_submitted", "compute_done", "first_write", "transfer_done", "load_start", "load_done",
     ... as the workers record them); comparable with this host's `time.monotonic()` only when the
     workers run on the same host (`tandem bench transfer`)."""
+    timeline: dict = field(default_factory=dict, compare=False)
+    """On the last chunk: where the request's time went (`router.timeline.describe`); {} unknown."""
 
 
 @dataclass(frozen=True)

@@ -303,7 +303,7 @@ class Dispatcher(TransferPhase):
 
     def _finish_error(self, flight: Flight, kind: ErrorKind, error: str) -> None:
         if flight.phase is not Phase.DONE:
-            flight.queue.put_nowait(GenerationChunk((), "abort", error=error, error_kind=kind))
+            flight.queue.put_nowait(GenerationChunk((), "abort", error=error, error_kind=kind, timeline=flight.timeline({})))
             self._end(flight)
 
     def _end(self, flight: Flight) -> None:

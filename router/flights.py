@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from dataclasses import dataclass, field
 
 from common import protocol as p
 from common.config import SamplingParams
 from router.admission import AdmissionParams
 from router.backend import ErrorKind, GenerationChunk
+from router.timeline import describe
 from router.workers import LiveWorker
 
 
@@ -64,6 +66,13 @@ for _phase in set(Phase) - {Phase.MIGRATING, Phase.DONE}:  # a dead worker's req
 and a wait to resume (MIGRATING) from any phase."""
 
 
+def _worker_in(phase: Phase, flight: Flight) -> str:
+    """The worker a request entering `phase` is on ("" where none computes for it)."""
+    live = flight.prefill if phase in (Phase.QUEUED, Phase.PREFILLING) else \
+        flight.decode if phase in (Phase.RESERVING, Phase.LOCAL, Phase.STREAMING) else None
+    return "" if live is None else live.worker_id
+
+
 CORRUPT_RETRIES = 3
 """Re-routes a request whose landed KV failed its checksum gets beyond `max_transfer_retries`."""
 
@@ -88,11 +97,20 @@ class Flight:
     submitted_at: float = 0.0  # dispatcher clock
     reserve_started_at: float | None = None  # first Reserve sent (the landing timeout counts from there)
     limit_epoch: int | None = None  # its decode worker's `DecodeLimit.epoch` at admission (None: no sample)
+    arrived: float = field(default_factory=time.monotonic)
+    events: list[tuple[str, float, str]] = field(default_factory=list)
+    """Its timeline: (phase entered, `time.monotonic()`, the worker it entered it on) per move."""
 
     def move(self, to: Phase) -> None:
         if to not in _MOVES[self.phase]:
             raise PhaseError(f"request {self.request_id}: {self.phase.value} -> {to.value} is not a move")
+        if to is not self.phase or not self.events:
+            self.events.append((to.value, time.monotonic(), _worker_in(to, self)))
         self.phase = to
+
+    def timeline(self, worker_timings: dict[str, float]) -> dict:
+        """Where its time went (`router.timeline.describe`), from arrival until now."""
+        return describe(self.arrived, self.events, worker_timings, time.monotonic())
 
     @property
     def tokens_sent(self) -> int:
@@ -112,7 +130,8 @@ class Flight:
             cached_tokens=min(msg.cached_tokens, len(self.prompt)),  # a resumed run's also counts its output
             kv_transfer_bytes=self.landing_bytes if self.prefill else 0,
             prefill_worker=self.prefill.worker_id if self.prefill else "", decode_worker=decode_worker,
-            logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs, cached_tiers=msg.cached_tiers, timings=timings)
+            logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs, cached_tiers=msg.cached_tiers, timings=timings,
+            timeline=self.timeline(timings))
 
 
 @dataclass(eq=False)

@@ -1,5 +1,8 @@
 """Operator endpoints (API key as /v1; not in the OpenAPI document: clients and fuzzers never call them).
 
+    GET  /debug/requests  the timelines of the requests that ended last (`router.timeline`): `?limit=N`
+                          (default 100, at most 4096), `&order=latest` (newest first) or `slowest` (to
+                          their first token)
     POST /admin/restart   a rolling restart: each named worker (default: all, prefill first), one at a
                           time, drained (routed nothing new, its streams moved to a peer that decodes),
                           stopped and started again; answers once done, with what happened to each
@@ -19,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from router.gateway.errors import APIError
 from router.gateway.json_body import check_json_content_type, parse_json_object
+from router.gateway.request_log import CAPACITY
 
 RestartWorkers = Callable[[list[str] | None, float | None], Awaitable[list[dict]]]
 """(worker ids or None for all, drain timeout or None for the default) -> one report per worker."""
@@ -26,6 +30,16 @@ RestartWorkers = Callable[[list[str] | None, float | None], Awaitable[list[dict]
 
 def add_admin_routes(app: FastAPI, gateway, restart_workers: RestartWorkers | None) -> None:
     lock = asyncio.Lock()
+
+    @app.get("/debug/requests", include_in_schema=False)
+    async def requests(request: Request) -> Response:
+        gateway.check_api_key(request)
+        limit, order = request.query_params.get("limit", "100"), request.query_params.get("order", "latest")
+        if not limit.isdigit() or not 1 <= int(limit) <= CAPACITY:
+            raise APIError(400, f"limit must be an integer in [1, {CAPACITY}], got {limit!r}", param="limit")
+        if order not in ("latest", "slowest"):
+            raise APIError(400, f"order must be latest or slowest, got {order!r}", param="order")
+        return JSONResponse({"requests": gateway.metrics.requests.entries(int(limit), order)})
 
     @app.post("/admin/restart", include_in_schema=False)
     async def restart(request: Request) -> Response:

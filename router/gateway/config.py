@@ -55,6 +55,10 @@ class GatewayConfig:
     max_connections: int = 1024
     """Open connections at most (idle ones included); a request on one more gets a JSON 503 (the API's
     error shape, Retry-After) and its connection closes."""
+    slow_request_log_s: float = 5.0
+    """A request whose first token comes later than this many seconds after arrival is logged with its
+    timeline (where the time went: `router.timeline`); 0: never. Every ended request's timeline is at
+    `GET /debug/requests` either way."""
     allowed_hosts: tuple[str, ...] | None = None
     """Host names a request's Host (and Origin, when sent) may name, else 403 (DNS rebinding, cross-site
     browser requests); "*" allows any. None: derived from `host`, loopback names for a loopback bind,
@@ -75,6 +79,8 @@ class GatewayConfig:
         require(self.max_pending_requests >= 1,
                  f"gateway.max_pending_requests must be >= 1, got {self.max_pending_requests}")
         require(self.ready_timeout_s > 0, f"gateway.ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        require(isinstance(self.slow_request_log_s, (int, float)) and self.slow_request_log_s >= 0,
+                f"gateway.slow_request_log_s must be >= 0, got {self.slow_request_log_s!r}")
         for name in ("ready_interval_s", "body_timeout_s", "header_timeout_s", "keep_alive_timeout_s"):
             require(0 < getattr(self, name) <= 3600, f"gateway.{name} must be in (0, 3600], got {getattr(self, name)}")
         if self.allowed_hosts is not None:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from router.backend import GenerationChunk
+from router.gateway.request_log import RequestLog
 
 # Bucket edges in seconds, following vLLM's choices for the same histograms.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -41,7 +42,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class GatewayMetrics:
     """Every metric of one app. Not thread-safe beyond what prometheus_client guarantees (it locks)."""
 
-    def __init__(self, backend: Any, extra_collectors: Iterable[Any] = ()):
+    def __init__(self, backend: Any, extra_collectors: Iterable[Any] = (), slow_request_log_s: float = 0.0):
+        self.requests = RequestLog(slow_request_log_s)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time from arrival to the first token.",
@@ -78,8 +80,10 @@ class GatewayMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def observe_last_chunk(self, prompt_len: int, chunk: GenerationChunk) -> None:
-        """Per-request totals carried by a request's last chunk (finished or failed)."""
+    def observe_last_chunk(self, request_id: str, prompt_len: int, chunk: GenerationChunk) -> None:
+        """Per-request totals carried by a request's last chunk (finished or failed); its timeline
+        goes to `requests` (`router.gateway.request_log`)."""
+        self.requests.record(request_id, prompt_len, chunk)
         self.cache_queries.inc(prompt_len)
         self.cache_hits.inc(chunk.cached_tokens)
         self.kv_bytes.inc(chunk.kv_transfer_bytes)

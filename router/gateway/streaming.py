@@ -232,7 +232,7 @@ class GenerationRun:
         delta = self._detok.feed(chunk.new_token_ids)
         if chunk.finish_reason is not None or chunk.error:
             self._backend_done = True
-            self._metrics.observe_last_chunk(len(self._request.prompt_token_ids), chunk)
+            self._metrics.observe_last_chunk(self.request_id, len(self._request.prompt_token_ids), chunk)
             return delta + self._detok.finish() if not chunk.error else delta, True
         if self._detok.stopped:  # the backend missed a stop string the text shows; it is aborted in close()
             return delta + self._detok.finish(), True

@@ -243,6 +243,14 @@ def test_disaggregated_greedy_matches_colocated_engine(hosts, tok, reference):
         assert (last.prefill_worker, last.decode_worker) == ("prefill-0", "decode-0")
         assert last.kv_transfer_bytes == ceil_div(len(prompt), PAGE) * page_bytes  # the whole landing
         assert last.kv_transfer_s is not None and last.kv_transfer_s >= 0
+        # its timeline: the phases it went through, each on its worker, adding up to its first token
+        phases = last.timeline["phases"]
+        assert [(ph["phase"], ph["worker"]) for ph in phases][:4] == [
+            ("queued", "prefill-0"), ("reserving", "decode-0"), ("prefilling", "prefill-0"), ("streaming", "decode-0")]
+        assert len(phases) == 4 and phases[-1]["s"] > 0 and all(ph["s"] >= 0 for ph in phases)  # streamed till now
+        before_first = sum(ph["s"] for ph in phases[:3])
+        assert abs(phases[0]["at_s"] + before_first - last.timeline["first_token_s"]) < 1e-3
+        assert {"prefill", "transfer", "transfer_after_compute"} <= set(last.timeline["worker_s"])
 
 
 def test_abort_mid_stream_and_mid_prefill_releases_everything(hosts, tok, long_prompt):

@@ -54,6 +54,13 @@ def test_bench_serve_measures_the_server_the_offline_baseline_and_the_relay(caps
     assert relay["p50_s"] is not None and 0 <= relay["p50_s"] <= relay["p99_s"]
     assert 0 < result["median_ttft_ms"] <= result["median_e2el_ms"]
     assert "Serving Benchmark Result" in out and "bucket resolution" in out
+    # the server's timelines of the same requests (joined by response id): where the first tokens went
+    split = result["ttft_phases"]
+    assert split["requests"] == 6 and {"queued", "reserving", "prefilling"} <= set(split["phases"])
+    server_ttft = split["server_ttft"]["mean_ms"]
+    assert 0 < server_ttft <= result["mean_ttft_ms"]  # the client's also counts HTTP and the gateway
+    assert sum(ph["mean_ms"] for ph in split["phases"].values()) == pytest.approx(server_ttft, rel=0.02, abs=1.0)
+    assert {"prefill", "transfer"} <= set(split["worker_spans"]) and "TTFT split (server timelines)" in out
 
 
 def test_bench_serve_multi_turn_reports_ttft_per_turn_and_the_cached_history(capsys, server_url):

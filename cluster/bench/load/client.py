@@ -85,6 +85,7 @@ class RequestOutput:
     queue_s: float  # arrival -> sent: the wait for a concurrency slot
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
     error: str = ""
+    response_id: str = ""  # the response's `id` (a tandem server's timeline of it: `phases.py`)
 
 
 @dataclass(frozen=True)
@@ -132,9 +133,11 @@ class _Stream:
     frame_times_s: list[float] = field(default_factory=list)  # perf_counter of each content frame
     texts: list[str] = field(default_factory=list)
     usage: dict | None = None
+    response_id: str = ""
 
     def take(self, frame: dict, chat: bool) -> None:
         self.usage = frame.get("usage") or self.usage
+        self.response_id = self.response_id or str(frame.get("id") or "")
         choices = frame.get("choices") or ()
         text = "".join((c.get("delta") or {}).get("content") or "" if chat else c.get("text") or "" for c in choices)
         if text:
@@ -177,7 +180,8 @@ async def send_one(transport, target: Target, prompt: Prompt, prompt_len: int | 
         itl_s=tuple(np.diff(times).tolist()) if ok else (),
         latency_s=times[-1] - sent_s if ok else 0.0,
         start_s=sent_s - run_start_s, queue_s=queue_s,
-        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"), error=error)
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"), error=error,
+        response_id=stream.response_id)
     return output, "".join(stream.texts)
 
 

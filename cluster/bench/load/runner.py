@@ -30,6 +30,7 @@ from cluster.bench.load.datasets import DatasetSpec, SampleRequest, TokenizerCod
 from cluster.bench.load.metrics import (compute_result, format_summary, parse_goodput, parse_metric_names,
                                         parse_percentiles, per_turn, percentile_key, samples_s)
 from cluster.bench.load.multinode import ClientPlan, RayClients, merge_runs, split_plans
+from cluster.bench.load.phases import fetch_timelines, format_phases, ttft_phases
 from cluster.bench.load.plots import MISSING_HINT, matplotlib_available, plot_run, plot_sweep
 
 log = logging.getLogger("tandem.bench")
@@ -144,6 +145,7 @@ def run_point(clients, target: Target, jobs: list, shape: LoadShape, num_clients
     runs = clients.run(target, split_plans(jobs, shape, num_clients))
     outputs, duration_s, _ = merge_runs(runs)
     relay = relay_block(before, try_relay(target.base_url, headers))
+    split = ttft_phases(outputs, fetch_timelines(target.base_url, headers, len(outputs)))
     result = {
         "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if target.is_chat else "openai", "base_url": target.base_url,
@@ -157,6 +159,8 @@ def run_point(clients, target: Target, jobs: list, shape: LoadShape, num_clients
         result["turns"] = per_turn(outputs)
     if relay is not None:
         result["relay"] = relay
+    if split is not None:
+        result["ttft_phases"] = split
     result["connection_retries"] = sum(run.num_retries for run in runs)
     return result, outputs
 
@@ -167,6 +171,8 @@ def print_run(result: dict, reporting: Reporting) -> None:
         cached = "n/a" if row["mean_cached_tokens"] is None else f"{row['mean_cached_tokens']:.1f}"
         print(f"turn {row['turn']:>2}: {row['completed']} requests, mean input {row['mean_input_tokens']:.1f} tokens "
               f"(cached {cached}), TTFT mean {row['mean_ttft_ms']:.2f} ms, p99 {row['p99_ttft_ms']:.2f} ms")
+    if result.get("ttft_phases"):
+        print(format_phases(result["ttft_phases"]))
     relay = result.get("relay")
     if relay and relay["p50_s"] is not None:
         print(f"token relay worker -> gateway (bucket resolution): p50 {relay['p50_s'] * 1e3:.1f} ms, "

@@ -180,6 +180,11 @@ def parse_serve(data: dict | None, log: str) -> dict:
     out = {k: data.get(k) for k in ("ready", "start_to_ready_s", "gpu_memory_used_mib", "bench_rc", "bench_wall_s")}
     out["stop"] = data.get("stop")
     out["bench"] = {k: _round(bench.get(k)) for k in SERVE_KEYS if k in bench} if bench else None
+    split = (bench or {}).get("ttft_phases")  # the server's own timelines: where the first tokens went
+    if split:
+        out["ttft_phases_p50_ms"] = {name: _round(st.get("p50_ms")) for name, st in
+                                     [("server", split["server_ttft"]), *split["phases"].items(),
+                                      *((f"worker {k}", v) for k, v in split["worker_spans"].items())]}
     errors = re.search(r"requests failed; first distinct errors:\n((?:  .*\n?)+)", log)
     if errors:
         out["errors"] = [e.strip() for e in errors.group(1).splitlines()][:5]
@@ -311,10 +316,18 @@ def headline(step: dict) -> str:
         same, near = sum(v == "equal" for v in verdicts), sum(v.startswith("near-tie") for v in verdicts)
         return f"ready in {f.get('start_to_ready_s')}s; {b.get('completed', 0)} ok, {b.get('failed', '?')} failed, " \
                f"{b.get('output_throughput', 0):.0f} out tok/s, TTFT p50 {b.get('median_ttft_ms', 0):.0f} ms, " \
-               f"ITL p50 {b.get('median_itl_ms', 0):.1f} ms; greedy = HF {same}/{len(verdicts)}" \
+               f"ITL p50 {b.get('median_itl_ms', 0):.1f} ms" + _split_text(f.get("ttft_phases_p50_ms")) + \
+               f"; greedy = HF {same}/{len(verdicts)}" \
                + (f" (+{near} near-tie)" if near else "") + "; " \
                f"stop {(f.get('stop') or {}).get('how')}"
     return step.get("note", "")
+
+
+def _split_text(split: dict | None) -> str:
+    """" (TTFT p50 by phase: queued 1 ms, ...)" from `parse_serve`'s split, or ""."""
+    if not split:
+        return ""
+    return " (TTFT p50 by phase: " + ", ".join(f"{k} {v:.0f} ms" for k, v in split.items() if v is not None) + ")"
 
 
 def summary_text(report: dict) -> str:

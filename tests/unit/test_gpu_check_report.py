@@ -140,6 +140,13 @@ def test_serve_figures_and_checks():
     assert all(f["checks"].values()) and "errors" not in f
     line = rep.headline({"kind": "serve", "figures": f})
     assert "ready in 62.74s; 4 ok, 0 failed, 8 out tok/s, TTFT p50 693 ms" in line
+    assert "by phase" not in line  # a bench without the server's timelines
+    ms = {"count": 4, "mean_ms": 1.0, "p50_ms": 700.0, "p90_ms": 1.0, "p99_ms": 1.0}
+    split = {"requests": 4, "server_ttft": ms, "phases": {"queued": {**ms, "p50_ms": 600.0}},
+             "worker_spans": {"transfer": {**ms, "p50_ms": 20.0}}}
+    f = rep.parse_serve({**serve, "bench": {**serve["bench"], "ttft_phases": split}}, "")
+    line = rep.headline({"kind": "serve", "figures": f})
+    assert "(TTFT p50 by phase: server 700 ms, queued 600 ms, worker transfer 20 ms)" in line
 
 
 def test_serve_greedy_tokens_that_part_at_no_near_tie_fail_the_step():

@@ -59,7 +59,12 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
 
     data = p.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=DATASETS, default="random")
-    data.add_argument("--dataset-path", metavar="FILE", help="--dataset-name jsonl: the file")
+    data.add_argument("--dataset-path", metavar="FILE", help="--dataset-name jsonl or mooncake-trace: the file")
+    data.add_argument("--trace-block-size", type=int, default=512, help="mooncake-trace: tokens per hash id")
+    data.add_argument("--trace-token-scale", type=float, default=1.0,
+                      help="mooncake-trace: input/output lengths and the block size times this")
+    data.add_argument("--trace-time-scale", type=float, default=1.0,
+                      help="mooncake-trace: gaps between arrivals times this (2: half the request rate)")
     data.add_argument("--num-prompts", type=int, default=100, help="requests (multi-turn: conversations)")
     data.add_argument("--random-input-len", type=int, default=256, help="prompt tokens (shared-prefix: the suffix; "
                                                                           "multi-turn: new user tokens per turn)")

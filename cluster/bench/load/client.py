@@ -228,6 +228,8 @@ async def run_client(target: Target, jobs: list[Job], shape: LoadShape, codec: T
     `start_at_wall_s`: wait until that `time.time()` before the run starts (clients on several nodes
     start together)."""
     offsets_s = arrival_offsets_s(len(jobs), shape.request_rate, shape.burstiness, np.random.default_rng(shape.seed))
+    if jobs and all(isinstance(job, SampleRequest) and job.arrival_s is not None for job in jobs):
+        offsets_s = [job.arrival_s for job in jobs]  # a trace's own arrival times
     cap = shape.max_concurrency
     slots = asyncio.Semaphore(cap) if cap else contextlib.nullcontext()
     progress = make_progress(num_requests(jobs), show_progress)

@@ -8,6 +8,13 @@
                    history (earlier user turns and the answers as streamed, re-tokenized)
     jsonl          one JSON object per line: "prompt" (text or token ids) or "messages" (chat), with
                    "output_len" (or "max_tokens"); cycled when the file has fewer lines than asked
+    mooncake-trace a trace in the published Mooncake format, replayed at its own times: one JSON object
+                   per line, "timestamp" (ms), "input_length", "output_length", "hash_ids" (the prompt's
+                   blocks of --trace-block-size tokens: equal ids, equal blocks, so a shared prefix is
+                   shared); each block's tokens are drawn from its id, the prompt is its blocks cut to
+                   input_length. --trace-token-scale scales lengths and the block size (a trace made
+                   for a GPU cluster on a small machine), --trace-time-scale the gaps between arrivals
+                   (2: half the rate); the first --num-prompts lines
 
 Token-id prompts go to /v1/completions as ids; the chat endpoint gets them decoded by the tokenizer.
 """
@@ -21,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Union
 
-DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl")
+DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl", "mooncake-trace")
 FIRST_TOKEN_ID = 10  # random ids start here: the lowest ids of most vocabularies are special tokens
 
 Prompt = Union[tuple[int, ...], str, tuple[dict, ...]]  # token ids | text | chat messages
@@ -44,6 +51,7 @@ class SampleRequest:
     prompt: Prompt
     prompt_len: int | None
     output_len: int
+    arrival_s: float | None = None  # a trace's arrival, from the run's start (None: the load shape's)
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,9 @@ class DatasetSpec:
     think_time_s: float = 0.0
     path: str | None = None
     vocab_size: int = 32000  # random ids are drawn from [FIRST_TOKEN_ID, vocab_size)
+    trace_block_size: int = 512  # mooncake-trace: tokens per hash id (the published traces': 512)
+    trace_token_scale: float = 1.0  # mooncake-trace: lengths and block size times this
+    trace_time_scale: float = 1.0  # mooncake-trace: gaps between arrivals times this
 
     def __post_init__(self):
         if self.name not in DATASETS:
@@ -89,8 +100,10 @@ class DatasetSpec:
         if self.shared_prefix_len < 0 or self.shared_prefix_groups < 1 or self.turns < 1 or self.think_time_s < 0:
             raise ValueError("--shared-prefix-len >= 0, --shared-prefix-groups >= 1, --multi-turn-turns >= 1 "
                              "and --multi-turn-think-time-s >= 0 are required")
-        if (self.name == "jsonl") != (self.path is not None):
-            raise ValueError("--dataset-path goes with --dataset-name jsonl, and only with it")
+        if (self.name in ("jsonl", "mooncake-trace")) != (self.path is not None):
+            raise ValueError("--dataset-path goes with --dataset-name jsonl or mooncake-trace, and only with them")
+        if self.trace_block_size < 1 or not self.trace_token_scale > 0 or not self.trace_time_scale >= 0:
+            raise ValueError("--trace-block-size >= 1, --trace-token-scale > 0 and --trace-time-scale >= 0 are required")
         if self.vocab_size <= FIRST_TOKEN_ID + 1:
             raise ValueError(f"vocab_size {self.vocab_size} leaves no room for random token ids")
 
@@ -110,6 +123,8 @@ def make_jobs(spec: DatasetSpec, seed: int) -> list[Job]:
         return _random_samples(spec, rng, prefixes)
     if spec.name == "multi-turn":
         return _conversations(spec, rng)
+    if spec.name == "mooncake-trace":
+        return _trace_samples(spec, seed)
     return _jsonl_samples(Path(spec.path), spec.num_prompts)
 
 
@@ -160,6 +175,35 @@ def _jsonl_sample(index: int, row: dict, path: Path) -> SampleRequest:
     if not isinstance(prompt, str):
         raise ValueError(f"{path}: every line needs \"prompt\" (text or token ids) or \"messages\"")
     return SampleRequest(index, prompt, row.get("prompt_len"), output_len)
+
+
+def _trace_samples(spec: DatasetSpec, seed: int) -> list[Job]:
+    path = Path(spec.path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:spec.num_prompts] if line.strip()]
+    if not rows:
+        raise ValueError(f"{path}: no JSON lines")
+    block = max(1, round(spec.trace_block_size * spec.trace_token_scale))
+    blocks: dict[int, tuple[int, ...]] = {}
+    t0 = rows[0].get("timestamp", 0)
+    samples: list[Job] = []
+    for i, row in enumerate(rows):
+        try:
+            input_len = max(1, round(int(row["input_length"]) * spec.trace_token_scale))
+            output_len = max(1, round(int(row["output_length"]) * spec.trace_token_scale))
+            hash_ids, at_ms = [int(h) for h in row.get("hash_ids", ())], float(row.get("timestamp", t0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: line {i + 1} needs \"input_length\", \"output_length\" (integers), "
+                             f"\"timestamp\" (ms) and \"hash_ids\" (integers): {exc}") from None
+        prompt: tuple[int, ...] = ()
+        for h in hash_ids:
+            if h not in blocks:
+                blocks[h] = _ids(random.Random(f"{seed}:{h}"), block, spec.vocab_size)
+            prompt += blocks[h]
+        if len(prompt) < input_len:  # the trace's blocks fall short: the rest is this request's own
+            prompt += _ids(random.Random(f"{seed}:tail:{i}"), input_len - len(prompt), spec.vocab_size)
+        prompt = prompt[:input_len]
+        samples.append(SampleRequest(i, prompt, len(prompt), output_len, max(0.0, (at_ms - t0) / 1e3) * spec.trace_time_scale))
+    return samples
 
 
 class TokenizerCodec:

@@ -96,7 +96,8 @@ def needs_tokenizer(args: argparse.Namespace) -> bool:
 def dataset_spec(args: argparse.Namespace, vocab_size: int | None) -> DatasetSpec:
     return DatasetSpec(args.dataset_name, args.num_prompts, args.random_input_len, args.random_output_len,
                        args.random_range_ratio, args.shared_prefix_len, args.shared_prefix_groups, args.multi_turn_turns,
-                       args.multi_turn_think_time_s, args.dataset_path, vocab_size or DatasetSpec.vocab_size)
+                       args.multi_turn_think_time_s, args.dataset_path, vocab_size or DatasetSpec.vocab_size,
+                       args.trace_block_size, args.trace_token_scale, args.trace_time_scale)
 
 
 def offline_baseline(args: argparse.Namespace, jobs: list, max_concurrency: int | None) -> dict:

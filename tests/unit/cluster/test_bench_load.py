@@ -261,6 +261,47 @@ def test_datasets_shared_prefix_lengths_and_jsonl_lines(tmp_path):
         DatasetSpec("random", path=str(path))
 
 
+TRACE = [{"timestamp": 1000, "input_length": 20, "output_length": 8, "hash_ids": [7, 8]},
+         {"timestamp": 1500, "input_length": 28, "output_length": 4, "hash_ids": [7, 8, 9, 10]},
+         {"timestamp": 1600, "input_length": 6, "output_length": 2, "hash_ids": [11]},
+         {"timestamp": 3000, "input_length": 30, "output_length": 6, "hash_ids": [7]}]
+
+
+def write_trace(tmp_path) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in TRACE))
+    return str(path)
+
+
+def test_a_mooncake_trace_shares_equal_blocks_cuts_to_its_lengths_and_keeps_its_times(tmp_path):
+    """Blocks of 8 tokens (16 * 0.5): equal hash ids give equal blocks, so request 1 starts with
+    request 0's 16 tokens; each prompt is cut to (or, past its blocks, filled to) its scaled length;
+    arrivals are the timestamps' offsets, times the time scale."""
+    spec = DatasetSpec("mooncake-trace", 100, path=write_trace(tmp_path), vocab_size=300, trace_block_size=16,
+                       trace_token_scale=0.5, trace_time_scale=2.0)
+    jobs = make_jobs(spec, seed=5)
+    assert [(j.prompt_len, j.output_len, j.arrival_s) for j in jobs] == [(10, 4, 0.0), (14, 2, 1.0), (3, 1, 1.2),
+                                                                         (15, 3, 4.0)]
+    assert all(len(j.prompt) == j.prompt_len for j in jobs)
+    assert jobs[1].prompt[:10] == jobs[0].prompt and jobs[3].prompt[:8] == jobs[0].prompt[:8]
+    assert jobs[3].prompt[8:] != jobs[1].prompt[8:15]  # past its one block: its own tokens
+    assert jobs[2].prompt[:3] != jobs[0].prompt[:3]
+    assert make_jobs(spec, seed=5) == jobs and make_jobs(spec, seed=6)[0].prompt != jobs[0].prompt
+    with pytest.raises(ValueError, match="line 1 needs"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"timestamp": 0, "input_length": "x", "output_length": 1, "hash_ids": []}\n')
+        make_jobs(DatasetSpec("mooncake-trace", 1, path=str(bad)), seed=0)
+
+
+def test_a_trace_is_sent_at_its_own_times_not_the_load_shapes(stub, tmp_path):
+    jobs = make_jobs(DatasetSpec("mooncake-trace", 4, path=write_trace(tmp_path), vocab_size=300,
+                                 trace_block_size=4, trace_time_scale=0.25), seed=1)
+    run_ = run(Target(stub.url), jobs, LoadShape(request_rate=1000.0))
+    arrivals = np.array(sorted(t for t, _ in stub.requests))
+    assert all(o.success for o in run_.outputs)
+    assert np.diff(arrivals) == pytest.approx([0.125, 0.025, 0.35], abs=0.02)  # 500, 100, 1400 ms / 4
+
+
 def test_split_and_merge_count_every_request_once_on_one_time_axis():
     jobs = make_jobs(DatasetSpec("random", 7, 4, 2, vocab_size=300), seed=0)
     plans = split_plans(jobs, LoadShape(request_rate=9.0, max_concurrency=5, seed=2), 3)

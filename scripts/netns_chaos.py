@@ -98,6 +98,7 @@ def main() -> int:
     add_chaos_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     if args.once:
         parser.error("--once is the local run's (`tandem bench chaos --once`)")
     why = unavailable()

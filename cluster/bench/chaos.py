@@ -90,7 +90,7 @@ async def _open_session(base_url: str, old: str = "") -> str:
         if old:
             await http.delete(f"{base_url}/v1/sessions/{old}")
         resp = await http.post(f"{base_url}/v1/sessions", json={"capacity_tokens": SESSION_TOKENS,
-                                                                 "idle_timeout_s": 120})
+                                                                 "idle_timeout_s": 900})  # turns come between other requests
         resp.raise_for_status()
         return resp.json()["id"]
 

@@ -27,7 +27,7 @@ from common.protocol import AbortTransfer, Failure, KVComplete, KVProgress, Land
 from decode_worker.rank_landing import OtherLandings
 from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput, step_output
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, Request, RequestStatus, prefill_marks
 from kv_store.copier import CopyJob
 from kv_store.l3.codec import PageBytes
 from kv_store.landing import LandingPool
@@ -241,7 +241,7 @@ class KVReceiver(NullConnector):
         req.cached_tokens = msg.cached_tokens
         _, host, l3 = msg.cached_tiers
         req.tier.host_hit_tokens, req.tier.l3_hit_tokens = host + l3, l3
-        req.timings.update(dict(msg.timings))
+        req.timings.update(prefill_marks(msg.timings))
         req.timings["kv_complete_received"] = self.clock()
         req.output_token_ids.append(msg.first_token)
         if msg.first_logprobs is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import itertools
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -94,6 +95,16 @@ class DraftState:
         self.token_ids, self.probs, self.parents = [], None, None
 
 
+ENGINE_MARKS = ("received", "admitted", "tier_load_start", "tier_load_done", "first_token")
+"""The timestamps a `Request` takes itself (`Request.timings`)."""
+
+
+def prefill_marks(timings) -> dict[str, float]:
+    """A prefill worker's timings as the decode side keeps them: its engine's own marks renamed
+    `prefill_<mark>`, so they never mix with the decode engine's (`router.timeline` reads both)."""
+    return {(f"prefill_{k}" if k in ENGINE_MARKS else k): v for k, v in dict(timings).items()}
+
+
 @dataclass(eq=False)
 class Request:
     """Prompt + output tokens of one request. `kv` is held only while RUNNING."""
@@ -116,7 +127,9 @@ class Request:
     error: str = ""
     """Why the request ended in ABORT when the client did not ask for it (transfer failure, ...)."""
     timings: dict[str, float] = field(default_factory=dict)
-    """Monotonic timestamps of lifecycle events (submitted, compute_done, transfer_done, ...)."""
+    """Monotonic timestamps of lifecycle events: this engine's ("received", first "admitted", first
+    "tier_load_start" / "tier_load_done", "first_token" computed here) and its connector's
+    ("prefill_submitted", "compute_done", "transfer_done", "reserved", "load_done", ...)."""
     arrival: int = field(default_factory=lambda: next(_arrival))
     sample_seed: int = 0
     stop_rules: StopRules | None = None
@@ -139,6 +152,7 @@ class Request:
             raise ValueError(f"request {self.request_id}: empty prompt")
         seed = self.params.seed
         self.sample_seed = seed if seed is not None else random.getrandbits(62)
+        self.timings.setdefault("received", time.monotonic())
 
     @property
     def text_len(self) -> int | None:
@@ -173,13 +187,16 @@ class Request:
     def admit(self, kv: ReqKV) -> None:
         self._move(RequestStatus.WAITING, RequestStatus.RUNNING)
         self.kv = kv
+        self.timings.setdefault("admitted", time.monotonic())
 
     def start_loading(self, ticket: LoadTicket) -> None:
         self._move(RequestStatus.WAITING, RequestStatus.LOADING)
         self.tier.load_ticket = ticket
+        self.timings.setdefault("tier_load_start", time.monotonic())
 
     def loaded(self) -> None:
         self._move(RequestStatus.LOADING, RequestStatus.WAITING)
+        self.timings.setdefault("tier_load_done", time.monotonic())
 
     def resume(self, output_token_ids: Sequence[int]) -> None:
         """A request another worker was serving when it died: `output_token_ids` already reached the

@@ -4,6 +4,8 @@ never raised for the batch (the engine fails that request alone)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from common.grammar_spec import GrammarError
@@ -91,6 +93,8 @@ def apply_stop_rules(req: Request, tokens: list[int] | None) -> tuple[list[int],
     """Append `tokens` to `req`'s output one by one until a stop rule ends it; returns those appended
     and the reason it ended (None: still running). None tokens: a prefill chunk, nothing to append."""
     applied = []
+    if tokens and "first_token" not in req.timings:
+        req.timings["first_token"] = time.monotonic()  # the first this engine computed
     for token in tokens or ():
         req.output_token_ids.append(token)
         applied.append(token)

@@ -14,16 +14,25 @@ reserving (its landing asked of the decode worker), backoff (the landing pool wa
 worker prefills it itself), streaming, migrating (its worker died or drains: waiting for another),
 done. Each phase lasts until the next one starts; a phase entered twice (a re-route) appears twice.
 `worker_s` are durations between one worker's own timestamps (each process's clock is its own):
-prefill = compute_done - prefill_submitted (queue and compute on the prefill worker), transfer =
-transfer_done - first_write, transfer_after_compute = transfer_done - compute_done (what the
-transfer added after the prompt was computed), load = load_done - load_start (host -> device on
-the decode worker).
+prefill = compute_done - prefill_submitted (queue and compute on the prefill worker), split into
+prefill_queue (its engine's queue), prefill_tier_load (its prefix loaded back from the host tier or
+L3) and prefill_compute (admitted -> computed); transfer = transfer_done - first_write,
+transfer_after_compute = transfer_done - compute_done (what the transfer added after the prompt was
+computed), load = load_done - load_start (the landing, host -> device, on the decode worker). A
+prompt the decode worker computes itself has queue, tier_load and compute (admitted -> its first
+token: chunks interleaved with decode steps included) instead.
 """
 
 from __future__ import annotations
 
 _SPANS = {"prefill": ("prefill_submitted", "compute_done"), "transfer": ("first_write", "transfer_done"),
-          "transfer_after_compute": ("compute_done", "transfer_done"), "load": ("load_start", "load_done")}
+          "transfer_after_compute": ("compute_done", "transfer_done"), "load": ("load_start", "load_done"),
+          "prefill_queue": ("prefill_received", "prefill_admitted"),
+          "prefill_tier_load": ("prefill_tier_load_start", "prefill_tier_load_done"),
+          "prefill_compute": ("prefill_admitted", "compute_done")}
+_LOCAL_SPANS = {"queue": ("received", "admitted"), "tier_load": ("tier_load_start", "tier_load_done"),
+                "compute": ("admitted", "first_token")}
+"""A prompt computed on the decode worker itself (no prefill worker's marks): its engine's spans."""
 
 
 def describe(arrived: float, events: list[tuple[str, float, str]], worker_timings: dict[str, float],
@@ -35,7 +44,8 @@ def describe(arrived: float, events: list[tuple[str, float, str]], worker_timing
         end = events[i + 1][1] if i + 1 < len(events) else (at if now is None else now)
         phases.append({"phase": phase, "at_s": round(at - arrived, 4), "s": round(end - at, 4), "worker": worker})
     first = next((at for phase, at, _ in events if phase == "streaming"), None)
-    spans = {name: round(worker_timings[b] - worker_timings[a], 4) for name, (a, b) in _SPANS.items()
+    pairs = {**_SPANS, **({} if "prefill_submitted" in worker_timings else _LOCAL_SPANS)}
+    spans = {name: round(worker_timings[b] - worker_timings[a], 4) for name, (a, b) in pairs.items()
              if a in worker_timings and b in worker_timings}
     return {"phases": phases, "first_token_s": None if first is None else round(first - arrived, 4), "worker_s": spans}
 

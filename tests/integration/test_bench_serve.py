@@ -84,6 +84,9 @@ def test_bench_serve_multi_turn_reports_ttft_per_turn_and_the_cached_history(cap
         assert 0 < t["mean_cached_tokens"] < t["mean_input_tokens"], "the prefix cache did not serve the history"
     assert result["completed"] == 6 and 6 * 3 <= result["total_output_tokens"] <= 6 * 5
     assert "turn  2:" in out
+    by_turn = result["ttft_phases"]["by_turn"]  # the server's view of each turn's first token
+    assert sorted(by_turn) == ["1", "2", "3"] and all(row["requests"] == 2 for row in by_turn.values())
+    assert all(row["mean_ms"] for row in by_turn.values()) and "turn 3 (2 requests), mean ms:" in out
 
 
 def test_bench_overload_gets_fast_429s_and_no_other_failure(capsys, server_url):

@@ -250,7 +250,9 @@ def test_disaggregated_greedy_matches_colocated_engine(hosts, tok, reference):
         assert len(phases) == 4 and phases[-1]["s"] > 0 and all(ph["s"] >= 0 for ph in phases)  # streamed till now
         before_first = sum(ph["s"] for ph in phases[:3])
         assert abs(phases[0]["at_s"] + before_first - last.timeline["first_token_s"]) < 1e-3
-        assert {"prefill", "transfer", "transfer_after_compute"} <= set(last.timeline["worker_s"])
+        spans = last.timeline["worker_s"]
+        assert {"prefill", "transfer", "transfer_after_compute", "prefill_queue", "prefill_compute"} <= set(spans)
+        assert spans["prefill_queue"] + spans["prefill_compute"] == pytest.approx(spans["prefill"], abs=0.01)
 
 
 def test_abort_mid_stream_and_mid_prefill_releases_everything(hosts, tok, long_prompt):
@@ -325,6 +327,10 @@ def test_prefill_death_mid_transfer_reroutes_to_local_prefill(hosts, tok, refere
     assert tokens(chunks) == expected
     last = chunks[-1]
     assert (last.prefill_worker, last.decode_worker, last.kv_transfer_bytes) == ("", "decode-0", 0)
+    # its timeline: routed twice (the second time to the decode worker, which computed the prompt itself)
+    phases = [(ph["phase"], ph["worker"]) for ph in last.timeline["phases"]]
+    assert phases[0] == ("queued", "prefill-0") and ("local", "decode-0") in phases and phases[-1][0] == "streaming"
+    assert {"queue", "compute"} <= set(last.timeline["worker_s"]) and last.timeline["worker_s"]["compute"] > 0
     assert_finished_cleanly(again)
     assert again[-1].prefill_worker == "prefill-0"
 

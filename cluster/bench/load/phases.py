@@ -31,7 +31,8 @@ def ttft_phases(outputs: list[RequestOutput], timelines: dict[str, dict] | None)
     successful requests the server remembered; None without timelines."""
     if timelines is None:
         return None
-    joined = [timelines[o.response_id] for o in outputs if o.success and o.response_id in timelines]
+    pairs = [(o, timelines[o.response_id]) for o in outputs if o.success and o.response_id in timelines]
+    joined = [e for _, e in pairs]
     if not joined:
         return None
     phases = [phase_seconds(e) for e in joined]
@@ -42,6 +43,15 @@ def ttft_phases(outputs: list[RequestOutput], timelines: dict[str, dict] | None)
            "worker_spans": {}}
     for span in sorted({s for e in joined for s in e["worker_s"]}):
         out["worker_spans"][span] = _stats([e["worker_s"][span] for e in joined if span in e["worker_s"]])
+    if any(o.turn for o, _ in pairs):  # conversations: where each turn's first token went (means, ms)
+        out["by_turn"] = {}
+        for turn in sorted({o.turn for o, _ in pairs}):
+            rows = [e for o, e in pairs if o.turn == turn]
+            means = {name: float(np.mean([phase_seconds(e).get(name, 0.0) for e in rows])) * 1e3 for name in names}
+            spans = {s for e in rows for s in e["worker_s"]}
+            means.update({f"worker: {s}": float(np.mean([e["worker_s"][s] for e in rows if s in e["worker_s"]])) * 1e3
+                          for s in sorted(spans)})
+            out["by_turn"][turn] = {"requests": len(rows), "mean_ms": means}
     return out
 
 
@@ -65,4 +75,7 @@ def format_phases(split: dict) -> str:
     for name, st in rows:
         if st.get("count"):
             lines.append(f"{name:<28}" + "".join(f"{st[k]:>8.1f}" for k in ("mean_ms", "p50_ms", "p90_ms", "p99_ms")))
+    for turn, row in split.get("by_turn", {}).items():
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in row["mean_ms"].items())
+        lines.append(f"turn {turn} ({row['requests']} requests), mean ms: {parts}")
     return "\n".join(lines)

@@ -29,6 +29,25 @@ def test_phases_last_until_the_next_and_spans_come_from_one_workers_clock():
     assert "streaming" not in summary(t) and "workers: prefill 0.250 s" in summary(t)
 
 
+def test_the_engines_own_marks_split_the_prefill_or_the_local_prompt():
+    """A prefill worker's engine marks (renamed on the decode side: `prefill_marks`) split its span into
+    queue, tier load and compute; a prompt computed on the decode worker gets queue, tier_load and
+    compute from that engine's marks, which a disaggregated request's decode-side marks never give."""
+    from engine.request import prefill_marks
+
+    prefill = prefill_marks({"received": 1.0, "prefill_submitted": 1.0, "tier_load_start": 1.5, "tier_load_done": 2.0,
+                             "admitted": 2.5, "first_token": 3.9, "compute_done": 4.0})
+    assert prefill["prefill_admitted"] == 2.5 and "admitted" not in prefill
+    decode_side = {**prefill, "received": 50.0, "admitted": 60.0, "first_token": 61.0}
+    spans = describe(0.0, [], decode_side)["worker_s"]
+    assert (spans["prefill_queue"], spans["prefill_tier_load"], spans["prefill_compute"], spans["prefill"]) == \
+        (1.5, 0.5, 1.5, 3.0)
+    assert not {"queue", "tier_load", "compute"} & set(spans)
+    local = describe(0.0, [], {"received": 5.0, "tier_load_start": 5.5, "tier_load_done": 6.0, "admitted": 6.5,
+                               "first_token": 7.0})["worker_s"]
+    assert local == {"queue": 1.5, "tier_load": 0.5, "compute": 0.5}
+
+
 def test_a_request_with_no_first_token_has_none():
     t = describe(0.0, [("queued", 0.0, "prefill-0"), ("done", 2.0, "")], {})
     assert t["first_token_s"] is None and t["worker_s"] == {} and phase_seconds(t) == {"queued": 2.0}

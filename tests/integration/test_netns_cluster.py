@@ -114,9 +114,9 @@ def test_cutting_the_decode_hosts_link_under_load_loses_no_stream(net, reference
         time.sleep(10)
         net.restore("decode")
 
-    undisturbed = seeded_streams(net.base_url, "none", 6)
+    undisturbed = seeded_streams(net.base_url, "none", 4, max_tokens=24)
     before = metrics(net)
-    faulted = seeded_streams(net.base_url, "none", 6, cut_for_10_s)
+    faulted = seeded_streams(net.base_url, "none", 4, cut_for_10_s, max_tokens=24)
     assert [text for text, _, _ in faulted] == [text for text, _, _ in undisturbed]
     resumed = metric(metrics(net), "tandem:request_migrations_total", outcome="resumed") - \
         metric(before, "tandem:request_migrations_total", outcome="resumed")

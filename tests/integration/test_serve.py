@@ -444,7 +444,7 @@ def test_a_rolling_restart_loses_no_stream_and_holds_new_requests(cluster, capsy
     greedy answer, not a 503; every restarted worker is a new incarnation."""
     server = cluster
     before = {w["worker_id"]: w for w in workers(server)}
-    undisturbed = seeded_streams(server.base_url, API_KEY, 6, max_tokens=48)
+    undisturbed = seeded_streams(server.base_url, API_KEY, 6, max_tokens=40)
     prompt = {"model": "smollm2", "prompt": RAW_PROMPT, "max_tokens": 8, "temperature": 0}
     expected = httpx.post(f"{server.base_url}/v1/completions", json=prompt, headers=server.headers(), timeout=60)
     codes, held = [], []
@@ -465,7 +465,7 @@ def test_a_rolling_restart_loses_no_stream_and_holds_new_requests(cluster, capsy
                                   "--workers", "decode-0,prefill-1", "--drain-timeout-s", "1"]))
         asker.join()
 
-    faulted = seeded_streams(server.base_url, API_KEY, 6, restart, max_tokens=48)
+    faulted = seeded_streams(server.base_url, API_KEY, 6, restart, max_tokens=40)
     assert codes == [0]
     assert [text for text, _, _ in faulted] == [text for text, _, _ in undisturbed]
     assert held and held[0].status_code == 200, held[0].text if held else "no request was sent while it drained"

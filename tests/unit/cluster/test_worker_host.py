@@ -33,22 +33,33 @@ def _served(host: WorkerHost, request_id: str, ids: list[int], params: SamplingP
 
 
 @pytest.mark.slow
-def test_host_serves_compiles_beside_serving_reports_a_long_step_and_stops():
+def test_host_serves_compiles_beside_serving_reports_a_long_step_and_stops(tmp_path):
     """A served worker reports ready before its CPU decode step is compiled: its loop starts the
-    compile, requests before and after it give the engine's own greedy tokens."""
-    from kernels.model.tokenizer import apply_chat_template
+    compile, requests before and after it give transformers' greedy tokens (a tiny seeded Qwen3
+    checkpoint: the compile is of its graph, not SmolLM2's 30 layers)."""
+    import shutil
 
-    host = WorkerHost(WorkerSpec("colocated", EngineConfig(num_pages=256, cpu_compile=True, cpu_native_decode=False), heartbeat_interval_s=0.1),
-                      "colocated-0", build=build_debug_worker)
+    import torch
+
+    from kernels.model.convert import resolve_model_dir
+    from tests.helpers import hf_greedy
+    from tests.unit.engine.test_model_families import reference
+
+    model = reference("qwen3", vocab_size=49152, max_position_embeddings=512)  # SmolLM2's tokenizer beside it
+    model.save_pretrained(tmp_path)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model_dir("smollm2") / file, tmp_path / file)
+    config = EngineConfig(model=str(tmp_path), num_pages=64, max_model_len=256, cpu_compile=True, cpu_native_decode=False)
+    host = WorkerHost(WorkerSpec("colocated", config, heartbeat_interval_s=0.1), "colocated-0", build=build_debug_worker)
     try:
-        ids = apply_chat_template(smollm2()[0].tokenizer, CHAT_PROMPTS[0])
-        params = SamplingParams(max_tokens=8)
-        tokens, finish = _served(host, "r0", ids, params)
-        reference = make_smollm2_engine().generate([ids], params)[0]
-        assert tokens == reference.output_token_ids and finish is reference.finish_reason
+        ids = list(range(5, 37))
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        with torch.no_grad():
+            expected = hf_greedy(model, ids, 8)
+        assert _served(host, "r0", ids, params) == (expected, p.FinishReason.LENGTH)
         runner = host.worker.engine.runner
         assert runner.wait_compiled(180) and set(runner._compiled) == {1}  # the loop started it
-        assert _served(host, "r1", ids, params) == (reference.output_token_ids, reference.finish_reason)
+        assert _served(host, "r1", ids, params) == (expected, p.FinishReason.LENGTH)
 
         host.deliver([Stall(2.0)])  # one step that takes 2 s
         time.sleep(1.5)

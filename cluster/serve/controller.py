@@ -205,10 +205,9 @@ class Controller:
                 for s in self.slots.values()]
 
     async def restart_worker(self, worker_id: str, drain_timeout_s: float | None = None) -> dict:
-        """Drain the worker, stop it, start a new incarnation in its bundle (spending no restart budget).
-        Draining, the dispatcher routes it nothing new and moves its streams to a peer that decodes
-        (`router.migration`; with none they run on). Once two heartbeats in a row find it idle, or after
-        `drain_timeout_s` (default `cluster.drain_timeout_s`), it stops; what it held resumes as after a death."""
+        """Drain the worker, stop it, start a new incarnation in its bundle (no restart budget spent): the
+        dispatcher routes it nothing new and moves its streams to a peer (`router.migration`; none: they run
+        on); after two idle heartbeats, or `drain_timeout_s`, it stops; what it held resumes as after a death."""
         slot = self.slots[worker_id]
         timeout_s = self.config.cluster.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         if slot.draining or slot.state is not SlotState.ALIVE:
@@ -224,6 +223,8 @@ class Controller:
             await self._stop(slot, self.config.cluster.heartbeat_timeout_s)
         slot.draining = False
         try:
+            if self._stopping:  # the cluster is shutting down meanwhile: no new incarnation
+                raise RuntimeError("the cluster is shutting down")
             await self._launch(slot)
         except Exception as exc:  # noqa: BLE001 - the watch restarts it as after a crash
             log.error("%s: restart after drain failed: %s", worker_id, last_line(exc))
@@ -233,8 +234,7 @@ class Controller:
 
     async def rolling_restart(self, worker_ids: list[str] | None = None,
                               drain_timeout_s: float | None = None) -> list[dict]:
-        """`restart_worker` on each (default: every worker, prefill first), one at a time: the next
-        starts draining once the one before is ready again."""
+        """`restart_worker` on each (default: all, prefill first), one at a time, each once the last is back."""
         order = worker_ids or sorted(self.slots, key=lambda w: (self.slots[w].role is not p.WorkerRole.PREFILL, w))
         if unknown := [w for w in order if w not in self.slots]:
             raise ValueError(f"no such worker: {', '.join(unknown)} (workers: {', '.join(self.slots)})")
@@ -249,8 +249,8 @@ class Controller:
         """Stop every worker (loop, transport, process) and release the placement groups."""
         self._stopping = True
         for slot in self.slots.values():
-            if slot.task is not None:
-                slot.task.cancel()
+            for task in filter(None, (slot.task, slot.drain_task)):
+                task.cancel()
         await asyncio.gather(*(self._stop(slot, timeout_s) for slot in self.slots.values()), return_exceptions=True)
         for pg in self._pgs:
             remove_placement_group(pg)

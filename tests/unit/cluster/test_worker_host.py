@@ -195,6 +195,40 @@ def test_a_crash_loop_waits_for_the_budget_instead_of_staying_dead_forever():
     assert _crash_and_tick(off, dead) is SlotState.GIVEN_UP and off.launches == 0
 
 
+def test_a_sigterm_beat_drains_the_worker_until_two_idle_beats_then_restarts_it_but_not_while_shutting_down(killed):
+    """A heartbeat saying SIGTERM starts a drain: the slot reads `draining` in the views, is stopped
+    once two beats in a row find it holding nothing, and comes back as a new incarnation with no
+    restart spent; a drain that ends while the cluster shuts down starts nothing."""
+    from common.protocol import PoolStats, WorkerStats
+
+    config = load_serve_config(overrides={"cluster.heartbeat_interval_s": 0.05})
+    stats = WorkerStats("decode", PoolStats(8, 8, 0, 0, 0), None, 0, 0, 0, "")
+
+    async def scenario(stopping: bool) -> tuple[_Slot, _LaunchCounter, dict]:
+        controller = _LaunchCounter(config)
+        slot = _Slot("decode-0", "decode", config.decode, pg=None, bundle_index=0, state=SlotState.ALIVE,
+                     handle=_FakeActor(HostBeat("decode-0", stats, "", 0.0, draining=True)),
+                     budget=RestartBudget(5, 600.0), incarnation=1)
+        controller.slots[slot.worker_id] = slot
+
+        async def stop(slot, timeout_s):
+            slot.state = SlotState.STOPPED
+        controller._stop = stop
+        await controller._beat(slot, 1.0)  # the SIGTERM beat: the drain starts
+        await asyncio.sleep(0)
+        assert slot.draining and (await controller.views())[0].draining and slot.beats_idle == 0
+        controller._stopping = stopping
+        for _ in range(2):  # two idle beats
+            await controller._beat(slot, 1.0)
+        return slot, controller, await asyncio.wait_for(slot.drain_task, 5)
+
+    slot, controller, report = asyncio.run(scenario(False))
+    assert report["restarted"] and controller.launches == 1 and slot.incarnation == 2 and slot.restarts == 0
+    assert not slot.draining and slot.state is SlotState.ALIVE
+    slot, controller, report = asyncio.run(scenario(True))
+    assert not report["restarted"] and "shutting down" in report["why"] and controller.launches == 0
+
+
 @pytest.mark.parametrize("window", [0, -1, 86401])
 def test_restart_window_is_bounded(window):
     with pytest.raises(ConfigError, match=r"cluster.restart_window_s must be in \(0, 86400\]"):

@@ -81,8 +81,6 @@ class DraftState:
     token_ids: list[int] = field(default_factory=list)
     """Tokens a draft head proposed after the last one, verified by the next step; their KV slots
     are allocated (`kv.kv_allocated_len` covers them). Empty while not speculating."""
-    probs: object = None
-    """With sampled drafts: the [k, vocab] distributions they were drawn from (None for greedy)."""
     parents: list[int] | None = None
     """Tree drafts: the verify row of each draft's parent (row 0 is the last token, row i + 1 draft i;
     `kernels.speculative`); None for a chain."""
@@ -92,7 +90,7 @@ class DraftState:
 
     def clear(self) -> None:
         """Drop the drafts (the feature stays until the speculator uses it)."""
-        self.token_ids, self.probs, self.parents = [], None, None
+        self.token_ids, self.parents = [], None
 
 
 ENGINE_MARKS = ("received", "admitted", "tier_load_start", "tier_load_done", "first_token")

@@ -15,15 +15,20 @@ import torch
 from common.config import GREEDY_TEMPERATURE_BELOW
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive steps over the seed space
-_STREAM = 0xD1B54A32D192ED03  # another odd constant: streams of one (seed, step) apart
 
 
-def row_generator(seed: int, step: int, device: torch.device, stream: int = 0) -> torch.Generator:
-    """The generator of a request's draws at output position `step`. `stream` keeps apart draws made
-    for different purposes at one position (the sampler 0; speculative drafts and verification others)."""
+def row_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """The generator of a request's draws at output position `step`."""
     g = torch.Generator(device=device)
-    g.manual_seed((seed * _MIX + step + stream * _STREAM) % (2**63 - 1))
+    g.manual_seed((seed * _MIX + step) % (2**63 - 1))
     return g
+
+
+def race_noise(seed: int, step: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The Exp(1) noise [vocab] `sample` races a request's distribution against at output position
+    `step` (the token is argmax(probs / noise)). Speculative verification and sampled drafts use the
+    same numbers, so they choose what the sampler would (`kernels/speculative.py`)."""
+    return torch.empty(vocab, device=device).exponential_(generator=row_generator(seed, step, device))
 
 
 def adjust_logits(logits: torch.Tensor, params, prompt_ids: Sequence[int], output_ids: Sequence[int],
@@ -114,8 +119,7 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ks: list[int], t
     min_p = None if not min_ps or not any(min_ps[b] for b in rows) else \
         torch.tensor([min_ps[b] for b in rows], dtype=torch.float32, device=dev)
     probs = _filter_top_k_top_p(logits[idx].float() / temp, top_k, top_p, min_p).softmax(dim=-1)  # [R, V]
-    noise = torch.stack([torch.empty(logits.shape[-1], device=dev).exponential_(
-        generator=row_generator(seeds[b], steps[b], dev)) for b in rows])  # [R, V]
+    noise = torch.stack([race_noise(seeds[b], steps[b], vocab, dev) for b in rows])  # [R, V]
     tokens[idx] = (probs / noise).argmax(dim=-1)
     return tokens
 

@@ -75,6 +75,12 @@ def why_not_at_rest(worker) -> str:
 greedy = functools.partial(SamplingParams, temperature=0.0)
 
 
+def sampled(prompts, max_tokens: int = SPEC_MAX_NEW, seed: int = 0) -> list[SamplingParams]:
+    """Seeded temperature-1 sampling over the top 8 tokens, one seed per prompt."""
+    return [SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=8, seed=seed + i, ignore_eos=True)
+            for i in range(len(prompts))]
+
+
 @functools.lru_cache(maxsize=None)
 def smollm2():
     """(LoadedModel, HF reference model) for the bundled SmolLM2-135M-Instruct, fp32, once per process."""

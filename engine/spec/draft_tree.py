@@ -5,9 +5,9 @@ request's last token. Each level's w *frontier* nodes are expanded by the head: 
 likeliest children as *candidates*, scored by cumulative draft log-probability, and the w best of
 those become the next frontier. The verify takes the N best candidates of all levels (`select`; a
 child never scores above its parent, so they form a tree). Greedy and sampled requests grow the
-same trees (sampled ones are verified by the multi-draft rule, `kernels.speculative.
-verify_tree_sampled`, which needs no draft distribution). Width 1 is a chain: greedy, or drawn from
-the head's filtered distribution (`EagleSpeculator._draw`), every node verified.
+same trees (verification follows the target's choice: `kernels.speculative.verify_tree`). Width 1 is
+a chain: greedy, or drawn from the head's filtered distribution with the sampler's noise
+(`EagleSpeculator._draw`), every node verified.
 
 Slots, for a request whose last token ``t`` sits at position c::
 
@@ -37,7 +37,6 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)  # candidate n's parent candidate (-1: the last token)
     scores: list[float] = field(default_factory=list)  # candidate n's cumulative draft log-probability
     frontier: list[int] = field(default_factory=list)  # the expanded candidates, level by level (w per level)
-    probs: list[torch.Tensor] = field(default_factory=list)  # sampled chains: the distribution of each draft
 
     @property
     def levels(self) -> int:
@@ -72,14 +71,12 @@ class DraftTree:
         self.frontier += [first + i for i in best]
         return [i // w for i in best]
 
-    def append(self, token: int, probs: torch.Tensor | None) -> None:
+    def append(self, token: int) -> None:
         """One more draft of a chain."""
         self.parents.append(len(self.tokens) - 1)
         self.tokens.append(token)
         self.scores.append(0.0)
         self.frontier.append(len(self.tokens) - 1)
-        if probs is not None:
-            self.probs.append(probs)
 
     def select(self, num_nodes: int) -> tuple[list[int], list[int] | None]:
         """(tokens, each one's parent as a verify row, or None for a chain) of the `num_nodes` best

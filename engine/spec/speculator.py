@@ -6,8 +6,9 @@ at position ``c`` (``c = kv_committed_len``) and whose drafts ``d_1 .. d_k`` cam
 
     schedule  its verify row: tokens [t, d_1 .. d_k] at positions [c, c + k] (slots allocated already)
     forward   the target scores all k + 1 positions: logits [k + 1, V] and a feature per token
-    verify    greedy: accept while d_i is the target's argmax; sampled: speculative sampling
-              (`kernels/speculative.py`). a drafts accepted -> a + 1 tokens emitted, stop rules per token
+    verify    accept while d_i is the target's choice at its row (greedy: the argmax; sampled: the token
+              the sampler would draw there, `kernels/speculative.py`). a drafts accepted -> a + 1
+              tokens emitted, stop rules per token
     commit    KV of [c, c + a + 1) is valid (t and the accepted drafts); `free_tail(c + a + 1)` frees the
               pages past it (ceil-aligned: a page holding committed tokens stays)
     catch up  the head runs over every position the step committed, with the target's features
@@ -30,8 +31,8 @@ was computed with its writer's next token, which a request sharing the prefix ma
 
 Tree drafting (`engine.speculative_topk` w > 1): the drafts are a `DraftTree` of w nodes per level
 (`draft_tree`; the head's likeliest tokens, for greedy and sampled requests alike), the verify row
-scores all of them under a tree mask, verification walks the tree (greedy: the target's argmax;
-sampled: the multi-draft rule of `kernels/speculative.py`), and the accepted path's target K/V are
+scores all of them under a tree mask, verification walks the tree to the child holding the target's
+choice at each row, and the accepted path's target K/V are
 moved to the slots right after the last token before the commit, so the committed KV is what a chain
 would have left; the catch-up reads the path's features.
 """
@@ -55,9 +56,8 @@ from engine.spec.policy import AdaptivePolicy, FixedPolicy
 from kernels.attention.metadata import build_attn_metadata, slot_of
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.eagle import DraftStyle, EagleDraftHead
-from kernels.sampling import filtered_probs, row_generator
-from kernels.speculative import (row_depths, verify_greedy, verify_sampled, verify_tree_greedy,
-                                 verify_tree_sampled)
+from kernels.sampling import filtered_probs, race_noise, sample
+from kernels.speculative import row_depths, verify_chain, verify_tree
 
 log = logging.getLogger("tandem.engine")
 
@@ -67,10 +67,6 @@ DraftSlots = Callable[[Request, int], bool]
 CATCH_UP_SPLIT_ROWS = 32
 """A catch-up with more unread rows than this writes their draft K/V alone (`EagleDraftHead.write_kv`)
 and runs the whole head layer for the read rows only; fewer cost less than a second call."""
-
-DRAFT_STREAM, VERIFY_STREAM = 1, 2
-"""`kernels.sampling.row_generator` streams: draft draws and verification draws never share numbers."""
-
 
 @dataclass
 class SpecCounters:
@@ -179,42 +175,33 @@ class EagleSpeculator:
     def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
         """The tokens `req`'s verify row emits (1 .. k + 1). logits [k + 1, V] float32: the target's at
         its last token and each draft. The drafts are used up: `req` has none after this."""
-        drafts, draft_probs, parents = req.spec.token_ids, req.spec.probs, req.spec.parents
+        drafts, parents = req.spec.token_ids, req.spec.parents
         req.spec.clear()
-        greedy = req.params.greedy
         if parents is None:
             logits = adjusted_logits(req, logits, drafts)  # row j: after the output and drafts[:j]
-            if greedy:
-                out = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
-            else:
-                probs, uniforms, noise = self._verify_draws(req, logits, len(drafts))
-                out = verify_sampled(probs, draft_probs, drafts, uniforms, noise)
+            out = verify_chain(self._choices(req, logits, list(range(len(drafts) + 1))), drafts)
             self.counters.count(len(drafts), len(out) - 1)
             return out
-        if greedy:
-            out, path = verify_tree_greedy(logits.argmax(dim=-1).tolist(), drafts, parents)
-        else:
-            probs, uniforms, noise = self._verify_draws(req, logits, len(drafts))
-            out, path = verify_tree_sampled(probs, drafts, parents, uniforms, noise)
+        depths = row_depths(parents)
+        out, path = verify_tree(self._choices(req, logits, depths), drafts, parents)
         self._move_path(req, path)
         self._paths[req.request_id] = [0, *path]
-        self.counters.count(max(row_depths(parents)), len(out) - 1)
+        self.counters.count(max(depths), len(out) - 1)
         return out
+
+    @staticmethod
+    def _choices(req: Request, logits: torch.Tensor, depths: list[int]) -> list[int]:
+        """The target's token at each verify row (logits [rows, V]; a row at depth d chooses output
+        position len(output) + d): its argmax, or for a sampled request the sampler's own draw there."""
+        if req.params.greedy:
+            return logits.argmax(dim=-1).tolist()
+        p, n, rows = req.params, len(req.output_token_ids), len(depths)
+        return sample(logits, [p.temperature] * rows, [p.top_k] * rows, [p.top_p] * rows, [req.sample_seed] * rows,
+                      [n + d for d in depths], [p.min_p] * rows).tolist()
 
     def emitted_rows(self, req: Request, num_emitted: int) -> list[int]:
         """The rows of `req`'s last verify its tokens came from: a chain's first, a tree's accepted path."""
         return self._paths.get(req.request_id, list(range(num_emitted)))[:num_emitted]
-
-    @staticmethod
-    def _verify_draws(req: Request, logits: torch.Tensor,
-                      num_drafts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A sampled request's verification inputs: (the target's filtered probs [rows, V], one uniform
-        per draft, Exp(1) noise [rows, V]) from its verification stream at its output position."""
-        p = req.params
-        probs = filtered_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)
-        g = row_generator(req.sample_seed, len(req.output_token_ids), logits.device, VERIFY_STREAM)
-        uniforms = torch.rand(num_drafts, generator=g, device=logits.device)
-        return probs, uniforms, torch.empty_like(probs).exponential_(generator=g)
 
     def _move_path(self, req: Request, path: list[int]) -> None:
         """Move the target K/V of the accepted tree rows `path` to the slots right after the last token
@@ -318,7 +305,6 @@ class EagleSpeculator:
             d += 1
         for req, tree in trees.items():
             req.spec.token_ids, req.spec.parents = tree.select(self._num_nodes(tree.depth))
-            req.spec.probs = torch.stack(tree.probs) if tree.probs else None  # sampled chains
 
     def _num_nodes(self, depth: int) -> int:
         """Nodes a tree of `depth` levels verifies: `tree_nodes`, or topk per level."""
@@ -331,8 +317,8 @@ class EagleSpeculator:
         chains = [i for i, r in enumerate(reqs) if trees[r].width == 1]
         drawn = self._draw_rows([reqs[i] for i in chains], logits[[starts[i] for i in chains]], d - 1)
         parent_rows: list[list[int]] = [[starts[i]] for i in range(len(reqs))]
-        for i, (token, probs) in zip(chains, drawn):
-            trees[reqs[i]].append(token, probs)
+        for i, token in zip(chains, drawn):
+            trees[reqs[i]].append(token)
         for i, req in enumerate(reqs):
             tree = trees[req]
             if tree.width > 1:
@@ -349,27 +335,21 @@ class EagleSpeculator:
         left = min(req.params.max_tokens - len(req.output_token_ids), max_request_tokens - req.num_tokens)
         return max(0, min(self.k, left - 1))
 
-    def _draw_rows(self, reqs: list[Request], logits: torch.Tensor, j: int) -> list[tuple[int, torch.Tensor | None]]:
+    def _draw_rows(self, reqs: list[Request], logits: torch.Tensor, j: int) -> list[int]:
         """Draft j + 1 of each of `reqs` from the head's logits [B, draft vocab] (`_draw`); the greedy
         ones in one argmax and one device -> host copy."""
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         ids = dict(zip(greedy, self.head.to_target_ids(logits[greedy].argmax(-1)).tolist())) if greedy else {}
-        return [(ids[i], None) if i in ids else self._draw(r, logits[i], j) for i, r in enumerate(reqs)]
+        return [ids[i] if i in ids else self._draw(r, logits[i], j) for i, r in enumerate(reqs)]
 
-    def _draw(self, req: Request, logits: torch.Tensor, j: int) -> tuple[int, torch.Tensor | None]:
-        """Draft j + 1 of `req` from the head's logits [draft vocab]: (target token id, the distribution
-        over the target's vocabulary it was drawn from, or None when greedy)."""
-        head = self.head
-        if req.params.greedy:
-            return int(head.to_target_ids(logits.argmax())), None
-        p = req.params
-        q = filtered_probs(logits.unsqueeze(0), p.temperature, p.top_k, p.top_p)[0]  # [draft vocab]
-        g = row_generator(req.sample_seed, len(req.output_token_ids) + j, logits.device, DRAFT_STREAM)
-        noise = torch.empty_like(q).exponential_(generator=g)
-        draft_id = (q / noise).argmax()
-        full = torch.zeros(head.arch.layer.vocab_size, dtype=q.dtype, device=q.device)
-        full[head.token_map] = q
-        return int(head.to_target_ids(draft_id)), full
+    def _draw(self, req: Request, logits: torch.Tensor, j: int) -> int:
+        """Sampled draft j + 1 of `req` (a target id) from the head's logits [draft vocab]: drawn from the
+        head's filtered distribution with the noise the sampler races at that output position, so it is
+        the target's own draw wherever the two distributions pick the same winner."""
+        head, p = self.head, req.params
+        q = filtered_probs(logits.unsqueeze(0), p.temperature, p.top_k, p.top_p, p.min_p)[0]  # [draft vocab]
+        noise = race_noise(req.sample_seed, len(req.output_token_ids) + j, head.arch.layer.vocab_size, logits.device)
+        return int(head.to_target_ids((q / noise[head.token_map]).argmax()))
 
     def _longs(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

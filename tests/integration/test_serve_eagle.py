@@ -134,16 +134,17 @@ def test_greedy_answers_equal_hf_greedy_and_drafts_were_verified(eagle_server, h
 
 
 def test_streams_resume_token_identically_after_the_decode_worker_is_killed(eagle_server):
-    """Last in this module (it kills the decode worker): 4 greedy streams drafting with EAGLE across a
-    SIGKILL of the only decode worker resume on its restart, each the undisturbed text."""
+    """Last in this module (it kills the decode worker): 4 seeded sampled streams (temperature 0.8)
+    drafting with EAGLE across a SIGKILL of the only decode worker resume on its restart, each the
+    undisturbed text: verification chooses the sampler's own draw, so the drafts the restarted
+    worker makes (from a fresh prefill) cannot change a token."""
     import os
     import signal
 
     server = eagle_server
     decode = next(w for w in server.workers() if w["role"] == "decode")
-    undisturbed = seeded_streams(server.base_url, "none", 4, temperature=0.0)
-    faulted = seeded_streams(server.base_url, "none", 4, lambda: os.kill(decode["pid"], signal.SIGKILL),
-                             temperature=0.0)
+    undisturbed = seeded_streams(server.base_url, "none", 4)
+    faulted = seeded_streams(server.base_url, "none", 4, lambda: os.kill(decode["pid"], signal.SIGKILL))
     assert [text for text, _, _ in faulted] == [text for text, _, _ in undisturbed]
     assert all(tokens == 32 for _, tokens, _ in faulted), faulted
     assert metric(server.metrics(), "tandem:request_migrations_total", outcome="resumed") >= 1

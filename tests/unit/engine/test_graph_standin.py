@@ -202,7 +202,7 @@ def _steer_drafts(engine, truth: dict[tuple, list[int]], accept: float, seed: in
         for i, req in enumerate(reqs):
             true, n = truth[tuple(req.prompt_token_ids)], len(req.output_token_ids) + j
             if n < len(true) and rng.random() < accept:
-                drawn[i] = (true[n], drawn[i][1])
+                drawn[i] = true[n]
         return drawn
 
     def grow_steered(reqs, trees, logits, starts, d):

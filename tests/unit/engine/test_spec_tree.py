@@ -1,8 +1,8 @@
 """EAGLE tree drafting in the engine (spec/speculator.py + spec/draft_tree.py) on the tiny Llama.
 
 Lossless: greedy output equals HF transformers' generate token for token with trees of width 2
-and 3, page sizes 1 and 16, with the random head's own trees and with scripted trees (sampled
-requests' trees: the chi-squared test in test_spec_engine.py). A scripted
+and 3, page sizes 1 and 16, with the random head's own trees and with scripted trees; sampled
+requests' trees give the non-speculative engine's sampled tokens, token for token. A scripted
 tree puts the true continuation on a branch chosen at random at each level (the first child or
 another one) and random tokens elsewhere, so accepted paths go through later siblings and deeper
 levels: the accepted path's K/V must be moved to the slots right after the last token, or the
@@ -24,7 +24,7 @@ from engine.spec import speculator as speculator_module
 from engine.spec.factory import make_speculator
 from kernels.model.eagle import DraftStyle
 from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_spec_engine, tiny_draft_head, \
-    tiny_models
+    sampled, tiny_models
 
 MAX_NEW = SPEC_MAX_NEW  # the `reference` fixture's length
 
@@ -116,28 +116,33 @@ def test_without_the_path_move_a_tree_breaks_greedy_output(spec_prompts, referen
 
 
 def test_greedy_and_sampled_requests_draft_trees_in_one_batch(spec_prompts, reference):
-    engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE), speculative_topk=2)
-    seen = {True: 0, False: 0}  # trees drafted, by greedy
-    draft = engine.speculator.draft
+    """Sampled requests' trees are verified against the sampler's own draw at each row's position, so
+    they emit the plain engine's tokens (with the head's trees and with scripted ones that accept
+    along later siblings and deeper levels), beside greedy requests in the same batch."""
+    params = [greedy(max_tokens=MAX_NEW)] * 3 + sampled(spec_prompts[3:])
+    plain = {tuple(r.prompt_token_ids): r.output_token_ids for r in make_engine().generate(spec_prompts, params)}
+    assert [plain[tuple(p)] for p in spec_prompts[:3]] == [reference[tuple(p)] for p in spec_prompts[:3]]
+    for scripted in (False, True):
+        engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE), speculative_topk=2)
+        paths = script_trees(engine, plain, accept=0.8, seed=7) if scripted else None
+        seen = {True: 0, False: 0}  # trees drafted, by greedy
+        draft = engine.speculator.draft
 
-    def spy(running, *args):
-        draft(running, *args)
-        for r in running:
-            if r.spec.token_ids:
-                assert r.spec.parents is not None and r.spec.probs is None
-                depths, k = _depths(r), engine.config.num_draft_tokens  # parents before children (or it raises)
-                assert max(depths) <= k and len(depths) <= 2 * k
-                seen[r.params.greedy] += 1
-    engine.speculator.draft = spy
-    greedy_reqs = [engine.add_request(p, greedy(max_tokens=MAX_NEW)) for p in spec_prompts[:3]]
-    sampled = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=i))
-               for i, p in enumerate(spec_prompts[3:])]
-    while any(r.status is not RequestStatus.FINISHED for r in greedy_reqs + sampled):
-        engine.step()
-    assert seen[True] and seen[False]
-    assert [r.output_token_ids for r in greedy_reqs] == [reference[tuple(p)] for p in spec_prompts[:3]]
-    assert all(len(r.output_token_ids) == MAX_NEW for r in sampled)
-    assert_pool_at_rest(engine)
+        def spy(running, *args):
+            draft(running, *args)
+            for r in running:
+                if r.spec.token_ids:
+                    assert r.spec.parents is not None
+                    depths, k = _depths(r), engine.config.num_draft_tokens  # parents before children (or it raises)
+                    assert max(depths) <= k and len(depths) <= 2 * k
+                    seen[r.params.greedy] += 1
+        engine.speculator.draft = spy
+        assert _outputs(engine, spec_prompts, params) == [plain[tuple(p)] for p in spec_prompts]
+        assert seen[True] and seen[False]
+        if scripted:
+            assert {0, 3} <= set(engine.speculator.counters.accepted_per_verify)
+            assert any(any(row != m for m, row in enumerate(p)) for p in paths), "no path through a later sibling"
+        assert_pool_at_rest(engine)
 
 
 def _depths(req) -> list[int]:
@@ -238,7 +243,7 @@ def test_a_chain_tree_is_the_chain():
 
     tree = DraftTree(depth=3, width=1)
     for token in (7, 8, 9):
-        tree.append(token, None)
+        tree.append(token)
     assert tree.select(2) == ([7, 8, 9], None) and tree.head_mask(2) is None
     assert tree.level_tokens(2) == [8] and tree.parents == [-1, 0, 1]
 

@@ -1,47 +1,80 @@
-"""Draft acceptance (kernels/speculative.py): greedy verification emits exactly the target's greedy
-tokens; speculative sampling emits tokens distributed as the target's, checked by a chi-squared test
-on 20,000 chains (the first emitted token against p_0, the second, where there is one, against p_1),
-a test that fails for a deliberately biased acceptance rule (accept every draft). Trees of chosen
-drafts (`verify_tree_sampled`): every emitted run follows the target's joint along the tree, and the
-same test fails when rejected siblings are not taken out of the residual."""
+"""Draft acceptance (kernels/speculative.py) and the sampler it leans on (kernels/sampling.py).
+
+A verify row's choice is the token the plain sampler draws at that output position, so verification
+emits, token for token, what sampling without drafts emits: checked on a toy "model" (a seeded
+distribution per history) against plain sampling, with random chains and trees of drafts. The
+sampler itself draws from the filtered distribution (chi-squared over 20,000 seeds, a test a draw
+from the unfiltered distribution fails). A sampled chain drafted with the sampler's noise matches
+the target's draw at least as often as the race coupling's bound (1 - TV) / (1 + TV)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
-from kernels.speculative import verify_greedy, verify_sampled, verify_tree_sampled
+from kernels.sampling import filtered_probs, race_noise, sample
+from kernels.speculative import verify_chain, verify_tree
 
-VOCAB, K, CHAINS = 8, 3, 20_000
-CHI2_CRITICAL_DOF7 = 24.32  # chi-squared, 7 degrees of freedom, p = 0.001
-CHI2_CRITICAL_DOF6 = 22.46
+VOCAB, TOP_K, SEEDS = 8, 5, 20_000
+CHI2_CRITICAL_DOF4 = 18.47  # chi-squared, 4 degrees of freedom, p = 0.001
 
 
-def test_greedy_keeps_the_matching_prefix_then_the_targets_token():
-    assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all accepted + bonus
-    assert verify_greedy([5, 6, 7, 8], [5, 9, 7]) == [5, 6]  # stops at the first mismatch
-    assert verify_greedy([5, 6, 7, 8], [1, 6, 7]) == [5]
+def test_a_chain_keeps_the_matching_prefix_then_the_targets_token():
+    assert verify_chain([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all accepted + bonus
+    assert verify_chain([5, 6, 7, 8], [5, 9, 7]) == [5, 6]  # stops at the first mismatch
+    assert verify_chain([5, 6, 7, 8], [1, 6, 7]) == [5]
     with pytest.raises(AssertionError, match="k \\+ 1 positions"):
-        verify_greedy([5, 6], [5, 6])
+        verify_chain([5, 6], [5, 6])
 
 
-def _chains(accept_all: bool, seed: int = 0) -> tuple[torch.Tensor, list[list[int]]]:
-    gen = torch.Generator().manual_seed(seed)
-    target = torch.softmax(torch.randn(K + 1, VOCAB, generator=gen) * 1.5, -1)
-    draft = torch.softmax(torch.randn(K, VOCAB, generator=gen) * 1.5, -1)
-    draft[0, 3] = 0  # a token the draft never proposes (outside a reduced draft vocabulary)
-    draft = draft / draft.sum(-1, keepdim=True)
-    out = []
-    for _ in range(CHAINS):
-        tokens = [int(t) for t in torch.multinomial(draft, 1, generator=gen)[:, 0]]
-        uniforms = torch.zeros(K) if accept_all else torch.rand(K, generator=gen)
-        noise = torch.empty(K + 1, VOCAB).exponential_(generator=gen)
-        out.append(verify_sampled(target, draft, tokens, uniforms, noise))
-    return target, out
+def _logits(history: tuple[int, ...]) -> torch.Tensor:
+    """The toy model: a fixed random logits row per history."""
+    return torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(hash(history) % 2**31)) * 2
+
+
+def _choose(history: tuple[int, ...], seed: int, position: int) -> int:
+    return int(sample(_logits(history), [1.0], [TOP_K], [1.0], [seed], [position]))
+
+
+def _plain(seed: int, n: int) -> list[int]:
+    out: list[int] = []
+    for i in range(n):
+        out.append(_choose(tuple(out), seed, i))
+    return out
+
+
+def _speculated(seed: int, n: int, rng: random.Random, width: int) -> list[int]:
+    """Decode with random draft trees (width 1: chains), some nodes on the plain run's path; each row
+    chooses at its history and position, as the engine's verify does."""
+    truth, out = _plain(seed, n + 4), []
+    while len(out) < n:
+        tokens, parents, depth_of = [], [], [0]
+        for depth in range(1, 4):
+            for _ in range(width):
+                parent = rng.choice([r for r, d in enumerate(depth_of) if d == depth - 1])
+                on_path = rng.random() < 0.6
+                tokens.append(truth[len(out) + depth - 1] if on_path else rng.randrange(VOCAB))
+                parents.append(parent)
+                depth_of.append(depth)
+        rows = [()]  # each row's drafted tokens after `out`
+        for token, parent in zip(tokens, parents):
+            rows.append(rows[parent] + (token,))
+        choices = [_choose(tuple(out) + row, seed, len(out) + len(row)) for row in rows]
+        emitted = verify_chain(choices, tokens) if width == 1 else verify_tree(choices, tokens, parents)[0]
+        out += emitted
+    return out[:n]
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_verification_emits_the_plain_samplers_tokens_whatever_the_drafts(width):
+    rng = random.Random(width)
+    for seed in range(40):
+        assert _speculated(seed, 12, rng, width) == _plain(seed, 12)
 
 
 def _chi2(samples: list[int], probs: torch.Tensor) -> float:
-    """Over the tokens `probs` can produce (any sample outside them: infinite)."""
     counts = torch.bincount(torch.tensor(samples), minlength=VOCAB).double()
     expected = probs.double() * len(samples)
     support = expected > 0
@@ -50,80 +83,25 @@ def _chi2(samples: list[int], probs: torch.Tensor) -> float:
     return float(((counts[support] - expected[support]) ** 2 / expected[support]).sum())
 
 
-def test_emitted_tokens_follow_the_targets_distribution():
-    target, chains = _chains(accept_all=False)
-    assert all(1 <= len(c) <= K + 1 for c in chains)
-    assert _chi2([c[0] for c in chains], target[0]) < CHI2_CRITICAL_DOF7
-    seconds = [c[1] for c in chains if len(c) >= 2]
-    assert len(seconds) > 5_000
-    assert _chi2(seconds, target[1]) < CHI2_CRITICAL_DOF7
-    # token 3 is never drafted at position 0, yet the target's share of it comes out (residual draws)
-    assert sum(c[0] == 3 for c in chains) > 0.5 * target[0, 3] * CHAINS
+def test_the_sampler_draws_from_the_filtered_distribution():
+    logits = _logits((1, 2))
+    probs = filtered_probs(logits, 1.0, TOP_K, 1.0)[0]
+    draws = sample(logits.expand(SEEDS, VOCAB), [1.0] * SEEDS, [TOP_K] * SEEDS, [1.0] * SEEDS,
+                   list(range(SEEDS)), [3] * SEEDS).tolist()
+    assert _chi2(draws, probs) < CHI2_CRITICAL_DOF4
+    assert _chi2(draws, torch.softmax(logits[0], -1)) > 5 * CHI2_CRITICAL_DOF4  # the unfiltered one fails
 
 
-def test_a_biased_rule_that_accepts_every_draft_fails_the_same_test():
-    target, chains = _chains(accept_all=True)
-    assert _chi2([c[0] for c in chains], target[0]) > 10 * CHI2_CRITICAL_DOF7
-
-
-# ---- trees of chosen drafts ----------------------------------------------------------------------
-# row 0's children: rows 1, 2, 3 (tokens 2, 5, 0); row 1's: rows 4, 5 (tokens 4, 1)
-TREE_TOKENS, TREE_PARENTS, TREES = [2, 5, 0, 4, 1], [0, 0, 0, 1, 1], 20_000
-
-
-def _tree_runs(rule=verify_tree_sampled, seed: int = 1) -> tuple[torch.Tensor, list[list[int]]]:
-    gen = torch.Generator().manual_seed(seed)
-    target = torch.softmax(torch.randn(len(TREE_TOKENS) + 1, VOCAB, generator=gen) * 1.5, -1)
-    target[0, 0] = 0  # the third child of the root has target probability 0: never accepted
-    target[0, 2] += 0.5  # enough runs two levels down for the test: 2, then 4
-    target[1, 4] += 0.5
-    target /= target.sum(-1, keepdim=True)
-    runs = []
-    for _ in range(TREES):
-        uniforms = torch.rand(len(TREE_TOKENS), generator=gen)
-        noise = torch.empty(len(TREE_TOKENS) + 1, VOCAB).exponential_(generator=gen)
-        out, path = rule(target, TREE_TOKENS, TREE_PARENTS, uniforms, noise)
-        assert [TREE_TOKENS[r - 1] for r in path] == out[:len(path)] and len(out) == len(path) + 1
-        runs.append(out)
-    return target, runs
-
-
-def test_a_tree_of_chosen_drafts_emits_the_targets_joint_along_the_tree():
-    target, runs = _tree_runs()
-    assert _chi2([r[0] for r in runs], target[0]) < CHI2_CRITICAL_DOF6  # token 0: p = 0, never emitted
-    for first, row in ((2, 1), (5, 2)):  # after an accepted child, its own row's distribution
-        seconds = [r[1] for r in runs if r[0] == first]
-        assert len(seconds) > 1_000
-        assert _chi2(seconds, target[row]) < CHI2_CRITICAL_DOF7
-    thirds = [r[2] for r in runs if r[:2] == [2, 4]]  # two levels down
-    assert len(thirds) > 1_000 and _chi2(thirds, target[4]) < CHI2_CRITICAL_DOF7
-    assert all(len(r) == 1 or r[0] in (2, 5) for r in runs) and max(map(len, runs)) == 3
-
-
-def test_a_rejected_sibling_leaves_the_residual_and_the_next_sibling_takes_its_share():
-    probs = torch.zeros(3, VOCAB)
-    probs[0, 2] = probs[0, 5] = 0.5
-    probs[1:, 7] = 1.0
-    noise = torch.ones(3, VOCAB)
-    # child 1 (token 2) rejected (u = 0.9 >= 0.5); child 2 (token 5) then holds all of the residual
-    assert verify_tree_sampled(probs, [2, 5], [0, 0], torch.tensor([0.9, 0.99]), noise) == ([5, 7], [2])
-    assert verify_tree_sampled(probs, [2, 5], [0, 0], torch.tensor([0.1, 0.99]), noise) == ([2, 7], [1])
-
-
-def _no_residual(target, tokens, parents, uniforms, noise):
-    """Biased: each child accepted with its own p(d), rejected siblings left in the distribution."""
-    out, path, row = [], [], 0
-    while True:
-        child = next((c for c, parent in enumerate(parents, 1)
-                      if parent == row and uniforms[c - 1] < target[row, tokens[c - 1]]), -1)
-        if child < 0:
-            out.append(int((target[row] / noise[row]).argmax()))
-            return out, path
-        out.append(tokens[child - 1])
-        path.append(child)
-        row = child
-
-
-def test_the_same_tree_test_fails_when_rejected_siblings_stay_in_the_residual():
-    target, runs = _tree_runs(_no_residual)
-    assert _chi2([r[0] for r in runs], target[0]) > 10 * CHI2_CRITICAL_DOF7
+def test_a_chain_drawn_with_the_samplers_noise_matches_the_targets_draw_often():
+    gen = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(VOCAB, generator=gen), -1)
+    q = torch.softmax(torch.log(p) + 0.5 * torch.randn(VOCAB, generator=gen), -1)  # a close draft
+    tv = float((p - q).abs().sum()) / 2
+    n, same, self_same = 4_000, 0, 0
+    for seed in range(n):
+        noise = race_noise(seed, 0, VOCAB, torch.device("cpu"))
+        target = int((p / noise).argmax())
+        same += int((q / noise).argmax()) == target
+        self_same += int((p / noise).argmax()) == target
+    assert self_same == n  # the same distribution: always the target's draw
+    assert same / n > (1 - tv) / (1 + tv) - 0.02 and same / n > 0.5

@@ -19,7 +19,7 @@ import kernels.attention.torch_backend as torch_backend
 from kernels.attention import build_attn_metadata, get_backend
 from kernels.attention.metadata import TreeMask
 from kernels.cuda.triton_backend import TritonAttentionBackend
-from kernels.speculative import ancestor_mask, verify_tree_greedy, verify_tree_mask
+from kernels.speculative import ancestor_mask, verify_tree, verify_tree_mask
 from tests.helpers import random_page_tables
 
 pytestmark = pytest.mark.isa  # ATen's CPU flash attention vectorises for this CPU
@@ -139,7 +139,7 @@ def test_greedy_tree_verification_follows_the_target_through_the_tree():
     drafts = [10, 11, 12, 13, 14, 15, 16]  # rows 1..7, parents PARENTS
     # row 0 wants 10 (row 1), row 1 wants 14 (row 5), row 5 wants 15 (row 6), row 6 wants 99: stop
     argmax = [10, 14, 0, 0, 0, 15, 99, 0]
-    assert verify_tree_greedy(argmax, drafts, PARENTS) == ([10, 14, 15, 99], [1, 5, 6])
-    assert verify_tree_greedy([7] + [0] * 7, drafts, PARENTS) == ([7], [])  # no child of the root matches
+    assert verify_tree(argmax, drafts, PARENTS) == ([10, 14, 15, 99], [1, 5, 6])
+    assert verify_tree([7] + [0] * 7, drafts, PARENTS) == ([7], [])  # no child of the root matches
     argmax = [11, 0, 12, 0, 0, 0, 0, 0]  # row 2 (token 11), then 12: row 3 holds it, but under row 1
-    assert verify_tree_greedy(argmax, drafts, PARENTS) == ([11, 12], [2])
+    assert verify_tree(argmax, drafts, PARENTS) == ([11, 12], [2])

@@ -7,7 +7,8 @@
 
 every prompt's KV crossing a link over Mooncake TCP. Beside the local run's faults (workers killed,
 SIGTERMed, rolling-restarted; Redis killed and restarted), a host's link is cut for `LINK_DOWN_S`
-and restored (`cut_decode_link`, `cut_prefill_link`). Needs root and iproute2; cleans up after
+and restored (`cut_decode_link`, `cut_prefill_link`), or made far and lossy for `LOSSY_S`
+(`lossy_decode_link`: `LOSSY_DELAY_MS` each way, `LOSSY_LOSS_PCT`% of frames lost). Needs root and iproute2; cleans up after
 itself (and `scripts/netns_cluster.py down` after a run that died).
 
     sudo .venv/bin/python scripts/netns_chaos.py --duration-s 600 --json chaos-netns.json
@@ -30,11 +31,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cluster.bench.chaos import _print, add_chaos_args, run_chaos  # noqa: E402 - after the path
+from cluster.bench.chaos import _print, add_chaos_args, fault_kinds, run_chaos  # noqa: E402 - after the path
 from cluster.bench.chaos_targets import REDIS_DOWN_S, WORKER_FAULTS, hurt_worker  # noqa: E402
 from scripts.netns_cluster import NetnsCluster, serve_config, unavailable  # noqa: E402
 
 LINK_DOWN_S = 10.0
+LOSSY_S, LOSSY_DELAY_MS, LOSSY_LOSS_PCT = 20.0, 40.0, 3.0
 REDIS_PORT = 6390
 SERVE_PORT = 8000
 
@@ -51,7 +53,7 @@ def serve_flags(gateway_ip: str, args) -> list[str]:
 class NetnsTarget:
     """The three-host cluster: worker faults through its gateway, Redis on the head host, link cuts."""
 
-    kinds = (*WORKER_FAULTS, "kill_redis", "cut_decode_link", "cut_prefill_link")
+    kinds = (*WORKER_FAULTS, "kill_redis", "cut_decode_link", "cut_prefill_link", "lossy_decode_link")
 
     def __init__(self, net: NetnsCluster) -> None:
         self.net, self.redis = net, None
@@ -78,12 +80,16 @@ class NetnsTarget:
         if host in self._down:
             return False
         self._down.add(host)
-        self.net.cut(host)
+        lossy = kind.startswith("lossy")
+        if lossy:
+            self.net.netem(host, LOSSY_DELAY_MS, LOSSY_LOSS_PCT)
+        else:
+            self.net.cut(host)
 
         def restore() -> None:
-            self.net.restore(host)
+            self.net.netem(host) if lossy else self.net.restore(host)
             self._down.discard(host)
-        self._later(LINK_DOWN_S, restore)
+        self._later(LOSSY_S if lossy else LINK_DOWN_S, restore)
         return True
 
     @staticmethod
@@ -101,6 +107,10 @@ def main() -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     if args.once:
         parser.error("--once is the local run's (`tandem bench chaos --once`)")
+    try:
+        fault_kinds(NetnsTarget, args.faults)
+    except ValueError as exc:
+        parser.error(str(exc))
     why = unavailable()
     if why:
         print(f"netns chaos: {why}", file=sys.stderr)

@@ -10,7 +10,8 @@ Each host's processes run through `ip netns exec` in an OS session of their own,
 killed as a machine dies (every process in its namespace at once); its files live under the
 cluster's work directory. Faults: `cut(host)` / `restore(host)` set the host's link down and up
 (`ip link set ... down`), `netem(host, delay_ms, loss_pct)` delays and drops on it (`tc qdisc ...
-netem`, where the kernel has it), `throttle(host, rate_kbit)` slows it (`tbf`), `kill(host)` SIGKILLs
+netem` where the kernel has it, else `scripts/link_relay.py` in user space between the host's veth
+and the bridge), `throttle(host, rate_kbit)` slows it (`tbf`), `kill(host)` SIGKILLs
 every process in it. `down()` stops everything and removes the namespaces,
 the links and the bridge; `sweep()` removes any left by a run that died.
 
@@ -77,6 +78,7 @@ class NetnsCluster:
     hosts: dict[str, Host]
     bridge: str
     procs: list[subprocess.Popen] = field(default_factory=list)
+    relays: dict[str, subprocess.Popen] = field(default_factory=dict)  # host -> its link's user-space netem
 
     @classmethod
     def up(cls, names: tuple[str, ...] = HOSTS) -> NetnsCluster:
@@ -131,19 +133,47 @@ class NetnsCluster:
     def restore(self, host: str) -> None:
         _ip("link", "set", self.hosts[host].veth, "up")
 
-    def netem(self, host: str, delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:
-        """Delay and loss on traffic to `host` (0, 0: the link as it was). RuntimeError, saying so,
-        where the kernel has no netem queueing discipline (sch_netem)."""
+    def netem(self, host: str, delay_ms: float = 0.0, loss_pct: float = 0.0, seed: int = 0) -> None:
+        """Delay and loss on `host`'s link (0, 0: the link as it was): `tc netem` on traffic to the
+        host where the kernel has it; else every frame either way through `scripts/link_relay.py`."""
+        self.unshape(host)
         if not delay_ms and not loss_pct:
-            return self.unshape(host)
-        self._tc(host, "netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%")
+            return
+        try:
+            self._tc(host, "netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%")
+        except RuntimeError:
+            self._relay(host, delay_ms, loss_pct, seed)
+
+    def _relay(self, host: str, delay_ms: float, loss_pct: float, seed: int) -> None:
+        veth = self.hosts[host].veth
+        tap = f"{veth}t"
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("link_relay.py")), veth, tap,
+                                 "--delay-ms", str(delay_ms), "--loss-pct", str(loss_pct), "--seed", str(seed)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        first = proc.stdout.readline().strip()  # "ready", or why not
+        if first != "ready":
+            proc.kill()
+            raise RuntimeError(f"the user-space netem for {host} did not start: {first} {proc.stdout.read()[-2000:]}")
+        self.relays[host] = proc
+        _ip("link", "set", veth, "nomaster")
+        _ip("link", "set", tap, "master", self.bridge, "up")
 
     def throttle(self, host: str, rate_kbit: int) -> None:
         """Traffic to `host` at most `rate_kbit` kbit/s (a token bucket: a slow link)."""
         self._tc(host, "tbf", "rate", f"{rate_kbit}kbit", "burst", "32kbit", "latency", "400ms")
 
     def unshape(self, host: str) -> None:
+        """`host`'s link as it was: no queueing discipline, no relay (its veth back on the bridge)."""
         subprocess.run(["tc", "qdisc", "del", "dev", self.hosts[host].veth, "root"], capture_output=True, timeout=30)
+        proc = self.relays.pop(host, None)
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            _ip("link", "set", self.hosts[host].veth, "master", self.bridge)
 
     def _tc(self, host: str, kind: str, *args: str) -> None:
         done = subprocess.run(["tc", "qdisc", "replace", "dev", self.hosts[host].veth, "root", kind, *args],
@@ -153,6 +183,8 @@ class NetnsCluster:
 
     def down(self) -> None:
         """Kill every host's processes, remove the namespaces, links, bridge and work directory."""
+        for name in list(self.relays):
+            self.unshape(name)
         for name in self.hosts:
             self.kill(name)
         for proc in self.procs:

@@ -8,7 +8,8 @@ compared, and the report says what became of each.
     faults   every ~`--fault-every-s` (exponential), one of the target's (`cluster/bench/chaos_targets.py`):
              SIGKILL the decode or the prefill worker, SIGTERM the decode worker (drained, then
              restarted), a rolling restart of it, SIGKILL Redis (restarted later); across network
-             hosts also a link cut; each fault's recovery time is until a 1-token probe answers 200 again
+             hosts also a link cut or made far and lossy; `--faults` picks kinds; each fault's
+             recovery time is until a 1-token probe answers 200 again
     damage   `cluster.inject_faults`: landed prompt pages and host-tier pages damaged at random
              (`common/chaos.py`), each to be caught by its checksum and computed again
     verdict  sent; completed and token-identical to the undisturbed replay; completed but different
@@ -27,6 +28,7 @@ import contextlib
 import json
 import logging
 import random
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -152,14 +154,14 @@ async def _probe(base_url: str) -> bool:
         return False
 
 
-async def _faults(target: ChaosTarget, start: float, stop_at: float, every_s: float,
+async def _faults(target: ChaosTarget, kinds: tuple[str, ...], start: float, stop_at: float, every_s: float,
                   rng: random.Random, records: list[FaultRecord]) -> None:
     base_url = target.url
     while True:
         await asyncio.sleep(rng.expovariate(1.0 / every_s))
         if time.monotonic() >= stop_at:
             return
-        kind = rng.choice(target.kinds)
+        kind = rng.choice(kinds)
         at = time.monotonic()
         if not await asyncio.to_thread(target.inflict, kind):
             continue
@@ -224,6 +226,8 @@ def add_chaos_args(p) -> None:
                    help="cluster.inject_faults of the server: KV damaged on purpose (\"\" for none)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to `tandem serve`")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument("--faults", default="", metavar="KIND[,KIND...]",
+                   help="only these fault kinds (default: every kind the cluster has; the report lists them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE")
     p.add_argument("--once", choices=("kill_decode", "kill_prefill"),
@@ -236,6 +240,11 @@ def bench_chaos(args) -> int:
     from cluster.bench.serve import SpawnedServer, wait_ready
     from kv_store.l3.redis_process import RedisServer
 
+    try:
+        fault_kinds(LocalTarget, args.faults)
+    except ValueError as exc:
+        print(f"tandem bench chaos: {exc}", file=sys.stderr)
+        return 2
     workdir = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
     redis = RedisServer(workdir / "redis").start()
     # every prompt crosses to the decode worker (the transfer checks run), whose small pool keeps its host
@@ -262,6 +271,15 @@ def bench_chaos(args) -> int:
     return 0 if ok else 1
 
 
+def fault_kinds(target: ChaosTarget, wanted: str) -> tuple[str, ...]:
+    """The kinds `--faults` names (all of the target's when empty); ValueError naming the valid ones."""
+    kinds = tuple(k for k in wanted.split(",") if k) or tuple(target.kinds)
+    unknown = [k for k in kinds if k not in target.kinds]
+    if unknown:
+        raise ValueError(f"--faults: no fault kind {', '.join(unknown)} here; kinds: {', '.join(target.kinds)}")
+    return kinds
+
+
 async def run_chaos(target: ChaosTarget, args) -> dict:
     """The load, the faults, the replay on `target`; the report (`_print` shows it)."""
     import httpx
@@ -274,7 +292,8 @@ async def run_chaos(target: ChaosTarget, args) -> dict:
     stop_at = start + args.duration_s
     clients = [asyncio.create_task(_client(i, base_url, stop_at, args.max_tokens, sent, args.seed))
                for i in range(args.streams)]
-    faults = asyncio.create_task(_faults(target, start, stop_at, args.fault_every_s, rng, records))
+    faults = asyncio.create_task(_faults(target, fault_kinds(target, args.faults), start, stop_at,
+                                         args.fault_every_s, rng, records))
     watch, watching = CounterWatch(), asyncio.Event()
     watcher = asyncio.create_task(_watch(base_url, watch, watching))
     await asyncio.gather(*clients)

@@ -1,7 +1,9 @@
 """`tandem serve --address` across real (virtual) network hosts: three network namespaces on a bridge
 (`scripts/netns_cluster.py`): the Ray head and the gateway on one; the prefill worker and a second
 decode worker on the prefill host; decode-0 alone on the decode host; KV crossing the links between
-them over Mooncake TCP. HF's greedy text over HTTP; then the decode host's link is cut for 10 s
+them over Mooncake TCP. HF's greedy text over HTTP, also with the decode host's link slowed (a token
+bucket) and then far and lossy (40 ms each way, 3% of frames lost: netem, or its user-space stand-in
+where the kernel lacks it); then the decode host's link is cut for 10 s
 under load: the streams there resume on the live decode worker, so every stream completes with the
 text it has undisturbed, none hangs, and once the link is back the cluster serves HF's text again.
 
@@ -106,6 +108,31 @@ def test_workers_on_their_hosts_serve_hfs_text_with_kv_crossing_the_link(net, re
             assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == reference[prompt], resp.text
     finally:
         net.unshape("decode")
+    decode_addr = next(w["session"] for w in found.values() if where[w["worker_id"]] == "decode")
+    assert handshake_ms(decode_addr) < 5
+    net.netem("decode", delay_ms=40, loss_pct=3)  # a far, lossy link: TCP retransmits, nothing goes wrong
+    try:
+        assert handshake_ms(decode_addr) > 70, "the link's delay did not take"
+        for prompt in PROMPTS:
+            resp = complete(net, prompt)
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == reference[prompt], resp.text
+    finally:
+        net.netem("decode")
+    assert handshake_ms(decode_addr) < 5
+
+
+def handshake_ms(addr: str) -> float:
+    """Median time of 5 TCP connects to `addr` ("ip:port"): one round trip over the link."""
+    import socket
+    import statistics
+
+    host, port = addr.rsplit(":", 1)
+    times = []
+    for _ in range(5):
+        start = time.monotonic()
+        socket.create_connection((host, int(port)), timeout=30).close()
+        times.append((time.monotonic() - start) * 1000)
+    return statistics.median(times)
 
 
 def test_cutting_the_decode_hosts_link_under_load_loses_no_stream(net, reference):

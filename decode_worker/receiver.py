@@ -29,11 +29,11 @@ from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput, step_output
 from engine.request import FinishReason, Request, RequestStatus, prefill_marks
 from kv_store.copier import CopyJob
-from kv_store.l3.codec import PageBytes
 from kv_store.landing import LandingPool
 from kv_store.req_kv import ReleaseReason, ReqKV
 from kv_store.residency import Residency, move_residency
 from kv_store.transfer.base import Transport
+from kv_store.transfer.page_digest import PageDigest
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
 
 log = logging.getLogger("tandem.decode")
@@ -90,7 +90,7 @@ class KVReceiver(NullConnector):
         self._arrived: list[tuple[Request, ReqKV]] = []
         self._regions = contextlib.ExitStack()
         self.landing = LandingPool(ports.device_pool, host_pages)
-        self._page_bytes, self.checksum_failures = PageBytes(self.landing.kv), 0
+        self._digest, self.checksum_failures = PageDigest(self.landing.kv), 0
         for t in (*self.landing.kv.k, *self.landing.kv.v):
             self._regions.enter_context(self.transport.register_tensor(t))
         self.others = others() if others is not None else None
@@ -260,8 +260,8 @@ class KVReceiver(NullConnector):
         before its first token goes out."""
         pages = ib.landed_kv.pages[:len(sums)]
         if pages and chaos.strike("landing"):
-            chaos.damage(self._page_bytes.first_bytes(pages[0]))
-        bad = [i for i, (page, crc) in enumerate(zip(pages, sums)) if self._page_bytes.crc32(page) != crc]
+            self._digest.damage(pages[0])
+        bad = [i for i, (got, sent) in enumerate(zip(self._digest.digests(pages), sums)) if got != sent]
         if not bad:
             return True
         self.checksum_failures += 1

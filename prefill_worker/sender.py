@@ -34,11 +34,11 @@ from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput
 from engine.request import FinishReason, Request, RequestStatus
 from kv_store.copier import CopyJob
-from kv_store.l3.codec import PageBytes
 from kv_store.req_kv import ceil_div
 from kv_store.stream_order import order_for
 from kv_store.transfer.base import TransferError, TransferStatus, Transport
 from kv_store.transfer.heads import SourceKV, sent_heads
+from kv_store.transfer.page_digest import PageDigest
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
 from prefill_worker.rank_writes import OtherRanks, ShardWrites
 from prefill_worker.staging import StagingPages, reads_in_place
@@ -74,7 +74,7 @@ class _Shipment:
     pages_done: int = 0
     copies: list[_Staged] = field(default_factory=list)  # staged only: copies not yet written, in order
     deferred: bool = False  # staged only: completed pages staging had no room for yet
-    sums: dict = field(default_factory=dict)  # staged only: request page index -> CRC-32 of its staged copy
+    sums: dict = field(default_factory=dict)  # staged only: request page index -> digest of its staged copy
 
 
 class KVSender(NullConnector):
@@ -106,9 +106,9 @@ class KVSender(NullConnector):
         for t in (*shipped_from.k, *shipped_from.v):
             self._regions.enter_context(self.transport.register_tensor(t))
         self.writes = ShardWrites(transport, others)
-        # each landing page's CRC-32 for the decode side to verify, read where the transport reads it (a
-        # device pool read in place is not summed: a device-side sum belongs in a kernel)
-        self._sums = PageBytes(shipped_from) if others is None and shipped_from.k[0].device.type == "cpu" else None
+        # each landing page's digest for the decode side to verify, computed where the transport reads it
+        # (a device pool read in place: on its device); over ranks each holds a part of a page: not yet
+        self._sums = PageDigest(shipped_from) if others is None else None
         heads = () if others is None else (others.held[0], sent_heads(others.held, 0))
         self._source = SourceKV.of(shipped_from, *heads)
         layout = ports.device_pool.layout  # landings are laid out for the whole model's heads
@@ -282,8 +282,7 @@ class KVSender(NullConnector):
                 self.staging.give_back(staged.staging_pages)
                 continue
             if self._sums is not None:  # the staged copy is what the transport reads
-                shipment.sums.update((staged.start + i, self._sums.crc32(page))
-                                     for i, page in enumerate(staged.staging_pages))
+                shipment.sums.update(enumerate(self._sums.digests(staged.staging_pages), staged.start))
             handle = self._write(shipment, staged.staging_pages, staged.start, staged.stop)
             if handle is None:
                 self.staging.give_back(staged.staging_pages)
@@ -353,13 +352,13 @@ class KVSender(NullConnector):
             del self.shipments[rid]
 
     def _page_sums(self, req: Request, shipment: _Shipment) -> tuple[int, ...]:
-        """CRC-32 of each prompt page as written into its landing (whole pages: one decode rank)."""
+        """The digest of each prompt page as written into its landing (whole pages: one decode rank)."""
         num_pages = len(shipment.landing.page_ids)
         if self._sums is None or shipment.landing.shards:
             return ()
         if self.staging is not None:
             return tuple(shipment.sums[i] for i in range(num_pages)) if len(shipment.sums) >= num_pages else ()
-        return tuple(self._sums.crc32(page) for page in req.kv.pages[:num_pages])
+        return tuple(self._sums.digests(req.kv.pages[:num_pages]))
 
 
 def first_logprobs(req: Request) -> tuple:

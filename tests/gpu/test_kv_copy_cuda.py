@@ -98,3 +98,19 @@ def test_staged_copies_when_asked():
             copy_and_check(copier, direction, seed)
     finally:
         copier.close()
+
+
+@DTYPES
+def test_transfer_page_digests_on_the_gpu_equal_the_cpus(dtype):
+    """A device pool read in place is digested on its GPU (`kv_store/transfer/page_digest.py`); a
+    landing in host memory is digested on the CPU: the same bytes give the same digests."""
+    from kv_store.transfer.page_digest import PageDigest
+
+    device, host = tiers(dtype)
+    src, dst = pages(Direction.TO_HOST, 24, seed=5)
+    for s, d in zip(src, dst):
+        for a, b in zip((*host.k, *host.v), (*device.k, *device.v)):
+            a[d].copy_(b[s])
+    assert PageDigest(device).digests(src) == PageDigest(host).digests(dst)
+    PageDigest(device).damage(src[3])
+    assert PageDigest(device).digests(src)[3] != PageDigest(host).digests(dst)[3]

@@ -15,9 +15,7 @@ from common.grammar_spec import GrammarSpec
 
 DTYPES = ("float32", "bfloat16", "float16")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "cpu", "torch")
-"""`auto` and the names of `kernels.attention.BACKEND_NAMES` (this module imports nothing of tandem's
-but `common.grammar_spec`)."""
+ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "cpu", "torch")  # `auto` + kernels.attention.BACKEND_NAMES
 SPECULATIVE_METHODS = ("none", "eagle")
 
 
@@ -249,7 +247,10 @@ class EngineConfig:
     memory budget (`memory.budget_gib`, cluster/serve/memory.py); an engine made alone takes
     `DEFAULT_KV_MEMORY_GIB`."""
     chunk_size: int = 512
-    """Prefill tokens per scheduler step (chunked prefill); decode tokens are not counted."""
+    """Prefill tokens per scheduler step (chunked prefill); decode tokens are not counted. A prompt
+    that has waited `prefill_age_boost_s` adds one more chunk to every step's budget per such wait,
+    up to 4 chunks (`engine/scheduler.py`: no prompt waits unboundedly behind decode steps)."""
+    prefill_age_boost_s: float = 2.0
     max_running_requests: int = 64
     """Requests in the running batch at most."""
     max_model_len: int | None = None
@@ -339,6 +340,8 @@ class EngineConfig:
                  f"num_pages must be >= 2 (scratch page + one usable), got {self.num_pages}")
         require(self.kv_memory_gib is None or self.kv_memory_gib > 0, f"kv_memory_gib must be > 0, got {self.kv_memory_gib}")
         require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
+        require(_is_real(self.prefill_age_boost_s) and self.prefill_age_boost_s >= 0,
+                f"prefill_age_boost_s must be a number >= 0 (0: off), got {self.prefill_age_boost_s!r}")
         require(self.max_running_requests >= 1, f"max_running_requests must be >= 1, got {self.max_running_requests}")
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(self.attention_backend in ATTENTION_BACKENDS,

@@ -4,7 +4,10 @@ Every running request advances by `num_uncomputed` tokens per step — 1 while d
 while prefilling — so a step is one ragged forward. Policy per step:
 
 1. Running requests, oldest first: a decode row each; a prefill chunk from the shared budget of
-   `chunk_size` tokens. When the pool cannot supply a page (after evicting the prefix cache), the
+   `chunk_size` tokens, one more `chunk_size` for each `prefill_age_boost_s` the longest-waiting
+   prompt (running or queued) has waited since the engine received it, up to `MAX_BUDGET_CHUNKS`:
+   under a backlog the step grows, so prompts stop waiting behind decode steps (a longer step for
+   the decoding streams while it lasts). When the pool cannot supply a page (after evicting the prefix cache), the
    newest running request is retracted: its KV is released (committed pages go to the prefix
    cache, so resuming is mostly a cache hit) and it returns to the front of the waiting queue.
 2. Waiting requests, in arrival order, while budget, batch slots and pages last (none in a step that
@@ -15,6 +18,7 @@ while prefilling — so a step is one ragged forward. Policy per step:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +29,10 @@ from engine.runner import ForwardRow
 from engine.sessions import NullSessions, SessionManager
 from kv_store.hicache import HostCache, NullHostCache
 from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
+
+
+MAX_BUDGET_CHUNKS = 4
+"""A step's prefill budget at most, in `chunk_size`s (the age boost's cap)."""
 
 
 @dataclass
@@ -94,13 +102,23 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         self._poll_loads()
         step = ScheduledStep(relocation_version=self.relocation_version())
-        budget = self.config.chunk_size
+        budget = self.prefill_budget(time.monotonic())
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status is RequestStatus.RUNNING:
                 budget -= self._schedule_running(req, budget, step)
         if not step.retracted:
             self._admit_waiting(budget, step)
         return step
+
+    def prefill_budget(self, now: float) -> int:
+        """Prompt tokens this step may compute: `chunk_size`, plus one per `prefill_age_boost_s` the
+        longest-waiting prompt has waited (module docstring)."""
+        chunk, boost_s = self.config.chunk_size, self.config.prefill_age_boost_s
+        waits = [now - r.timings["received"] for r in (*self.running, *self.waiting)
+                 if r.status is RequestStatus.WAITING or r.num_uncomputed > 1]
+        if not boost_s or not waits:
+            return chunk
+        return chunk * min(MAX_BUDGET_CHUNKS, 1 + int(max(waits) // boost_s))
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request for any reason: its KV goes through the single release path."""

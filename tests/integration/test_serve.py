@@ -288,12 +288,12 @@ def test_client_disconnect_aborts_and_releases_kv_everywhere(cluster):
 
 
 def test_random_traffic_with_disconnects_leaks_nothing(cluster):
-    """40 requests at once: streaming or not, random lengths, a third of the streams dropped by
+    """28 requests at once: streaming or not, random lengths, a third of the streams dropped by
     the client at a random point; afterwards every worker is at rest with integrity intact."""
     server = cluster
     rng = random.Random(21)
-    plans = [dict(stream=rng.random() < 0.7, max_tokens=rng.randrange(1, 40), leave_after=rng.randrange(1, 6),
-                  drop=rng.random() < 0.35, words=rng.randrange(1, 120)) for _ in range(40)]
+    plans = [dict(stream=rng.random() < 0.7, max_tokens=rng.randrange(1, 28), leave_after=rng.randrange(1, 6),
+                  drop=rng.random() < 0.35, words=rng.randrange(1, 80)) for _ in range(28)]
 
     async def one(http: httpx.AsyncClient, i: int, plan: dict) -> str:
         body = {"model": "smollm2", "prompt": f"{i}: " + "memory page " * plan["words"], "ignore_eos": True,
@@ -316,7 +316,7 @@ def test_random_traffic_with_disconnects_leaks_nothing(cluster):
 
     outcomes = asyncio.run(traffic())
     assert set(outcomes) <= {"ok", "dropped"}, outcomes
-    assert outcomes.count("dropped") >= 5
+    assert outcomes.count("dropped") >= 3
     wait_workers_at_rest(server, timeout_s=60)
 
 

@@ -221,6 +221,9 @@ class PrefillLane:
         self._queue: deque[tuple[object, int]] = deque()
         self.queued_tokens = 0
         self.window_tokens = 0
+        self.hold: tuple[object, float] | None = None
+        """(an item refused a landing and backing off, until when): the lane takes nothing meanwhile
+        (`router/transfer_phase.py`: younger requests would take the room it waits for)."""
 
     @property
     def num_queued(self) -> int:
@@ -246,12 +249,15 @@ class PrefillLane:
                 return True
         return False
 
-    def take_ready(self) -> list[tuple[object, int]]:
-        """Move queued items into the window, in order, while they fit; returns them."""
+    def take_ready(self, only: object = None) -> list[tuple[object, int]]:
+        """Move queued items into the window, in order, while they fit; returns them. `only`: the lane
+        is held for that item: it alone may go, when it is first."""
         ready = []
         while self._queue:
             item, num_tokens = self._queue[0]
             if self.window_tokens and self.window_tokens + num_tokens > self.max_window_tokens:
+                break
+            if only is not None and (item is not only or ready):
                 break
             self._queue.popleft()
             self.queued_tokens -= num_tokens

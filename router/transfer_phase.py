@@ -5,7 +5,12 @@ the messages between the two workers relayed meanwhile (`KVProgress`, `KVComplet
 `TransferAborted` to decode; `AbortTransfer` to prefill).
 
 A reservation the decode worker cannot land yet (its host tier is full) backs off for
-`reserve_retry_s` and is routed afresh, until `landing_timeout_s` after its first try.
+`reserve_retry_s` and is routed afresh (to the front of its lane), until `landing_timeout_s` after
+its first try. Until it has its landing its prefill lane is held for it: nothing younger enters
+the window, so nothing younger takes the landing room it waits for (a long prompt was refused again
+and again while shorter ones filled the room it freed: 30 s of a 41 s first token on a trace
+slice). The hold lapses `HOLD_SLACK_S` past the retry, so a flight that ends or a decode worker
+that does not answer cannot stall the lane.
 
 `TransferPhase` is mixed into `router.dispatcher.Dispatcher` and works on its state: it alone moves
 the `Transfer` records (`router.flights`); a flight's routing and endings stay the dispatcher's.
@@ -21,6 +26,9 @@ from router.backend import BackendError, ErrorKind
 from router.flights import Flight, Phase, Transfer
 from router.state import RouterState
 from router.workers import LiveWorker
+
+
+HOLD_SLACK_S = 1.0
 
 
 class TransferPhase:
@@ -46,12 +54,24 @@ class TransferPhase:
         """Reserve landings for the queued requests that fit the prefill worker's window now."""
         if prefill.gone:
             return
-        for flight, num_tokens in prefill.lane.take_ready():
+        for flight, num_tokens in prefill.lane.take_ready(only=self._holder(prefill)):
             flight.move(Phase.RESERVING)
             if flight.reserve_started_at is None:
                 flight.reserve_started_at = self.clock()
             self._transfers[flight.wire_id] = Transfer(prefill, flight.decode, num_tokens)
             flight.decode.send(p.Reserve(flight.wire_id, tuple(flight.prompt), flight.params, prefill.peer_id))
+
+    def _holder(self, prefill: LiveWorker) -> Flight | None:
+        """The flight `prefill`'s lane is held for (module docstring), or None; a lapsed hold is dropped."""
+        hold = prefill.lane.hold
+        if hold is None:
+            return None
+        flight, until = hold
+        if (flight.phase in (Phase.BACKOFF, Phase.QUEUED, Phase.RESERVING) and self.clock() < until
+                and flight.prefill is prefill and self.flights.get(flight.request_id) is flight):
+            return flight
+        prefill.lane.hold = None
+        return None
 
     def _on_reserved(self, msg: p.Reserved) -> None:
         flight = self._by_wire.get(msg.request_id)
@@ -61,11 +81,13 @@ class TransferPhase:
             if flight is not None:
                 self._finish_error(flight, ErrorKind.REJECTED, msg.error)
         elif msg.landing is None:  # host tier full: the decode worker holds nothing for it
-            self._transfer_over(msg.request_id)
             if flight is not None:
                 self._unroute(flight)
                 flight.move(Phase.BACKOFF)
+                if transfer is not None:  # before the transfer's end pumps the lane
+                    transfer.prefill.lane.hold = (flight, self.clock() + self.reserve_retry_s + HOLD_SLACK_S)
                 asyncio.get_running_loop().call_later(self.reserve_retry_s, self._retry_reserve, flight)
+            self._transfer_over(msg.request_id)
         elif transfer is None or transfer.prefill.gone:
             if transfer is not None:  # its prefill worker died meanwhile: the decode side frees it
                 transfer.decode.send(p.PeerDead(transfer.prefill.peer_id))
@@ -77,18 +99,26 @@ class TransferPhase:
             transfer.prefill_sent = True
             transfer.prefill.lane.rate.started(self.clock(), transfer.prompt_len)
             transfer.prefill.send(p.Prefill(msg.request_id, tuple(flight.prompt), flight.params, msg.landing))
+            if transfer.prefill.lane.hold is not None and transfer.prefill.lane.hold[0] is flight:
+                transfer.prefill.lane.hold = None  # landed: the requests behind it go on
+                self._pump(transfer.prefill)
 
     def _retry_reserve(self, flight: Flight) -> None:
-        if flight.phase is not Phase.BACKOFF or self.flights.get(flight.request_id) is not flight:
-            return
-        if self.clock() - flight.reserve_started_at > self.landing_timeout_s:  # host tiers stay full
-            self._finish_error(flight, ErrorKind.UNAVAILABLE,
-                               f"no decode worker had room to land the prompt within {self.landing_timeout_s}s")
-            return
+        held = flight.prefill  # the lane it holds, if it still does
         try:
-            self._route(flight, admit=False)
-        except BackendError as exc:
-            self._finish_error(flight, exc.kind, exc.message)
+            if flight.phase is not Phase.BACKOFF or self.flights.get(flight.request_id) is not flight:
+                return
+            if self.clock() - flight.reserve_started_at > self.landing_timeout_s:  # host tiers stay full
+                self._finish_error(flight, ErrorKind.UNAVAILABLE,
+                                   f"no decode worker had room to land the prompt within {self.landing_timeout_s}s")
+                return
+            try:
+                self._route(flight, admit=False)
+            except BackendError as exc:
+                self._finish_error(flight, exc.kind, exc.message)
+        finally:
+            if held is not None:
+                self._pump(held)  # its hold is over: the lane goes on (a no-op if `_route` pumped it)
 
     def _relay_transfer(self, msg) -> None:
         """Pass a transfer's message to its other worker: `AbortTransfer` (from the decode worker) to

@@ -80,6 +80,35 @@ def test_a_request_that_never_gets_a_landing_fails_after_the_landing_timeout():
     assert flights == {}
 
 
+def test_a_request_refused_a_landing_is_not_overtaken_by_younger_ones():
+    """The decode worker has no room for r0 three times; r1 and r2 arrive after the first and would fit.
+    The lane is held for r0 until it has its landing: no younger Reserve goes out between its
+    tries, and the prefill worker gets r0 first (before, younger requests took the room r0 waited
+    for, again and again)."""
+    refusals = {"r0.0": 3}
+
+    def reply(msg) -> list:
+        if isinstance(msg, p.Reserve) and refusals.get(msg.request_id):
+            refusals[msg.request_id] -= 1
+            return [p.Reserved(msg.request_id, None, "")]
+        return decode_reply(msg)
+
+    async def scenario(d, decode, prefill):
+        streams = [d.generate("r0", list(range(3, 33)), SamplingParams(max_tokens=4))]
+        await until(lambda: len(sent(decode, p.Reserve)) >= 2, "r0 refused once and trying again")
+        streams += [d.generate(f"r{i}", list(range(3, 13)), SamplingParams(max_tokens=4)) for i in (1, 2)]
+        for wire in ("r0.0", "r1.0", "r2.0"):
+            await prefilled(prefill, wire)
+            prefill.emit(p.KVComplete(wire, FIRST_TOKEN))
+        results = [await drain(s) for s in streams]
+        return results, sent(decode, p.Reserve), sent(prefill, p.Prefill)
+
+    results, reserves, prefills = run_scenario(scenario, AdmissionParams(prefill_window_tokens=1000),
+                                               decode=ScriptedLink(reply))
+    assert reserves == ["r0.0"] * 4 + ["r1.0", "r2.0"] and prefills == ["r0.0", "r1.0", "r2.0"]
+    assert all(chunks[-1].finish_reason == "length" and not chunks[-1].error for chunks in results)
+
+
 # ---- admission: queued in the dispatcher, refused at arrival ------------------------------------------
 
 LAYOUT = p.KVLayout(num_layers=1, page_size=16, num_kv_heads=1, head_dim=4, dtype="float32", element_bytes=4)

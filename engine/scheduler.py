@@ -7,9 +7,10 @@ while prefilling — so a step is one ragged forward. Policy per step:
    `chunk_size` tokens, one more `chunk_size` for each `prefill_age_boost_s` the longest-waiting
    prompt (running or queued) has waited since the engine received it, up to `MAX_BUDGET_CHUNKS`:
    under a backlog the step grows, so prompts stop waiting behind decode steps (a longer step for
-   the decoding streams while it lasts). When the pool cannot supply a page (after evicting the prefix cache), the
-   newest running request is retracted: its KV is released (committed pages go to the prefix
-   cache, so resuming is mostly a cache hit) and it returns to the front of the waiting queue.
+   the decoding streams while it lasts). When the pool cannot supply a page (after evicting the
+   prefix cache), the newest running request is retracted: its KV is released (committed pages go
+   to the prefix cache, so resuming is mostly a cache hit) and it returns to the front of the
+   waiting queue.
 2. Waiting requests, in arrival order, while budget, batch slots and pages last (none in a step that
    retracted): a request whose cached prefix continues below L1 (in the host tier) starts loading it
    and waits in `loading` (not holding up the queue) until the copy is done (a copy that is done

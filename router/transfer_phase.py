@@ -29,6 +29,7 @@ from router.workers import LiveWorker
 
 
 HOLD_SLACK_S = 1.0
+"""Seconds a lane stays held for a flight past its retry time (module docstring)."""
 
 
 class TransferPhase:

@@ -132,6 +132,7 @@ class TierStats:
     l3_errors: int = 0  # failed calls (server down, timeout, AUTH, OOM): every page they were for a miss
     l3_corrupt: int = 0  # values that failed verification (deleted, never used)
     transfer_corrupt: int = 0  # landed prompts whose page checksum failed (the request re-routed, never served)
+    transfer_verified_pages: int = 0  # landed prompt pages whose checksums were checked
     l2_corrupt: int = 0  # host-tier pages whose checksum failed at load-back (dropped, recomputed)
     prefetches: tuple[tuple[str, int], ...] = ()  # (outcome, count): completed, partial, short, no_room, failed
     sessions_open: int = 0

@@ -12,9 +12,12 @@ the next request.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from common.landing import Landing, LandingShard
+
+log = logging.getLogger("tandem.decode")
 
 
 class OtherLandings:
@@ -31,6 +34,12 @@ class OtherLandings:
         layout = dataclasses.replace(landing.layout, num_kv_heads=max(h.stop for h in self.held))
         return dataclasses.replace(landing, layout=layout, shards=(own, *self.shards))
 
+    def digests(self, landing_pages: list[int]) -> list[int]:
+        """Each other rank's digests of its part of `landing_pages`, rank after rank (`page_digest.py`);
+        a rank that could not digest its part gives none."""
+        self.control.send(("landing_sums", tuple(landing_pages)))
+        return [d for said in self.control.gather(None)[1:] for d in (said or ())]
+
     def load(self, landing_pages: list[int], device_pages: list[int]) -> None:
         """The other ranks copy their landing pages into their device pages; returns when all have
         (raises `RuntimeError` naming each rank whose copy failed)."""
@@ -44,7 +53,8 @@ class OtherLandings:
 class RankLanding:
     """What a decode worker's rank other than 0 runs beside its engine shard (made in its process by
     `engine.tp_launch.follower_main`): `num_pages` landing pages for its heads, registered with a
-    transport of its own, and the call "land" (copy these landing pages into those device pages)."""
+    transport of its own, and the calls "land" (copy these landing pages into those device pages) and
+    "landing_sums" (digest these landing pages)."""
 
     hostname: str
     protocol: str
@@ -56,6 +66,7 @@ class RankLanding:
         from kv_store.copier import Direction, PageCopier
         from kv_store.tier_copies import host_tensors
         from kv_store.transfer.mooncake import MooncakeTransport
+        from kv_store.transfer.page_digest import PageDigest
 
         transport = MooncakeTransport(self.hostname, self.protocol)
         ctx.closing.callback(transport.close)
@@ -73,7 +84,17 @@ class RankLanding:
             error = "" if job.wait(LOAD_TIMEOUT_S) else f"no copy within {LOAD_TIMEOUT_S:g} s"
             ctx.control.gather(error or (repr(job.error) if job.error is not None else ""))
 
-        return {"land": land}
+        digest = PageDigest(kv)
+
+        def landing_sums(landing_pages: tuple) -> None:
+            try:
+                said = digest.digests(list(landing_pages))
+            except Exception:  # noqa: BLE001 - rank 0 then treats its part as unverified: recomputed
+                log.exception("digesting landing pages %s failed", landing_pages)
+                said = None
+            ctx.control.gather(said)
+
+        return {"land": land, "landing_sums": landing_sums}
 
 
 LOAD_TIMEOUT_S = 60.0

@@ -90,7 +90,7 @@ class KVReceiver(NullConnector):
         self._arrived: list[tuple[Request, ReqKV]] = []
         self._regions = contextlib.ExitStack()
         self.landing = LandingPool(ports.device_pool, host_pages)
-        self._digest, self.checksum_failures = PageDigest(self.landing.kv), 0
+        self._digest, self.checksum_failures, self.verified_pages = PageDigest(self.landing.kv), 0, 0
         for t in (*self.landing.kv.k, *self.landing.kv.v):
             self._regions.enter_context(self.transport.register_tensor(t))
         self.others = others() if others is not None else None
@@ -255,17 +255,22 @@ class KVReceiver(NullConnector):
             self._pending_outputs.append(step_output(req, [msg.first_token], None))
 
     def _sums_match(self, ib: _Inbound, sums: tuple[int, ...]) -> bool:
-        """Whether every landed page has the checksum its prefill worker shipped it with; if not, the
-        landing is let go and the request fails as a failed transfer (re-routed: computed again),
-        before its first token goes out."""
-        pages = ib.landed_kv.pages[:len(sums)]
+        """Whether every landed page has the checksum its prefill worker shipped it with (over ranks:
+        each rank's part of it, `sums` shard-major); if not, the landing is let go and the request
+        fails as a failed transfer (re-routed: computed again), before its first token goes out."""
+        num_pages = len(sums) // (1 if self.others is None else 1 + len(self.others.shards))
+        pages = list(ib.landed_kv.pages[:num_pages])
         if pages and chaos.strike("landing"):
             self._digest.damage(pages[0])
-        bad = [i for i, (got, sent) in enumerate(zip(self._digest.digests(pages), sums)) if got != sent]
+        got = self._digest.digests(pages) + (self.others.digests(pages) if self.others is not None and pages else [])
+        bad = sorted({i % num_pages for i, (mine, sent) in enumerate(zip(got, sums)) if mine != sent})
+        if len(got) != len(sums):  # a rank that could not digest its part: nothing to vouch for it
+            bad = list(range(num_pages))
+        self.verified_pages += num_pages
         if not bad:
             return True
         self.checksum_failures += 1
-        detail = f"landed KV page(s) {bad} of {len(sums)} failed their checksum"
+        detail = f"landed KV page(s) {bad} of {num_pages} failed their checksum"
         log.error("request %s: %s; the landing is dropped and the prompt computed again", ib.request.request_id, detail)
         self.landing.release(ib.landed_kv, ReleaseReason.TRANSFER_FAILED)
         del self.inbound[ib.request.request_id]

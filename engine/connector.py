@@ -83,6 +83,8 @@ class KVConnector(Protocol):
 
     checksum_failures: int
     """Arrived KV that failed its checksum (each such request failed as a transfer, never served)."""
+    verified_pages: int
+    """Arrived KV pages whose checksums were checked."""
 
     def before_step(self) -> list[StepOutput]: ...
 
@@ -111,7 +113,7 @@ class NullConnector:
     """Colocated: every request is prefilled and decoded here; nothing arrives or leaves. Its no-ops
     are also the defaults the other connectors inherit for the hooks they do not need."""
 
-    checksum_failures = 0
+    checksum_failures = verified_pages = 0
 
     def before_step(self) -> list[StepOutput]:
         return []

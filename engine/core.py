@@ -263,7 +263,7 @@ class EngineCore:
 
     def tier_stats(self) -> TierStats:
         return tier_stats(self.host_cache, self.scheduler.hit_tokens_l1, self.sessions, self.config.page_size,
-                          self.connector.checksum_failures)
+                          self.connector.checksum_failures, self.connector.verified_pages)
 
     def close(self) -> None:
         self.connector.close()

@@ -53,7 +53,8 @@ def graph_stats(c, compiling: bool = False) -> GraphStats:
     return GraphStats(c.replays, tuple(sorted((reason.value, n) for reason, n in c.fallbacks.items())), compiling)
 
 
-def tier_stats(host_cache, hit_tokens_l1: int, sessions, page_size: int, transfer_corrupt: int = 0) -> TierStats:
+def tier_stats(host_cache, hit_tokens_l1: int, sessions, page_size: int, transfer_corrupt: int = 0,
+               transfer_verified_pages: int = 0) -> TierStats:
     c, l3 = host_cache.counters, host_cache.l3
     store = l3.store_stats()
     l3_fields = {} if store is None else dict(
@@ -65,7 +66,8 @@ def tier_stats(host_cache, hit_tokens_l1: int, sessions, page_size: int, transfe
                      l1_to_l2_seconds=c.l1_to_l2_seconds, l2_to_l1_bytes=c.l2_to_l1_bytes,
                      l2_to_l1_seconds=c.l2_to_l1_seconds, evicted_pages_l1=c.l1_evicted_pages,
                      evicted_pages_l2=c.l2_evicted_pages, copy_errors=c.copy_errors,
-                     transfer_corrupt=transfer_corrupt, l2_corrupt=c.l2_corrupt,
+                     transfer_corrupt=transfer_corrupt, transfer_verified_pages=transfer_verified_pages,
+                     l2_corrupt=c.l2_corrupt,
                      sessions_open=len(sessions.sessions), session_pages=sessions.pinned_pages(),
                      session_offloads=sessions.num_offloaded,
                      **l3_fields)

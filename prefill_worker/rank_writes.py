@@ -11,7 +11,8 @@ each made by the prefill rank that holds the bytes, straight into the decode ran
 
 `ShardWrites` gives the sender one handle for all of them, with a transport's calls (poll, error,
 settled, retire): DONE when every part is, FAILED when any part is, settled when no part can still
-move a byte. Rank 0's pins on the pages last until it is retired, and page ids are rank 0's on every
+move a byte. Each rank digests the part of the landing pages its heads make (`page_digest.py`) as it
+writes them and reports those sums with its DONE; rank 0 adds them up (`add_other_sums`). Rank 0's pins on the pages last until it is retired, and page ids are rank 0's on every
 rank, so no rank's pages are reused while any rank still reads them. With one rank and a one-rank
 landing the handle is the transport's own.
 """
@@ -44,9 +45,10 @@ class GroupWrite:
 
 @dataclass
 class _Report:
-    """What the other ranks said of one write: per rank (status, error, settled) once terminal."""
+    """What the other ranks said of one write: per rank (status, error, settled, sums) once terminal;
+    sums: its `PageDigest.shard_sums` of the pages written (start, sums), or None."""
 
-    ranks: dict[int, tuple[str, str, bool]] = field(default_factory=dict)
+    ranks: dict[int, tuple[str, str, bool, tuple | None]] = field(default_factory=dict)
 
 
 class OtherRanks:
@@ -76,22 +78,26 @@ class OtherRanks:
 
     def status(self, key: int) -> TransferStatus:
         states = self._reports[key].ranks.values()
-        if any(status == TransferStatus.FAILED.value for status, _, _ in states):
+        if any(status == TransferStatus.FAILED.value for status, *_ in states):
             return TransferStatus.FAILED
         return TransferStatus.DONE if len(states) == self.size - 1 else TransferStatus.PENDING
 
     def error(self, key: int) -> str:
-        return "; ".join(f"rank {rank}: {error}" for rank, (_, error, _) in self._reports[key].ranks.items() if error)
+        return "; ".join(f"rank {rank}: {error}" for rank, (_, error, *_) in self._reports[key].ranks.items() if error)
+
+    def sums(self, key: int) -> list[tuple]:
+        """The (start, sums) each other rank reported with its DONE (those that reported any)."""
+        return [state[3] for state in self._reports[key].ranks.values() if state[3] is not None]
 
     def settled(self, key: int) -> bool:
         report = self._reports[key]
-        return len(report.ranks) == self.size - 1 and all(settled for _, _, settled in report.ranks.values())
+        return len(report.ranks) == self.size - 1 and all(state[2] for state in report.ranks.values())
 
     def retire(self, key: int) -> None:
         self._reports.pop(key, None)
 
     def _open(self, report: _Report) -> bool:
-        return len(report.ranks) < self.size - 1 or not all(settled for _, _, settled in report.ranks.values())
+        return len(report.ranks) < self.size - 1 or not all(state[2] for state in report.ranks.values())
 
 
 class ShardWrites:
@@ -144,6 +150,12 @@ class ShardWrites:
             errors.append(self.others.error(handle.key))
         return "; ".join(([handle.refused] if handle.refused else []) + errors) or None
 
+    def add_other_sums(self, handle, sums) -> None:
+        """Add the other ranks' digest parts of a DONE `handle` to `sums` (a `PartialSums`)."""
+        if isinstance(handle, GroupWrite) and handle.others:
+            for start, part in self.others.sums(handle.key):
+                sums.add(start, part)
+
     def settled(self, handle) -> bool:
         if isinstance(handle, TransferHandle):
             return self.transport.settled(handle)
@@ -172,6 +184,7 @@ class RankSender:
     def start(self, ctx) -> dict:
         """`ctx`: the rank's `engine.tp_launch.RankContext`. Returns its calls by name."""
         from kv_store.transfer.mooncake import MooncakeTransport
+        from kv_store.transfer.page_digest import PageDigest
 
         transport = MooncakeTransport(self.hostname, self.protocol)
         ctx.closing.callback(transport.close)  # after the regions (an exit stack unwinds backwards)
@@ -180,21 +193,22 @@ class RankSender:
                                 "it needs a transport that reads device memory (install the `gpu` extra's Mooncake)")
         for t in (*ctx.kv.k, *ctx.kv.v):
             ctx.closing.enter_context(transport.register_tensor(t))
-        shipper = _RankShipper(ShardWrites(transport), ctx)
+        shipper = _RankShipper(ShardWrites(transport), ctx, PageDigest(ctx.kv))
         return {"ship": shipper.ship, "ship_poll": shipper.poll}
 
 
 class _RankShipper:
     """A rank's writes that rank 0 asked for, by rank 0's key, until reported settled."""
 
-    def __init__(self, writes: ShardWrites, ctx) -> None:
+    def __init__(self, writes: ShardWrites, ctx, digest) -> None:
         from kv_store.stream_order import order_for
 
         held = [shard.kv_heads for shard in ctx.shards]
-        self.writes, self.control = writes, ctx.control
+        self.writes, self.control, self.digest = writes, ctx.control, digest
         self.source = SourceKV.of(ctx.kv, held[ctx.rank], sent_heads(held, ctx.rank))
         self.order = order_for(ctx.kv.k[0].device)
         self.open: dict[int, object] = {}  # key -> handle, or the error that refused it
+        self.sums: dict[int, tuple] = {}  # key -> (start, the digest parts of what it writes)
 
     def ship(self, key: int, landing: Landing, src_pages: tuple, start: int) -> None:
         self.order.host_wait(self.order.mark())  # the forward that wrote these pages is done
@@ -202,17 +216,23 @@ class _RankShipper:
             self.open[key] = self.writes.write(self.source, landing, list(src_pages), start)
         except TransferError as exc:
             self.open[key] = exc
+            return
+        shards = [shard.heads for shard in landing.all_shards()]
+        self.sums[key] = (start, self.digest.shard_sums(list(src_pages), self.source.held, self.source.sent, shards))
 
     def poll(self) -> None:
-        """Gather to rank 0 {key: (status, error, settled)} of the writes that ended; forget the settled."""
+        """Gather to rank 0 {key: (status, error, settled, sums)} of the writes that ended; forget the
+        settled."""
         said = {}
         for key, handle in list(self.open.items()):
             if isinstance(handle, TransferError):
-                said[key] = (TransferStatus.FAILED.value, str(handle), True)
+                said[key] = (TransferStatus.FAILED.value, str(handle), True, None)
             elif (status := self.writes.poll(handle)) is not TransferStatus.PENDING:
-                said[key] = (status.value, str(self.writes.error(handle) or ""), self.writes.settled(handle))
+                sums = self.sums.get(key) if status is TransferStatus.DONE else None
+                said[key] = (status.value, str(self.writes.error(handle) or ""), self.writes.settled(handle), sums)
                 if said[key][2]:
                     self.writes.retire(handle)
             if key in said and said[key][2]:
                 del self.open[key]
+                self.sums.pop(key, None)
         self.control.gather(said)

@@ -38,7 +38,7 @@ from kv_store.req_kv import ceil_div
 from kv_store.stream_order import order_for
 from kv_store.transfer.base import TransferError, TransferStatus, Transport
 from kv_store.transfer.heads import SourceKV, sent_heads
-from kv_store.transfer.page_digest import PageDigest
+from kv_store.transfer.page_digest import PageDigest, PartialSums
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
 from prefill_worker.rank_writes import OtherRanks, ShardWrites
 from prefill_worker.staging import StagingPages, reads_in_place
@@ -74,7 +74,7 @@ class _Shipment:
     pages_done: int = 0
     copies: list[_Staged] = field(default_factory=list)  # staged only: copies not yet written, in order
     deferred: bool = False  # staged only: completed pages staging had no room for yet
-    sums: dict = field(default_factory=dict)  # staged only: request page index -> digest of its staged copy
+    sums: PartialSums | None = None  # the landing pages' digests, added up as each rank writes its part
 
 
 class KVSender(NullConnector):
@@ -107,10 +107,11 @@ class KVSender(NullConnector):
             self._regions.enter_context(self.transport.register_tensor(t))
         self.writes = ShardWrites(transport, others)
         # each landing page's digest for the decode side to verify, computed where the transport reads it
-        # (a device pool read in place: on its device); over ranks each holds a part of a page: not yet
-        self._sums = PageDigest(shipped_from) if others is None else None
+        # (a device pool read in place: on its device), each rank its heads' part (`page_digest.py`)
+        self._sums = PageDigest(shipped_from)
         heads = () if others is None else (others.held[0], sent_heads(others.held, 0))
         self._source = SourceKV.of(shipped_from, *heads)
+        self._ranks = 1 if others is None else others.size
         layout = ports.device_pool.layout  # landings are laid out for the whole model's heads
         self.layout = layout if others is None else dataclasses.replace(layout, num_kv_heads=others.num_kv_heads)
 
@@ -120,7 +121,7 @@ class KVSender(NullConnector):
         req.timings["prefill_submitted"] = self.clock()
         session = TransferSession(req.request_id, self.deadlines, self.clock())
         session.advance(TransferState.WAITING, self.clock())
-        self.shipments[req.request_id] = _Shipment(req, landing, session)
+        self.shipments[req.request_id] = _Shipment(req, landing, session, sums=PartialSums(self._ranks))
 
     def abort_transfer(self, request_id: str, reason: FailureReason, detail: str = "",
                        failure: Failure = Failure.TRANSFER) -> None:
@@ -281,8 +282,6 @@ class KVSender(NullConnector):
             if shipment.abort_reason is not None:
                 self.staging.give_back(staged.staging_pages)
                 continue
-            if self._sums is not None:  # the staged copy is what the transport reads
-                shipment.sums.update(enumerate(self._sums.digests(staged.staging_pages), staged.start))
             handle = self._write(shipment, staged.staging_pages, staged.start, staged.stop)
             if handle is None:
                 self.staging.give_back(staged.staging_pages)
@@ -298,6 +297,8 @@ class KVSender(NullConnector):
         except TransferError as exc:
             self.abort_transfer(shipment.request.request_id, FailureReason.TRANSPORT_ERROR, str(exc))
             return None
+        shards = [shard.heads for shard in shipment.landing.all_shards()]  # what the transport reads, digested
+        shipment.sums.add(start, self._sums.shard_sums(src_pages, self._source.held, self._source.sent, shards))
         shipment.pages_at_handle[handle] = stop
         shipment.pages_sent = max(shipment.pages_sent, stop)
         if shipment.session.state is TransferState.WAITING:
@@ -315,6 +316,8 @@ class KVSender(NullConnector):
                 self.abort_transfer(rid, FailureReason.TRANSPORT_ERROR, str(self.writes.error(handle)))
                 if not self.writes.settled(handle):
                     continue  # abandoned batches may still read these pages and write the landing
+            if status is TransferStatus.DONE:
+                self.writes.add_other_sums(handle, shipment.sums)
             shipment.handles.discard(handle)
             self.writes.retire(handle)
             staging_pages = self._staging_at_handle.pop(handle, None)
@@ -343,22 +346,13 @@ class KVSender(NullConnector):
                 first, prompt = first_logprobs(req)
                 self.outbox.append(KVComplete(rid, shipment.first_token, req.cached_tokens, tuple(req.timings.items()),
                                               shipment.draft_feature, first, req.cached_tiers, prompt,
-                                              self._page_sums(req, shipment)))
+                                              shipment.sums.digests(len(shipment.landing.page_ids))))
                 self._done.append((req, FinishReason.LENGTH))
             else:
                 self.outbox.append(TransferAborted(rid, shipment.abort_reason, shipment.failure))
                 if req.status is RequestStatus.RUNNING:  # out of the batch, its KV held here
                     self._done.append((req, FinishReason.ABORT))
             del self.shipments[rid]
-
-    def _page_sums(self, req: Request, shipment: _Shipment) -> tuple[int, ...]:
-        """The digest of each prompt page as written into its landing (whole pages: one decode rank)."""
-        num_pages = len(shipment.landing.page_ids)
-        if self._sums is None or shipment.landing.shards:
-            return ()
-        if self.staging is not None:
-            return tuple(shipment.sums[i] for i in range(num_pages)) if len(shipment.sums) >= num_pages else ()
-        return tuple(self._sums.digests(req.kv.pages[:num_pages]))
 
 
 def first_logprobs(req: Request) -> tuple:

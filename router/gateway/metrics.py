@@ -166,6 +166,8 @@ _TIER_COUNTERS = (  # (metric, documentation, extra label, {label value: TierSta
     ("tandem:kv_checksum_failures", "KV that failed its checksum where it crossed a boundary: a landed prompt "
      "(transfer), a host page at load-back (l2), an L3 value; each discarded and computed again, never served.",
      "boundary", {"transfer": "transfer_corrupt", "l2": "l2_corrupt", "l3": "l3_corrupt"}),
+    ("tandem:kv_checksum_verified_pages", "KV pages whose checksum was checked where they crossed a boundary.",
+     "boundary", {"transfer": "transfer_verified_pages"}),
 )
 
 

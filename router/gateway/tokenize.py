@@ -36,7 +36,7 @@ def tokenize_request_models(limits: Any) -> dict[str, type[BaseModel]]:
 
     class TokenizeRequest(BaseModel):
         model_config = ConfigDict(extra="allow")
-        prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | None = None
+        prompt: str | Annotated[list[TokenId], Field(min_length=1)] | None = None  # "" counts 0 tokens
         messages: list[dict[str, Any]] | None = Field(None, description="Instead of `prompt`: chat messages.")
 
     class DetokenizeRequest(BaseModel):

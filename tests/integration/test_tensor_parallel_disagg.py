@@ -1,9 +1,9 @@
 """Disaggregation across tensor-parallel degrees on the CPU: `tandem serve` with a prefill worker at
 TP=2 and a decode worker at TP=1, and the reverse with EAGLE (its head sharded on both ranks of the
 decode worker). Every prompt crosses (no local prefill), each prefill rank writing its KV heads into
-the decode rank(s) holding them over Mooncake TCP; the tokens are transformers' greedy tokens, again
-from the prefix cache, and through a session's two turns (its history kept by the decode worker's
-ranks); KV integrity checked after every step."""
+the decode rank(s) holding them over Mooncake TCP, each rank digesting its part of every landing
+page; the tokens are transformers' greedy tokens, again from the prefix cache, and through a session's
+two turns (its history kept by the decode worker's ranks); KV integrity checked after every step."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from tests.helpers import hf_greedy, smollm2
-from tests.integration.serve_harness import metric, serving
+from tests.integration.serve_harness import eventually, metric, serving
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,12 @@ def test_prefill_and_decode_at_different_tp_degrees_give_transformers_greedy_tok
         check_a_session(server.base_url, loaded, reference, eos)
         after = server.metrics()
         moved = lambda name: metric(after, name) - metric(before, name)  # noqa: E731
+        moved_now = lambda name: metric(server.metrics(), name) - metric(before, name)  # noqa: E731
         assert moved("tandem:kv_transfer_bytes_total") > 0
+        # every landing's pages checked against the digests the prefill rank(s) sent, each rank's part
+        # by the rank holding it, and none failed (a wrong sum would have re-routed and failed requests)
+        eventually(lambda: moved_now("tandem:kv_checksum_verified_pages_total") > 0, "landed pages verified")
+        assert moved("tandem:kv_checksum_failures_total") == 0
         if eagle:  # the decode worker's sharded head drafted, and the target took some of its drafts
             assert moved("tandem:spec_draft_tokens_total") > 0 and moved("tandem:spec_accepted_tokens_total") > 0
 

@@ -70,3 +70,46 @@ def test_any_flipped_bit_or_swapped_pair_of_words_changes_the_digest(dtype):
     kv = _pool(dtype)
     PageDigest(kv).damage(5)
     assert PageDigest(kv).digests([5, 6]) != before and PageDigest(kv).digests([6]) == before[1:]
+
+
+@pytest.mark.parametrize("heads,prefill,decode", [(3, 1, 1), (3, 2, 1), (3, 1, 2), (3, 2, 3), (3, 3, 2), (2, 4, 1),
+                                                  (2, 1, 4)])
+def test_ranks_parts_add_up_to_each_decode_ranks_digest_of_its_shard(heads, prefill, decode):
+    """Over tensor-parallel ranks: each prefill rank's `shard_sums` of the heads it sends, added up by
+    `PartialSums`, are each decode rank's own digests of its part of the pages (shard-major); a byte
+    flipped in any rank's part changes that shard's digest only; a page some rank did not add gives
+    no digests at all."""
+    from kv_store.transfer.heads import sent_heads
+    from kv_store.transfer.page_digest import PartialSums
+    from tests.unit.kv_store.test_rank_writes import held_by
+
+    full = KVCacheTensors.allocate(LAYERS, PAGES, 4, heads, 8, torch.bfloat16, "cpu")
+    gen = torch.Generator().manual_seed(heads * 10 + prefill * 3 + decode)
+    for t in (*full.k, *full.v):
+        t.view(torch.int16).copy_(torch.randint(-1 << 15, 1 << 15, t.shape, dtype=torch.int16, generator=gen))
+
+    def part(heads_held: range) -> KVCacheTensors:
+        return KVCacheTensors(*([t[:, :, heads_held.start:heads_held.stop].contiguous() for t in ts]
+                                for ts in (full.k, full.v)))
+
+    held_p, held_d = held_by(heads, prefill), held_by(heads, decode)
+    shards = [(h.start, h.stop) for h in held_d]
+    pages, later = [6, 2, 3], [8]
+    sums = PartialSums(prefill)
+    for rank, mine in enumerate(held_p):  # two writes each: pages [0, 3) and [3, 4) of the request
+        digest = PageDigest(part(mine))
+        sums.add(0, digest.shard_sums(pages, mine, sent_heads(held_p, rank), shards))
+        sums.add(3, digest.shard_sums(later, mine, sent_heads(held_p, rank), shards))
+    landed = [part(mine) for mine in held_d]  # each decode rank's landing: its heads of the same pages
+    expected = tuple(d for kv in landed for d in PageDigest(kv).digests(pages + later))
+    assert sums.digests(4) == expected and len(set(expected)) == 4 * len(set(shards))  # ranks may share heads
+    for shard, kv in enumerate(landed):
+        kv.v[LAYERS - 1][2].view(-1).view(torch.uint8)[5] ^= 0x10
+        got = tuple(d for k in landed for d in PageDigest(k).digests(pages + later))
+        changed = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+        assert changed == [shard * 4 + 1], "the flipped byte must change its shard's page 2 alone"
+        kv.v[LAYERS - 1][2].view(-1).view(torch.uint8)[5] ^= 0x10
+    short = PartialSums(prefill)
+    short.add(0, PageDigest(part(held_p[0])).shard_sums(pages, held_p[0], sent_heads(held_p, 0), shards))
+    first_three = tuple(d for kv in landed for d in PageDigest(kv).digests(pages))
+    assert short.digests(3) == (() if prefill > 1 else first_three) and short.digests(4) == ()

@@ -121,8 +121,9 @@ def test_a_write_over_ranks_is_done_only_when_every_rank_says_so_and_settled_onl
             writes = ShardWrites(transport, others)
             handle = writes.write(SourceKV.of(kv, range(0, 2), range(0, 2)), landing, SRC_PAGES, 0)
             assert isinstance(handle, GroupWrite) and control.sent[-1][:2] == ("ship", handle.key)
-            control.answers = [[{}, {}], [{handle.key: ("done", "", True)}, {handle.key: ("failed", "peer gone", False)}],
-                               [{}, {handle.key: ("failed", "peer gone", True)}]]
+            control.answers = [[{}, {}], [{handle.key: ("done", "", True, (0, [[[1]]]))},
+                                          {handle.key: ("failed", "peer gone", False, None)}],
+                               [{}, {handle.key: ("failed", "peer gone", True, None)}]]
             writes.refresh()  # nobody has finished: rank 0's own part is done, the write is not
             assert writes.poll(handle) is TransferStatus.PENDING
             writes.refresh()
@@ -152,3 +153,43 @@ def test_a_prefill_rank_over_a_device_pool_needs_a_transport_that_reads_device_m
         ctx = RankContext(1, shards, pool, control=None, closing=closing)
         with pytest.raises(TransferError, match="needs a transport that reads device memory"):
             RankSender("127.0.0.1", "tcp").start(ctx)
+
+
+def test_the_other_ranks_digest_parts_reported_with_done_are_added_to_the_request_sums():
+    """Rank 0 adds each other rank's `shard_sums` (reported with its DONE) to the request's sums once
+    the write is DONE: with rank 0's own part the digests are whole; a rank that sent none leaves
+    them unvouched (no digests, so the decode side checks nothing it cannot)."""
+    from kv_store.transfer.page_digest import PartialSums
+
+    control = FakeControl()
+    others = OtherRanks(control, [range(0, 1), range(1, 2), range(2, 3)])
+    transport = LocalTransport()
+    try:
+        kv = KVCacheTensors.allocate(LAYERS, PAGES, PAGE_SIZE, 1, HEAD_DIM, torch.float32, "cpu")
+        with contextlib.ExitStack() as stack:
+            for t in (*kv.k, *kv.v):
+                stack.enter_context(transport.register_tensor(t))
+            landing_kv = KVCacheTensors.allocate(LAYERS, PAGES, PAGE_SIZE, 3, HEAD_DIM, torch.float32, "cpu")
+            for t in (*landing_kv.k, *landing_kv.v):
+                stack.enter_context(transport.register_tensor(t))
+            layout = KVLayout(LAYERS, PAGE_SIZE, 3, HEAD_DIM, "float32", 4)
+            landing = Landing("r", transport.session_id, LANDING_PAGES, tuple(t.data_ptr() for t in landing_kv.k),
+                              tuple(t.data_ptr() for t in landing_kv.v), layout, 60.0)
+            writes = ShardWrites(transport, others)
+            for reported, whole in ((True, True), (False, False)):
+                handle = writes.write(SourceKV.of(kv, range(0, 1), range(0, 1)), landing, SRC_PAGES[:1], 0)
+                own = [[[5] * 2 * LAYERS]]  # one page, one shard, per tensor
+                part = (0, [[[10] * 2 * LAYERS]])
+                control.answers = [[{handle.key: ("done", "", True, part)},
+                                    {handle.key: ("done", "", True, part if reported else None)}]]
+                writes.refresh()
+                assert writes.poll(handle) is TransferStatus.DONE
+                sums = PartialSums(3)
+                sums.add(0, own)
+                writes.add_other_sums(handle, sums)
+                expected = PartialSums(1)
+                expected.add(0, [[[25] * 2 * LAYERS]])
+                assert sums.digests(1) == (expected.digests(1) if whole else ())
+                writes.retire(handle)
+    finally:
+        transport.close()

@@ -103,7 +103,8 @@ def test_staged_copies_when_asked():
 @DTYPES
 def test_transfer_page_digests_on_the_gpu_equal_the_cpus(dtype):
     """A device pool read in place is digested on its GPU (`kv_store/transfer/page_digest.py`); a
-    landing in host memory is digested on the CPU: the same bytes give the same digests."""
+    landing in host memory is digested on the CPU: the same bytes give the same digests, and the same
+    parts of digests over tensor-parallel ranks."""
     from kv_store.transfer.page_digest import PageDigest
 
     device, host = tiers(dtype)
@@ -112,5 +113,9 @@ def test_transfer_page_digests_on_the_gpu_equal_the_cpus(dtype):
         for a, b in zip((*host.k, *host.v), (*device.k, *device.v)):
             a[d].copy_(b[s])
     assert PageDigest(device).digests(src) == PageDigest(host).digests(dst)
+    shards = [(0, 2), (2, 3)]  # a rank's parts of two decode ranks' pages, on its GPU and on the CPU
+    for held in (range(0, 3), range(1, 3)):
+        assert (PageDigest(device).shard_sums(src, range(0, 3), held, shards)
+                == PageDigest(host).shard_sums(dst, range(0, 3), held, shards))
     PageDigest(device).damage(src[3])
     assert PageDigest(device).digests(src)[3] != PageDigest(host).digests(dst)[3]

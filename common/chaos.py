@@ -45,7 +45,3 @@ def strike(site: str) -> bool:
     rate = _rates.get(site)
     return bool(rate) and _rng.random() < rate
 
-
-def damage(view) -> None:
-    """Invert one byte in the middle of `view` (a numpy uint8 array of one page's bytes)."""
-    view[len(view) // 2] ^= 0xFF

@@ -47,8 +47,9 @@ class KVComplete:
     cached_tiers: tuple[int, int, int] = (0, 0, 0)  # cached_tokens by tier: (device, host, L3)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # each prompt token's (None first), when asked
     page_sums: tuple[int, ...] = ()
-    """CRC-32 of each landing page as the prefill worker shipped it (`PageBytes.crc32`), verified by the
-    decode worker before the first token goes out; () where not computed (a worker over ranks, staging)."""
+    """The digest of each landing page as the prefill worker shipped it (over ranks: of each decode rank's
+    part, shard-major; `kv_store/transfer/page_digest.py`), verified by the decode worker before the
+    first token goes out; () where not computed (a rank that sent no digests of its part)."""
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,13 @@ from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import Direction, PageCopier
 from kv_store.device_pool import DevicePool
 from kv_store.l2_eviction import corrupt_copy, drop_unheld, evict_l2
-from kv_store.l3.codec import PageBytes
 from kv_store.l3.bridge import L3Bridge, NullBridge
 from kv_store.l3.tier import L3Tier, Prefetch
 from kv_store.page_pool import PagePool, PageState
 from kv_store.radix_cache import RadixPrefixCache
 from kv_store.residency import Residency, move_residency
 from kv_store.tier_copies import Load, TierCounters, Write
+from kv_store.tier_sums import TierSums
 from kv_store.tree_node import TreeNode
 
 
@@ -78,8 +78,9 @@ class HostCache:
         self._loads: dict[int, Load] = {}
         self._tickets: dict[int, LoadTicket] = {}
         self._ids = itertools.count(1)
-        self.page_bytes = PageBytes(host_kv) if host_kv.k[0].device.type == "cpu" else None
-        self.sums: dict[int, int] = {}  # host page -> CRC-32 of what its backup wrote (checked at load-back)
+        # every copy between device and host checked by its pages' digests (`kv_store/tier_sums.py`)
+        self.sums = TierSums(device.kv, host_kv) if host_kv.k[0].device.type == "cpu" else None
+        self.failed_loads: set[int] = set()  # ids of nodes whose load-back failed: never tried again
 
     # ---- tree hooks --------------------------------------------------------------------------------
     def on_insert(self, node: TreeNode) -> None:
@@ -130,8 +131,8 @@ class HostCache:
         return not node.residency.in_transit
 
     def free_host(self, node: TreeNode) -> None:
-        for page in node.host_pages:
-            self.sums.pop(page, None)
+        if self.sums is not None:
+            self.sums.forget(node.host_pages)
         self.pool.evict(node.host_pages, node.id)
         self.counters.l2_evicted_pages += len(node.host_pages)
         node.host_pages = []
@@ -277,16 +278,15 @@ class HostCache:
         node = write.node
         self.tree.unlock(node)
         self.pool.retire(write)
-        if write.job.error is not None:
+        copied = write.job.error is None
+        if not copied or (self.sums is not None and self.sums.backup_differs(node, write.host_pages, self.counters)):
             self.pool.free(write.host_pages, write)
-            self.counters.copy_errors += 1
+            self.counters.copy_errors += not copied
             node.residency = move_residency(node.residency, Residency.DEVICE, f"tree node {node.id} backup failed")
             return
         self.pool.give_to_tree(write.host_pages, write, node.id)
-        if self.page_bytes is not None:  # the bytes just written, checked again at load-back
-            self.sums.update((page, self.page_bytes.crc32(page)) for page in write.host_pages)
-            if chaos.strike("l2"):
-                chaos.damage(self.page_bytes.first_bytes(write.host_pages[0]))
+        if self.sums is not None and chaos.strike("l2"):  # bytes changed at rest: found at load-back
+            self.sums.damage(write.host_pages[0])
         node.host_pages = write.host_pages
         node.residency = move_residency(node.residency, Residency.BOTH, f"tree node {node.id} backed up")
         self.counters.l1_to_l2_bytes += write.job.num_bytes
@@ -331,6 +331,9 @@ class HostCache:
         self.tree.unlock(load.locked)
         self.device.pages.retire(load)
         failed = load.job.error is not None
+        self.counters.copy_errors += failed
+        failed = failed or (self.sums is not None and self.sums.load_differs(load, self.counters))
+        self.failed_loads.update([load.nodes[0].id] if failed else [])  # the others lie below it
         for node, pages in zip(load.nodes, load.device_pages):
             if failed:
                 self.device.pages.free(pages, load)
@@ -339,7 +342,6 @@ class HostCache:
             self.device.pages.give_to_tree(pages, load, node.id)
             node.pages = pages
             node.residency = move_residency(node.residency, Residency.BOTH, f"tree node {node.id} loaded")
-        self.counters.copy_errors += failed
         self.counters.l2_to_l1_bytes += load.job.num_bytes
         self.counters.l2_to_l1_seconds += load.job.seconds
         self.device.bump_relocation_version()

@@ -5,8 +5,8 @@ Host copies of nodes still on device go first (dropping one costs nothing: the d
 valid), then unlocked host-only leaves; least recently used first in each group. A host-pinned node
 (`TreeNode.host_pins`, an offloaded session) keeps its copy.
 
-A host copy whose bytes changed since its backup wrote them (its CRC-32, `HostCache.sums`, checked
-as a load-back starts: `corrupt_copy`) is never loaded: it and every node below it leave the tree
+A host copy whose bytes changed since its backup wrote them (its digests, `kv_store/tier_sums.py`,
+checked as a load-back starts: `corrupt_copy`), or whose last load-back failed, is never loaded: it and every node below it leave the tree
 (`drop_unheld`), counted and logged, and the requests that wanted them compute them again.
 """
 
@@ -53,11 +53,16 @@ def _host_leaf(node: TreeNode) -> bool:
 
 
 def corrupt_copy(tier, node: TreeNode, who: str) -> TreeNode | None:
-    """`node` when a page of its host copy no longer has the CRC-32 its backup gave it (`tier`: the
-    `HostCache`; `who`: the request that asked, for the log), else None."""
-    if tier.page_bytes is None:
+    """`node` when a page of its host copy no longer has the digest its backup kept, or its last
+    load-back failed (`tier`: the `HostCache`; `who`: the request that asked, for the log), else None."""
+    if node.id in tier.failed_loads:
+        tier.failed_loads.discard(node.id)
+        log.error("request %s: cached prefix node %d failed its last load-back; it and what lies below it leave "
+                  "the tree and are computed again", who or "?", node.id)
+        return node
+    if tier.sums is None:
         return None
-    bad = [p for p in node.host_pages if p in tier.sums and tier.page_bytes.crc32(p) != tier.sums[p]]
+    bad = tier.sums.changed_at_rest(node.host_pages)
     if not bad:
         return None
     tier.counters.l2_corrupt += len(bad)

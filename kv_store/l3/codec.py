@@ -114,19 +114,6 @@ class PageBytes:
         self._check(page_id)
         return b"".join([view[page_id] for view in self._views])
 
-    def first_bytes(self, page_id: int):
-        """Page `page_id`'s bytes in layer 0's K (a writable numpy view: fault injection, `common/chaos.py`)."""
-        self._check(page_id)
-        return self._views[0][page_id]
-
-    def crc32(self, page_id: int) -> int:
-        """CRC-32 of page `page_id`'s payload (as `pack` would make it), without copying it."""
-        self._check(page_id)
-        crc = 0
-        for view in self._views:
-            crc = zlib.crc32(view[page_id], crc)
-        return crc
-
     def unpack(self, page_id: int, payload) -> None:
         """Copy `payload` (packed under the same layout) into page `page_id`, in place."""
         self._check(page_id)

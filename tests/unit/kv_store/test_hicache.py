@@ -219,5 +219,72 @@ def test_a_host_copy_corrupted_in_l2_is_never_loaded_it_is_computed_again():
     assert req.output_token_ids == expect.output_token_ids
     assert engine.host_cache.counters.l2_corrupt == 1
     assert req.tier.host_hit_tokens == len(upper.key)  # the prefix above it came back from L2
-    assert lower not in nodes(engine) and victim not in engine.host_cache.sums
+    assert lower not in nodes(engine) and victim not in engine.host_cache.sums.kept
+    engine.check_integrity()
+
+
+def _copies_damaged(engine, direction) -> list[int]:
+    """From now on every copy of `engine`'s host tier in `direction` lands with one word of its first
+    destination page changed after the copy (a copy engine writing wrong bytes no error reports);
+    returns the list the damaged pages are appended to."""
+    from kv_store.copier import Direction
+
+    tier, damaged = engine.host_cache, []
+    submit = tier.copier.submit
+
+    def damaging(how, src, dst):
+        job = submit(how, src, dst)
+        assert job.wait(30)
+        if how is direction:
+            kv = tier.kv if direction is Direction.TO_HOST else tier.device.kv
+            kv.k[0][dst[0]].view(-1)[3] += 1.0
+            damaged.append(dst[0])
+        return job
+    tier.copier.submit = damaging
+    return damaged
+
+
+def test_a_backup_copy_that_differs_from_its_device_pages_is_not_kept():
+    """A backup whose host pages differ from the device pages it copied is a failed backup, found as
+    it lands (`kv_store/tier_sums.py`): the node stays on device only (nothing of it reaches L3 or is
+    loaded back later), counted; a later request still gets the cold engine's tokens."""
+    from kv_store.copier import Direction
+
+    engine = make_engine(page_size=4, num_pages=64, host_cache_pages=128)
+    cold = make_engine(page_size=4, num_pages=64, enable_prefix_cache=False)
+    damaged = _copies_damaged(engine, Direction.TO_HOST)
+    [history] = make_prompts(1, min_len=40, max_len=40, seed=5)
+    [first] = engine.generate([history], greedy(max_tokens=8))
+    settle(engine)
+    assert damaged and engine.host_cache.counters.l2_corrupt == len(damaged)
+    assert all(n.residency is Residency.DEVICE and not n.host_pages for n in nodes(engine))
+    assert not engine.host_cache.sums.kept
+    turn2 = history + first.output_token_ids + [7, 8, 9]
+    [got] = engine.generate([turn2], greedy(max_tokens=8))
+    [expect] = cold.generate([turn2], greedy(max_tokens=8))
+    assert got.output_token_ids == expect.output_token_ids
+    engine.check_integrity()
+
+
+def test_a_load_back_that_lands_different_bytes_fails_and_its_tokens_are_computed():
+    """Host pages loaded back into device pages that then differ from them (the copy, not the host
+    copy, went wrong): the load fails as it lands, counted; its device pages are freed, its nodes are
+    not loaded again (they leave the tree), and the request computes those tokens: the cold engine's."""
+    from kv_store.copier import Direction
+
+    engine = make_engine(page_size=4, num_pages=64, host_cache_pages=128)
+    cold = make_engine(page_size=4, num_pages=64, enable_prefix_cache=False)
+    [history] = make_prompts(1, min_len=40, max_len=40, seed=6)
+    [first] = engine.generate([history], greedy(max_tokens=8))
+    settle(engine)
+    engine.kvm.prefix_cache.evict(1000)
+    assert all(n.residency is Residency.HOST for n in nodes(engine))
+    damaged = _copies_damaged(engine, Direction.TO_DEVICE)
+    turn2 = history + first.output_token_ids + [7, 8, 9]
+    req = engine.add_request(turn2, greedy(max_tokens=8))
+    settle(engine)
+    [expect] = cold.generate([turn2], greedy(max_tokens=8))
+    assert damaged and req.output_token_ids == expect.output_token_ids
+    assert engine.host_cache.counters.l2_corrupt == len(damaged) == 1, "a failed load is not tried again"
+    assert engine.host_cache.counters.copy_errors == 0 and not engine.host_cache.failed_loads
     engine.check_integrity()

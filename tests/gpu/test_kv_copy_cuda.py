@@ -119,3 +119,30 @@ def test_transfer_page_digests_on_the_gpu_equal_the_cpus(dtype):
                 == PageDigest(host).shard_sums(dst, range(0, 3), held, shards))
     PageDigest(device).damage(src[3])
     assert PageDigest(device).digests(src)[3] != PageDigest(host).digests(dst)[3]
+
+
+@DTYPES
+def test_the_host_tiers_copy_checks_pass_for_true_copies_and_catch_a_changed_word_on_the_gpu(dtype):
+    """`kv_store/tier_sums.py` on CUDA (device digests on their own stream): a backup through the copy
+    kernel and its load-back into other device pages check clean; a word changed in the device
+    pages after the load is caught."""
+    from types import SimpleNamespace
+
+    from kv_store.tier_copies import TierCounters
+    from kv_store.tier_sums import TierSums
+
+    device, host = tiers(dtype)
+    copier, sums, counters = PageCopier(device, host), TierSums(device, host), TierCounters()
+    try:
+        src, dst = pages(Direction.TO_HOST, 24, seed=7)
+        assert copier.submit(Direction.TO_HOST, src, dst).wait(60.0)
+        node = SimpleNamespace(id=1, pages=src, host_pages=dst)
+        assert not sums.backup_differs(node, dst, counters) and set(sums.kept) == set(dst)
+        back = [p for p in range(1, DEVICE_PAGES) if p not in src][:24]
+        assert copier.submit(Direction.TO_DEVICE, dst, back).wait(60.0)
+        load = SimpleNamespace(nodes=[node], device_pages=[back])
+        assert not sums.load_differs(load, counters) and counters.l2_corrupt == 0
+        device.v[1][back[5]].view(-1)[7] += 1
+        assert sums.load_differs(load, counters) and counters.l2_corrupt == 1
+    finally:
+        copier.close()

@@ -142,7 +142,7 @@ def test_the_host_tiers_copy_checks_pass_for_true_copies_and_catch_a_changed_wor
         assert copier.submit(Direction.TO_DEVICE, dst, back).wait(60.0)
         load = SimpleNamespace(nodes=[node], device_pages=[back])
         assert not sums.load_differs(load, counters) and counters.l2_corrupt == 0
-        device.v[1][back[5]].view(-1)[7] += 1
+        device.v[1][back[5]].view(-1).view(torch.int16)[7] += 1
         assert sums.load_differs(load, counters) and counters.l2_corrupt == 1
     finally:
         copier.close()

@@ -103,21 +103,25 @@ class FakeControl:
         return [obj, *self.answers.pop(0)]
 
 
+def rank_zero_and_landing(stack, transport, heads: int) -> tuple[KVCacheTensors, Landing]:
+    """Rank 0's pool of `heads` KV heads and a one-shard landing of all 3, both registered with `transport`."""
+    kv = KVCacheTensors.allocate(LAYERS, PAGES, PAGE_SIZE, heads, HEAD_DIM, torch.float32, "cpu")
+    landing_kv = KVCacheTensors.allocate(LAYERS, PAGES, PAGE_SIZE, 3, HEAD_DIM, torch.float32, "cpu")
+    for t in (*kv.k, *kv.v, *landing_kv.k, *landing_kv.v):
+        stack.enter_context(transport.register_tensor(t))
+    stack.callback(lambda: (kv, landing_kv))  # kept alive while registered
+    layout = KVLayout(LAYERS, PAGE_SIZE, 3, HEAD_DIM, "float32", 4)
+    return kv, Landing("r", transport.session_id, LANDING_PAGES, tuple(t.data_ptr() for t in landing_kv.k),
+                       tuple(t.data_ptr() for t in landing_kv.v), layout, 60.0)
+
+
 def test_a_write_over_ranks_is_done_only_when_every_rank_says_so_and_settled_only_when_all_are():
     control = FakeControl()
     others = OtherRanks(control, [range(0, 2), range(2, 3), range(2, 3)])
     transport = LocalTransport()
     try:
-        kv = KVCacheTensors.allocate(LAYERS, PAGES, PAGE_SIZE, 2, HEAD_DIM, torch.float32, "cpu")
         with contextlib.ExitStack() as stack:
-            for t in (*kv.k, *kv.v):
-                stack.enter_context(transport.register_tensor(t))
-            landing_kv = KVCacheTensors.allocate(LAYERS, PAGES, PAGE_SIZE, 3, HEAD_DIM, torch.float32, "cpu")
-            for t in (*landing_kv.k, *landing_kv.v):
-                stack.enter_context(transport.register_tensor(t))
-            layout = KVLayout(LAYERS, PAGE_SIZE, 3, HEAD_DIM, "float32", 4)
-            landing = Landing("r", transport.session_id, LANDING_PAGES, tuple(t.data_ptr() for t in landing_kv.k),
-                              tuple(t.data_ptr() for t in landing_kv.v), layout, 60.0)
+            kv, landing = rank_zero_and_landing(stack, transport, 2)
             writes = ShardWrites(transport, others)
             handle = writes.write(SourceKV.of(kv, range(0, 2), range(0, 2)), landing, SRC_PAGES, 0)
             assert isinstance(handle, GroupWrite) and control.sent[-1][:2] == ("ship", handle.key)
@@ -165,16 +169,8 @@ def test_the_other_ranks_digest_parts_reported_with_done_are_added_to_the_reques
     others = OtherRanks(control, [range(0, 1), range(1, 2), range(2, 3)])
     transport = LocalTransport()
     try:
-        kv = KVCacheTensors.allocate(LAYERS, PAGES, PAGE_SIZE, 1, HEAD_DIM, torch.float32, "cpu")
         with contextlib.ExitStack() as stack:
-            for t in (*kv.k, *kv.v):
-                stack.enter_context(transport.register_tensor(t))
-            landing_kv = KVCacheTensors.allocate(LAYERS, PAGES, PAGE_SIZE, 3, HEAD_DIM, torch.float32, "cpu")
-            for t in (*landing_kv.k, *landing_kv.v):
-                stack.enter_context(transport.register_tensor(t))
-            layout = KVLayout(LAYERS, PAGE_SIZE, 3, HEAD_DIM, "float32", 4)
-            landing = Landing("r", transport.session_id, LANDING_PAGES, tuple(t.data_ptr() for t in landing_kv.k),
-                              tuple(t.data_ptr() for t in landing_kv.v), layout, 60.0)
+            kv, landing = rank_zero_and_landing(stack, transport, 1)
             writes = ShardWrites(transport, others)
             for reported, whole in ((True, True), (False, False)):
                 handle = writes.write(SourceKV.of(kv, range(0, 1), range(0, 1)), landing, SRC_PAGES[:1], 0)

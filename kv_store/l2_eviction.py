@@ -6,8 +6,9 @@ valid), then unlocked host-only leaves; least recently used first in each group.
 (`TreeNode.host_pins`, an offloaded session) keeps its copy.
 
 A host copy whose bytes changed since its backup wrote them (its digests, `kv_store/tier_sums.py`,
-checked as a load-back starts: `corrupt_copy`), or whose last load-back failed, is never loaded: it and every node below it leave the tree
-(`drop_unheld`), counted and logged, and the requests that wanted them compute them again.
+checked as a load-back starts: `corrupt_copy`), or whose last load-back failed, is never loaded: it
+and every node below it leave the tree (`drop_unheld`), counted and logged, and the requests that
+wanted them compute them again.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ each made by the prefill rank that holds the bytes, straight into the decode ran
 `ShardWrites` gives the sender one handle for all of them, with a transport's calls (poll, error,
 settled, retire): DONE when every part is, FAILED when any part is, settled when no part can still
 move a byte. Each rank digests the part of the landing pages its heads make (`page_digest.py`) as it
-writes them and reports those sums with its DONE; rank 0 adds them up (`add_other_sums`). Rank 0's pins on the pages last until it is retired, and page ids are rank 0's on every
-rank, so no rank's pages are reused while any rank still reads them. With one rank and a one-rank
-landing the handle is the transport's own.
+writes them and reports those sums with its DONE; rank 0 adds them up (`add_other_sums`). Rank 0's
+pins on the pages last until it is retired, and page ids are rank 0's on every rank, so no rank's
+pages are reused while any rank still reads them. With one rank and a one-rank landing the handle is
+the transport's own.
 """
 
 from __future__ import annotations

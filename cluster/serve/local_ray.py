@@ -42,8 +42,10 @@ from pathlib import Path
 log = logging.getLogger("tandem.serve")
 
 STOP_GRACE_S = 5.0
-"""How long a local Ray instance's processes get to exit on SIGTERM before SIGKILL. They take ~0.2 s;
-a 2 s grace killed one on a loaded 2-core CI host. Waiting ends as soon as they are gone."""
+"""How long a local Ray instance's processes get to exit on SIGTERM before SIGKILL. They take ~0.05 s;
+on loaded 2-core CI hosts a GCS has once outlived 2 s and once 5 s (never a raylet). A GCS killed so
+loses nothing: its state is in the session's directory, removed next. Waiting ends as soon as they are
+gone."""
 
 LOOPBACK = "127.0.0.1"
 _SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -93,18 +95,18 @@ class LocalRay:
                  address, num_cpus, session_id)
         return cls(address, session_id, workdir, saved_env)
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> list[int]:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> dict[int, str]:
         """End every process of the session, remove the token and Ray's files, restore the environment.
         Disconnect the driver (`ray.shutdown()`) first. Idempotent. Returns the processes that had to
-        be killed (SIGKILL: they outlived SIGTERM by `grace_s`)."""
+        be killed (SIGKILL: they outlived SIGTERM by `grace_s`), pid -> command name."""
         killed = _clean_up(self.session_id, self.workdir, self.saved_env, grace_s)
         log.info("stopped the local Ray instance%s", f" ({len(killed)} processes killed)" if killed else "")
         return killed
 
 
 def _clean_up(session_id: int | None, workdir: Path, saved_env: dict[str, str | None],
-              grace_s: float = 0.0) -> list[int]:
-    killed = end_session(session_id, grace_s) if session_id is not None else []
+              grace_s: float = 0.0) -> dict[int, str]:
+    killed = end_session(session_id, grace_s) if session_id is not None else {}
     shutil.rmtree(workdir, ignore_errors=True)
     _apply_env(saved_env)
     return killed
@@ -180,24 +182,24 @@ def session_members(session_id: int) -> list[int]:
     return members
 
 
-def end_session(session_id: int, grace_s: float) -> list[int]:
+def end_session(session_id: int, grace_s: float) -> dict[int, str]:
     """SIGTERM the session's raylets, then every process of it, SIGKILL what is left after `grace_s`
-    each time; wait for them. Returns the processes it had to SIGKILL. A raylet exits at once on a
+    each time; wait for them. Returns the processes it had to SIGKILL (pid -> command name). A raylet exits at once on a
     SIGTERM of its own (and takes its agents and workers along), but not while the GCS it reports to is
     shutting down too; a GCS, the dashboard and the log monitor exit at once when no raylet is left.
     All signalled together, every one of them waited out the whole grace period for SIGKILL."""
     raylets = [pid for pid in session_members(session_id) if _comm(pid) == "raylet"]
     if raylets:
         _signal_and_wait(session_id, raylets, signal.SIGTERM, grace_s)
-    killed: list[int] = []
+    killed: dict[int, str] = {}
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         pids = session_members(session_id)
         if not pids:
             break
         if sig == signal.SIGKILL:
-            killed = pids
+            killed = {pid: _comm(pid) or "exited" for pid in pids}
             log.warning("Ray processes outlived SIGTERM by %.1f s, killed: %s", grace_s,
-                        ", ".join(f"{pid} ({_comm(pid) or 'exited'})" for pid in pids))
+                        ", ".join(f"{pid} ({name})" for pid, name in killed.items()))
         _signal_and_wait(session_id, pids, sig, wait_s)
     left = session_members(session_id)
     if left:

@@ -235,7 +235,7 @@ class PrefillLane:
         return self.queued_tokens + self.window_tokens
 
     def enqueue(self, item: object, num_tokens: int, *, front: bool = False) -> None:
-        """`front`: it was admitted before (re-routed, or back from a full host tier); it goes first."""
+        """`front`: it was admitted before (re-routed, or back from a full landing pool); it goes first."""
         assert num_tokens >= 1, f"queued an empty prompt ({num_tokens} tokens)"
         (self._queue.appendleft if front else self._queue.append)((item, num_tokens))
         self.queued_tokens += num_tokens

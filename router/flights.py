@@ -39,7 +39,7 @@ from router.workers import LiveWorker
 class Phase(enum.Enum):
     QUEUED = "queued"  # admitted, in its prefill worker's lane queue: nothing held on any worker yet
     RESERVING = "reserving"
-    BACKOFF = "backoff"  # the decode worker's host tier was full: queued again after a pause
+    BACKOFF = "backoff"  # the decode worker's landing pool was full: queued again after a pause
     PREFILLING = "prefilling"
     LOCAL = "local"  # the decode worker prefills it itself
     STREAMING = "streaming"  # tokens are flowing

@@ -192,7 +192,7 @@ class ServeConfig:
     """Prefill workers: build KV and hand it to a decode worker."""
     decode: WorkerGroupConfig = field(default_factory=lambda: WorkerGroupConfig(
         count=1, engine=EngineConfig(chunk_size=CPU_DECODE_CHUNK_SIZE)))
-    """Decode workers: receive KV into their host tier and decode."""
+    """Decode workers: receive KV into their landing pool and decode."""
     colocated: WorkerGroupConfig = field(default_factory=lambda: WorkerGroupConfig(count=0))
     """Colocated workers: prefill and decode in one engine, no KV transfer."""
     transport: TransportConfig = field(default_factory=TransportConfig)

@@ -101,8 +101,8 @@ CPU_ALIGN_BYTES = 64
 
 def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A zero CPU tensor whose memory is zeroed by the operating system page by page, as it is first
-    touched, rather than written here: `torch.zeros` of a decode worker's 1.5 GiB pool faulted in every
-    page at start-up (0.6-3.7 s on 2 cores, and all of it resident before any request). An anonymous
+    touched, rather than written here: `torch.zeros` of a decode worker's pool faulted in every
+    page at start-up (seconds, and all of it resident before any request). An anonymous
     mapping of its own, not the allocator's (which may hand back memory it already touched): fresh
     zero pages, page-aligned, storage offset 0 (the compiled step guards on offsets)."""
     import numpy as np
@@ -118,7 +118,7 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 MADV_POPULATE_WRITE = 23
 """Linux 5.14+: map a range's pages writable now, leaving their contents as they are."""
 POPULATE_CHUNK_BYTES = 2 << 20
-"""Mapped in a call (~6 ms on 2 cores): the longest a step that arrives meanwhile waits on it."""
+"""Mapped in a call (milliseconds): the longest a step that arrives meanwhile waits on it."""
 POPULATE_PAUSE_S = 0.05
 """How often a paused populate looks again whether the worker still has work."""
 POPULATE_NICE = 19
@@ -130,7 +130,7 @@ def populate_in_background(tensors: list[torch.Tensor], name: str = "tandem-kv-p
     """Fault in the memory of CPU tensors made by `zeros_lazy` on a thread of its own, chunk by chunk,
     without changing a byte (`MADV_POPULATE_WRITE`), so requests that write KV later do not pay the
     page faults: left to the writes, a decode worker's first pass through its pool made each KV write
-    of a 16-row step ~15x slower (~13 ms a step on 2 cores). Safe beside requests using the pages
+    many times slower (docs/results.md#start-up). Safe beside requests using the pages
     (contents are kept); the thread runs no OpenMP region. None where there is nothing to do or the
     kernel has no such advice (then pages fault as they are first written, as before). Between chunks
     it waits while `busy()` (a served worker: while it has requests), so it takes only idle time: even at

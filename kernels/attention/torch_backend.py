@@ -19,8 +19,8 @@ Flash-style extend on CPU, sequence of ``s`` positions, ``p = s - q`` of them ca
 A short extend over a short sequence (a speculative verify row, a tree's head level: at most
 ``SHORT_EXTEND_ROWS`` new rows, at most ``C`` positions in all) is instead ONE flash call over the
 whole sequence with an additive mask (causal with an offset, or the tree window's): one gather and
-one kernel call per layer instead of two calls, two gathers and a merge (a 4-token verify's
-attention over 200 positions: ~2x cheaper on CPU).
+one kernel call per layer instead of two calls, two gathers and a merge (measured:
+docs/results.md#cpu-decode).
 
 Each part is one call of the CPU flash kernel, which returns its output and log-sum-exp per query;
 the parts merge by log-sum-exp in fp32. A sequence with a tree mask (metadata.TreeMask) is the
@@ -164,8 +164,8 @@ def _make_plan(meta: AttnMetadata, prefix_chunk_tokens: int) -> _Plan:
 
 def _gather_pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     """``[..., num_pages]`` page ids -> ``[..., num_pages * page_size, kvh, hd]`` (a copy)."""
-    # index_select, not cache[page_table]: advanced indexing runs ~4x slower on CPU for these
-    # large contiguous slices, and this gather is the biggest cost of a CPU decode step.
+    # index_select, not cache[page_table]: advanced indexing runs several times slower on CPU for
+    # these large contiguous slices, and this gather is the biggest cost of a CPU decode step.
     pages = cache.index_select(0, page_table.reshape(-1))  # [prod(...) * num_pages, page_size, kvh, hd]
     return pages.view(*page_table.shape[:-1], page_table.shape[-1] * cache.shape[1], *cache.shape[2:])
 

@@ -2,11 +2,10 @@
 
 One compiled function serves all the layers: `run_layers` takes a group of consecutive layers as an
 argument, and torch.compile treats a module's parameters as inputs, so the 30 layers of SmolLM2,
-called six at a time, share one graph. Compiling one layer a call took ~6 s on 2 cores (~3 s from
-inductor's on-disk cache) instead of the whole unrolled forward's (~45 s, ~20 s cached), but each call
-costs ~100-150 us of guard checks and wrappers, ~4 ms of a ~35 ms step at 30 calls; six layers a call
-(`GROUP_LAYERS`) keep one sixth of that for ~1.4x the compile (~10 s cached on a 2-core AVX2 CPU:
-a step of 30-35 ms vs 35-39 ms, alternating runs). Compiled, a one-row matmul is one fused pass over
+called six at a time, share one graph. Compiling one layer a call takes a fraction of the whole
+unrolled forward's compile, but each call pays guard checks and wrappers, a visible share of a step
+at 30 calls; six layers a call (`GROUP_LAYERS`) keep one sixth of that for a somewhat longer compile
+(figures: docs/results.md#cpu-decode, #start-up). Compiled, a one-row matmul is one fused pass over
 its weight (`kernels/model/packed_linear.py`), and a layer's norms, rotary, residuals and activation
 fuse around it. The KV length stays a dynamic dimension, so nothing compiles again while serving.
 """
@@ -41,15 +40,15 @@ class CompiledLayers:
         self.model = model
         self.group_size = group_size(model.arch.num_layers)
         self.layers_fn = torch.compile(run_layers, dynamic=True)
-        self.head_fn = run_head  # eager: the lm_head's one row runs faster through oneDNN (4.3 vs 4.8 ms)
+        self.head_fn = run_head  # eager: the lm_head's one row runs faster through oneDNN than compiled
 
     @staticmethod
     def compiling():
         """The context of the calls that compile (a warm-up): the floats a group reads from its layers
         (norm eps, attention scale) are constants of the graph. The layers are an argument, so dynamo
         would first trace those floats as symbolic inputs, fail to turn them into tensors, and trace
-        the whole group again: ~3 s of tracing and ~3.5 s of compiler thrown away per thread count
-        (2-core AVX2 CPU, inductor's cache warm). Scoped to compiling: entering it costs ~30 us."""
+        the whole group again, throwing seconds of tracing and compiling away per thread count
+        (docs/results.md#start-up). Scoped to compiling, though entering it is cheap."""
         import torch._dynamo.config
 
         return torch._dynamo.config.patch(specialize_float=True)

@@ -2,10 +2,10 @@
 
 One token of one sequence is ~120 matrix-vector products over the weights (SmolLM2: 425 MB of
 float32 a token) and ~20 small ops a layer around them. Inductor's compiled layers
-(`kernels/cpu/compiled.py`) fuse the small ops but stream the weights at ~15-17 GB/s on 2 cores
-(one fused product-sum a matmul), and take ~10 s to compile at every start; a C layer reads each
-weight row once, four rows a pass against two tokens at a time, at ~22-24 GB/s (SmolLM2's 120 layer
-matmuls: 17.6 vs 25-28 ms, 2 cores, same run), runs the norms, rotary, K/V write, attention
+(`kernels/cpu/compiled.py`) fuse the small ops but stream the weights further from the memory's
+speed (one fused product-sum a matmul), and take seconds to compile at every start; a C layer reads
+each weight row once, four rows a pass against two tokens at a time, closer to the memory's speed
+(docs/results.md#cpu-decode), runs the norms, rotary, K/V write, attention
 (`attend`, the batched decode kernel's) and activation between them on the same OpenMP team, and
 needs no compile.
 
@@ -17,7 +17,7 @@ it only at near-ties (the head's bf16 matmul, too, runs in C on such CPUs: `Pack
 How many sequences a step it serves (`max_rows`): up to `MAX_ROWS` where oneDNN multiplies the
 model's dtype natively (`cpu_packing_available`: float32 here; bf16 on CPUs with bf16 dot products),
 whose packed matmuls serve 8-16 rows better; every decode step where it does not (bf16 on an AVX2
-CPU, where torch's bf16 matmul runs at ~14 GFLOP/s: a 16-row SmolLM2 step 317 ms eager).
+CPU, where torch's bf16 matmul is several times slower than the C layer: docs/results.md#cpu-decode).
 
 The matrices stay where the model keeps them (HF's row-major layout, no copy; norms and biases of a
 bf16 model are widened once, a few KB a layer); their addresses are taken when this is made, so it

@@ -5,17 +5,16 @@ whole decoder layer (`kernels/cpu/decode_layer.py`).
 
 Why: a batched CPU decode step attended in two passes over each layer's KV, a gather of every
 sequence's pages into one padded copy (`index_select`) and SDPA's flash kernel over it, which treats
-a GQA group's few query heads as a query block and runs far from the memory's speed. SmolLM2 fp32,
-16 sequences at ~200 positions, 2 cores: ~1.3 ms a layer that way (0.45 gather + 0.85 SDPA), ~40 ms
-of a ~105 ms step. The kernel reads the pages in place, once, every query head of a group per K/V
-row, with the softmax online (`tandem_paged_decode_f32`).
+a GQA group's few query heads as a query block and runs far from the memory's speed: over a third
+of a batched step (docs/results.md#cpu-decode). The kernel reads the pages in place, once, every
+query head of a group per K/V row, with the softmax online (`tandem_paged_decode_f32`).
 
 Built on first use with the C compiler torch.compile uses too (`$CC`, else cc / gcc / clang),
 `-O3 -march=native -fopenmp` (`$TANDEM_CPU_MARCH` names another `-march`, e.g. `x86-64-v3`: the
 AVX2 baseline CI also tests on a wider CPU; the kernel's results do not depend on it: its sums run
 in a fixed order, contraction off), into ``<cache root>/kernels/`` under a name keyed by the source, the
 flags, the compiler and this CPU, so a cache shared between different machines never loads another
-CPU's build; a worker process that finds it there only loads it (~1 ms). Its OpenMP team is torch's:
+CPU's build; a worker process that finds it there only loads it. Its OpenMP team is torch's:
 torch ships the libgomp the process has loaded, and `torch.set_num_threads` sets the caller's team
 size. Where no compiler works, `kernel()` is None, one warning says why, and the torch path serves.
 """
@@ -83,9 +82,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x [M, K] @ weight [N, K]^T + bias`` for a bfloat16 CPU weight in HF's row-major layout, the
     products summed in float32 and rounded to bf16 once (as torch's bf16 matmul rounds): ``[M, N]`` in
-    x's dtype. For CPUs without bf16 dot products, where torch's bf16 matmul runs at ~14 GFLOP/s
-    (`tandem_linear`: ~60-90). None where the kernel does not take it (no kernel here, another dtype
-    or layout): the caller runs its torch path."""
+    x's dtype. For CPUs without bf16 dot products, where torch's bf16 matmul is several times slower
+    than `tandem_linear` (docs/results.md#cpu-decode). None where the kernel does not take it (no
+    kernel here, another dtype or layout): the caller runs its torch path."""
     lib = kernel()
     if lib is None or weight.dtype != torch.bfloat16 or not weight.is_contiguous() or weight.dim() != 2:
         return None
@@ -194,7 +193,7 @@ def load(path: Path) -> ctypes.CDLL:
 def build(compiler: str, path: Path) -> None:
     """Compile into a temporary file beside `path`, then rename: workers that build at once each
     write their own and the last rename wins, so none ever loads a half-written library. Other
-    builds there go (an older source's; a cache shared with another CPU rebuilds its own, ~0.3 s)."""
+    builds there go (an older source's; a cache shared with another CPU rebuilds its own, a short build)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)

@@ -16,9 +16,8 @@ s = src_idx[i], d = dst_idx[i] and the tensors viewed as rows of PAGE_WORDS word
 
 Pages move as raw words (int32 where a page's bytes allow, else int16 or bytes), so any dtype is
 copied bit for bit. Each program's accesses are contiguous, 16-byte vectors when the page tensors
-are 16-byte aligned (as allocations are). Measured on an H200 (256 scattered pages x 30 layers,
-fp32 and bf16, launches alone): host -> device at 0.93-0.95 and device -> host at 0.96-0.97 of a plain contiguous
-pinned `copy_`, the same for 2 to 16 KiB per program. Under `TRITON_INTERPRET=1` the kernel runs on
+are 16-byte aligned (as allocations are), so both directions run close to a plain contiguous pinned
+`copy_` (measured on an H200: docs/results.md#kv-tiers). Under `TRITON_INTERPRET=1` the kernel runs on
 CPU tensors (both sides host memory): how the tests run it without a GPU.
 """
 
@@ -60,7 +59,7 @@ def copy_pages_kernel(
 @dataclass(frozen=True)
 class PageCopy:
     """One layer's copy, checked and sized once (`plan_copy`); `launch` per job. Planning ahead keeps
-    the per-launch host work to Triton's own: a layer's copy can take under 100 us on the GPU, and
+    the per-launch host work to Triton's own: a layer's copy can be that short on the GPU, and
     launches that cost as much would leave it idle between layers."""
 
     words: tuple[torch.Tensor, ...]  # src K, src V, dst K, dst V, each [num_pages, page_words]

@@ -28,8 +28,8 @@ under ``TRITON_INTERPRET=1``, whose numpy matmul would multiply bf16 bit pattern
 (silently wrong). A bf16 x bf16 product is exact in fp32, so both agree up to summation order.
 
 The page lookup and the matmul are written out in each kernel rather than as ``@triton.jit``
-helpers: the interpreter re-patches ``triton.language`` on every nested jit call (~4 ms), which
-was a third of the interpreted test time.
+helpers: the interpreter re-patches ``triton.language`` on every nested jit call, which was a
+large share of the interpreted test time (docs/results.md#tooling).
 
 Whether these run compiled or interpreted is fixed by ``TRITON_INTERPRET`` as triton and this
 module are first imported (``triton.jit`` reads it then); ``INTERPRETED`` records which. The

@@ -75,7 +75,7 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def ensure_smollm2(cache_root: Path | None = None) -> Path:
-    """Directory of the converted SmolLM2; converts (~30 s, once) if the cache is absent or stale."""
+    """Directory of the converted SmolLM2; converts (once, tens of seconds) if the cache is absent or stale."""
     gguf = smollm2_gguf_path()
     final = (cache_root or default_cache_root()) / "models" / SMOLLM2_CACHE_NAME
     if is_converted(final, gguf):

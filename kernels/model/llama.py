@@ -112,7 +112,7 @@ class LlamaModel(nn.Module):
         rows = arch.vocab_size if vocab_rows is None else vocab_rows
         weight = torch.empty(rows, arch.hidden_size)
         if not weight.is_meta:  # nn.Embedding's own init; a model made on meta is loaded, not initialised
-            nn.init.normal_(weight)  # (on meta that init would import torch._dynamo: ~2 s of a worker's start)
+            nn.init.normal_(weight)  # (on meta that init would import torch._dynamo: seconds of a worker's start)
         self.embed_tokens = nn.Embedding(rows, arch.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)

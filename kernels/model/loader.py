@@ -126,7 +126,7 @@ def load_for_serving(spec: str, device: torch.device | str = "cpu", dtype: torch
                      tp: Callable[[Any], TPGroup] | None = None) -> LoadedModel:
     """`load_model` for a worker: the config read as JSON (`read_config`) and the gateway's tokenizer
     (`load_tokenizer`: the `tokenizers` library), so a worker never imports transformers, which took
-    ~2.5 s of each worker's start on 2 cores (both workers start at once). Same weights, same ids.
+    seconds of each worker's start (both workers start at once). Same weights, same ids.
     `tp`: as `load_model` takes it."""
     model_dir = resolve_model_dir(spec, cache_dir)
     hf_config = read_config(model_dir)

@@ -6,9 +6,9 @@ keeps HF's layout, `weight [sum(out_features), in_features]`, the parts stacked 
 On a CPU with oneDNN (torch's mkldnn), `prepack_cpu` goes further for inference: each float32
 (and, where the CPU has native bf16 dot products, bfloat16) weight is also stored in oneDNN's
 blocked layout for its matmul, reordered once, so no call re-packs it and every call splits the
-weight over all of torch's threads. That is most of an eager decode step on a CPU: SmolLM2's 121
-matmuls on 2 cores, float32, one run, alternating: 1 row 23 vs 31 ms (MKL's vector path keeps to
-one thread), 4 rows 21 vs 64 ms, 16 rows 29 vs 69 ms, 512 rows 515 vs 800 ms. The packed copy
+weight over all of torch's threads. That is most of an eager decode step on a CPU, and packing
+speeds it up at every row count, most at a few rows (MKL's one-row vector path keeps to one
+thread; docs/results.md#cpu-decode). The packed copy
 serves any row count (the layout is chosen for `_CPU_PACK_ROWS_HINT` rows but is correct for all:
 checked once per process), holds about as much memory as the weight, and is bypassed as soon as the
 weight is replaced or changed in place, under autograd and inside `torch.compile`, so it never
@@ -16,9 +16,9 @@ serves stale weights.
 
 Inside `torch.compile` one row (a compiled single-request decode step) is written as a product
 and a sum over each weight row, which inductor turns into one fused, vectorised pass over the
-weight split across the threads: on 2 cores SmolLM2's 120 layer matmuls take ~15 ms that way vs
-~23 ms through oneDNN (a matrix-vector product is a pass over the weight; this one runs closer to
-the memory's speed). That needs the rows contiguous, hence HF's layout.
+weight split across the threads, faster than oneDNN's for one row (a matrix-vector product is a
+pass over the weight; this one runs closer to the memory's speed). That needs the rows contiguous,
+hence HF's layout.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from kernels.cpu import native as cpu_native
 
 _CPU_PACK_ROWS_HINT = 16
 """Row count oneDNN is told when packing; the layout it gives serves every row count
-(`cpu_packing_available`). 16 measured best from 1 to 512 rows (1 and 128 were slower at 4-16 rows)."""
+(`cpu_packing_available`). 16 measured best from 1 to 512 rows (docs/results.md#cpu-decode)."""
 
 
 class PackedLinear(nn.Module):
@@ -116,9 +116,8 @@ WIDEN_MIN_ROWS = 32
 """A bfloat16 CPU matmul where the CPU has no bf16 dot products (`_bf16_without_dot_products`) runs
 on float32 copies of x and the weight from this many rows of x (oneDNN's float32 matmul), and in C
 below it (`cpu_native.linear_bf16`: the weight widened in registers, no copy); both sum the exact
-products in float32 and round to bf16 once, as torch's bf16 matmul does, which runs at ~13-16
-GFLOP/s there. 2 cores, a 3072x576 weight, ms: 16 rows torch 3.5, copies 1.4, C 0.9; 32 rows 6.9,
-1.8, 1.8; 128 rows 26.5, 4.4, 6.7; 1,024 rows 196, 24, 41."""
+products in float32 and round to bf16 once, as torch's bf16 matmul does, which is the slowest of
+the three there. C wins below this row count, the float32 copies from it (docs/results.md#cpu-decode)."""
 
 
 def _bf16_without_dot_products(x: torch.Tensor, weight: torch.Tensor) -> bool:

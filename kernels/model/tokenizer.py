@@ -40,8 +40,8 @@ class ServingTokenizer:
     """A model's fast tokenizer (`tokenizer.json` through the `tokenizers` library) and its Jinja chat
     template, rendered as transformers renders it (a sandbox with trim_blocks and lstrip_blocks, loop
     controls, `raise_exception`, `strftime_now`, a non-escaping `tojson`, the special tokens as
-    variables), without transformers: loading transformers' tokenizer loads torch, ~300 MB more RAM
-    in the gateway's process. The subset of transformers' tokenizer interface the gateway uses;
+    variables), without transformers: loading transformers' tokenizer loads torch, hundreds of MB
+    more RAM in the gateway's process. The subset of transformers' tokenizer interface the gateway uses;
     a test holds its ids and text equal to AutoTokenizer's."""
 
     def __init__(self, model_dir: Path, chat_template: str | None) -> None:

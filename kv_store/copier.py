@@ -10,22 +10,22 @@ synchronizes that stream before the job counts as done.
 On a CPU device the copies run inline: `submit` does the job on the caller's thread (the
 scheduler's, between forwards) and returns it done. A second thread there does not overlap
 anything: it takes a core from the forward's OpenMP team, whose every parallel region then waits
-for the descheduled thread (`tandem bench hicache --only retract` on 2 cores: retract with
-offload ran 0.77x the speed of recomputing). Inline, a copy costs its memcpy time and no more.
+for the descheduled thread (with such a thread, retract with offload ran slower than recomputing:
+docs/results.md#cpu-threads). Inline, a copy costs its memcpy time and no more.
 
 How a layer's pages move (`_KernelMove` or `_StagedMove`, chosen per copier):
 - kernel (CUDA, host tier pinned): one `kernels.cuda.page_copy` launch per layer, K and V together; the
   GPU reads or writes the pinned host pages in place (mapped memory), with the page indices on the
-  device, so the host does no per-page work at all; each layer's launch is planned once. Measured on
-  an H200 (`tandem bench h2d`: 256 scattered pages x 30 layers, fp32), a load-back ran at 3.6 GB/s
-  staged, held by the single-threaded host gather, and at 43 GB/s through the kernel: 0.83 of a
-  plain contiguous pinned `copy_` (0.81 in bf16 and fp16). A kernel copy that raises (say, Triton
-  refuses the host pointer) is logged once, redone staged, and the copier stays staged.
+  device, so the host does no per-page work at all; each layer's launch is planned once. Staged, a
+  load-back is held by the single-threaded host gather; through the kernel it runs close to a plain
+  contiguous pinned `copy_` (`tandem bench h2d`: docs/results.md#kv-tiers). A kernel copy that
+  raises (say, Triton refuses the host pointer) is logged once, redone staged, and the copier stays
+  staged.
 - staged (everywhere else): per layer and K/V, gather the pages into one contiguous tensor, move
   it, scatter it. Host-side gathers and scatters are numpy byte copies: single-threaded and outside
   the GIL, and never torch's parallel CPU ops, which must stay on the worker's one compute thread
-  (`docs/design.md`, "One compute thread per worker"): torch ops on this thread once cost every
-  later decode step ~1.8x on 2 cores.
+  (`docs/design.md`, "One compute thread per worker"): torch ops on this thread once slowed every
+  later decode step.
 
 The copier touches only the pages named in a job; the caller guarantees nobody else reads or
 writes those pages until the job is done (they are IN_FLIGHT, or locked in the prefix tree).

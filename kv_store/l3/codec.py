@@ -10,9 +10,10 @@
     36      4      reserved (0)
     40      ...    payload
 
-CRC-32 (zlib, ~4 GB/s) rather than a cryptographic hash (BLAKE2b: ~0.7 GB/s, a third of a page's
-round trip): the check is against truncation, bit rot and misplaced values, not an attacker, who
-could rewrite any checksum anyway (protect Redis with AUTH/TLS and a private network).
+CRC-32 (zlib) rather than a cryptographic hash (BLAKE2b, several times slower: a large share of a
+page's round trip; docs/results.md#kv-tiers): the check is against truncation, bit rot and
+misplaced values, not an attacker, who could rewrite any checksum anyway (protect Redis with
+AUTH/TLS and a private network).
 
 Payload = the page's K then V in every layer, layer-first:
 

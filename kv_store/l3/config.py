@@ -45,8 +45,8 @@ class L3Config:
     pages (>= 1): a shorter gain costs a round trip for little saved prefill."""
     prefetch_policy: str = PrefetchPolicy.TIMEOUT.value
     """"best_effort", "wait_complete" or "timeout" (`PrefetchPolicy`). The default waits: a request
-    that does not wait for its prefetch prefills what L3 is fetching for it (on a CPU a 1k-token
-    prompt after a restart: 4.8 s cold vs 0.6 s waiting for L3)."""
+    that does not wait for its prefetch prefills what L3 is fetching for it, which on a CPU takes
+    far longer than the wait (docs/results.md#kv-tiers)."""
     prefetch_timeout_s: float = 1.0
     """With the "timeout" policy, how long a request waits for its prefetch at least (> 0, <= 600)..."""
     prefetch_timeout_per_page_s: float = 0.01
@@ -67,7 +67,7 @@ class L3Config:
     max_pipeline_pages: int = 16
     """Pages per Redis pipeline at most (1..4096): bounds one round trip's payload (16 SmolLM2 float32
     pages: 12 MB) and how long one call holds a connection. Deeper pipelines save round trips on a
-    slow network but cost client memory; on loopback 1..16 measured alike, 64 slower."""
+    slow network but cost client memory; on loopback deeper than 16 was slower (docs/results.md#kv-tiers)."""
     error_backoff_s: float = 1.0
     """After a failed Redis call, skip L3 for this long (every lookup a miss, every put dropped)
     instead of paying a timeout per request while Redis is down (>= 0; 0: retry at once)."""

@@ -20,8 +20,8 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from common.config import ConfigError
 from kv_store.l3.codec import ValueFault, decode_value, encode_value
@@ -268,7 +268,7 @@ class RedisPageStore:
 
 def _read_size(page_bytes: int) -> int:
     """Bytes per socket read: a whole value in one read when it fits 4 MiB. redis-py's pure-Python
-    reader reads 64 KiB at a time by default, which makes a page GET ~4x slower than one read."""
+    reader reads 64 KiB at a time by default, which makes a page GET several times slower than one read."""
     return min(max(64 * 1024, page_bytes + 4096), 4 * 1024 * 1024)
 
 

@@ -282,7 +282,7 @@ class Scheduler:
     def _loaded_at_once(self, req: Request) -> bool:
         """Whether `req`'s load finished as it started (a CPU pool's copies run inline, and no L3 fetch
         is awaited): then it is back in the queue, in its place, to be admitted in this step rather
-        than the next (on a CPU a step is ~0.1-0.3 s; on CUDA the copy overlaps the step)."""
+        than the next (on a CPU a step is long; on CUDA the copy overlaps the step)."""
         self.host_cache.poll()
         if not self.host_cache.ready(req.tier.load_ticket):
             return False

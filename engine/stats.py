@@ -10,7 +10,7 @@ from kv_store.page_pool import PagePool
 
 BUSY_INTEGRITY_INTERVAL_S = 5.0
 """How often the heartbeat's integrity check runs while requests run: it walks every page of every
-tier (~30-80 ms with a 4,096-page host tier on a CPU, a whole decode step that every request waits
+tier (with a large host tier on a CPU as long as a whole decode step, which every request waits
 for), so not on every beat then. Debug mode (TANDEM_DEBUG_KV=1) still checks after every step."""
 
 

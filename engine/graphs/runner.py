@@ -39,10 +39,9 @@ nothing to compile; float32 buckets of up to 4 rows, bigger ones eagerly through
 every bucket where the CPU has no bf16 dot products); with `compiled` bucket 1 through its decoder
 layers compiled (`CompiledLayers`, six layers a call; compiled at start-up, or by a served worker on a
 thread beside serving; the KV length is a dynamic dimension, so nothing compiles again while
-serving). Measured on a 2-core CPU, SmolLM2 fp32, 128-token context: batch 1 compiled 24.5 ms a step
-vs 37.5 eager (same greedy tokens); at batch 4 compiled steps were *slower* than eager (99 ms with a
-dynamic batch dimension, 73 ms compiled for batch 4 alone, vs 43 ms eager), so bigger buckets
-replay eagerly.
+serving). Compiled, batch 1 steps faster than eager with the same greedy tokens; at batch 4
+compiled steps were *slower* than eager (with a dynamic batch dimension, and even compiled for
+batch 4 alone), so bigger buckets replay eagerly (docs/results.md#cpu-decode).
 """
 
 from __future__ import annotations
@@ -77,8 +76,8 @@ COMPILE_SWITCH_INTERVAL_S = 0.0001
 """The interpreter's thread switch interval while a background compile runs (Python's default: 5 ms).
 The compile is pure Python for seconds (tracing); each time the serving loop lets the GIL go (a torch
 op, a socket read) the compile takes it, and the loop waited up to the whole interval to get it back.
-SmolLM2 on 2 cores, a cold 1k-token request sent at ready: 6.7 / 7.3 s at 0.1 ms, 9.8 / 9.2 s at
-0.5 ms, 12.3 / 11.5 s at 5 ms (~3.5 s once compiled); the compile itself took 10 s, not 13-14 s."""
+A short interval serves a request sent at ready far sooner, and the compile itself ends sooner too
+(docs/results.md#cpu-threads)."""
 COMPILED_MIN_PAGES = 2
 """KV pages a compiled CPU replay's attention spans at least (a dynamic size of 1 would be specialised)."""
 
@@ -249,7 +248,7 @@ class GraphRunner:
                      "; it replays eagerly until then" if background else "")
             start_s = time.perf_counter()
             try:
-                from kernels.cpu.compiled import CompiledLayers  # imports the compiler (~1-3 s): not before ready
+                from kernels.cpu.compiled import CompiledLayers  # imports the compiler (seconds): not before ready
 
                 compiled = CompiledLayers(self.eager.model)
                 with compiled.compiling():

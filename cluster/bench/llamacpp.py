@@ -5,7 +5,7 @@ continuous batching, what a CPU user would run), or llama-cpp-python's Python se
 (`--peer llama-cpp-python`); llamacpp_peers.py finds and starts them. Neither is a tandem dependency.
 The two servers run one after the other, never both loaded at once (`--repeats N`: N rounds, in the
 order llama.cpp-tandem, then tandem-llama.cpp, ..., every figure taken over all rounds' samples
-together, since a shared host's speed can drift by 2x within an hour), on the same thread count
+together, since a shared host's speed can drift a lot within an hour), on the same thread count
 (`--threads`: llama.cpp's `-t`/`-tb`; tandem's workers share as many, `tandem_serve_flags`), and get the same
 requests over `/v1/completions`, greedy, through the load harness's transport (a pooled connection
 the server closed is retried on a fresh one: load/transport.py):

@@ -111,8 +111,8 @@ def _run_colocated(args, config, prompts, params) -> list[RunResult]:
     from engine import EngineCore, load_engine
 
     t0 = time.perf_counter()
-    # A run writes a small part of the pool: mapping all of it in first (~2 GiB for SmolLM2's
-    # default pool) took ~3 s and made all of it resident; its pages fault in as they are written.
+    # A run writes a small part of the pool: mapping all of it in first took seconds of its start and
+    # made all of it resident; its pages fault in as they are written.
     engine = load_engine(config, populate=False)
     log.info("loaded %s in %.2fs (%d KV pages of %d tokens)", config.model, time.perf_counter() - t0,
              engine.config.num_pages, engine.config.page_size)

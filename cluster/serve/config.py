@@ -33,15 +33,15 @@ DEFAULT_COUNTS = {"prefill": 1, "decode": 1, "colocated": 0}
 CPU_LOCAL_PREFILL_MAX_TOKENS = 256
 """`router.local_prefill_max_tokens` when it is left null and the decode workers run on a CPU: prompts
 this short prefill on their decode worker, which then borrows the idle prefill worker's core
-(`cluster.lend_idle_cores`). 2-core CPU, 16 streams of 128 -> 128 tokens, same hour: 139 output tok/s
-and TTFT p50 0.67 s against 115 and 5.8 s with every prompt sent to the prefill worker (p99 inter-token
-latency 211 vs 148 ms). With CUDA decode workers: 0 (always disaggregate)."""
+(`cluster.lend_idle_cores`). On a 2-core CPU that gives more output tokens per second and a far
+shorter TTFT than sending every prompt to the prefill worker, for a longer p99 inter-token latency
+(docs/results.md#prefill). With CUDA decode workers: 0 (always disaggregate)."""
 
 CPU_DECODE_CHUNK_SIZE = 64
 """A CPU decode worker's `engine.chunk_size` unless a config sets one (top level or the group's): the
 prompt tokens its local prefills add to one decode step. On a CPU a prompt token costs as much as a
-decode row (~1.5 ms on 2 cores), so the chunk is the stall every running stream sees: 16 streams, p99
-inter-token latency ~190 ms at 64 (143 tok/s), ~300 ms at 128 (151), ~650 ms at 512 (158)."""
+decode row, so the chunk is the stall every running stream sees: a bigger chunk buys a little
+throughput for a much longer p99 inter-token latency (docs/results.md#prefill)."""
 
 
 @dataclass(frozen=True)

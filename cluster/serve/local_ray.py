@@ -42,10 +42,10 @@ from pathlib import Path
 log = logging.getLogger("tandem.serve")
 
 STOP_GRACE_S = 5.0
-"""How long a local Ray instance's processes get to exit on SIGTERM before SIGKILL. They take ~0.05 s;
-on loaded 2-core CI hosts a GCS has once outlived 2 s and once 5 s (never a raylet). A GCS killed so
-loses nothing: its state is in the session's directory, removed next. Waiting ends as soon as they are
-gone."""
+"""How long a local Ray instance's processes get to exit on SIGTERM before SIGKILL. They usually exit
+at once, but on loaded CI hosts a GCS has outlived shorter graces (never a raylet;
+docs/results.md#start-up). A GCS killed so loses nothing: its state is in the session's directory,
+removed next. Waiting ends as soon as they are gone."""
 
 LOOPBACK = "127.0.0.1"
 _SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -129,7 +129,7 @@ def _start_head(workdir: Path, num_cpus: int, num_gpus: int | None, resources: d
     temp_dir = workdir / "ray"
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--node-ip-address={LOOPBACK}",
            "--port=0", f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats",
-           "--no-monitor", f"--temp-dir={temp_dir}"]  # no autoscaler on a fixed local node: ~80 MB less
+           "--no-monitor", f"--temp-dir={temp_dir}"]  # no autoscaler on a fixed local node: less memory
     if num_gpus is not None:
         cmd.append(f"--num-gpus={num_gpus}")
     if resources:
@@ -137,7 +137,7 @@ def _start_head(workdir: Path, num_cpus: int, num_gpus: int | None, resources: d
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True)
     try:
-        importlib.import_module("ray")  # the driver's own import (~1 s on 2 cores), while the head starts
+        importlib.import_module("ray")  # the driver's own import (it takes a while), while the head starts
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         end_session(proc.pid, 0.0)

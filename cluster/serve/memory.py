@@ -40,10 +40,10 @@ from common.protocol import KVLayout
 GIB = 2**30
 AUTO_BUDGET_SHARE = 0.25
 AUTO_BUDGET_MAX_GIB = 8.0
-# Measured (RSS) on a default `tandem serve` after a 16-stream load, SmolLM2 on 2 cores: Ray's daemons
-# and agents ~0.42 GiB (no autoscaler monitor), the controller ~0.09, the gateway ~0.12 (no torch:
-# `ServingTokenizer`), 0.63 GiB in all, planned with some slack; a worker beyond its weights and pools
-# 0.58 (prefill) to 0.74 GiB (decode: graph buffers, the transfer engine's registrations).
+# The processes' RSS measured on a default `tandem serve` after a load, with some slack
+# (docs/results.md#memory): the node's for Ray's daemons and agents, the controller and the gateway;
+# the worker's beyond its weights and pools (a decode worker's graph buffers, the transfer engine's
+# registrations).
 NODE_OVERHEAD_BYTES = int(0.75 * GIB)
 WORKER_OVERHEAD_BYTES = int(0.65 * GIB)
 L3_STAGING_HOST_RATIO = 0.5  # host pages per device page on a CPU with L3 and no host tier asked for

@@ -5,7 +5,7 @@ on CPU, into the cache (`cluster.train.settings` has the layout) or an explicit 
        the training answers from a bfloat16 copy where `precision` resolves to bf16)
     2. the draft vocabulary: the most frequent answer tokens (`vocab`)
     3. the aux hidden states over prompt + answer, and the final ones (`data.target_states`), from
-       the model that answered (the bfloat16 copy too: 3.4x faster than float32 on an AMX CPU)
+       the model that answered (the bfloat16 copy too: much faster than float32 on an AMX CPU)
     4. training with 3 unrolled draft steps (`unroll`, `trainer`) against the target's distribution
        over the draft vocabulary (soft labels), resumable from the work dir
     5. greedy chain acceptance at k = 3 on the held-out answers (`evaluate`), saved as eval.json
@@ -104,8 +104,8 @@ def _build(settings: TrainSettings, cache_root: Path | None, checkpoint_every: i
 
 def _answerer(target, settings: TrainSettings, bf16: bool, cache_root: Path | None, device: str):
     """The model that answers the training prompts and gives the states over them: a bfloat16 copy
-    of `target` when `bf16` (what the head learns from at ~3x the speed; its states differ from the
-    target's by ~0.5-2% relative), else `target` itself."""
+    of `target` when `bf16` (what the head learns from, much faster; its states differ slightly from
+    the target's: docs/results.md#speculative), else `target` itself."""
     from kernels.model.loader import load_model
 
     if not bf16:

@@ -67,8 +67,8 @@ class TrainSettings:
     optimizer); the held-out answers, which acceptance is measured against, always come from the
     target as it serves (its own dtype). `fp32`: all float32. `auto`: bf16 where the device
     multiplies bfloat16 natively (AMX or AVX512-BF16 CPUs, CUDA with bf16), else fp32, so heads
-    trained on different machines may differ (the cache is per machine). On a 2-core AMX CPU bf16
-    answers ~2.8x, computes the states 3.4x and trains ~2x faster."""
+    trained on different machines may differ (the cache is per machine). Where it is native, bf16
+    answers, computes the states and trains several times faster (docs/results.md#speculative)."""
     seed: int = 0
 
     def __post_init__(self):

@@ -81,7 +81,7 @@ def build_worker(spec: WorkerSpec, transport=None):
 
         transport = MooncakeTransport(spec.transport.hostname, spec.transport.protocol)
     engine = spec.engine
-    if spec.role is WorkerRole.PREFILL:  # packed weights would cost it a second copy for ~10% (unless asked for by name)
+    if spec.role is WorkerRole.PREFILL:  # packing would cost it a second copy for little (unless asked for by name)
         engine = dataclasses.replace(engine, cpu_prepack=bool(engine.cpu_prepack))
     worker = make_worker(spec.role, engine, loaded.model, loaded.arch, transport, host_pages=spec.host_pages,
                          deadlines=spec.transport, **model)

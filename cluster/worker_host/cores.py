@@ -15,8 +15,8 @@ a byte per worker slot, its share with the top bit set while it has compute to d
 left. A worker reads the others' bytes before each step (no lock: a byte is written whole), so a
 change of who is busy costs the borrower at most one step with one thread too many; the threads
 follow on its next step. Simply giving every worker all the node's threads is far worse: OpenMP's
-spinning threads then fight over the cores (two 2-thread processes on 2 cores: a decode pass 5-9x
-slower while a prefill runs beside it).
+spinning threads then fight over the cores (two 2-thread processes on 2 cores: a decode pass several
+times slower while a prefill runs beside it; docs/results.md#cpu-threads).
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ class WorkerHost:
 
     The loop thread builds the worker itself, so that one thread of the process runs torch's
     parallel CPU ops (see `docs/design.md`, "One compute thread per worker"): loading the model on the
-    constructing thread and stepping on another made every decode step ~1.6x slower on 2 cores.
+    constructing thread and stepping on another made every decode step markedly slower.
     """
 
     def __init__(self, spec: WorkerSpec, worker_id: str, build: Callable[[WorkerSpec], tuple] = build_worker) -> None:

@@ -262,27 +262,27 @@ class EngineConfig:
     """Batch-size buckets to capture; empty: 1, 2, 4, 8, 16, 24, 32, ... up to max_running_requests."""
     cpu_compile: bool | None = None
     """CPU, with `cuda_graph`: replayed single-request steps (bucket 1) run each decoder layer through
-    one `torch.compile`d function (inductor; `kernels/cpu/compiled.py`), compiled at start-up (about
-    6 s on 2 cores for SmolLM2, about 3 s from inductor's cache under ~/.cache/tandem/inductor; a
-    served worker compiles beside serving and replays eagerly until then).
-    SmolLM2 fp32 batch 1 on 2 cores: ~25 vs ~40 ms a step eager, same greedy tokens; bigger buckets
-    stay eager (oneDNN's matmuls serve several rows well). None: on in `tandem serve`'s CPU workers
+    one `torch.compile`d function (inductor; `kernels/cpu/compiled.py`), compiled at start-up (seconds,
+    fewer from inductor's cache under ~/.cache/tandem/inductor; a served worker compiles beside
+    serving and replays eagerly until then). Faster than eager at batch 1 with the same greedy tokens
+    (docs/results.md#cpu-decode); bigger buckets stay eager (oneDNN's matmuls serve several rows
+    well). None: on in `tandem serve`'s CPU workers
     that decode (decode, colocated), off in an engine made alone (tests, benches: `--cpu-compile`)
     and on prefill workers. `--no-cpu-compile` turns it off."""
     cpu_native_decode: bool = True
     """CPU, float32, with `cuda_graph`: replayed decode steps of up to 4 requests (buckets 1, 2, 4) run
     their decoder layers in C (`kernels/cpu/decode_layer.py`: each weight row read from memory once
     for all of them, four rows a pass; the norms, rotary, K/V write, attention and activation between
-    them on the same threads), built on first use with the system C compiler. SmolLM2 on 2 cores: ~23
-    ms a step at 1 request vs ~28 ms compiled, 2 requests ~25-29 vs ~41 eager, 4 ~32 vs ~49, with no
-    compile at start-up. Takes precedence over `cpu_compile`, which serves where this is off or cannot
+    them on the same threads), built on first use with the system C compiler. Faster than compiled
+    at 1 request and than eager at 2 and 4 (docs/results.md#cpu-decode), with no compile at
+    start-up. Takes precedence over `cpu_compile`, which serves where this is off or cannot
     (no C compiler, another dtype). `--no-cpu-native-decode` turns it off."""
     cpu_prepack: bool | None = None
     """CPU, float32 (and bfloat16 where the CPU has native bf16 dot products): keep every linear
     weight in oneDNN's packed layout too (`kernels/model/packed_linear.py`), about as much memory
     again as the weights; every eager matmul then runs on all of torch's threads without re-packing
     the weight. None: on where the engine decodes, off on a prefill worker (its matmuls have
-    hundreds of rows, where the packed copy gains ~10%, not worth a second copy of the weights).
+    hundreds of rows, where the packed copy gains little, not worth a second copy of the weights).
     `--no-cpu-prepack` turns it off; a torch without oneDNN ignores it."""
     enable_prefix_cache: bool = True
     host_cache_ratio: float | None = None
@@ -326,7 +326,7 @@ class EngineConfig:
     """Ranks the model is split over, a process each (`kernels/model/tp.py`, `engine/tp.py`)."""
     speculative_max_batch: int = 8
     """Requests drafted for only while the running batch has at most this many: above it a verify
-    costs more than the drafts save (measured, docs/design.md §6); the draft head's KV is kept
+    costs more than the drafts save (measured, docs/results.md#speculative); the draft head's KV is kept
     current either way, so speculation resumes when the batch shrinks."""
     speculative_adaptive: bool = True
     """At or below `speculative_max_batch`, draft only where it pays: decode tokens/s with and without

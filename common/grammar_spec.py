@@ -1,7 +1,7 @@
 """What a request constrains its output to (structured outputs), and the grammar xgrammar builds for
 it. No torch and no tokenizer: the gateway checks that a request's grammar parses (400 naming its
 field) before any worker sees it; the engine compiles it for its tokenizer (`engine/grammar.py`).
-xgrammar is imported on first use only (it brings torch and transformers: seconds and ~220 MB)."""
+xgrammar is imported on first use only (it brings torch and transformers: seconds and hundreds of MB)."""
 
 from __future__ import annotations
 

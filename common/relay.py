@@ -2,8 +2,8 @@
 
 Without it, the dispatcher long-polls each worker through a Ray call (`collect`), one call per
 scheduler step; at one token per step, that call is most of what serving a token costs besides the
-step itself (on a 2-core CPU, ~2 ms of Ray's threads in the gateway and the worker per token, taken
-from the cores the step computes on). Over the relay, a step's messages are one length-prefixed
+step itself (Ray's threads in the gateway and the worker, per token, taken from the cores the step
+computes on: docs/results.md#transfer). Over the relay, a step's messages are one length-prefixed
 pickle written by the worker's loop thread and read by the gateway's event loop.
 
     dispatcher --RelayTo(host, port, hello)--> worker loop: connects, sends `hello`

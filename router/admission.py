@@ -19,9 +19,10 @@ so ordinary load queues instead of being refused). Two checks keep to it:
   prefill  a lane admits while the request's predicted first token, the prompt tokens ahead of it
            (queued + in the window) and its own over the lane's measured rate, is within
            `PLAN_SHARE` of the budget (the rest absorbs what it cannot foresee: a prompt's real
-           cost, decode steps in the way, the transfer; at 4x overload on a 2-core CPU the
-           slowest first tokens came 1.47x the plan's prediction, as the growing decode batch
-           took CPU from the prefill worker: 33.3 s with a 75% share, hence 60%). The rate is measured under load only
+           cost, decode steps in the way, the transfer; under overload the slowest first tokens
+           came well past the plan's prediction, as the growing decode batch took CPU from the
+           prefill worker, and with a larger share they missed the budget:
+           docs/results.md#admission). The rate is measured under load only
            (`PrefillRate`). Before a measurement, and whenever the lane is idle, only the queue
            depth (`max_queued_requests`, a memory bound) limits it.
   decode   a decode (or colocated) worker admits while it holds fewer requests, counted from

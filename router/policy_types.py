@@ -102,8 +102,9 @@ class PolicyParams:
     l3_load_cost: float = 0.2
     """What a prompt token costs a worker that shares L3 to fetch from there instead of prefilling it
     (in [0, 1]; device hits cost 0, prefill 1), for a prefix the router routed to any worker: cache_aware
-    and kv_cost count such a prefix as cached at 1 - this. On a CPU a 1k-token prefix came back from
-    Redis in ~0.5 s against ~4 s to prefill it (0.12); a little dearer here for a store shared by many."""
+    and kv_cost count such a prefix as cached at 1 - this. On a CPU a prefix came back from Redis in
+    about a tenth of its prefill time (docs/results.md#kv-tiers); a little dearer here for a store
+    shared by many."""
 
     local_prefill_max_tokens: int | None = None
     """Conditional disaggregation: with prefill and decode workers alive, a prompt whose uncached part on

@@ -10,7 +10,7 @@ read into a `GrammarSpec` and checked before any worker sees it (a grammar that 
 
 At most one of them per request. JSON is emitted compactly (`common.grammar_spec.JSON_SEPARATORS`).
 The check parses the grammar with xgrammar on a thread (its import, on the first structured request,
-takes seconds and brings torch into the gateway's process: +220 MB measured, paid only by servers that get
+takes seconds and brings torch into the gateway's process: hundreds of MB, paid only by servers that get
 such requests); checked grammars are remembered.
 """
 

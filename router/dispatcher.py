@@ -4,7 +4,10 @@ It owns every in-flight request between the gateway and the workers: picks a rou
 policy, asks the decode worker for a landing, hands the prompt to the prefill worker, relays the
 prefill <-> decode messages, streams tokens back. It never touches KV: each worker releases its own;
 on failure it tells the survivors (`PeerDead`, `Abort`). Workers: `router.workers`; a request's
-phases: `router.flights`; the transfer phase (reserve, hand-off, relay): `router.transfer_phase`.
+phases: `router.flights`. Its collaborators own their state, and it applies what they answer: the
+route (`router.picker`), the transfer phase (reserve, hand-off, relay: `router.transfer_phase`), the
+token relay's server (`router.relay_endpoint`); its knobs and the one place that wires them:
+`router.dispatcher_config` (`DispatcherConfig`, `DispatcherParts.build`).
 
 A transfer failure, or the death of a worker, before any token reached the client re-routes the
 request (at most `max_transfer_retries` times); after that a dead or draining worker's stream resumes
@@ -21,62 +24,50 @@ from collections.abc import AsyncIterator, Callable
 
 from common import protocol as p
 from common.config import SamplingParams
-from common.relay import RelayServer, hello, new_secret
-from router.admission import AdmissionParams, Overloaded, admissible
 from router.backend import BackendError, ErrorKind, GenerationChunk, WorkerGauge
-from router.answers import Answers
-from router.flights import WAITING, Flight, Phase, Transfer, failure_outcome, observe_first_token, request_counters, token_chunk
-from router.migration import MigrationParams, Migrations, seeded
-from router.policy import NoWorkerAvailable, Policy, choose
-from router.policy_types import PolicyParams, RequestView
-from router.sessions import SessionTable, SessionTurn
-from router.state import RouterState
-from router.transfer_phase import TransferPhase
+from router.dispatcher_config import DispatcherConfig, DispatcherParts
+from router.flights import WAITING, Flight, Phase, failure_outcome, observe_first_token, reroutes_counter, token_chunk
+from router.migration import seeded
+from router.sessions import SessionTurn
+from router.transfer_phase import TRANSFER_MESSAGES, Landing
 from router.workers import LiveWorker, ViewSource, WorkerInfo, WorkerLink, relay_metrics
 
-__all__ = ["Dispatcher", "Phase", "ViewSource", "WorkerInfo", "WorkerLink"]
+__all__ = ["Dispatcher", "DispatcherConfig", "Phase", "ViewSource", "WorkerInfo", "WorkerLink"]
 
 log = logging.getLogger("tandem.dispatcher")
 
 
-class Dispatcher(TransferPhase):
-    """Implements `router.backend.Backend`. Runs on one asyncio loop; call `start` on it first."""
+class Dispatcher:
+    """Implements `router.backend.Backend`. Runs on one asyncio loop; call `start` on it first.
 
-    def __init__(self, source: ViewSource, *, tokenizer, model_name: str, max_model_len: int,
-                 policy: Policy = Policy.CACHE_AWARE, policy_params: PolicyParams = PolicyParams(),
-                 max_pending: int = 256, max_transfer_retries: int = 1, refresh_interval_s: float = 0.5,
-                 collect_timeout_s: float = 5.0, reserve_retry_s: float = 0.05, landing_timeout_s: float = 30.0,
-                 admission: AdmissionParams = AdmissionParams(), session_open_timeout_s: float = 10.0,
-                 prefill_answers: bool = True, relay_host: str | None = None,
-                 migration: MigrationParams = MigrationParams(), clock: Callable[[], float] = time.monotonic):
-        """`relay_host`: where the token relay (`common/relay.py`) listens; None: all messages by long-poll."""
-        self.source, self.tokenizer = source, tokenizer
-        self.model_name, self.max_model_len = model_name, max_model_len
-        self.policy, self.policy_params = policy, policy_params
-        self.state = RouterState(policy_params.max_tree_tokens)
-        self.max_pending, self.max_transfer_retries = max_pending, max_transfer_retries
-        self.refresh_interval_s, self.collect_timeout_s = refresh_interval_s, collect_timeout_s
-        self.reserve_retry_s, self.landing_timeout_s = reserve_retry_s, landing_timeout_s
-        self.admission, self.clock, self.answers = admission, clock, Answers(self.state, prefill_answers)
-        self.sessions, self.session_open_timeout_s = SessionTable(), session_open_timeout_s
+    Owns the flights in flight (by request id; the routed ones also by wire id) and the live workers;
+    `parts` own the rest. `config` may be replaced whole (a test tunes admission so): `parts` keep theirs."""
+
+    def __init__(self, source: ViewSource, config: DispatcherConfig, parts: DispatcherParts, tokenizer=None):
+        """`Dispatcher.build` makes one with the `parts` made from `config`."""
+        self.source, self.config, self.tokenizer = source, config, tokenizer
+        self.model_name, self.max_model_len = config.model_name, config.max_model_len
+        self.clock, self.state, self.picker, self.transfers = parts.clock, parts.state, parts.picker, parts.transfers
+        self.answers, self.sessions, self.migrations = parts.answers, parts.sessions, parts.migrations
+        self.token_relay = parts.token_relay
         self.lives: dict[str, LiveWorker] = {}
         self.flights: dict[str, Flight] = {}
         self._by_wire: dict[str, Flight] = {}
-        self._transfers: dict[str, Transfer] = {}
         self._tasks: list[asyncio.Task] = []
         self.relay, self.polls = relay_metrics()
-        self.reroutes, self.refusals = request_counters()
-        self.migrations = Migrations(migration)
+        self.reroutes, self.refusals = reroutes_counter(), self.picker.refusals
         self.extra_collectors = [self.relay, self.polls, self.reroutes, self.refusals, self.answers.counter,
                                  self.migrations.counter]
-        self.relay_host, self._relay_secret = relay_host, new_secret()
-        self._relay_server: RelayServer | None = None
+
+    @classmethod
+    def build(cls, source: ViewSource, config: DispatcherConfig, *, tokenizer=None,
+              clock: Callable[[], float] = time.monotonic) -> Dispatcher:
+        """A dispatcher over the workers `source` shows, with the collaborators `DispatcherParts.build` wires."""
+        return cls(source, config, DispatcherParts.build(config, clock), tokenizer)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        if self.relay_host is not None:
-            self._relay_server = RelayServer(self.relay_host, self._relay_secret, self._relay_sink)
-            log.info("token relay listening on %s:%d", self.relay_host, await self._relay_server.start())
+        await self.token_relay.start(self.lives, self._on_message, self.polls)
         await self.refresh()
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="dispatcher-refresh"))
 
@@ -88,8 +79,7 @@ class Dispatcher(TransferPhase):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._relay_server is not None:
-            await self._relay_server.close()
+        await self.token_relay.close()
 
     def abort_all(self) -> int:
         """End every stream in flight with an error, released on its workers; returns how many."""
@@ -122,7 +112,7 @@ class Dispatcher(TransferPhase):
         `follow` (`Backend.generate`): to that request's decode worker while it is in flight there."""
         if request_id in self.flights:
             raise BackendError(ErrorKind.REJECTED, f"request id {request_id!r} is already in flight")
-        if len(self.flights) >= self.max_pending:
+        if len(self.flights) >= self.config.max_pending:
             raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later", retry_after_s=1.0)
         params = seeded(params)
         if session_id:
@@ -143,7 +133,8 @@ class Dispatcher(TransferPhase):
         return self._stream(flight)
 
     async def open_session(self, capacity_tokens: int, idle_timeout_s: float) -> str:
-        return await self.sessions.open(self.lives.values(), capacity_tokens, idle_timeout_s, self.session_open_timeout_s)
+        return await self.sessions.open(self.lives.values(), capacity_tokens, idle_timeout_s,
+                                       self.config.session_open_timeout_s)
 
     async def close_session(self, session_id: str) -> bool:
         return self.sessions.close(session_id)
@@ -165,34 +156,23 @@ class Dispatcher(TransferPhase):
 
     # ---- routing -----------------------------------------------------------------------------------
     def _route(self, flight: Flight, *, admit: bool) -> None:
-        """Pick its workers and queue it on its prefill worker's lane (or send it to its decode worker to
-        prefill locally). `admit`: a new arrival, refused (429) when no worker can take it promptly; one
-        admitted before (re-routed, back from a full host tier) goes to the front instead."""
-        lives = [lv for lv in self.lives.values() if not lv.gone]
-        views = [lv.view() for lv in lives]
-        if admit:
-            views = self._admissible(lives, views, len(flight.prompt))
-        request = RequestView(flight.request_id, tuple(flight.prompt), flight.params.max_tokens)
-        try:
-            route = choose(self.policy, request, views, self.state, self.policy_params)
-        except NoWorkerAvailable as exc:
-            raise BackendError(ErrorKind.UNAVAILABLE, f"no worker can serve requests now: {exc}",
-                               retry_after_s=5.0) from None
-        prefiller = route.decode_id if route.prefill_id is None else route.prefill_id
-        self.state.record(request, route, next((v for v in views if v.worker_id == prefiller), None))
-        flight.decode = self.lives[route.decode_id]
-        flight.prefill = self.lives[route.prefill_id] if route.prefill_id else None
+        """Pick its workers (`RoutePicker.pick`, raising `BackendError` before anything is registered) and
+        queue it on its prefill worker's lane (or send it to its decode worker to prefill locally).
+        `admit`: a new arrival, refused (429) when no worker can take it promptly; one admitted before
+        (re-routed, back from a full landing pool) goes to the front instead."""
+        flight.decode, flight.prefill = self.picker.pick(flight, self.lives.values(),
+                                                         self.config.admission if admit else None)
         flight.decode.num_active += 1
         if admit:  # its first token will be a sample for its decode worker's limit
             flight.limit_epoch = flight.decode.limit.epoch
         self._by_wire[flight.wire_id] = flight
         if flight.prefill is None:
             flight.move(Phase.LOCAL)
-            flight.decode.send(p.Generate(flight.wire_id, request.prompt_token_ids, flight.params))
+            flight.decode.send(p.Generate(flight.wire_id, tuple(flight.prompt), flight.params))
             return
         flight.move(Phase.QUEUED)
         flight.prefill.lane.enqueue(flight, len(flight.prompt), front=not admit)
-        self._pump(flight.prefill)
+        self.transfers.pump(flight.prefill)
 
     def _route_to(self, flight: Flight, decode: LiveWorker) -> None:
         """Send `flight` to `decode` to prefill there itself, unadmitted: a sibling choice following choice 0
@@ -206,23 +186,12 @@ class Dispatcher(TransferPhase):
         self._by_wire[flight.wire_id] = flight
         decode.send(p.Generate(flight.wire_id, tuple(flight.prompt), flight.params, getattr(flight, "session_id", "")))
 
-    def _admissible(self, lives: list[LiveWorker], views: list, num_tokens: int) -> list:
-        """The views of the workers that can take a new request of `num_tokens` prompt tokens now;
-        raises QUEUE_FULL (429) when a needed role has none."""
-        now = self.clock()
-        refusals = {live.worker_id: r for live in lives if (r := live.refusal(self.admission, now, num_tokens))}
-        try:
-            return admissible(views, refusals)
-        except Overloaded as exc:
-            self.refusals.labels(role=exc.role).inc()
-            raise BackendError(ErrorKind.QUEUE_FULL, f"the server is at capacity ({exc}); retry later",
-                               retry_after_s=exc.refusal.retry_after_s) from None
-
     def _failed(self, flight: Flight, failure: p.Failure, why: str, died: bool = False) -> None:
         """Its worker failed it (or `died`, a session's history with it): re-routed when `failure_outcome`
         allows and a route exists; else, if it died, it waits to resume; else it ends with that error."""
         kind = failure_outcome(failure, tokens_sent=flight.tokens_sent, attempt=flight.attempt,
-                               max_retries=self.max_transfer_retries, session=isinstance(flight, SessionTurn) and not died)
+                               max_retries=self.config.max_transfer_retries,
+                               session=isinstance(flight, SessionTurn) and not died)
         if kind is None and self._reroute(flight, why):
             return
         if died:
@@ -257,7 +226,7 @@ class Dispatcher(TransferPhase):
             self._on_tokens(live, msg)
         elif isinstance(msg, p.Reserved):
             self._on_reserved(msg)
-        elif isinstance(msg, (p.KVProgress, p.KVComplete, p.TransferAborted, p.AbortTransfer)):
+        elif isinstance(msg, TRANSFER_MESSAGES):
             self._relay_transfer(msg)
         elif isinstance(msg, p.SessionOpened):
             self.sessions.on_opened(live, msg)
@@ -276,7 +245,7 @@ class Dispatcher(TransferPhase):
             self._failed(flight, msg.failure or p.Failure.TRANSFER, msg.error)
             return
         if flight.tokens_sent == 0:
-            observe_first_token(flight, self.clock() - flight.submitted_at, self.admission)
+            observe_first_token(flight, self.clock() - flight.submitted_at, self.config.admission)
             if flight.prefill is None:  # its decode worker prefilled it
                 self.state.record_prefilled(flight.prompt)
         flight.move(Phase.STREAMING)
@@ -288,6 +257,39 @@ class Dispatcher(TransferPhase):
         if msg.finish_reason is not p.FinishReason.ABORT:
             self.answers.finished(flight, live)
         self._end(flight)
+
+    # ---- the transfer phase's answers -------------------------------------------------------------
+    def _on_reserved(self, msg: p.Reserved) -> None:
+        flight = self._by_wire.get(msg.request_id)
+        landing = self.transfers.on_reserved(msg, flight)
+        if landing is Landing.REJECTED:
+            self._finish_error(flight, ErrorKind.REJECTED, msg.error)
+        elif landing is Landing.REFUSED:  # routed afresh after the pause (the lane is held for it meanwhile)
+            self._unroute(flight)
+            asyncio.get_running_loop().call_later(self.config.reserve_retry_s, self._retry_reserve, flight)
+
+    def _retry_reserve(self, flight: Flight) -> None:
+        """A refused reservation's pause is over: route it afresh, or fail it past the landing timeout."""
+        held, timeout_s = flight.prefill, self.config.landing_timeout_s  # the lane it holds, if it still does
+        try:
+            if flight.phase is not Phase.BACKOFF or self.flights.get(flight.request_id) is not flight:
+                return
+            if self.clock() - flight.reserve_started_at > timeout_s:  # landing pools stay full
+                self._finish_error(flight, ErrorKind.UNAVAILABLE,
+                                   f"no decode worker had room to land the prompt within {timeout_s}s")
+                return
+            try:
+                self._route(flight, admit=False)
+            except BackendError as exc:
+                self._finish_error(flight, exc.kind, exc.message)
+        finally:
+            if held is not None:
+                self.transfers.pump(held)  # its hold is over: the lane goes on (a no-op if `_route` pumped it)
+
+    def _relay_transfer(self, msg) -> None:
+        """Pass it on; a delivered prompt is noted cached on its prefill worker (if still routed)."""
+        if self.transfers.relay(msg) and (flight := self._by_wire.get(msg.request_id)) is not None:
+            self.state.record_prefilled(flight.prompt)
 
     # ---- endings -----------------------------------------------------------------------------------
     def _abort_on_worker(self, flight: Flight) -> None:
@@ -325,17 +327,11 @@ class Dispatcher(TransferPhase):
 
     # ---- workers -----------------------------------------------------------------------------------
     def _adopt(self, info: WorkerInfo) -> None:
-        live = LiveWorker.admitting(info, self.admission)
+        live = LiveWorker.admitting(info, self.config.admission)
         self.lives[info.worker_id] = live
-        live.start(self._on_message, self._worker_gone, self.collect_timeout_s, self.polls)
-        if self._relay_server is not None and getattr(info.link, "relays", False):  # its first message
-            live.send(p.RelayTo(self.relay_host, self._relay_server.port, hello(self._relay_secret, live.peer_id)))
+        live.start(self._on_message, self._worker_gone, self.config.collect_timeout_s, self.polls)
+        self.token_relay.greet(live)  # its first message, when it relays
         log.info("worker %s (%s, incarnation %d) joined", info.worker_id, info.role.value, info.incarnation)
-
-    def _relay_sink(self, peer_id: str):
-        """The sink for a relay connection from worker incarnation `peer_id`; None: not a live one."""
-        live = next((lv for lv in self.lives.values() if lv.peer_id == peer_id and not lv.gone), None)
-        return None if live is None else live.relay_sink(self._on_message, self.polls)
 
     def _worker_gone(self, live: LiveWorker, why: str) -> None:
         """Fail or re-route what it held, tell the survivors, forget its prefix tree."""
@@ -352,7 +348,7 @@ class Dispatcher(TransferPhase):
                 lv.send(notice)
         # Queued ones first, so that a window freed below is never handed to a request bound for `live`.
         self._route_afresh(live.lane.drain() + [f for f in self.flights.values() if f.decode is live and f.phase is Phase.QUEUED])
-        self._transfers_gone_with(live)
+        self.transfers.gone_with(live)
         for flight in [f for f in self.flights.values() if f.decode is live]:
             self._failed(flight, p.Failure.TRANSFER, f"worker {live.worker_id} died: {why}", died=True)
         self._resume_parked()
@@ -391,7 +387,7 @@ class Dispatcher(TransferPhase):
 
     async def _refresh_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_interval_s)
+            await asyncio.sleep(self.config.refresh_interval_s)
             try:
                 await self.refresh()
             except asyncio.CancelledError:

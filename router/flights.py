@@ -175,14 +175,10 @@ def observe_first_token(flight: Flight, ttft_s: float, admission: AdmissionParam
         flight.decode.limit.observe(ttft_s, admission.max_queue_delay_s, flight.limit_epoch, flight.decode.num_active)
 
 
-def request_counters():
-    """(re-routes, refusals at arrival by role): what happened to requests on their way to a worker."""
+def reroutes_counter():
+    """Requests re-routed on their way to a worker (their refusals at arrival: `router.picker`)."""
     from prometheus_client import Counter
 
-    reroutes = Counter("tandem:request_reroutes_total",
-                       "Requests re-routed after a transfer failure or a worker death, before any token",
-                       registry=None)
-    refusals = Counter("tandem:requests_refused_total",
-                       "Requests refused at arrival because the workers could not serve them promptly (429)",
-                       ["role"], registry=None)
-    return reroutes, refusals
+    return Counter("tandem:request_reroutes_total",
+                   "Requests re-routed after a transfer failure or a worker death, before any token",
+                   registry=None)

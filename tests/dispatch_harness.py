@@ -23,7 +23,7 @@ from common.config import EngineConfig
 from common.protocol import WorkerRole
 from kv_store.transfer.local import LocalTransport
 from router.admission import AdmissionParams
-from router.dispatcher import Dispatcher, WorkerInfo
+from router.dispatcher import Dispatcher, DispatcherConfig, WorkerInfo
 from tests.helpers import why_not_at_rest
 
 TIMEOUT_S = 60.0  # bounds every scenario: pytest-timeout is not installed
@@ -92,8 +92,8 @@ def serve(hosts: dict[str, WorkerHost], scenario, link=HostLink, **dispatcher_fi
     views = Views(hosts, link)
 
     async def main():
-        d = Dispatcher(views, tokenizer=None, model_name="tiny", max_model_len=MAX_MODEL_LEN,
-                       **{"refresh_interval_s": 0.02, "collect_timeout_s": 0.02, **dispatcher_fields})
+        d = Dispatcher.build(views, DispatcherConfig(model_name="tiny", max_model_len=MAX_MODEL_LEN, **{
+            "refresh_interval_s": 0.02, "collect_timeout_s": 0.02, **dispatcher_fields}))
         await d.start()
         try:
             return await asyncio.wait_for(scenario(d, views), TIMEOUT_S)

@@ -29,7 +29,7 @@ from common.protocol import WorkerRole
 from kernels.model import loader
 from kernels.model.loader import LoadedModel
 from kernels.model.tiny import make_tiny_llama, tiny_llama_config
-from router.dispatcher import Dispatcher
+from router.dispatcher import Dispatcher, DispatcherConfig
 from router.gateway import GatewayServer, build_app
 from router.workers import WorkerInfo
 from tests.helpers import TINY_EOS, why_not_at_rest
@@ -87,9 +87,9 @@ class GatewayStack:
                           "decode-0": WorkerHost(WorkerSpec("decode", ENGINE, host_pages=64), "decode-0")}
         self.max_model_len = min(h.max_request_tokens for h in self.hosts.values())
         self.config = GatewayConfig(port=0, **gateway_fields)
-        self.dispatcher = Dispatcher(_Workers(self.hosts), tokenizer=self.tokenizer, model_name=TINY_MODEL,
-                                     max_model_len=self.max_model_len, refresh_interval_s=0.05,
-                                     collect_timeout_s=0.05, relay_host="127.0.0.1")  # as `tandem serve`
+        self.dispatcher = Dispatcher.build(_Workers(self.hosts), DispatcherConfig(
+            model_name=TINY_MODEL, max_model_len=self.max_model_len, refresh_interval_s=0.05, collect_timeout_s=0.05,
+            relay_host="127.0.0.1"), tokenizer=self.tokenizer)  # as `tandem serve`
         self.app = build_app(self.dispatcher, self.config, on_shutdown=self.dispatcher.close)
         self.server = GatewayServer(self.app, self.config, graceful_timeout_s=10)
         self.port = self.server.bind()

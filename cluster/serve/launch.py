@@ -244,20 +244,19 @@ def _relay_host(config: ServeConfig) -> str | None:
 
 async def _serve_gateway(config: ServeConfig, controller, records, tokenizer, sampling, guard: _SignalGuard) -> None:
     from cluster.serve.actors import ControllerViews
-    from router.dispatcher import Dispatcher
+    from router.dispatcher import Dispatcher, DispatcherConfig
     from router.gateway import GatewayServer, build_app
     from router.policy import Policy
 
     rc = config.router
-    dispatcher = Dispatcher(
-        ControllerViews(controller), tokenizer=tokenizer,
+    dispatcher = Dispatcher.build(ControllerViews(controller), DispatcherConfig(
         model_name=config.model, max_model_len=min(r.max_request_tokens for r in records),
         policy=Policy(rc.policy), policy_params=rc,
         max_pending=config.gateway.max_pending_requests, max_transfer_retries=rc.max_transfer_retries,
         refresh_interval_s=config.cluster.heartbeat_interval_s, landing_timeout_s=config.transport.bootstrapping_s,
         prefill_answers=rc.prefill_answers, relay_host=_relay_host(config), migration=rc.migration(),
         admission=rc.admission(config.prefill.engine.chunk_size, min(
-            g.engine.max_running_requests for g in (config.decode, config.colocated) if g.count)))
+            g.engine.max_running_requests for g in (config.decode, config.colocated) if g.count))), tokenizer=tokenizer)
 
     async def on_shutdown() -> None:
         aborted = dispatcher.abort_all()  # uvicorn already waited `drain_timeout_s` for them

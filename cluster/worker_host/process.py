@@ -373,13 +373,13 @@ def offline_dispatcher(views, num_requests: int, max_model_len: int, **kw):
     queues everything (the prefill window still paces the reservations, as under `tandem serve`), and
     no dead worker restarts, so none of its streams waits for one (`router.migration`)."""
     from router.admission import AdmissionParams
-    from router.dispatcher import Dispatcher
+    from router.dispatcher import Dispatcher, DispatcherConfig
     from router.migration import MigrationParams
 
     n = max(1, num_requests)
     admission = AdmissionParams(max_queue_delay_s=1e9, max_queued_requests=n, max_requests_per_worker=n)
-    return Dispatcher(views, tokenizer=None, model_name="offline", max_model_len=max_model_len, max_pending=n,
-                      admission=admission, **{"migration": MigrationParams(max_migrations=0), **kw})
+    return Dispatcher.build(views, DispatcherConfig(model_name="offline", max_model_len=max_model_len, max_pending=n,
+                            admission=admission, **{"migration": MigrationParams(max_migrations=0), **kw}))
 
 
 async def serve_prompts(views, prompts: list[list[int]], params, *, id_prefix: str = "req", max_model_len: int = 0,

@@ -29,7 +29,7 @@ from kv_store.req_kv import ceil_div
 from kv_store.transfer.config import TransportConfig
 from router.admission import PLAN_SHARE, AdmissionParams
 from router.backend import BackendError, ErrorKind
-from router.dispatcher import Dispatcher, Phase, WorkerInfo
+from router.dispatcher import Dispatcher, DispatcherConfig, Phase, WorkerInfo
 from tests.debug_worker import Stall, build_debug_worker
 from tests.dispatch_harness import settled, wait_for
 from tests.helpers import CHAT_PROMPTS, greedy, make_smollm2_engine, why_not_at_rest
@@ -171,8 +171,9 @@ class Cluster:
 def serve(cluster: Cluster, tok, scenario, **kw):
     """Run `await scenario(dispatcher)` on a fresh event loop; the dispatcher is closed afterwards."""
     async def main():
-        d = Dispatcher(cluster, tokenizer=tok, model_name="smollm2", max_model_len=2048,
-                       **{"refresh_interval_s": 0.05, "collect_timeout_s": 0.05, **kw})
+        d = Dispatcher.build(cluster, DispatcherConfig(model_name="smollm2", max_model_len=2048,
+                                                       **{"refresh_interval_s": 0.05, "collect_timeout_s": 0.05, **kw}),
+                             tokenizer=tok)
         await d.start()
         try:
             return await scenario(d)
@@ -692,7 +693,8 @@ def test_overload_is_refused_at_arrival_and_queued_requests_keep_their_transfer_
         assert rate, "the warm-up measured no prefill rate"
         # A budget whose plan holds ~400 prompt tokens at the measured rate (whatever this machine's
         # speed): ~10 of the 24 prompts (~960 tokens) are admitted, the 4th on queue, the rest refused.
-        d.admission = dataclasses.replace(d.admission, max_queue_delay_s=400 / rate / PLAN_SHARE)
+        d.config = dataclasses.replace(d.config, admission=dataclasses.replace(
+            d.config.admission, max_queue_delay_s=400 / rate / PLAN_SHARE))
         streams, refused = {}, []
         start_s = time.monotonic()
         for i, prompt in enumerate(prompts):

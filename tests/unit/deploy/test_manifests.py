@@ -19,7 +19,7 @@ from referencing import Registry, Resource
 
 from cluster.cli.main import build_parser
 from cluster.serve.config_load import serve_config_from_args
-from router.dispatcher import Dispatcher
+from router.dispatcher import Dispatcher, DispatcherConfig
 from tests.gateway_cluster import byte_tokenizer
 from tests.gateway_http import app_client
 
@@ -228,7 +228,8 @@ def exported_series() -> set[str]:
     """Every series name the gateway's /metrics can carry, from the families a real `tandem serve`
     gateway (the dispatcher as backend, its extra collectors included) exposes. Families are read
     by type, so per-worker families with no worker yet still count."""
-    dispatcher = Dispatcher(_NoWorkers(), tokenizer=byte_tokenizer(), model_name="smollm2", max_model_len=128)
+    dispatcher = Dispatcher.build(_NoWorkers(), DispatcherConfig(model_name="smollm2", max_model_len=128),
+                                  tokenizer=byte_tokenizer())
     response = app_client(dispatcher).get("/metrics")
     assert response.status_code == 200, response.text
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),

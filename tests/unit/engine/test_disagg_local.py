@@ -6,6 +6,7 @@ loaded model."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import random
 import time
@@ -202,7 +203,7 @@ def test_failed_transfer_is_rerouted_or_typed_and_next_request_succeeds(shipping
         hosts["prefill-0"].transport.fail_next(1)
         rerouted = await run(d, "a", prompts[5], greedy(max_tokens=24))  # re-routed: served on the second try
         assert d.reroutes._value.get() == 1
-        d.max_transfer_retries = 0
+        d.config = dataclasses.replace(d.config, max_transfer_retries=0)
         hosts["prefill-0"].transport.fail_next(1)
         failed = await run(d, "b", prompts[5], greedy(max_tokens=24))
         ok = await run(d, "c", prompts[5], greedy(max_tokens=24))

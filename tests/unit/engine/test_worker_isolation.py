@@ -219,7 +219,7 @@ def test_worker_host_loop_survives_faulty_requests_and_messages(clean):
 def test_the_client_of_a_faulty_request_gets_an_internal_error_and_no_retry(clean):
     from common.protocol import WorkerRole
     from router.backend import ErrorKind
-    from router.dispatcher import Dispatcher, WorkerInfo
+    from router.dispatcher import Dispatcher, DispatcherConfig, WorkerInfo
 
     host = WorkerHost(WorkerSpec("colocated", CONFIG, heartbeat_interval_s=0.05), "colocated-0", build=build_tiny)
     link = HostLink(host)
@@ -237,7 +237,7 @@ def test_the_client_of_a_faulty_request_gets_an_internal_error_and_no_retry(clea
             await dispatcher.close()
         return bad, good
 
-    dispatcher = Dispatcher(OneWorker(), tokenizer=None, model_name="tiny", max_model_len=1024)
+    dispatcher = Dispatcher.build(OneWorker(), DispatcherConfig(model_name="tiny", max_model_len=1024))
     try:
         bad, good = asyncio.run(run(dispatcher))
     finally:

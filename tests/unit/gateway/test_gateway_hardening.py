@@ -267,6 +267,10 @@ def test_tandem_serve_runs_the_gateway_through_gateway_server(monkeypatch):
         def __init__(self, *args, **kwargs):
             self.tokenizer, self.model_name, self.max_model_len = kwargs["tokenizer"], "m", 64
 
+        @classmethod
+        def build(cls, source, config, *, tokenizer=None):
+            return cls(tokenizer=tokenizer)
+
         async def start(self):
             served.append("dispatcher started")
 

@@ -11,7 +11,7 @@ from common.config import SamplingParams
 from common.protocol import WorkerRole
 from router.admission import AdmissionParams
 from router.backend import BackendError, ErrorKind
-from router.dispatcher import Dispatcher, Phase, WorkerInfo
+from router.dispatcher import Dispatcher, DispatcherConfig, Phase, WorkerInfo
 
 
 class ScriptedLink:
@@ -60,8 +60,8 @@ def test_a_request_that_never_gets_a_landing_fails_after_the_landing_timeout():
 
     async def run():
         views = StaticViews({"prefill-0": (WorkerRole.PREFILL, prefill), "decode-0": (WorkerRole.DECODE, decode)})
-        d = Dispatcher(views, tokenizer=None, model_name="m", max_model_len=1024, collect_timeout_s=0.05,
-                       reserve_retry_s=0.02, landing_timeout_s=0.4)
+        d = Dispatcher.build(views, DispatcherConfig(model_name="m", max_model_len=1024, collect_timeout_s=0.05,
+                                                     reserve_retry_s=0.02, landing_timeout_s=0.4))
         await d.start()
         try:
             async def consume():
@@ -178,8 +178,8 @@ def run_scenario(scenario, admission: AdmissionParams, clock=None, decode=None):
 
     async def main():
         views = StaticViews({"prefill-0": (WorkerRole.PREFILL, prefill), "decode-0": (WorkerRole.DECODE, decode)})
-        d = Dispatcher(views, tokenizer=None, model_name="m", max_model_len=4096, collect_timeout_s=0.02,
-                       admission=admission, clock=clock or FakeClock())
+        d = Dispatcher.build(views, DispatcherConfig(model_name="m", max_model_len=4096, collect_timeout_s=0.02,
+                                                     admission=admission), clock=clock or FakeClock())
         await d.start()
         try:
             return await asyncio.wait_for(scenario(d, decode, prefill), 20)

@@ -44,4 +44,3 @@ def strike(site: str) -> bool:
     """Whether to damage this event at `site`."""
     rate = _rates.get(site)
     return bool(rate) and _rng.random() < rate
-

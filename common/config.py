@@ -383,7 +383,7 @@ class EngineConfig:
         it millions, each one walked by every integrity check."""
         return 1 + -(-USEFUL_POOL_BATCHES * self.max_running_requests * max_model_len // self.page_size)
 
-    def resolve(self, bytes_per_page: int, max_position_embeddings: int) -> "EngineConfig":
+    def resolve(self, bytes_per_page: int, max_position_embeddings: int) -> EngineConfig:
         """Fill the auto fields from the loaded model; returns a new config."""
         max_model_len = self.max_model_len or max_position_embeddings
         require(max_model_len <= max_position_embeddings,

@@ -9,6 +9,7 @@ import uuid
 
 log = logging.getLogger("tandem.worker")
 
+
 def internal_error(request_id: str, exc: BaseException, where: str) -> str:
     """Log `exc` (with its traceback) as request `request_id`'s fault in `where` under a fresh error
     id; return the message its client gets."""

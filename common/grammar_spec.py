@@ -93,7 +93,6 @@ def choice_ebnf(text: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in _check_choices(text))
 
 
-
 def grammar_of(spec: GrammarSpec) -> Any:
     """`spec` as an xgrammar `Grammar` (not yet compiled for a tokenizer); GrammarError when it does
     not parse. Seconds on its first call in a process (the import), milliseconds after."""

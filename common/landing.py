@@ -36,7 +36,7 @@ class KVLayout:
         """Bytes of one page across all layers, K and V."""
         return 2 * self.num_layers * self.page_bytes_per_tensor
 
-    def check_compatible(self, other: "KVLayout") -> None:
+    def check_compatible(self, other: KVLayout) -> None:
         if self != other:
             raise ValueError(f"KV layouts differ (prefill and decode must run the same model, dtype and "
                              f"page size): {self} vs {other}")

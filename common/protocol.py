@@ -310,6 +310,16 @@ class RelayTo:
     hello: bytes
 
 
+ToWorker = (Generate | OpenSession | CloseSession | Abort | Reserve | Prefill | PrefillAnswer | AbortTransfer
+            | KVProgress | KVComplete | TransferAborted | PeerDead)
+"""What a worker's `handle` takes: the dispatcher's messages and, relayed by it, a peer's."""
+AboutRequest = (Generate | Abort | Reserve | Prefill | PrefillAnswer | AbortTransfer | KVProgress | KVComplete
+                | TransferAborted)
+"""The messages about one request (they carry its `request_id`): a fault handling one fails that request."""
+FromWorker = TokenOutput | Reserved | SessionOpened | KVProgress | KVComplete | TransferAborted | AbortTransfer
+"""What a worker's `handle`, `fail` and `step` return: to the dispatcher, or relayed by it to a peer."""
+
+
 class Worker(Protocol):
     """What a worker host (`cluster/worker_host/loop.py`) knows of the worker it runs, whatever its role.
 
@@ -324,13 +334,14 @@ class Worker(Protocol):
         """The loop begins serving (the worker reported ready): start what runs beside it (a CPU
         decode step's compile, on a thread of its own)."""
 
-    def handle(self, msg) -> list:
-        """Apply one driver message; its immediate replies. ValueError-type rejections are replies, not raises."""
+    def handle(self, msg: ToWorker) -> list[FromWorker]:
+        """Apply one driver message; its immediate replies. ValueError-type rejections are replies, not raises.
+        A message kind the role does not take raises TypeError."""
 
-    def fail(self, msg, error: str) -> list:
+    def fail(self, msg: AboutRequest, error: str) -> list[FromWorker]:
         """`handle(msg)` raised: end the request `msg` is about (release what it holds); its replies."""
 
-    def step(self) -> list:
+    def step(self) -> list[FromWorker]:
         """One scheduler step (and the transfers' housekeeping); the messages it produced."""
 
     def busy(self) -> bool:

@@ -9,7 +9,7 @@ Every worker runs the same `EngineCore`; what differs is the connector it holds:
 The seam exchanges data, as vLLM's `KVConnectorBase_V1` does: the engine alone owns its request
 table and its batch, and a connector never holds the engine. A worker hands the engine a factory;
 the engine makes its connector with `ConnectorPorts` (its KV tensors, device pool, the scheduler's
-KV methods for requests, and three callables); then it calls the connector at fixed points of
+KV methods for requests, and four callables); then it calls the connector at fixed points of
 `EngineCore.step`:
 
     before_step()      housekeeping before scheduling; outputs of requests it ended outside the batch
@@ -26,7 +26,7 @@ KV methods for requests, and three callables); then it calls the connector at fi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,6 +34,7 @@ from common.protocol import Failure
 
 if TYPE_CHECKING:
     from common.config import SamplingParams
+    from common.logprobs import TokenLogprobs
     from engine.output import StepOutput
     from engine.request import FinishReason, Request
     from engine.scheduler import ScheduledStep
@@ -71,6 +72,9 @@ class ConnectorPorts:
     kv: ConnectorKV
     new_request: Callable[[list[int], SamplingParams, str], Request]
     """A Request for a prompt whose KV will arrive (ValueError: it can never be served here)."""
+    first_token: Callable[[Request, int, TokenLogprobs | None, Sequence[TokenLogprobs | None]], FinishReason | None]
+    """Appends an arrived request's first token (with its logprobs and its prompt's) under its stop rules, as
+    a token sampled here is; the reason it ended, or None (`EngineCore.accept_first_token`)."""
     export_feature: Callable[[str], bytes]
     """The draft head's feature at a request's last position (b"" without EAGLE)."""
     check_integrity: Callable[[], None]

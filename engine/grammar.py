@@ -31,6 +31,7 @@ from common.grammar_spec import GrammarError, GrammarSpec, compile_error, gramma
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarSpec", "GrammarState", "allocate_bitmask",
            "apply_bitmask"]
 
+
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """A CPU bitmask, every token allowed.  # [num_rows, ceil(vocab_size / 32)] int32, bit j of word
     w allows token 32 * w + j."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from common.config import SamplingParams
 from common.logprobs import TokenLogprobs
-from common.protocol import FinishReason  # noqa: F401 - the engine's name for it too
+from common.protocol import FinishReason  # the engine's name for it too
 from kv_store.req_kv import ReqKV
 
 if TYPE_CHECKING:

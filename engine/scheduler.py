@@ -32,7 +32,6 @@ from engine.sessions import NullSessions, SessionManager
 from kv_store.hicache import HostCache, NullHostCache
 from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
 
-
 MAX_BUDGET_CHUNKS = 4
 """A step's prefill budget at most, in `chunk_size`s (the age boost's cap)."""
 

@@ -104,7 +104,7 @@ class StructuredOutputs:
                     state = self.prepare(req.params.grammar).result(ARRIVAL_WAIT_S).new_state()
                     if not all(state.accept(req.output_token_ids)):
                         raise GrammarError("its grammar refuses its output so far (sampled under another grammar?)")
-                except Exception:  # noqa: BLE001 - this request's: logged here, failed by its row
+                except Exception:  # this request's: logged here, failed by its row
                     log.exception("request %s gets no grammar matcher", req.request_id)
                     continue
                 req.grammar = state

@@ -11,10 +11,10 @@ import torch
 from common.config import EngineConfig, require
 from kv_store.device_pool import DevicePool
 from kv_store.hicache import HostCache, NullHostCache, WritePolicy
-from kv_store.tier_copies import host_tensors
 from kv_store.l3.config import L3Config
 from kv_store.l3.keys import KeyNamespace
 from kv_store.l3.tier import L3Tier
+from kv_store.tier_copies import host_tensors
 
 
 def host_cache(config: EngineConfig, tree, device_pool: DevicePool, l3: L3Config | None,

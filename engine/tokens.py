@@ -89,11 +89,14 @@ def adjusted_logits(req: Request, logits: torch.Tensor, drafts: list[int] | tupl
     return logits
 
 
-def apply_stop_rules(req: Request, tokens: list[int] | None) -> tuple[list[int], FinishReason | None]:
+def apply_stop_rules(req: Request, tokens: list[int] | None,
+                     computed_here: bool = True) -> tuple[list[int], FinishReason | None]:
     """Append `tokens` to `req`'s output one by one until a stop rule ends it; returns those appended
-    and the reason it ended (None: still running). None tokens: a prefill chunk, nothing to append."""
+    and the reason it ended (None: still running). None tokens: a prefill chunk, nothing to append.
+    The one place a request's output grows (`EngineCore.accept_first_token` too, `computed_here`
+    False: a prefill worker sampled it, so it is not this engine's `first_token` mark)."""
     applied = []
-    if tokens and "first_token" not in req.timings:
+    if tokens and computed_here and "first_token" not in req.timings:
         req.timings["first_token"] = time.monotonic()  # the first this engine computed
     for token in tokens or ():
         req.output_token_ids.append(token)

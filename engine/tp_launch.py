@@ -20,8 +20,8 @@ import torch
 from common.config import EngineConfig
 from engine.build import build_engine, choose_attention_backend
 from engine.graphs.runner import GraphRunner, graph_max_batch
-from engine.graphs.tree import tree_verify_rows
 from engine.graphs.strategy import choose_step_strategy
+from engine.graphs.tree import tree_verify_rows
 from engine.runner import ModelRunner
 from engine.spec.factory import load_draft_head
 from engine.tp import ControlGroup, follow, head_calls, join, prepare, rank_device

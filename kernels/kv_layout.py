@@ -65,7 +65,7 @@ class KVCacheTensors:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
-    ) -> "KVCacheTensors":
+    ) -> KVCacheTensors:
         """Zero-filled cache. ``num_pages`` includes the scratch page 0. On a CPU the zeros are the
         operating system's (`zeros_lazy`): a page of memory is touched when first written, not here."""
         assert num_pages >= 2, f"num_pages={num_pages}: page 0 is scratch, so at least 2 are needed"

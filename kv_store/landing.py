@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from common.protocol import KVLayout, Landing
 from kv_store.copier import CopyJob, Direction, PageCopier
 from kv_store.device_pool import DevicePool
-from kv_store.tier_copies import host_tensors
 from kv_store.page_pool import KVOwnershipError, PagePool
 from kv_store.radix_cache import NullPrefixCache
 from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
+from kv_store.tier_copies import host_tensors
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from kv_store.tree_node import PrefixMatch, TreeNode, subtree
 class L1Only:
     """No tier below the device: a node leaving L1 is dropped, copies and loads never happen."""
 
-    def __init__(self, tree: "RadixPrefixCache"):
+    def __init__(self, tree: RadixPrefixCache):
         self.tree = tree
 
     def leave_l1(self, node: TreeNode) -> int:

@@ -33,6 +33,7 @@ def check_manager(kvm) -> None:
         f"live requests own {owned} pages and loads in flight {loading}, but the pool has {usage.private} PRIVATE + {usage.in_flight} IN_FLIGHT: "
         "pages leaked by a request that ended without release()?")
 
+
 def _check_request(kvm, kv) -> int:
     rid, ps = kv.req_id, kvm.page_size
     assert kv.state.name == "ACTIVE", f"request {rid!r} RELEASED but still live"
@@ -54,6 +55,7 @@ def _check_request(kvm, kv) -> int:
         if st is not PageState.CACHED:
             assert kvm.pool.owner(p) == rid, f"request {rid!r} lists page {p} owned by {kvm.pool.owner(p)!r}"
     return len(kv.own_pages())
+
 
 def _check_pin(kvm, handle: object, pin) -> None:
     assert kvm.prefix_cache.holds(pin.tree_node), (

@@ -17,10 +17,10 @@ from kv_store.residency import Residency
 @dataclass(eq=False)
 class TreeNode:
     id: int
-    parent: "TreeNode | None"  # None only for the root
+    parent: TreeNode | None  # None only for the root
     key: tuple[int, ...]  # token ids, len == num_pages * page_size
     pages: list[int]  # device page ids; [] when the node is not on device
-    children: dict[tuple[int, ...], "TreeNode"] = field(default_factory=dict)
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     host_pins: int = 0  # holders keeping its copy in the tree in some tier, not on device (offloaded sessions)
     last_access: int = 0

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from kernels.kv_layout import KVCacheTensors
 from kv_store.copier import CopyJob, Direction, PageCopier
-from kv_store.tier_copies import host_tensors
 from kv_store.page_pool import KVOwnershipError
+from kv_store.tier_copies import host_tensors
 from kv_store.transfer.base import Transport, is_host_readable
 
 

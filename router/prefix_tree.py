@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 @dataclass(eq=False)
 class _Node:
     serial: int  # creation order; breaks LRU ties so eviction order is deterministic
-    parent: "_Node | None"  # None only for the root
+    parent: _Node | None  # None only for the root
     key: tuple[int, ...]  # the edge label: token ids from the parent to this node (empty only at the root)
-    children: dict[int, "_Node"] = field(default_factory=dict)  # keyed by the first token of the child's key
+    children: dict[int, _Node] = field(default_factory=dict)  # keyed by the first token of the child's key
     last_used: int = 0  # insert tick that last passed through this node; never older than any descendant's
 
 

@@ -246,4 +246,3 @@ def relay_metrics():
                     "relay frame (each carries all the worker sent since the previous one)", ["role", "via"],
                     registry=None)
     return delay, polls
-

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run interpreted on CPU; set before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.core import EngineCore  # noqa: E402
+from engine.core import EngineCore
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import random
 import torch
 
 from common.config import EngineConfig, SamplingParams
-from engine import EngineCore, build_engine, load_engine
+from engine import EngineCore, build_engine
 from kernels.model.arch import LlamaArch
 from kernels.model.tiny import make_tiny_llama
 
@@ -17,7 +17,7 @@ SPEC_MAX_NEW = 24
 """Tokens the speculative engine tests generate per prompt (their `reference` fixture's length)."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_models(seed: int = 0):
     """(ours, hf_reference, arch) for the seeded tiny Llama; built once per process."""
     ours, ref = make_tiny_llama(seed)
@@ -81,7 +81,7 @@ def sampled(prompts, max_tokens: int = SPEC_MAX_NEW, seed: int = 0) -> list[Samp
             for i in range(len(prompts))]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smollm2():
     """(LoadedModel, HF reference model) for the bundled SmolLM2-135M-Instruct, fp32, once per process."""
     from transformers import AutoModelForCausalLM

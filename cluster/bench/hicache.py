@@ -54,9 +54,20 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from cluster.bench.hicache_engines import (CountingRunner, EngineFactory, L2Sizing, ceil_pages, mean_or_zero,
-                                           on_off_configs, run_one, settle, shared_model_factory,
-                                           steps_until_finished, warm_engine, workload_l2)
+from cluster.bench.hicache_engines import (
+    CountingRunner,
+    EngineFactory,
+    L2Sizing,
+    ceil_pages,
+    mean_or_zero,
+    on_off_configs,
+    run_one,
+    settle,
+    shared_model_factory,
+    steps_until_finished,
+    warm_engine,
+    workload_l2,
+)
 from cluster.bench.hicache_l3 import L3Spec, l3_phase
 from common.config import EngineConfig, SamplingParams
 
@@ -366,4 +377,3 @@ def print_retract(s: dict) -> None:
               f"{r['recomputed_tokens']:>16}{r['l2_hit_tokens']:>12}")
     print(f"throughput ratio on / off: {s['throughput_ratio_on_over_off']:.2f}x")
     print(f"greedy outputs identical on / off: {'yes' if s['outputs_identical'] else 'NO'}")
-

@@ -22,8 +22,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster.bench.hicache_engines import (CountingRunner, EngineFactory, L2Sizing, ceil_pages, mean_or_zero,
-                                           on_off_configs, run_one, settle, warm_engine, workload_l2)
+from cluster.bench.hicache_engines import (
+    CountingRunner,
+    EngineFactory,
+    L2Sizing,
+    ceil_pages,
+    mean_or_zero,
+    on_off_configs,
+    run_one,
+    settle,
+    warm_engine,
+    workload_l2,
+)
 from common.config import EngineConfig, SamplingParams
 from kv_store.l3.config import L3Config, redact_url
 

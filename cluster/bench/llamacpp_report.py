@@ -56,6 +56,7 @@ def summarize(runs: dict[str, SystemRun], spec: BenchSpec, hf_text: str | None =
     the bench's dtype) where given."""
     figures = {name: system_figures(run) for name, run in runs.items()}
     ours, theirs = figures["tandem"], figures["llama.cpp"]
+
     def entry(key: str, target_max: float | None = None, target_min: float | None = None) -> dict:
         value = ratio(ours[key], theirs[key])
         met = None if value is None or (target_max is None and target_min is None) else \

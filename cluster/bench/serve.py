@@ -189,6 +189,7 @@ async def sse_frames(resp):
             raise RuntimeError(f"request failed mid-stream: {frame['error']}")
         yield frame
 
+
 def scrape_relay(url: str, headers: dict) -> RelaySnapshot:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families

@@ -300,4 +300,3 @@ def main(argv: list[str] | None = None) -> int:
     except ServeStartError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 1
-

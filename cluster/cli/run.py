@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -108,7 +107,7 @@ def _progress(total: int):
 
 
 def _run_colocated(args, config, prompts, params) -> list[RunResult]:
-    from engine import EngineCore, load_engine
+    from engine import load_engine
 
     t0 = time.perf_counter()
     # A run writes a small part of the pool: mapping all of it in first took seconds of its start and

@@ -86,7 +86,7 @@ class ModelShape:
     max_context: int = 2048  # the model's max_position_embeddings
 
     @classmethod
-    def read(cls, model_dir: Path) -> "ModelShape":
+    def read(cls, model_dir: Path) -> ModelShape:
         """From config.json and the safetensors headers (no weight is read)."""
         config = json.loads((Path(model_dir) / "config.json").read_text())
         num_params = num_linear = 0
@@ -161,8 +161,8 @@ class MemoryPlan:
 
     def describe(self) -> list[str]:
         """The start-up log's lines."""
-        over = (f" -- MORE than the budget: sizes set by hand (num_pages, kv_memory_gib, host_cache_*, "
-                f"decode.host_pages) exceed it" if self.total_bytes > self.budget_bytes else "")
+        over = (" -- MORE than the budget: sizes set by hand (num_pages, kv_memory_gib, host_cache_*, "
+                "decode.host_pages) exceed it" if self.total_bytes > self.budget_bytes else "")
         lines = [f"memory budget {self.budget_bytes / GIB:.1f} GiB on this node ({self.budget_source}); "
                  f"planned {self.total_bytes / GIB:.2f} GiB{over}: Ray, controller and gateway "
                  f"~{NODE_OVERHEAD_BYTES / GIB:.1f} GiB"]

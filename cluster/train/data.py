@@ -61,10 +61,11 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
              max_running: int = 128) -> list[Sample]:
     """The target's greedy answers through the colocated engine (batched, as `tandem run` does; in
     `model`'s dtype), in prompt order. The engine's KV is freed before returning; `model` is left as it was."""
+    from tqdm import tqdm
+
     from common.config import EngineConfig, SamplingParams
     from engine import build_engine
     from kernels.kv_layout import DTYPE_NAMES
-    from tqdm import tqdm
 
     longest = max(len(p) for p in prompts) + max_new_tokens
     page_size = 16

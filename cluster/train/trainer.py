@@ -22,7 +22,6 @@ from cluster.train.checkpoint import load_state, save_state, trainable
 from cluster.train.data import Sample
 from cluster.train.settings import TrainSettings
 from cluster.train.unroll import draft_rows, logits, unrolled_forward
-from cluster.train.vocab import DraftVocab
 from kernels.model.eagle import EagleDraftHead
 
 log = logging.getLogger("tandem.train")

@@ -142,13 +142,12 @@ def make_worker(role: WorkerRole | str, config: EngineConfig, model, arch, trans
     role's connector (a prefill worker's `KVSender`, a decode worker's `KVReceiver` with `host_pages`
     landing pages, both over `transport`), then the worker around the engine (`control`: rank 0's
     control group of a tensor-parallel engine; `others`: its connector's side of the other ranks')."""
+    from common.config import STAGING_CHUNKS
     from decode_worker.receiver import KVReceiver
     from decode_worker.worker import ColocatedWorker, DecodeWorker
     from engine import build_engine
     from prefill_worker.sender import KVSender
     from prefill_worker.worker import PrefillWorker
-
-    from common.config import STAGING_CHUNKS
 
     role = worker_role(role)
     if role is WorkerRole.PREFILL and config.cuda_graph:  # it never decodes: capturing buckets would only cost

@@ -79,7 +79,7 @@ def _handle_confined(worker: p.Worker, msg) -> list:
     """`worker.handle(msg)`, with a fault confined to the request the message is about."""
     try:
         return worker.handle(msg)
-    except Exception as exc:  # noqa: BLE001 - one request's fault; anything else is re-raised below
+    except Exception as exc:  # one request's fault; anything else is re-raised below
         request_id = getattr(msg, "request_id", None)
         if request_id is None:
             raise  # not about one request: the worker's own fault

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 BUCKET_STEP = 8
 """Past 8, buckets grow by this many rows (1, 2, 4, 8, 16, 24, 32, ...)."""
 
+
 def batch_buckets(max_batch: int, sizes: Iterable[int] = ()) -> tuple[int, ...]:
     """The batch sizes to capture: `sizes` when given (those <= max_batch), else 1, 2, 4, 8, then every
     BUCKET_STEP up to `max_batch`; `max_batch` itself is always one."""

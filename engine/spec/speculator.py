@@ -40,7 +40,6 @@ would have left; the catch-up reads the path's features.
 from __future__ import annotations
 
 import functools
-
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -50,9 +49,9 @@ from itertools import accumulate
 import torch
 
 from engine.request import Request, RequestStatus
-from engine.tokens import adjusted_logits
 from engine.spec.draft_tree import DraftTree, move_slots
 from engine.spec.policy import AdaptivePolicy, FixedPolicy
+from engine.tokens import adjusted_logits
 from kernels.attention.metadata import build_attn_metadata, slot_of
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.eagle import DraftStyle, EagleDraftHead
@@ -67,6 +66,7 @@ DraftSlots = Callable[[Request, int], bool]
 CATCH_UP_SPLIT_ROWS = 32
 """A catch-up with more unread rows than this writes their draft K/V alone (`EagleDraftHead.write_kv`)
 and runs the whole head layer for the read rows only; fewer cost less than a second call."""
+
 
 @dataclass
 class SpecCounters:

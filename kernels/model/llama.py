@@ -163,7 +163,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
-
     @torch.no_grad()
     def forward(
         self,

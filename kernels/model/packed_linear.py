@@ -102,7 +102,7 @@ class PackedLinear(nn.Module):
         return y.split(self.out_features, dim=-1)
 
     @staticmethod
-    def pack(weights: list[torch.Tensor], biases: list[torch.Tensor] | None, like: "PackedLinear",
+    def pack(weights: list[torch.Tensor], biases: list[torch.Tensor] | None, like: PackedLinear,
              device: torch.device) -> dict[str, torch.Tensor]:
         """HF [out_i, in] weights (and [out_i] biases) -> this module's parameters, cast like `like`."""
         dtype = like.weight.dtype

@@ -42,7 +42,7 @@ class Shard:
     vocab: range
 
     @classmethod
-    def of(cls, arch: LlamaArch, rank: int, size: int) -> "Shard":
+    def of(cls, arch: LlamaArch, rank: int, size: int) -> Shard:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a group of {size}")
         group = arch.num_heads // arch.num_kv_heads

@@ -82,7 +82,7 @@ class RedisServer:
         tls = dict(ssl=True, ssl_ca_certs=str(self.cert_file)) if self.tls else {}
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5, **tls)
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         assert self.proc is None or self.proc.poll() is not None, "redis-server already running"
         args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", "redis.log"]

@@ -36,7 +36,7 @@ class SourceKV:
     sent: range
 
     @classmethod
-    def of(cls, kv_cache, held: range | None = None, sent: range | None = None) -> "SourceKV":
+    def of(cls, kv_cache, held: range | None = None, sent: range | None = None) -> SourceKV:
         """`kv_cache`'s (a `KVCacheTensors`); `held`/`sent` default to every head it holds."""
         heads = range(kv_cache.k[0].shape[2]) if held is None else held
         return cls(tuple(t.data_ptr() for t in kv_cache.k), tuple(t.data_ptr() for t in kv_cache.v), heads,

@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kv_store.transfer import mooncake_build
 from kv_store.transfer.base import (
     HandleRecord,
     HandleTable,
@@ -65,18 +66,17 @@ from kv_store.transfer.base import (
     PeerUnreachable,
     RegionTable,
     RegistrationError,
-    Transport,
     TransferError,
     TransferFailed,
     TransferHandle,
     TransferStatus,
+    Transport,
     WriteOp,
     check_no_pending_reads,
     coalesce,
     is_host_readable,
     validate_src,
 )
-from kv_store.transfer import mooncake_build
 from kv_store.transfer.bind_redirect import redirect_wildcard_binds, resolve_bind_address
 from kv_store.transfer.listeners import Listener, listening_sockets
 

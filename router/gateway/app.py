@@ -38,25 +38,22 @@ from starlette.requests import ClientDisconnect
 
 from common.config import SamplingDefaults, SamplingParams
 from kernels.model.tokenizer import encode_prompt
+from router.gateway import openapi
 from router.gateway.admin import RestartWorkers, add_admin_routes
 from router.gateway.config import GatewayConfig
 from router.gateway.errors import CLIENT_DISCONNECT, APIError, install_handlers, internal
 from router.gateway.hosts import HostGuard, HostPolicy
 from router.gateway.json_body import check_json_content_type, parse_json_object
 from router.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from router.gateway.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
-    HealthStatus, ModelList, ReadyStatus, SessionDeleted, SessionObject, WorkerList, errors, generation_responses, \
-    openapi_document, request_models, session_request_model
+from router.gateway.openapi import errors, generation_responses, openapi_document, request_models, session_request_model
 from router.gateway.readiness import ReadinessProbe, serving_workers_alive
 from router.gateway.responses import SHAPES
-from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, \
-    parse_session
+from router.gateway.schema import Endpoint, GenerateRequest, ModelLimits, parse_chat, parse_completion, parse_session
 from router.gateway.sessions import GatewaySession, GatewaySessions, SessionTurn, parse_turn
 from router.gateway.siblings import Siblings
 from router.gateway.streaming import GenerationRun, SSEResponse, choice_of, sse_frames, unless_disconnected
 from router.gateway.structured import check_grammar
-from router.gateway.tokenize import DetokenizeResponse, TokenizeResponse, detokenize, tokenize, \
-    tokenize_request_models
+from router.gateway.tokenize import DetokenizeResponse, TokenizeResponse, detokenize, tokenize, tokenize_request_models
 from router.gateway.tool_parsers import parser_for
 
 log = logging.getLogger(__name__)
@@ -314,20 +311,22 @@ def build_app(backend: Any, config: GatewayConfig, *, sampling: SamplingDefaults
 
 def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     """The routes, each documented by `openapi` (responses here, request bodies in `_add_openapi`)."""
-    @app.post("/v1/completions", responses=generation_responses(CompletionResponse, CompletionChunk))
+    @app.post("/v1/completions", responses=generation_responses(openapi.CompletionResponse, openapi.CompletionChunk))
     async def completions(request: Request) -> Response:
         return await gateway.generate(request, Endpoint.COMPLETION)
 
-    @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
+    @app.post("/v1/chat/completions",
+              responses=generation_responses(openapi.ChatCompletionResponse, openapi.ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await gateway.generate(request, Endpoint.CHAT)
 
-    @app.post("/v1/sessions", responses={200: {"model": SessionObject},
+    @app.post("/v1/sessions", responses={200: {"model": openapi.SessionObject},
                                          **errors(400, 401, 403, 408, 413, 415, 429, 500, 503)})
     async def open_session(request: Request) -> Response:
         return await gateway.open_session(request)
 
-    @app.delete("/v1/sessions/{session_id}", responses={200: {"model": SessionDeleted}, **errors(401, 403, 404)})
+    @app.delete("/v1/sessions/{session_id}",
+                responses={200: {"model": openapi.SessionDeleted}, **errors(401, 403, 404)})
     async def delete_session(request: Request, session_id: str) -> Response:
         return await gateway.delete_session(request, session_id)
 
@@ -339,7 +338,7 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
     async def detokenize_route(request: Request) -> Response:
         return await detokenize(gateway, request)
 
-    @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(401, 403)})
+    @app.get("/v1/models", responses={200: {"model": openapi.ModelList}, **errors(401, 403)})
     async def models(request: Request) -> Response:
         gateway.check_api_key(request)
         defaults = gateway.limits.sampling
@@ -349,15 +348,15 @@ def _add_routes(app: FastAPI, gateway: Gateway) -> None:
                                         "top_k": defaults.top_k, "source": defaults.source}}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.get("/health", responses={200: {"model": HealthStatus}, **errors(403, 503)})
+    @app.get("/health", responses={200: {"model": openapi.HealthStatus}, **errors(403, 503)})
     async def health() -> Response:
         return gateway.health()
 
-    @app.get("/health/ready", responses={200: {"model": ReadyStatus}, **errors(403, 503)})
+    @app.get("/health/ready", responses={200: {"model": openapi.ReadyStatus}, **errors(403, 503)})
     async def ready() -> Response:
         return await gateway.ready()
 
-    @app.get("/debug/workers", responses={200: {"model": WorkerList}, **errors(401, 403)})
+    @app.get("/debug/workers", responses={200: {"model": openapi.WorkerList}, **errors(401, 403)})
     async def workers(request: Request) -> Response:
         gateway.check_api_key(request)
         details = getattr(gateway.backend, "worker_details", None)

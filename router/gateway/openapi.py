@@ -22,12 +22,13 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.config import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN
+from common import config
+from router.gateway import schema
+from router.gateway.messages import CHAT_ROLES
 from router.gateway.openapi_logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprobs
 from router.gateway.openapi_structured import ResponseFormat, StructuredOutputs
 from router.gateway.openapi_tools import TextPart, ToolCallDelta, ToolCallItem, ToolChoice, ToolMessage, Tools
-from router.gateway.schema import CHAT_ROLES, DEFAULT_SESSION_IDLE_TIMEOUT_S, MAX_SESSION_ID_CHARS, \
-    MAX_SESSION_IDLE_TIMEOUT_S, ModelLimits
+from router.gateway.schema import ModelLimits
 
 SECURITY_SCHEME = "bearer"
 _STATUS_WORDS = {400: "Invalid request", 401: "Missing or wrong API key", 403: "Host or Origin not served here",
@@ -76,7 +77,7 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionChoice(BaseModel):
-    index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
+    index: int = Field(ge=0, lt=config.MAX_CHOICES, description="The choice (of `n`).")
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
@@ -90,7 +91,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
-    choices: list[CompletionChoice] = Field(min_length=1, max_length=MAX_CHOICES)
+    choices: list[CompletionChoice] = Field(min_length=1, max_length=config.MAX_CHOICES)
     usage: Usage
 
 
@@ -101,7 +102,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
-    index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
+    index: int = Field(ge=0, lt=config.MAX_CHOICES, description="The choice (of `n`).")
     message: ChatMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
@@ -113,7 +114,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"]
     created: int
     model: str
-    choices: list[ChatChoice] = Field(min_length=1, max_length=MAX_CHOICES)
+    choices: list[ChatChoice] = Field(min_length=1, max_length=config.MAX_CHOICES)
     usage: Usage
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids: the rendered prompt's "
                                                                  "token ids.")
@@ -121,7 +122,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class CompletionChunkChoice(BaseModel):
-    index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
+    index: int = Field(ge=0, lt=config.MAX_CHOICES, description="The choice (of `n`).")
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
@@ -145,7 +146,7 @@ class ChatDelta(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
-    index: int = Field(ge=0, lt=MAX_CHOICES, description="The choice (of `n`).")
+    index: int = Field(ge=0, lt=config.MAX_CHOICES, description="The choice (of `n`).")
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
@@ -265,7 +266,7 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
     ModelName = Literal[limits.served_name]  # type: ignore[valid-type]  # noqa: N806 - one value, known at run time
     TokenId = Annotated[int, Field(ge=0, lt=limits.vocab_size)]  # noqa: N806
     MaxTokens = Annotated[int, Field(ge=1, le=limits.max_model_len)]  # noqa: N806
-    Count = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]  # noqa: N806
+    Count = Annotated[int, Field(ge=0, le=config.MAX_LOGPROBS)]  # noqa: N806
 
     class SamplingFields(BaseModel):
         model_config = ConfigDict(extra="allow")
@@ -275,16 +276,16 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
         temperature: float | None = Field(None, ge=0, description="Default 1; 0 is greedy.")
         top_p: float | None = Field(None, gt=0, le=1)
         top_k: int | None = Field(None, ge=-1, description="-1 or 0: off; the vocabulary size or more: off.")
-        seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-        stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        seed: int | None = Field(None, ge=config.SEED_MIN, le=config.SEED_MAX)
+        stop: StopString | Annotated[list[StopString], Field(max_length=config.MAX_STOP_STRINGS)] | None = Field(
             None, description="Stop strings (4096 characters together at most); the text ends before the first.")
-        stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+        stop_token_ids: Annotated[list[TokenId], Field(max_length=config.MAX_STOP_TOKEN_IDS)] | None = None
         ignore_eos: bool | None = None
         return_token_ids: bool | None = Field(None, description="Extension (vLLM's): the response names the "
                                               "prompt's and the output's token ids. Not with stream.")
         stream: bool | None = None
         stream_options: StreamOptions | None = None
-        n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices: siblings over one prompt, "
+        n: int | None = Field(None, ge=1, le=config.MAX_CHOICES, description="Choices: siblings over one prompt, "
                               "seeded apart (choice i of seed s: a seed of its own, the same on every repeat).")
         max_completion_tokens: MaxTokens | None = Field(None, description="Wins over max_tokens.")
         presence_penalty: float | None = Field(None, ge=-2, le=2, description="Subtracted from the logit of "
@@ -294,7 +295,7 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
         repetition_penalty: float | None = Field(None, gt=0, description="Extension (vLLM's, HF's): the logits "
                                                  "of prompt and output tokens divided by it (1: off).")
         logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
-                              Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+                              Field(max_length=config.MAX_LOGIT_BIAS)] | None = Field(
             None, description="Token id (a string) -> a bias added to its logit.")
         min_p: float | None = Field(None, ge=0, le=1, description="Extension: after temperature, drop tokens "
                                     "below min_p x the top token's probability.")
@@ -306,16 +307,16 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
                                                        "is sampled within it (compact JSON). Not with min_tokens.")
         structured_outputs: StructuredOutputs | None = None
         user: str | None = Field(None, description="Accepted and ignored.")
-        session_id: Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_CHARS)] | None = Field(
+        session_id: Annotated[str, Field(min_length=1, max_length=schema.MAX_SESSION_ID_CHARS)] | None = Field(
             None, description="Extension: a turn of this streaming session (POST /v1/sessions). The body then "
                               "carries only the new turn: its prompt (messages) follows the session's history. "
                               "Unknown or expired: 404; another turn of it running: 409.")
 
     class CompletionRequest(SamplingFields):
         prompt: (NonEmptyString | Annotated[list[TokenId], Field(min_length=1)]
-                 | Annotated[list[NonEmptyString], Field(min_length=1, max_length=MAX_CHOICES)]
+                 | Annotated[list[NonEmptyString], Field(min_length=1, max_length=config.MAX_CHOICES)]
                  | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1,
-                                                                                          max_length=MAX_CHOICES)]
+                                                                                          max_length=config.MAX_CHOICES)]
                  ) = Field(
             description="A string or token ids, or a batch of them (n choices each; n x prompts <= 16).")
         max_tokens: Annotated[int, Field(ge=0, le=limits.max_model_len)] | None = Field(
@@ -351,9 +352,9 @@ def session_request_model(limits: ModelLimits) -> type[BaseModel]:
             None, description="Tokens the whole conversation may hold (history + one turn's prompt and "
                               "completion); reserved on a worker while the session is open. Default: the "
                               "context length.")
-        idle_timeout_s: Annotated[float, Field(gt=0, le=MAX_SESSION_IDLE_TIMEOUT_S)] | None = Field(
+        idle_timeout_s: Annotated[float, Field(gt=0, le=schema.MAX_SESSION_IDLE_TIMEOUT_S)] | None = Field(
             None, description=f"Closed when idle this long between turns (then 404). Default "
-                              f"{DEFAULT_SESSION_IDLE_TIMEOUT_S:g}.")
+                              f"{schema.DEFAULT_SESSION_IDLE_TIMEOUT_S:g}.")
 
     SessionCreateRequest.__name__ = SessionCreateRequest.__qualname__ = "SessionCreateRequest"
     return SessionCreateRequest

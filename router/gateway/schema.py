@@ -18,14 +18,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from common.config import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, \
-    ConfigError, SamplingDefaults, SamplingParams
+from common.config import (
+    MAX_CHOICES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+    ConfigError,
+    SamplingDefaults,
+    SamplingParams,
+)
 from kernels.model.tokenizer import encode_prompt
 from router.gateway.errors import APIError, invalid
 from router.gateway.json_body import as_int, as_ints, int_list_field, integer_field, number_field, typed_field
 from router.gateway.logit_fields import logit_fields
 from router.gateway.logprobs import LogprobAsk, chat_fields, completion_fields
-from router.gateway.messages import CHAT_ROLES, chat_prompt, unsupported
+from router.gateway.messages import chat_prompt, unsupported
 from router.gateway.structured import grammar_field
 from router.gateway.tools import ToolAsk, forced_grammar, tools_field
 

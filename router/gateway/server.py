@@ -48,7 +48,7 @@ class HeadTimeoutH11Protocol(H11Protocol):
     head_timeout_s = 10.0
     max_connections = 1024
 
-    def connection_made(self, transport) -> None:  # noqa: ANN001 - uvicorn's signature
+    def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self.app = functools.partial(_within_connection_limit, self.app, self)
         self._head_timer: asyncio.TimerHandle | None = None

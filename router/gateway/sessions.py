@@ -166,7 +166,7 @@ class GatewaySessions:
     async def _close_on_backend(self, session_id: str) -> None:
         try:
             await self.backend.close_session(session_id)
-        except Exception:  # noqa: BLE001 - forgotten here either way; the worker reaps it when idle
+        except Exception:  # forgotten here either way; the worker reaps it when idle
             log.exception("closing session %s on the backend failed", session_id)
 
 

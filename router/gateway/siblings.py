@@ -124,7 +124,6 @@ class Siblings:
                 with contextlib.suppress(Exception):
                     await stream.aclose()
 
-
     def _usage(self, finished: list[Finished]) -> Usage:
         """Each prompt once (its cached tokens its choice 0's: what the prompt cost), every completion."""
         leaders = [f.usage for f in finished[::self.request.n]]

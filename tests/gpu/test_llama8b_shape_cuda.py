@@ -28,7 +28,8 @@ LLAMA_3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, 
 @pytest.fixture(scope="module")
 def models():
     """(HF's model, ours) with the same random bf16 weights, both on the GPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
 
     from kernels.model.arch import LlamaArch
     from kernels.model.llama import LlamaForCausalLM

@@ -49,7 +49,7 @@ def _evaluate(model: str, model_args: str) -> tuple[float, list[list[float]]]:
     return out["results"][TASK]["acc,none"], [[float(r[0]) for r in s["filtered_resps"]] for s in samples]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_reference() -> tuple[float, list[list[float]]]:
     loaded, _ = smollm2()
     return _evaluate("hf", f"pretrained={loaded.model_dir},dtype=float32,device=cpu,batch_size=8")

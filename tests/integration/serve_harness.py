@@ -43,7 +43,7 @@ class RayHead:
     token_path: Path
 
     @classmethod
-    def start(cls, num_cpus: int, workdir: Path) -> "RayHead":
+    def start(cls, num_cpus: int, workdir: Path) -> RayHead:
         token_path = workdir / "ray_auth_token"
         token_path.touch(mode=0o600)
         token_path.write_text(secrets.token_hex(32))

@@ -24,8 +24,15 @@ from kv_store.l3.config import L3Config
 from router.dispatcher import Dispatcher
 from router.policy import Policy
 from tests import dispatch_harness
-from tests.dispatch_harness import (MAX_MODEL_LEN, REST_TIMEOUT_S, all_at_rest, queue_all, start_hosts, stop_hosts,
-                                    wait_for)
+from tests.dispatch_harness import (
+    MAX_MODEL_LEN,
+    REST_TIMEOUT_S,
+    all_at_rest,
+    queue_all,
+    start_hosts,
+    stop_hosts,
+    wait_for,
+)
 from tests.helpers import greedy, make_engine, make_prompts
 from tests.redis_server import RedisServer
 

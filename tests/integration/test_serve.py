@@ -17,15 +17,15 @@ import pytest
 
 from cluster.cli.main import main as tandem_main
 from common.config import SamplingParams
-from router.gateway.siblings import sibling_seed
 from engine.batch import run_batch
+from router.gateway.siblings import sibling_seed
 from tests.helpers import make_smollm2_engine
 from tests.integration.lm_eval_check import check_lm_eval
 from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
+from tests.integration.serve_harness import RayHead, eventually, metric, seeded_streams, start_server
 from tests.integration.structured_check import check_structured
 from tests.integration.tools_check import check_tools
-from tests.integration.serve_harness import RayHead, eventually, metric, seeded_streams, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from cluster.serve.local_ray import session_members
 from kv_store.transfer.listeners import listening_sockets
 from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
-from tests.integration.tools_check import check_tools
 from tests.integration.serve_harness import metric, start_server
+from tests.integration.tools_check import check_tools
 
 pytestmark = pytest.mark.slow
 

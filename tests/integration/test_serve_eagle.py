@@ -15,9 +15,9 @@ from tests.helpers import CHAT_PROMPTS, hf_greedy, smollm2
 from tests.integration.lm_eval_check import check_lm_eval
 from tests.integration.logit_rules_check import check_logit_rules
 from tests.integration.logprobs_check import check_logprobs
+from tests.integration.serve_harness import eventually, metric, seeded_streams, start_server
 from tests.integration.structured_check import check_structured
 from tests.integration.tools_check import check_tools
-from tests.integration.serve_harness import eventually, metric, seeded_streams, start_server
 
 pytestmark = pytest.mark.slow
 

@@ -36,7 +36,6 @@ def test_tandem_serve_colocated_at_tp2_gives_transformers_greedy_tokens(tmp_path
     completions give transformers' greedy tokens, a streamed chat completes, logprobs (the output's
     and an echoed prompt's) are transformers'; the ranks listen on loopback only and stop with it."""
     import asyncio
-
     from pathlib import Path
 
     import openai

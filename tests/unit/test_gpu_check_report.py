@@ -213,4 +213,3 @@ def test_a_step_with_output_it_cannot_parse_fails_not_the_report(tmp_path):
     [step] = json.loads(out.read_text())["steps"]
     assert step["status"] == "failed" and step["failed_checks"] == ["output parsed"]
     assert step["figures"]["parse_error"].startswith("KeyError")
-

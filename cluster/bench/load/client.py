@@ -23,8 +23,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.bench.load.arrivals import arrival_offsets_s
-from cluster.bench.load.datasets import (FIRST_TOKEN_ID, Conversation, Job, Prompt, SampleRequest, TextCodec,
-                                        num_requests)
+from cluster.bench.load.datasets import (
+    FIRST_TOKEN_ID,
+    Conversation,
+    Job,
+    Prompt,
+    SampleRequest,
+    TextCodec,
+    num_requests,
+)
 from cluster.bench.load.transport import HTTPStatusError, make_transport
 
 WARMUP_OUTPUT_LEN = 4

@@ -27,8 +27,16 @@ from pathlib import Path
 
 from cluster.bench.load.client import ClientRun, LoadShape, Target, run_client, warm_up
 from cluster.bench.load.datasets import DatasetSpec, SampleRequest, TokenizerCodec, make_jobs, num_requests
-from cluster.bench.load.metrics import (compute_result, format_summary, parse_goodput, parse_metric_names,
-                                        parse_percentiles, per_turn, percentile_key, samples_s)
+from cluster.bench.load.metrics import (
+    compute_result,
+    format_summary,
+    parse_goodput,
+    parse_metric_names,
+    parse_percentiles,
+    per_turn,
+    percentile_key,
+    samples_s,
+)
 from cluster.bench.load.multinode import ClientPlan, RayClients, merge_runs, split_plans
 from cluster.bench.load.phases import fetch_timelines, format_phases, ttft_phases
 from cluster.bench.load.plots import MISSING_HINT, matplotlib_available, plot_run, plot_sweep

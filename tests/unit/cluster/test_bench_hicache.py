@@ -11,8 +11,15 @@ import json
 
 import pytest
 
-from cluster.bench.hicache import (MultiTurnSpec, RetractSpec, bench_hicache, compare_multiturn, compare_retract,
-                                   retract_prompts, user_turns)
+from cluster.bench.hicache import (
+    MultiTurnSpec,
+    RetractSpec,
+    bench_hicache,
+    compare_multiturn,
+    compare_retract,
+    retract_prompts,
+    user_turns,
+)
 from cluster.bench.hicache_l3 import L3Spec, compare_l3, l3_phase, l3_prompts
 from cluster.cli.main import build_parser
 from common.config import EngineConfig

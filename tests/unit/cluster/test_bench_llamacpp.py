@@ -8,7 +8,6 @@ memory summed over a server's processes. No pool is involved."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import subprocess

@@ -75,9 +75,10 @@ def header_only_model(tmp_path: Path, name: str) -> tuple[Path, dict[str, torch.
 def test_real_shapes_load_on_meta_and_the_plan_counts_their_weights(tmp_path, name):
     """Our model takes HF's state dict of the shape strictly (names, packing, tied heads) on meta, and
     the plan's parameter count is our model's: the weights it budgets are what a worker will hold."""
+    from transformers import AutoConfig
+
     from kernels.model.arch import LlamaArch
     from kernels.model.llama import LlamaForCausalLM
-    from transformers import AutoConfig
 
     model_dir, state = header_only_model(tmp_path, name)
     arch = LlamaArch.from_hf_config(AutoConfig.from_pretrained(model_dir))

@@ -9,8 +9,15 @@ import struct
 import pytest
 
 from cluster.serve.config_load import load_serve_config
-from cluster.serve.memory import (GIB, L3_STAGING_HOST_RATIO, NODE_OVERHEAD_BYTES, WORKER_OVERHEAD_BYTES, ModelShape,
-                                  auto_budget, plan_memory)
+from cluster.serve.memory import (
+    GIB,
+    L3_STAGING_HOST_RATIO,
+    NODE_OVERHEAD_BYTES,
+    WORKER_OVERHEAD_BYTES,
+    ModelShape,
+    auto_budget,
+    plan_memory,
+)
 from common.config import ConfigError
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64, 134.5M parameters (its lm_head is the embedding).

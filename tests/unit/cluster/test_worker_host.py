@@ -17,7 +17,6 @@ from common import protocol as p
 from common.config import ConfigError, EngineConfig, SamplingParams
 from kv_store.transfer.config import TransportConfig
 from tests.debug_worker import Stall, build_debug_worker
-from tests.helpers import CHAT_PROMPTS, make_smollm2_engine, smollm2
 
 
 def _served(host: WorkerHost, request_id: str, ids: list[int], params: SamplingParams) -> tuple[list[int], object]:

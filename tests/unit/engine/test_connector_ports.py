@@ -12,6 +12,7 @@ from common import protocol as p
 from common.config import SamplingParams
 from decode_worker.receiver import KVReceiver
 from engine.connector import ConnectorPorts
+from engine.core import EngineCore
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler import ScheduledStep
 from engine.stop import StopRules
@@ -69,8 +70,8 @@ def make_ports(num_pages: int, seed: int) -> tuple[ConnectorPorts, RecordingKV]:
     pool = DevicePool(cache)
     kv = RecordingKV(KVManager(pool.pages, NullPrefixCache(pool.pages)))
     features = {"a": b"feature-of-a"}
-    return ConnectorPorts(cache, pool, PAGE_SIZE, kv, new_request, lambda rid: features.get(rid, b""),
-                          kv.kvm.check_integrity), kv
+    return ConnectorPorts(cache, pool, PAGE_SIZE, kv, new_request, EngineCore.accept_first_token,
+                          lambda rid: features.get(rid, b""), kv.kvm.check_integrity), kv
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ SCHEMA = {  # every value bounded, so that a random walk ends within ~100 tokens
 CHOICES = ['say "hi"', "back\\slash", "new\nline", "café 東京", "", "[x]"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer():
     from transformers import AutoTokenizer  # the engine's tokenizer (xgrammar reads its vocabulary)
 

@@ -175,9 +175,9 @@ def test_cpu_native_bf16_replays_every_bucket_where_onednn_has_no_bf16_and_match
     """A bfloat16 engine on a CPU without bf16 dot products (forced) replays every decode bucket through
     the C layers (torch's bf16 matmul there: ~14 GFLOP/s), and its greedy tokens are those of the same
     engine stepping through torch's bf16 ops (`--no-cpu-native-decode`), batch sizes 1 to 5."""
+    from kernels.cpu.decode_layer import NativeDecode
     from kernels.model import packed_linear
     from kernels.model.loader import make_tiny_llama
-    from kernels.cpu.decode_layer import NativeDecode
 
     monkeypatch.setitem(packed_linear._cpu_packing, torch.bfloat16, False)
     model, _ = make_tiny_llama(0, dtype=torch.bfloat16)

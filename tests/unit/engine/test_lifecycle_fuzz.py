@@ -37,7 +37,7 @@ def prompt_of(spec) -> list[int]:
     return prefix + spec["suffix"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def solo_output(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     engine = make_engine(page_size=4, num_pages=256, enable_prefix_cache=False)
     return engine.generate([list(prompt)], SamplingParams(max_tokens=max_tokens))[0].output_token_ids

@@ -37,7 +37,6 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
-
 @dataclass
 class Seq:
     """A test sequence: all its token ids, its pages, and how many tokens are in the KV cache."""

@@ -6,8 +6,14 @@ import math
 import pytest
 import torch
 
-from common.config import (GREEDY_TEMPERATURE_BELOW, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                            ConfigError, SamplingParams)
+from common.config import (
+    GREEDY_TEMPERATURE_BELOW,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    ConfigError,
+    SamplingParams,
+)
 from kernels.sampling import sample
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts
 

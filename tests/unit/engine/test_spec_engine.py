@@ -19,13 +19,21 @@ import pytest
 import torch
 
 from cluster.worker_host.build import make_worker
-from common.config import SamplingParams
 from common.protocol import WorkerRole
 from engine.request import RequestStatus
 from engine.spec import speculator as speculator_module
 from kernels.model.eagle import DraftStyle
-from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_prompts, make_spec_engine, \
-    tiny_draft_head, sampled, tiny_models
+from tests.helpers import (
+    SPEC_MAX_NEW,
+    assert_pool_at_rest,
+    greedy,
+    make_engine,
+    make_prompts,
+    make_spec_engine,
+    sampled,
+    tiny_draft_head,
+    tiny_models,
+)
 
 MAX_NEW = SPEC_MAX_NEW  # the `reference` fixture's length
 
@@ -302,10 +310,10 @@ def test_a_prefix_loaded_back_from_the_host_tier_brings_its_draft_kv(reference):
 
 
 def test_speculation_without_a_head_is_a_clear_config_error(monkeypatch, tmp_path):
+    import cluster.train.settings as train_settings
     from cluster.cli.args import with_default_draft
     from common.config import ConfigError, EngineConfig
     from engine import build_engine
-    import cluster.train.settings as train_settings
 
     ours, _, arch = tiny_models()
     with pytest.raises(ConfigError, match="draft_model"):

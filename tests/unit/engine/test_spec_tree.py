@@ -18,13 +18,21 @@ import pytest
 import torch
 
 from cluster.worker_host.build import make_worker
-from common.config import ConfigError, EngineConfig, SamplingParams
+from common.config import ConfigError, EngineConfig
 from engine.request import RequestStatus
 from engine.spec import speculator as speculator_module
 from engine.spec.factory import make_speculator
 from kernels.model.eagle import DraftStyle
-from tests.helpers import SPEC_MAX_NEW, assert_pool_at_rest, greedy, make_engine, make_spec_engine, tiny_draft_head, \
-    sampled, tiny_models
+from tests.helpers import (
+    SPEC_MAX_NEW,
+    assert_pool_at_rest,
+    greedy,
+    make_engine,
+    make_spec_engine,
+    sampled,
+    tiny_draft_head,
+    tiny_models,
+)
 
 MAX_NEW = SPEC_MAX_NEW  # the `reference` fixture's length
 

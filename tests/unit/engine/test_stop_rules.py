@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, EngineConfig, SamplingParams
-from engine import build_engine, load_engine
+from engine import build_engine
 from engine.request import FinishReason
 from engine.stop import SPLIT_AFTER_TOKENS, StopRules, StopStringMatcher, cut_at_stop, decode, first_stop
 from tests.helpers import assert_pool_at_rest, make_engine, make_prompts, tiny_models
@@ -23,7 +23,7 @@ TEXTS = ["The capital of France is Paris. It is lovely in spring!",
          f"broken {LITERAL_FFFD}{LITERAL_FFFD} bytes and ```code```\n\n- item"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer():
     from transformers import AutoTokenizer  # the engine's (the loader's): its token helpers pick the cases
 
@@ -32,7 +32,7 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model_dir("smollm2"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pieces() -> dict[str, list[int]]:
     """Token ids by kind: text (whole words, multi-byte characters), lone bytes (split characters,
     invalid UTF-8), special tokens (decoded to nothing)."""

@@ -6,15 +6,14 @@ temperature value that raises when the sampler looks at it, a malformed message.
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from cluster.worker_host.build import make_worker
-from cluster.worker_host.build import WorkerSpec
+from cluster.worker_host.build import WorkerSpec, make_worker
 from cluster.worker_host.thread import HostLink, WorkerHost
 from common import protocol as p
 from common.config import GREEDY_TEMPERATURE_BELOW, EngineConfig, SamplingParams

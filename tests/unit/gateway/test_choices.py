@@ -9,8 +9,8 @@ import json
 import pytest
 
 from common.config import SamplingParams
-from router.gateway.siblings import sibling_seed
 from kernels.model.tokenizer import encode_prompt
+from router.gateway.siblings import sibling_seed
 from tests.helpers import make_smollm2_engine
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "

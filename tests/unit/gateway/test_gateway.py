@@ -21,7 +21,8 @@ from router.backend import BackendError, ErrorKind
 from router.gateway import GatewayServer, build_app
 from router.gateway.detokenize import IncrementalDetokenizer, final_text
 from tests.gateway_backend import WORKER_ID, smollm2_backend
-from tests.gateway_http import BASE_URL, app_client, assert_error as assert_error_body
+from tests.gateway_http import BASE_URL, app_client
+from tests.gateway_http import assert_error as assert_error_body
 from tests.helpers import greedy, make_smollm2_engine
 
 try:

@@ -594,8 +594,13 @@ def test_openapi_document_follows_the_api_key(backend):
 
 
 def test_real_answers_match_the_documented_models(client):
-    from router.gateway.openapi import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ErrorResponse,
-                                        ModelList)
+    from router.gateway.openapi import (
+        ChatCompletionChunk,
+        ChatCompletionResponse,
+        CompletionResponse,
+        ErrorResponse,
+        ModelList,
+    )
 
     CompletionResponse.model_validate(client.post(COMPLETION, json={"prompt": "Hi", "max_tokens": 2}).json())
     ChatCompletionResponse.model_validate(client.post(CHAT, json={"messages": QUESTION, "max_tokens": 2}).json())

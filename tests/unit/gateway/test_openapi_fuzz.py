@@ -12,10 +12,9 @@ import time
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from prometheus_client.parser import text_string_to_metric_families
 from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.gateway.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse
 from tests.gateway_cluster import GatewayStack

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import pytest
 
 from common.grammar_spec import grammar_of
 from router.gateway.tool_parsers import parse, parser_for

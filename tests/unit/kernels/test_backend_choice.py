@@ -10,7 +10,6 @@ attention from the CSR they are given as FlashInfer documents it, against the to
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import sys
 import types
@@ -445,4 +444,3 @@ def test_build_engine_runs_the_configured_backend_whatever_the_model_was_built_w
     assert tokens["triton"] == tokens["auto"] and all(len(t) == 3 for t in tokens["auto"])
     with pytest.raises(ConfigError, match="flashinfer runs on CUDA devices only"):
         build_engine(EngineConfig(page_size=4, num_pages=32, attention_backend="flashinfer"), model, arch)
-

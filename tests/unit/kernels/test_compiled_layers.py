@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kernels.attention import build_attn_metadata
-from kernels.kv_layout import KVCacheTensors
 from kernels.cpu.compiled import CompiledLayers, group_size
+from kernels.kv_layout import KVCacheTensors
 from kernels.model.loader import make_tiny_llama
 
 pytestmark = pytest.mark.isa  # inductor vectorises for this CPU

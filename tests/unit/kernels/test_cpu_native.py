@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kernels.attention import build_attn_metadata
-from kernels.cpu import native as cpu_native
 from kernels.attention.torch_backend import TorchAttentionBackend
+from kernels.cpu import native as cpu_native
 from kernels.cpu.attention_backend import CpuAttentionBackend
 from tests.helpers import random_page_tables
 

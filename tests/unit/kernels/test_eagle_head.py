@@ -66,8 +66,7 @@ def _write_checkpoint(path, style: DraftStyle, hf_config, tensors) -> None:
 def _reference(style: DraftStyle, hf_config, t, embed, target_lm_head, ids, features):
     """One whole sequence, dense: HF's Llama attention / MLP / RMSNorm / RoPE with the checkpoint's
     weights. Returns (x [n, h], logits over the target's vocabulary or the draft's [n, V])."""
-    from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, LlamaRMSNorm,
-                                                          LlamaRotaryEmbedding)
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
     eagle3 = style is DraftStyle.EAGLE3
     pre = "midlayer." if eagle3 else "layers.0."

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kernels.attention import BACKEND_NAMES, build_attn_metadata, get_backend
-from kernels.cuda import triton_kernels as tk
 from kernels.attention.metadata import AttnMetadata
+from kernels.cuda import triton_kernels as tk
 from kernels.cuda.triton_backend import TileSizes, TritonAttentionBackend, num_kv_splits
 from tests.helpers import random_page_tables
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.config import ConfigError
 from kernels.kv_layout import KVCacheTensors, kv_layout
-from kv_store.l3.codec import pack_page, unpack_page
-from kv_store.l3.codec import HEADER_BYTES, encode_value
+from kv_store.l3.codec import HEADER_BYTES, encode_value, pack_page, unpack_page
 from kv_store.l3.config import L3Config
 from kv_store.l3.keys import KeyNamespace, page_keys
 from kv_store.l3.redis_store import RedisPageStore

@@ -75,8 +75,8 @@ def test_a_threaded_copy_waits_for_the_mark_made_at_submit_and_records_each_laye
 
 
 def test_a_prefill_worker_reading_its_pool_in_place_waits_for_the_step_before_each_write(monkeypatch):
-    from cluster.worker_host.build import make_worker
     import prefill_worker.sender as sender_module
+    from cluster.worker_host.build import make_worker
 
     order = RecordingOrder()
     monkeypatch.setattr(sender_module, "order_for", lambda device: order)

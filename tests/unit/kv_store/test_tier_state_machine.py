@@ -121,7 +121,7 @@ def redis_server(tmp_path_factory):
 
 
 # ---- references ----------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_engine(page_size: int):
     """No hierarchy: prefix cache and host tier off, a roomy pool."""
     return make_engine(page_size=page_size, num_pages=1 + 4096 // page_size, enable_prefix_cache=False,
@@ -143,7 +143,7 @@ def reference_outputs(page_size: int, requests: list[tuple[tuple[int, ...], int]
     return [_reference_outputs[(page_size, *r)] for r in requests]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_runner(page_size: int) -> ModelRunner:
     model, _, arch = tiny_models()
     kv = KVCacheTensors.allocate(arch.num_layers, 1 + MAX_PATH_TOKENS // page_size, page_size, arch.num_kv_heads,

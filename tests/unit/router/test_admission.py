@@ -6,8 +6,17 @@ import pytest
 
 from common.config import ConfigError
 from common.protocol import WorkerRole
-from router.admission import (FALLBACK_RETRY_AFTER_S, PLAN_SHARE, AdmissionParams, DecodeLimit, Overloaded,
-                              PrefillLane, PrefillRate, Refusal, admissible)
+from router.admission import (
+    FALLBACK_RETRY_AFTER_S,
+    PLAN_SHARE,
+    AdmissionParams,
+    DecodeLimit,
+    Overloaded,
+    PrefillLane,
+    PrefillRate,
+    Refusal,
+    admissible,
+)
 from router.policy_types import WorkerView
 
 

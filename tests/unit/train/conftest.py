@@ -18,7 +18,7 @@ from tests.helpers import make_prompts, tiny_models
 DRAFT_VOCAB = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_corpus(num_prompts: int = 12, max_new_tokens: int = 20) -> tuple[list[Sample], list[torch.Tensor]]:
     """The tiny target's greedy answers to random prompts (no EOS: full length), and their aux states."""
     target, _, arch = tiny_models()
@@ -30,7 +30,7 @@ def tiny_corpus(num_prompts: int = 12, max_new_tokens: int = 20) -> tuple[list[S
 AUX_IDS = (1, 1, 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_target_hidden(num_prompts: int = 12, max_new_tokens: int = 20) -> list[torch.Tensor]:
     """The tiny target's final hidden states over each `tiny_corpus` sequence (soft labels)."""
     samples, _ = tiny_corpus(num_prompts, max_new_tokens)

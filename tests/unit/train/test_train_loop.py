@@ -5,18 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from cluster.train.checkpoint import new_head, trainable, write_published
 from cluster.train.data import Sample
-import pytest
-
-from cluster.train.trainer import (IGNORE, epoch_batches, make_example, pad_batch, pad_hidden, soft_labels, train_head,
-                                   unrolled_loss, uses_bf16)
+from cluster.train.trainer import (
+    IGNORE,
+    epoch_batches,
+    make_example,
+    pad_batch,
+    pad_hidden,
+    soft_labels,
+    train_head,
+    unrolled_loss,
+    uses_bf16,
+)
 from cluster.train.unroll import logits, unrolled_forward
 from cluster.train.vocab import DraftVocab
-from kernels.model.packed_linear import cpu_native_bf16
 from kernels.model.eagle import load_eagle_checkpoint
+from kernels.model.packed_linear import cpu_native_bf16
 from tests.helpers import tiny_models
 from tests.unit.train.conftest import tiny_corpus, tiny_examples, tiny_target_head, tiny_target_hidden, tiny_vocab
 
@@ -154,4 +162,3 @@ def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(settings, t
     for (name, a), b in zip(trainable(straight).items(), trainable(resumed).values()):
         assert torch.equal(a, b), f"{name} differs after resume"
     assert not torch.equal(trainable(straight)["fc.weight"], trainable(new_head(target, vocab, 0))["fc.weight"])
-

@@ -181,7 +181,7 @@ def _first_move(device: KVCacheTensors, host: KVCacheTensors, use_kernel: bool |
     if use_kernel:
         try:
             return _KernelMove(device, host)
-        except Exception as exc:  # a broken triton install fails with more than ImportError
+        except Exception as exc:  # noqa: BLE001 - a broken triton install fails with more than ImportError
             log.warning("the KV page copy kernel cannot be set up (%s: %s); this copier moves pages staged",
                         type(exc).__name__, exc)
     return _StagedMove(device, host)

@@ -220,7 +220,7 @@ class NetnsCluster:
         head = self.hosts["head"]
         self._ray_start(head.name, [ray, "start", "--head", f"--node-ip-address={head.ip}", f"--port={RAY_PORT}",
                                     "--num-cpus=0", "--include-dashboard=false", *common], timeout_s)
-        for name, host in self.hosts.items():
+        for name in self.hosts:
             if name != "head":
                 self.add_ray_node(name, resources.get(name, {}), (cpus or {}).get(name, 1), timeout_s)
 

@@ -60,7 +60,7 @@ def main() -> int:
             start = time.monotonic()
             try:
                 ok, what = serve_one(name, args.tp, Path(tmp))
-            except Exception as exc:  # one family's failure is reported, the others still run
+            except Exception as exc:  # noqa: BLE001 - one family's failure is reported, the others still run
                 ok, what = False, f"{type(exc).__name__}: {exc}"
             print(f"{name:15} tp={args.tp} {'ok  ' if ok else 'FAIL'} {time.monotonic() - start:5.0f} s  {what}",
                   flush=True)

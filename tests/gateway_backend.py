@@ -180,7 +180,7 @@ class EngineBackend:
         while True:
             try:
                 future.set_result(fn(self.engine))
-            except BaseException as exc:  # handed to the caller, who asked for it
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who asked for it
                 future.set_exception(exc)
             try:
                 fn, future = self._commands.get_nowait()

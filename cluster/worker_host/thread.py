@@ -200,7 +200,7 @@ class WorkerHost:
     def _run(self) -> None:
         try:
             run_loop(self.spec, self.worker, self.conn)
-        except Exception:  # the controller sees `crashed` in the next heartbeat and restarts us
+        except Exception:  # noqa: BLE001 - the controller sees `crashed` in the next heartbeat and restarts us
             self.crashed = traceback.format_exc()
             log.error("%s crashed:\n%s", self.worker_id, self.crashed)
             self.conn.send(p.WorkerCrashed(self.spec.role, self.crashed))

@@ -17,6 +17,7 @@ shape).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -82,8 +83,8 @@ class HeadGraphs:
         for bucket in reversed(self.buckets):
             self.bufs.fill([], bucket, self.page_size)  # all padding: scratch page 0
             capacity = (self.bufs.max_pages * self.page_size,) * bucket
-            graph, out = capture_graph(lambda meta: self._body(bucket, meta),
-                                       lambda: self.bufs.meta(bucket, self.page_size, capacity),
+            graph, out = capture_graph(functools.partial(self._body, bucket),
+                                       functools.partial(self.bufs.meta, bucket, self.page_size, capacity),
                                        self.head.self_attn.backend, device, pool)
             self._graphs[bucket] = (graph, out)
             pool = graph.pool()
@@ -146,8 +147,8 @@ class HeadTreeGraphs:
             for bucket in reversed(self.buckets):
                 bufs.fill([], bucket, self.page_size)
                 capacity = (bufs.max_pages * self.page_size,) * bucket
-                graph, out = capture_graph(lambda meta: self._body(bufs, bucket, meta),
-                                           lambda: bufs.meta(bucket, self.page_size, capacity),
+                graph, out = capture_graph(functools.partial(self._body, bufs, bucket),
+                                           functools.partial(bufs.meta, bucket, self.page_size, capacity),
                                            self.head.self_attn.backend, device, pool)
                 self._graphs[(level, bucket)] = (graph, out)
                 pool = graph.pool()

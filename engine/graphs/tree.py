@@ -13,6 +13,7 @@ captured, and `expand` (tests) runs the same buffers eagerly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -131,8 +132,8 @@ class TreeVerifyGraphs:
         for bucket in reversed(self.buckets):
             self.bufs.fill([], bucket, self.page_size)
             capacity = (self.bufs.max_pages * self.page_size,) * bucket
-            self._graphs[bucket] = capture_graph(lambda meta: self._body(bucket, meta),
-                                                 lambda: self.bufs.meta(bucket, self.page_size, capacity),
+            self._graphs[bucket] = capture_graph(functools.partial(self._body, bucket),
+                                                 functools.partial(self.bufs.meta, bucket, self.page_size, capacity),
                                                  self.eager.model.backend, device, pool)
             pool = self._graphs[bucket][0].pool()
         torch.cuda.synchronize(device)

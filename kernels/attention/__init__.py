@@ -62,7 +62,7 @@ def import_error(module: str) -> str | None:
     """Why ``module`` cannot be imported here (None: it can). Probed once per process."""
     try:
         importlib.import_module(module)
-    except Exception as exc:  # a broken GPU install fails with more than ImportError (CUDA libraries, versions)
+    except Exception as exc:  # noqa: BLE001 - a broken GPU install raises more than ImportError (CUDA libs, versions)
         return f"{type(exc).__name__}: {exc}"
     return None
 

@@ -61,7 +61,7 @@ class AttentionBackend(ABC):
         Returns ``[T, H, hd]`` in q's dtype.
         """
 
-    def prepare_graph_decode(self, meta: AttnMetadata) -> None:
+    def prepare_graph_decode(self, meta: AttnMetadata) -> None:  # noqa: B027 - a no-op unless overridden
         """Called outside any CUDA-graph capture, before a decode bucket is captured (``meta`` with the
         capacity lengths) and before each replay (``meta`` over the same static buffers, real lengths).
         Backends that plan on the host (flashinfer) plan here; the others read everything from the

@@ -66,8 +66,8 @@ class L3Stats:
 def _import_redis():
     try:
         import redis
-        import redis.backoff
-        import redis.retry
+        import redis.backoff  # noqa: F401 - loads the submodule read below as redis.backoff
+        import redis.retry  # noqa: F401 - loads the submodule read below as redis.retry
     except ImportError as err:
         raise ImportError("the L3 store needs the redis client: pip install 'redis>=5' (a core dependency of "
                           "tandem-serve; reinstall with bash scripts/setup.sh), or run without kv_store.l3") from err

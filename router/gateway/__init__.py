@@ -9,6 +9,11 @@ does not pull the web stack into commands that never serve.
 """
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for readers and type checkers; at run time `__getattr__` below loads them on first use
+    from router.gateway.app import build_app
+    from router.gateway.server import GatewayServer, run_gateway
 
 _EXPORTS = {"build_app": "router.gateway.app", "GatewayServer": "router.gateway.server",
             "run_gateway": "router.gateway.server"}

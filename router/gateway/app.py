@@ -166,7 +166,7 @@ class Gateway:
             log.info("client disconnected before its request body was complete")
             self.metrics.failure.labels(kind=CLIENT_DISCONNECT).inc()
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        except Exception as exc:  # a bug: answer 500 in the error shape (logged with its id) and keep serving
+        except Exception as exc:  # noqa: BLE001 - a bug: a 500 in the error shape (logged with its id); keep serving
             return self._count(run, internal(exc)).response()
         finally:
             await self._finish(run, release, turn)

@@ -30,7 +30,7 @@ def chat_prompt(payload: dict, tokenizer: Any, history: Sequence[dict] = (),
     rendered, tool_list = render(list(plain), tools, getattr(tokenizer, "chat_template", None))
     try:
         return plain, apply_chat_template(tokenizer, rendered, tools=tool_list)
-    except Exception as exc:  # the template itself rejects some conversations (jinja raise_exception)
+    except Exception as exc:  # noqa: BLE001 - the template itself rejects some conversations (jinja raise_exception)
         raise invalid(f"the chat template rejected these messages: {exc}", param="messages") from None
 
 

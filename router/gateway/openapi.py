@@ -382,7 +382,7 @@ def openapi_document(app: FastAPI, limits: ModelLimits, api_key_required: bool,
         schemas[chunk.__name__] = schema
     if api_key_required:
         doc["components"]["securitySchemes"] = {SECURITY_SCHEME: {"type": "http", "scheme": "bearer"}}
-        for path, operations in doc["paths"].items():
+        for operations in doc["paths"].values():
             for operation in operations.values():
                 if "401" in operation.get("responses", {}):
                     operation["security"] = [{SECURITY_SCHEME: []}]

@@ -200,7 +200,7 @@ class GatewayServer:
     def _thread_main(self, started: threading.Event) -> None:
         try:
             asyncio.run(self.serve(on_started=lambda _: started.set()))
-        except BaseException as exc:  # surfaced by start_in_thread; a thread has nobody else to tell
+        except BaseException as exc:  # noqa: BLE001 - surfaced by start_in_thread; a thread has nobody else to tell
             self._error = exc
         finally:
             started.set()

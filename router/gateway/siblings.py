@@ -100,7 +100,7 @@ class Siblings:
                         event = task.result()
                     except StopAsyncIteration:
                         continue
-                    except Exception as exc:  # a bug on our side mid-stream: the client still gets an end
+                    except Exception as exc:  # noqa: BLE001 - our bug mid-stream: the client still gets an end
                         yield sse_error(self.runs[index].fail(internal(exc)))
                         yield SSE_DONE
                         return

@@ -190,7 +190,7 @@ class GenerationRun:
             raise from_backend_error(exc) from None
         except StopAsyncIteration:
             raise internal(RuntimeError("the backend ended the stream without a last chunk")) from None
-        except Exception as exc:  # logged with its traceback by internal()
+        except Exception as exc:  # noqa: BLE001 - logged with its traceback by internal()
             raise internal(exc) from None
 
     def _generate(self) -> AsyncIterator[GenerationChunk]:
@@ -292,7 +292,7 @@ async def sse_frames(run: GenerationRun, shape: ResponseShape, include_usage: bo
                 yield shape.finish_frame(event.finish_reason)
                 if include_usage:
                     yield shape.usage_frame(event.usage)
-    except Exception as exc:  # a bug on our side mid-stream: the client still gets a well-formed end
+    except Exception as exc:  # noqa: BLE001 - a bug on our side mid-stream: the client still gets a well-formed end
         yield sse_error(run.fail(internal(exc)))
     yield SSE_DONE
 
@@ -330,7 +330,7 @@ async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]
         group.start_soon(watch, group.cancel_scope)
         try:
             result.append(await work())
-        except Exception as exc:  # re-raised below as itself, not wrapped in an ExceptionGroup
+        except Exception as exc:  # noqa: BLE001 - re-raised below as itself, not wrapped in an ExceptionGroup
             errors.append(exc)
         group.cancel_scope.cancel()
     if errors:

@@ -191,7 +191,7 @@ def _hermes_message(message: dict) -> dict:
     if message["role"] == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
     if "tool_calls" in message:
-        calls = "\n".join('<tool_call>{"name": %s, "arguments": %s}</tool_call>' % (
+        calls = "\n".join('<tool_call>{"name": %s, "arguments": %s}</tool_call>' % (  # noqa: UP031 - JSON's braces
             json.dumps(c["function"]["name"]), c["function"]["arguments"]) for c in message["tool_calls"])
         return {"role": "assistant", "content": f"{message['content']}\n{calls}".strip()}
     return message

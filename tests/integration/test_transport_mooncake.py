@@ -267,7 +267,7 @@ def test_concurrent_writers_share_one_transport(peer):
         def run(thread_ops):
             try:
                 transport.wait(transport.write(peer.session_id, thread_ops), timeout_s=30)
-            except BaseException as err:  # surfaced by the assert below
+            except BaseException as err:  # noqa: BLE001 - surfaced by the assert below
                 errors.append(err)
 
         threads = [threading.Thread(target=run, args=(o,)) for o in ops]

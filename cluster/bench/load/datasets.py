@@ -26,12 +26,12 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Union
+from typing import Protocol
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl", "mooncake-trace")
 FIRST_TOKEN_ID = 10  # random ids start here: the lowest ids of most vocabularies are special tokens
 
-Prompt = Union[tuple[int, ...], str, tuple[dict, ...]]  # token ids | text | chat messages
+Prompt = tuple[int, ...] | str | tuple[dict, ...]  # token ids | text | chat messages
 
 
 class TextCodec(Protocol):
@@ -68,7 +68,7 @@ class Conversation:
         return len(self.user_turns)
 
 
-Job = Union[SampleRequest, Conversation]
+Job = SampleRequest | Conversation
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def test_a_role_crosses_the_wire_as_the_member_and_prints_its_value(msg):
     back = pickle.loads(pickle.dumps(msg))  # how the relay and the worker pipe carry it
     assert back == msg and back.role is msg.role
     assert json.loads(json.dumps(dataclasses.asdict(msg)))["role"] == msg.role.value  # /debug/workers
-    assert str(msg.role) == f"{msg.role}" == "%s" % msg.role == msg.role.value  # logs, messages
+    assert str(msg.role) == f"{msg.role}" == "%s" % msg.role == msg.role.value  # noqa: UP031 - logs, messages
 
 
 def test_a_metric_label_is_the_roles_value():

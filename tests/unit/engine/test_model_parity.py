@@ -104,7 +104,7 @@ def hf_logits(reference, token_ids: list[int]) -> torch.Tensor:
 def assert_matches_hf(reference, seq: Seq, atol: float) -> None:
     expected = hf_logits(reference, seq.token_ids)
     for pos, got in seq.logits.items():
-        torch.testing.assert_close(got, expected[pos], atol=atol, rtol=0, msg=lambda m: f"position {pos}: {m}")
+        torch.testing.assert_close(got, expected[pos], atol=atol, rtol=0, msg=lambda m, pos=pos: f"position {pos}: {m}")
 
 
 # ---------------------------------------------------------------- tiny model

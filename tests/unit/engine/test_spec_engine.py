@@ -98,15 +98,17 @@ def test_verify_and_head_replayed_as_decode_rows_give_the_same_tokens_and_drafts
     for expand in (False, True):
         engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE3), page_size=page_size, max_running_requests=4)
         engine.runner.expand_verify = engine.speculator.graphs.expand = expand
-        replayed = []
-        replay = engine.runner._replay
-        engine.runner._replay = lambda rows, bucket: (replayed.append((len(rows), bucket)), replay(rows, bucket))[1]
-        drafts = []
-        draft = engine.speculator.draft
+        replayed: list[tuple[int, int]] = []
+        drafts: list[list[tuple[int, ...]]] = []
 
-        def spy(running, *args):
+        def replay_spy(rows, bucket, replay=engine.runner._replay, replayed=replayed):
+            replayed.append((len(rows), bucket))
+            return replay(rows, bucket)
+
+        def spy(running, *args, draft=engine.speculator.draft, drafts=drafts):  # bound: this iteration's engine
             draft(running, *args)
             drafts.append([tuple(r.spec.token_ids) for r in running])
+        engine.runner._replay = replay_spy
         engine.speculator.draft = spy
         out = [r.output_token_ids for r in engine.generate(spec_prompts, greedy(max_tokens=MAX_NEW))]
         assert out == [reference[tuple(p)] for p in spec_prompts]

@@ -134,9 +134,8 @@ def test_greedy_and_sampled_requests_draft_trees_in_one_batch(spec_prompts, refe
         engine = make_spec_engine(tiny_draft_head(DraftStyle.EAGLE), speculative_topk=2)
         paths = script_trees(engine, plain, accept=0.8, seed=7) if scripted else None
         seen = {True: 0, False: 0}  # trees drafted, by greedy
-        draft = engine.speculator.draft
 
-        def spy(running, *args):
+        def spy(running, *args, engine=engine, draft=engine.speculator.draft, seen=seen):  # bound: this iteration's
             draft(running, *args)
             for r in running:
                 if r.spec.token_ids:
@@ -272,10 +271,10 @@ def test_tree_verify_replayed_over_the_tree_buffers_gives_the_same_tokens_and_ac
         engine.runner.trees.expand = expand
         engine.runner.trees.buckets = (2, 5)  # a lone request (the tail of the run) replays with a padding one
         script_trees(engine, reference, accept=0.7, seed=page_size)
-        replayed = []
-        replay = engine.runner.trees.replay
+        replayed: list[tuple[int, int]] = []
 
-        def checked(rows, bucket):  # the replay's logits and features are the eager tree verify's
+        def checked(rows, bucket, engine=engine, replay=engine.runner.trees.replay, replayed=replayed):
+            """The replay's logits and features are the eager tree verify's."""
             out = replay(rows, bucket)
             again = engine.runner.eager.forward(rows)  # rewrites the same K/V into the same slots
             for got, want in zip(out, again):

@@ -105,7 +105,7 @@ CORPUS = [  # (name, path, request kwargs, expected status)
     ("NaN temperature", COMPLETION, raw('{"prompt": "a", "temperature": NaN}'), 400),
     ("Infinity top_p", CHAT, raw('{"messages": [{"role": "user", "content": "a"}], "top_p": Infinity}'), 400),
     ("1e999 temperature", COMPLETION, raw('{"prompt": "a", "temperature": 1e999}'), 400),
-    ("90,000 stop strings", COMPLETION, {"json": {"prompt": "a", "stop": ["s%d" % i for i in range(90_000)]}}, 400),
+    ("90,000 stop strings", COMPLETION, {"json": {"prompt": "a", "stop": [f"s{i}" for i in range(90_000)]}}, 400),
     ("one 5000-character stop string", COMPLETION, {"json": {"prompt": "a", "stop": "x" * 5000}}, 400),
     ("dict role", CHAT, {"json": {"messages": [{"role": {"r": 1}, "content": "a"}]}}, 400),
     ("list role", CHAT, {"json": {"messages": [{"role": ["user"], "content": "a"}]}}, 400),

@@ -89,7 +89,7 @@ class RankLanding:
         def landing_sums(landing_pages: tuple) -> None:
             try:
                 said = digest.digests(list(landing_pages))
-            except Exception:  # noqa: BLE001 - rank 0 then treats its part as unverified: recomputed
+            except Exception:  # rank 0 then treats its part as unverified: recomputed
                 log.exception("digesting landing pages %s failed", landing_pages)
                 said = None
             ctx.control.gather(said)

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from common import chaos
 from common.config import SamplingParams
@@ -96,7 +97,8 @@ class KVReceiver(NullConnector):
         self.others = others() if others is not None else None
 
     # ---- the worker's requests ---------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, peer: str) -> Landing | None:
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                peer: str) -> Landing | None:
         """Reserve host pages for the prompt's KV; None when the host tier is full (try later).
         Raises ValueError for a request that can never fit, or whose id is in use, like `add_request`."""
         if request_id in self.inbound:
@@ -115,16 +117,15 @@ class KVReceiver(NullConnector):
         return landing
 
     def on_message(self, msg: KVProgress | KVComplete | TransferAborted) -> None:
+        """A prefill worker's word about an inbound request (relayed by the dispatcher), by its kind
+        (`_ON_MESSAGE`); a late one, for a request already ended, is dropped."""
         ib = self.inbound.get(msg.request_id)
         if ib is None:
-            return  # a late message for a request already ended
-        if isinstance(msg, KVProgress):
-            self._kv_progress(ib)
-        elif isinstance(msg, KVComplete):
-            ib.request.spec.feature = msg.draft_feature
-            self._kv_complete(ib, msg)
-        else:
-            self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}", msg)
+            return
+        on_message = _ON_MESSAGE.get(type(msg))
+        if on_message is None:
+            raise TypeError(f"a KV receiver cannot handle {type(msg).__name__}")
+        on_message(self, ib, msg)
 
     def peer_dead(self, peer: str) -> None:
         """Nothing more can arrive from `peer`: its landings are ours again."""
@@ -219,7 +220,7 @@ class KVReceiver(NullConnector):
         if ib.session.check_deadline(now):
             self._give_up(ib, FailureReason.TIMEOUT, ib.session.failure_detail)
 
-    def _kv_progress(self, ib: _Inbound) -> None:
+    def _kv_progress(self, ib: _Inbound, msg: KVProgress) -> None:
         if ib.phase is not InboundPhase.LANDING:
             return
         if ib.session.state is TransferState.WAITING:
@@ -228,6 +229,7 @@ class KVReceiver(NullConnector):
             ib.session.progress(self.clock())
 
     def _kv_complete(self, ib: _Inbound, msg: KVComplete) -> None:
+        ib.request.spec.feature = msg.draft_feature
         if ib.phase is not InboundPhase.LANDING:
             self._landing_free(ib, ib.session.failure or FailureReason.ABORTED, ib.session.failure_detail)
             return
@@ -243,16 +245,15 @@ class KVReceiver(NullConnector):
         req.tier.host_hit_tokens, req.tier.l3_hit_tokens = host + l3, l3
         req.timings.update(prefill_marks(msg.timings))
         req.timings["kv_complete_received"] = self.clock()
-        req.output_token_ids.append(msg.first_token)
-        if msg.first_logprobs is not None:
-            req.output_logprobs.append(msg.first_logprobs)
-        req.prompt_logprobs = list(msg.prompt_logprobs)
-        reason = req.stop_rules.check(req.output_token_ids, req.num_tokens)
+        reason = self.ports.first_token(req, msg.first_token, msg.first_logprobs, msg.prompt_logprobs)
         ib.move(InboundPhase.LOAD_PENDING)
         if reason is not None:
             self._end_inbound(ib, reason)
         else:
             self._pending_outputs.append(step_output(req, [msg.first_token], None))
+
+    def _transfer_aborted(self, ib: _Inbound, msg: TransferAborted) -> None:
+        self._landing_free(ib, FailureReason.TRANSPORT_ERROR, f"prefill worker aborted: {msg.reason}", msg)
 
     def _sums_match(self, ib: _Inbound, sums: tuple[int, ...]) -> bool:
         """Whether every landed page has the checksum its prefill worker shipped it with (over ranks:
@@ -343,3 +344,9 @@ class KVReceiver(NullConnector):
         req.finish(reason)
         tokens = list(req.output_token_ids) if not error else []
         self._pending_outputs.append(step_output(req, tokens, reason, error, failure))
+
+
+_ON_MESSAGE: dict[type, Callable[[KVReceiver, _Inbound, Any], None]] = {
+    KVProgress: KVReceiver._kv_progress, KVComplete: KVReceiver._kv_complete,
+    TransferAborted: KVReceiver._transfer_aborted}
+"""A prefill worker's message kind -> the receiver's transition for it."""

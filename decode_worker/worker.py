@@ -1,11 +1,14 @@
 """The workers that speak for clients, behind the worker contract (`common.protocol.Worker`).
 
-    ColocatedWorker  the engine alone (NullConnector): `Generate` (prefill and decode here), `Abort`
-    DecodeWorker     the engine with a `KVReceiver`: also `Reserve` a landing, then `KVProgress` /
-                     `KVComplete` / `TransferAborted` from its prefill worker (relayed by the dispatcher);
-                     without inbound traffic it prefills locally, as a colocated worker does
+    ClientWorker     the base of both: `Generate` (prefilled and decoded here), streaming sessions,
+                     `Abort`; each step's outputs become `TokenOutput`s for the dispatcher
+    ColocatedWorker  a client worker over the engine alone (NullConnector); it has no peers
+    DecodeWorker     a client worker whose engine lands KV through a `KVReceiver`: also `Reserve` a
+                     landing, then `KVProgress` / `KVComplete` / `TransferAborted` from its prefill
+                     worker (relayed by the dispatcher); without inbound traffic it prefills locally,
+                     as a colocated worker does
 
-Their step's outputs become `TokenOutput`s for the dispatcher.
+Neither role is a kind of the other: both are client workers, and the decode worker adds the landing.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from engine.hosted import EngineWorker
 from engine.output import StepOutput
 from engine.sessions import SessionBusy, SessionError
 
-__all__ = ["ColocatedWorker", "DecodeWorker", "InboundPhase"]
+__all__ = ["ClientWorker", "ColocatedWorker", "DecodeWorker", "InboundPhase"]
 
 LANDING_WAIT_S = 0.05
 """The longest a decode worker with only landings in flight waits for a message between steps."""
@@ -31,40 +34,45 @@ def token_output(out: StepOutput) -> p.TokenOutput:
                          out.timings, time.time(), out.failure, out.logprobs, out.prompt_logprobs, out.cached_tiers)
 
 
-class ColocatedWorker(EngineWorker):
+class ClientWorker(EngineWorker):
     """Not thread-safe: one loop calls `handle` and `step`."""
 
-    role = WorkerRole.COLOCATED
-
-    # ---- the worker contract -----------------------------------------------------------------------
-    def handle(self, msg) -> list:
-        if isinstance(msg, p.Generate):
-            try:
-                self.engine.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id, msg.session_id,
-                                        msg.resume_output)
-            except ValueError as exc:  # SessionError too; SessionBusy: no room now, a retry may find some
-                failure = p.Failure.BUSY if isinstance(exc, SessionBusy) else p.Failure.REJECTED
-                return [p.TokenOutput(msg.request_id, (), p.FinishReason.ABORT, str(exc), failure=failure)]
-        elif isinstance(msg, p.OpenSession):
-            try:
-                self.engine.open_session(msg.session_id, msg.capacity_tokens, msg.idle_timeout_s)
-            except SessionError as exc:
-                return [p.SessionOpened(msg.session_id, str(exc))]
-            return [p.SessionOpened(msg.session_id, "")]
-        elif isinstance(msg, p.CloseSession):
-            self.engine.close_session(msg.session_id)
-        elif isinstance(msg, p.Abort):
-            self.abort(msg.request_id)
-        elif not isinstance(msg, p.PeerDead):  # no peers: nothing to do
-            raise TypeError(f"a {self.role.value} worker cannot handle {type(msg).__name__}")
+    # ---- the messages ------------------------------------------------------------------------------
+    def _generate(self, msg: p.Generate) -> list[p.FromWorker]:
+        try:
+            self.engine.add_request(list(msg.prompt_token_ids), msg.params, msg.request_id, msg.session_id,
+                                    msg.resume_output)
+        except SessionBusy as exc:  # no room now: a retry may find some
+            return [p.TokenOutput(msg.request_id, (), p.FinishReason.ABORT, str(exc), failure=p.Failure.BUSY)]
+        except ValueError as exc:  # SessionError too
+            return [p.TokenOutput(msg.request_id, (), p.FinishReason.ABORT, str(exc), failure=p.Failure.REJECTED)]
         return []
 
-    def fail(self, msg, error: str) -> list:
+    def _open_session(self, msg: p.OpenSession) -> list[p.FromWorker]:
+        try:
+            self.engine.open_session(msg.session_id, msg.capacity_tokens, msg.idle_timeout_s)
+        except SessionError as exc:
+            return [p.SessionOpened(msg.session_id, str(exc))]
+        return [p.SessionOpened(msg.session_id, "")]
+
+    def _close_session(self, msg: p.CloseSession) -> list[p.FromWorker]:
+        self.engine.close_session(msg.session_id)
+        return []
+
+    def _abort(self, msg: p.Abort) -> list[p.FromWorker]:
+        self.abort(msg.request_id)
+        return []
+
+    HANDLERS = {p.Generate: _generate, p.OpenSession: _open_session, p.CloseSession: _close_session,
+                p.Abort: _abort}
+
+    # ---- the worker contract -----------------------------------------------------------------------
+    def fail_request(self, msg: p.AboutRequest, error: str) -> list[p.FromWorker]:
         """A fault while handling `msg` (about one request): release what it holds, tell its client."""
         self.abort(msg.request_id)
         return [p.TokenOutput(msg.request_id, (), p.FinishReason.ABORT, error, failure=p.Failure.INTERNAL)]
 
-    def step(self) -> list:
+    def step(self) -> list[p.FromWorker]:
         return [token_output(out) for out in self.engine.step()]
 
     def stats(self) -> p.WorkerStats:
@@ -74,7 +82,16 @@ class ColocatedWorker(EngineWorker):
         return self.engine.abort(request_id)
 
 
-class DecodeWorker(ColocatedWorker):
+class ColocatedWorker(ClientWorker):
+    role = WorkerRole.COLOCATED
+
+    def _peer_dead(self, msg: p.PeerDead) -> list[p.FromWorker]:
+        return []  # no peers: nothing to do
+
+    HANDLERS = {**ClientWorker.HANDLERS, p.PeerDead: _peer_dead}
+
+
+class DecodeWorker(ClientWorker):
     role = WorkerRole.DECODE
 
     def __init__(self, engine: EngineCore):
@@ -83,28 +100,33 @@ class DecodeWorker(ColocatedWorker):
         super().__init__(engine)
         self.receiver: KVReceiver = engine.connector
 
-    def handle(self, msg) -> list:
-        if isinstance(msg, p.Reserve):
-            try:
-                landing = self.receiver.reserve(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.peer)
-            except ValueError as exc:
-                return [p.Reserved(msg.request_id, None, str(exc))]
-            return [p.Reserved(msg.request_id, landing, "")]
-        if isinstance(msg, (p.KVProgress, p.KVComplete, p.TransferAborted)):
-            self.receiver.on_message(msg)
-            return []
-        if isinstance(msg, p.PeerDead):
-            self.receiver.peer_dead(msg.peer)
-            return []
-        return super().handle(msg)
+    # ---- the messages ------------------------------------------------------------------------------
+    def _reserve(self, msg: p.Reserve) -> list[p.FromWorker]:
+        try:
+            landing = self.receiver.reserve(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.peer)
+        except ValueError as exc:
+            return [p.Reserved(msg.request_id, None, str(exc))]
+        return [p.Reserved(msg.request_id, landing, "")]
 
-    def fail(self, msg, error: str) -> list:
-        replies = super().fail(msg, error)
-        if isinstance(msg, p.Reserve):  # the dispatcher also waits for the answer to a reservation
-            replies.append(p.Reserved(msg.request_id, None, error))
-        return replies
+    def _from_prefill(self, msg: p.KVProgress | p.KVComplete | p.TransferAborted) -> list[p.FromWorker]:
+        self.receiver.on_message(msg)
+        return []
 
-    def step(self) -> list:
+    def _peer_dead(self, msg: p.PeerDead) -> list[p.FromWorker]:
+        self.receiver.peer_dead(msg.peer)
+        return []
+
+    HANDLERS = {**ClientWorker.HANDLERS, p.Reserve: _reserve, p.KVProgress: _from_prefill,
+                p.KVComplete: _from_prefill, p.TransferAborted: _from_prefill, p.PeerDead: _peer_dead}
+
+    def _reserve_failed(self, msg: p.Reserve, error: str) -> list[p.FromWorker]:
+        """The dispatcher also waits for the answer to a reservation."""
+        return [*self.fail_request(msg, error), p.Reserved(msg.request_id, None, error)]
+
+    FAULTS = {p.Reserve: _reserve_failed}
+
+    # ---- the worker contract -----------------------------------------------------------------------
+    def step(self) -> list[p.FromWorker]:
         out = super().step()
         out += [msg for _, msg in self.receiver.outbox]  # the dispatcher knows each transfer's peer
         self.receiver.outbox.clear()
@@ -117,8 +139,7 @@ class DecodeWorker(ColocatedWorker):
         """Landings only (the peer's messages move them and wake the loop): up to the nearest
         deadline, at most `LANDING_WAIT_S`. Polling them every 2 ms instead cost the loop ~40% of a
         core through a 1k-token prefill beside it, which slowed that prefill 2x on 2 cores."""
-        engine = self.engine
-        if not self.receiver.only_landings() or engine.host_cache.busy() or engine.sessions.reap_due():
+        if not self.receiver.only_landings() or self.engine.housekeeping_due():
             return super().wait_s()
         return max(super().wait_s(), min(LANDING_WAIT_S, self.receiver.next_deadline_s()))
 

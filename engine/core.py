@@ -24,9 +24,12 @@ import torch
 from common.config import EngineConfig, SamplingParams, debug_kv_from_env
 from common.faults import internal_error
 from common.grammar_spec import GrammarError
+from common.logprobs import TokenLogprobs
 from common.protocol import Failure, GraphStats, SpecStats, TierStats, WorkerRole, WorkerStats
 from engine.batch import run_batch
 from engine.connector import ConnectorPorts, KVConnector, NullConnector
+from engine.endings import Endings
+from engine.forward import run_forward
 from engine.graphs.runner import GraphRunner
 from engine.logprobs import record_output, record_prompt
 from engine.output import StepOutput, step_output
@@ -40,7 +43,7 @@ from engine.stats import IntegrityBeat, graph_stats, pool_stats, spec_stats, tie
 from engine.stop import StopRules
 from engine.structured import StructuredOutputs
 from engine.tokens import apply_stop_rules, row_tokens
-from kernels.kv_layout import KVCacheTensors
+from kernels.kv_layout import KVCacheTensors, populate_in_background
 from kv_store.device_pool import DevicePool
 from kv_store.hicache import HostCache, NullHostCache
 from kv_store.page_pool import PagePool
@@ -93,8 +96,10 @@ class EngineCore:
         self.num_retractions = 0
         self.integrity = IntegrityBeat()  # the heartbeat's check (`stats`)
         ports = ConnectorPorts(self.kv_cache, self.device_pool, self.config.page_size, self.scheduler,
-                               self.new_request, self.speculator.export_feature, self.kvm.check_integrity)
+                               self.new_request, self.accept_first_token, self.speculator.export_feature,
+                               self.kvm.check_integrity)
         self.connector = connector(ports) if connector is not None else NullConnector()
+        self.endings = Endings(self.requests, self.scheduler, self.connector, self.sessions)
         self.structured = StructuredOutputs(self.tokenizer, self.arch.vocab_size, tuple(sorted(self.eos_token_ids)))
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -142,29 +147,19 @@ class EngineCore:
         if req is None or req.status is RequestStatus.FINISHED:
             return False
         if self.structured.release(req):  # waiting for its grammar's compile: holds nothing yet
-            self._end_held(req)
+            self.endings.end_held(req)
             return True
         if req in self.scheduler.running or req.status in (RequestStatus.WAITING, RequestStatus.LOADING):
-            self.finish(req, FinishReason.ABORT)
+            self.endings.finish(req, FinishReason.ABORT)
         else:  # held by the connector (KV still in flight): it releases the request when it can
             return False
         self._after_step()
         return True
 
-    def finish(self, req: Request, reason: FinishReason) -> None:
-        """End `req` now through the release path."""
-        self.scheduler.finish(req, reason)
-        self.requests.pop(req.request_id, None)
-
     def end_stopped(self) -> None:
-        """Requests the connector stopped serving: those holding no KV end now; running ones leave the
-        batch (the connector hands them back through `take_finished` once no transfer reads their KV).
-        Every step does this; a worker also calls it when a message made its connector stop one."""
-        for req in self.connector.take_stopped():
-            if req.status in (RequestStatus.WAITING, RequestStatus.LOADING):
-                self.finish(req, FinishReason.ABORT)
-            elif req in self.scheduler.running:
-                self.scheduler.detach(req)
+        """Requests the connector stopped serving end or leave the batch (`Endings.end_stopped`). Every
+        step does this; a worker also calls it when a message made its connector stop one."""
+        self.endings.end_stopped()
 
     def busy(self) -> bool:
         """Whether a step would do anything: requests to schedule, the connector's or the host tier's own
@@ -172,16 +167,57 @@ class EngineCore:
         return (self.scheduler.has_work() or self.connector.busy() or self.host_cache.busy()
                 or self.sessions.reap_due() or bool(self.structured.held))
 
+    @staticmethod
+    def accept_first_token(req: Request, token: int, logprobs: TokenLogprobs | None,
+                           prompt_logprobs: Sequence[TokenLogprobs | None]) -> FinishReason | None:
+        """`req`'s first token, sampled by the prefill worker that computed its prompt (with its logprobs
+        and its prompt's, when asked): appended under its stop rules as a token sampled here is
+        (`tokens.apply_stop_rules`; not marked `first_token`: this engine did not compute it). Returns
+        the reason it ended (None: it goes on). Lent to the connector (`ConnectorPorts.first_token`)."""
+        _, reason = apply_stop_rules(req, [token], computed_here=False)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        req.prompt_logprobs = list(prompt_logprobs)
+        return reason
+
     # ---- sessions ----------------------------------------------------------------------------------
     def open_session(self, session_id: str, capacity_tokens: int, idle_timeout_s: float) -> None:
         """Raises SessionError (nothing opened) when the session budget or the arguments forbid it."""
         limit = self.scheduler.max_request_tokens()
         if capacity_tokens > limit:
-            raise SessionError(f"capacity_tokens {capacity_tokens} exceeds the {limit} tokens one request may hold here")
+            raise SessionError(f"capacity_tokens {capacity_tokens} exceeds the {limit} tokens one request may "
+                               "hold here")
         self.sessions.open(session_id, capacity_tokens, idle_timeout_s)
 
     def close_session(self, session_id: str) -> bool:
         return self.sessions.close(session_id)
+
+    # ---- what its worker asks ------------------------------------------------------------------------
+    def has_compute(self) -> bool:
+        """Whether a step would run a forward pass (requests to schedule), not only poll."""
+        return self.scheduler.has_work()
+
+    def housekeeping_due(self) -> bool:
+        """Whether the engine's own work beside its requests needs a step soon: a tier copy in flight,
+        or an idle session past its timeout."""
+        return self.host_cache.busy() or self.sessions.reap_due()
+
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """The whole-page prefix of `token_ids` cached here, in any tier. Read-only: nothing is touched."""
+        return self.kvm.prefix_cache.cached_len(token_ids)
+
+    def start_compile(self, thread_counts: tuple[int, ...], then: Callable[[], object] = lambda: None) -> None:
+        """Compile the decode step for each torch thread count on a thread beside the steps, then run
+        `then` there (`GraphRunner.start_compile`)."""
+        self.runner.start_compile(thread_counts=thread_counts, then=then)
+
+    def compiling(self) -> bool:
+        """Whether the compile `start_compile` began still runs."""
+        return self.runner.compiling()
+
+    def map_kv_in(self) -> None:
+        """Map the KV pool's memory in (the OS zeroes it lazily), a chunk at a time while no step computes."""
+        populate_in_background(self.kv_cache.k + self.kv_cache.v, busy=self.has_compute)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -191,7 +227,7 @@ class EngineCore:
         self.sessions.reap()
         outputs = self.connector.before_step()
         outputs += [out for req, error in self.structured.take_ready(self.scheduler.add)
-                    for out in self._end_held(req, error)]
+                    for out in self.endings.end_held(req, error)]
         self.end_stopped()
         arrived = self.connector.take_arrived()
         for req, kv in arrived:
@@ -212,9 +248,7 @@ class EngineCore:
             # backup in flight spun 2,000 steps).
             self.host_cache.wait_any(IDLE_COPY_WAIT_S)
         self.end_stopped()
-        for req, reason in self.connector.take_finished():
-            self.scheduler.release_detached(req, reason)
-            self.requests.pop(req.request_id, None)
+        self.endings.release_held()
         self._after_step()
         return outputs
 
@@ -226,7 +260,7 @@ class EngineCore:
         self.num_retractions += len(scheduled.retracted)
         outputs = []
         if scheduled.rows:
-            scheduled, out, outputs = self._forward(scheduled)
+            scheduled, out, outputs = run_forward(self.runner, scheduled, self.endings.failed, self.check_integrity)
             if scheduled.rows:
                 outputs += self._emit(scheduled, out)
         return bool(scheduled.rows), outputs
@@ -272,34 +306,6 @@ class EngineCore:
 
     # ---- helpers -----------------------------------------------------------------------------------
 
-    def _forward(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, ForwardOut, list[StepOutput]]:
-        """(the step without the rows that failed, its forward's output, outputs of the requests failed)."""
-        try:
-            out = self.runner.run(scheduled)
-        except Exception:  # noqa: BLE001 - blame the row(s) that raise alone
-            return self._forward_row_by_row(scheduled)
-        return scheduled, out, []
-
-    def _forward_row_by_row(self, scheduled: ScheduledStep) -> tuple[ScheduledStep, ForwardOut, list[StepOutput]]:
-        """Each row alone: a row writes only its own request's uncommitted KV slots, so running the rows
-        one by one computes what the batch would have. Rows that raise alone fail their request."""
-        kept = ScheduledStep(relocation_version=scheduled.relocation_version,
-                             loads_in_flight=scheduled.loads_in_flight)
-        parts, outputs = [], []
-        for req, row in zip(scheduled.requests, scheduled.rows):
-            try:
-                parts.append(self.runner.forward([row]))
-            except Exception as exc:  # noqa: BLE001
-                outputs += self._fail_request(req, internal_error(req.request_id, exc, "the forward pass"))
-                continue
-            kept.requests.append(req)
-            kept.rows.append(row)
-        if not kept.rows:
-            self.runner.probe()  # raises (ending the worker's loop) when no forward pass can run at all
-        self.check_integrity()  # the failed requests' KV went back cleanly, or the worker must stop
-        empty = torch.empty(0)
-        return kept, ForwardOut.cat(parts) if parts else ForwardOut(empty, empty, None), outputs
-
     def _emit(self, scheduled: ScheduledStep, out: ForwardOut) -> list[StepOutput]:
         """Each row's tokens (sampled, or its verified drafts), stop rules applied token by token; then
         the KV they leave valid is committed (rejected drafts' pages freed), the draft head catches up
@@ -322,7 +328,7 @@ class EngineCore:
                     reason = FinishReason.STOP  # its grammar ended (a stop token that ignore_eos kept going)
             except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going
                 grammar = isinstance(exc, GrammarError)  # allows no token: the request's own doing
-                outputs += self._fail_request(req, str(exc) if grammar else internal_error(
+                outputs += self.endings.failed(req, str(exc) if grammar else internal_error(
                     req.request_id, exc, "sampling and stop rules"), Failure.REJECTED if grammar else Failure.INTERNAL)
                 continue
             start = req.kv.kv_committed_len
@@ -335,7 +341,7 @@ class EngineCore:
         self.connector.after_commit(kept)
         for req, applied, reason in emitted:
             if reason is not None:
-                self._on_finished(req, reason)
+                self.endings.finished(req, reason)
             outputs.append(step_output(req, applied, reason))
         self._speculate(lambda: self.speculator.draft(self.scheduler.running, self.scheduler.reserve_draft_slots,
                                                       self.scheduler.max_request_tokens()))
@@ -354,42 +360,11 @@ class EngineCore:
         have rejected bad ones anyway) and the fault is counted and logged."""
         try:
             action()
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.speculator.counters.draft_errors += 1
             log.exception("the draft head failed; this step's drafts are dropped")
             for req in self.scheduler.running:
                 req.spec.clear()
-
-    def _on_finished(self, req: Request, reason: FinishReason) -> None:
-        """`req` produced its last token: the release path, unless the connector holds its KV on."""
-        if not self.connector.request_finished(req, reason):
-            self.finish(req, reason)
-        elif req in self.scheduler.running:
-            self.scheduler.detach(req)
-
-    def _fail_request(self, req: Request, error: str, failure: Failure = Failure.INTERNAL) -> list[StepOutput]:
-        """A fault of `req`'s own ended it (`error` for its client): ABORT through the release path
-        and `failure`, unless the connector ends it its own way (it holds the KV on)."""
-        if self.connector.request_failed(req, error, failure):
-            if req in self.scheduler.running:
-                self.scheduler.detach(req)
-            return []
-        if req.status is not RequestStatus.FINISHED:
-            self.scheduler.finish(req, FinishReason.ABORT)
-        self.requests.pop(req.request_id, None)
-        req.error = error
-        return [step_output(req, [], FinishReason.ABORT, error, failure)]
-
-    def _end_held(self, req: Request, error: str = "") -> list[StepOutput]:
-        """End a request held for its grammar (it holds no KV): aborted, or its grammar did not compile."""
-        self.requests.pop(req.request_id, None)
-        if req.session_id:
-            self.sessions.abandon_turn(req.session_id, req.request_id)
-        req.error = error
-        req.finish(FinishReason.ABORT)
-        if not error or self.connector.request_failed(req, error, Failure.REJECTED):
-            return []
-        return [step_output(req, [], FinishReason.ABORT, error, Failure.REJECTED)]
 
     def _after_step(self) -> None:
         if self.debug_kv or not self.scheduler.has_work():

@@ -83,7 +83,8 @@ def adjusted_logits(req: Request, logits: torch.Tensor, drafts: list[int] | tupl
             req.grammar.fill_draft_masks(logits, drafts)
         else:
             req.grammar.fill_mask(logits)
-        if not torch.isfinite(logits[0]).any():  # row 0: where the output is now (a verify row's later ones follow drafts)
+        # row 0: where the output is now (a verify row's later ones follow drafts)
+        if not torch.isfinite(logits[0]).any():
             raise GrammarError(f"its grammar allows no token after {len(req.output_token_ids)} output tokens "
                                "(a grammar with no finite completion?)")
     return logits

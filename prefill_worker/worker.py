@@ -20,7 +20,6 @@ from kv_store.req_kv import ceil_div
 from kv_store.transfer.session import FailureReason
 from prefill_worker.sender import KVSender
 
-
 ANSWER_PARAMS = SamplingParams(max_tokens=1)  # an answer's prefill samples one token, which nobody reads
 
 
@@ -35,39 +34,55 @@ class PrefillWorker(EngineWorker):
         super().__init__(engine)
         self.sender: KVSender = engine.connector
 
-    # ---- the worker contract -----------------------------------------------------------------------
-    def handle(self, msg) -> list:
-        if isinstance(msg, p.Prefill):
-            try:
-                self.submit(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.landing)
-            except ValueError as exc:
-                return [p.TransferAborted(msg.request_id, f"rejected: {exc}")]
-        elif isinstance(msg, p.PrefillAnswer):
-            self.prefill_answer(msg.request_id, msg.token_ids, msg.prompt_len)
-        elif isinstance(msg, p.AbortTransfer):
-            self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, msg.reason)
-            self.engine.end_stopped()
-        elif isinstance(msg, p.PeerDead):
-            self.sender.peer_dead(msg.peer)
-            self.engine.end_stopped()
-        else:
-            raise TypeError(f"a prefill worker cannot handle {type(msg).__name__}")
+    # ---- the messages ------------------------------------------------------------------------------
+    def _prefill(self, msg: p.Prefill) -> list[p.FromWorker]:
+        try:
+            self.submit(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.landing)
+        except ValueError as exc:
+            return [p.TransferAborted(msg.request_id, f"rejected: {exc}")]
         return []
 
-    def fail(self, msg, error: str) -> list:
+    def _prefill_answer(self, msg: p.PrefillAnswer) -> list[p.FromWorker]:
+        self.prefill_answer(msg.request_id, msg.token_ids, msg.prompt_len)
+        return []
+
+    def _abort_transfer(self, msg: p.AbortTransfer) -> list[p.FromWorker]:
+        self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, msg.reason)
+        self.engine.end_stopped()
+        return []
+
+    def _peer_dead(self, msg: p.PeerDead) -> list[p.FromWorker]:
+        self.sender.peer_dead(msg.peer)
+        self.engine.end_stopped()
+        return []
+
+    HANDLERS = {p.Prefill: _prefill, p.PrefillAnswer: _prefill_answer, p.AbortTransfer: _abort_transfer,
+                p.PeerDead: _peer_dead}
+
+    # ---- the worker contract -----------------------------------------------------------------------
+    def fail_request(self, msg: p.AboutRequest, error: str) -> list[p.FromWorker]:
         """A fault while handling `msg` (about one request) ends that request's transfer: the decode
         worker hears `TransferAborted` (from a later step), and the KV is released once no write reads it."""
-        if msg.request_id not in self.sender.shipments:  # failed before its transfer opened
-            self.engine.abort(msg.request_id)
-        if isinstance(msg, p.PrefillAnswer):  # nobody waits for it
-            return []
+        self._abort_unshipped(msg.request_id)
         self.sender.abort_transfer(msg.request_id, FailureReason.ABORTED, error, p.Failure.INTERNAL)
         self.engine.end_stopped()
         return []
 
-    def step(self) -> list:
+    def _answer_failed(self, msg: p.PrefillAnswer, error: str) -> list[p.FromWorker]:
+        """Nobody waits for an answer's prefill: it ends with no transfer to abort and no reply."""
+        self._abort_unshipped(msg.request_id)
+        return []
+
+    FAULTS = {p.PrefillAnswer: _answer_failed}
+
+    def _abort_unshipped(self, request_id: str) -> None:
+        if request_id not in self.sender.shipments:  # failed before its transfer opened
+            self.engine.abort(request_id)
+
+    def step(self) -> list[p.FromWorker]:
         self.engine.step()  # the sampled first tokens travel inside KVComplete
-        out, self.sender.outbox = self.sender.outbox, []
+        out: list[p.FromWorker] = list(self.sender.outbox)
+        self.sender.outbox = []
         return out
 
     def stats(self) -> p.WorkerStats:
@@ -94,7 +109,7 @@ class PrefillWorker(EngineWorker):
         cache just let go), or when the engine cannot take it."""
         ps, chunk = self.engine.config.page_size, self.engine.config.chunk_size
         whole = len(token_ids) // ps * ps
-        cached = self.engine.kvm.prefix_cache.cached_len(token_ids)
+        cached = self.engine.cached_prefix_len(token_ids)
         if whole <= cached or cached < prompt_len // ps * ps:
             return False
         upto = max(whole if whole - cached <= chunk else (cached + chunk) // ps * ps, cached + ps)

@@ -1,11 +1,14 @@
 """The engine every worker runs: scheduler + runner + sampling + stop rules, over one KV pool.
 
 The scheduler picks the step, the runner runs it, sampling and stop checks end requests, and every
-end goes through `Scheduler.finish` -> `KVManager.release`. Workers differ only in the `KVConnector`
-the engine holds (`connector.py`): it is told when a step's KV is valid and when a request
-finished, and hands over requests whose KV arrived and held requests that may be released.
+end goes through `Scheduler.finish` -> `KVManager.release` (`endings.py`: every way a request ends).
+A token enters a request's output in one place, `tokens.apply_stop_rules`: a sampled one from `_emit`,
+a first token that arrived with its KV from `accept_first_token`. Workers differ only in the
+`KVConnector` the engine holds (`connector.py`): it is told when a step's KV is valid and when a request
+finished, and hands over requests whose KV arrived and held requests that may be released. A worker
+asks the engine what it needs (`has_compute`, `cached_prefix_len`, ...), never its parts.
 
-A fault is confined to the request that caused it: a forward pass or a batched sample that raises
+A fault is confined to the request that caused it: a forward pass (`forward.py`) or a batched sample that raises
 is retried row by row, and a request whose own row (or stop check) still raises ends in ABORT with
 an "internal" error through the release path while the step goes on. Only a fault no request can be
 blamed for reaches the caller: a KV integrity failure, or a step whose every row failed while the

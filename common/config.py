@@ -191,8 +191,7 @@ class SamplingParams:
                  f"stop strings may have {MAX_STOP_CHARS} characters together at most, got {total_chars}")
         require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
                  f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
-        require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-                 "stop_token_ids must be non-negative integers")
+        require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
 
     def _check_logit_rules(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -338,7 +337,8 @@ class EngineConfig:
                  f"page_size must be a power of two >= 1, got {self.page_size}")
         require(self.num_pages is None or self.num_pages >= 2,
                  f"num_pages must be >= 2 (scratch page + one usable), got {self.num_pages}")
-        require(self.kv_memory_gib is None or self.kv_memory_gib > 0, f"kv_memory_gib must be > 0, got {self.kv_memory_gib}")
+        require(self.kv_memory_gib is None or self.kv_memory_gib > 0,
+                f"kv_memory_gib must be > 0, got {self.kv_memory_gib}")
         require(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
         require(_is_real(self.prefill_age_boost_s) and self.prefill_age_boost_s >= 0,
                 f"prefill_age_boost_s must be a number >= 0 (0: off), got {self.prefill_age_boost_s!r}")

@@ -50,7 +50,8 @@ ENGINE_FLAGS: dict[str, tuple[str, dict]] = {
                                                                  "`tandem train-eagle` cached for --model, else "
                                                                  "the one shipped for smollm2)")),
     "--num-draft-tokens": ("num_draft_tokens", dict(type=int, metavar="K",
-                                                    help="draft tokens per step (the tree's depth with --speculative-topk)")),
+                                                    help="draft tokens per step "
+                                                         "(the tree's depth with --speculative-topk)")),
     "--speculative-topk": ("speculative_topk", dict(type=int, metavar="W",
                                                     help="tree drafting: W nodes per level, W x K verified at once "
                                                          "(1: a chain)")),

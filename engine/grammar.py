@@ -3,8 +3,8 @@ object, a regex, a choice of strings, EBNF) compiled by xgrammar for one tokeniz
 per-request matcher that masks logits to the tokens the grammar allows. Its errors are `GrammarError`s.
 
 Owns: `GrammarCompiler` (one per engine: the tokenizer's vocabulary as xgrammar sees it, a thread
-pool and an LRU cache of compiled grammars), `CompiledGrammar` (immutable, shared by threads and requests) and `GrammarState` (one
-request's position in its grammar; not thread-safe, and not picklable: another process rebuilds it
+pool and an LRU cache of compiled grammars), `CompiledGrammar` (immutable, shared by threads and requests) and
+`GrammarState` (one request's position in its grammar; not thread-safe, and not picklable: another process rebuilds it
 from the spec and the accepted token ids with `GrammarCompiler.rebuild_state`).
 
 The end of a request: once the grammar is complete the mask allows the stop tokens (and whatever

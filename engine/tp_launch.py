@@ -125,7 +125,8 @@ class Followers:
         self._dir = tempfile.TemporaryDirectory(prefix="tandem-tp-")
         self.init_method = f"file://{Path(self._dir.name) / 'rendezvous'}"
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=follower_main, args=(rank, size, self.init_method, config, serving, role, os.getpid()),
+        self.procs = [ctx.Process(target=follower_main,
+                                  args=(rank, size, self.init_method, config, serving, role, os.getpid()),
                                   name=f"tandem-tp-rank{rank}", daemon=True) for rank in range(1, size)]
         for proc in self.procs:
             proc.start()

@@ -96,7 +96,8 @@ class KVCacheTensors:
 
 
 CPU_ALIGN_BYTES = 64
-"""Alignment of a `zeros_lazy` tensor's first element at least (a page's, in fact), as torch's own CPU allocator gives."""
+"""Alignment of a `zeros_lazy` tensor's first element at least (a page's, in fact), as torch's own CPU allocator
+gives."""
 
 
 def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:

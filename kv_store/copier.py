@@ -4,8 +4,8 @@ On CUDA one background thread per copier runs the jobs in submission order; `sub
 once and a job's completion is an event the scheduler polls (`CopyJob.done`) or, rarely, waits on.
 The thread issues the copies on its own stream (so they overlap the decode stream), after an event
 recorded on the submitter's stream at `submit` (so a backup never reads pages before the forward that
-wrote them is done: `kv_store/stream_order.py`), and records one CUDA event per layer as it lands (`CopyJob.layer_events`, for layer-wise waiting), then
-synchronizes that stream before the job counts as done.
+wrote them is done: `kv_store/stream_order.py`), and records one CUDA event per layer as it lands
+(`CopyJob.layer_events`, for layer-wise waiting), then synchronizes that stream before the job counts as done.
 
 On a CPU device the copies run inline: `submit` does the job on the caller's thread (the
 scheduler's, between forwards) and returns it done. A second thread there does not overlap

@@ -233,7 +233,8 @@ class HostCache:
         usage = self.pool.check_integrity()
         cached = sum(len(n.host_pages) for n in self.tree.nodes())
         assert usage.cached == cached, (
-            f"host pool has {usage.cached} CACHED pages but tree nodes list {cached}: a host copy dropped without evict?")
+            f"host pool has {usage.cached} CACHED pages but tree nodes list {cached}: "
+            "a host copy dropped without evict?")
         writing = sum(len(w.host_pages) for w in self._writes.values())
         fetching = self.l3.fetching_pages()
         assert usage.in_flight == writing + fetching and usage.private == 0, (

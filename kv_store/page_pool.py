@@ -202,7 +202,8 @@ class PagePool:
         for p in range(1, self.num_pages):
             st = self._state[p]
             assert (st is PageState.FREE) == (p in free_set), f"page {p} is {st} but free-list membership disagrees"
-            assert (st is PageState.IN_FLIGHT) == (p in self._in_flight), f"page {p} is {st} but in-flight table disagrees"
+            assert (st is PageState.IN_FLIGHT) == (p in self._in_flight), \
+                f"page {p} is {st} but in-flight table disagrees"
             if st in (PageState.PRIVATE, PageState.CACHED):
                 assert self._owner[p] is not None, f"page {p} is {st} with no owner"
             if st is PageState.IN_FLIGHT:

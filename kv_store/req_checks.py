@@ -30,7 +30,8 @@ def check_manager(kvm) -> None:
     loading = kvm.prefix_cache.pages_held_by_tier()
     usage = kvm.pool.usage()
     assert owned + loading == usage.private + usage.in_flight, (
-        f"live requests own {owned} pages and loads in flight {loading}, but the pool has {usage.private} PRIVATE + {usage.in_flight} IN_FLIGHT: "
+        f"live requests own {owned} pages and loads in flight {loading}, "
+        f"but the pool has {usage.private} PRIVATE + {usage.in_flight} IN_FLIGHT: "
         "pages leaked by a request that ended without release()?")
 
 

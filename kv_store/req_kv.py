@@ -303,7 +303,8 @@ class KVManager:
         if handle in self.transfer_pins:
             raise KVOwnershipError(f"transfer handle {handle!r} pinned twice: one handle reused for two writes?")
         if kv.dropped and first_page < kv.num_protected_pages + kv.dropped:
-            raise KVOwnershipError(f"request {kv.req_id!r}: transfer of pages from {first_page}, dropped behind its window")
+            raise KVOwnershipError(f"request {kv.req_id!r}: transfer of pages from {first_page}, "
+                                   "dropped behind its window")
         if not 0 <= first_page < end_page <= len(kv.pages):
             raise KVOwnershipError(f"request {kv.req_id!r}: transfer of pages [{first_page}, {end_page}) outside "
                                    f"its page table of {len(kv.pages)}")

@@ -108,7 +108,8 @@ class ShardWrites:
     def __init__(self, transport: Transport, others: OtherRanks | None = None) -> None:
         self.transport, self.others = transport, others
 
-    def write(self, source: SourceKV, landing: Landing, src_pages: list[int], start: int) -> TransferHandle | GroupWrite:
+    def write(self, source: SourceKV, landing: Landing, src_pages: list[int],
+              start: int) -> TransferHandle | GroupWrite:
         """Write `source`'s `src_pages` (the request's pages [start, start + len)) into `landing`; the
         other ranks write theirs. Raises `TransferError` when nothing was written; a refusal after
         some part went out is a FAILED handle."""

@@ -115,8 +115,9 @@ class PrefillRate:
     or more prefills were at the worker at once give samples: a lone prefill's time is mostly fixed
     costs (round trips, the transfer's set-up) that overlap under load, so a rate from a few lone
     chat prompts would refuse what the loaded worker serves in time, and a prediction only matters
-    under load. (A lone completion always ends its period, so none is held for later.) The first `cold_samples` completions are no samples either: a fresh worker's first prefill pays
-    first-call costs (allocator growth, lazy tables).
+    under load. (A lone completion always ends its period, so none is held for later.) The first `cold_samples`
+    completions are no samples either: a fresh worker's first prefill pays first-call costs (allocator growth, lazy
+    tables).
     """
 
     def __init__(self, smoothing: float, cold_samples: int = COLD_SAMPLES):

@@ -185,8 +185,8 @@ class LiveWorker:
     def view(self) -> WorkerView:
         """What the routing policy sees."""
         stats = self.info.stats
-        return WorkerView(self.worker_id, self.info.role, not (self.gone or self.info.draining), num_running=self.num_active,
-                          num_waiting=stats.num_waiting if stats else 0,
+        return WorkerView(self.worker_id, self.info.role, not (self.gone or self.info.draining),
+                          num_running=self.num_active, num_waiting=stats.num_waiting if stats else 0,
                           kv_usage=_usage(stats.device) if stats else 0.0,
                           pending_prefill_tokens=self.pending_prefill_tokens,
                           shares_l3=bool(stats and stats.tiers.l3), **_cache_tokens(stats))

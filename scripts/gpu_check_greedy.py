@@ -116,7 +116,8 @@ def compare(served: list[dict], ref: dict) -> list[dict]:
         step = next((i for i, (got, exp) in enumerate(zip(tokens, expected)) if got != exp), None)
         gap = None if step is None else want["gaps"][step]
         if step is None:
-            verdict = "equal" if len(tokens) == len(expected) else f"{len(tokens)} tokens, the reference {len(expected)}"
+            verdict = ("equal" if len(tokens) == len(expected)
+                       else f"{len(tokens)} tokens, the reference {len(expected)}")
         elif gap < NEAR_TIE:
             verdict = f"near-tie at step {step} (gap {gap:.3f})"
         else:

@@ -127,8 +127,8 @@ def tp_check(args: argparse.Namespace) -> int:
     tokens = {}
     for name, extra in TP_RUNS.items():
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "cluster.cli", "run", "--device", args.device, "--dtype", "float32",
-                               "--raw", "--json", "--max-tokens", "16", *extra, *prompts],
+        done = subprocess.run([sys.executable, "-m", "cluster.cli", "run", "--device", args.device, "--dtype",
+                               "float32", "--raw", "--json", "--max-tokens", "16", *extra, *prompts],
                               capture_output=True, text=True, timeout=args.timeout_s)
         print(done.stderr[-3000:], flush=True)
         out[f"{name}_wall_s"] = round(time.monotonic() - started, 2)

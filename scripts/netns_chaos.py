@@ -8,8 +8,8 @@
 every prompt's KV crossing a link over Mooncake TCP. Beside the local run's faults (workers killed,
 SIGTERMed, rolling-restarted; Redis killed and restarted), a host's link is cut for `LINK_DOWN_S`
 and restored (`cut_decode_link`, `cut_prefill_link`), or made far and lossy for `LOSSY_S`
-(`lossy_decode_link`: `LOSSY_DELAY_MS` each way, `LOSSY_LOSS_PCT`% of frames lost). Needs root and iproute2; cleans up after
-itself (and `scripts/netns_cluster.py down` after a run that died).
+(`lossy_decode_link`: `LOSSY_DELAY_MS` each way, `LOSSY_LOSS_PCT`% of frames lost). Needs root and iproute2; cleans up
+after itself (and `scripts/netns_cluster.py down` after a run that died).
 
     sudo .venv/bin/python scripts/netns_chaos.py --duration-s 600 --json chaos-netns.json
 """
@@ -124,8 +124,9 @@ def main() -> int:
                       cpus={"prefill": 2})
         head = net.hosts["head"].ip
         (net.workdir / "cluster.yaml").write_text(serve_config(head))
-        serve = net.run("head", [sys.executable, "-m", "cluster.cli", "serve", "--config", str(net.workdir / "cluster.yaml"),
-                                 "--address", net.ray_address, "--port", str(SERVE_PORT), *serve_flags(head, args)],
+        serve = net.run("head", [sys.executable, "-m", "cluster.cli", "serve", "--config",
+                                 str(net.workdir / "cluster.yaml"), "--address", net.ray_address, "--port",
+                                 str(SERVE_PORT), *serve_flags(head, args)],
                         env={**net.ray_env(), "PYTHONUNBUFFERED": "1"}, log_name="serve", cwd=REPO)
         _wait_ready(target.url, serve, args.ready_timeout_s, net)
         report = asyncio.run(run_chaos(target, args))

@@ -132,8 +132,8 @@ class EngineBackend:
         running, waiting = self.num_requests()
         l2 = self.engine.host_cache.pool
         l2_usage = 1 - l2.num_free / l2.num_usable if l2 is not None else None
-        return [WorkerGauge(WORKER_ID, WorkerRole.COLOCATED, True, running, waiting, usage.private / usage.total, None, 0,
-                            host_cache_usage=l2_usage, tiers=self.engine.tier_stats(),
+        return [WorkerGauge(WORKER_ID, WorkerRole.COLOCATED, True, running, waiting, usage.private / usage.total, None,
+                            0, host_cache_usage=l2_usage, tiers=self.engine.tier_stats(),
                             graphs=self.engine.graph_stats(), spec=self.engine.spec_stats())]
 
     # ---- test helpers ----------------------------------------------------------------------------

@@ -91,8 +91,9 @@ async def _open_session(base_url: str, old: str = "") -> str:
     async with httpx.AsyncClient(timeout=60) as http:
         if old:
             await http.delete(f"{base_url}/v1/sessions/{old}")
+        # idle_timeout_s: turns come between other requests
         resp = await http.post(f"{base_url}/v1/sessions", json={"capacity_tokens": SESSION_TOKENS,
-                                                                 "idle_timeout_s": 900})  # turns come between other requests
+                                                                 "idle_timeout_s": 900})
         resp.raise_for_status()
         return resp.json()["id"]
 
@@ -251,7 +252,8 @@ def bench_chaos(args) -> int:
     # tier busy (the L2 checks run); L3 on a Redis of our own (killed and restarted below)
     flags = ["--set", "kv_store.l3.backend=redis", "--set", f"kv_store.l3.url={redis.url}",
              "--set", "router.local_prefill_max_tokens=0", "--set", "decode.engine.num_pages=128",
-             "--set", "decode.engine.host_cache_ratio=4", *(["--set", f"cluster.inject_faults={args.inject}"] * bool(args.inject)),
+             "--set", "decode.engine.host_cache_ratio=4",
+             *(["--set", f"cluster.inject_faults={args.inject}"] * bool(args.inject)),
              "--set", "cluster.max_restarts=10000",  # the faults here are the point: no crash-loop guard
              *(f for s in args.set for f in ("--set", s))]
     server = SpawnedServer(flags)

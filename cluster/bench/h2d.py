@@ -138,10 +138,12 @@ def format_result(result: dict) -> str:
         f"host -> {spec['device']}: {spec['num_pages']} pages x {spec['num_layers']} layers (K and V), "
         f"{mib:.1f} MiB a load, {spec['dtype']}, host pinned: {result['pinned_host']}",
         f"{'':<34}{'best GB/s':>10}{'best ms':>10}",
-        f"{'tandem copier (scattered pages)':<34}{result['copier_gb_per_s']:>10.2f}{1e3 * min(result['copier_s']):>10.2f}",
+        f"{'tandem copier (scattered pages)':<34}{result['copier_gb_per_s']:>10.2f}"
+        f"{1e3 * min(result['copier_s']):>10.2f}",
         f"{'plain copy_ (contiguous)':<34}{result['plain_copy_gb_per_s']:>10.2f}"
         f"{1e3 * min(result['plain_copy_s']):>10.2f}",
-        f"copier / plain copy_: {result['ratio']:.2f} (target >= {TARGET:.2f}: {verdict}); every load checked byte for byte",
+        f"copier / plain copy_: {result['ratio']:.2f} (target >= {TARGET:.2f}: {verdict}); "
+        "every load checked byte for byte",
     ])
 
 

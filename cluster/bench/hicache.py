@@ -21,8 +21,8 @@ multi-turn workload, per repeat in the retract one), so drift in machine load hi
    of their peak KV: the scheduler retracts, and a retracted request resumes from the prefix tree
    (L2 on: loaded back; off: whatever L1 kept, the rest recomputed). With `--repeats` the two
    alternate that many times and each reports its fastest run (the token counts do not vary).
-3. L3 after restart (`cluster.bench.hicache_l3`). An engine with L3 (Redis) prefills N prompts of P seeded random tokens, waits
-   until L3 has their pages, and is closed. Then two engines start empty, as after restarting every
+3. L3 after restart (`cluster.bench.hicache_l3`). An engine with L3 (Redis) prefills N prompts of P seeded random
+   tokens, waits until L3 has their pages, and is closed. Then two engines start empty, as after restarting every
    worker: one without L3 (cold: computes the whole prompt) and one with L3 (a request's prefetch
    brings its pages L3 -> L2 -> L1, `wait_complete`, and only the rest is computed). Each prompt runs
    alone on the cold engine and then on the L3 one; TTFT as above, one output token. L1 holds one

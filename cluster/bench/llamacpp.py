@@ -253,7 +253,8 @@ def bench_llamacpp(args: argparse.Namespace) -> int:
     rounds: dict[str, list[SystemRun]] = {name: [] for name in SYSTEMS}
     for i in range(args.repeats):
         for name in round_order(i):
-            run = run_peer(peer, gguf_path, prompts, spec, args) if name == "llama.cpp" else run_tandem(prompts, spec, args)
+            run = (run_peer(peer, gguf_path, prompts, spec, args) if name == "llama.cpp"
+                   else run_tandem(prompts, spec, args))
             rounds[name].append(run)
     first = prompts.token_ids[prompts.itl[0]]
     hf_text = hf_greedy_text(resolve_model_dir(model), first, spec.output_len, spec.dtype)

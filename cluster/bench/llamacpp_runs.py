@@ -60,7 +60,8 @@ def merge_runs(runs: list[SystemRun]) -> SystemRun:
     seconds summed (so its tok/s is total tokens / total time, not a mean of rates), the memory of the
     round that held the most."""
     memories = [run.memory for run in runs if run.memory is not None]
-    return SystemRun(runs[0].system, tuple(r for run in runs for r in run.itl), tuple(r for run in runs for r in run.ttft),
+    return SystemRun(runs[0].system, tuple(r for run in runs for r in run.itl),
+                     tuple(r for run in runs for r in run.ttft),
                      sum(run.concurrent_elapsed_s for run in runs), sum(run.concurrent_output_tokens for run in runs),
                      max(memories, key=lambda m: m.rss_bytes, default=None), runs[0].peer,
                      tuple(r for run in runs for r in run.concurrent), tuple(s for run in runs for s in run.ready_s))

@@ -334,7 +334,8 @@ def print_summary(summary: dict, as_json: bool) -> None:
           f"{_ratio(summary['served_over_peak'])} the capacity run's; admitted e2e p50 {_ms(over['e2e_p50_s'])}")
     for worker_id, measured in (summary.get("admission_after") or {}).items():
         print(f"router admission measured on {worker_id}: {measured}")
-    print("acceptance: " + ", ".join(f"{name} {'PASS' if ok else 'FAIL'}" for name, ok in summary["acceptance"].items()))
+    print("acceptance: " + ", ".join(f"{name} {'PASS' if ok else 'FAIL'}"
+                                     for name, ok in summary["acceptance"].items()))
     if as_json:
         print(json.dumps(summary))
 

@@ -179,4 +179,5 @@ def print_bandwidth(bandwidth: dict) -> None:
           f"{'unknown' if peak is None else f'{peak / 1e9:,.0f} GB/s'} ({bandwidth['peak_source']})")
     for key, r in bandwidth["rows"].items():
         fraction = "-" if r["fraction_of_peak"] is None else f"{r['fraction_of_peak']:.2f} of peak"
-        print(f"  {key:<22}{r['bytes_per_step'] / 1e6:>12,.1f} MB/step {r['bytes_per_s'] / 1e9:>10,.1f} GB/s  {fraction}")
+        print(f"  {key:<22}{r['bytes_per_step'] / 1e6:>12,.1f} MB/step "
+              f"{r['bytes_per_s'] / 1e9:>10,.1f} GB/s  {fraction}")

@@ -134,7 +134,8 @@ READY_POLL_S = 0.2
 """How often a bench asks a starting server whether it is ready."""
 
 
-def wait_ready(server, headers: dict, timeout_s: float, path: str = "/health/ready", name: str = "tandem serve") -> None:
+def wait_ready(server, headers: dict, timeout_s: float, path: str = "/health/ready",
+               name: str = "tandem serve") -> None:
     """Until `server` answers 200 on `path` (polled every `READY_POLL_S`, so a start-to-ready figure is
     that close); raises when its process exits first or time runs out."""
     import httpx

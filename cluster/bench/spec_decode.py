@@ -209,7 +209,8 @@ def bench_spec_decode(args: argparse.Namespace) -> int:
 
     def make_engine(mode: str, batch: int):
         collect_engines()
-        run_config = dataclasses.replace(mode_config(config, mode, batch), host_cache_ratio=2.0 if args.load_back else 0.0)
+        run_config = dataclasses.replace(mode_config(config, mode, batch),
+                                         host_cache_ratio=2.0 if args.load_back else 0.0)
         return build_engine(run_config, loaded.model, loaded.arch, loaded.tokenizer, loaded.eos_token_ids,
                           draft_head=None if mode == "plain" else head)
 

@@ -167,8 +167,10 @@ def _add_llamacpp_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-server", metavar="PATH",
                    help="the llama-server binary (default: $TANDEM_LLAMA_SERVER, else llama-server on PATH)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="both servers' weights: tandem's engine.dtype, llama.cpp's GGUF (bf16: matrices bf16, norms f32)")
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp -t / -tb; tandem's workers share as many (split among them, lent when idle)")
+                   help="both servers' weights: tandem's engine.dtype, llama.cpp's GGUF "
+                        "(bf16: matrices bf16, norms f32)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="llama.cpp -t / -tb; tandem's workers share as many (split among them, lent when idle)")
     p.add_argument("--config", metavar="FILE", help="cluster YAML of the tandem server")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to `tandem serve`")
     p.add_argument("--llamacpp-arg", action="append", default=[], metavar="ARG",

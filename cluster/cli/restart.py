@@ -21,7 +21,8 @@ def add_restart_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout-s", type=float, help="how long a worker's streams may run on before it "
                    "stops; they then resume elsewhere (default: the server's cluster.drain_timeout_s)")
     p.add_argument("--api-key", help="bearer token (default: $TANDEM_API_KEY, else none)")
-    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up waiting after this long (default %(default)s)")
+    p.add_argument("--timeout-s", type=float, default=1800.0,
+                   help="give up waiting after this long (default %(default)s)")
 
 
 def run_restart(args: argparse.Namespace) -> int:
@@ -58,4 +59,5 @@ def run_restart(args: argparse.Namespace) -> int:
 def _tick(done: threading.Event, started: float) -> None:
     """`restarting... Ns` on stderr every 5 s while the server works (a person waits on it)."""
     while not done.wait(5.0):
-        print(f"tandem restart: draining and restarting... {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+        print(f"tandem restart: draining and restarting... {time.monotonic() - started:.0f}s", file=sys.stderr,
+              flush=True)

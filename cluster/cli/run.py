@@ -82,7 +82,8 @@ def run_offline(args: argparse.Namespace) -> int:
     if args.mode != "disaggregated" and sides != (None, None):
         from common.config import ConfigError
 
-        raise ConfigError("--prefill/--decode-tensor-parallel-size need --mode disaggregated (else: --tensor-parallel-size)")
+        raise ConfigError("--prefill/--decode-tensor-parallel-size need --mode disaggregated "
+                          "(else: --tensor-parallel-size)")
     run = _run_disaggregated if args.mode == "disaggregated" else _run_colocated
     results = run(args, config, prompts, params)
     failed = 0

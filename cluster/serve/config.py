@@ -155,7 +155,8 @@ class ClusterConfig:
                  f"cluster.address must be null, 'auto', 'ray://host:port' or 'host:port', got {self.address!r}")
         require(self.namespace != "", "cluster.namespace must be non-empty")
         _check_faults(self.inject_faults)
-        require(self.num_cpus is None or self.num_cpus >= 1, f"cluster.num_cpus must be >= 1 or null, got {self.num_cpus}")
+        require(self.num_cpus is None or self.num_cpus >= 1,
+                f"cluster.num_cpus must be >= 1 or null, got {self.num_cpus}")
         require(self.num_cpus is None or self.address is None,
                  f"cluster.num_cpus sizes a local Ray instance; it cannot be set with cluster.address {self.address!r}")
         require_min(self, "cluster.", 0, "heartbeat_interval_s", "worker_start_timeout_s", strict=True)
@@ -217,7 +218,8 @@ class ServeConfig:
         for name, engine in engines.items():
             require(engine.model == self.model, f"{name}.model must equal model {self.model!r}, got {engine.model!r}")
         require(self.prefill.count == 0 or self.decode.count >= 1,
-                 f"prefill.count={self.prefill.count} needs decode.count >= 1: prefill workers hand their KV to decode workers")
+                 f"prefill.count={self.prefill.count} needs decode.count >= 1: "
+                 "prefill workers hand their KV to decode workers")
         # With the check above, this implies at least one worker in total.
         require(self.decode.count + self.colocated.count >= 1,
                  "at least one decode or colocated worker is needed, got decode.count=0 and colocated.count=0")

@@ -139,7 +139,8 @@ def _build_group(name: str, raw: Mapping[str, Any], engine_fields: dict[str, Any
     engine = _make(EngineConfig, fields, f"{name}.engine.")
     raw = {"count": DEFAULT_COUNTS[name], **raw}
     if "num_gpus" not in raw and engine.device.startswith("cuda"):
-        raw["num_gpus"] = float(engine.tensor_parallel_size)  # a GPU a rank; Ray hides every GPU from a worker asking none
+        # a GPU a rank; Ray hides every GPU from a worker asking none
+        raw["num_gpus"] = float(engine.tensor_parallel_size)
     return _make(WorkerGroupConfig, raw, f"{name}.", {"engine": engine})
 
 
@@ -221,7 +222,8 @@ def _key_value(text: str) -> tuple[str, Any]:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `tandem serve` flags. Each defaults to None (not given): only given flags override the file."""
     p = parser  # short lines below
-    p.add_argument("--config", metavar="FILE", help="cluster YAML (see examples/cluster.yaml); default: built-in defaults")
+    p.add_argument("--config", metavar="FILE",
+                   help="cluster YAML (see examples/cluster.yaml); default: built-in defaults")
     p.add_argument("--address", metavar="ADDR", help="join a Ray cluster ('auto', 'ray://host:port', 'host:port'); "
                                                      "default: start a local one")
     p.add_argument("--host", help="gateway interface (default 127.0.0.1)")

@@ -214,7 +214,7 @@ class Controller:
             return {"worker_id": worker_id, "restarted": False,
                     "why": "already draining" if slot.draining else f"not alive ({slot.state.value})"}
         slot.draining, slot.beats_idle = True, 0
-        log.warning("%s incarnation %d: draining (at most %.0fs), then a restart", worker_id, slot.incarnation, timeout_s)
+        log.warning("%s incarnation %d: draining (at most %.0fs), then restart", worker_id, slot.incarnation, timeout_s)
         started = time.monotonic()
         while slot.state is SlotState.ALIVE and slot.beats_idle < 2 and time.monotonic() - started < timeout_s:
             await asyncio.sleep(min(0.1, self.config.cluster.heartbeat_interval_s))

@@ -49,10 +49,12 @@ class GpuWorkerPlan:
 
     def describe(self) -> str:
         kv = self.kv_pages * self.page_bytes
-        where = f"{self.ranks} GPUs (tensor-parallel ranks), each" if self.ranks > 1 else f"each {self.gpu_fraction:g} of a GPU"
+        where = (f"{self.ranks} GPUs (tensor-parallel ranks), each" if self.ranks > 1
+                 else f"each {self.gpu_fraction:g} of a GPU")
         return (f"  {self.role} x{self.count} on the GPU: {where}, "
                 f"{self.share_bytes / GIB:.1f} GiB: weights {self.weight_bytes / GIB:.2f} GiB, reserve "
-                f"{GPU_RESERVE_BYTES / GIB:.1f} GiB, KV {kv / GIB:.2f} GiB = {(self.kv_pages - 1) * self.page_size:,} tokens")
+                f"{GPU_RESERVE_BYTES / GIB:.1f} GiB, KV {kv / GIB:.2f} GiB = "
+                f"{(self.kv_pages - 1) * self.page_size:,} tokens")
 
 
 def node_gpu_memory_bytes() -> int | None:
@@ -92,7 +94,8 @@ def plan_gpus(config, shape, gpu_bytes: int | None) -> tuple[object, tuple[GpuWo
                 needed = tp_needed(shape, weights, gpu_bytes, utilization)
                 tp = (f"; whole {gpu_bytes / GIB:.0f} GiB GPUs hold it only split over {needed} ranks "
                       f"({name}.engine.tensor_parallel_size={needed} with {name}.num_gpus={needed})"
-                      if needed and needed > 1 else "; no tensor-parallel degree up to 64 fits it either" if not needed else "")
+                      if needed and needed > 1 else "; no tensor-parallel degree up to 64 fits it either" if not needed
+                      else "")
                 raise ConfigError(
                     f"{name}: {fraction:g} of a {gpu_bytes / GIB:.0f} GiB GPU at memory.gpu_memory_utilization "
                     f"{utilization:g} is {share / GIB:.1f} GiB, which cannot hold the weights "
@@ -125,7 +128,8 @@ def tp_needed(shape, weight_bytes: int, gpu_bytes: int, utilization: float) -> i
 
 def tp_advice(shape, weight_bytes: int, dtype: str, utilization: float) -> str:
     """One line: the tensor-parallel degree the model needs on GPUs of each of `PLANNED_GPU_GIB`."""
-    degrees = [f"{gib} GiB: {tp_needed(shape, weight_bytes, gib * GIB, utilization) or '>64'}" for gib in PLANNED_GPU_GIB]
+    degrees = [f"{gib} GiB: {tp_needed(shape, weight_bytes, gib * GIB, utilization) or '>64'}"
+               for gib in PLANNED_GPU_GIB]
     return (f"  tensor parallelism for {weight_bytes / GIB:.1f} GiB of {dtype} weights, ranks (GPUs) a worker "
             f"needs at least: {', '.join(degrees)}")
 

@@ -95,7 +95,8 @@ def print_plan(config: ServeConfig, gpus: int | None = None, gpu_memory_gib: flo
     gpu_bytes = int(gpu_memory_gib * 2**30) if gpu_memory_gib is not None else node_gpu_memory_bytes()
     local = config.cluster.address is None
     config, plan = _placed(config, resolve_model_dir(config.model), node_gpus if local else None, gpu_bytes)
-    ray = f"Ray: a local instance told of {node_gpus} GPU(s)" if local else f"Ray: the cluster at {config.cluster.address}"
+    ray = (f"Ray: a local instance told of {node_gpus} GPU(s)" if local
+           else f"Ray: the cluster at {config.cluster.address}")
     gpu = f" of {gpu_bytes / 2**30:.0f} GiB" if gpu_bytes else ""
     print(f"{ray}{gpu}; {config.model}")
     for name in ("prefill", "decode", "colocated"):

@@ -8,8 +8,9 @@ Loopback: Ray turns a node address of 127.0.0.1 into the machine's network addre
 clusters are disabled on this host (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, Ray's single-node switch
 for macOS/Windows, honoured on Linux too). With it, the node address stays 127.0.0.1 and every Ray
 server binds it: GCS, raylet (node and object manager), worker gRPC ports, the runtime-env agent.
-No autoscaler monitor is started (`--no-monitor`: a fixed local node has nothing to scale). The driver reads the switch when `ray` is imported, so `start` sets
-it before importing ray, and refuses to go on if ray was imported earlier without it.
+No autoscaler monitor is started (`--no-monitor`: a fixed local node has nothing to scale). The driver reads the switch
+when `ray` is imported, so `start` sets it before importing ray, and refuses to go on if ray was imported earlier
+without it.
 
 Auth: a fresh 256-bit token in a 0600 file in a 0700 directory (RAY_AUTH_MODE=token,
 RAY_AUTH_TOKEN_PATH); the directory, which also holds Ray's temp dir (sessions, logs, sockets), is

@@ -14,8 +14,8 @@ CPU workers' pools live in the budgeted RAM. A CUDA worker's pool is device memo
 share of the GPU (`cluster/serve/gpu_plan.py`); what it holds in RAM is planned here: its process,
 a decode worker's landing, a prefill worker's staging (`STAGING_CHUNKS` chunks of pages) and its
 host tier, which takes `DEFAULT_HOST_CACHE_RATIO` device pages at most and what the budget leaves
-(shared by the CUDA workers; off when CPU pools take that share). On a CPU the host tier is off unless asked for (`host_cache_ratio` or
-`host_cache_pages` set): it is the same RAM as the device pool; with L3 it is a staging area of
+(shared by the CUDA workers; off when CPU pools take that share). On a CPU the host tier is off unless asked for
+(`host_cache_ratio` or `host_cache_pages` set): it is the same RAM as the device pool; with L3 it is a staging area of
 `L3_STAGING_HOST_RATIO` (L3's pages land in host pages before they load). A size set by hand (`num_pages`,
 `kv_memory_gib`, `decode.host_pages`) is kept and counted. With `--address`, every worker is planned
 as if on the gateway's node (set the sizes per group for a multi-node cluster).
@@ -105,7 +105,8 @@ class ModelShape:
             num_linear += embed
         heads = config["num_attention_heads"]
         return cls(num_params, num_linear, config["num_hidden_layers"], config.get("num_key_value_heads", heads),
-                   config.get("head_dim") or config["hidden_size"] // heads, config.get("max_position_embeddings", 2048))
+                   config.get("head_dim") or config["hidden_size"] // heads,
+                   config.get("max_position_embeddings", 2048))
 
     def page_bytes(self, engine: EngineConfig) -> int:
         extra = 1 if engine.speculative != "none" else 0  # the draft head's KV layer
@@ -171,8 +172,8 @@ class MemoryPlan:
                   f"{(w.kv_pages - 1) * w.page_size:,} tokens" if w.on_cpu else "weights and KV on the GPU (below)")
             extra = f", landing {w.landing_pages * w.page_bytes / GIB:.2f} GiB" if w.landing_pages else ""
             extra += f", staging {w.staging_pages * w.page_bytes / GIB:.2f} GiB" if w.staging_pages else ""
-            host = (f"host tier {w.host_pages * w.page_bytes / GIB:.2f} GiB = {(w.host_pages - 1) * w.page_size:,} tokens"
-                    if w.host_pages else "host tier off")
+            host = (f"host tier {w.host_pages * w.page_bytes / GIB:.2f} GiB = "
+                    f"{(w.host_pages - 1) * w.page_size:,} tokens" if w.host_pages else "host tier off")
             procs = f"{w.ranks} processes (tensor-parallel ranks)" if w.ranks > 1 else "process"
             lines.append(f"  {w.role} x{w.count}: each ~{w.ram_bytes / GIB:.2f} GiB in RAM: {procs} "
                          f"~{WORKER_OVERHEAD_BYTES * w.ranks / GIB:.1f} GiB, {kv}{extra}, {host}")
@@ -222,7 +223,8 @@ def plan_memory(config, shape: ModelShape, ram_bytes: int, gpu_bytes: int | None
         if name in weights:
             share = left * (weights[name] / group.count) / sum(weights.values())
             kv_pages = max(2, min(int(share // (page_bytes * (1 + _planned_host_ratio(engine)))),
-                                  engine.useful_pages(min(engine.max_model_len or shape.max_context, shape.max_context))))
+                                  engine.useful_pages(min(engine.max_model_len or shape.max_context,
+                                                          shape.max_context))))
             engine = dataclasses.replace(engine, num_pages=kv_pages)
         if _cuda_auto_host(engine):  # RAM the budget leaves, none where CPU pools took it
             host_bytes = 0 if weights else max(0, left) // cuda_hosts

@@ -39,7 +39,8 @@ class TrainResult:
 
 
 def train_eagle(settings: TrainSettings, cache_root: Path | None = None, output: Path | None = None,
-                force: bool = False, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, device: str = "cpu") -> TrainResult:
+                force: bool = False, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+                device: str = "cpu") -> TrainResult:
     """The head for `settings` in `output` (default: the cache dir of `settings`), trained unless a
     complete one is there (`force`: retrain from scratch). Raises ValueError for settings the target
     cannot take (a draft vocabulary larger than its own, more prompts than shipped). `device`: where

@@ -327,10 +327,10 @@ def pair_specs(engine, decode_engine, host_pages: int, transport=None,
     `TransportConfig`, default loopback TCP)."""
     from kv_store.transfer.config import TransportConfig
 
-    transport = transport or TransportConfig()
-    return {"prefill-0": WorkerSpec(p.WorkerRole.PREFILL, engine, transport=transport, heartbeat_interval_s=heartbeat_interval_s),
-            "decode-0": WorkerSpec(p.WorkerRole.DECODE, decode_engine or engine, host_pages=host_pages, transport=transport,
-                                   heartbeat_interval_s=heartbeat_interval_s)}
+    transport, beat_s = transport or TransportConfig(), heartbeat_interval_s
+    return {"prefill-0": WorkerSpec(p.WorkerRole.PREFILL, engine, transport=transport, heartbeat_interval_s=beat_s),
+            "decode-0": WorkerSpec(p.WorkerRole.DECODE, decode_engine or engine, host_pages=host_pages,
+                                   transport=transport, heartbeat_interval_s=beat_s)}
 
 
 @dataclass

@@ -118,7 +118,8 @@ class TreeVerifyGraphs:
             return ForwardOut(out.logits[:n], out.hidden[:n], None if out.aux is None else out.aux[:n])
         graph, out = captured
         graph.replay()
-        return ForwardOut(out.logits[:n].clone(), out.hidden[:n].clone(), None if out.aux is None else out.aux[:n].clone())
+        return ForwardOut(out.logits[:n].clone(), out.hidden[:n].clone(),
+                          None if out.aux is None else out.aux[:n].clone())
 
     @torch.inference_mode()
     def _body(self, bucket: int, meta: AttnMetadata) -> ForwardOut:
@@ -138,4 +139,5 @@ class TreeVerifyGraphs:
             pool = self._graphs[bucket][0].pool()
         torch.cuda.synchronize(device)
         log.info("captured tree verify graphs (%d tokens a request) for batch sizes %s in %.1f s, %.0f MiB", self.q,
-                 list(self.buckets), time.perf_counter() - start_s, (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20)
+                 list(self.buckets), time.perf_counter() - start_s,
+                 (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20)

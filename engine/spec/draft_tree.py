@@ -52,7 +52,8 @@ class DraftTree:
         window = self.frontier[:self.width * d]
         at = {n: f for f, n in enumerate(window)}
         parents = [at.get(self.parents[n], -1) for n in window]
-        return TreeMask(ancestor_mask(parents, list(range(self.width * (d - 1), self.width * d))), (d - 1,) * self.width)
+        return TreeMask(ancestor_mask(parents, list(range(self.width * (d - 1), self.width * d))),
+                        (d - 1,) * self.width)
 
     def grow(self, logprobs: torch.Tensor, to_target_ids) -> list[int]:
         """Level d + 1 from ``logprobs [m, draft vocab]`` of level d's frontier (m = 1 at the root):

@@ -94,7 +94,8 @@ class AdaptivePolicy:
 
     def summary(self) -> dict[int, dict[str, float]]:
         """Bucket -> measured tokens/s of each mode seen (for logs and the bench)."""
-        return {size: {("eagle" if v else "plain"): r for v, r in b.rate.items()} for size, b in sorted(self.buckets.items())}
+        return {size: {("eagle" if v else "plain"): r for v, r in b.rate.items()}
+                for size, b in sorted(self.buckets.items())}
 
 
 def _bucket(batch: int) -> int:

@@ -1,8 +1,8 @@
 """Speculative decoding in the engine (docs/design.md §6): who proposes tokens, and how they are verified.
 
 `EagleSpeculator`: chain or tree drafting with an EAGLE head (`factory.py` chooses it, or
-`NullSpeculator` when `engine.speculative` is off). One engine step with EAGLE, for a decoding request whose last token is ``t``
-at position ``c`` (``c = kv_committed_len``) and whose drafts ``d_1 .. d_k`` came from the step before:
+`NullSpeculator` when `engine.speculative` is off). One engine step with EAGLE, for a decoding request whose last token
+is ``t`` at position ``c`` (``c = kv_committed_len``) and whose drafts ``d_1 .. d_k`` came from the step before:
 
     schedule  its verify row: tokens [t, d_1 .. d_k] at positions [c, c + k] (slots allocated already)
     forward   the target scores all k + 1 positions: logits [k + 1, V] and a feature per token

@@ -25,8 +25,9 @@ docs/results.md#cpu-decode).
 Each part is one call of the CPU flash kernel, which returns its output and log-sum-exp per query;
 the parts merge by log-sum-exp in fp32. A sequence with a tree mask (metadata.TreeMask) is the
 same with its window in place of the new tokens: the window part takes the mask (additive, 0 or
--inf) instead of the causal flag, and everything before the window is the non-causal prefix. The kernel tiles queries and keys itself, so no score
-tensor is ever ``O(q * s)``; chunking the prefix bounds the gathered K/V copy to ``C`` positions.
+-inf) instead of the causal flag, and everything before the window is the non-causal prefix. The kernel tiles queries
+and keys itself, so no score tensor is ever ``O(q * s)``; chunking the prefix bounds the gathered K/V copy to ``C``
+positions.
 
 Sliding-window and soft-capped layers take their own path (`kernels/attention/windowed.py`).
 

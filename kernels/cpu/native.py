@@ -198,8 +198,8 @@ def build(compiler: str, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags(), *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
+        done = subprocess.run([compiler, *flags(), *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise OSError(f"{Path(compiler).name} exited {done.returncode}: {done.stderr.strip()[-400:]}")
         os.replace(tmp, path)

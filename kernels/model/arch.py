@@ -249,6 +249,7 @@ def _resolve_moe(hf_config: Any, model_type: str, num_layers: int) -> dict[str, 
     dense = set(get("mlp_only_layers", []) or [])
     layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
     return dict(num_experts=experts, num_experts_per_tok=int(get("num_experts_per_tok")),
-                moe_intermediate_size=int(get("moe_intermediate_size")), norm_topk_prob=bool(get("norm_topk_prob", False)),
+                moe_intermediate_size=int(get("moe_intermediate_size")),
+                norm_topk_prob=bool(get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0))
                 if model_type == "qwen2_moe" else 0, moe_layers=layers if any(layers) else ())

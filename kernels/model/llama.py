@@ -191,7 +191,8 @@ class LlamaForCausalLM(nn.Module):
             f"KV cache has {kv_cache.num_layers} layers, model {self.arch.num_layers}: cache built for another model?"
         )
         assert all(0 <= i < self.arch.num_layers for i in aux_layer_ids), f"aux layers {aux_layer_ids} out of range"
-        assert self.arch.num_layers % group_size == 0, f"groups of {group_size} do not divide {self.arch.num_layers} layers"
+        assert self.arch.num_layers % group_size == 0, \
+            f"groups of {group_size} do not divide {self.arch.num_layers} layers"
         x = self.model.embed_tokens(input_ids) if self.tp is None else self.tp.embed(self.model.embed_tokens, input_ids)
         if self.arch.embed_scale is not None:
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)

@@ -52,7 +52,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in_features] -> [T, sum(out_features)]; `split` cuts it into the parts."""
         packed = self._cpu_packed
-        if packed is not None and x.dim() == 2 and x.shape[0] and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if (packed is not None and x.dim() == 2 and x.shape[0] and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
             if self.is_prepacked:
                 return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed[0], self.bias, "none", [], "")
             self._cpu_packed = None  # the weight changed since it was packed

@@ -42,14 +42,15 @@ def _yarn_frequencies(head_dim: int, theta: float, s: RopeScaling) -> torch.Tens
     """YaRN: dimensions that turn many times over the pretraining context keep their frequency, those
     that turn less than once are interpolated (divided by the factor), a linear ramp between."""
     def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times over the original context
-        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return (head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
     low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
     if s.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high != low else 0.001)
-            ).clamp(0, 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low)
+            / (high - low if high != low else 0.001)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
     return (1.0 / (s.factor * base)) * (1 - keep) + (1.0 / base) * keep
 

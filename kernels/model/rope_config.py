@@ -79,6 +79,7 @@ def _scaling(scaling: dict, hf_config: Any) -> RopeScaling:
         optional = {name: float(scaling[name]) for name in ("attention_factor", "mscale", "mscale_all_dim")
                     if scaling.get(name) is not None}
         return RopeScaling(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original,
-                           beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+                           beta_fast=float(scaling.get("beta_fast") or 32),
+                           beta_slow=float(scaling.get("beta_slow") or 1),
                            truncate=bool(scaling.get("truncate", True)), **optional)
     return RopeScaling(rope_type=rope_type)  # raises: unsupported type

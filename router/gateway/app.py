@@ -71,7 +71,8 @@ class Gateway:
         self.served_name = config.served_model_name or backend.model_name
         self.limits = ModelLimits(self.served_name, backend.max_model_len, len(backend.tokenizer),
                                   config.default_max_tokens, config.max_prompt_tokens, sampling,
-                                  parser_for(config.tool_call_parser, getattr(backend.tokenizer, "chat_template", None)))
+                                  parser_for(config.tool_call_parser,
+                                             getattr(backend.tokenizer, "chat_template", None)))
         self.metrics = GatewayMetrics(backend, getattr(backend, "extra_collectors", ()), config.slow_request_log_s)
         self._probe_metrics = GatewayMetrics(backend)  # readiness probes are not traffic: never scraped
         self.created = int(time.time())

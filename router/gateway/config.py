@@ -65,7 +65,8 @@ class GatewayConfig:
     any host for a wildcard bind (0.0.0.0, ::), else `host` itself."""
 
     def __post_init__(self):
-        require(isinstance(self.port, int) and 0 <= self.port <= 65535, f"gateway.port must be in [0, 65535], got {self.port!r}")
+        require(isinstance(self.port, int) and 0 <= self.port <= 65535,
+                f"gateway.port must be in [0, 65535], got {self.port!r}")
         require(self.api_key is None or (isinstance(self.api_key, str) and self.api_key != ""),
                  "gateway.api_key must be a non-empty string or null")
         require(self.max_body_bytes >= 1024, f"gateway.max_body_bytes must be >= 1024, got {self.max_body_bytes}")

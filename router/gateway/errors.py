@@ -56,8 +56,8 @@ _BACKEND_STATUS = {ErrorKind.REJECTED: 400, ErrorKind.QUEUE_FULL: 429, ErrorKind
                    ErrorKind.INTERNAL: 500, ErrorKind.NOT_FOUND: 404}
 
 _FAILURE_KINDS = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "invalid_request",
-                  405: "invalid_request", 408: "invalid_request", 409: "invalid_request", 413: "invalid_request", 415: "invalid_request",
-                  429: "queue_full", 500: "internal", 503: "unavailable"}
+                  405: "invalid_request", 408: "invalid_request", 409: "invalid_request", 413: "invalid_request",
+                  415: "invalid_request", 429: "queue_full", 500: "internal", 503: "unavailable"}
 
 CLIENT_DISCONNECT = "client_disconnect"
 """`tandem:request_failure_total{kind}` for a client that went away before its request ended."""

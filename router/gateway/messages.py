@@ -73,7 +73,8 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
     for i, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                or not isinstance(function.get("arguments"), str) or not isinstance(call.get("id", ""), (str, type(None))) \
+                or not isinstance(function.get("arguments"), str) or not isinstance(call.get("id", ""),
+                                                                                    (str, type(None))) \
                 or call.get("type") not in (None, "function"):
             raise invalid(f"{param}[{i}] must be {{id, type: function, function: {{name, arguments: a JSON string}}}}",
                           param=f"{param}[{i}]")

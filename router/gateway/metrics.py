@@ -133,8 +133,8 @@ class BackendGauges:
         gauges = list(self._backend.worker_gauges())
         labels = ["worker", "role"]
         usage = GaugeMetricFamily("tandem:kv_cache_usage_perc", "Device KV pages in use, fraction.", labels=labels)
-        host = GaugeMetricFamily("tandem:host_kv_cache_usage_perc", "Landing-pool KV pages in use (decode workers), fraction.",
-                                 labels=labels)
+        host = GaugeMetricFamily("tandem:host_kv_cache_usage_perc",
+                                 "Landing-pool KV pages in use (decode workers), fraction.", labels=labels)
         alive = GaugeMetricFamily("tandem:worker_alive", "1 while the worker is alive.", labels=labels)
         restarts = GaugeMetricFamily("tandem:worker_restarts", "Times the worker was restarted.", labels=labels)
         for g in gauges:
@@ -160,7 +160,8 @@ _TIER_COUNTERS = (  # (metric, documentation, extra label, {label value: TierSta
      {"l1_to_l2": "l1_to_l2_seconds", "l2_to_l1": "l2_to_l1_seconds"}),
     ("tandem:kv_evicted_pages", "KV pages evicted from each tier.", "tier",
      {"l1": "evicted_pages_l1", "l2": "evicted_pages_l2"}),
-    ("tandem:l3_pages", "Pages read from / written to the L3 store.", "op", {"get": "l3_get_pages", "put": "l3_put_pages"}),
+    ("tandem:l3_pages", "Pages read from / written to the L3 store.", "op",
+     {"get": "l3_get_pages", "put": "l3_put_pages"}),
     ("tandem:l3_errors", "L3 faults, each a counted miss.", "kind", {"call": "l3_errors", "corrupt": "l3_corrupt"}),
     ("tandem:l3_seconds", "Seconds spent in L3 calls.", "op", {"get": "l3_get_seconds", "put": "l3_put_seconds"}),
     ("tandem:kv_checksum_failures", "KV that failed its checksum where it crossed a boundary: a landed prompt "
@@ -174,7 +175,8 @@ _TIER_COUNTERS = (  # (metric, documentation, extra label, {label value: TierSta
 def _tier_metrics(gauges: list) -> Iterable[Metric]:
     """Per-worker KV-hierarchy counters and the session/L2 gauges, from each worker's last heartbeat."""
     labels = ["worker", "role"]
-    families = [(CounterMetricFamily(name, doc, labels=labels + [extra]), fields) for name, doc, extra, fields in _TIER_COUNTERS]
+    families = [(CounterMetricFamily(name, doc, labels=labels + [extra]), fields)
+                for name, doc, extra, fields in _TIER_COUNTERS]
     prefetch = CounterMetricFamily("tandem:l3_prefetches", "L3 prefetches by outcome.", labels=labels + ["outcome"])
     sessions = GaugeMetricFamily("tandem:sessions_open", "Streaming sessions open.", labels=labels)
     session_pages = GaugeMetricFamily("tandem:session_kv_pages", "Device KV pages held by sessions between turns.",
@@ -223,7 +225,8 @@ def _graph_metrics(gauges: list) -> Iterable[Metric]:
 def _thread_metrics(gauges: list) -> Iterable[Metric]:
     """Per-worker steps by the torch threads they ran on (workers that share their node's cores)."""
     steps = CounterMetricFamily("tandem:worker_steps", "Steps run, by the torch threads each ran on (a worker "
-                                "borrows the threads of idle workers on its node).", labels=["worker", "role", "threads"])
+                                "borrows the threads of idle workers on its node).",
+                                labels=["worker", "role", "threads"])
     for g in gauges:
         for threads, count in g.step_threads:
             steps.add_metric([g.worker_id, g.role, str(threads)], count)

@@ -322,7 +322,8 @@ def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel
         max_tokens: Annotated[int, Field(ge=0, le=limits.max_model_len)] | None = Field(
             None, description="Completion tokens at most (0: with echo, the prompt scored alone); default: "
                               "gateway.default_max_tokens, capped by the context left.")
-        echo: bool | None = Field(None, description="The prompt's text first (and its tokens' logprobs, with logprobs).")
+        echo: bool | None = Field(None,
+                                  description="The prompt's text first (and its tokens' logprobs, with logprobs).")
         suffix: Literal[""] | None = None
         best_of: Literal[1] | None = None
         logprobs: Count | None = Field(None, description="Each token's logprob and the k best (raw log-softmax).")

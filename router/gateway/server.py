@@ -111,7 +111,8 @@ class GatewayServer:
         self.app, self.config = app, config
         self._uvicorn = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, lifespan="on", log_level=log_level, access_log=access_log,
-            timeout_graceful_shutdown=graceful_timeout_s, http=_protocol(config.header_timeout_s, config.max_connections),
+            timeout_graceful_shutdown=graceful_timeout_s,
+            http=_protocol(config.header_timeout_s, config.max_connections),
             timeout_keep_alive=config.keep_alive_timeout_s))
         self._socket: socket.socket | None = None
         self._port: int | None = None  # kept: uvicorn closes the socket at shutdown

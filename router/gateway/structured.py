@@ -87,7 +87,8 @@ def _response_format(value: Any) -> GrammarSpec | None:
                       param="response_format.json_schema")
     strict = schema.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise invalid("`response_format.json_schema.strict` must be a boolean", param="response_format.json_schema.strict")
+        raise invalid("`response_format.json_schema.strict` must be a boolean",
+                      param="response_format.json_schema.strict")
     body = schema.get("schema", {})
     if not isinstance(body, (dict, bool)):
         raise invalid("`response_format.json_schema.schema` must be a JSON schema (an object)",

@@ -1,8 +1,8 @@
 """One check for every served path (imported by the serve test modules): logprobs through the official
 `openai` SDK equal HF transformers' log-softmax of the same tokens on the same weights: a chat's
 (`logprobs`, `top_logprobs`), whole and streamed (disaggregated, the first token's come from the
-prefill worker; the repeat's usage splits its cached tokens by tier), and a completion that echoes its prompt with `max_tokens: 0` (the prompt scored
-alone)."""
+prefill worker; the repeat's usage splits its cached tokens by tier), and a completion that echoes its prompt with
+`max_tokens: 0` (the prompt scored alone)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """One check for every served path (imported by the serve test modules): structured outputs through
 clients no one here wrote. The `openai` SDK's `chat.completions.parse` with a Pydantic model returns
 the parsed object; LangChain's `ChatOpenAI.with_structured_output` too; vLLM's `structured_outputs`
-(regex, choice) hold; n siblings each follow the schema; sixteen concurrent streams under a JSON schema all parse and validate; a
-schema that does not parse, or a grammar that allows no token (found by the worker that samples
+(regex, choice) hold; n siblings each follow the schema; sixteen concurrent streams under a JSON schema all parse and
+validate; a schema that does not parse, or a grammar that allows no token (found by the worker that samples
 the first token), is a 400 naming its field."""
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ def test_bench_serve_multi_turn_reports_ttft_per_turn_and_the_cached_history(cap
     serves part of every later turn's history and none of the first turn's. One request at a time: this
     module's server refuses what it predicts would wait over 2 s (for the overload test), and a cold
     machine's first TTFTs can cut its decode worker's admission limit to one."""
-    code = tandem_main(["bench", "serve", "--base-url", server_url, "--dataset-name", "multi-turn", "--num-prompts", "2",
-                        "--multi-turn-turns", "3", "--max-concurrency", "1", "--random-input-len", "24",
+    code = tandem_main(["bench", "serve", "--base-url", server_url, "--dataset-name", "multi-turn", "--num-prompts",
+                        "2", "--multi-turn-turns", "3", "--max-concurrency", "1", "--random-input-len", "24",
                         "--random-output-len", "4", "--random-range-ratio", "0.2", "--seed", "1", "--disable-tqdm",
                         "--json"])
     out = capsys.readouterr().out

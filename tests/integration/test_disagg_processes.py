@@ -104,7 +104,8 @@ def test_disaggregated_equals_colocated_equals_hf(make_views, chat_ids, hf_outpu
         return done
 
     results = serve(views, scenario)
-    colocated = make_smollm2_engine(page_size=page_size, chunk_size=chunk).generate(chat_ids, greedy(max_tokens=MAX_NEW))
+    colocated = make_smollm2_engine(page_size=page_size, chunk_size=chunk).generate(chat_ids,
+                                                                                    greedy(max_tokens=MAX_NEW))
     assert [r.token_ids for r in results] == [r.output_token_ids for r in colocated] == hf_outputs
     assert all(not r.error for r in results)
     # `tandem bench transfer` builds its TTFT breakdown from these, carried on the last chunk
@@ -159,7 +160,8 @@ def test_stall_trips_deadline_and_both_sides_end_clean(make_views, chat_ids, hf_
                        heartbeat_timeout_s=10)
 
     async def scenario(d):
-        await views.link("prefill-0").send([Stall(4.0)])  # a slow peer: stops stepping (and writing) for longer than the deadline
+        # a slow peer: stops stepping (and writing) for longer than the deadline
+        await views.link("prefill-0").send([Stall(4.0)])
         req = await complete(d, "stalled", chat_ids[4], greedy(max_tokens=4))
         await both_at_rest(views, "pools at rest after the timeout")
         after = await complete(d, "after", chat_ids[1], greedy(max_tokens=MAX_NEW))

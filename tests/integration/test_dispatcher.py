@@ -284,7 +284,8 @@ def test_abort_mid_stream_and_mid_prefill_releases_everything(hosts, tok, long_p
         await wait_for(lambda: (sh := prefill.worker.sender.shipments.get("t2-b.0")) is not None and sh.pages_sent > 0,
                        "the prefill worker to ship its first pages")
         assert d.flights["t2-b"].phase is Phase.PREFILLING
-        assert decode.worker.receiver.landing.pool.usage().in_flight == ceil_div(len(long_prompt), PAGE)  # the landing is lent
+        # the landing is lent
+        assert decode.worker.receiver.landing.pool.usage().in_flight == ceil_div(len(long_prompt), PAGE)
         await d.abort("t2-b")
         await d.abort("t2-b")  # idempotent
         await d.abort("never-started")

@@ -37,7 +37,8 @@ model: smollm2
 engine: {{num_pages: 512, chunk_size: 128, max_model_len: 2048}}
 prefill: {{count: 2, num_cpus: 1}}
 decode: {{count: 1, num_cpus: 1, host_pages: 512}}
-router: {{policy: cache_aware, max_queue_delay_s: 600, max_queued_requests: 64,  # bursts here test function, not overload
+# max_queued_requests: bursts here test function, not overload
+router: {{policy: cache_aware, max_queue_delay_s: 600, max_queued_requests: 64,
          local_prefill_max_tokens: 0}}  # every prompt crosses: this module tests disaggregation
 gateway: {{max_prompt_tokens: {MAX_PROMPT_TOKENS}, max_body_bytes: {MAX_BODY_BYTES}}}
 cluster: {{heartbeat_timeout_s: 10.0, drain_timeout_s: 10.0}}
@@ -255,7 +256,8 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(cluster):
         ("max_tokens beyond context", dict(json={**good, "max_tokens": 5000}, headers=hdr), 400),
         ("negative temperature", dict(json={**good, "temperature": -0.5}, headers=hdr), 400),
         ("unknown model", dict(json={**good, "model": "gpt-9"}, headers=hdr), 404),
-        ("over-long prompt", dict(json={**good, "messages": [{"role": "user", "content": long_text}]}, headers=hdr), 400),
+        ("over-long prompt", dict(json={**good, "messages": [{"role": "user", "content": long_text}]}, headers=hdr),
+         400),
         ("oversized body", dict(json={**good, "messages": [{"role": "user", "content": "x" * (2 * MAX_BODY_BYTES)}]},
                                 headers=hdr), 413),
         ("no api key", dict(json=good), 401),

@@ -3,7 +3,8 @@
 turns until their histories outgrow the prefill worker's device pool: each later turn still finds
 its whole history cached, the previous answer included (decoded on the decode worker, prefilled on
 the prefill worker after the turn: `PrefillAnswer`), evicted to L2 and loaded back; asked again, the
-two last prompts (too big for the device pool together) move the prefill worker's L2 hits, and every answer is HF transformers' greedy one on the same prompt ids."""
+two last prompts (too big for the device pool together) move the prefill worker's L2 hits, and every answer is HF
+transformers' greedy one on the same prompt ids."""
 
 from __future__ import annotations
 

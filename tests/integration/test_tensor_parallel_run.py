@@ -58,7 +58,8 @@ def test_tandem_serve_colocated_at_tp2_gives_transformers_greedy_tokens(tmp_path
             done = await asyncio.gather(*(client.completions.create(
                 model="smollm2", prompt=p, max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
                 for p in prompts))
-            stream = await client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi!"}],
+            stream = await client.chat.completions.create(model="smollm2",
+                                                          messages=[{"role": "user", "content": "Hi!"}],
                                                           max_tokens=8, temperature=0, stream=True)
             text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
             await client.close()

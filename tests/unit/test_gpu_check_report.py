@@ -158,7 +158,8 @@ def test_serve_greedy_tokens_that_part_at_no_near_tie_fail_the_step():
     near["verdict"] = "near-tie at step 3 (gap 0.066)"
     differs |= {"verdict": "differs at step 5 (gap 3.241)", "prompt_ids_equal": False}
     f = rep.parse_serve({**serve, "greedy": {**serve["greedy"], "prompts": [near, differs]}}, "")
-    assert {k for k, ok in f["checks"].items() if not ok} == {"greedy = HF's (to a near-tie)", "greedy prompt ids = HF's"}
+    assert {k for k, ok in f["checks"].items() if not ok} == {"greedy = HF's (to a near-tie)",
+                                                              "greedy prompt ids = HF's"}
     near_only = rep.parse_serve({**serve, "greedy": {**serve["greedy"], "prompts": [near]}}, "")
     assert all(near_only["checks"].values())
     assert "greedy = HF 0/1 (+1 near-tie)" in rep.headline({"kind": "serve", "figures": near_only})

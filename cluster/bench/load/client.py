@@ -6,9 +6,9 @@ flight, and times every request from its streamed frames.
 
 A request that fails (HTTP status, an error frame, a broken stream, no content at all) becomes a
 failed sample with its error text; it never stops the run (a pooled connection the server had closed
-is not a failure: the transport sends such a request again, by the rule in transport.py). Times are `time.perf_counter()` offsets
-from the client's run start; `ClientRun.start_wall_s` anchors them on the wall clock, so runs of
-several clients (processes, nodes) can be merged on one time axis.
+is not a failure: the transport sends such a request again, by the rule in transport.py). Times are
+`time.perf_counter()` offsets from the client's run start; `ClientRun.start_wall_s` anchors them on the wall clock, so
+runs of several clients (processes, nodes) can be merged on one time axis.
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ class DatasetSpec:
         if (self.name in ("jsonl", "mooncake-trace")) != (self.path is not None):
             raise ValueError("--dataset-path goes with --dataset-name jsonl or mooncake-trace, and only with them")
         if self.trace_block_size < 1 or not self.trace_token_scale > 0 or not self.trace_time_scale >= 0:
-            raise ValueError("--trace-block-size >= 1, --trace-token-scale > 0 and --trace-time-scale >= 0 are required")
+            raise ValueError("--trace-block-size >= 1, --trace-token-scale > 0 and --trace-time-scale >= 0 "
+                             "are required")
         if self.vocab_size <= FIRST_TOKEN_ID + 1:
             raise ValueError(f"vocab_size {self.vocab_size} leaves no room for random token ids")
 
@@ -202,7 +203,8 @@ def _trace_samples(spec: DatasetSpec, seed: int) -> list[Job]:
         if len(prompt) < input_len:  # the trace's blocks fall short: the rest is this request's own
             prompt += _ids(random.Random(f"{seed}:tail:{i}"), input_len - len(prompt), spec.vocab_size)
         prompt = prompt[:input_len]
-        samples.append(SampleRequest(i, prompt, len(prompt), output_len, max(0.0, (at_ms - t0) / 1e3) * spec.trace_time_scale))
+        samples.append(SampleRequest(i, prompt, len(prompt), output_len,
+                                     max(0.0, (at_ms - t0) / 1e3) * spec.trace_time_scale))
     return samples
 
 

@@ -103,7 +103,8 @@ def needs_tokenizer(args: argparse.Namespace) -> bool:
 
 def dataset_spec(args: argparse.Namespace, vocab_size: int | None) -> DatasetSpec:
     return DatasetSpec(args.dataset_name, args.num_prompts, args.random_input_len, args.random_output_len,
-                       args.random_range_ratio, args.shared_prefix_len, args.shared_prefix_groups, args.multi_turn_turns,
+                       args.random_range_ratio, args.shared_prefix_len, args.shared_prefix_groups,
+                       args.multi_turn_turns,
                        args.multi_turn_think_time_s, args.dataset_path, vocab_size or DatasetSpec.vocab_size,
                        args.trace_block_size, args.trace_token_scale, args.trace_time_scale)
 
@@ -113,14 +114,16 @@ def offline_baseline(args: argparse.Namespace, jobs: list, max_concurrency: int 
     from cluster.bench.offline import Workload
     from cluster.bench.serve import QUEUE_ALL_SETS, load_config, run_offline, serve_flags
 
-    if not all(isinstance(j, SampleRequest) and isinstance(j.prompt, tuple) and all(isinstance(t, int) for t in j.prompt)
+    if not all(isinstance(j, SampleRequest) and isinstance(j.prompt, tuple)
+               and all(isinstance(t, int) for t in j.prompt)
                for j in jobs):
         raise ValueError("--offline-baseline needs token-id prompts: --dataset-name random or shared-prefix")
     config = load_config(serve_flags(args, tuple(QUEUE_ALL_SETS)))
     engine_config = dataclasses.replace(config.decode.engine, max_running_requests=max_concurrency or len(jobs))
     offline = run_offline(engine_config, Workload([list(j.prompt) for j in jobs], [j.output_len for j in jobs]))
     return {"elapsed_s": offline.elapsed_s, "output_tokens": offline.output_tokens,
-            "output_throughput": offline.output_tokens_per_s, "max_running_requests": engine_config.max_running_requests}
+            "output_throughput": offline.output_tokens_per_s,
+            "max_running_requests": engine_config.max_running_requests}
 
 
 def try_relay(url: str, headers: dict):
@@ -191,8 +194,8 @@ def print_run(result: dict, reporting: Reporting) -> None:
               f"again on a fresh one (no response of theirs had begun)")
     errors = sorted({e for e in result["errors"] if e})
     if errors:
-        print(f"{result['failed']} requests failed; first distinct errors:\n  " + "\n  ".join(e[:300] for e in errors[:3]),
-              file=sys.stderr)
+        print(f"{result['failed']} requests failed; first distinct errors:\n  "
+              + "\n  ".join(e[:300] for e in errors[:3]), file=sys.stderr)
 
 
 # ---- the command ---------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def _original_tensors() -> dict[str, np.ndarray]:
 
 def _write_source(path, tensors: dict[str, np.ndarray]) -> None:
     """A tiny quantized GGUF as the bundled one is made: Q8_0 embeddings, Q4_1 matrices, F32 norms."""
-    qtypes = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0, "blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q4_1}
+    qtypes = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0,
+              "blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q4_1}
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(1)
     writer.add_bool("tokenizer.ggml.add_bos_token", False)
@@ -83,7 +84,8 @@ def test_f32_gguf_has_the_dequantized_values_and_the_metadata(tmp_path):
         np.testing.assert_allclose(values, original[src_tensor.name], atol=0.35, rtol=0)
     np.testing.assert_array_equal(np.array(out.tensors[2].data), original["blk.0.attn_norm.weight"])
 
-    expected = {**_fields(source), "general.file_type": int(gguf.LlamaFileType.ALL_F32), llama_gguf.SOURCE_KEY: "src.gguf:123"}
+    expected = {**_fields(source), "general.file_type": int(gguf.LlamaFileType.ALL_F32),
+                llama_gguf.SOURCE_KEY: "src.gguf:123"}
     assert _fields(out) == expected
     assert gguf_source(tmp_path / "f32.gguf") == "src.gguf:123"
     assert gguf_source(tmp_path / "absent.gguf") is None
@@ -290,7 +292,8 @@ def test_llama_server_gets_the_fair_cpu_command_line(tmp_path):
     """A stand-in binary writes its argv and exits: what the bench would run, flag by flag."""
     argv_file = tmp_path / "argv.json"
     fake = _executable(tmp_path / "llama-server",
-                       f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))\n")
+                       f"#!{sys.executable}\nimport json, sys\n"
+                       f"json.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))\n")
     args = build_parser().parse_args(["bench", "llamacpp", "--llama-server", str(fake), "--llamacpp-arg=-fa"])
     peer = PEERS[args.peer].from_args(args)
     assert isinstance(peer, LlamaServerPeer) and peer.extra_body["ignore_eos"] is True
@@ -348,7 +351,8 @@ def test_repeats_below_one_are_refused(monkeypatch, capsys):
 
 def test_memory_is_summed_over_a_process_tree_and_the_ray_session_the_log_names():
     # a parent in its own session with a child; a second session stands for tandem's Ray instance
-    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    code = ("import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     ray_like = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:
@@ -361,7 +365,8 @@ def test_memory_is_summed_over_a_process_tree_and_the_ray_session_the_log_names(
         memory = memory_of(tree)
         assert memory.num_processes == 2 and memory.rss_bytes > 2 * 2**20
         assert memory.pss_bytes is None or 0 < memory.pss_bytes <= memory.rss_bytes
-        log = f"INFO started a local Ray instance at 127.0.0.1:1 (2 CPUs; loopback only, token auth; OS session {ray_like.pid})"
+        log = (f"INFO started a local Ray instance at 127.0.0.1:1 (2 CPUs; loopback only, token auth; "
+               f"OS session {ray_like.pid})")
         assert tandem_serve_processes(parent.pid, log) == tree | {ray_like.pid}
         assert tandem_serve_processes(parent.pid, "no Ray here") == tree
     finally:

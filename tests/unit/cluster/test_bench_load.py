@@ -139,7 +139,8 @@ def test_result_has_vllm_keys_and_statistics_equal_numpy_on_the_raw_samples(stub
     assert all(8 <= n <= 24 and 4 <= m <= 12 for n, m in sent)  # range ratio 0.5 around 16 and 8
     assert result["total_output_tokens"] == sum(result["output_lens"])
     ttfts, lats, outs = map(np.asarray, (result["ttfts"], result["latencies"], result["output_lens"]))
-    raw_ms = {"ttft": ttfts * 1e3, "e2el": lats * 1e3, "itl": np.concatenate([np.asarray(g) for g in result["itls"]]) * 1e3,
+    raw_ms = {"ttft": ttfts * 1e3, "e2el": lats * 1e3,
+              "itl": np.concatenate([np.asarray(g) for g in result["itls"]]) * 1e3,
               "tpot": ((lats - ttfts) / (outs - 1))[outs > 1] * 1e3}
     for name, values in raw_ms.items():
         assert result[f"mean_{name}_ms"] == pytest.approx(np.mean(values), rel=1e-9)
@@ -322,7 +323,8 @@ def test_split_and_merge_count_every_request_once_on_one_time_axis():
 @pytest.mark.slow
 def test_clients_go_round_robin_over_the_alive_nodes_with_room():
     def node(ip, cpus, alive=True):
-        return {"NodeManagerAddress": ip, "NodeID": f"id-{ip}", "Alive": alive, "Resources": {"CPU": cpus} if cpus else {}}
+        return {"NodeManagerAddress": ip, "NodeID": f"id-{ip}", "Alive": alive,
+                "Resources": {"CPU": cpus} if cpus else {}}
 
     nodes = [node("127.0.0.3", 1), node("127.0.0.1", 0), node("127.0.0.2", 4), node("127.0.0.4", 8, alive=False)]
     assert client_node_ids(nodes, 1.0) == ["id-127.0.0.2", "id-127.0.0.3"]

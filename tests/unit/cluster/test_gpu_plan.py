@@ -1,6 +1,7 @@
 """CUDA workers' memory without a GPU (`cluster/serve/gpu_plan.py`, `tandem serve --plan-only`): real
-model shapes (Llama-3-8B and -70B, Qwen2.5-7B, Llama-3.2-1B, Qwen3-30B-A3B, Gemma-3-27B) as header-only safetensors written from HF's own
-model on the meta device, which ours loads strictly on meta too; a mocked 141 GiB or 80 GiB GPU."""
+model shapes (Llama-3-8B and -70B, Qwen2.5-7B, Llama-3.2-1B, Qwen3-30B-A3B, Gemma-3-27B) as header-only safetensors
+written from HF's own model on the meta device, which ours loads strictly on meta too; a mocked 141 GiB or 80 GiB
+GPU."""
 
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ def test_the_plan_says_how_many_ranks_a_large_model_needs_on_each_gpu_size(tmp_p
     weights = shape.num_params * 2  # bfloat16
     assert {gib: tp_needed(shape, weights, gib * GIB, 0.9) for gib in degrees} == degrees
     if degrees[141] > 1:  # a whole H200 cannot hold it: refused, naming the degree that would
-        with pytest.raises(ConfigError, match=rf"only split over {degrees[141]} ranks \(prefill.engine.tensor_parallel_size={degrees[141]} "):
+        with pytest.raises(ConfigError, match=rf"only split over {degrees[141]} ranks "
+                                              rf"\(prefill.engine.tensor_parallel_size={degrees[141]} "):
             plan_for(model_dir, 2, 141, **{"prefill.num_gpus": 1, "decode.num_gpus": 1})
         return
     assert main(["serve", "--plan-only", "--model", str(model_dir), "--device", "cuda", "--plan-gpus", "2",

@@ -138,8 +138,9 @@ def test_an_injected_upward_import_is_named_with_its_line(tmp_path, monkeypatch)
 
 # third-party packages that one place alone may import (docs/design.md §1)
 # ray: the serving cluster, and the load bench's client actors (`tandem bench serve --num-clients`)
-CONFINED = {"ray": ("cluster/serve/", "cluster/bench/load/multinode.py"), "fastapi": ("router/gateway/",), "uvicorn": ("router/gateway/",),
-            "mooncake": ("kv_store/transfer/mooncake.py",), "redis": ("kv_store/l3/redis_store.py", "kv_store/l3/redis_process.py")}
+CONFINED = {"ray": ("cluster/serve/", "cluster/bench/load/multinode.py"), "fastapi": ("router/gateway/",),
+            "uvicorn": ("router/gateway/",), "mooncake": ("kv_store/transfer/mooncake.py",),
+            "redis": ("kv_store/l3/redis_store.py", "kv_store/l3/redis_process.py")}
 
 
 def test_confined_packages_are_imported_in_their_one_place():

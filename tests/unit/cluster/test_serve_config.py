@@ -180,8 +180,10 @@ def test_cuda_device_gives_groups_a_gpu_unless_told():
     ({"cluster.address": "head"}, r"^cluster\.address must be null, 'auto', "),
     ({"cluster.address": "auto", "cluster.num_cpus": 4}, r"^cluster\.num_cpus sizes a local Ray instance"),
     ({"cluster.placement_strategy": "pack"}, r"^cluster\.placement_strategy must be one of"),
-    ({"decode.engine.page_size": 32}, r"^prefill\.engine\.page_size \(16\) and decode\.engine\.page_size \(32\) must match"),
-    ({"prefill.engine.dtype": "bfloat16"}, r"^prefill\.engine\.dtype \('bfloat16'\) and decode\.engine\.dtype \('float32'\)"),
+    ({"decode.engine.page_size": 32},
+     r"^prefill\.engine\.page_size \(16\) and decode\.engine\.page_size \(32\) must match"),
+    ({"prefill.engine.dtype": "bfloat16"},
+     r"^prefill\.engine\.dtype \('bfloat16'\) and decode\.engine\.dtype \('float32'\)"),
     ({"decode.engine.model": "other"}, r"^decode\.engine\.model must equal model 'smollm2', got 'other'$"),
     ({"decode.count": 0, "colocated.count": 1}, r"^prefill\.count=1 needs decode\.count >= 1"),
     ({"decode.count": 0}, r"^prefill\.count=1 needs decode\.count >= 1"),
@@ -200,7 +202,8 @@ def test_cuda_device_gives_groups_a_gpu_unless_told():
                                               r"got \['tandem_decode'\] \(list\)$"),
     ({"decode.resources": {1: 1}}, r"^decode\.resources must be a mapping of str to float, got \{1: 1\} \(dict\)$"),
     ({"gateway..port": 1}, r"^override key must be a dotted field path"),
-    ({"gateway.port": 8000, "gateway.port.x": 1}, r"^cannot set 'gateway\.port\.x': gateway\.port is 8000, not a section$"),
+    ({"gateway.port": 8000, "gateway.port.x": 1},
+     r"^cannot set 'gateway\.port\.x': gateway\.port is 8000, not a section$"),
 ])
 def test_validation_names_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -48,8 +48,10 @@ def test_host_serves_compiles_beside_serving_reports_a_long_step_and_stops(tmp_p
     model.save_pretrained(tmp_path)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(resolve_model_dir("smollm2") / file, tmp_path / file)
-    config = EngineConfig(model=str(tmp_path), num_pages=64, max_model_len=256, cpu_compile=True, cpu_native_decode=False)
-    host = WorkerHost(WorkerSpec("colocated", config, heartbeat_interval_s=0.1), "colocated-0", build=build_debug_worker)
+    config = EngineConfig(model=str(tmp_path), num_pages=64, max_model_len=256, cpu_compile=True,
+                          cpu_native_decode=False)
+    host = WorkerHost(WorkerSpec("colocated", config, heartbeat_interval_s=0.1), "colocated-0",
+                      build=build_debug_worker)
     try:
         ids = list(range(5, 37))
         params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -123,7 +125,8 @@ def test_actor_with_hostname_auto_advertises_its_node_address(monkeypatch):
     from cluster.serve.actors import WorkerActor
 
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")  # this node, loopback only
-    actor = WorkerActor(WorkerSpec("prefill", EngineConfig(num_pages=64), transport=TransportConfig(hostname="auto")), "prefill-0")
+    actor = WorkerActor(WorkerSpec("prefill", EngineConfig(num_pages=64), transport=TransportConfig(hostname="auto")),
+                        "prefill-0")
     try:
         session, max_request_tokens, pid = actor.ready()
         assert session.startswith("127.0.0.1:") and int(session.rsplit(":", 1)[1]) > 0
@@ -272,7 +275,8 @@ def test_make_worker_assembles_each_role_and_names_a_wrong_one():
     ours, _, arch = tiny_models()
     config = EngineConfig(page_size=4, num_pages=32)
     built = []
-    for role, worker_type, connector_type in (("prefill", PrefillWorker, KVSender), ("decode", DecodeWorker, KVReceiver),
+    for role, worker_type, connector_type in (("prefill", PrefillWorker, KVSender),
+                                              ("decode", DecodeWorker, KVReceiver),
                                               ("colocated", ColocatedWorker, type(None))):
         transport = LocalTransport()
         worker = make_worker(role, config, ours, arch, transport, host_pages=16)

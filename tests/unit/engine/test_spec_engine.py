@@ -181,7 +181,8 @@ def test_sampled_speculation_emits_the_plain_samplers_tokens(spec_prompts):
     them) accept partially and the head's own drafts (drawn with the sampler's noise) accept some,
     and both give the non-speculative engine's tokens (a rejection-sampling verifier, exact only in
     distribution, gives other tokens)."""
-    plain = {tuple(r.prompt_token_ids): r.output_token_ids for r in make_engine().generate(spec_prompts, sampled(spec_prompts))}
+    plain = {tuple(r.prompt_token_ids): r.output_token_ids
+             for r in make_engine().generate(spec_prompts, sampled(spec_prompts))}
     for scripted in (True, False):
         engine = make_spec_engine()
         if scripted:

@@ -195,8 +195,10 @@ def test_worker_host_loop_survives_faulty_requests_and_messages(clean):
                                    SamplingParams(max_tokens=12, temperature=FailingTemperature(3))),
                         p.Generate("bad-forward", (5, 6, POISON, 7), greedy(max_tokens=12)),
                         p.Generate("bad-message", ("not a token id",), greedy(max_tokens=12))]
-                     + [p.Generate(f"good-{i}", tuple(ids), greedy(max_tokens=12)) for i, ids in enumerate(prompts[2:], 2)])
-        by_id = collect_until_done(host, {f"good-{i}" for i in range(4)} | {"bad-sampler", "bad-forward", "bad-message"})
+                     + [p.Generate(f"good-{i}", tuple(ids), greedy(max_tokens=12))
+                        for i, ids in enumerate(prompts[2:], 2)])
+        by_id = collect_until_done(host,
+                                   {f"good-{i}" for i in range(4)} | {"bad-sampler", "bad-forward", "bad-message"})
         for i in range(4):
             msgs = by_id[f"good-{i}"]
             assert [t for m in msgs for t in m.new_token_ids] == clean[i] and not msgs[-1].error
@@ -295,7 +297,8 @@ def test_a_decode_worker_with_only_landings_waits_for_messages_instead_of_pollin
     _, _, arch = tiny_models()
     now = [100.0]
     prefill = make_worker("prefill", CONFIG, tiny_models()[0], arch, LocalTransport())
-    decode = make_worker("decode", CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256, clock=lambda: now[0])
+    decode = make_worker("decode", CONFIG, tiny_models()[0], arch, LocalTransport(), host_pages=256,
+                         clock=lambda: now[0])
     pair = StepPair(prefill, decode)
     result = pair.submit("req-0", good_prompts(1)[0], greedy(max_tokens=4))
     assert decode.busy() and not decode.has_compute()

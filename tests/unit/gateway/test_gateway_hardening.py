@@ -184,7 +184,8 @@ def read_response(sock: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length")))
+    length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n")
+                      if line.startswith(b"content-length")))
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
@@ -549,7 +550,8 @@ def test_values_at_the_bounds_are_served(client):
 
 
 @pytest.mark.parametrize("text,param", [
-    ('{"prompt": "Hi", "temperature": NaN}', "temperature"), ('{"prompt": "Hi", "temperature": Infinity}', "temperature"),
+    ('{"prompt": "Hi", "temperature": NaN}', "temperature"),
+    ('{"prompt": "Hi", "temperature": Infinity}', "temperature"),
     ('{"prompt": "Hi", "top_p": -Infinity}', "top_p"), ('{"prompt": "Hi", "temperature": 1e999}', "temperature"),
     ('{"prompt": "Hi", "presence_penalty": NaN}', "presence_penalty"), ('{"prompt": NaN}', "prompt"),
 ])
@@ -577,7 +579,8 @@ def test_openapi_document_describes_every_endpoint(client, backend):
                 "/ErrorResponse"), (path, status)
     props = schemas["CompletionRequest"]["properties"]
     assert {"const": MODEL, "type": "string"} in props["model"]["anyOf"]  # this app's model, by name
-    assert {"maximum": backend.max_model_len, "minimum": 0, "type": "integer"} in props["max_tokens"]["anyOf"]  # 0: echo
+    max_tokens = {"maximum": backend.max_model_len, "minimum": 0, "type": "integer"}  # 0: echo
+    assert max_tokens in props["max_tokens"]["anyOf"]
     assert schemas["ErrorResponse"]["required"] == ["error"]
     assert set(schemas["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
     assert {"CompletionChunk", "ChatCompletionChunk"} <= set(schemas)
@@ -623,7 +626,8 @@ def test_real_answers_match_the_documented_models(client):
     (COMPLETION, {"logit_bias": []}, "logit_bias"), (COMPLETION, {"logit_bias": ""}, "logit_bias"),
     (COMPLETION, {"user": 5}, "user"), (COMPLETION, {"stream_options": {"include_usage": "yes"}},
                                         "stream_options.include_usage"),
-    (CHAT, {"max_completion_tokens": 2, "max_tokens": "x"}, "max_tokens"), (COMPLETION, {"max_tokens": 2.5}, "max_tokens"),
+    (CHAT, {"max_completion_tokens": 2, "max_tokens": "x"}, "max_tokens"),
+    (COMPLETION, {"max_tokens": 2.5}, "max_tokens"),
 ])
 def test_documented_fields_are_checked_even_when_off_or_unused(client, path, fields, param):
     body = {"prompt": "Hi"} if path == COMPLETION else {"messages": QUESTION}

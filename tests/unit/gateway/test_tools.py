@@ -29,7 +29,8 @@ def test_each_family_parser_reads_its_calls_and_leaves_other_text_as_content():
                                      '<tool_call>{"name": "g", "arguments": {}}')  # the second cut off at its end
     assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}),
                                                                                                 ("g", {})]
-    assert parse("hermes", "no calls <tool_call>not json</tool_call>") == ("no calls <tool_call>not json</tool_call>", [])
+    assert parse("hermes", "no calls <tool_call>not json</tool_call>") == ("no calls <tool_call>not json</tool_call>",
+                                                                           [])
     _, calls = parse("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": "y"}}; {"name": "g", '
                                     '"parameters": {}}')
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": "y"}), ("g", {})]
@@ -65,10 +66,12 @@ def test_rendering_for_templates_with_and_without_tools():
     ask = ToolAsk((WEATHER,), "auto")
     history = [{"role": "system", "content": "Be brief."}, *QUESTION,
                {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
     messages, tools = render(history, ask, "{{ messages }}")  # a template that knows no tools
-    assert tools is None and messages[0]["content"].startswith("Be brief.\n\n") and "get_weather" in messages[0]["content"]
+    assert tools is None
+    assert messages[0]["content"].startswith("Be brief.\n\n") and "get_weather" in messages[0]["content"]
     assert messages[2] == {"role": "assistant", "content": '<tool_call>{"name": "get_weather", "arguments": '
                                                            '{"city": "Oslo"}}</tool_call>'}
     assert messages[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}

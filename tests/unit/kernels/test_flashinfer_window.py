@@ -43,7 +43,8 @@ class _WindowRun:
             row_pos = torch.arange(kv_len - scores.shape[1], kv_len)[:, None]
             col = torch.arange(kv_len)[None, :]
             visible = (col <= row_pos) & ((col >= row_pos - window_left) if window_left >= 0 else True)
-            out[rows] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v).to(q.dtype)
+            out[rows] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1),
+                                     v).to(q.dtype)
         self.runs += 1
         return out
 

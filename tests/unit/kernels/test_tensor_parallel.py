@@ -15,7 +15,8 @@ from kernels.model.arch import LlamaArch
 from kernels.model.tp import Shard, split
 from tests.unit.engine.test_model_families import FAMILIES, reference
 
-UNEVEN = dict(vocab_size=131, hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16, intermediate_size=100)
+UNEVEN = dict(vocab_size=131, hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+              intermediate_size=100)
 LENGTHS = (23, 11)
 ATOL = 2e-5
 
@@ -30,7 +31,8 @@ def test_splits_are_contiguous_and_as_even_as_the_counts_allow():
     assert [split(10, 3, i) for i in range(3)] == [range(0, 4), range(4, 7), range(7, 10)]
     arch = smollm2_like()
     zero, one = Shard.of(arch, 0, 2), Shard.of(arch, 1, 2)
-    assert (zero.kv_heads, zero.q_heads, one.kv_heads, one.q_heads) == (range(0, 2), range(0, 6), range(2, 3), range(6, 9))
+    assert (zero.kv_heads, zero.q_heads, one.kv_heads, one.q_heads) == (range(0, 2), range(0, 6), range(2, 3),
+                                                                        range(6, 9))
     assert (zero.vocab, one.vocab, zero.intermediate) == (range(0, 24576), range(24576, 49152), range(0, 768))
     assert one.local_arch(arch).num_heads == 3 and one.local_arch(arch).num_kv_heads == 1
     # fewer KV heads than ranks: each KV head on several ranks, which split its query heads

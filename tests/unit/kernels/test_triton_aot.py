@@ -50,7 +50,8 @@ def test_every_build_fits_its_target_and_the_register_and_spill_budgets(builds):
     over = [(b, why) for b in builds if (why := check(b)) is not None]
     assert over == [], over
     # the attention kernels are real builds, not empty shells: they take registers and shared memory
-    assert all(b.registers > 32 and b.shared_bytes > 0 for b in builds if b.kernel.startswith(("decode_split", "extend")))
+    assert all(b.registers > 32 and b.shared_bytes > 0 for b in builds
+               if b.kernel.startswith(("decode_split", "extend")))
 
 
 def test_the_budgets_catch_what_would_not_launch_or_would_spill():

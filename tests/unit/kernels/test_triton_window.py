@@ -90,7 +90,8 @@ def assert_matches_reference(case: Case, window: int | None, softcap: float | No
 @PAGE_SIZES
 def test_decode(window, softcap, heads, kv_heads, page_size):
     # seq lens 1, 9, 40, 37: several splits, some empty; with window 20 the long ones start mid-page
-    case = make_case([1, 1, 1, 1], [0, 8, 39, 36], page_size, heads, kv_heads, 32, torch.float32, seed=page_size + heads)
+    case = make_case([1, 1, 1, 1], [0, 8, 39, 36], page_size, heads, kv_heads, 32, torch.float32,
+                     seed=page_size + heads)
     assert_matches_reference(case, window, softcap)
 
 

@@ -40,9 +40,10 @@ Size: NUM_EXAMPLES * STEPS_PER_EXAMPLE = 70 * 110 rule steps drawn (a run can st
 draws fill Hypothesis' buffer); `test_tier_machine_covered_enough` checks that at least 5,000 ran
 and that loads, retractions, aborts while loading, copy failures and timeouts and L2 evictions
 happened, and session turns, reaps, closes, L3 hits, drops and corruptions (asserted for the
-derandomized draws; a refused session turn is covered by tests/unit/engine/test_sessions.py). 20-30 s on a shared 2-core machine (~4 ms per rule step,
-most of it engine steps with debug_kv on). Knobs for bug hunts: TIER_SEED (another sequence; by default the
-draws are derandomized, so runs repeat whatever ran before), TIER_EXAMPLES, TIER_NO_SHRINK=1 (skip shrinking, which can take minutes on a failure).
+derandomized draws; a refused session turn is covered by tests/unit/engine/test_sessions.py). 20-30 s on a shared 2-core
+machine (~4 ms per rule step, most of it engine steps with debug_kv on). Knobs for bug hunts: TIER_SEED (another
+sequence; by default the draws are derandomized, so runs repeat whatever ran before), TIER_EXAMPLES, TIER_NO_SHRINK=1
+(skip shrinking, which can take minutes on a failure).
 
 `test_loaded_requests_behind_the_head_do_not_deadlock_the_queue` is the minimal form of a scheduler
 livelock the machine found (load tickets of queued requests locking the pages the head needed).
@@ -272,7 +273,8 @@ class TierMachine(RuleBasedStateMachine):
                 l1_tokens=st.sampled_from([48, 64, 96]), l2_ratio=st.sampled_from([0.5, 2, 3]),
                 chunk_size=st.sampled_from([4, 8, 32]), hits=st.sampled_from([1, 2]),
                 copier=st.sampled_from(["manual", "manual", "thread"]), session_fraction=st.sampled_from([0.5, 0.75]),
-                l3=st.sampled_from([None, None, *(p.value for p in PrefetchPolicy)]), l3_min_pages=st.sampled_from([1, 2]))
+                l3=st.sampled_from([None, None, *(p.value for p in PrefetchPolicy)]),
+                l3_min_pages=st.sampled_from([1, 2]))
     def build(self, page_size, policy, l1_tokens, l2_ratio, chunk_size, hits, copier, session_fraction, l3,
               l3_min_pages):
         num_pages = 1 + l1_tokens // page_size

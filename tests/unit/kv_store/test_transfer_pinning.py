@@ -93,7 +93,8 @@ def test_retracted_request_cannot_expose_cached_pages_its_pending_write_reads():
     landing_pages = list(pair.decode.receiver.inbound["b"].landing.page_ids[:6])
     transport.release_stalled()
     assert transport.poll(b_handle).value == "done"
-    for layer, (want, got) in enumerate(zip(source_at_write, page_bytes(pair.decode.receiver.landing.kv, landing_pages))):
+    for layer, (want,
+                got) in enumerate(zip(source_at_write, page_bytes(pair.decode.receiver.landing.kv, landing_pages))):
         assert torch.equal(got, want), f"tensor {layer}: the landing got other bytes than the cached KV"
 
     while pair.busy():

@@ -110,7 +110,8 @@ def test_lane_without_a_measurement_bounds_the_queue_depth_only():
     assert ln.refusal(params, 0.0, 10) is None
     ln.enqueue("c", 10)
     refusal = ln.refusal(params, 0.0, 10)
-    assert refusal == Refusal("2 requests already queued for this prefill worker (router.max_queued_requests)", FALLBACK_RETRY_AFTER_S)
+    assert refusal == Refusal("2 requests already queued for this prefill worker (router.max_queued_requests)",
+                              FALLBACK_RETRY_AFTER_S)
     # A queue bound of 0 still lets a request straight into an open window.
     assert lane(window_tokens=10).refusal(AdmissionParams(max_queued_requests=0), 0.0, 10) is None
 

@@ -129,7 +129,8 @@ def decode_reply(msg) -> list:
     if isinstance(msg, p.Generate):
         return [p.TokenOutput(msg.request_id, (FIRST_TOKEN,), p.FinishReason.LENGTH, "")]
     if isinstance(msg, p.PeerDead):  # what a decode worker says for each landing the dead peer held
-        return [p.TokenOutput(rid, (), p.FinishReason.ABORT, "transfer peer_dead", failure=p.Failure.TRANSFER) for rid in LANDED]
+        return [p.TokenOutput(rid, (), p.FinishReason.ABORT, "transfer peer_dead", failure=p.Failure.TRANSFER)
+                for rid in LANDED]
     return []
 
 
@@ -223,7 +224,8 @@ def test_requests_wait_in_the_dispatcher_until_the_prefill_worker_has_room_and_o
         assert not d.flights and d.lives["prefill-0"].pending_prefill_tokens == 0
         return results, d.reroutes._value.get(), d.refusals.labels(role="prefill")._value.get()
 
-    results, reroutes, refused = run_scenario(scenario, AdmissionParams(prefill_window_tokens=40, max_queued_requests=2))
+    results, reroutes, refused = run_scenario(scenario,
+                                              AdmissionParams(prefill_window_tokens=40, max_queued_requests=2))
     assert [[c.new_token_ids for c in chunks] for chunks in results] == [[(FIRST_TOKEN,)]] * 3
     assert all(chunks[-1].finish_reason == "length" and not chunks[-1].error for chunks in results)
     assert (reroutes, refused) == (0, 1)
@@ -305,7 +307,8 @@ def test_queued_requests_of_a_dead_prefill_worker_are_routed_afresh_not_re_prefi
 
     results, reroutes = run_scenario(scenario, AdmissionParams(prefill_window_tokens=40),
                                      decode=ScriptedLink(decode_reply))
-    assert all(chunks[-1].finish_reason == "length" and chunks[-1].new_token_ids == (FIRST_TOKEN,) for chunks in results)
+    assert all(chunks[-1].finish_reason == "length" and chunks[-1].new_token_ids == (FIRST_TOKEN,)
+               for chunks in results)
     assert reroutes == 1  # q0 alone
 
 

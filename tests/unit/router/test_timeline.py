@@ -20,7 +20,8 @@ WORKER = {"prefill_submitted": 100.0, "compute_done": 100.25, "first_write": 100
 def test_phases_last_until_the_next_and_spans_come_from_one_workers_clock():
     t = describe(10.0, EVENTS, WORKER)
     assert [(p["phase"], p["at_s"], p["s"], p["worker"]) for p in t["phases"][:3]] == [
-        ("queued", 0.5, 4.0, "prefill-0"), ("reserving", 4.5, 0.25, "decode-0"), ("prefilling", 4.75, 0.25, "prefill-0")]
+        ("queued", 0.5, 4.0, "prefill-0"), ("reserving", 4.5, 0.25, "decode-0"),
+        ("prefilling", 4.75, 0.25, "prefill-0")]
     assert t["phases"][-1] == {"phase": "done", "at_s": 8.0, "s": 0.0, "worker": ""}
     assert t["first_token_s"] == 6.0
     assert t["worker_s"] == {"prefill": 0.25, "transfer": 0.25, "transfer_after_compute": 0.125, "load": 0.5}

@@ -68,7 +68,8 @@ def test_training_answers_come_from_a_bfloat16_copy_and_held_out_ones_from_the_t
     from cluster.train.settings import TrainSettings
 
     target, reference, arch = tiny_models()
-    prompts = {"train": make_prompts(4, min_len=4, max_len=20, seed=21), "eval": make_prompts(2, min_len=4, max_len=20, seed=22)}
+    prompts = {"train": make_prompts(4, min_len=4, max_len=20, seed=21),
+               "eval": make_prompts(2, min_len=4, max_len=20, seed=22)}
     monkeypatch.setattr(data, "load_prompts", lambda split, limit=None: prompts[split][:limit])
     monkeypatch.setattr(data, "tokenize", lambda tokenizer, ps: ps)
     loads = []
@@ -87,7 +88,8 @@ def test_training_answers_come_from_a_bfloat16_copy_and_held_out_ones_from_the_t
     path = tmp_path / "generations.json"
     train, held_out = eagle._generations(path, loaded, answerer, settings)
     train_reference = copy.deepcopy(reference).bfloat16() if bf16 else reference
-    agree = sum(a == b for s, p in zip(train, prompts["train"]) for a, b in zip(s.answer, hf_greedy(train_reference, p, 10)))
+    agree = sum(a == b for s, p in zip(train, prompts["train"])
+                for a, b in zip(s.answer, hf_greedy(train_reference, p, 10)))
     assert agree >= 0.9 * 40
     for sample, prompt in zip(held_out, prompts["eval"]):
         assert list(sample.answer) == hf_greedy(reference, prompt, 10)

@@ -42,5 +42,5 @@ def configure(spec: str, seed: int | None = None) -> None:
 
 def strike(site: str) -> bool:
     """Whether to damage this event at `site`."""
-    rate = _rates.get(site)
+    rate = _rates.get(site, 0.0)
     return bool(rate) and _rng.random() < rate

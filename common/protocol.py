@@ -292,7 +292,7 @@ class TokenOutput:
     failure: Failure | None = None  # with `error`: why (None exactly when `error` is empty)
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on its first output, when asked (None first)
-    cached_tiers: tuple[int, int, int] = ()  # on the finishing output: cached_tokens by tier (device, host, L3)
+    cached_tiers: tuple[int, int, int] | tuple[()] = ()  # on the finishing output: cached tokens (device, host, L3)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class CopyJob:
     dst_pages: tuple[int, ...]
     num_bytes: int
     layer_events: list = field(default_factory=list)  # torch.cuda.Event per layer, CUDA only
-    after: object = None  # the submitter's mark: the copies wait for the work queued before it (CUDA)
+    after: torch.cuda.Event | None = None  # the submitter's mark: the copies wait for the work queued before it (CUDA)
     error: BaseException | None = None
     seconds: float = 0.0
     _done: threading.Event = field(default_factory=threading.Event, repr=False)

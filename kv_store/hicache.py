@@ -113,7 +113,7 @@ class HostCache:
 
     def drain(self) -> bool:
         """Wait for the backups in flight (their nodes are locked until then); True when any finished."""
-        jobs = [w.job for w in self._writes.values()]
+        jobs = [w.copy for w in self._writes.values()]
         deadline = time.monotonic() + self.copy_timeout_s
         for job in jobs:
             job.wait(max(0.0, deadline - time.monotonic()))
@@ -124,8 +124,8 @@ class HostCache:
         in time (the node stays in transit)."""
         if not node.residency.in_transit:
             return True
-        job = next((w.job for w in self._writes.values() if w.node is node), None) or next(
-            ld.job for ld in self._loads.values() if node in ld.nodes)
+        job = next((w.copy for w in self._writes.values() if w.node is node), None) or next(
+            ld.copy for ld in self._loads.values() if node in ld.nodes)
         if job.wait(self.copy_timeout_s):
             self._finish_copies()  # not L3: a prefetch attaching here would change the tree mid-walk
         return not node.residency.in_transit
@@ -197,12 +197,12 @@ class HostCache:
 
     def _finish_copies(self) -> None:
         self._finish_writes()
-        for load in [ld for ld in self._loads.values() if ld.job.done()]:
+        for load in [ld for ld in self._loads.values() if ld.copy.done()]:
             self._finish_load(load)
 
     def wait_any(self, timeout_s: float) -> None:
         """Block until some copy in flight is done, at most `timeout_s` (nothing else to do meanwhile)."""
-        jobs = [w.job for w in self._writes.values()] + [ld.job for ld in self._loads.values()]
+        jobs = [w.copy for w in self._writes.values()] + [ld.copy for ld in self._loads.values()]
         if jobs:
             jobs[0].wait(timeout_s)
         else:
@@ -264,12 +264,12 @@ class HostCache:
         write = self._start_write(node)
         if write is None:
             return False
-        if write.job.wait(self.copy_timeout_s):
+        if write.copy.wait(self.copy_timeout_s):
             self._finish_write(write)
         return node.residency is Residency.BOTH
 
     def _finish_writes(self) -> int:
-        done = [w for w in self._writes.values() if w.job.done()]
+        done = [w for w in self._writes.values() if w.copy.done()]
         for write in done:
             self._finish_write(write)
         return len(done)
@@ -279,7 +279,7 @@ class HostCache:
         node = write.node
         self.tree.unlock(node)
         self.pool.retire(write)
-        copied = write.job.error is None
+        copied = write.copy.error is None
         if not copied or (self.sums is not None and self.sums.backup_differs(node, write.host_pages, self.counters)):
             self.pool.free(write.host_pages, write)
             self.counters.copy_errors += not copied
@@ -290,8 +290,8 @@ class HostCache:
             self.sums.damage(write.host_pages[0])
         node.host_pages = write.host_pages
         node.residency = move_residency(node.residency, Residency.BOTH, f"tree node {node.id} backed up")
-        self.counters.l1_to_l2_bytes += write.job.num_bytes
-        self.counters.l1_to_l2_seconds += write.job.seconds
+        self.counters.l1_to_l2_bytes += write.copy.num_bytes
+        self.counters.l1_to_l2_seconds += write.copy.seconds
         self.l3.write(node)
 
     def _wait_for_loads(self, below: list[TreeNode], prefetch: Prefetch | None) -> LoadTicket:
@@ -331,7 +331,7 @@ class HostCache:
         self.device.end_load(load.job)
         self.tree.unlock(load.locked)
         self.device.pages.retire(load)
-        failed = load.job.error is not None
+        failed = load.copy.error is not None
         self.counters.copy_errors += failed
         failed = failed or (self.sums is not None and self.sums.load_differs(load, self.counters))
         self.failed_loads.update([load.nodes[0].id] if failed else [])  # the others lie below it
@@ -343,8 +343,8 @@ class HostCache:
             self.device.pages.give_to_tree(pages, load, node.id)
             node.pages = pages
             node.residency = move_residency(node.residency, Residency.BOTH, f"tree node {node.id} loaded")
-        self.counters.l2_to_l1_bytes += load.job.num_bytes
-        self.counters.l2_to_l1_seconds += load.job.seconds
+        self.counters.l2_to_l1_bytes += load.copy.num_bytes
+        self.counters.l2_to_l1_seconds += load.copy.seconds
         self.device.bump_relocation_version()
 
     def _alloc_device(self, num_pages: int, owner: object) -> list[int] | None:

@@ -93,6 +93,7 @@ class LandingPool:
         relocation version and is one of its `loads_in_flight` until done (the graph gate's)."""
         assert len(landed.pages) == len(device_kv.pages), "a load needs one device page per landing page"
         request_id = landed.req_id
+        assert isinstance(request_id, str), f"landed request id {request_id!r} is not a str: not a landing's ReqKV?"
         job = self.copier.submit(Direction.TO_DEVICE, list(landed.pages), list(device_kv.pages))
         self.pool.hand_off(list(landed.pages), request_id, job)
         self.device.pages.hand_off(list(device_kv.pages), request_id, job)

@@ -153,26 +153,26 @@ class RadixPrefixCache:
         """Protect `node` and its ancestors from eviction in every tier (one reference each)."""
         while node is not self.root:
             node.lock_ref += 1
-            node = node.parent
+            node = node.up()
 
     def unlock(self, node: TreeNode) -> None:
         while node is not self.root:
             assert node.lock_ref > 0, f"tree node {node.id} unlocked more often than locked: release ran twice?"
             node.lock_ref -= 1
-            node = node.parent
+            node = node.up()
 
     def pin_host(self, node: TreeNode) -> None:
         """Keep `node` and its ancestors in the tree, in any tier (one reference each): they may leave
         the device, written back to the host tier, but are never dropped from it."""
         while node is not self.root:
             node.host_pins += 1
-            node = node.parent
+            node = node.up()
 
     def unpin_host(self, node: TreeNode) -> None:
         while node is not self.root:
             assert node.host_pins > 0, f"tree node {node.id} host-unpinned more often than pinned"
             node.host_pins -= 1
-            node = node.parent
+            node = node.up()
 
     def holds(self, node: TreeNode) -> bool:
         """Whether `node` is still in the tree (not evicted, not dropped)."""
@@ -180,7 +180,7 @@ class RadixPrefixCache:
         while node is not self.root:
             if node.parent is None or node.parent.children.get(node.key[:ps]) is not node:
                 return False
-            node = node.parent
+            node = node.up()
         return True
 
     def path_pages(self, node: TreeNode) -> list[int]:
@@ -188,7 +188,7 @@ class RadixPrefixCache:
         chunks = []
         while node is not self.root:
             chunks.append(node.pages)
-            node = node.parent
+            node = node.up()
         return [p for chunk in reversed(chunks) for p in chunk]
 
     # ---- insert --------------------------------------------------------------------------------
@@ -296,7 +296,7 @@ class RadixPrefixCache:
             freed += len(node.pages)
         if node.host_pages:
             self.tier.free_host(node)
-        del node.parent.children[node.key[:self.page_size]]
+        del node.up().children[node.key[:self.page_size]]
         return freed
 
     def evictable_pages(self) -> int:
@@ -340,7 +340,7 @@ class RadixPrefixCache:
                          in_l3=node.in_l3, fetched_from_l3=node.fetched_from_l3, l3_keys=node.l3_keys[:num_pages])
         self.pool.retag_cached(upper.pages, node.id, upper.id)
         self.tier.retag_host(upper.host_pages, node.id, upper.id)
-        node.parent.children[upper.key[:ps]] = upper
+        node.up().children[upper.key[:ps]] = upper
         node.key, node.pages, node.parent = node.key[num_pages * ps:], node.pages[num_pages:], upper
         node.host_pages, node.l3_keys = node.host_pages[num_pages:], node.l3_keys[num_pages:]
         upper.children[node.key[:ps]] = node
@@ -367,8 +367,7 @@ class NullPrefixCache:
     def lock(self, node: TreeNode) -> None:
         assert node is self.root, "NullPrefixCache only ever hands out its root"
 
-    def unlock(self, node: TreeNode) -> None:
-        assert node is self.root, "NullPrefixCache only ever hands out its root"
+    unlock = pin_host = unpin_host = lock  # the same check: nothing below the root to count
 
     def holds(self, node: TreeNode) -> bool:
         return node is self.root

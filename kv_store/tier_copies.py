@@ -30,10 +30,16 @@ class Write:
     id: int
     node: TreeNode
     host_pages: list[int]
-    job: CopyJob
+    job: CopyJob | None = None
 
     def __hash__(self) -> int:
         return hash(("write", self.id))
+
+    @property
+    def copy(self) -> CopyJob:
+        """The copy job: submitted right after this record is made."""
+        assert self.job is not None, f"{self!r}'s copy read before it was submitted"
+        return self.job
 
 
 @dataclass(eq=False)
@@ -48,6 +54,12 @@ class Load:
 
     def __hash__(self) -> int:
         return hash(("load", self.id))
+
+    @property
+    def copy(self) -> CopyJob:
+        """The copy job: submitted right after this record is made."""
+        assert self.job is not None, f"{self!r}'s copy read before it was submitted"
+        return self.job
 
     @property
     def pages(self) -> tuple[int, ...]:

@@ -46,9 +46,9 @@ def _check_node(node: TreeNode, root: TreeNode, pool: PagePool, tier, seen_pages
     on_device = node.residency.on_device
     assert len(node.pages) == (n if on_device else 0), (
         f"tree node {node.id} is {node.residency.value} with {len(node.pages)} device pages for {n} pages of tokens")
-    if on_device and node.parent is not root:
-        assert node.parent.residency.on_device, (
-            f"tree node {node.id} is on device but its parent {node.parent.id} is {node.parent.residency.value}: "
+    if on_device and node.up() is not root:
+        assert node.up().residency.on_device, (
+            f"tree node {node.id} is on device but its parent {node.up().id} is {node.up().residency.value}: "
             "evicted a node whose child was still on device?")
     for p in node.pages:
         assert p not in seen_pages, f"page {p} in two tree nodes: inserted twice?"

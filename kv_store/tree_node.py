@@ -31,6 +31,11 @@ class TreeNode:
     fetched_from_l3: bool = False  # brought by an L3 prefetch and not loaded to device since (hit accounting)
     l3_keys: list[str] = field(default_factory=list)  # its pages' L3 keys, once computed
 
+    def up(self) -> TreeNode:
+        """The parent of a node below the root."""
+        assert self.parent is not None, f"tree node {self.id} has no parent: walked past the root, or detached?"
+        return self.parent
+
 
 @dataclass(frozen=True)
 class PrefixMatch:

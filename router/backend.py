@@ -69,7 +69,7 @@ class GenerationChunk:
     error: str = ""  # non-empty: the request ended by a failure (then finish_reason == "abort")
     error_kind: ErrorKind | None = None  # set exactly when `error` is
     cached_tokens: int = 0  # on the last chunk: prompt tokens served by a prefix cache
-    cached_tiers: tuple[int, int, int] = ()  # on the last chunk: those by tier (device, host, L3); () unknown
+    cached_tiers: tuple[int, int, int] | tuple[()] = ()  # on the last chunk: by tier (device, host, L3); () unknown
     kv_transfer_s: float | None = None  # on the last chunk, disaggregated only: prefill-side transfer time
     kv_transfer_bytes: int = 0  # on the last chunk, disaggregated only: KV bytes moved for the prompt
     prefill_worker: str = ""  # on the last chunk: the worker that computed the prompt ("" = the decode worker)

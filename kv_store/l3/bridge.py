@@ -84,7 +84,7 @@ class L3Bridge:
     def node_keys(self, node: TreeNode) -> list[str]:
         """`node`'s page keys (computed once: the chain runs through its ancestors' keys)."""
         if not node.l3_keys:
-            parent = node.parent
+            parent = node.up()
             parent_key = ROOT_KEY if parent is self.tree.root else self.node_keys(parent)[-1]
             node.l3_keys = self.l3.keys(node.key, parent_key)
         return node.l3_keys

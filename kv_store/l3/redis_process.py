@@ -25,6 +25,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import redis
@@ -79,7 +80,7 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         """A plain client for the owner's own reads (tests: and tampering)."""
-        tls = dict(ssl=True, ssl_ca_certs=str(self.cert_file)) if self.tls else {}
+        tls: dict[str, Any] = {"ssl": True, "ssl_ca_certs": str(self.cert_file)} if self.tls else {}
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5, **tls)
 
     def start(self) -> RedisServer:
@@ -103,11 +104,16 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "redis-server has no process: start() it first"
+        return self.proc.pid
+
     def pause(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        os.kill(self.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
+        os.kill(self.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -133,12 +139,13 @@ class RedisServer:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        client = self.client()
+        client, proc = self.client(), self.proc
+        assert proc is not None, "redis-server awaited before it was started"
         try:
             while True:
-                if self.proc.poll() is not None:
+                if proc.poll() is not None:
                     log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{log}")
+                    raise RuntimeError(f"redis-server exited with {proc.returncode}:\n{log}")
                 try:
                     if client.ping():
                         return

@@ -208,12 +208,12 @@ class RedisPageStore:
     def _verified_run(self, keys: Sequence[str], values: list) -> tuple[list[bytes], tuple | None]:
         """The verified payloads of the leading present values, and (key, fault) of the value that
         ended the run when it failed verification (None when it ended at an absent key or the end)."""
-        payloads = []
+        payloads: list[bytes] = []
         for key, value in zip(keys, values):
             if value is None:
                 return payloads, None
             decoded = decode_value(key, self._fingerprint, self._page_bytes, value)
-            if decoded.fault is not None:
+            if decoded.payload is None:  # exactly one of payload and fault is set
                 return payloads, (key, decoded.fault)
             payloads.append(decoded.payload)
         return payloads, None

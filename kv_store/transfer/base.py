@@ -330,7 +330,9 @@ class Transport(abc.ABC):
             if status is TransferStatus.DONE:
                 return
             if status is TransferStatus.FAILED:
-                raise self.error(handle)
+                error = self.error(handle)
+                assert error is not None, f"{handle} FAILED with no error recorded: poll and error disagree"
+                raise error
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{handle} still pending after {timeout_s} s (peer slow or hung?)")
             time.sleep(sleep_s)

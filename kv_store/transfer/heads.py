@@ -58,7 +58,7 @@ def head_ops(source: SourceKV, src_pages: Sequence[int], landing: Landing, start
         dst_row, width = (shard.heads[1] - shard.heads[0]) * head_bytes, (stop - first) * head_bytes
         src_off, dst_off = (first - source.held.start) * head_bytes, (first - shard.heads[0]) * head_bytes
         rows = [(0, page_size * width)] if width == src_row == dst_row else [(t, width) for t in range(page_size)]
-        ops = []
+        ops: list[WriteOp] = []
         for bases in zip(source.k_base, shard.k_base, source.v_base, shard.v_base):
             for src_base, dst_base in (bases[:2], bases[2:]):
                 for j, page in enumerate(src_pages):

@@ -56,7 +56,7 @@ def listening_sockets(pid: int) -> list[Listener]:
 
 
 def _socket_inodes(pid: int) -> set[int]:
-    inodes = set()
+    inodes: set[int] = set()
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except (FileNotFoundError, ProcessLookupError, PermissionError):

@@ -31,7 +31,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    cached_tiers: tuple[int, int, int] = ()  # those by the tier that held them (device, host, L3); () unknown
+    cached_tiers: tuple[int, int, int] | tuple[()] = ()  # by the tier that held them (device, host, L3); () unknown
 
     def body(self) -> dict:
         details: dict = {"cached_tokens": self.cached_tokens}

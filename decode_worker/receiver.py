@@ -30,8 +30,8 @@ from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput, step_output
 from engine.request import FinishReason, Request, RequestStatus, prefill_marks
 from kv_store.copier import CopyJob
+from kv_store.kv_manager import ReleaseReason, ReqKV
 from kv_store.landing import LandingPool
-from kv_store.req_kv import ReleaseReason, ReqKV
 from kv_store.residency import Residency, move_residency
 from kv_store.transfer.base import Transport
 from kv_store.transfer.page_digest import PageDigest

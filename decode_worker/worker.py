@@ -19,9 +19,9 @@ from common import protocol as p
 from common.protocol import WorkerRole
 from decode_worker.receiver import InboundPhase, KVReceiver
 from engine.core import EngineCore
-from engine.hosted import EngineWorker
 from engine.output import StepOutput
 from engine.sessions import SessionBusy, SessionError
+from engine.worker_base import EngineWorker
 
 __all__ = ["ClientWorker", "ColocatedWorker", "DecodeWorker", "InboundPhase"]
 

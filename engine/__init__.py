@@ -2,6 +2,8 @@
 
     build.py      build_engine: makes and wires an engine's parts, in one written order
     core.py       EngineCore: the step loop over one paged KV pool
+    endings.py    Endings: every way a request ends (the request table's release paths)
+    forward.py    a step's forward pass, retried row by row so a faulty row fails only its request
     output.py     StepOutput: what a step hands its worker per request
     scheduler.py  waiting queue, running batch, chunked prefill, retract; the one owner of request KV
     sessions.py   streaming sessions: a conversation's history pinned between turns
@@ -11,7 +13,7 @@
     stop.py       StopRules: EOS, stop ids, stop strings (incremental), length
     tiers.py      the host tier (L2/L3) an engine gets from its config
     stats.py      the heartbeat's figures
-    hosted.py     what every worker answers from its engine alone
+    worker_base.py  EngineWorker: the workers' base, what each answers from its engine, message dispatch
     connector.py  KVConnector (the seam with P/D), the ConnectorPorts it gets, NullConnector (colocated)
     graphs/       steps replayed from static buffers (capture, tree verify, GraphRunner, draft head)
     spec/         EAGLE speculation (speculator, draft trees, the drafting policy)

@@ -41,11 +41,11 @@ from kernels.attention import AUTO, get_backend, resolve_backend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.packed_linear import prepack_cpu
 from kv_store.device_pool import DevicePool
-from kv_store.hicache import HostCache, NullHostCache
+from kv_store.host_cache import HostCache, NullHostCache
+from kv_store.kv_manager import KVManager
 from kv_store.l3.bridge import L3Bridge
 from kv_store.l3.config import L3Config
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
-from kv_store.req_kv import KVManager
 
 log = logging.getLogger(__name__)
 

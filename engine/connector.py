@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from engine.scheduler import ScheduledStep
     from kernels.kv_layout import KVCacheTensors
     from kv_store.device_pool import DevicePool
-    from kv_store.req_kv import ReleaseReason, ReqKV
+    from kv_store.kv_manager import ReleaseReason, ReqKV
 
 
 class ConnectorKV(Protocol):

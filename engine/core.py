@@ -48,9 +48,9 @@ from engine.structured import StructuredOutputs
 from engine.tokens import apply_stop_rules, row_tokens
 from kernels.kv_layout import KVCacheTensors, populate_in_background
 from kv_store.device_pool import DevicePool
-from kv_store.hicache import HostCache, NullHostCache
+from kv_store.host_cache import HostCache, NullHostCache
+from kv_store.kv_manager import KVManager
 from kv_store.page_pool import PagePool
-from kv_store.req_kv import KVManager
 
 log = logging.getLogger("tandem.engine")
 

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 from common.config import SamplingParams
 from common.logprobs import TokenLogprobs
 from common.protocol import FinishReason  # the engine's name for it too
-from kv_store.req_kv import ReqKV
+from kv_store.kv_manager import ReqKV
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarState
     from engine.stop import StopRules
-    from kv_store.hicache import LoadTicket
+    from kv_store.host_cache import LoadTicket
 
 
 def check_tokens(prompt_token_ids: Sequence[int], resumed: Sequence[int], vocab: int, limit: int,

@@ -29,8 +29,8 @@ from common.config import EngineConfig
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import ForwardRow
 from engine.sessions import NullSessions, SessionManager
-from kv_store.hicache import HostCache, NullHostCache
-from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
+from kv_store.host_cache import HostCache, NullHostCache
+from kv_store.kv_manager import KVManager, ReleaseReason, ReqKV
 
 MAX_BUDGET_CHUNKS = 4
 """A step's prefill budget at most, in `chunk_size`s (the age boost's cap)."""

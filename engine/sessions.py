@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kv_store.req_kv import KVManager, ReleaseReason
+from kv_store.kv_manager import KVManager, ReleaseReason
 
 
 class SessionError(ValueError):

@@ -10,7 +10,7 @@ import torch
 
 from common.config import EngineConfig, require
 from kv_store.device_pool import DevicePool
-from kv_store.hicache import HostCache, NullHostCache, WritePolicy
+from kv_store.host_cache import HostCache, NullHostCache, WritePolicy
 from kv_store.l3.config import L3Config
 from kv_store.l3.keys import KeyNamespace
 from kv_store.l3.tier import L3Tier

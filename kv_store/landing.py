@@ -1,9 +1,9 @@
 """The landing pool: host memory where a decode worker receives a prompt's KV from a prefill worker,
 and the loads that bring it to the device (docs/design.md §2, §5).
 
-Not the host tier: the prefix tree's L2 (`kv_store/hicache.py:HostCache`) holds cached prefixes the
+Not the host tier: the prefix tree's L2 (`kv_store/host_cache.py:HostCache`) holds cached prefixes the
 tree may serve; a landing holds KV a remote writer may still be writing, which the cache must never
-see. Both are page pools in the device pool's layout (`hicache.host_tensors`: pinned on CUDA), and
+see. Both are page pools in the device pool's layout (`host_cache.host_tensors`: pinned on CUDA), and
 both move pages to the device through the one copier (`kv_store/copier.py:PageCopier`, its copy
 kernel on CUDA): a load here is a `CopyJob`, the same completion the tier's load-backs have.
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from common.protocol import KVLayout, Landing
 from kv_store.copier import CopyJob, Direction, PageCopier
 from kv_store.device_pool import DevicePool
+from kv_store.kv_manager import KVManager, ReleaseReason, ReqKV
 from kv_store.page_pool import KVOwnershipError, PagePool
 from kv_store.radix_cache import NullPrefixCache
-from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
 from kv_store.tier_copies import host_tensors
 
 

@@ -8,7 +8,7 @@ first page.
 Tiers. A node's `residency` says where its pages are valid (`kv_store/tree_node.py`, with the node
 and match records). Nodes on device form a prefix-closed set (a node on device has its parent on
 device), so a match is a device run followed by a host run. What happens to a node that leaves L1 is
-the attached tier's business (`L1Only` drops it; `kv_store/hicache.py:HostCache` keeps it on the host).
+the attached tier's business (`L1Only` drops it; `kv_store/host_cache.py:HostCache` keeps it on the host).
 
 Locking: `lock(node)` adds one reference to the node and each ancestor; a node with `lock_ref > 0`
 leaves no tier. Holders: a live request (its cached prefix), a transfer handle that reads cached
@@ -84,7 +84,7 @@ class RadixPrefixCache:
         self.tier = L1Only(self)
 
     def attach_tier(self, tier) -> None:
-        """Below L1 from now on: `tier` (`kv_store/hicache.py:HostCache`) gets the tree's hooks. Called
+        """Below L1 from now on: `tier` (`kv_store/host_cache.py:HostCache`) gets the tree's hooks. Called
         once, by the engine's builder, before any node exists."""
         assert isinstance(self.tier, L1Only) and not self.root.children, "attach the tier to an empty, bare tree"
         self.tier = tier

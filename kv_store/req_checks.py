@@ -7,7 +7,7 @@ from kv_store.page_pool import PageState
 
 
 def check_manager(kvm) -> None:
-    """`kvm`'s (a `req_kv.KVManager`) pool, tree, transfer pins and live requests agree (DESIGN §3).
+    """`kvm`'s (a `kv_manager.KVManager`) pool, tree, transfer pins and live requests agree (DESIGN §3).
     Raises AssertionError naming the cause."""
     kvm.pool.check_integrity()
     locks: dict[int, int] = {}

@@ -2,7 +2,7 @@
 (`Load`, host -> device) in flight; and `TierCounters`, the tier's cumulative figures (hits, bytes
 copied, pages evicted, copy errors).
 
-`kv_store/hicache.py:HostCache` makes, finishes and counts them on the scheduler's thread. Who holds
+`kv_store/host_cache.py:HostCache` makes, finishes and counts them on the scheduler's thread. Who holds
 what while a copy is in flight (DESIGN §4 rule 2):
 
     backup (device -> host)   host pages IN_FLIGHT(write); node WRITING, locked by the write (its

@@ -34,7 +34,7 @@ from engine.connector import ConnectorPorts, NullConnector
 from engine.output import StepOutput
 from engine.request import FinishReason, Request, RequestStatus
 from kv_store.copier import CopyJob
-from kv_store.req_kv import ceil_div
+from kv_store.kv_manager import ceil_div
 from kv_store.stream_order import order_for
 from kv_store.transfer.base import TransferError, TransferStatus, Transport
 from kv_store.transfer.heads import SourceKV, sent_heads

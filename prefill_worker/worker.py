@@ -15,8 +15,8 @@ from common import protocol as p
 from common.config import SamplingParams
 from common.protocol import WorkerRole
 from engine.core import EngineCore
-from engine.hosted import EngineWorker
-from kv_store.req_kv import ceil_div
+from engine.worker_base import EngineWorker
+from kv_store.kv_manager import ceil_div
 from kv_store.transfer.session import FailureReason
 from prefill_worker.sender import KVSender
 

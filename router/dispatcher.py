@@ -113,7 +113,8 @@ class Dispatcher:
         if request_id in self.flights:
             raise BackendError(ErrorKind.REJECTED, f"request id {request_id!r} is already in flight")
         if len(self.flights) >= self.config.max_pending:
-            raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later", retry_after_s=1.0)
+            raise BackendError(ErrorKind.QUEUE_FULL, f"{len(self.flights)} requests in flight; retry later",
+                               retry_after_s=1.0)
         params = seeded(params)
         if session_id:
             flight = SessionTurn(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
@@ -305,7 +306,8 @@ class Dispatcher:
 
     def _finish_error(self, flight: Flight, kind: ErrorKind, error: str) -> None:
         if flight.phase is not Phase.DONE:
-            flight.queue.put_nowait(GenerationChunk((), "abort", error=error, error_kind=kind, timeline=flight.timeline({})))
+            flight.queue.put_nowait(GenerationChunk((), "abort", error=error, error_kind=kind,
+                                                    timeline=flight.timeline({})))
             self._end(flight)
 
     def _end(self, flight: Flight) -> None:
@@ -347,7 +349,8 @@ class Dispatcher:
             if not lv.gone and lv.info.role in roles:
                 lv.send(notice)
         # Queued ones first, so that a window freed below is never handed to a request bound for `live`.
-        self._route_afresh(live.lane.drain() + [f for f in self.flights.values() if f.decode is live and f.phase is Phase.QUEUED])
+        queued = [f for f in self.flights.values() if f.decode is live and f.phase is Phase.QUEUED]
+        self._route_afresh(live.lane.drain() + queued)
         self.transfers.gone_with(live)
         for flight in [f for f in self.flights.values() if f.decode is live]:
             self._failed(flight, p.Failure.TRANSFER, f"worker {live.worker_id} died: {why}", died=True)
@@ -392,5 +395,5 @@ class Dispatcher:
                 await self.refresh()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - keep serving with stale views; say so
+            except Exception:  # keep serving with stale views; log.exception says so
                 log.exception("refreshing worker views failed")

@@ -2,7 +2,7 @@
 
 A load-back (`kv_store/copier.py:PageCopier`, `Direction.TO_DEVICE`; a decode worker's landing loads,
 `kv_store/landing.py`, take the same copier) moves `--pages` pages of every
-layer's K and V from the host tier (pinned on CUDA, as `kv_store.hicache.host_tensors` makes it) to
+layer's K and V from the host tier (pinned on CUDA, as `kv_store.host_cache.host_tensors` makes it) to
 the device pool. The baseline moves exactly as many bytes with one `copy_` per layer tensor from a
 pinned host slice into a device slice (`non_blocking`, then one synchronize): what the hardware gives
 a copy with no page table at all. Both run `--repeats` times, alternating; the best of each counts.

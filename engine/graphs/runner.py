@@ -139,7 +139,7 @@ class GraphRunner:
         """Verify rows replay as decode rows (module docstring); off where nothing is captured."""
         self.bufs = StaticBuffers.allocate(self.buckets[-1], -(-max_model_len // self.page_size), eager.device)
         self._graphs: dict[int, _Captured] = {}
-        self._compiled: dict[int, Callable] = {}  # CPU: bucket -> the forward that replays it (C layers, compiled)
+        self._cpu_replays: dict[int, Callable] = {}  # CPU: bucket -> its replay (a C layer, a compiled forward)
         self._compiling: threading.Thread | None = None  # a background compile, once started
         self._compile_later: Callable[[], None] | None = None  # a background compile, until started
         self.trees = None  # TreeVerifyGraphs, when the engine drafts trees
@@ -150,7 +150,8 @@ class GraphRunner:
             self._capture_all()
         elif plan.strategy is StepStrategy.C_LAYERS:
             native = plan.native
-            self._compiled.update((b, native) for b in self.buckets if native.max_rows is None or b <= native.max_rows)
+            self._cpu_replays.update((b, native) for b in self.buckets
+                                     if native.max_rows is None or b <= native.max_rows)
         elif plan.strategy is StepStrategy.COMPILED and COMPILED_CPU_BUCKET in self.buckets:
             self._compile(COMPILED_CPU_BUCKET, compile_in_background)
 
@@ -208,7 +209,7 @@ class GraphRunner:
     def _replay(self, rows: list[ForwardRow], bucket: int) -> ForwardOut:
         self.bufs.fill(rows, bucket, self.page_size)
         seq_lens = tuple(r.seq_len for r in rows) + (1,) * (bucket - len(rows))
-        compiled = self._compiled.get(bucket)
+        compiled = self._cpu_replays.get(bucket)
         if compiled is not None:
             # The attention's work spans at least the warm-up's two pages (the device seq_lens mask
             # each row): one page would specialise the compiled step and compile again mid-serving.
@@ -260,7 +261,7 @@ class GraphRunner:
                     raise
                 log.exception("compiling the CPU decode step failed: batch size %d stays eager", bucket)
                 return
-            self._compiled[bucket] = compiled
+            self._cpu_replays[bucket] = compiled
             log.info("compiled the CPU decode step for batch size %d in %.1f s", bucket, time.perf_counter() - start_s)
 
         if background:

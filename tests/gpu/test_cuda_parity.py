@@ -54,7 +54,7 @@ def test_smollm2_bf16_logits_as_close_to_fp32_as_hf_bf16_is():
     from transformers import AutoModelForCausalLM
 
     from engine.runner import ForwardRow
-    from kv_store.req_kv import ReleaseReason
+    from kv_store.kv_manager import ReleaseReason
 
     fp32 = load_model("smollm2", device="cuda")
     bf16 = load_model("smollm2", device="cuda", dtype=torch.bfloat16)

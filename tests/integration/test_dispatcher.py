@@ -25,7 +25,7 @@ from common.config import EngineConfig
 from common.protocol import WorkerRole
 from decode_worker.worker import InboundPhase
 from kernels.model.tokenizer import apply_chat_template
-from kv_store.req_kv import ceil_div
+from kv_store.kv_manager import ceil_div
 from kv_store.transfer.config import TransportConfig
 from router.admission import PLAN_SHARE, AdmissionParams
 from router.backend import BackendError, ErrorKind

@@ -18,8 +18,8 @@ from engine.scheduler import ScheduledStep
 from engine.stop import StopRules
 from kernels.kv_layout import KVCacheTensors
 from kv_store.device_pool import DevicePool
+from kv_store.kv_manager import KVManager, ReleaseReason, ReqKV
 from kv_store.radix_cache import NullPrefixCache
-from kv_store.req_kv import KVManager, ReleaseReason, ReqKV
 from kv_store.transfer.local import LocalTransport
 from kv_store.transfer.session import FailureReason
 from prefill_worker.sender import KVSender

@@ -158,7 +158,7 @@ def test_cpu_native_replays_give_hf_greedy_output_and_compile_nothing():
     engine = make_engine(cuda_graph=True, cpu_compile=True, max_running_requests=8, graph_batch_sizes=(1, 2, 4, 8))
     try:
         assert MAX_ROWS == 4 and not engine.runner.compiling()
-        assert {b for b, f in engine.runner._compiled.items() if isinstance(f, NativeDecode)} == {1, 2, 4}
+        assert {b for b, f in engine.runner._cpu_replays.items() if isinstance(f, NativeDecode)} == {1, 2, 4}
         calls = {b: _count_calls(engine.runner, b) for b in (1, 2, 4)}
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
         reqs = engine.generate(prompts[:3], params[:3]) + engine.generate(prompts[3:], params[3:])
@@ -191,7 +191,7 @@ def test_cpu_native_bf16_replays_every_bucket_where_onednn_has_no_bf16_and_match
                               graph_batch_sizes=(1, 2, 4, 8))
         engine = build_engine(config, model, arch)
         try:
-            served = {b for b, f in engine.runner._compiled.items() if isinstance(f, NativeDecode)}
+            served = {b for b, f in engine.runner._cpu_replays.items() if isinstance(f, NativeDecode)}
             assert served == ({1, 2, 4, 8} if native else set())
             outputs[native] = [r.output_token_ids for r in engine.generate(prompts, params)]
             assert engine.graph_stats().replays >= 10
@@ -214,7 +214,7 @@ def test_cpu_compiled_replays_give_hf_greedy_output_with_no_compile_after_start_
                          graph_batch_sizes=(1, 2, 3))
     try:
         # bucket 1 (where compiling pays on a CPU) replays through the compiled forward; 2 and 3 eagerly
-        assert set(engine.runner._compiled) == {1}
+        assert set(engine.runner._cpu_replays) == {1}
         frames_after_warm_up = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         compiled_calls = _count_calls(engine.runner, 1)
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
@@ -271,7 +271,7 @@ def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_g
         prompts, params = make_prompts(2, seed=9), [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 12)]
         want = [hf_greedy(ref, p, sp.max_tokens) for p, sp in zip(prompts, params)]
         eager = engine.generate(prompts, params)  # the compile has not begun: bucket 1 replays eagerly
-        assert not engine.runner._compiled and engine.runner.counters.replays >= 10
+        assert not engine.runner._cpu_replays and engine.runner.counters.replays >= 10
         # not even set up before the loop starts it (torch.compile's imports would delay "ready")
         assert not _compiled_made()
         assert [r.output_token_ids for r in eager] == want
@@ -282,7 +282,7 @@ def test_a_served_worker_decodes_eagerly_while_compiling_then_compiled_with_hf_g
         during = engine.generate(prompts, params)  # most likely while it compiles: one thread each
         assert [r.output_token_ids for r in during] == want
         assert engine.runner.wait_compiled(120)
-        assert set(engine.runner._compiled) == {1} and not engine.graph_stats().compiling
+        assert set(engine.runner._cpu_replays) == {1} and not engine.graph_stats().compiling
         assert len(_compiled_made()) == 1
         graphs_when_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         compiled_calls = _count_calls(engine.runner, 1)
@@ -313,7 +313,7 @@ def test_a_served_worker_maps_its_kv_pool_in_once_its_compile_is_over(monkeypatc
     import sys
     import threading
 
-    from engine.hosted import EngineWorker
+    from engine.worker_base import EngineWorker
     from tests.unit.kernels.test_kv_layout import _pool_kib
 
     compiling, release = threading.Event(), threading.Event()
@@ -332,7 +332,7 @@ def test_a_served_worker_maps_its_kv_pool_in_once_its_compile_is_over(monkeypatc
         time.sleep(0.5)  # a populate started beside the compile would be well under way
         assert _pool_kib(engine.kv_cache) < whole_kib // 4, "populating began before the compile ended"
         release.set()
-        assert engine.runner.wait_compiled(120) and set(engine.runner._compiled) == {1}
+        assert engine.runner.wait_compiled(120) and set(engine.runner._cpu_replays) == {1}
         assert not worker.holds_a_core() and sys.getswitchinterval() == pytest.approx(0.005)
         deadline = time.monotonic() + 30
         while _pool_kib(engine.kv_cache) < whole_kib:
@@ -382,7 +382,7 @@ def test_a_failed_background_compile_leaves_the_step_eager(monkeypatch, caplog):
     engine = _background_engine(monkeypatch, fail)
     try:
         engine.runner.start_compile()
-        assert engine.runner.wait_compiled(60) and not engine.runner._compiled and not engine.graph_stats().compiling
+        assert engine.runner.wait_compiled(60) and not engine.runner._cpu_replays and not engine.graph_stats().compiling
         assert "compiling the CPU decode step failed: batch size 1 stays eager" in caplog.text
         prompt = make_prompts(1, seed=10)[0]
         (req,) = engine.generate([prompt], [SamplingParams(max_tokens=6, ignore_eos=True)])
@@ -400,13 +400,13 @@ def _compiled_made() -> list:
 
 def _count_calls(runner, bucket: int):
     """Wraps the compiled forward of `bucket`; returns a function giving how often it ran."""
-    compiled, calls = runner._compiled[bucket], []
+    compiled, calls = runner._cpu_replays[bucket], []
 
     def counting(*args):
         calls.append(1)
         return compiled(*args)
 
-    runner._compiled[bucket] = counting
+    runner._cpu_replays[bucket] = counting
     return lambda: len(calls)
 
 

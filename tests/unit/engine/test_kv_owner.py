@@ -18,7 +18,7 @@ REQUEST_METHODS = {"open", "try_open", "match_prefix", "try_allocate", "commit",
 
 
 def kv_manager_methods() -> dict[str, ast.FunctionDef]:
-    tree = ast.parse((ROOT / "kv_store" / "req_kv.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "kv_store" / "kv_manager.py").read_text(encoding="utf-8"))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KVManager")
     return {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
 

@@ -13,7 +13,7 @@ from common import protocol as p
 from common.config import EngineConfig
 from engine.request import RequestStatus
 from engine.sessions import SessionError, SessionState
-from kv_store.req_kv import ceil_div
+from kv_store.kv_manager import ceil_div
 from kv_store.transfer.local import LocalTransport
 from tests.helpers import assert_pool_at_rest, greedy, make_engine, make_prompts, tiny_models
 

@@ -73,7 +73,7 @@ def test_build_engine_chooses_logs_and_the_runner_follows(models, caplog, config
         runner = engine.runner
         assert model.backend.name == backend and runner.plan.strategy is strategy
         assert f"decode steps: {strategy.value}" in caplog.text
-        assert {type(f) for f in runner._compiled.values()} == ({replayed_by} if replayed_by else set())
+        assert {type(f) for f in runner._cpu_replays.values()} == ({replayed_by} if replayed_by else set())
         prompts = [[5, 6, 7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
         out = engine.generate(prompts, [SamplingParams(max_tokens=6, ignore_eos=True)] * 2)
         assert [r.output_token_ids for r in out] == [hf_greedy(hf, p, 6) for p in prompts]

@@ -14,9 +14,9 @@ from common import protocol as p
 from common.config import EngineConfig, SamplingParams
 from decode_worker.worker import ClientWorker, ColocatedWorker, DecodeWorker
 from engine.core import EngineCore
-from engine.hosted import EngineWorker
 from engine.request import FinishReason, Request
 from engine.stop import StopRules
+from engine.worker_base import EngineWorker
 from kv_store.transfer.local import LocalTransport
 from prefill_worker.worker import PrefillWorker
 from tests.helpers import tiny_models
@@ -105,7 +105,7 @@ def test_an_arrived_first_token_goes_through_the_stop_rules_as_a_sampled_one():
     assert EngineCore.accept_first_token(arrived(max_tokens=4, stop_token_ids=(7,)), 7, None, ()) is FinishReason.STOP
 
 
-WORKER_SOURCES = ["decode_worker", "prefill_worker", "engine/hosted.py", "cluster/worker_host"]
+WORKER_SOURCES = ["decode_worker", "prefill_worker", "engine/worker_base.py", "cluster/worker_host"]
 
 
 def engine_reach_ins(path: Path) -> list[str]:

@@ -292,7 +292,7 @@ def test_a_decode_worker_with_only_landings_waits_for_messages_instead_of_pollin
     """Landings move only on the peer's messages (which wake the loop) or a deadline: the loop waits
     up to LANDING_WAIT_S (never past the nearest deadline); anything to poll brings it back to POLL_S."""
     from decode_worker.worker import LANDING_WAIT_S
-    from engine.hosted import POLL_S
+    from engine.worker_base import POLL_S
 
     _, _, arch = tiny_models()
     now = [100.0]

@@ -1,4 +1,4 @@
-"""The L2 host tier under the prefix tree (kv_store/hicache.py): write policies, write-back on L1
+"""The L2 host tier under the prefix tree (kv_store/host_cache.py): write policies, write-back on L1
 eviction, LRU in L2, load-back with requests waiting in LOADING, retract that offloads. References:
 the same model with the hierarchy off (and HF greedy through the engine tests), and the bytes of a
 node's device pages before they left L1."""

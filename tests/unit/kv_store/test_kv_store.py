@@ -2,9 +2,9 @@
 
 import pytest
 
+from kv_store.kv_manager import KVManager, ReleaseReason
 from kv_store.page_pool import KVOwnershipError, OutOfPages, PagePool, PageState
 from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
-from kv_store.req_kv import KVManager, ReleaseReason
 
 
 def make_kv(num_pages=11, page_size=4, cache=True) -> KVManager:

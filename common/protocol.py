@@ -167,7 +167,7 @@ class WorkerStats:
 
     role: WorkerRole
     device: PoolStats
-    host: PoolStats | None  # decode workers only: landings
+    landing: PoolStats | None  # decode workers only: the landing pool
     num_running: int
     num_waiting: int
     num_transfers: int  # requests with a transfer not yet ended
@@ -209,7 +209,7 @@ class Reserve:
 @dataclass(frozen=True)
 class Reserved:
     request_id: str
-    landing: Landing | None  # None: host tier full, retry later
+    landing: Landing | None  # None: the landing pool is full, retry later
     error: str  # non-empty: the request can never be served (the caller gets it)
 
 

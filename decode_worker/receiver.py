@@ -67,6 +67,18 @@ class _Inbound:
                                "is not a legal move")
         self.phase = dst
 
+    def landed(self) -> ReqKV:
+        """`landed_kv`, for a request whose landing is back in our hands (LOAD_PENDING, LOADING)."""
+        assert self.landed_kv is not None, \
+            f"request {self.request.request_id} ({self.phase.value}) has no landed KV: used before its KVComplete?"
+        return self.landed_kv
+
+    def on_device(self) -> ReqKV:
+        """`device_kv`, for a request whose device pages are open (LOADING)."""
+        assert self.device_kv is not None, \
+            f"request {self.request.request_id} ({self.phase.value}) has no device KV: used before `_start_load`?"
+        return self.device_kv
+
 
 _INBOUND_MOVES = {InboundPhase.LANDING: {InboundPhase.ABANDONING, InboundPhase.LOAD_PENDING},
                   InboundPhase.LOAD_PENDING: {InboundPhase.LOADING}, InboundPhase.LOADING: set(),
@@ -99,7 +111,7 @@ class KVReceiver(NullConnector):
     # ---- the worker's requests ---------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 peer: str) -> Landing | None:
-        """Reserve host pages for the prompt's KV; None when the host tier is full (try later).
+        """Reserve host pages for the prompt's KV; None when the landing pool is full (try later).
         Raises ValueError for a request that can never fit, or whose id is in use, like `add_request`."""
         if request_id in self.inbound:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -209,7 +221,7 @@ class KVReceiver(NullConnector):
         elif self.inbound.pop(rid, None) is not None:  # landed: what it holds is its own (release is idempotent)
             if ib.device_kv is not None:
                 self.kv.release_kv(ib.device_kv, ReleaseReason.ABORTED, None)
-            self.landing.release(ib.landed_kv, ReleaseReason.ABORTED)
+            self.landing.release(ib.landed(), ReleaseReason.ABORTED)
         if ib.request.status is not RequestStatus.FINISHED:
             ib.request.error = error
             ib.request.finish(FinishReason.ABORT)
@@ -260,7 +272,7 @@ class KVReceiver(NullConnector):
         each rank's part of it, `sums` shard-major); if not, the landing is let go and the request
         fails as a failed transfer (re-routed: computed again), before its first token goes out."""
         num_pages = len(sums) // (1 if self.others is None else 1 + len(self.others.shards))
-        pages = list(ib.landed_kv.pages[:num_pages])
+        pages = list(ib.landed().pages[:num_pages])
         if pages and chaos.strike("landing"):
             self._digest.damage(pages[0])
         got = self._digest.digests(pages) + (self.others.digests(pages) if self.others is not None and pages else [])
@@ -273,7 +285,7 @@ class KVReceiver(NullConnector):
         self.checksum_failures += 1
         detail = f"landed KV page(s) {bad} of {num_pages} failed their checksum"
         log.error("request %s: %s; the landing is dropped and the prompt computed again", ib.request.request_id, detail)
-        self.landing.release(ib.landed_kv, ReleaseReason.TRANSFER_FAILED)
+        self.landing.release(ib.landed(), ReleaseReason.TRANSFER_FAILED)
         del self.inbound[ib.request.request_id]
         self._report(ib.request, FinishReason.ABORT, f"transfer corrupt: {detail}", Failure.CORRUPT)
         return False
@@ -288,8 +300,8 @@ class KVReceiver(NullConnector):
         ib.residency = move_residency(ib.residency, Residency.LOADING, req.request_id)
         req.timings["load_start"] = self.clock()
         if self.others is not None:  # their copies end before this returns (a failure fails the request)
-            self.others.load(list(ib.landed_kv.pages), list(kv.pages))
-        ib.load = self.landing.start_load(ib.landed_kv, kv)
+            self.others.load(list(ib.landed().pages), list(kv.pages))
+        ib.load = self.landing.start_load(ib.landed(), kv)
 
     def _loaded(self, ib: _Inbound, job: CopyJob) -> None:
         """The KV is on the device: the request joins the batch (or ends, when aborted while loading).
@@ -299,16 +311,16 @@ class KVReceiver(NullConnector):
         req = ib.request
         req.timings["load_done"] = self.clock()
         ib.residency = move_residency(ib.residency, Residency.BOTH, req.request_id)
-        self.kv.commit_loaded(ib.device_kv, len(req.prompt_token_ids))
-        self.landing.release(ib.landed_kv, ReleaseReason.FINISHED)
+        self.kv.commit_loaded(ib.on_device(), len(req.prompt_token_ids))
+        self.landing.release(ib.landed(), ReleaseReason.FINISHED)
         ib.residency = move_residency(ib.residency, Residency.DEVICE, req.request_id)
         del self.inbound[req.request_id]
         if ib.abort_requested:  # its client is gone (or it failed): end it, no output
-            self.kv.release_kv(ib.device_kv, ReleaseReason.ABORTED, req.all_token_ids)
+            self.kv.release_kv(ib.on_device(), ReleaseReason.ABORTED, req.all_token_ids)
             if req.status is not RequestStatus.FINISHED:
                 req.finish(FinishReason.ABORT)
         else:
-            self._arrived.append((req, ib.device_kv))
+            self._arrived.append((req, ib.on_device()))
 
     def _give_up(self, ib: _Inbound, reason: FailureReason, detail: str) -> None:
         """Stop waiting for the transfer: tell the peer, end the request now; the landing stays
@@ -333,7 +345,7 @@ class KVReceiver(NullConnector):
 
     def _end_inbound(self, ib: _Inbound, reason: FinishReason) -> None:
         """End a request whose KV is on the host only (first token finished it, or aborted)."""
-        self.landing.release(ib.landed_kv, ReleaseReason.FINISHED if reason is not FinishReason.ABORT
+        self.landing.release(ib.landed(), ReleaseReason.FINISHED if reason is not FinishReason.ABORT
                           else ReleaseReason.ABORTED)
         del self.inbound[ib.request.request_id]
         self._report(ib.request, reason, "")

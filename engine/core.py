@@ -68,8 +68,8 @@ class EngineParts:
 
     config: EngineConfig
     model: torch.nn.Module
-    arch: object
-    tokenizer: object
+    arch: LlamaArch
+    tokenizer: Any  # `ServingTokenizer` or a transformers tokenizer; None: token ids only
     eos_token_ids: frozenset[int]
     kv_cache: KVCacheTensors
     device_pool: DevicePool
@@ -261,7 +261,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         scheduled.loads_in_flight = self.device_pool.loads_in_flight()
         self.num_retractions += len(scheduled.retracted)
-        outputs = []
+        outputs: list[StepOutput] = []
         if scheduled.rows:
             scheduled, out, outputs = run_forward(self.runner, scheduled, self.endings.failed, self.check_integrity)
             if scheduled.rows:
@@ -283,10 +283,10 @@ class EngineCore:
     def max_request_tokens(self) -> int:
         return self.scheduler.max_request_tokens()
 
-    def stats(self, role: WorkerRole, host_pool: PagePool | None = None, transfers: int = 0) -> WorkerStats:
+    def stats(self, role: WorkerRole, landing_pool: PagePool | None = None, transfers: int = 0) -> WorkerStats:
         """The heartbeat's view of this engine, with the integrity check's verdict (`IntegrityBeat`)."""
         l2 = self.host_cache.pool
-        return WorkerStats(role, pool_stats(self.device_pool.pages), pool_stats(host_pool) if host_pool else None,
+        return WorkerStats(role, pool_stats(self.device_pool.pages), pool_stats(landing_pool) if landing_pool else None,
                            len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.loading),
                            transfers, self.integrity.verdict(self.scheduler.has_work(), self.check_integrity),
                            pool_stats(l2) if l2 is not None else None, self.tier_stats(), self.graph_stats(),
@@ -334,7 +334,7 @@ class EngineCore:
                 outputs += self.endings.failed(req, str(exc) if grammar else internal_error(
                     req.request_id, exc, "sampling and stop rules"), Failure.REJECTED if grammar else Failure.INTERNAL)
                 continue
-            start = req.kv.kv_committed_len
+            start = req.held_kv().kv_committed_len
             committed.append(Committed(req, start, self._commit(req, row, len(applied)), first))
             kept.requests.append(req)
             kept.rows.append(row)
@@ -364,7 +364,9 @@ class EngineCore:
         try:
             action()
         except Exception:
-            self.speculator.counters.draft_errors += 1
+            counters = self.speculator.counters
+            assert counters is not None, "the null speculator's draft raised: it has no draft head to fail"
+            counters.draft_errors += 1
             log.exception("the draft head failed; this step's drafts are dropped")
             for req in self.scheduler.running:
                 req.spec.clear()

@@ -95,7 +95,7 @@ class WorkerGauge:
     num_running: int
     num_waiting: int
     kv_usage: float  # device KV pages in use / usable pages, in [0, 1]
-    host_kv_usage: float | None  # decode workers' host tier, in [0, 1]; None without one
+    landing_kv_usage: float | None  # decode workers' landing pool, in [0, 1]; None without one
     restarts: int
     host_cache_usage: float | None = None  # the L2 tier's pages in use, in [0, 1]; None without one
     tiers: TierStats | None = None  # cumulative KV-hierarchy figures; None before the first heartbeat

@@ -18,11 +18,11 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
 
 from common import protocol as p
 from common.protocol import WorkerRole
-from router.admission import AdmissionParams, DecodeLimit, PrefillLane, Refusal
+from router.admission import AdmissionParams, DecodeLimit, ItemT, PrefillLane, Refusal
 from router.backend import WorkerGauge
 from router.policy_types import WorkerView
 
@@ -63,11 +63,11 @@ class ViewSource(Protocol):
 
 
 @dataclass(eq=False)
-class LiveWorker:
+class LiveWorker(Generic[ItemT]):
     """One worker incarnation as the dispatcher sees it: its outbound queue, its tasks, its load."""
 
     info: WorkerInfo
-    lane: PrefillLane  # prefill workers: admitted prompts queued for it and in its window
+    lane: PrefillLane[ItemT]  # prefill workers: admitted prompts queued for it and in its window
     limit: DecodeLimit  # decode and colocated workers: how many requests it may hold now
     outq: list = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -198,7 +198,7 @@ class LiveWorker:
                            num_running=stats.num_running if stats else 0,
                            num_waiting=stats.num_waiting if stats else 0,
                            kv_usage=_usage(stats.device) if stats else 0.0,
-                           host_kv_usage=_usage(stats.host) if stats else None, restarts=self.info.restarts,
+                           landing_kv_usage=_usage(stats.landing) if stats else None, restarts=self.info.restarts,
                            host_cache_usage=_usage(stats.host_cache) if stats and stats.host_cache else None,
                            tiers=stats.tiers if stats else None, graphs=stats.graphs if stats else None,
                            spec=stats.spec if stats else None, step_threads=stats.step_threads if stats else ())
@@ -224,7 +224,7 @@ def _cache_tokens(stats: p.WorkerStats | None) -> dict[str, int]:
     if not page:
         return {}
     host = stats.host_cache.total - 1 if stats.host_cache is not None else 0  # less each pool's scratch page
-    landing = stats.host.total if stats.host is not None else 0  # usable pages: a prompt's whole landing
+    landing = stats.landing.total if stats.landing is not None else 0  # usable pages: a prompt's whole landing
     return {"device_tokens": (stats.device.total - 1) * page, "host_tokens": max(0, host) * page,
             "landing_tokens": landing * page}
 

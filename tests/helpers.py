@@ -67,8 +67,8 @@ def why_not_at_rest(worker) -> str:
         return f"unfinished work: {stats}"
     if stats.device.private or stats.device.in_flight or live:
         return f"device pages still owned: {stats.device}, requests {live}"
-    if stats.host is not None and stats.host.free != stats.host.total:
-        return f"landing pages still held: {stats.host}"
+    if stats.landing is not None and stats.landing.free != stats.landing.total:
+        return f"landing pages still held: {stats.landing}"
     return stats.integrity_error
 
 

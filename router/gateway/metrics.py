@@ -37,6 +37,9 @@ TEMPERATURE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 1.0, 1.2, 1.5, 2.0)
 TOP_P_BUCKETS = (0.1, 0.2, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+DEPRECATED_LANDING_USAGE = "tandem:host_kv_cache_usage_perc"
+"""The landing pool's usage under its old name, which said "host" for what is not the host tier (L2):
+exported beside `tandem:landing_kv_cache_usage_perc` for one release, then removed."""
 
 
 class GatewayMetrics:
@@ -133,8 +136,11 @@ class BackendGauges:
         gauges = list(self._backend.worker_gauges())
         labels = ["worker", "role"]
         usage = GaugeMetricFamily("tandem:kv_cache_usage_perc", "Device KV pages in use, fraction.", labels=labels)
-        host = GaugeMetricFamily("tandem:host_kv_cache_usage_perc",
-                                 "Landing-pool KV pages in use (decode workers), fraction.", labels=labels)
+        landing = GaugeMetricFamily("tandem:landing_kv_cache_usage_perc",
+                                    "Landing-pool KV pages in use (decode workers), fraction.", labels=labels)
+        old_landing = GaugeMetricFamily(DEPRECATED_LANDING_USAGE, "Deprecated alias of "
+                                        "tandem:landing_kv_cache_usage_perc (removed in the next release).",
+                                        labels=labels)
         alive = GaugeMetricFamily("tandem:worker_alive", "1 while the worker is alive.", labels=labels)
         restarts = GaugeMetricFamily("tandem:worker_restarts", "Times the worker was restarted.", labels=labels)
         for g in gauges:
@@ -142,9 +148,10 @@ class BackendGauges:
             usage.add_metric(key, g.kv_usage)
             alive.add_metric(key, 1.0 if g.alive else 0.0)
             restarts.add_metric(key, g.restarts)
-            if g.host_kv_usage is not None:
-                host.add_metric(key, g.host_kv_usage)
-        yield from (usage, host, alive, restarts)
+            if g.landing_kv_usage is not None:
+                landing.add_metric(key, g.landing_kv_usage)
+                old_landing.add_metric(key, g.landing_kv_usage)
+        yield from (usage, landing, old_landing, alive, restarts)
         yield from _tier_metrics(gauges)
         yield from _graph_metrics(gauges)
         yield from _thread_metrics(gauges)

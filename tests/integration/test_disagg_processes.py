@@ -43,7 +43,7 @@ def long_prompt(num_words=900):
 
 
 def at_rest(stats) -> bool:
-    host_ok = stats.host is None or stats.host.free == stats.host.total
+    host_ok = stats.landing is None or stats.landing.free == stats.landing.total
     return (stats.device.private == 0 and stats.device.in_flight == 0 and stats.num_transfers == 0
             and host_ok and not stats.integrity_error)
 
@@ -139,7 +139,7 @@ def test_kill_prefill_mid_transfer_reroutes_to_local_prefill(make_views, chat_id
 
     async def scenario(d):
         task = asyncio.create_task(complete(d, "long", prompt, greedy(max_tokens=4)))
-        await wait_for(views, "decode-0", lambda s: s.num_transfers == 1 and s.host.in_flight > 0, 60,
+        await wait_for(views, "decode-0", lambda s: s.num_transfers == 1 and s.landing.in_flight > 0, 60,
                        "a landing being written")
         views.kill("prefill-0")
         req = await asyncio.wait_for(task, 120)

@@ -627,7 +627,7 @@ def test_gauges_and_details_follow_the_requests(hosts, tok):
         await wait_for(lambda: gauge(d, "decode-0").num_running == 2, "the decode worker's stats to show 2 running")
         g_dec, g_pre = gauge(d, "decode-0"), gauge(d, "prefill-0")
         assert (g_dec.role, g_dec.alive, g_pre.role, g_pre.alive) == ("decode", True, "prefill", True)
-        assert 0 < g_dec.kv_usage <= 1 and g_dec.host_kv_usage is not None and g_pre.host_kv_usage is None
+        assert 0 < g_dec.kv_usage <= 1 and g_dec.landing_kv_usage is not None and g_pre.landing_kv_usage is None
         assert g_dec.restarts == 0
         for stream in streams:
             await stream.aclose()

@@ -8,7 +8,7 @@ Layers, bottom to top; each may import only what its line allows (third-party co
     engine           -> kv_store, kernels, common     (the engine every worker runs)
     prefill_worker   -> engine, kv_store, kernels, common
     decode_worker    -> engine, kv_store, kernels, common   (never prefill_worker, nor it decode_worker)
-    router           -> kernels.model.tokenizer, common, kv_store.transfer.config
+    router           -> kernels.model.tokenizer, common
     cluster          -> anything                     (the top layer: serve, worker_host, cli, bench, train)
 
 Nothing below the top layer imports `cluster`. Within a layer, no two modules import each other
@@ -34,7 +34,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "decode_worker": ("decode_worker", "engine", "kv_store", "kernels", "common"),
     # the router runs in the gateway process: text helpers without torch, the wire vocabulary, and
     # the transport's config (no engine, no torch)
-    "router": ("router", "kernels.model.tokenizer", "common", "kv_store.transfer.config"),
+    "router": ("router", "kernels.model.tokenizer", "common"),
     "cluster": PACKAGES,
 }
 

@@ -263,7 +263,7 @@ def test_dashboard_names_only_exported_metrics():
     wanted = {  # what the dashboard is for
         "tandem:time_to_first_token_seconds_bucket", "tandem:inter_token_latency_seconds_bucket",
         "tandem:e2e_request_latency_seconds_bucket", "tandem:kv_cache_usage_perc", "tandem:l2_kv_cache_usage_perc",
-        "tandem:host_kv_cache_usage_perc", "tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds_bucket",
+        "tandem:landing_kv_cache_usage_perc", "tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds_bucket",
         "tandem:request_reroutes_total", "tandem:worker_restarts", "tandem:graph_replays_total",
         "tandem:graph_fallbacks_total"}
     assert wanted - named == set()

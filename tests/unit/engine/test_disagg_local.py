@@ -76,7 +76,7 @@ async def at_rest(*hosts: WorkerHost, timeout_s: float = 10.0, pump=lambda: None
                 pump()
                 s = await fresh_stats(host)
                 if (s.device.private == s.device.in_flight == s.num_transfers == s.num_running == 0
-                        and (s.host is None or s.host.free == s.host.total)):
+                        and (s.landing is None or s.landing.free == s.landing.total)):
                     break
                 assert time.monotonic() < deadline, f"{host.worker_id} not at rest: {s}"
             assert not s.integrity_error, s.integrity_error
@@ -186,7 +186,7 @@ def test_stall_trips_deadline_and_both_sides_release(make_hosts, prompts):
     async def scenario(d, views):
         _, last = await run(d, "stuck", prompts[4], greedy(max_tokens=5))
         stats = await fresh_stats(hosts["decode-0"])
-        assert stats.host.in_flight > 0, "landing freed while the stalled writes could still land"
+        assert stats.landing.in_flight > 0, "landing freed while the stalled writes could still land"
         assert (await fresh_stats(hosts["prefill-0"])).device.in_flight > 0  # pages lent to the stalled writes
         hosts["prefill-0"].transport.release_stalled(fail=True)  # the stalled writes end
         await at_rest(*hosts.values())
@@ -232,7 +232,7 @@ def test_client_abort_mid_transfer_and_dead_prefill_peer(shipping, make_hosts, p
         # The prefill worker dies while its writes hang: the decode side frees the landing on the
         # dispatcher's PeerDead and the request is re-routed to local prefill.
         task = asyncio.create_task(run(d, "b", prompts[4], greedy(max_tokens=24)))
-        while (await fresh_stats(hosts["decode-0"])).host.in_flight == 0:
+        while (await fresh_stats(hosts["decode-0"])).landing.in_flight == 0:
             await asyncio.sleep(0.01)
         views.dead.add("prefill-0")
         tokens, last = await task

@@ -537,7 +537,8 @@ def test_metrics_count_exactly(backend):
     worker = (("role", "colocated"), ("worker", WORKER_ID))
     assert m[("tandem:worker_alive", worker)] == 1 and m[("tandem:worker_restarts", worker)] == 0
     assert m[("tandem:kv_cache_usage_perc", worker)] == 0
-    assert not any(name == "tandem:host_kv_cache_usage_perc" for name, _ in m), "None means no host tier"
+    assert not any(name in ("tandem:landing_kv_cache_usage_perc", "tandem:host_kv_cache_usage_perc")
+                   for name, _ in m), "None means no landing pool"
     tier = lambda t: (("role", "colocated"), ("tier", t), ("worker", WORKER_ID))  # noqa: E731
     l1_hits = m[("tandem:prefix_cache_hit_tokens_total", tier("l1"))] - l1_hits_before  # the engine outlives the app
     assert l1_hits == m[("tandem:prefix_cache_hits_total", ())]

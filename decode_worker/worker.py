@@ -137,8 +137,8 @@ class DecodeWorker(ClientWorker):
 
     def wait_s(self) -> float:
         """Landings only (the peer's messages move them and wake the loop): up to the nearest
-        deadline, at most `LANDING_WAIT_S`. Polling them every 2 ms instead cost the loop ~40% of a
-        core through a 1k-token prefill beside it, which slowed that prefill 2x on 2 cores."""
+        deadline, at most `LANDING_WAIT_S`. Polling them at the loop's busy rate instead cost the loop
+        a large share of a core, which slowed a prefill beside it (docs/results.md#cpu-threads)."""
         if not self.receiver.only_landings() or self.engine.housekeeping_due():
             return super().wait_s()
         return max(super().wait_s(), min(LANDING_WAIT_S, self.receiver.next_deadline_s()))

@@ -21,6 +21,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,6 +48,8 @@ from engine.stop import StopRules
 from engine.structured import StructuredOutputs
 from engine.tokens import apply_stop_rules, row_tokens
 from kernels.kv_layout import KVCacheTensors, populate_in_background
+from kernels.model.arch import LlamaArch
+from kernels.model.llama import LlamaForCausalLM
 from kv_store.device_pool import DevicePool
 from kv_store.host_cache import HostCache, NullHostCache
 from kv_store.kv_manager import KVManager
@@ -67,7 +70,7 @@ class EngineParts:
     """An engine's parts, made and wired by `engine/build.py:build_engine` (the config resolved)."""
 
     config: EngineConfig
-    model: torch.nn.Module
+    model: LlamaForCausalLM
     arch: LlamaArch
     tokenizer: Any  # `ServingTokenizer` or a transformers tokenizer; None: token ids only
     eos_token_ids: frozenset[int]
@@ -247,8 +250,7 @@ class EngineCore:
         if not ran and self.host_cache.busy():
             # Nothing ran while a tier copy is in flight (a load, or the write that frees pages): wait
             # for one outside the GIL rather than spin, or the copier's thread barely gets the GIL (a
-            # 1-page copy took 1.4 s under a spinning caller; a caller stepping an engine with only a
-            # backup in flight spun 2,000 steps).
+            # one-page copy then takes seconds: docs/results.md#cpu-threads).
             self.host_cache.wait_any(IDLE_COPY_WAIT_S)
         self.end_stopped()
         self.endings.release_held()

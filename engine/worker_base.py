@@ -56,8 +56,7 @@ class EngineWorker:
     def start(self) -> None:
         # A served CPU worker that borrows its node's idle cores steps on up to all of them. Its KV pool's
         # memory, zeroed lazily by the OS, is mapped in while it is idle, after the compile: beside it the
-        # compile took longer (SmolLM2's decode worker, 2-core AVX2 CPU, alternating starts: compiled
-        # 8.9 / 11.2 / 11.8 s after ready, then mapped in in 4-6 s; beside it 15.9-17.0 s).
+        # compile took longer (docs/results.md#start-up).
         self.engine.start_compile(thread_counts=(len(os.sched_getaffinity(0)),), then=self.engine.map_kv_in)
 
     def busy(self) -> bool:

@@ -8,8 +8,8 @@ A reservation the decode worker cannot land yet (its landing pool is full) backs
 `reserve_retry_s` and is routed afresh (to the front of its lane), until `landing_timeout_s` after
 its first try. Until it has its landing its prefill lane is held for it: nothing younger enters
 the window, so nothing younger takes the landing room it waits for (a long prompt was refused again
-and again while shorter ones filled the room it freed: 30 s of a 41 s first token on a trace
-slice). The hold lapses `HOLD_SLACK_S` past the retry, so a flight that ends or a decode worker
+and again while shorter ones filled the room it freed: most of its first token's wait on a trace
+slice, docs/results.md#transfer). The hold lapses `HOLD_SLACK_S` past the retry, so a flight that ends or a decode worker
 that does not answer cannot stall the lane.
 
 `TransferPhase` owns the `Transfer` records (`router.flights`) and the lanes' windows and holds; it
@@ -59,7 +59,7 @@ class TransferPhase:
         self.clock, self.reserve_retry_s = clock, reserve_retry_s
         self._transfers: dict[str, Transfer] = {}
 
-    def pump(self, prefill: LiveWorker) -> None:
+    def pump(self, prefill: LiveWorker[Flight]) -> None:
         """Reserve landings for the queued requests that fit the prefill worker's window now."""
         if prefill.gone:
             return
@@ -67,10 +67,11 @@ class TransferPhase:
             flight.move(Phase.RESERVING)
             if flight.reserve_started_at is None:
                 flight.reserve_started_at = self.clock()
-            self._transfers[flight.wire_id] = Transfer(prefill, flight.decode, num_tokens)
-            flight.decode.send(p.Reserve(flight.wire_id, tuple(flight.prompt), flight.params, prefill.peer_id))
+            decode = flight.routed_decode()
+            self._transfers[flight.wire_id] = Transfer(prefill, decode, num_tokens)
+            decode.send(p.Reserve(flight.wire_id, tuple(flight.prompt), flight.params, prefill.peer_id))
 
-    def _holder(self, prefill: LiveWorker) -> Flight | None:
+    def _holder(self, prefill: LiveWorker[Flight]) -> Flight | None:
         """The flight `prefill`'s lane is held for (module docstring), or None; a lapsed hold is dropped.
         A flight that ended is DONE, one waiting to resume MIGRATING: neither holds its lane."""
         hold = prefill.lane.hold
@@ -102,16 +103,16 @@ class TransferPhase:
             if transfer is not None:  # its prefill worker died meanwhile: the decode side frees it
                 transfer.decode.send(p.PeerDead(transfer.prefill.peer_id))
         elif flight is not None:  # (None: aborted while reserving; the decode worker's Abort ends it)
-            self._hand_off(flight, transfer, msg)
+            self._hand_off(flight, transfer, msg.request_id, msg.landing)
         return None
 
-    def _hand_off(self, flight: Flight, transfer: Transfer, msg: p.Reserved) -> None:
+    def _hand_off(self, flight: Flight, transfer: Transfer, wire_id: str, landing: p.Landing) -> None:
         """`flight` has its landing: its prompt goes to the prefill worker, and a lane held for it goes on."""
         flight.move(Phase.PREFILLING)
-        flight.landing_bytes = len(msg.landing.page_ids) * msg.landing.layout.page_bytes
+        flight.landing_bytes = len(landing.page_ids) * landing.layout.page_bytes
         transfer.prefill_sent = True
         transfer.prefill.lane.rate.started(self.clock(), transfer.prompt_len)
-        transfer.prefill.send(p.Prefill(msg.request_id, tuple(flight.prompt), flight.params, msg.landing))
+        transfer.prefill.send(p.Prefill(wire_id, tuple(flight.prompt), flight.params, landing))
         if transfer.prefill.lane.hold is not None and transfer.prefill.lane.hold[0] is flight:
             transfer.prefill.lane.hold = None  # landed: the requests behind it go on
             self.pump(transfer.prefill)
@@ -132,7 +133,7 @@ class TransferPhase:
             self._over(msg.request_id, delivered=isinstance(msg, p.KVComplete))
         return isinstance(msg, p.KVComplete)
 
-    def gone_with(self, live: LiveWorker) -> None:
+    def gone_with(self, live: LiveWorker[Flight]) -> None:
         """`live` is gone: every transfer it was one end of is over."""
         for wire, transfer in list(self._transfers.items()):
             if live in (transfer.prefill, transfer.decode):

@@ -9,8 +9,8 @@ A reservation the decode worker cannot land yet (its landing pool is full) backs
 its first try. Until it has its landing its prefill lane is held for it: nothing younger enters
 the window, so nothing younger takes the landing room it waits for (a long prompt was refused again
 and again while shorter ones filled the room it freed: most of its first token's wait on a trace
-slice, docs/results.md#transfer). The hold lapses `HOLD_SLACK_S` past the retry, so a flight that ends or a decode worker
-that does not answer cannot stall the lane.
+slice, docs/results.md#transfer). The hold lapses `HOLD_SLACK_S` past the retry, so a flight that
+ends or a decode worker that does not answer cannot stall the lane.
 
 `TransferPhase` owns the `Transfer` records (`router.flights`) and the lanes' windows and holds; it
 never routes, re-routes or ends a request. The dispatcher hands it the flight a message is about

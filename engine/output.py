@@ -26,7 +26,7 @@ class StepOutput:
     cached_tokens: int = 0  # set on the finishing output
     timings: tuple[tuple[str, float], ...] = ()  # set on the finishing output
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
-    cached_tiers: tuple[int, int, int] = ()  # on the finishing output: cached_tokens by tier (device, host, L3)
+    cached_tiers: tuple[int, int, int] | tuple[()] = ()  # on the finishing output: cached tokens (device, host, L3)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on its first output carrying them, when asked
 
 
@@ -36,7 +36,7 @@ def step_output(req: Request, tokens: list[int], reason: FinishReason | None, er
     when asked); a finishing one carries its cached tokens and timings."""
     logprobs = tuple(req.output_logprobs[len(req.output_logprobs) - len(tokens):]) if tokens and \
         req.params.logprobs is not None else ()
-    prompt_logprobs = ()
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
     if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent and tokens:
         prompt_logprobs, req.prompt_logprobs_sent = tuple(req.prompt_logprobs), True
     if reason is None:

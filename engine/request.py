@@ -177,6 +177,11 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def held_kv(self) -> ReqKV:
+        """`kv`, for a request that must hold it (RUNNING)."""
+        assert self.kv is not None, f"request {self.request_id} ({self.status.value}) holds no KV: used after release?"
+        return self.kv
+
     @property
     def num_uncomputed(self) -> int:
         """Tokens whose KV is not written yet: 1 while decoding, more while prefilling."""

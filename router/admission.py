@@ -39,10 +39,13 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from common.config import require
 from common.protocol import WorkerRole
 from router.policy_types import WorkerView
+
+ItemT = TypeVar("ItemT")  # what a `PrefillLane` queues: the dispatcher's flights
 
 FALLBACK_RETRY_AFTER_S = 1.0  # no measurement to estimate from: the smallest Retry-After HTTP can say
 DEFAULT_TTFT_BUDGET_S = 30.0  # what a chat user tolerates before giving up on a first token
@@ -213,17 +216,17 @@ class DecodeLimit:
         return Refusal(f"{num_active} requests already on this worker ({why})", FALLBACK_RETRY_AFTER_S)
 
 
-class PrefillLane:
+class PrefillLane(Generic[ItemT]):
     """One prefill worker's queue and window (see the module docstring). Items are the caller's
     (the dispatcher's flights); each carries a token count fixed when it is queued."""
 
     def __init__(self, window_tokens: int, rate_smoothing: float):
         self.max_window_tokens = window_tokens
         self.rate = PrefillRate(rate_smoothing)
-        self._queue: deque[tuple[object, int]] = deque()
+        self._queue: deque[tuple[ItemT, int]] = deque()
         self.queued_tokens = 0
         self.window_tokens = 0
-        self.hold: tuple[object, float] | None = None
+        self.hold: tuple[ItemT, float] | None = None
         """(an item refused a landing and backing off, until when): the lane takes nothing meanwhile
         (`router/transfer_phase.py`: younger requests would take the room it waits for)."""
 
@@ -236,13 +239,13 @@ class PrefillLane:
         """Prompt tokens a request arriving now would wait behind."""
         return self.queued_tokens + self.window_tokens
 
-    def enqueue(self, item: object, num_tokens: int, *, front: bool = False) -> None:
+    def enqueue(self, item: ItemT, num_tokens: int, *, front: bool = False) -> None:
         """`front`: it was admitted before (re-routed, or back from a full landing pool); it goes first."""
         assert num_tokens >= 1, f"queued an empty prompt ({num_tokens} tokens)"
         (self._queue.appendleft if front else self._queue.append)((item, num_tokens))
         self.queued_tokens += num_tokens
 
-    def discard(self, item: object) -> bool:
+    def discard(self, item: ItemT) -> bool:
         """Take `item` out of the queue (aborted, or its worker died). False when not queued."""
         for entry in self._queue:
             if entry[0] is item:
@@ -251,10 +254,10 @@ class PrefillLane:
                 return True
         return False
 
-    def take_ready(self, only: object = None) -> list[tuple[object, int]]:
+    def take_ready(self, only: ItemT | None = None) -> list[tuple[ItemT, int]]:
         """Move queued items into the window, in order, while they fit; returns them. `only`: the lane
         is held for that item: it alone may go, when it is first."""
-        ready = []
+        ready: list[tuple[ItemT, int]] = []
         while self._queue:
             item, num_tokens = self._queue[0]
             if self.window_tokens and self.window_tokens + num_tokens > self.max_window_tokens:
@@ -271,7 +274,7 @@ class PrefillLane:
         self.window_tokens -= num_tokens
         assert self.window_tokens >= 0, f"window below zero ({self.window_tokens}): a transfer ended twice?"
 
-    def drain(self) -> list[object]:
+    def drain(self) -> list[ItemT]:
         """Empty the queue (its worker is gone); returns the items in order."""
         items = [item for item, _ in self._queue]
         self._queue.clear()

@@ -50,7 +50,7 @@ class Dispatcher:
         self.clock, self.state, self.picker, self.transfers = parts.clock, parts.state, parts.picker, parts.transfers
         self.answers, self.sessions, self.migrations = parts.answers, parts.sessions, parts.migrations
         self.token_relay = parts.token_relay
-        self.lives: dict[str, LiveWorker] = {}
+        self.lives: dict[str, LiveWorker[Flight]] = {}
         self.flights: dict[str, Flight] = {}
         self._by_wire: dict[str, Flight] = {}
         self._tasks: list[asyncio.Task] = []
@@ -117,8 +117,8 @@ class Dispatcher:
                                retry_after_s=1.0)
         params = seeded(params)
         if session_id:
-            flight = SessionTurn(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
-                                 session_id=session_id)
+            flight: Flight = SessionTurn(request_id, list(prompt_token_ids), params, submitted_at=self.clock(),
+                                         session_id=session_id)
             self._route_to(flight, self.sessions.worker_of(session_id, self.lives.values()))  # raises first
         else:
             flight = Flight(request_id, list(prompt_token_ids), params, submitted_at=self.clock())
@@ -261,9 +261,9 @@ class Dispatcher:
 
     # ---- the transfer phase's answers -------------------------------------------------------------
     def _on_reserved(self, msg: p.Reserved) -> None:
-        flight = self._by_wire.get(msg.request_id)
-        landing = self.transfers.on_reserved(msg, flight)
-        if landing is Landing.REJECTED:
+        if (flight := self._by_wire.get(msg.request_id)) is None:  # the transfer phase does all there is to do
+            self.transfers.on_reserved(msg, None)
+        elif (landing := self.transfers.on_reserved(msg, flight)) is Landing.REJECTED:
             self._finish_error(flight, ErrorKind.REJECTED, msg.error)
         elif landing is Landing.REFUSED:  # routed afresh after the pause (the lane is held for it meanwhile)
             self._unroute(flight)
@@ -275,7 +275,7 @@ class Dispatcher:
         try:
             if flight.phase is not Phase.BACKOFF or self.flights.get(flight.request_id) is not flight:
                 return
-            if self.clock() - flight.reserve_started_at > timeout_s:  # landing pools stay full
+            if flight.landing_wait_s(self.clock()) > timeout_s:  # landing pools stay full
                 self._finish_error(flight, ErrorKind.UNAVAILABLE,
                                    f"no decode worker had room to land the prompt within {timeout_s}s")
                 return
@@ -296,7 +296,7 @@ class Dispatcher:
     def _abort_on_worker(self, flight: Flight) -> None:
         """Tell the decode worker holding it (if any) to release it; the prefill side follows."""
         if flight.phase in (Phase.RESERVING, Phase.PREFILLING, Phase.LOCAL, Phase.STREAMING):
-            flight.decode.send(p.Abort(flight.wire_id))
+            flight.routed_decode().send(p.Abort(flight.wire_id))
 
     def _shut_down(self, flight: Flight) -> None:
         """Shutdown: release it on the workers, then end its stream with an error (in this order: once
@@ -335,7 +335,7 @@ class Dispatcher:
         self.token_relay.greet(live)  # its first message, when it relays
         log.info("worker %s (%s, incarnation %d) joined", info.worker_id, info.role.value, info.incarnation)
 
-    def _worker_gone(self, live: LiveWorker, why: str) -> None:
+    def _worker_gone(self, live: LiveWorker[Flight], why: str) -> None:
         """Fail or re-route what it held, tell the survivors, forget its prefix tree."""
         if live.gone:
             return
@@ -364,7 +364,7 @@ class Dispatcher:
             except BackendError as exc:
                 self._park_or_fail(flight, exc.message, exc.kind)
 
-    def _drain(self, live: LiveWorker) -> None:
+    def _drain(self, live: LiveWorker[Flight]) -> None:
         """`live` stops soon (`WorkerInfo.draining`): its queue is routed afresh, its streams moved away."""
         self._route_afresh(live.lane.drain())
         for flight in self.migrations.leaving(live, self.flights.values(), self.lives.values()):

@@ -90,8 +90,8 @@ class Flight:
     phase: Phase = Phase.QUEUED
     attempt: int = 0
     migrations: int = 0  # times its stream resumed on another worker
-    prefill: LiveWorker | None = None
-    decode: LiveWorker | None = None
+    prefill: LiveWorker[Flight] | None = None
+    decode: LiveWorker[Flight] | None = None
     output: list[int] = field(default_factory=list)  # token ids streamed so far
     landing_bytes: int = 0
     submitted_at: float = 0.0  # dispatcher clock
@@ -111,6 +111,18 @@ class Flight:
     def timeline(self, worker_timings: dict[str, float]) -> dict:
         """Where its time went (`router.timeline.describe`), from arrival until now."""
         return describe(self.arrived, self.events, worker_timings, time.monotonic())
+
+    def routed_decode(self) -> LiveWorker[Flight]:
+        """Its decode worker, for a flight that has one (routed: QUEUED on to STREAMING)."""
+        assert self.decode is not None, \
+            f"request {self.request_id} ({self.phase.value}) has no decode worker: used after it was unrouted?"
+        return self.decode
+
+    def landing_wait_s(self, now: float) -> float:
+        """Seconds since its first `Reserve` (the landing timeout counts from there)."""
+        assert self.reserve_started_at is not None, \
+            f"request {self.request_id} ({self.phase.value}) never sent a Reserve: backing off before RESERVING?"
+        return now - self.reserve_started_at
 
     @property
     def tokens_sent(self) -> int:
@@ -140,8 +152,8 @@ class Transfer:
     (or an end died), even when the request itself is already over: the decode worker frees the
     landing only on that message."""
 
-    prefill: LiveWorker
-    decode: LiveWorker
+    prefill: LiveWorker[Flight]
+    decode: LiveWorker[Flight]
     prompt_len: int  # tokens it holds in the prefill worker's window
     prefill_sent: bool = False  # the prompt is at the prefill worker (its service time counts)
 

@@ -39,10 +39,10 @@ class RoutePicker:
         the `lives` not gone. `admission`: a new arrival's, which refuses it (QUEUE_FULL) when no
         worker can take it promptly; None: admitted before (re-routed, back from a full landing pool).
         Raises `BackendError` (UNAVAILABLE) when no worker can serve it at all."""
-        lives = {lv.worker_id: lv for lv in lives if not lv.gone}
-        views = [lv.view() for lv in lives.values()]
+        by_id = {lv.worker_id: lv for lv in lives if not lv.gone}
+        views = [lv.view() for lv in by_id.values()]
         if admission is not None:
-            views = self._admissible(lives.values(), views, len(flight.prompt), admission)
+            views = self._admissible(by_id.values(), views, len(flight.prompt), admission)
         request = RequestView(flight.request_id, tuple(flight.prompt), flight.params.max_tokens)
         try:
             route = choose(self.policy, request, views, self.state, self.params)
@@ -51,7 +51,7 @@ class RoutePicker:
                                retry_after_s=5.0) from None
         prefiller = route.decode_id if route.prefill_id is None else route.prefill_id
         self.state.record(request, route, next((v for v in views if v.worker_id == prefiller), None))
-        return lives[route.decode_id], lives[route.prefill_id] if route.prefill_id else None
+        return by_id[route.decode_id], by_id[route.prefill_id] if route.prefill_id else None
 
     def _admissible(self, lives: Iterable[LiveWorker], views: list[WorkerView], num_tokens: int,
                     admission: AdmissionParams) -> list[WorkerView]:

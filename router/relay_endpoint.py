@@ -40,7 +40,7 @@ class RelayEndpoint:
         """`live` just joined: its first message says where to relay its messages, when the relay
         listens and its link can (`WorkerLink.relays`)."""
         if self._server is not None and getattr(live.info.link, "relays", False):
-            live.send(p.RelayTo(self.host, self._server.port, hello(self._secret, live.peer_id)))
+            live.send(p.RelayTo(self._server.host, self._server.port, hello(self._secret, live.peer_id)))
 
     async def close(self) -> None:
         if self._server is not None:

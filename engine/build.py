@@ -39,6 +39,9 @@ from engine.tp import LeadGraphRunner, LeadHead, LeadModel, LeadRunner, lead_mov
 from engine.tp_tiers import LeadCopier, LeadL3, rank_l3
 from kernels.attention import AUTO, get_backend, resolve_backend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
+from kernels.model.arch import LlamaArch
+from kernels.model.eagle import EagleDraftHead
+from kernels.model.llama import LlamaForCausalLM
 from kernels.model.packed_linear import prepack_cpu
 from kv_store.device_pool import DevicePool
 from kv_store.host_cache import HostCache, NullHostCache
@@ -63,7 +66,7 @@ class _Pools:
     kvm: KVManager
 
 
-def choose_attention_backend(config: EngineConfig, model: torch.nn.Module, draft_head: torch.nn.Module | None,
+def choose_attention_backend(config: EngineConfig, model: LlamaForCausalLM, draft_head: EagleDraftHead | None,
                              device: torch.device) -> str:
     """The attention backend this engine runs, `config.attention_backend` resolved for the device and
     the model's dtype (`auto`: `kernels.attention.resolve_backend`), made the model's (and a given
@@ -98,10 +101,10 @@ def _lacks(backend, arch) -> str:
     return " or ".join(word for need, flag, word in needs if need and not getattr(backend, flag))
 
 
-def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=None, eos_token_ids: Sequence[int] = (),
-                 connector: ConnectorFactory | None = None, l3: L3Config | None = None,
-                 draft_head: torch.nn.Module | None = None, compile_in_background: bool = False,
-                 populate: bool = True, control=None) -> EngineCore:
+def build_engine(config: EngineConfig, model: LlamaForCausalLM, arch: LlamaArch, tokenizer=None,
+                 eos_token_ids: Sequence[int] = (), connector: ConnectorFactory | None = None,
+                 l3: L3Config | None = None, draft_head: EagleDraftHead | None = None,
+                 compile_in_background: bool = False, populate: bool = True, control=None) -> EngineCore:
     """An engine for `model` (`draft_head`: the EAGLE head when `config.speculative` is `eagle`; None
     loads it from `config.draft_model`). Raises ConfigError before allocating anything it cannot serve.
     `compile_in_background`: `config.cpu_compile`'s compile runs beside serving, from
@@ -126,13 +129,17 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     num_layers = arch.num_layers + (1 if draft_head is not None else 0)  # the draft head's KV: the last layer
     resolved = config.resolve(kv_layout(num_layers, config.page_size, arch.num_kv_heads, arch.head_dim,
                                         config.dtype).page_bytes, arch.max_position_embeddings)
+    assert resolved.num_pages is not None and resolved.max_model_len is not None, "EngineConfig.resolve left one unset"
     pools = _pools(resolved, arch, num_layers, device)
     if populate and not compile_in_background:  # at full speed when returned (a served worker maps it in once ready)
         populating = populate_in_background(pools.kv_cache.k + pools.kv_cache.v)
         if populating is not None:
             populating.join()
     l3_model_id = model_id(config.model, model, draft_head)
-    own_l3 = rank_l3(l3, model.tp.shard) if control is not None and l3 is not None else l3  # this rank's keys
+    own_l3 = l3
+    if control is not None and l3 is not None:  # this rank's keys
+        assert model.tp is not None, "rank 0 of a tensor-parallel engine with a model not sharded (`load_shard`)"
+        own_l3 = rank_l3(l3, model.tp.shard)
     tier = _tiers(resolved, pools, own_l3, l3_model_id)
     sessions = (SessionManager(pools.kvm, int(resolved.session_kv_fraction * pools.device_pool.pages.num_usable
                                               * resolved.page_size), offload=bool(resolved.host_cache_pages))
@@ -140,6 +147,7 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
     scheduler = Scheduler(resolved, pools.kvm, host_cache=tier, sessions=sessions,
                           relocation_version=lambda: pools.device_pool.relocation_version,
                           kv_window=getattr(arch, "kv_window", None))
+    served: LlamaForCausalLM | LeadModel = model  # what the engine calls (rank 0's sends its calls on)
     if control is None:
         eager = ModelRunner(model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
     else:  # rank 0 of a tensor-parallel engine (`engine/tp.py`): the other ranks size their KV as this
@@ -149,7 +157,7 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
             if isinstance(tier.l3, L3Bridge):  # ... and put and fetch their own parts of L3's pages
                 tier.l3.l3 = LeadL3(tier.l3.l3, control)
         eager = LeadRunner(control, model, pools.target_kv, resolved.page_size, device, draft_aux_layers(draft_head))
-        model = LeadModel(model, control)
+        served = LeadModel(model, control)
     plan = choose_step_strategy(resolved, model, device, backend)
     log.info("decode steps: %s", plan.describe())
     graphs = GraphRunner if control is None else functools.partial(LeadGraphRunner, control)
@@ -159,7 +167,7 @@ def build_engine(config: EngineConfig, model: torch.nn.Module, arch, tokenizer=N
                          tree_batch=max(1, min(resolved.max_running_requests, resolved.speculative_max_batch)),
                          compile_in_background=compile_in_background)
     speculator = _speculator(resolved, draft_head, device, pools, runner, control)
-    parts = EngineParts(resolved, model, arch, tokenizer, frozenset(eos_token_ids), pools.kv_cache, pools.device_pool,
+    parts = EngineParts(resolved, served, arch, tokenizer, frozenset(eos_token_ids), pools.kv_cache, pools.device_pool,
                         pools.kvm, tier, sessions, scheduler, runner, speculator)
     return EngineCore(parts, connector)
 
@@ -177,6 +185,7 @@ def _speculator(config: EngineConfig, head, device: torch.device, pools: _Pools,
 
 def _pools(config: EngineConfig, arch, num_layers: int, device: torch.device) -> _Pools:
     """Steps 3 and 4: the KV tensors (the draft head's layer last) and what owns their pages."""
+    assert config.num_pages is not None, "the pools of a config not resolved (`EngineConfig.resolve`)"
     kv_cache = KVCacheTensors.allocate(num_layers, config.num_pages, config.page_size, arch.num_kv_heads,
                                        arch.head_dim, TORCH_DTYPES[config.dtype], device)
     n = arch.num_layers
@@ -192,5 +201,6 @@ def _tiers(config: EngineConfig, pools: _Pools, l3: L3Config | None, l3_model_id
     """Step 5: the host tier (with L3 under it) the resolved config asks for, attached to the tree."""
     tier = host_cache(config, pools.tree, pools.device_pool, l3, l3_model_id)
     if isinstance(tier, HostCache):
+        assert isinstance(pools.tree, RadixPrefixCache), "a host tier under no prefix tree: the prefix cache is off?"
         pools.tree.attach_tier(tier)
     return tier

@@ -47,6 +47,7 @@ from engine.stats import IntegrityBeat, graph_stats, pool_stats, spec_stats, tie
 from engine.stop import StopRules
 from engine.structured import StructuredOutputs
 from engine.tokens import apply_stop_rules, row_tokens
+from engine.tp import LeadModel
 from kernels.kv_layout import KVCacheTensors, populate_in_background
 from kernels.model.arch import LlamaArch
 from kernels.model.llama import LlamaForCausalLM
@@ -70,7 +71,7 @@ class EngineParts:
     """An engine's parts, made and wired by `engine/build.py:build_engine` (the config resolved)."""
 
     config: EngineConfig
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | LeadModel  # rank 0 of a tensor-parallel engine: its calls go to every rank
     arch: LlamaArch
     tokenizer: Any  # `ServingTokenizer` or a transformers tokenizer; None: token ids only
     eos_token_ids: frozenset[int]

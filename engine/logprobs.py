@@ -52,7 +52,8 @@ def record_prompt(req: Request, row: ForwardRow, hidden: torch.Tensor,
     """`row` computed prompt positions [start, seq_len) of `req` (`hidden`: their final-normed states):
     the logprob of each prompt token those positions predict. Position p predicts token p + 1; the
     prompt's last position predicts the first output token (its logprobs come with that token)."""
-    prompt = req.prompt_token_ids
+    prompt, num_top = req.prompt_token_ids, req.params.prompt_logprobs
+    assert num_top is not None, f"request {req.request_id}'s prompt logprobs recorded, but it asked for none"
     if len(req.prompt_logprobs) != len(prompt):
         req.prompt_logprobs = [None] * len(prompt)
     start = row.seq_len - len(row.token_ids)
@@ -60,5 +61,5 @@ def record_prompt(req: Request, row: ForwardRow, hidden: torch.Tensor,
     for first in range(start, end, PROMPT_ROWS_PER_PASS):
         last = min(first + PROMPT_ROWS_PER_PASS, end)
         logits = compute_logits(hidden[first - start:last - start])
-        values = token_logprobs(logits, prompt[first + 1:last + 1], req.params.prompt_logprobs)
+        values = token_logprobs(logits, prompt[first + 1:last + 1], num_top)
         req.prompt_logprobs[first + 1:last + 1] = values

@@ -73,6 +73,11 @@ class TierState:
     load_ticket: LoadTicket | None = None
     """Set while its prefix is loading, and until admission takes the loaded pages."""
 
+    def ticket(self) -> LoadTicket:
+        """`load_ticket`, for a request whose prefix is loading (LOADING)."""
+        assert self.load_ticket is not None, "a loading request holds no load ticket: dropped before its load ended?"
+        return self.load_ticket
+
 
 @dataclass
 class DraftState:
@@ -185,7 +190,7 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         """Tokens whose KV is not written yet: 1 while decoding, more while prefilling."""
-        return self.num_tokens - self.kv.kv_committed_len
+        return self.num_tokens - self.held_kv().kv_committed_len
 
     def admit(self, kv: ReqKV) -> None:
         self._move(RequestStatus.WAITING, RequestStatus.RUNNING)

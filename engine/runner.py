@@ -13,6 +13,7 @@ import torch
 
 from kernels.attention.metadata import build_attn_metadata
 from kernels.kv_layout import KVCacheTensors
+from kernels.model.llama import LlamaForCausalLM
 from kernels.speculative import verify_tree_mask
 
 
@@ -46,16 +47,17 @@ class ForwardOut(NamedTuple):
     @staticmethod
     def cat(parts: list[ForwardOut]) -> ForwardOut:
         """Outputs of consecutive parts of one step, joined (the row-by-row retry)."""
-        aux = [p.aux for p in parts]
+        aux = [p.aux for p in parts if p.aux is not None]
+        assert len(aux) in (0, len(parts)), "parts of one step with and without aux features: two runners?"
         return ForwardOut(torch.cat([p.logits for p in parts]), torch.cat([p.hidden for p in parts]),
-                          torch.cat(aux) if aux and aux[0] is not None else None)
+                          torch.cat(aux) if aux else None)
 
 
 class ModelRunner:
     """Owns nothing but the step: the model and KV tensors are passed in and shared. `aux_layer_ids`:
     the target layers whose input hidden states every forward returns too (an EAGLE-3 head's)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCacheTensors, page_size: int, device: torch.device | str,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCacheTensors, page_size: int, device: torch.device | str,
                  aux_layer_ids: tuple[int, ...] = ()):
         self.model = model
         self.kv_cache = kv_cache
@@ -69,7 +71,8 @@ class ModelRunner:
         """Writes the new tokens' K/V into their pages; returns logits float32, in row order, for the
         last `num_logits` tokens of every row (the last token of a plain row with `wants_logits`)."""
         query_lens = [len(r.token_ids) for r in rows]
-        logits_rows, end = [], 0
+        logits_rows: list[int] = []
+        end = 0
         for r, q in zip(rows, query_lens):
             end += q
             logits_rows.extend(range(end - r.num_logits, end))

@@ -49,7 +49,7 @@ class ScheduledStep:
 
     def add(self, req: Request, num_new_tokens: int) -> None:
         self.requests.append(req)
-        self.rows.append(_row(req, req.kv.kv_committed_len + num_new_tokens))
+        self.rows.append(_row(req, req.held_kv().kv_committed_len + num_new_tokens))
 
     def refresh_rows(self, relocation_version: int) -> None:
         """Derive the rows' page tables again from their requests: the pool relocated since."""
@@ -59,7 +59,7 @@ class ScheduledStep:
 
 def _row(req: Request, seq_len: int) -> ForwardRow:
     """`req`'s tokens up to `seq_len`; past its last token come its drafts (a verify row)."""
-    kv, drafts = req.kv, req.spec.token_ids
+    kv, drafts = req.held_kv(), req.spec.token_ids
     tokens = req.all_token_ids + drafts if drafts else req.all_token_ids
     wants_logits = seq_len == len(tokens)
     tree = tuple(req.spec.parents) if wants_logits and req.spec.parents else None
@@ -147,10 +147,10 @@ class Scheduler:
         (their history is the session's) nor a request that ends at its first token (a prefill
         worker's: its pages enter the tree when it ends, at once)."""
         if (not req.params.share_prompt or req.prompt_shared or req.session_id or not self.config.enable_prefix_cache
-                or req.params.max_tokens <= 1 or req.kv.kv_committed_len < len(req.prompt_token_ids)):
+                or req.params.max_tokens <= 1 or req.held_kv().kv_committed_len < len(req.prompt_token_ids)):
             return
         req.prompt_shared = True
-        self.kvm.cache_unfinished(req.kv, req.prompt_token_ids)
+        self.kvm.cache_unfinished(req.held_kv(), req.prompt_token_ids)
 
     def detach(self, req: Request) -> None:
         """Take a RUNNING request out of the batch but keep its KV (pages still in flight);
@@ -166,15 +166,16 @@ class Scheduler:
     def commit(self, req: Request, end: int) -> None:
         """`req`'s KV is valid up to `end`; the slots allocated past it (rejected drafts) are freed,
         whole pages back to the pool."""
-        self.kvm.commit(req.kv, end)
-        if req.kv.kv_allocated_len > end:
-            self.kvm.free_tail(req.kv, end)
+        kv = req.held_kv()
+        self.kvm.commit(kv, end)
+        if kv.kv_allocated_len > end:
+            self.kvm.free_tail(kv, end)
         self.share_prompt(req)
 
     def reserve_draft_slots(self, req: Request, num_slots: int) -> bool:
         """Slots for `req`'s next verify row: its last token and `num_slots` drafted past it. False:
         no room (it decodes plainly)."""
-        kv = req.kv
+        kv = req.held_kv()
         return self.kvm.try_allocate(kv, max(kv.kv_allocated_len, kv.kv_committed_len + num_slots + 1))
 
     # ---- KV of requests outside the batch (the connector's `ConnectorKV` port) --------------------
@@ -216,7 +217,8 @@ class Scheduler:
             n = used = min(n, budget)
             if n == 0:
                 return 0
-        while not self.kvm.try_allocate(req.kv, max(req.kv.kv_allocated_len, req.kv.kv_committed_len + n)):
+        kv = req.held_kv()
+        while not self.kvm.try_allocate(kv, max(kv.kv_allocated_len, kv.kv_committed_len + n)):
             if self._drop_behind_windows() or self.sessions.offload_idle():  # pages no token sees again, then
                 continue  # an idle session's history to the host tier
             candidates = [r for r in self.running if r is req or self._retractable(r)]
@@ -237,13 +239,14 @@ class Scheduler:
         `end - window + 1` on (one position of margin here)."""
         if not self.kv_window:
             return 0
-        return sum(len(self.kvm.drop_behind(r.kv, r.kv.kv_committed_len - self.kv_window)) for r in self.running
-                   if r.kv.kv_committed_len > len(r.prompt_token_ids) and not r.session_id)
+        window = self.kv_window
+        return sum(len(self.kvm.drop_behind(r.held_kv(), r.held_kv().kv_committed_len - window)) for r in self.running
+                   if r.held_kv().kv_committed_len > len(r.prompt_token_ids) and not r.session_id)
 
     def _retractable(self, req: Request) -> bool:
         """A request whose own pages are lent to a transfer (a prefill worker's write) cannot release
         them yet. Its cached pages never stop a retract: every write reading them pins them itself."""
-        return not self.kvm.lent_pages(req.kv)
+        return not self.kvm.lent_pages(req.held_kv())
 
     def _retract(self, req: Request, step: ScheduledStep) -> None:
         self.running.remove(req)
@@ -255,7 +258,7 @@ class Scheduler:
     def _release(self, req: Request, reason: ReleaseReason) -> None:
         """The one release of a request's KV. A session turn frees exactly its unaligned tail and
         releases the rest into the tree, where the session pins its new history."""
-        kv, tokens = req.kv, req.all_token_ids
+        kv, tokens = req.held_kv(), req.all_token_ids
         if not req.session_id:
             self.kvm.release(kv, reason, tokens, cache=self.config.enable_prefix_cache)
             return
@@ -269,7 +272,7 @@ class Scheduler:
     def _poll_loads(self) -> None:
         """Loads that finished put their requests back in the queue, in arrival order (the engine
         polled the tier at the start of the step: once per step)."""
-        for req in [r for r in self.loading if self.host_cache.ready(r.tier.load_ticket)]:
+        for req in [r for r in self.loading if self.host_cache.ready(r.tier.ticket())]:
             self._requeue_loaded(req)
 
     def _requeue_loaded(self, req: Request) -> None:
@@ -283,7 +286,7 @@ class Scheduler:
         is awaited): then it is back in the queue, in its place, to be admitted in this step rather
         than the next (on a CPU a step is long; on CUDA the copy overlaps the step)."""
         self.host_cache.poll()
-        if not self.host_cache.ready(req.tier.load_ticket):
+        if not self.host_cache.ready(req.tier.ticket()):
             return False
         self._requeue_loaded(req)
         return True
@@ -356,5 +359,6 @@ class Scheduler:
 
     def max_request_tokens(self) -> int:
         """Tokens one request may hold at most: the context limit, and the whole pool."""
-        pool_tokens = (self.config.num_pages - 1) * self.config.page_size
-        return min(self.config.max_model_len, pool_tokens)
+        num_pages, max_model_len = self.config.num_pages, self.config.max_model_len
+        assert num_pages is not None and max_model_len is not None, "config not resolved (`EngineConfig.resolve`)"
+        return min(max_model_len, (num_pages - 1) * self.config.page_size)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kv_store.kv_manager import KVManager, ReleaseReason
+from kv_store.radix_cache import RadixPrefixCache
 
 
 class SessionError(ValueError):
@@ -171,6 +172,7 @@ class SessionManager:
     def _repin(self, session: Session, history: list[int]) -> None:
         """Pin the part of `history` the tree holds on device (all of it, unless a load was in flight)."""
         tree = self.kvm.prefix_cache
+        assert isinstance(tree, RadixPrefixCache), "sessions need the prefix cache: engine.enable_prefix_cache off?"
         pos, path = tree.walk(history, len(history), lambda n: n.residency.on_device)
         if path:
             self.kvm.pin_prefix(session.id, path[-1])

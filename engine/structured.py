@@ -83,7 +83,9 @@ class StructuredOutputs:
         compile failed and return them, each with why."""
         failed, still = [], []
         for req in self.held:
-            future = self.prepare(req.params.grammar)
+            grammar = req.params.grammar
+            assert grammar is not None, f"request {req.request_id} held for a grammar it does not have"
+            future = self.prepare(grammar)
             if not future.done():
                 still.append(req)
             elif future.exception() is not None:

@@ -5,6 +5,7 @@ never raised for the batch (the engine fails that request alone)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -39,7 +40,7 @@ def row_tokens(scheduled: ScheduledStep, logits: torch.Tensor, speculator
     return out
 
 
-def sample_rows(reqs: list[Request], logits: torch.Tensor) -> list[int | Exception]:
+def sample_rows(reqs: list[Request], logits: torch.Tensor) -> Sequence[int | Exception]:
     """One token per request, or the exception its row raised. The batch is sampled at once; only
     when that raises is each row sampled alone (the sampler's draws do not depend on the batch)."""
     try:
@@ -96,13 +97,14 @@ def apply_stop_rules(req: Request, tokens: list[int] | None,
     and the reason it ended (None: still running). None tokens: a prefill chunk, nothing to append.
     The one place a request's output grows (`EngineCore.accept_first_token` too, `computed_here`
     False: a prefill worker sampled it, so it is not this engine's `first_token` mark)."""
-    applied = []
+    rules, applied = req.stop_rules, []
     if tokens and computed_here and "first_token" not in req.timings:
         req.timings["first_token"] = time.monotonic()  # the first this engine computed
     for token in tokens or ():
+        assert rules is not None, f"request {req.request_id} has no stop rules: admitted by no engine?"
         req.output_token_ids.append(token)
         applied.append(token)
-        reason = req.stop_rules.check(req.output_token_ids, req.num_tokens)
+        reason = rules.check(req.output_token_ids, req.num_tokens)
         if reason is not None:
             return applied, reason
     return applied, None

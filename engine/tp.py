@@ -34,6 +34,8 @@ import torch
 from common.config import EngineConfig
 from engine.graphs.runner import GraphRunner
 from engine.runner import ModelRunner
+from kernels.model.eagle import EagleDraftHead
+from kernels.model.llama import LlamaForCausalLM
 
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
 """How long a rank waits for rank 0's next call: an idle server sends none for as long as it idles.
@@ -57,7 +59,7 @@ class ControlGroup:
         torch.distributed.broadcast_object_list([call], src=0, group=self.group)
 
     def receive(self) -> tuple:
-        box = [None]
+        box: list[Any] = [None]
         torch.distributed.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
@@ -108,7 +110,7 @@ class LeadHead:
     verified tree's K/V (`lead_moves`) is sent to the other ranks first, then it is rank 0's. Its
     calls replay no graphs under tensor parallelism: they run as sent on every rank."""
 
-    def __init__(self, head: torch.nn.Module, control: ControlGroup) -> None:
+    def __init__(self, head: EagleDraftHead, control: ControlGroup) -> None:
         self._head, self._control = head, control
 
     def __call__(self, input_ids, features, positions, meta, kv_cache):
@@ -135,7 +137,7 @@ def lead_moves(move, control: ControlGroup):
     return moved
 
 
-def head_calls(head: torch.nn.Module, draft_kv, target_kv, device: str) -> dict:
+def head_calls(head: EagleDraftHead, draft_kv, target_kv, device: str) -> dict:
     """A rank's side of `LeadHead` and `lead_moves`: its shard of the head over its draft K/V layer,
     the moves over its target K/V."""
     from engine.spec.draft_tree import move_slots
@@ -167,7 +169,7 @@ class LeadModel:
     """Rank 0's model as the engine sees it: a head-only pass (`compute_logits`) is sent to the other
     ranks first (their vocabulary slices are gathered); everything else is the model's."""
 
-    def __init__(self, model: torch.nn.Module, control: ControlGroup) -> None:
+    def __init__(self, model: LlamaForCausalLM, control: ControlGroup) -> None:
         self._model, self._control = model, control
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -178,7 +180,7 @@ class LeadModel:
         return getattr(self._model, name)
 
 
-def follow(control: ControlGroup, runner: GraphRunner, model: torch.nn.Module, calls: dict | None = None) -> None:
+def follow(control: ControlGroup, runner: GraphRunner, model: LlamaForCausalLM, calls: dict | None = None) -> None:
     """A rank other than 0: run rank 0's calls until it says stop (`calls`: its worker role's, by name)."""
     calls = calls or {}
     while True:

@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,10 @@ from engine.tp import ControlGroup, follow, head_calls, join, prepare, rank_devi
 from engine.tp_tiers import RankTiers
 from kv_store.device_pool import DevicePool
 
+if TYPE_CHECKING:  # imported where used (`load_shard`)
+    from kernels.model.loader import LoadedModel
+    from kernels.model.tp import Shard
+
 log = logging.getLogger("tandem.engine")
 
 
@@ -39,7 +44,7 @@ def load_shard(config: EngineConfig, rank: int, size: int, device: str, serving:
     from kernels.model.loader import load_for_serving, load_model
     from kernels.model.tp import Shard, TPGroup
 
-    shards = []
+    shards: list[Shard] = []
 
     def shard_of(hf_config):
         arch = LlamaArch.from_hf_config(hf_config)
@@ -149,8 +154,8 @@ class Ranks:
     config: EngineConfig
     followers: Followers
     control: ControlGroup
-    loaded: object
-    shards: list
+    loaded: LoadedModel
+    shards: list[Shard]
 
     def stop_with(self, engine) -> None:
         """`engine.close()` (rank 0's engine, built with `control`) also stops the other ranks."""

@@ -17,7 +17,9 @@ before its next, so its host pages hold what rank 0's do whenever rank 0 next re
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
+from kv_store.copier import CopyJob, Direction
 from kv_store.l3.config import L3Config
 
 TIER_COPY_TIMEOUT_S = 60.0
@@ -40,7 +42,7 @@ class LeadCopier:
     def __init__(self, copier, control) -> None:
         self._copier, self._control = copier, control
 
-    def submit(self, direction, src_pages: list[int], dst_pages: list[int]):
+    def submit(self, direction: Direction, src_pages: list[int], dst_pages: list[int]) -> CopyJob:
         self._control.send(("tier_copy", direction, list(src_pages), list(dst_pages)))
         return self._copier.submit(direction, src_pages, dst_pages)
 
@@ -94,7 +96,7 @@ class RankTiers:
             closing.callback(self.l3.close)
 
     def calls(self) -> dict:
-        calls = {"tier_copy": self.copy}
+        calls: dict[str, Callable[..., None]] = {"tier_copy": self.copy}
         if self.l3 is not None:
             calls.update(l3_put=self.l3.put, l3_fetch=self.fetch)
         return calls
@@ -106,4 +108,5 @@ class RankTiers:
 
     def fetch(self, keys: list[str], host_pages: list[int]) -> None:
         """Read `keys` into `host_pages` now; answer how many leading pages arrived."""
+        assert self.l3 is not None, "l3_fetch on a rank without L3: `calls` offers it only with one"
         self.control.gather(self.l3.read_now(keys, host_pages))

@@ -40,6 +40,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -79,6 +80,15 @@ class CopyJob:
 
 
 _STOP = object()
+
+
+class Copier(Protocol):
+    """What a host tier copies through: a `PageCopier`, or one that sends each copy on to the other ranks
+    of a tensor-parallel engine first (`engine.tp_tiers.LeadCopier`)."""
+
+    def submit(self, direction: Direction, src_pages: list[int], dst_pages: list[int]) -> CopyJob: ...
+
+    def close(self, timeout_s: float = 5.0) -> None: ...
 
 
 class PageCopier:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from common import chaos
 from kernels.kv_layout import KVCacheTensors
-from kv_store.copier import Direction, PageCopier
+from kv_store.copier import Copier, Direction, PageCopier
 from kv_store.device_pool import DevicePool
 from kv_store.l2_eviction import corrupt_copy, drop_unheld, evict_l2
 from kv_store.l3.bridge import L3Bridge, NullBridge
@@ -71,7 +71,7 @@ class HostCache:
         self.selective_hits, self.copy_timeout_s = selective_hits, copy_timeout_s
         self.kv = host_kv
         self.pool = PagePool(host_kv.num_pages, device.kv.page_size)
-        self.copier = PageCopier(device.kv, self.kv)
+        self.copier: Copier = PageCopier(device.kv, self.kv)
         self.counters = TierCounters()
         self.l3 = L3Bridge(l3, tree, self.pool, self._host_room) if l3 is not None else NullBridge()
         self._writes: dict[int, Write] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -87,8 +87,11 @@ class StaticBuffers:
                             query_lens_cpu=(1,) * bucket, seq_lens_cpu=seq_lens_cpu)
 
 
-def capture_graph(body: Callable[[AttnMetadata], object], make_meta: Callable[[], AttnMetadata], backend,
-                  device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+OutT = TypeVar("OutT")  # what a captured body returns: the tensors each replay writes
+
+
+def capture_graph(body: Callable[[AttnMetadata], OutT], make_meta: Callable[[], AttnMetadata], backend,
+                  device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, OutT]:
     """(graph, its output tensors) of `body` over static buffers: two warm-up runs on a side stream,
     then the capture (in memory pool `pool`, None: a new one). `make_meta` gives a new metadata object
     each time: backends memoise plans per object, and the captured plan must be built for the

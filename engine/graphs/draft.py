@@ -27,6 +27,7 @@ from engine.graphs.capture import StaticBuffers, bucket_for, capture_graph
 from engine.graphs.tree import TreeBuffers
 from engine.runner import ForwardRow
 from kernels.kv_layout import KVCacheTensors
+from kernels.model.eagle import EagleDraftHead
 
 log = logging.getLogger("tandem.engine")
 
@@ -34,7 +35,7 @@ log = logging.getLogger("tandem.engine")
 class HeadGraphs:
     """`run` replays the head for one call when a bucket holds it, else returns None (run it eagerly)."""
 
-    def __init__(self, head: torch.nn.Module, kv: KVCacheTensors, page_size: int, device: torch.device,
+    def __init__(self, head: EagleDraftHead, kv: KVCacheTensors, page_size: int, device: torch.device,
                  buckets: tuple[int, ...], max_pages: int, feature_dim: int, dtype: torch.dtype, capture: bool):
         """`capture`: the engine's steps are captured CUDA graphs (`StepPlan.captures`)."""
         self.head, self.kv, self.page_size, self.buckets = head, kv, page_size, buckets
@@ -99,7 +100,7 @@ class HeadTreeGraphs:
     replays over `tree.TreeBuffers` as the tree verify does (CUDA with Triton attention; on
     CPU `expand`, tests, runs the same buffers eagerly). Calls of another shape run eagerly."""
 
-    def __init__(self, head: torch.nn.Module, kv: KVCacheTensors, page_size: int, device: torch.device,
+    def __init__(self, head: EagleDraftHead, kv: KVCacheTensors, page_size: int, device: torch.device,
                  buckets: tuple[int, ...], max_pages: int, feature_dim: int, dtype: torch.dtype, width: int,
                  depth: int, capture: bool):
 

@@ -108,7 +108,7 @@ class GraphCounters:
 
 @dataclass
 class _Captured:
-    graph: object  # torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph
     out: ForwardOut  # logits [bucket, vocab], hidden [bucket, h] (aux): written by each replay
 
 
@@ -141,8 +141,8 @@ class GraphRunner:
         self._graphs: dict[int, _Captured] = {}
         self._cpu_replays: dict[int, Callable] = {}  # CPU: bucket -> its replay (a C layer, a compiled forward)
         self._compiling: threading.Thread | None = None  # a background compile, once started
-        self._compile_later: Callable[[], None] | None = None  # a background compile, until started
-        self.trees = None  # TreeVerifyGraphs, when the engine drafts trees
+        self._compile_later: Callable[[Iterable[int]], None] | None = None  # a background compile, until started
+        self.trees: TreeVerifyGraphs | None = None  # when the engine drafts trees
         if self.enabled and tree_rows:
             capture = plan.captures and eager.model.backend.name == "triton"
             self.trees = TreeVerifyGraphs(eager, tree_batch, tree_rows, self.bufs.max_pages, capture)
@@ -150,6 +150,7 @@ class GraphRunner:
             self._capture_all()
         elif plan.strategy is StepStrategy.C_LAYERS:
             native = plan.native
+            assert native is not None, "a c_layers plan without its NativeDecode: not made by choose_step_strategy?"
             self._cpu_replays.update((b, native) for b in self.buckets
                                      if native.max_rows is None or b <= native.max_rows)
         elif plan.strategy is StepStrategy.COMPILED and COMPILED_CPU_BUCKET in self.buckets:
@@ -178,6 +179,7 @@ class GraphRunner:
 
     def tree_replay(self, rows: list[ForwardRow], bucket: int) -> ForwardOut:
         """Tree verify rows through the tree graphs' bucket `bucket`, ungated (as `replay`)."""
+        assert self.trees is not None, "a tree replay on an engine without tree graphs: it drafts no trees"
         return self.trees.replay(rows, bucket)
 
     def probe(self) -> None:
@@ -329,9 +331,9 @@ class GraphRunner:
 
 def _rows_of(out: ForwardOut, n: int, clone: bool = False) -> ForwardOut:
     """The first `n` rows of a replay's output (one token a row; the rest is padding)."""
-    def take(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else (t[:n].clone() if clone else t[:n])
-    return ForwardOut(take(out.logits), take(out.hidden), take(out.aux))
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t[:n].clone() if clone else t[:n]
+    return ForwardOut(take(out.logits), take(out.hidden), None if out.aux is None else take(out.aux))
 
 
 def _decode_rows(rows: list[ForwardRow]) -> list[ForwardRow]:

@@ -21,8 +21,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from kernels.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from kernels.cpu.decode_layer import NativeDecode
 
 
 class StepStrategy(str, enum.Enum):
@@ -38,7 +44,7 @@ class StepPlan:
     strategy: StepStrategy
     why: str = ""
     """What decided it (for the start-up log)."""
-    native: object | None = None
+    native: NativeDecode | None = None
     """c_layers: the `NativeDecode` that runs the layers."""
 
     @property
@@ -55,7 +61,7 @@ class StepPlan:
         return f"{self.strategy.value} ({self.why})" if self.why else self.strategy.value
 
 
-def choose_step_strategy(config, model: torch.nn.Module, device: torch.device, backend: str) -> StepPlan:
+def choose_step_strategy(config, model: LlamaForCausalLM, device: torch.device, backend: str) -> StepPlan:
     """The plan for an engine of `config` running `model` on `device` with attention `backend` (the
     resolved name), by the table in the module docstring."""
     if not config.cuda_graph:

@@ -108,7 +108,7 @@ class TreeVerifyGraphs:
         return bucket_for(self.buckets, len(rows))
 
     def replay(self, rows: list[ForwardRow], bucket: int) -> ForwardOut:
-        self.bufs.fill([(r.token_ids, r.seq_len, r.pages, verify_tree_mask(r.draft_parents)) for r in rows],
+        self.bufs.fill([(r.token_ids, r.seq_len, r.pages, _tree_mask(r)) for r in rows],
                        bucket, self.page_size)
         meta = self.bufs.meta(bucket, self.page_size, tuple(r.seq_len for r in rows) + (self.q,) * (bucket - len(rows)))
         n = len(rows) * self.q
@@ -141,3 +141,9 @@ class TreeVerifyGraphs:
         log.info("captured tree verify graphs (%d tokens a request) for batch sizes %s in %.1f s, %.0f MiB", self.q,
                  list(self.buckets), time.perf_counter() - start_s,
                  (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20)
+
+
+def _tree_mask(row: ForwardRow) -> TreeMask:
+    assert row.draft_parents is not None, \
+        f"a chain row ({len(row.token_ids)} tokens) in a tree replay: one `TreeVerifyGraphs.takes` refused?"
+    return verify_tree_mask(row.draft_parents)

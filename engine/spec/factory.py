@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,7 +14,12 @@ from engine.request import Request
 from engine.spec.policy import AdaptivePolicy, FixedPolicy
 from engine.spec.speculator import Committed, DraftSlots, EagleSpeculator
 from kernels.kv_layout import KVCacheTensors
+from kernels.model.arch import LlamaArch
 from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoint
+from kernels.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from engine.tp import LeadHead
 
 
 class NullSpeculator:
@@ -42,25 +48,26 @@ class NullSpeculator:
         pass
 
 
-def make_speculator(config: EngineConfig, head: EagleDraftHead | None, device: torch.device,
+def make_speculator(config: EngineConfig, head: EagleDraftHead | LeadHead | None, device: torch.device,
                     kv: KVCacheTensors | None = None, target_kv: KVCacheTensors | None = None, runner=None):
     """The speculator `config.speculative` names; `head` is the draft head when it is `eagle` (see
     `EagleSpeculator` for the rest)."""
     if config.speculative == "none":
         return NullSpeculator()
-    check_draft_head(config, head)
+    head = check_draft_head(config, head)
     policy = AdaptivePolicy() if config.speculative_adaptive else FixedPolicy()
     return EagleSpeculator(head, config.page_size, device, config.num_draft_tokens, config.speculative_max_batch,
                            policy, config.speculative_topk, config.speculative_tree_nodes, kv, target_kv, runner)
 
 
-def check_draft_head(config: EngineConfig, head: EagleDraftHead | None) -> None:
-    """ConfigError when `head` cannot draft as `config` asks (before anything is allocated for it)."""
+def check_draft_head(config: EngineConfig, head: EagleDraftHead | LeadHead | None) -> EagleDraftHead | LeadHead:
+    """`head`, or ConfigError when it cannot draft as `config` asks (before anything is allocated for it)."""
     assert head is not None, "speculative eagle needs a draft head (engine.draft_model)"
     backend = head.self_attn.backend
     if config.speculative_topk > 1 and not backend.supports_tree_mask:
         raise ConfigError(f"speculative_topk {config.speculative_topk} (tree drafting) needs the torch or triton "
                           f"attention backend; {backend.name} takes no tree mask (set attention_backend, or topk 1)")
+    return head
 
 
 def draft_aux_layers(head: EagleDraftHead | None) -> tuple[int, ...]:
@@ -70,7 +77,7 @@ def draft_aux_layers(head: EagleDraftHead | None) -> tuple[int, ...]:
     return head.arch.aux_layer_ids
 
 
-def load_draft_head(config: EngineConfig, model: torch.nn.Module, arch) -> EagleDraftHead:
+def load_draft_head(config: EngineConfig, model: LlamaForCausalLM, arch: LlamaArch) -> EagleDraftHead:
     """The head in `config.draft_model` for `model` (sharing its embedding and lm_head), or ConfigError."""
     path = Path(config.draft_model) if config.draft_model else None
     if path is None or not (path / "config.json").is_file():

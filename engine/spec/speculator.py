@@ -45,6 +45,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,6 +58,10 @@ from kernels.kv_layout import KVCacheTensors
 from kernels.model.eagle import DraftStyle, EagleDraftHead
 from kernels.sampling import filtered_probs, race_noise, sample
 from kernels.speculative import row_depths, verify_chain, verify_tree
+
+if TYPE_CHECKING:
+    from engine.graphs.draft import HeadGraphs, HeadTreeGraphs
+    from engine.tp import LeadHead
 
 log = logging.getLogger("tandem.engine")
 
@@ -109,7 +114,7 @@ class EagleSpeculator:
     there); `runner`: the engine's `GraphRunner`, whose buckets the head's calls replay from (when it
     replays at all; captured here)."""
 
-    def __init__(self, head: EagleDraftHead, page_size: int, device: torch.device, num_draft_tokens: int,
+    def __init__(self, head: EagleDraftHead | LeadHead, page_size: int, device: torch.device, num_draft_tokens: int,
                  max_batch: int, policy: AdaptivePolicy | FixedPolicy | None = None, topk: int = 1,
                  tree_nodes: int = 0, kv: KVCacheTensors | None = None, target_kv: KVCacheTensors | None = None,
                  runner=None):
@@ -124,7 +129,8 @@ class EagleSpeculator:
         self._step = (0, 0, 0)  # this step's (decode rows, decode tokens, verifies before it), for the policy
         self.counters = SpecCounters()
         self._last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (x, draft logits) of its last row
-        self.graphs = self.tree_graphs = None  # HeadGraphs / HeadTreeGraphs (trees) while the runner replays
+        self.graphs: HeadGraphs | None = None  # while the runner replays
+        self.tree_graphs: HeadTreeGraphs | None = None  # ... and the engine drafts trees
         if runner is not None and runner.enabled:
             self._capture(runner)
 
@@ -132,11 +138,13 @@ class EagleSpeculator:
         """Replay the head's calls from graphs of the target's buckets (`graphs/draft.py`)."""
         from engine.graphs.draft import HeadGraphs, HeadTreeGraphs
 
-        hidden = self.head.arch.layer.hidden_size
-        self.graphs = HeadGraphs(self.head, self.kv, self.page_size, self.device, runner.buckets,
+        head, kv = self.head, self._draft_kv()
+        assert isinstance(head, EagleDraftHead), "a tensor-parallel rank 0's head (LeadHead) replays no graphs"
+        hidden = head.arch.layer.hidden_size
+        self.graphs = HeadGraphs(head, kv, self.page_size, self.device, runner.buckets,
                                  runner.bufs.max_pages, hidden, self._dtype, runner.plan.captures)
         if runner.trees is not None:
-            self.tree_graphs = HeadTreeGraphs(self.head, self.kv, self.page_size, self.device, runner.trees.buckets,
+            self.tree_graphs = HeadTreeGraphs(head, kv, self.page_size, self.device, runner.trees.buckets,
                                               runner.bufs.max_pages, hidden, self._dtype, self.topk, self.k,
                                               runner.plan.captures)
 
@@ -206,10 +214,11 @@ class EagleSpeculator:
     def _move_path(self, req: Request, path: list[int]) -> None:
         """Move the target K/V of the accepted tree rows `path` to the slots right after the last token
         (row r sits at position c + r; the m-th accepted goes to c + m + 1), so the committed KV is a chain."""
-        c, moves = req.kv.kv_committed_len, [(row, m + 1) for m, row in enumerate(path) if row != m + 1]
+        kv = req.held_kv()
+        c, moves = kv.kv_committed_len, [(row, m + 1) for m, row in enumerate(path) if row != m + 1]
         if not moves:
             return
-        src, dst = ([slot_of(req.kv.pages, c + r, self.page_size) for r in rows] for rows in zip(*moves))
+        src, dst = ([slot_of(kv.pages, c + r, self.page_size) for r in rows] for rows in zip(*moves))
         self.move_kv(self._longs(src), self._longs(dst))
 
     # ---- catch up ----------------------------------------------------------------------------------
@@ -229,7 +238,10 @@ class EagleSpeculator:
             self._step = (len(rows), sum(c.end - c.start for c in rows), self._step[2])
         if not rows:
             return
-        features = self.head.combine(aux) if self.head.arch.style is DraftStyle.EAGLE3 else hidden  # [T, h]
+        features = hidden  # [T, h]
+        if self.head.arch.style is DraftStyle.EAGLE3:
+            assert aux is not None, "an EAGLE-3 head caught up without aux features: runner made without its layers?"
+            features = self.head.combine(aux)
         feats = torch.cat([features[_feature_rows(c, paths.get(c.req.request_id))] for c in rows])
         ids = [t for c in rows for t in c.req.all_token_ids[c.start + 1:c.end + 1]]
         drafting = num_running <= self.max_batch
@@ -238,20 +250,20 @@ class EagleSpeculator:
         lasts = [end - 1 for end, r in zip(ends, read) if r]
         if lasts and (len(ids) - len(lasts) <= CATCH_UP_SPLIT_ROWS or self._replays(len(ids))):
             x, logits = self._run(ids, feats, [c.end - c.start for c in rows], [c.end for c in rows],
-                                  [c.req.kv.pages for c in rows])
+                                  [c.req.held_kv().pages for c in rows])
             for i, (c, end) in enumerate(zip(rows, ends)):
                 self._last[c.req.request_id] = (x[end - 1], logits[i])
             return
         positions = [p for c in rows for p in range(c.start, c.end)]  # row r's position, r indexing ids
-        tables = [c.req.kv.pages for c in rows for _ in range(c.start, c.end)]
+        tables = [c.req.held_kv().pages for c in rows for _ in range(c.start, c.end)]
         unread = sorted(set(range(len(ids))) - set(lasts))
         slots = [slot_of(tables[r], positions[r], self.page_size) for r in unread]
         self.head.write_kv(self._longs([ids[r] for r in unread]), feats[unread],
-                           self._longs([positions[r] for r in unread]), self._longs(slots), self.kv)
+                           self._longs([positions[r] for r in unread]), self._longs(slots), self._draft_kv())
         if lasts:
             readers = [c for c, r in zip(rows, read) if r]
             x, logits = self._run([ids[r] for r in lasts], feats[lasts], [1] * len(lasts), [c.end for c in readers],
-                                  [c.req.kv.pages for c in readers])
+                                  [c.req.held_kv().pages for c in readers])
             self._last.update((c.req.request_id, (x[i], logits[i])) for i, c in enumerate(readers))
 
     def _replays(self, num_rows: int) -> bool:
@@ -299,8 +311,10 @@ class EagleSpeculator:
             ids = [t for r in active for t in trees[r].level_tokens(d)]
             feats = x[torch.tensor([row for i in keep for row in parent_rows[i]], device=x.device)]
             widths = [trees[r].width for r in active]
-            x, logits = self._run(ids, feats, widths, [r.kv.kv_committed_len + len(trees[r].frontier) for r in active],
-                                  [r.kv.pages for r in active], [trees[r].head_mask(d) for r in active], level=d)
+            kvs = [r.held_kv() for r in active]
+            x, logits = self._run(ids, feats, widths, [kv.kv_committed_len + len(trees[r].frontier)
+                                                       for kv, r in zip(kvs, active)],
+                                  [kv.pages for kv in kvs], [trees[r].head_mask(d) for r in active], level=d)
             starts = [0, *torch.tensor(widths).cumsum(0).tolist()[:-1]]
             d += 1
         for req, tree in trees.items():
@@ -359,7 +373,7 @@ class EagleSpeculator:
         """The head over one ragged batch; logits for each sequence's last row, or with `masks` (draft
         level `level`: `DraftTree.head_mask` per sequence) for every row."""
         masked = masks is not None and any(m is not None for m in masks)
-        if masked and self.tree_graphs is not None:
+        if masks is not None and masked and self.tree_graphs is not None:
             replayed = self.tree_graphs.run(level, ids, features, seq_lens, pages, masks)
             if replayed is not None:
                 return replayed
@@ -372,6 +386,10 @@ class EagleSpeculator:
                                               masks=masks if masked else None)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return self.head(input_ids, features, positions, meta, self.kv)
+
+    def _draft_kv(self) -> KVCacheTensors:
+        assert self.kv is not None, "the draft head writes K/V, but this speculator was made without its layer (kv)"
+        return self.kv
 
 
 def _feature_rows(c: Committed, path: list[int] | None) -> slice | list[int]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from kv_store.l3.config import PrefetchPolicy
 from kv_store.l3.keys import ROOT_KEY
-from kv_store.l3.tier import L3Counters, L3Tier, Prefetch, PrefetchPhase
+from kv_store.l3.tier import L3, L3Counters, Prefetch, PrefetchPhase
 from kv_store.page_pool import PagePool
 from kv_store.radix_cache import RadixPrefixCache
 from kv_store.residency import Residency
@@ -21,7 +21,7 @@ from kv_store.tree_node import TreeNode
 
 
 class L3Bridge:
-    def __init__(self, l3: L3Tier, tree: RadixPrefixCache, pool: PagePool, host_room: Callable[[int], bool]):
+    def __init__(self, l3: L3, tree: RadixPrefixCache, pool: PagePool, host_room: Callable[[int], bool]):
         self.l3, self.tree, self.pool, self.host_room = l3, tree, pool, host_room
         self.config = l3.config
         self.counters = l3.counters

@@ -25,6 +25,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kv_store.l3.codec import PageBytes
 from kv_store.l3.config import L3Config
@@ -85,6 +86,32 @@ class L3Counters:
 
 
 _STOP = object()
+
+
+class L3(Protocol):
+    """What `L3Bridge` calls: an `L3Tier`, or one that sends its puts and fetches on to the other ranks
+    of a tensor-parallel engine (`engine.tp_tiers.LeadL3`)."""
+
+    config: L3Config
+    counters: L3Counters
+
+    def keys(self, token_ids, parent_key: str = ROOT_KEY) -> list[str]: ...
+
+    def put(self, keys: list[str], host_pages: list[int]) -> None: ...
+
+    def start_prefetch(self, token_ids, first_page: int, keys: list[str]) -> Prefetch: ...
+
+    def fetch(self, prefetch: Prefetch, host_pages: list[int]) -> None: ...
+
+    def flush(self, timeout_s: float) -> bool: ...
+
+    def arrived(self, prefetch: Prefetch) -> int: ...
+
+    def count(self, outcome: str) -> None: ...
+
+    def stats(self): ...
+
+    def close(self) -> None: ...
 
 
 class L3Tier:

@@ -139,7 +139,7 @@ class ShardWrites:
             return self.transport.poll(handle)
         states = [self.transport.poll(part) for part in handle.parts]
         if handle.others:
-            states.append(self.others.status(handle.key))
+            states.append(self._ranks().status(handle.key))
         if handle.refused or TransferStatus.FAILED in states:
             return TransferStatus.FAILED
         return TransferStatus.PENDING if TransferStatus.PENDING in states else TransferStatus.DONE
@@ -148,21 +148,21 @@ class ShardWrites:
         if isinstance(handle, TransferHandle):
             return self.transport.error(handle)
         errors = [str(e) for e in (self.transport.error(part) for part in handle.parts) if e is not None]
-        if handle.others and self.others.error(handle.key):
-            errors.append(self.others.error(handle.key))
+        if handle.others and self._ranks().error(handle.key):
+            errors.append(self._ranks().error(handle.key))
         return "; ".join(([handle.refused] if handle.refused else []) + errors) or None
 
     def add_other_sums(self, handle, sums) -> None:
         """Add the other ranks' digest parts of a DONE `handle` to `sums` (a `PartialSums`)."""
         if isinstance(handle, GroupWrite) and handle.others:
-            for start, part in self.others.sums(handle.key):
+            for start, part in self._ranks().sums(handle.key):
                 sums.add(start, part)
 
     def settled(self, handle) -> bool:
         if isinstance(handle, TransferHandle):
             return self.transport.settled(handle)
         return (all(self.transport.settled(part) for part in handle.parts)
-                and (not handle.others or self.others.settled(handle.key)))
+                and (not handle.others or self._ranks().settled(handle.key)))
 
     def retire(self, handle) -> None:
         if isinstance(handle, TransferHandle):
@@ -171,7 +171,12 @@ class ShardWrites:
         for part in handle.parts:
             self.transport.retire(part)
         if handle.others:
-            self.others.retire(handle.key)
+            self._ranks().retire(handle.key)
+
+    def _ranks(self) -> OtherRanks:
+        """The other ranks, for a write they take part in (`GroupWrite.others`)."""
+        assert self.others is not None, "a group write shipped to other ranks by a single-rank prefill worker"
+        return self.others
 
 
 @dataclass(frozen=True)
@@ -225,7 +230,7 @@ class _RankShipper:
     def poll(self) -> None:
         """Gather to rank 0 {key: (status, error, settled, sums)} of the writes that ended; forget the
         settled."""
-        said = {}
+        said: dict[int, tuple[str, str, bool, tuple | None]] = {}
         for key, handle in list(self.open.items()):
             if isinstance(handle, TransferError):
                 said[key] = (TransferStatus.FAILED.value, str(handle), True, None)

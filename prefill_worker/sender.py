@@ -63,6 +63,7 @@ class _Shipment:
     request: Request
     landing: Landing
     session: TransferSession
+    sums: PartialSums  # the landing pages' digests, added up as each rank writes its part
     pages_sent: int = 0
     handles: set = field(default_factory=set)
     first_token: int | None = None  # set when the prompt is done and the token sampled
@@ -74,7 +75,6 @@ class _Shipment:
     pages_done: int = 0
     copies: list[_Staged] = field(default_factory=list)  # staged only: copies not yet written, in order
     deferred: bool = False  # staged only: completed pages staging had no room for yet
-    sums: PartialSums | None = None  # the landing pages' digests, added up as each rank writes its part
 
 
 class KVSender(NullConnector):
@@ -235,7 +235,7 @@ class KVSender(NullConnector):
     def _ship(self, req: Request, shipment: _Shipment) -> None:
         """Write the pages completed since the last call (all remaining ones once the prompt is done);
         through staging, copy as many of them as staging has room for."""
-        kv, ps = req.kv, self.ports.page_size
+        kv, ps = req.held_kv(), self.ports.page_size
         prompt_len = len(req.prompt_token_ids)
         done = kv.kv_committed_len >= prompt_len
         upto = ceil_div(prompt_len, ps) if done else kv.kv_committed_len // ps
@@ -257,16 +257,21 @@ class KVSender(NullConnector):
     def _stage(self, req: Request, shipment: _Shipment, start: int, upto: int) -> None:
         """Copy pages [start, upto) of `req`, as many as staging has free, into staging; the copy job
         pins the device pages until it is done. The write follows the copy (`_poll_copies`)."""
-        staging_pages = self.staging.take(upto - start)
+        staging, kv = self._staged(), req.held_kv()
+        staging_pages = staging.take(upto - start)
         stop = start + len(staging_pages)
         shipment.deferred = stop < upto  # staging full: `before_step` tries again as writes retire
         if not staging_pages:
             return
-        job = self.staging.copy_in(req.kv.pages[start:stop], staging_pages)
-        self.kv.pin_for_transfer(req.kv, start, stop, job)
+        job = staging.copy_in(kv.pages[start:stop], staging_pages)
+        self.kv.pin_for_transfer(kv, start, stop, job)
         shipment.copies.append(_Staged(job, start, stop, staging_pages))
         shipment.pages_sent = stop
         self._poll_copies(shipment)  # a CPU copier is done already
+
+    def _staged(self) -> StagingPages:
+        assert self.staging is not None, "staging pages handled by a sender that writes in place (no staging)"
+        return self.staging
 
     def _poll_copies(self, shipment: _Shipment) -> None:
         """Copies that are done, in order: the device pages go back; the staging pages are written
@@ -275,16 +280,16 @@ class KVSender(NullConnector):
             staged = shipment.copies.pop(0)
             self.kv.unpin_transfer(staged.job)
             if staged.job.error is not None:
-                self.staging.give_back(staged.staging_pages)
+                self._staged().give_back(staged.staging_pages)
                 self.abort_transfer(shipment.request.request_id, FailureReason.TRANSPORT_ERROR,
                                     f"copying pages to host staging failed: {staged.job.error!r}")
                 continue
             if shipment.abort_reason is not None:
-                self.staging.give_back(staged.staging_pages)
+                self._staged().give_back(staged.staging_pages)
                 continue
             handle = self._write(shipment, staged.staging_pages, staged.start, staged.stop)
             if handle is None:
-                self.staging.give_back(staged.staging_pages)
+                self._staged().give_back(staged.staging_pages)
                 continue
             shipment.handles.add(handle)
             self._staging_at_handle[handle] = staged.staging_pages
@@ -324,7 +329,7 @@ class KVSender(NullConnector):
             if staging_pages is None:
                 self.kv.unpin_transfer(handle)  # terminal and settled: nothing reads its pages now
             else:
-                self.staging.give_back(staging_pages)
+                self._staged().give_back(staging_pages)
             if status is TransferStatus.DONE and shipment.session.state is TransferState.TRANSFERRING:
                 shipment.session.progress(now)
                 shipment.pages_done = max(shipment.pages_done, shipment.pages_at_handle.pop(handle, 0))
@@ -341,6 +346,7 @@ class KVSender(NullConnector):
                                                                                 self.ports.page_size):
                 continue  # staging had no room for the last pages yet
             if shipment.abort_reason is None:
+                assert shipment.first_token is not None, f"request {rid}'s transfer done without its first token"
                 shipment.session.advance(TransferState.DONE, self.clock())
                 req.timings["transfer_done"] = self.clock()
                 first, prompt = first_logprobs(req)

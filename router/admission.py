@@ -297,10 +297,10 @@ class PrefillLane(Generic[ItemT]):
         if self.num_queued >= params.max_queued_requests and not self._has_room_now():
             return Refusal(f"{self.num_queued} requests already queued for this prefill worker "
                            "(router.max_queued_requests)", FALLBACK_RETRY_AFTER_S)
-        wait_s = self.predicted_wait_s(now)
-        if wait_s is None or not self.ahead_tokens:  # unmeasured, or idle: nothing to wait behind
+        wait_s, rate = self.predicted_wait_s(now), self.rate.tokens_per_s
+        if wait_s is None or rate is None or not self.ahead_tokens:  # unmeasured, or idle: nothing to wait behind
             return None
-        done_s = wait_s + num_tokens / self.rate.tokens_per_s
+        done_s = wait_s + num_tokens / rate
         if done_s <= params.planned_ttft_s:
             return None
         return Refusal(f"predicted prefill done in {done_s:.2f}s, past the {params.planned_ttft_s:.2f}s admission "

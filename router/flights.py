@@ -134,6 +134,7 @@ class Flight:
 
     def last_chunk(self, msg: p.TokenOutput, decode_worker: str) -> GenerationChunk:
         """The chunk that ends it, from its decode worker's finishing output."""
+        assert msg.finish_reason is not None, f"request {self.request_id}: a last chunk from an unfinished output"
         timings = dict(msg.timings)
         transfer_s = (timings["transfer_done"] - timings["first_write"]
                       if "transfer_done" in timings and "first_write" in timings else None)
@@ -184,7 +185,8 @@ def token_chunk(msg: p.TokenOutput) -> GenerationChunk:
 def observe_first_token(flight: Flight, ttft_s: float, admission: AdmissionParams) -> None:
     """Admission learns from each first token whether its decode worker's limit kept the promise."""
     if flight.limit_epoch is not None:
-        flight.decode.limit.observe(ttft_s, admission.max_queue_delay_s, flight.limit_epoch, flight.decode.num_active)
+        decode = flight.routed_decode()
+        decode.limit.observe(ttft_s, admission.max_queue_delay_s, flight.limit_epoch, decode.num_active)
 
 
 def reroutes_counter():

@@ -24,6 +24,11 @@ class _Node:
     children: dict[int, _Node] = field(default_factory=dict)  # keyed by the first token of the child's key
     last_used: int = 0  # insert tick that last passed through this node; never older than any descendant's
 
+    def up(self) -> _Node:
+        """The parent of a node below the root."""
+        assert self.parent is not None, f"tree node {self.serial} has no parent: walked past the root?"
+        return self.parent
+
 
 def _common_prefix_len(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
     """Length of the common prefix of `edge` and `tokens[start:]`."""
@@ -108,7 +113,7 @@ class ApproxPrefixTree:
             parent --key[:at]--> upper --key[at:]--> node (keeps its children)
         """
         assert 0 < at < len(node.key), f"split of a {len(node.key)}-token edge at {at}: match logic broken?"
-        parent = node.parent
+        parent = node.up()
         upper = _Node(serial=next(self._serials), parent=parent, key=node.key[:at], last_used=node.last_used)
         parent.children[upper.key[0]] = upper
         node.key, node.parent = node.key[at:], upper
@@ -135,7 +140,7 @@ class ApproxPrefixTree:
                 leaf.key = leaf.key[:len(leaf.key) - excess]
                 self._num_tokens -= excess
                 break
-            parent = leaf.parent
+            parent = leaf.up()
             del parent.children[leaf.key[0]]
             self._num_tokens -= len(leaf.key)
             if parent is not self._root and not parent.children:
@@ -157,7 +162,7 @@ class ApproxPrefixTree:
         paths: dict[int, tuple[int, ...]] = {self._root.serial: ()}
         rows = []
         for node in self._nodes():
-            paths[node.serial] = paths[node.parent.serial] + node.key
+            paths[node.serial] = paths[node.up().serial] + node.key
             rows.append((paths[node.serial], node.last_used))
         return tuple(sorted(rows))
 
@@ -165,7 +170,7 @@ class ApproxPrefixTree:
         """Shape, filing, recency order and the token count. Costs a full walk."""
         total = 0
         for node in self._nodes():
-            parent = node.parent
+            parent = node.up()
             assert node.key, f"tree node {node.serial} has an empty edge: trimmed to nothing but not removed?"
             assert parent.children.get(node.key[0]) is node, (
                 f"tree node {node.serial} misfiled under its parent: key changed after filing?")

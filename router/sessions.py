@@ -124,9 +124,9 @@ class SessionTable:
                 self.reopened += 1
                 return live
             self._forget(session_id, why)
-        why = self._lost.pop(session_id, None)
-        if why is not None:
-            raise BackendError(ErrorKind.NOT_FOUND, f"session {session_id!r} is lost: {why}; open a new one")
+        lost = self._lost.pop(session_id, None)
+        if lost is not None:
+            raise BackendError(ErrorKind.NOT_FOUND, f"session {session_id!r} is lost: {lost}; open a new one")
         raise BackendError(ErrorKind.NOT_FOUND, f"session {session_id!r} is not open (closed, or never opened)")
 
     def close(self, session_id: str) -> bool:

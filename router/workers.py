@@ -18,7 +18,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol
+from typing import Any, Generic, Protocol, overload
 
 from common import protocol as p
 from common.protocol import WorkerRole
@@ -137,7 +137,11 @@ class LiveWorker(Generic[ItemT]):
             try:
                 await self.info.link.send(msgs)
             except Exception as exc:  # noqa: BLE001 - any failure to reach it means it is gone
-                self._on_gone(self, f"send failed: {exc}")
+                self._gone(f"send failed: {exc}")
+
+    def _gone(self, why: str) -> None:
+        assert self._on_gone is not None, f"worker {self.worker_id} lost before `start` gave it an on_gone"
+        self._on_gone(self, why)
 
     def stop(self) -> None:
         """Cancel its tasks (not the one calling, which ends on its own: `gone` is set first)."""
@@ -158,7 +162,7 @@ class LiveWorker(Generic[ItemT]):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the link failing is how death shows up here
-                self._on_gone(self, f"collect failed: {type(exc).__name__}: {exc}")
+                self._gone(f"collect failed: {type(exc).__name__}: {exc}")
                 return
             self._deliver(msgs, "collect", on_message, polls)
 
@@ -220,15 +224,19 @@ class LiveWorker(Generic[ItemT]):
 
 def _cache_tokens(stats: p.WorkerStats | None) -> dict[str, int]:
     """Tokens a worker's device pool, prefix-cache host tier and landing hold (0: not reported yet)."""
-    page = stats.tiers.page_size if stats else 0
-    if not page:
+    if stats is None or not stats.tiers.page_size:
         return {}
+    page = stats.tiers.page_size
     host = stats.host_cache.total - 1 if stats.host_cache is not None else 0  # less each pool's scratch page
     landing = stats.landing.total if stats.landing is not None else 0  # usable pages: a prompt's whole landing
     return {"device_tokens": (stats.device.total - 1) * page, "host_tokens": max(0, host) * page,
             "landing_tokens": landing * page}
 
 
+@overload
+def _usage(stats: p.PoolStats) -> float: ...
+@overload
+def _usage(stats: p.PoolStats | None) -> float | None: ...
 def _usage(stats: p.PoolStats | None) -> float | None:
     if stats is None:
         return None

@@ -159,7 +159,8 @@ def install_handlers(app: FastAPI) -> None:
     async def on_uncaught(_: Request, exc: Exception) -> JSONResponse:
         return internal(exc).response()  # logged, with its traceback, under the error id
 
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
+    # starlette's stub types a handler as taking any Exception, not the class it is registered for
+    app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, on_uncaught)

@@ -81,7 +81,8 @@ class HostPolicy:
 
     def _allows(self, host: str, port: int | None) -> bool:
         name, host_port = _split_host(host)
-        return name in self.names and (host_port is None or port is None or host_port == port)
+        return self.names is None or (name in self.names
+                                      and (host_port is None or port is None or host_port == port))
 
     def _allows_origin(self, origin: str, port: int | None) -> bool:
         try:

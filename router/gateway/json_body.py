@@ -84,7 +84,7 @@ def as_int(value: Any) -> int | None:
 
 def as_ints(values: list) -> list[int] | None:
     ints = [as_int(v) for v in values]
-    return None if None in ints else ints
+    return None if None in ints else [i for i in ints if i is not None]
 
 
 def integer_field(payload: dict, name: str) -> int | None:

@@ -81,7 +81,8 @@ class TokenText:
     """Token ids -> their text one by one (as logprobs name tokens), cached per id."""
 
     def __init__(self, tokenizer: Any):
-        self._tokenizer, self._texts = tokenizer, {}
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -102,7 +103,7 @@ def chat_content(text_of: TokenText, entries: Sequence[Entry]) -> list[dict]:
 
 def completion_logprobs(text_of: TokenText, entries: Sequence[Entry], offset: int) -> tuple[dict, int]:
     """(`choice.logprobs` of `entries`, the text offset after them); `offset`: where their text starts."""
-    body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, lp in entries:
         text = text_of(token)
         body["tokens"].append(text)

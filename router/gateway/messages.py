@@ -43,7 +43,8 @@ def _message(message: Any, index: int) -> dict:
     role = message.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:  # a dict or list is unhashable: test the type first
         raise invalid(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param=f"{param}.role")
-    out = {"role": role, "content": _content(message.get("content"), role, param, bool(message.get("tool_calls")))}
+    out: dict[str, Any] = {"role": role,
+                           "content": _content(message.get("content"), role, param, bool(message.get("tool_calls")))}
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):

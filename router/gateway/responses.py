@@ -111,8 +111,8 @@ class ResponseShape:
         """The non-streaming body of a request's choices (several with `n` or a batch of prompts), in
         index order; with token ids (`return_token_ids`), the prompt's and the output's where vLLM
         puts them."""
-        body = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
-                "choices": [], "usage": usage.body()}
+        body: dict[str, Any] = {"id": self.id, "object": self.object_name, "created": self.created,
+                                "model": self.model, "choices": [], "usage": usage.body()}
         for index, choice in enumerate(choices):
             item = self._full_choice(choice, index)
             body["choices"].append(item)
@@ -171,7 +171,7 @@ class ChatShape(ResponseShape):
                                  "finish_reason": None}))]
 
     def _delta_choice(self, delta: Delta, finish_reason: str | None, index: int) -> dict:
-        body = {"content": delta.text} if finish_reason is None else {}
+        body: dict[str, Any] = {"content": delta.text} if finish_reason is None else {}
         if delta.tool_calls:
             body = {**({"content": delta.text} if delta.text else {}),
                     "tool_calls": [call.body(i) for i, call in enumerate(delta.tool_calls)]}
@@ -182,7 +182,7 @@ class ChatShape(ResponseShape):
     def _full_choice(self, choice: Choice, index: int) -> dict:
         logprobs = None if choice.logprobs is None else \
             {"content": chat_content(self._text_of, choice.logprobs), "refusal": None}
-        message = {"role": "assistant", "content": choice.text}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         if choice.tool_calls:
             message = {"role": "assistant", "content": choice.text or None,
                        "tool_calls": [call.body() for call in choice.tool_calls]}

@@ -76,12 +76,14 @@ class Siblings:
     async def body(self, shape: ResponseShape) -> dict | APIError:
         """The non-streaming body, or the error of the first choice that failed."""
         outcomes = await asyncio.gather(*(run.collect() for run in self.runs))
-        for _, outcome in outcomes:
+        finished: list[tuple[str, Finished]] = []
+        for text, outcome in outcomes:
             if isinstance(outcome, APIError):
                 return outcome
+            finished.append((text, outcome))
         prompts = [p for p in self.request.prompts for _ in range(self.request.n)]
-        choices = [choice_of(text, outcome, self.request, prompt) for prompt, (text, outcome) in zip(prompts, outcomes)]
-        return shape.full_choices(choices, self._usage([outcome for _, outcome in outcomes]))
+        choices = [choice_of(text, outcome, self.request, prompt) for prompt, (text, outcome) in zip(prompts, finished)]
+        return shape.full_choices(choices, self._usage([outcome for _, outcome in finished]))
 
     async def frames(self, shape: ResponseShape, include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE body: every choice's opening frames, then their frames as they come."""
@@ -115,7 +117,9 @@ class Siblings:
                         yield shape.delta_frame(event, index)
                     pending[asyncio.ensure_future(anext(streams[index]))] = index
             if include_usage:
-                yield shape.usage_frame(self._usage(finished))
+                ended = [f for f in finished if f is not None]
+                assert len(ended) == len(finished), "a choice's stream ended without its Finished"
+                yield shape.usage_frame(self._usage(ended))
             yield SSE_DONE
         finally:
             for task in pending:
@@ -127,7 +131,10 @@ class Siblings:
     def _usage(self, finished: list[Finished]) -> Usage:
         """Each prompt once (its cached tokens its choice 0's: what the prompt cost), every completion."""
         leaders = [f.usage for f in finished[::self.request.n]]
-        tiers = tuple(map(sum, zip(*(u.cached_tiers for u in leaders)))) if all(u.cached_tiers for u in leaders) else ()
+        tiers: tuple[int, int, int] | tuple[()] = ()
+        if leaders and all(u.cached_tiers for u in leaders):  # (device, host, L3) summed
+            device, host, l3 = (sum(by_tier) for by_tier in zip(*(u.cached_tiers for u in leaders)))
+            tiers = (device, host, l3)
         return Usage(sum(u.prompt_tokens for u in leaders), sum(f.usage.completion_tokens for f in finished),
                      sum(u.cached_tokens for u in leaders), tiers)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -99,7 +99,7 @@ class GenerationRun:
         self._metrics.temperature.observe(self._request.params.temperature)
         self._metrics.top_p.observe(self._request.params.top_p)
 
-    async def events(self) -> AsyncIterator[Delta | Finished | APIError]:
+    async def events(self) -> AsyncGenerator[Delta | Finished | APIError, None]:
         """Deltas (an echoed prompt's first; never empty), then exactly one `Finished` or `APIError`."""
         assert self._first is not None, "events() before a successful start()"
         chunk, self._first = self._first, None

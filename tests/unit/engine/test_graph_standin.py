@@ -56,8 +56,9 @@ class StandInGraph:
 
 def _frozen(body):
     """`body` with its closure's values as they are at the capture: a capture loop's lambda reads the
-    loop's last `bucket` when called later, where a graph keeps the kernels its capture launched."""
-    if not body.__closure__:
+    loop's last `bucket` when called later, where a graph keeps the kernels its capture launched. A
+    `functools.partial` (or any callable without a closure) has bound its values already."""
+    if not getattr(body, "__closure__", None):
         return body
     cells = tuple(types.CellType(cell.cell_contents) for cell in body.__closure__)
     return types.FunctionType(body.__code__, body.__globals__, body.__name__, body.__defaults__, cells)

@@ -59,7 +59,7 @@ def test_host_serves_compiles_beside_serving_reports_a_long_step_and_stops(tmp_p
             expected = hf_greedy(model, ids, 8)
         assert _served(host, "r0", ids, params) == (expected, p.FinishReason.LENGTH)
         runner = host.worker.engine.runner
-        assert runner.wait_compiled(180) and set(runner._compiled) == {1}  # the loop started it
+        assert runner.wait_compiled(180) and set(runner._cpu_replays) == {1}  # the loop started it
         assert _served(host, "r1", ids, params) == (expected, p.FinishReason.LENGTH)
 
         host.deliver([Stall(2.0)])  # one step that takes 2 s

@@ -95,7 +95,7 @@ def wait_workers_at_rest(server, timeout_s: float = 60.0, expect: int = 3) -> li
 
 
 def _at_rest(stats: dict) -> bool:
-    pools = [stats["device"]] + ([stats["host"]] if stats["host"] else [])
+    pools = [stats["device"]] + ([stats["landing"]] if stats["landing"] else [])
     return (not stats["integrity_error"] and stats["num_running"] == stats["num_waiting"] == 0
             and stats["num_transfers"] == 0 and all(pool["private"] == 0 and pool["in_flight"] == 0 for pool in pools))
 

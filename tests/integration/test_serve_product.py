@@ -160,7 +160,7 @@ def test_the_served_context_is_the_models_and_a_prompt_longer_than_the_landing_p
 
     [card] = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"]
     assert card["max_model_len"] == 8192
-    landing_tokens = [w["stats"]["host"]["total"] * w["stats"]["tiers"]["page_size"] for w in server.workers()
+    landing_tokens = [w["stats"]["landing"]["total"] * w["stats"]["tiers"]["page_size"] for w in server.workers()
                       if w["role"] == "decode"]
     assert landing_tokens and max(landing_tokens) < 2300, landing_tokens
     text = " ".join(CHAT_PROMPTS * 40)

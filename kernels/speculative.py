@@ -73,7 +73,9 @@ def verify_tree(target_tokens: list[int], draft_tokens: list[int],
     and move to the child holding it, until no child does. ``target_tokens``: one id per row."""
     assert len(target_tokens) == len(draft_tokens) + 1 == len(parents) + 1, "one target row per tree row"
     children = _children(parents)
-    out, path, row = [], [], 0
+    out: list[int] = []
+    path: list[int] = []  # accepted draft rows, root to leaf
+    row = 0
     while True:
         want = target_tokens[row]
         out.append(want)

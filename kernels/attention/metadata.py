@@ -96,6 +96,7 @@ class AttnMetadata:
             return None
         start = sum(q * w for q, w in zip(self.query_lens_cpu[:b], self.tree_widths_cpu[:b]))
         q_len = self.query_lens_cpu[b]
+        assert self.tree_mask is not None, f"seq {b} has tree width {width} but no tree_mask: not from _flat_masks?"
         return self.tree_mask[start:start + q_len * width].view(q_len, width)
 
 

@@ -98,7 +98,7 @@ def _plan_decode_no_sync(meta: AttnMetadata, seqs: list[int] | None) -> _DecodeP
     to the batch size: a replay recomputes it from the static buffers."""
     device = meta.page_table.device
     every_row = seqs is None
-    if every_row:
+    if seqs is None:
         max_len = meta.max_seq_len
         rows, page_table, seq_lens = meta.query_start_loc[:-1], meta.page_table, meta.seq_lens
     else:

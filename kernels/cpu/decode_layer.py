@@ -32,7 +32,8 @@ import ctypes
 import torch
 
 from kernels.cpu import native as cpu_native
-from kernels.model.llama import LlamaForCausalLM, run_head
+from kernels.model.layers import LlamaMLP
+from kernels.model.llama import LlamaDecoderLayer, LlamaForCausalLM, run_head
 from kernels.model.packed_linear import cpu_packing_available
 
 MAX_ROWS = 4
@@ -51,14 +52,15 @@ class NativeDecode:
     def __init__(self, model: LlamaForCausalLM, lib: ctypes.CDLL):
         arch = model.arch
         self.model, self._lib = model, lib
-        self.dtype = model.model.layers[0].mlp.gate_up_proj.weight.dtype
+        layers = model.model.decoder_layers()
+        self.dtype = _dense_mlp(layers[0]).gate_up_proj.weight.dtype
         self.max_rows = MAX_ROWS if cpu_packing_available(self.dtype) else None
         """Most sequences a step this serves; None: every decode step (module docstring)."""
         self._dims = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self._kept: list[torch.Tensor] = []  # float32 copies of a bf16 model's norms and biases
-        self._layer_args = {id(layer): self._args_of(layer) for layer in model.model.layers}
+        self._layer_args = {id(layer): self._args_of(layer) for layer in layers}
         self._scratch = torch.empty(0, dtype=torch.float32)
-        self._scale = float(model.model.layers[0].self_attn.scale)
+        self._scale = float(layers[0].self_attn.scale)
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> NativeDecode | None:
@@ -69,7 +71,7 @@ class NativeDecode:
         arch, lib = model.arch, cpu_native.kernel()
         if not arch.plain_llama:  # the C layer is Llama's alone (q/k norms, windows, experts: the torch layers)
             return None
-        weight = model.model.layers[0].mlp.gate_up_proj.weight
+        weight = _dense_mlp(model.model.decoder_layers()[0]).gate_up_proj.weight
         if lib is None or weight.device.type != "cpu" or weight.dtype not in DTYPES or arch.mlp_bias:
             return None
         if arch.head_dim % 2 or not cpu_native.takes_heads(lib, arch.num_heads, arch.num_kv_heads, arch.head_dim):
@@ -139,3 +141,9 @@ class NativeDecode:
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
         return self._scratch
+
+
+def _dense_mlp(layer: LlamaDecoderLayer) -> LlamaMLP:
+    """`layer`'s MLP, dense where the C layer serves the model (`LlamaArch.plain_llama`: no experts)."""
+    assert isinstance(layer.mlp, LlamaMLP), f"a {type(layer.mlp).__name__} MLP: the C layer serves plain Llamas alone"
+    return layer.mlp

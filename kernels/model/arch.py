@@ -113,8 +113,8 @@ class LlamaArch:
     @property
     def kv_window(self) -> int | None:
         """The widest sliding window when every layer has one (KV behind it is never read again), else None."""
-        windows = self.layer_windows
-        return max(windows) if windows and all(w is not None for w in windows) else None
+        widths = [w for w in self.layer_windows if w is not None]
+        return max(widths) if widths and len(widths) == len(self.layer_windows) else None
 
     @property
     def windowed(self) -> bool:

@@ -39,7 +39,7 @@ from kernels.kv_layout import KVCacheTensors
 from kernels.model.arch import LlamaArch
 from kernels.model.layers import LlamaMLP, RMSNorm
 from kernels.model.llama import LlamaAttention
-from kernels.model.packed_linear import PackedLinear
+from kernels.model.packed_linear import PackedLinear, packed_linear_at
 from kernels.model.rope import RotaryTable
 
 
@@ -183,7 +183,7 @@ class EagleDraftHead(nn.Module):
             tensors = _shard_head(tensors, self.arch, self.tp.shard)
         style, loaded = self.arch.style, {}
         for ours, names in _published_linears(style).items():
-            module = self.get_submodule(ours)
+            module = packed_linear_at(self, ours)
             weights = [_take(tensors, n + ".weight") for n in names]
             biases = [_take(tensors, n + ".bias") for n in names] if module.bias is not None else None
             for key, value in PackedLinear.pack(weights, biases, module, module.weight.device).items():

@@ -23,7 +23,7 @@ _MIXTRAL_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 def packing(arch: LlamaArch) -> dict[str, tuple[str, ...]]:
     """Our PackedLinear module name -> the HF module names it packs, in order."""
     fused = arch.model_type == "phi3"
-    table = {"lm_head": ("model.embed_tokens" if arch.tie_word_embeddings else "lm_head",)}
+    table: dict[str, tuple[str, ...]] = {"lm_head": ("model.embed_tokens" if arch.tie_word_embeddings else "lm_head",)}
     for i in range(arch.num_layers):
         pre = f"model.layers.{i}."
         table[pre + "self_attn.qkv_proj"] = ((pre + "self_attn.qkv_proj",) if fused else

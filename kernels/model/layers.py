@@ -83,7 +83,8 @@ class SparseMoeMLP(nn.Module):
                                                             arch.router_weights_float)
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)
         self.experts = Experts(arch)
-        self.shared_expert = self.shared_expert_gate = None
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
         if arch.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(arch, arch.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)
@@ -97,5 +98,6 @@ class SparseMoeMLP(nn.Module):
             weights = weights.to(x.dtype).float()  # rounded as the model's dtype rounds them
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None, "a shared expert without its gate: both come from __init__"
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -18,7 +18,7 @@ from kernels.model.arch import LlamaArch
 from kernels.model.hf_names import ignored_key, shard_tensors, v5_names
 from kernels.model.hf_names import packing as hf_packing
 from kernels.model.layers import LlamaMLP, RMSNorm, SparseMoeMLP
-from kernels.model.packed_linear import PackedLinear
+from kernels.model.packed_linear import PackedLinear, packed_linear_at
 from kernels.model.rope import RotaryTable, apply_rotary
 from kernels.model.rope_config import RopeScaling
 from kernels.model.tp import TPGroup
@@ -38,7 +38,8 @@ class LlamaAttention(nn.Module):
         q_dim, kv_dim = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.qkv_proj = PackedLinear(arch.hidden_size, (q_dim, kv_dim, kv_dim), bias=arch.attention_bias)
         self.o_proj = PackedLinear(q_dim, (arch.hidden_size,), bias=arch.o_proj_bias)
-        self.q_norm = self.k_norm = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, arch.gemma_norms)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, arch.gemma_norms)
@@ -69,6 +70,7 @@ class LlamaAttention(nn.Module):
         if cos.dim() == 3:  # [tables, T, hd]: the model has more than one RoPE
             cos, sin = cos[self.rope_index], sin[self.rope_index]
         if self.q_norm is not None:  # each head normed before RoPE (Qwen3, Gemma 3)
+            assert self.k_norm is not None, "q_norm without k_norm: both come from arch.qk_norm"
             q_dim = self.num_heads * self.head_dim
             q = apply_rotary(self.q_norm(qkv[:, :q_dim].view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
             k = apply_rotary(self.k_norm(qkv[:, q_dim:qk_dim].view(num_tokens, self.num_kv_heads, self.head_dim)),
@@ -89,7 +91,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SparseMoeMLP(arch) if arch.moe_layers and arch.moe_layers[layer] else LlamaMLP(arch)
         norm = lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
         if arch.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
 
@@ -98,6 +101,7 @@ class LlamaDecoderLayer(nn.Module):
         if self.pre_feedforward_layernorm is None:
             x = x + attended
             return x + self._summed(self.mlp(self.post_attention_layernorm(x)))
+        assert self.post_feedforward_layernorm is not None, "pre- but no post-feedforward norm: both are sandwich_norms"
         x = x + self.post_attention_layernorm(attended)
         return x + self.post_feedforward_layernorm(self._summed(self.mlp(self.pre_feedforward_layernorm(x))))
 
@@ -116,6 +120,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(rows, arch.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)
+
+    def decoder_layers(self) -> tuple[LlamaDecoderLayer, ...]:
+        """`layers` as their class (nn.ModuleList types its items as plain Modules); not for a step's hot path."""
+        layers = tuple(layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer))
+        assert len(layers) == len(self.layers), "a layer that is not a LlamaDecoderLayer: model.layers replaced?"
+        return layers
 
 
 def run_layers(layers: tuple[LlamaDecoderLayer, ...], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -160,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         """Attend through `backend` from now on, in every layer (the engine's choice, made once when it
         is built: `engine.build.choose_attention_backend`)."""
         self.backend = backend
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             layer.self_attn.backend = backend
 
     @torch.no_grad()
@@ -235,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
                   n.rsplit(".", 1)[0] not in packing]
         expected = set(direct)
         for module_name, parts in packing.items():
-            module = self.get_submodule(module_name)
+            module = packed_linear_at(self, module_name)
             for part in parts:
                 expected.add(part + ".weight")
                 if module.bias is not None:
@@ -245,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
         for name in direct:
             loaded[name] = self._cast_like(given[name], self.get_parameter(name), name, device)
         for module_name, parts in packing.items():
-            module = self.get_submodule(module_name)
+            module = packed_linear_at(self, module_name)
             target = self._target_device(module.weight, given[parts[0] + ".weight"], device)
             weights = [given[p + ".weight"] for p in parts]
             biases = [given[p + ".bias"] for p in parts] if module.bias is not None else None

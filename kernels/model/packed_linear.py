@@ -45,7 +45,8 @@ class PackedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: tuple[int, ...], bias: bool) -> None:
         super().__init__()
         self.out_features = tuple(out_features)
-        self.weight = nn.Parameter(torch.empty(sum(out_features), in_features))
+        # typed as nn.Linear types its weight: a tied lm_head takes nn.Embedding's (a Parameter the stubs call Tensor)
+        self.weight: torch.Tensor = nn.Parameter(torch.empty(sum(out_features), in_features))
         self.bias = nn.Parameter(torch.zeros(sum(out_features))) if bias else None
         self._cpu_packed: tuple[torch.Tensor, tuple] | None = None  # (packed copy, (weight ref, its state))
 
@@ -64,9 +65,9 @@ class PackedLinear(nn.Module):
             if x.shape[0] >= WIDEN_MIN_ROWS:
                 bias = None if self.bias is None else self.bias.float()
                 return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-            out = cpu_native.linear_bf16(x, self.weight, self.bias)
-            if out is not None:
-                return out
+            native = cpu_native.linear_bf16(x, self.weight, self.bias)  # None: no kernel here for this layout
+            if native is not None:
+                return native
         return F.linear(x, self.weight, self.bias)
 
     def __getstate__(self) -> dict:
@@ -130,6 +131,14 @@ def _bf16_without_dot_products(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def prepack_cpu(module: nn.Module) -> int:
     """`PackedLinear.prepack_cpu` on every PackedLinear in `module`; how many were packed."""
     return sum(m.prepack_cpu() for m in module.modules() if isinstance(m, PackedLinear))
+
+
+def packed_linear_at(root: nn.Module, name: str) -> PackedLinear:
+    """`root`'s submodule `name`, which a checkpoint loader's packing table says is a PackedLinear."""
+    module = root.get_submodule(name)
+    assert isinstance(module, PackedLinear), (
+        f"{name} is a {type(module).__name__}, not a PackedLinear: packing table out of step with the model?")
+    return module
 
 
 _cpu_packing: dict[torch.dtype, bool] = {}

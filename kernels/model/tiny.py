@@ -52,7 +52,8 @@ def make_tiny_llama(
 
     config = tiny_llama_config(seed, **overrides)
     torch.manual_seed(seed)
-    reference = HFLlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    # transformers decorates `to` with @wraps(nn.Module.to), which its types read as the unbound method
+    reference = HFLlamaForCausalLM(config).to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
     ours = LlamaForCausalLM(LlamaArch.from_hf_config(config)).to(device=device, dtype=dtype).eval()
     ours.load_hf_state_dict(reference.state_dict())
     return ours, reference

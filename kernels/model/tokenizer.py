@@ -7,7 +7,10 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # jinja2 loads on first chat template use
+    import jinja2
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode of an incomplete UTF-8 byte sequence ends with
 
@@ -54,7 +57,7 @@ class ServingTokenizer:
         self.special_tokens = {k: _token_text(v) for k, v in config.items()
                                if k.endswith("_token") and _token_text(v) is not None}
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        self._template = None
+        self._template: jinja2.Template | None = None
 
     def __len__(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
@@ -113,7 +116,7 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _compile_template(source: str):
+def _compile_template(source: str) -> jinja2.Template:
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 
 DRAINING_RETRY_AFTER_S = 5.0
 CLIENT_CLOSED_STATUS = 499  # nobody reads it: the client is gone; it only shows in access logs
-_PARSERS = {Endpoint.COMPLETION: parse_completion, Endpoint.CHAT: parse_chat}
+_PARSERS: dict[Endpoint, Callable[..., GenerateRequest]] = {Endpoint.COMPLETION: parse_completion,
+                                                              Endpoint.CHAT: parse_chat}
 
 
 class Gateway:
@@ -132,7 +133,9 @@ class Gateway:
     async def generate(self, request: Request, endpoint: Endpoint) -> Response:
         """Serve one generation request. Failures before the run starts are counted here; after that,
         by the run. The in-flight slot and the run pass to a streaming response when one is returned."""
-        release, run, turn = None, None, None
+        release: Callable[[], None] | None = None
+        run: GenerationRun | Siblings | None = None
+        turn: SessionTurn | None = None
         try:
             self.check_api_key(request)
             self.check_not_draining()
@@ -195,13 +198,14 @@ class Gateway:
         finished, result = await unless_disconnected(request.receive, run.collect)
         if not finished:
             return Response(status_code=CLIENT_CLOSED_STATUS)
+        assert result is not None, "unless_disconnected gives the result of work that finished"
         text, outcome = result
         if isinstance(outcome, APIError):
             return outcome.response()
         return JSONResponse(shape.full_choices([choice_of(text, outcome, parsed, parsed.prompt_token_ids)],
                                                outcome.usage))
 
-    def _count(self, run: GenerationRun | None, err: APIError) -> APIError:
+    def _count(self, run: GenerationRun | Siblings | None, err: APIError) -> APIError:
         """Count a request's failure once: through its run when it has one."""
         if run is not None:
             return run.fail(err)
@@ -383,7 +387,7 @@ def _add_openapi(app: FastAPI, gateway: Gateway) -> None:
             app.openapi_schema = openapi_document(app, gateway.limits, gateway.config.api_key is not None, bodies)
         return app.openapi_schema
 
-    app.openapi = document  # what FastAPI's own tooling calls
+    app.openapi = document  # type: ignore[method-assign]  # FastAPI's documented hook: its own tooling calls it
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request) -> Response:

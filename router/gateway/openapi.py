@@ -242,7 +242,8 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-StopString = NonEmptyString = Annotated[str, Field(min_length=1)]
+NonEmptyString = Annotated[str, Field(min_length=1)]
+StopString = NonEmptyString
 
 
 class InputMessage(BaseModel):
@@ -263,7 +264,7 @@ class AssistantInputMessage(BaseModel):
 def request_models(limits: ModelLimits) -> tuple[type[BaseModel], type[BaseModel]]:
     """(CompletionRequest, ChatCompletionRequest) bounded by this app's model. Unknown fields are
     allowed (and ignored), as by the parser; fields left out take the defaults in their descriptions."""
-    ModelName = Literal[limits.served_name]  # type: ignore[valid-type]  # noqa: N806 - one value, known at run time
+    ModelName = Literal[limits.served_name]  # type: ignore[name-defined]  # noqa: N806 - one value, known at run time
     TokenId = Annotated[int, Field(ge=0, lt=limits.vocab_size)]  # noqa: N806
     MaxTokens = Annotated[int, Field(ge=1, le=limits.max_model_len)]  # noqa: N806
     Count = Annotated[int, Field(ge=0, le=config.MAX_LOGPROBS)]  # noqa: N806

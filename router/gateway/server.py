@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from router.gateway.config import GatewayConfig
 from router.gateway.errors import APIError
@@ -48,11 +48,12 @@ class HeadTimeoutH11Protocol(H11Protocol):
     head_timeout_s = 10.0
     max_connections = 1024
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    # narrower than asyncio's BaseTransport, as uvicorn's own override is: a stream protocol is handed a Transport
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.app = functools.partial(_within_connection_limit, self.app, self)
         self._head_timer: asyncio.TimerHandle | None = None
-        self._cycle_awaited_after = None  # the request cycle before the head being awaited
+        self._cycle_awaited_after: RequestResponseCycle | None = None  # the cycle before the head being awaited
         self._arm_head_timer()
 
     def handle_events(self) -> None:
@@ -111,9 +112,10 @@ class GatewayServer:
         self.app, self.config = app, config
         self._uvicorn = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, lifespan="on", log_level=log_level, access_log=access_log,
-            timeout_graceful_shutdown=graceful_timeout_s,
+            # uvicorn types these two seconds as int; it hands them to asyncio, which takes fractions
+            timeout_graceful_shutdown=graceful_timeout_s,  # type: ignore[arg-type]
             http=_protocol(config.header_timeout_s, config.max_connections),
-            timeout_keep_alive=config.keep_alive_timeout_s))
+            timeout_keep_alive=config.keep_alive_timeout_s))  # type: ignore[arg-type]
         self._socket: socket.socket | None = None
         self._port: int | None = None  # kept: uvicorn closes the socket at shutdown
         self._thread: threading.Thread | None = None
@@ -127,6 +129,7 @@ class GatewayServer:
     def bind(self) -> int:
         """Bind the listening socket now (idempotent); returns the port. Raises OSError (port in use)."""
         self._bind()
+        assert self._port is not None, "_bind sets the port beside the socket"
         return self._port
 
     @property

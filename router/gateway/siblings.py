@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
 
@@ -85,7 +85,7 @@ class Siblings:
         choices = [choice_of(text, outcome, self.request, prompt) for prompt, (text, outcome) in zip(prompts, finished)]
         return shape.full_choices(choices, self._usage([outcome for _, outcome in finished]))
 
-    async def frames(self, shape: ResponseShape, include_usage: bool) -> AsyncIterator[bytes]:
+    async def frames(self, shape: ResponseShape, include_usage: bool) -> AsyncGenerator[bytes, None]:
         """The SSE body: every choice's opening frames, then their frames as they come."""
         for index in range(len(self.runs)):
             for frame in shape.opening_frames(index):

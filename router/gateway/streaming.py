@@ -110,7 +110,7 @@ class GenerationRun:
         while True:
             text, last = self._take(chunk)
             if self._content is not None:
-                text = self._tool_content(text, last and not chunk.error)
+                text = self._tool_content(self._content, text, last and not chunk.error)
             entries = tuple(self._logprobs[len(self._logprobs) - self._unsent:]) if self._unsent and \
                 (text or last) else ()
             calls = self._calls if last else ()
@@ -201,14 +201,14 @@ class GenerationRun:
             return self._backend.generate(*args, follow=self._request.follow)
         return self._backend.generate(*args)  # as before sessions: a backend without them still serves
 
-    def _tool_content(self, text: str, ended: bool) -> str:
+    def _tool_content(self, content: ContentStream, text: str, ended: bool) -> str:
         """The content part of `text` (the calls are held back); once the output `ended`, its calls."""
-        text = self._content.feed(text)
+        text = content.feed(text)
         if ended:
-            _, calls = output_calls(self._request.tools, self._detok.text)
+            _, calls = output_calls(content.ask, self._detok.text)
             self._calls = tuple(calls)
             if not calls:
-                text += self._content.flush()
+                text += content.flush()
         return text
 
     def _take_prompt(self, chunk: GenerationChunk) -> None:
@@ -253,7 +253,8 @@ class GenerationRun:
         prompt = self._prompt_from.prompt_logprobs if self._prompt_from is not None else self.prompt_logprobs
         text = "" if ask.prompt_only else self._detok.text
         if self._calls:
-            reason, text = "tool_calls", output_calls(self._request.tools, text)[0] or ""
+            assert self._content is not None, "tool calls without tools: _calls set outside _tool_content?"
+            reason, text = "tool_calls", output_calls(self._content.ask, text)[0] or ""
         finished = Finished(reason, usage, () if ask.prompt_only else tuple(self._detok.token_ids), text, logprobs,
                             prompt if params.prompt_logprobs is not None or self._prompt_from is not None else None,
                             self._calls)
@@ -278,7 +279,7 @@ def choice_of(text: str, outcome: Finished, request: GenerateRequest, prompt: Se
     return Choice(text, outcome.finish_reason, token_ids, outcome.logprobs, tuple(prompt), shown, outcome.tool_calls)
 
 
-async def sse_frames(run: GenerationRun, shape: ResponseShape, include_usage: bool) -> AsyncIterator[bytes]:
+async def sse_frames(run: GenerationRun, shape: ResponseShape, include_usage: bool) -> AsyncGenerator[bytes, None]:
     """The SSE body of a started run (see `responses` for the frame order)."""
     for frame in shape.opening_frames():
         yield frame
@@ -301,9 +302,10 @@ class SSEResponse(StreamingResponse):
     """A streaming response that always runs `cleanup` when it ends: finished, failed, or cancelled
     because the client disconnected (starlette then cancels the body mid-iteration)."""
 
-    def __init__(self, frames: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]]):
+    def __init__(self, frames: AsyncGenerator[bytes, None], cleanup: Callable[[], Awaitable[None]]):
         super().__init__(frames, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._frames = frames  # the body_iterator, kept as the generator it is: closed when the response ends
         self._cleanup = cleanup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -311,7 +313,7 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+                await self._frames.aclose()
                 await self._cleanup()
 
 

@@ -127,6 +127,7 @@ class ContentStream:
     choice's output is all calls); text that may be the start of the marker waits."""
 
     def __init__(self, ask: ToolAsk):
+        self.ask = ask  # the tools the output's calls are read against
         self._marker = "" if ask.forced else start_marker(ask.parser)
         self._held, self.in_calls = "", ask.forced
 

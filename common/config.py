@@ -37,12 +37,12 @@ def require_min(config: object, prefix: str, bound: float, *names: str, strict: 
                 f"{prefix}{name} must be {'>' if strict else '>='} {bound}, got {value}")
 
 
-def _is_real(x) -> bool:
+def _is_real(x: object) -> bool:
     """A finite int or float (not a bool): NaN and infinities compare in ways no bound expects."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -100,7 +100,7 @@ class SamplingDefaults:
     source: str = "the OpenAI API's defaults"
     """Where these values come from, for the start-up log and /v1/models."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(math.isfinite(self.temperature) and self.temperature >= 0,
                 f"default temperature must be a finite number >= 0, got {self.temperature}")
         require(math.isfinite(self.top_p) and 0 < self.top_p <= 1, f"default top_p must be in (0, 1], got {self.top_p}")
@@ -159,7 +159,7 @@ class SamplingParams:
     request ends, so requests with the same prompt admitted meanwhile reuse it (the gateway sets it
     on choice 0 of a request with `n` > 1, whose siblings start after its first token)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(_is_int(self.max_tokens) and self.max_tokens >= 1,
                  f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         require(_is_real(self.temperature) and self.temperature >= 0,
@@ -332,7 +332,7 @@ class EngineConfig:
     drafts are measured per batch size while serving, and the faster wins (`engine/spec/policy.py`).
     Off: always draft (what the bench times)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
                  f"page_size must be a power of two >= 1, got {self.page_size}")
         require(self.num_pages is None or self.num_pages >= 2,

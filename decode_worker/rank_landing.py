@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.landing import Landing, LandingShard
+
+if TYPE_CHECKING:
+    from engine.tp import ControlGroup
+    from engine.tp_launch import RankContext
 
 log = logging.getLogger("tandem.decode")
 
@@ -23,10 +29,10 @@ log = logging.getLogger("tandem.decode")
 class OtherLandings:
     """Rank 0's side of the other ranks' landings (`RankLanding` on each)."""
 
-    def __init__(self, control, held: list[range]) -> None:
+    def __init__(self, control: ControlGroup, held: list[range]) -> None:
         """Gathers each other rank's `LandingShard` (they send it as they start)."""
         self.control, self.held = control, held
-        self.shards: tuple[LandingShard, ...] = tuple(control.gather(None)[1:])
+        self.shards: tuple[LandingShard, ...] = tuple(self._gather(None)[1:])
 
     def spread(self, landing: Landing) -> Landing:
         """`landing` (rank 0's part) as every rank's: the whole model's layout, each rank's part."""
@@ -38,15 +44,21 @@ class OtherLandings:
         """Each other rank's digests of its part of `landing_pages`, rank after rank (`page_digest.py`);
         a rank that could not digest its part gives none."""
         self.control.send(("landing_sums", tuple(landing_pages)))
-        return [d for said in self.control.gather(None)[1:] for d in (said or ())]
+        return [d for said in self._gather(None)[1:] for d in (said or ())]
 
     def load(self, landing_pages: list[int], device_pages: list[int]) -> None:
         """The other ranks copy their landing pages into their device pages; returns when all have
         (raises `RuntimeError` naming each rank whose copy failed)."""
         self.control.send(("land", tuple(landing_pages), tuple(device_pages)))
-        errors = [f"rank {rank}: {error}" for rank, error in enumerate(self.control.gather("")) if error]
+        errors = [f"rank {rank}: {error}" for rank, error in enumerate(self._gather("")) if error]
         if errors:
             raise RuntimeError(f"the landing -> device copy failed on {'; '.join(errors)}")
+
+    def _gather(self, obj: object) -> list:
+        """Every rank's answer, rank 0's `obj` first."""
+        answers = self.control.gather(obj)
+        assert answers is not None, "rank 0's gather came back empty: OtherLandings on a rank other than 0?"
+        return answers
 
 
 @dataclass(frozen=True)
@@ -60,9 +72,8 @@ class RankLanding:
     protocol: str
     num_pages: int
 
-    def start(self, ctx) -> dict:
-        """`ctx`: the rank's `engine.tp_launch.RankContext`. Sends rank 0 its `LandingShard`; returns
-        its calls by name."""
+    def start(self, ctx: RankContext) -> dict[str, Callable[..., None]]:
+        """Sends rank 0 its `LandingShard`; returns this rank's calls by name."""
         from kv_store.copier import Direction, PageCopier
         from kv_store.tier_copies import host_tensors
         from kv_store.transfer.mooncake import MooncakeTransport

@@ -201,7 +201,7 @@ class KVReceiver(NullConnector):
         self.landing.close()
 
     # ---- faults ------------------------------------------------------------------------------------
-    def _confined(self, ib: _Inbound, transition, *args) -> None:
+    def _confined(self, ib: _Inbound, transition: Callable[..., object], *args: object) -> None:
         try:
             transition(*args)
         except Exception as exc:  # noqa: BLE001 - this request's fault: end it, keep the others going

@@ -21,6 +21,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,11 +34,13 @@ from engine.graphs.tree import tree_verify_rows
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager
-from engine.spec.factory import check_draft_head, draft_aux_layers, load_draft_head, make_speculator
+from engine.spec.factory import NullSpeculator, check_draft_head, draft_aux_layers, load_draft_head, make_speculator
+from engine.spec.speculator import EagleSpeculator
 from engine.tiers import host_cache, model_id
-from engine.tp import LeadGraphRunner, LeadHead, LeadModel, LeadRunner, lead_moves
+from engine.tp import ControlGroup, LeadGraphRunner, LeadHead, LeadModel, LeadRunner, lead_moves
 from engine.tp_tiers import LeadCopier, LeadL3, rank_l3
 from kernels.attention import AUTO, get_backend, resolve_backend
+from kernels.attention.base import AttentionBackend
 from kernels.kv_layout import TORCH_DTYPES, KVCacheTensors, kv_layout, populate_in_background
 from kernels.model.arch import LlamaArch
 from kernels.model.eagle import EagleDraftHead
@@ -94,17 +97,18 @@ def choose_attention_backend(config: EngineConfig, model: LlamaForCausalLM, draf
     return name
 
 
-def _lacks(backend, arch) -> str:
+def _lacks(backend: AttentionBackend, arch: LlamaArch | None) -> str:
     """What of `arch`'s attention (sliding windows, soft caps) `backend` cannot do, in words ('' if none)."""
     needs = [(getattr(arch, "windowed", False), "supports_window", "sliding-window"),
              (getattr(arch, "attn_softcap", None) is not None, "supports_softcap", "soft-capped")]
     return " or ".join(word for need, flag, word in needs if need and not getattr(backend, flag))
 
 
-def build_engine(config: EngineConfig, model: LlamaForCausalLM, arch: LlamaArch, tokenizer=None,
+def build_engine(config: EngineConfig, model: LlamaForCausalLM, arch: LlamaArch, tokenizer: Any = None,
                  eos_token_ids: Sequence[int] = (), connector: ConnectorFactory | None = None,
                  l3: L3Config | None = None, draft_head: EagleDraftHead | None = None,
-                 compile_in_background: bool = False, populate: bool = True, control=None) -> EngineCore:
+                 compile_in_background: bool = False, populate: bool = True,
+                 control: ControlGroup | None = None) -> EngineCore:
     """An engine for `model` (`draft_head`: the EAGLE head when `config.speculative` is `eagle`; None
     loads it from `config.draft_model`). Raises ConfigError before allocating anything it cannot serve.
     `compile_in_background`: `config.cpu_compile`'s compile runs beside serving, from
@@ -172,18 +176,20 @@ def build_engine(config: EngineConfig, model: LlamaForCausalLM, arch: LlamaArch,
     return EngineCore(parts, connector)
 
 
-def _speculator(config: EngineConfig, head, device: torch.device, pools: _Pools, runner, control):
+def _speculator(config: EngineConfig, head: EagleDraftHead | None, device: torch.device, pools: _Pools,
+                runner: GraphRunner, control: ControlGroup | None) -> EagleSpeculator | NullSpeculator:
     """Step 7: what `config.speculative` asks for; on rank 0 of a tensor-parallel engine its head's
     calls and K/V moves go to every rank (`engine/tp.py:LeadHead`) and replay no graphs of its own."""
     if control is None:
         return make_speculator(config, head, device, pools.draft_kv, pools.target_kv, runner)
     speculator = make_speculator(config, head and LeadHead(head, control), device, pools.draft_kv, pools.target_kv)
     if head is not None:
+        assert isinstance(speculator, EagleSpeculator), "a draft head but no speculator: engine.speculative none?"
         speculator.move_kv = lead_moves(speculator.move_kv, control)
     return speculator
 
 
-def _pools(config: EngineConfig, arch, num_layers: int, device: torch.device) -> _Pools:
+def _pools(config: EngineConfig, arch: LlamaArch, num_layers: int, device: torch.device) -> _Pools:
     """Steps 3 and 4: the KV tensors (the draft head's layer last) and what owns their pages."""
     assert config.num_pages is not None, "the pools of a config not resolved (`EngineConfig.resolve`)"
     kv_cache = KVCacheTensors.allocate(num_layers, config.num_pages, config.page_size, arch.num_kv_heads,

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import xgrammar as xgr
@@ -299,7 +299,7 @@ class GrammarState:
         """An independent state at the same position (a sibling of `n` choices after the shared prompt)."""
         return GrammarState(self.grammar, self._matcher.fork(), list(self._token_ids))
 
-    def __reduce__(self):
+    def __reduce__(self) -> NoReturn:
         raise TypeError("a GrammarState does not pickle: send (spec, token_ids) and call "
                         "GrammarCompiler.rebuild_state on the other side")
 

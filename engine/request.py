@@ -15,7 +15,7 @@ import enum
 import itertools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -102,7 +102,7 @@ ENGINE_MARKS = ("received", "admitted", "tier_load_start", "tier_load_done", "fi
 """The timestamps a `Request` takes itself (`Request.timings`)."""
 
 
-def prefill_marks(timings) -> dict[str, float]:
+def prefill_marks(timings: Mapping[str, float] | Iterable[tuple[str, float]]) -> dict[str, float]:
     """A prefill worker's timings as the decode side keeps them: its engine's own marks renamed
     `prefill_<mark>`, so they never mix with the decode engine's (`router.timeline` reads both)."""
     return {(f"prefill_{k}" if k in ENGINE_MARKS else k): v for k, v in dict(timings).items()}
@@ -150,7 +150,7 @@ class Request:
     grammar: GrammarState | None = None
     """With `params.grammar`: its matcher, past every output token (`engine/structured.py`)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: empty prompt")
         seed = self.params.seed

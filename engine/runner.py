@@ -7,11 +7,11 @@ sequence length after them, the page table). Prefill and decode workers both dri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels.attention.metadata import build_attn_metadata
+from kernels.attention.metadata import AttnMetadata, build_attn_metadata
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.llama import LlamaForCausalLM
 from kernels.speculative import verify_tree_mask
@@ -53,6 +53,18 @@ class ForwardOut(NamedTuple):
                           torch.cat(aux) if aux else None)
 
 
+class StepModel(Protocol):
+    """What a forward runs: the model, or a CPU replay of its decode step (`kernels/cpu/compiled.py:
+    CompiledLayers`, `kernels/cpu/decode_layer.py:NativeDecode`)."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                 kv_cache: KVCacheTensors) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                         kv_cache: KVCacheTensors, aux_layer_ids: tuple[int, ...],
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+
 class ModelRunner:
     """Owns nothing but the step: the model and KV tensors are passed in and shared. `aux_layer_ids`:
     the target layers whose input hidden states every forward returns too (an EAGLE-3 head's)."""
@@ -83,7 +95,8 @@ class ModelRunner:
         input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64, device=self.device)
         return self.run_model(input_ids, positions, meta)
 
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, model=None) -> ForwardOut:
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                  model: StepModel | None = None) -> ForwardOut:
         model = self.model if model is None else model
         if self.aux_layer_ids:
             hidden, logits, aux = model.forward_with_aux(input_ids, positions, meta, self.kv_cache, self.aux_layer_ids)

@@ -133,7 +133,7 @@ class Scheduler:
         self._drop_ticket(req)
         req.finish(reason)
 
-    def admit_loaded(self, req: Request, kv) -> None:
+    def admit_loaded(self, req: Request, kv: ReqKV) -> None:
         """Join `req`, whose KV is already on device (loaded from the host tier), to the batch."""
         req.admit(kv)
         self.running.append(req)

@@ -184,11 +184,11 @@ class SessionManager:
 class NullSessions:
     """Sessions off (prefix cache disabled): opening one is refused."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
         self.reserved_tokens = self.num_offloaded = 0
 
-    def open(self, session_id: str, capacity_tokens: int, idle_timeout_s: float):
+    def open(self, session_id: str, capacity_tokens: int, idle_timeout_s: float) -> Session:
         raise SessionError("sessions need the prefix cache (this worker runs with enable_prefix_cache off)")
 
     def close(self, session_id: str) -> bool:

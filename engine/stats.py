@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict
 
 from common.protocol import GraphStats, PoolStats, SpecStats, TierStats
 from kv_store.page_pool import PagePool
+
+if TYPE_CHECKING:
+    from engine.graphs.runner import GraphCounters
+    from engine.sessions import NullSessions, SessionManager
+    from engine.spec.speculator import SpecCounters
+    from kv_store.host_cache import HostCache, NullHostCache
 
 BUSY_INTEGRITY_INTERVAL_S = 5.0
 """How often the heartbeat's integrity check runs while requests run: it walks every page of every
@@ -19,7 +26,7 @@ class IntegrityBeat:
     most every `BUSY_INTEGRITY_INTERVAL_S` while it has work (its last verdict stands between). Holds no
     reference to the engine (a dropped engine must not be kept alive by a cycle)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._checked_s, self._error = float("-inf"), ""
 
     def verdict(self, busy: bool, check: Callable[[], None]) -> str:
@@ -40,7 +47,7 @@ def pool_stats(pool: PagePool) -> PoolStats:
     return PoolStats(u.total, u.free, u.private, u.cached, u.in_flight)
 
 
-def spec_stats(c) -> SpecStats:
+def spec_stats(c: SpecCounters | None) -> SpecStats:
     """From a speculator's `SpecCounters` (None: speculation off)."""
     if c is None:
         return SpecStats()
@@ -48,16 +55,29 @@ def spec_stats(c) -> SpecStats:
                      tuple(sorted(c.accepted_at.items())), c.draft_errors)
 
 
-def graph_stats(c, compiling: bool = False) -> GraphStats:
+def graph_stats(c: GraphCounters, compiling: bool = False) -> GraphStats:
     """From a graph runner's `GraphCounters` (and whether it still compiles)."""
     return GraphStats(c.replays, tuple(sorted((reason.value, n) for reason, n in c.fallbacks.items())), compiling)
 
 
-def tier_stats(host_cache, hit_tokens_l1: int, sessions, page_size: int, transfer_corrupt: int = 0,
-               transfer_verified_pages: int = 0) -> TierStats:
+class _L3Fields(TypedDict, total=False):
+    """The `TierStats` fields of the L3 store (left at their defaults without one)."""
+
+    l3: bool
+    l3_get_pages: int
+    l3_get_seconds: float
+    l3_put_pages: int
+    l3_put_seconds: float
+    l3_errors: int
+    l3_corrupt: int
+    prefetches: tuple[tuple[str, int], ...]
+
+
+def tier_stats(host_cache: HostCache | NullHostCache, hit_tokens_l1: int, sessions: SessionManager | NullSessions,
+               page_size: int, transfer_corrupt: int = 0, transfer_verified_pages: int = 0) -> TierStats:
     c, l3 = host_cache.counters, host_cache.l3
     store = l3.store_stats()
-    l3_fields = {} if store is None else dict(
+    l3_fields: _L3Fields = {} if store is None else _L3Fields(
         l3=True, l3_get_pages=store.hits, l3_get_seconds=store.get_seconds, l3_put_pages=store.put_pages,
         l3_put_seconds=store.put_seconds, l3_errors=store.errors, l3_corrupt=store.corrupt,
         prefetches=tuple(sorted(l3.counters.prefetches.items())))

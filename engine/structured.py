@@ -19,10 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.grammar_spec import GrammarError, GrammarSpec
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarCompiler
 
 log = logging.getLogger("tandem.engine")
 
@@ -58,7 +61,7 @@ class StructuredOutputs:
             self._compiler.add_done_callback(lambda made: _chain(made, spec, future))
         return future
 
-    def _make_compiler(self):
+    def _make_compiler(self) -> GrammarCompiler:
         from engine.grammar import GrammarCompiler
         from kernels.model.tokenizer import ServingTokenizer, load_hf_tokenizer
 

@@ -14,17 +14,19 @@ from kv_store.host_cache import HostCache, NullHostCache, WritePolicy
 from kv_store.l3.config import L3Config
 from kv_store.l3.keys import KeyNamespace
 from kv_store.l3.tier import L3Tier
+from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
 from kv_store.tier_copies import host_tensors
 
 
-def host_cache(config: EngineConfig, tree, device_pool: DevicePool, l3: L3Config | None,
-               l3_model_id: str) -> HostCache | NullHostCache:
+def host_cache(config: EngineConfig, tree: RadixPrefixCache | NullPrefixCache, device_pool: DevicePool,
+               l3: L3Config | None, l3_model_id: str) -> HostCache | NullHostCache:
     """The L2 tier under `tree` when the resolved config asks for host pages, with L3 below it when
     `l3` is given (L3 pages move through L2, so L3 needs it); `l3_model_id` names the KV's producer
     in L3 keys (`model_id`)."""
     if not config.host_cache_pages:
         require(l3 is None, "kv_store.l3 needs the host tier: set host_cache_ratio > 0 and keep the prefix cache on")
         return NullHostCache()
+    assert isinstance(tree, RadixPrefixCache), "host cache pages but no prefix tree: the prefix cache is off?"
     host_kv = host_tensors(device_pool.kv, config.host_cache_pages)
     tier = None
     if l3 is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -15,7 +16,16 @@ from engine.scheduler import ScheduledStep
 from kernels.sampling import adjust_logits, sample
 
 
-def row_tokens(scheduled: ScheduledStep, logits: torch.Tensor, speculator
+class Verifier(Protocol):
+    """What verifies a row's drafts: the engine's speculator (`engine/spec/speculator.py:EagleSpeculator`;
+    `engine/spec/factory.py:NullSpeculator` when speculation is off, which no row with drafts reaches)."""
+
+    def verify(self, req: Request, logits: torch.Tensor) -> list[int]: ...
+
+    def emitted_rows(self, req: Request, num_emitted: int) -> list[int]: ...
+
+
+def row_tokens(scheduled: ScheduledStep, logits: torch.Tensor, speculator: Verifier,
                ) -> list[tuple[list[int] | Exception | None, list[int]]]:
     """Per row: (the tokens it emits before stop rules, None for a row without logits (a prefill
     chunk), or the exception that fails its request; the row of `logits` each token was chosen from).

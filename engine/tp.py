@@ -27,15 +27,21 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.config import EngineConfig
 from engine.graphs.runner import GraphRunner
-from engine.runner import ModelRunner
+from engine.runner import ForwardOut, ForwardRow, ModelRunner
+from kernels.attention.metadata import AttnMetadata
+from kernels.kv_layout import KVCacheTensors
 from kernels.model.eagle import EagleDraftHead
 from kernels.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from engine.spec.draft_tree import SlotMove
 
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
 """How long a rank waits for rank 0's next call: an idle server sends none for as long as it idles.
@@ -74,11 +80,12 @@ class ControlGroup:
 class LeadRunner(ModelRunner):
     """Rank 0's model runner: each forward (and the probe) is sent to the other ranks first."""
 
-    def __init__(self, control: ControlGroup, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, control: ControlGroup, model: LlamaForCausalLM, kv_cache: KVCacheTensors, page_size: int,
+                 device: torch.device | str, aux_layer_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(model, kv_cache, page_size, device, aux_layer_ids)
         self.control = control
 
-    def forward(self, rows):
+    def forward(self, rows: list[ForwardRow]) -> ForwardOut:
         self.control.send(("forward", rows))
         return super().forward(rows)
 
@@ -91,15 +98,15 @@ class LeadGraphRunner(GraphRunner):
     """Rank 0's graph runner: each replay (bucket and rows) is sent to the other ranks first; an eager
     step goes through its `LeadRunner`."""
 
-    def __init__(self, control: ControlGroup, *args, **kwargs) -> None:
+    def __init__(self, control: ControlGroup, *args: Any, **kwargs: Any) -> None:  # then `GraphRunner`'s
         self.control = control
         super().__init__(*args, **kwargs)
 
-    def _replay(self, rows, bucket: int):
+    def _replay(self, rows: list[ForwardRow], bucket: int) -> ForwardOut:
         self.control.send(("replay", rows, bucket))
         return super()._replay(rows, bucket)
 
-    def tree_replay(self, rows, bucket: int):
+    def tree_replay(self, rows: list[ForwardRow], bucket: int) -> ForwardOut:
         self.control.send(("tree_replay", rows, bucket))
         return super().tree_replay(rows, bucket)
 
@@ -113,11 +120,13 @@ class LeadHead:
     def __init__(self, head: EagleDraftHead, control: ControlGroup) -> None:
         self._head, self._control = head, control
 
-    def __call__(self, input_ids, features, positions, meta, kv_cache):
+    def __call__(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                 kv_cache: KVCacheTensors) -> tuple[torch.Tensor, torch.Tensor]:
         self._control.send(("head", input_ids.cpu(), features.cpu(), positions.cpu(), meta_to(meta, "cpu")))
         return self._head(input_ids, features, positions, meta, kv_cache)
 
-    def write_kv(self, input_ids, features, positions, slot_mapping, kv_cache) -> None:
+    def write_kv(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, kv_cache: KVCacheTensors) -> None:
         self._control.send(("head_kv", input_ids.cpu(), features.cpu(), positions.cpu(), slot_mapping.cpu()))
         self._head.write_kv(input_ids, features, positions, slot_mapping, kv_cache)
 
@@ -129,7 +138,7 @@ class LeadHead:
         return getattr(self._head, name)
 
 
-def lead_moves(move, control: ControlGroup):
+def lead_moves(move: SlotMove, control: ControlGroup) -> SlotMove:
     """`move(src, dst)` (a speculator's K/V move) sent to the other ranks first."""
     def moved(src: torch.Tensor, dst: torch.Tensor) -> None:
         control.send(("move_kv", src.cpu(), dst.cpu()))
@@ -137,28 +146,30 @@ def lead_moves(move, control: ControlGroup):
     return moved
 
 
-def head_calls(head: EagleDraftHead, draft_kv, target_kv, device: str) -> dict:
+def head_calls(head: EagleDraftHead, draft_kv: KVCacheTensors, target_kv: KVCacheTensors,
+               device: str) -> dict[str, Callable[..., None]]:
     """A rank's side of `LeadHead` and `lead_moves`: its shard of the head over its draft K/V layer,
     the moves over its target K/V."""
     from engine.spec.draft_tree import move_slots
 
-    def run(input_ids, features, positions, meta) -> None:
+    def run(input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> None:
         with torch.inference_mode():
             head(input_ids.to(device), features.to(device), positions.to(device), meta_to(meta, device), draft_kv)
 
-    def write_kv(input_ids, features, positions, slot_mapping) -> None:
+    def write_kv(input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
         with torch.inference_mode():
             head.write_kv(input_ids.to(device), features.to(device), positions.to(device), slot_mapping.to(device),
                           draft_kv)
 
-    def logits(x) -> None:
+    def logits(x: torch.Tensor) -> None:
         with torch.inference_mode():
             head.draft_logits(x.to(device))
     return {"head": run, "head_kv": write_kv, "head_logits": logits,
             "move_kv": lambda src, dst: move_slots(target_kv, src.to(device), dst.to(device))}
 
 
-def meta_to(meta, device: str):
+def meta_to(meta: AttnMetadata, device: str) -> AttnMetadata:
     """`meta` (an `AttnMetadata`) with its tensors on `device` (sent between ranks through the host)."""
     moved = {f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
              if f.init and isinstance(getattr(meta, f.name), torch.Tensor)}
@@ -180,7 +191,8 @@ class LeadModel:
         return getattr(self._model, name)
 
 
-def follow(control: ControlGroup, runner: GraphRunner, model: LlamaForCausalLM, calls: dict | None = None) -> None:
+def follow(control: ControlGroup, runner: GraphRunner, model: LlamaForCausalLM,
+           calls: dict[str, Callable[..., None]] | None = None) -> None:
     """A rank other than 0: run rank 0's calls until it says stop (`calls`: its worker role's, by name)."""
     calls = calls or {}
     while True:

@@ -12,9 +12,10 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,13 +31,17 @@ from engine.tp_tiers import RankTiers
 from kv_store.device_pool import DevicePool
 
 if TYPE_CHECKING:  # imported where used (`load_shard`)
+    from engine.core import EngineCore
+    from kernels.kv_layout import KVCacheTensors
     from kernels.model.loader import LoadedModel
-    from kernels.model.tp import Shard
+    from kernels.model.tp import Shard, TPGroup
+    from kv_store.l3.config import L3Config
 
 log = logging.getLogger("tandem.engine")
 
 
-def load_shard(config: EngineConfig, rank: int, size: int, device: str, serving: bool = False):
+def load_shard(config: EngineConfig, rank: int, size: int, device: str,
+               serving: bool = False) -> tuple[LoadedModel, list[Shard]]:
     """(This rank's `LoadedModel` (`loaded.model` holds the rank's shard, `loaded.arch` its shapes),
     every rank's `Shard`); `serving`: loaded as a served worker loads (`load_for_serving`: no transformers)."""
     from kernels.kv_layout import TORCH_DTYPES
@@ -46,7 +51,7 @@ def load_shard(config: EngineConfig, rank: int, size: int, device: str, serving:
 
     shards: list[Shard] = []
 
-    def shard_of(hf_config):
+    def shard_of(hf_config: Any) -> TPGroup:  # a transformers config, or config.json read as attributes
         arch = LlamaArch.from_hf_config(hf_config)
         shards[:] = [Shard.of(arch, r, size) for r in range(size)]
         return TPGroup(shards[rank])
@@ -63,14 +68,23 @@ class RankContext:
     where to register what closes when the rank stops."""
 
     rank: int
-    shards: list
-    kv: object
+    shards: list[Shard]
+    kv: KVCacheTensors
     control: ControlGroup
     closing: contextlib.ExitStack
 
 
+class RankRole(Protocol):
+    """A worker role's part on each rank other than 0 (`prefill_worker/rank_writes.py:RankSender`,
+    `decode_worker/rank_landing.py:RankLanding`), pickled to the rank's process."""
+
+    def start(self, ctx: RankContext) -> dict[str, Callable[..., None]]:
+        """Set up beside the engine shard; returns the role's calls by name."""
+        ...
+
+
 def follower_main(rank: int, size: int, init_method: str, config: EngineConfig, serving: bool = False,
-                  role=None, parent: int = 0) -> None:
+                  role: RankRole | None = None, parent: int = 0) -> None:
     """A rank other than 0, in a process of its own (dying with its parent): its shard, then the KV
     cache rank 0's resolved config sizes (sent once it is built), its worker role's part (`role`, with
     a `start(RankContext) -> calls by name`), then `follow`."""
@@ -125,7 +139,7 @@ def _die_with_parent(parent: int, poll_s: float = 0.5) -> None:
 class Followers:
     """The processes of ranks 1..size-1 (spawned), and the rendezvous rank 0 joins them through."""
 
-    def __init__(self, config: EngineConfig, serving: bool = False, role=None) -> None:
+    def __init__(self, config: EngineConfig, serving: bool = False, role: RankRole | None = None) -> None:
         size = config.tensor_parallel_size
         self._dir = tempfile.TemporaryDirectory(prefix="tandem-tp-")
         self.init_method = f"file://{Path(self._dir.name) / 'rendezvous'}"
@@ -157,7 +171,7 @@ class Ranks:
     loaded: LoadedModel
     shards: list[Shard]
 
-    def stop_with(self, engine) -> None:
+    def stop_with(self, engine: EngineCore) -> None:
         """`engine.close()` (rank 0's engine, built with `control`) also stops the other ranks."""
         closing = engine.close
 
@@ -168,10 +182,10 @@ class Ranks:
                 self.control.send(("stop",))
                 self.followers.join()
                 torch.distributed.destroy_process_group()
-        engine.close = close
+        engine.close = close  # type: ignore[method-assign]  # rank 0's close wrapped on purpose: it stops the ranks too
 
 
-def start_ranks(config: EngineConfig, serving: bool = False, role=None) -> Ranks:
+def start_ranks(config: EngineConfig, serving: bool = False, role: RankRole | None = None) -> Ranks:
     """Spawn ranks 1..N-1 of `config.tensor_parallel_size` (each running `role`'s part, `follower_main`),
     join them as rank 0, load rank 0's shard (`serving`: as a served worker loads, without
     transformers). Build the engine with `control`, then `stop_with` it."""
@@ -190,7 +204,7 @@ def start_ranks(config: EngineConfig, serving: bool = False, role=None) -> Ranks
     return Ranks(dataclasses.replace(config, device=device), followers, control, loaded, shards)
 
 
-def load_tp_engine(config: EngineConfig, populate: bool = True, l3=None):
+def load_tp_engine(config: EngineConfig, populate: bool = True, l3: L3Config | None = None) -> EngineCore:
     """A colocated engine over `config.tensor_parallel_size` ranks (this process rank 0, the others
     spawned; `l3`: an `L3Config` under its host tier); `engine.close()` stops them."""
     ranks = start_ranks(config)

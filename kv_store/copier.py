@@ -51,6 +51,8 @@ from kv_store.stream_order import CudaOrder, HostOrder, order_for
 
 log = logging.getLogger(__name__)
 
+PageIndex = np.ndarray | torch.Tensor  # page ids as `_gather` / `_scatter` take them: numpy on the host, else torch
+
 
 class Direction(enum.Enum):
     TO_HOST = "to_host"  # device -> host (a backup or an eviction's write-back)
@@ -228,7 +230,9 @@ class _KernelMove:
         index = torch.tensor(job.src_pages + job.dst_pages, dtype=torch.int64, device=self._device)
         return index[:len(job.src_pages)], index[len(job.src_pages):]
 
-    def copy_layer(self, layer: int, to_host: bool, src_idx, dst_idx) -> None:
+    def copy_layer(self, layer: int, to_host: bool, src_idx: PageIndex, dst_idx: PageIndex) -> None:
+        assert isinstance(src_idx, torch.Tensor) and isinstance(dst_idx, torch.Tensor), (
+            "kernel copy given numpy page ids: indices from a _StagedMove?")
         self._plans[to_host][layer].launch(src_idx, dst_idx)
 
 
@@ -239,11 +243,11 @@ class _StagedMove:
     def __init__(self, device: KVCacheTensors, host: KVCacheTensors):
         self.device, self.host = device, host
 
-    def page_index(self, job: CopyJob, to_host: bool) -> tuple:
+    def page_index(self, job: CopyJob, to_host: bool) -> tuple[PageIndex, PageIndex]:
         src_kv, dst_kv = (self.device, self.host) if to_host else (self.host, self.device)
         return _page_index(job.src_pages, src_kv.k[0].device), _page_index(job.dst_pages, dst_kv.k[0].device)
 
-    def copy_layer(self, layer: int, to_host: bool, src_idx, dst_idx) -> None:
+    def copy_layer(self, layer: int, to_host: bool, src_idx: PageIndex, dst_idx: PageIndex) -> None:
         src_kv, dst_kv = (self.device, self.host) if to_host else (self.host, self.device)
         dst_dev = dst_kv.k[0].device
         # device -> host must land before the host-side scatter reads it: a blocking copy there
@@ -253,7 +257,7 @@ class _StagedMove:
             _scatter(dst, dst_idx, rows.to(dst_dev, non_blocking=overlap))
 
 
-def _page_index(pages: tuple[int, ...], device: torch.device):
+def _page_index(pages: tuple[int, ...], device: torch.device) -> PageIndex:
     """Page ids as the index `_gather` / `_scatter` take on `device`: numpy on the host, torch elsewhere."""
     if device.type == "cpu":
         return np.asarray(pages, dtype=np.int64)
@@ -265,21 +269,23 @@ def _byte_rows(t: torch.Tensor) -> np.ndarray:
     return t.view(t.shape[0], -1).view(torch.uint8).numpy()
 
 
-def _gather(t: torch.Tensor, index, pinned: bool = False) -> torch.Tensor:
+def _gather(t: torch.Tensor, index: PageIndex, pinned: bool = False) -> torch.Tensor:
     """Pages `index` of `t` (a new tensor). `pinned` (a host `t` bound for the device): the pages land
     in pinned memory, so the copy to the device that follows is asynchronous and at pinned bandwidth
     (from pageable memory it would be staged and block this thread); torch's caching host allocator
     reuses the buffer only once that copy has completed."""
     if t.device.type != "cpu":
+        assert isinstance(index, torch.Tensor), f"numpy page ids for a {t.device} tensor: indexed on the wrong side?"
         return t.index_select(0, index)
     out = torch.empty((len(index), *t.shape[1:]), dtype=t.dtype, pin_memory=pinned)
     np.take(_byte_rows(t), index, axis=0, out=_byte_rows(out))
     return out
 
 
-def _scatter(t: torch.Tensor, index, rows: torch.Tensor) -> None:
+def _scatter(t: torch.Tensor, index: PageIndex, rows: torch.Tensor) -> None:
     """`t[index[i]] = rows[i]`, in place."""
     if t.device.type != "cpu":
+        assert isinstance(index, torch.Tensor), f"numpy page ids for a {t.device} tensor: indexed on the wrong side?"
         t.index_copy_(0, index, rows)
         return
     _byte_rows(t)[index] = _byte_rows(rows.contiguous())

@@ -3,8 +3,13 @@ them (DESIGN §5)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kernels.kv_layout import KVCacheTensors
 from kv_store.page_pool import PagePool
+
+if TYPE_CHECKING:
+    from kv_store.copier import CopyJob
 
 
 class DevicePool:
@@ -23,19 +28,19 @@ class DevicePool:
         self.layout = kv.layout
         self.pages = PagePool(kv.num_pages, kv.page_size)
         self.relocation_version = 0
-        self._loads: set = set()
+        self._loads: set[CopyJob] = set()
 
     def bump_relocation_version(self) -> int:
         self.relocation_version += 1
         return self.relocation_version
 
-    def begin_load(self, job) -> None:
+    def begin_load(self, job: CopyJob) -> None:
         """`job` (a `CopyJob`, `.dst_pages` its device pages) writes device pages from now on."""
         self._loads.add(job)
         self.bump_relocation_version()
 
-    def end_load(self, job) -> None:
+    def end_load(self, job: CopyJob) -> None:
         self._loads.discard(job)
 
-    def loads_in_flight(self) -> frozenset:
+    def loads_in_flight(self) -> frozenset[CopyJob]:
         return frozenset(self._loads)

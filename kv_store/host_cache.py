@@ -328,7 +328,7 @@ class HostCache:
 
     def _finish_load(self, load: Load) -> None:
         del self._loads[load.id]
-        self.device.end_load(load.job)
+        self.device.end_load(load.copy)
         self.tree.unlock(load.locked)
         self.device.pages.retire(load)
         failed = load.copy.error is not None
@@ -369,7 +369,7 @@ class HostCache:
 class NullHostCache:
     """No host tier (turned off, or no prefix cache): nothing is ever below L1."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.counters = TierCounters()
         self.pool = None
         self.l3 = NullBridge()

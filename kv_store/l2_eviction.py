@@ -16,9 +16,12 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from kv_store.radix_cache import RadixPrefixCache
 from kv_store.residency import Residency, move_residency
+from kv_store.tier_copies import TierCounters
+from kv_store.tier_sums import TierSums
 from kv_store.tree_node import TreeNode, subtree
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,7 @@ def evict_l2(tree: RadixPrefixCache, num_pages: int, free_host: Callable[[TreeNo
     heapq.heapify(leaves)
     while freed < num_pages and leaves:
         _, _, node = heapq.heappop(leaves)
-        parent = node.parent
+        parent = node.up()
         freed += len(node.host_pages)
         tree.drop_subtree(node)
         if parent is not tree.root and _host_leaf(parent):
@@ -53,7 +56,15 @@ def _host_leaf(node: TreeNode) -> bool:
     return node.residency is Residency.HOST and node.lock_ref == node.host_pins == 0 and not node.children
 
 
-def corrupt_copy(tier, node: TreeNode, who: str) -> TreeNode | None:
+class CheckedTier(Protocol):
+    """What `corrupt_copy` reads and counts in of the host tier (`kv_store/host_cache.py:HostCache`)."""
+
+    failed_loads: set[int]
+    sums: TierSums | None
+    counters: TierCounters
+
+
+def corrupt_copy(tier: CheckedTier, node: TreeNode, who: str) -> TreeNode | None:
     """`node` when a page of its host copy no longer has the digest its backup kept, or its last
     load-back failed (`tier`: the `HostCache`; `who`: the request that asked, for the log), else None."""
     if node.id in tier.failed_loads:

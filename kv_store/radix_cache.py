@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 from kv_store.page_pool import PagePool
 from kv_store.residency import Residency, move_residency
 from kv_store.tree_checks import check_tree
-from kv_store.tree_node import PrefixMatch, TreeNode, subtree
+from kv_store.tree_node import PrefixMatch, TreeNode, TreeTier, subtree
 
 
 class L1Only:
@@ -81,9 +81,9 @@ class RadixPrefixCache:
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
         self.root = TreeNode(id=0, parent=None, key=(), pages=[])
-        self.tier = L1Only(self)
+        self.tier: TreeTier = L1Only(self)
 
-    def attach_tier(self, tier) -> None:
+    def attach_tier(self, tier: TreeTier) -> None:
         """Below L1 from now on: `tier` (`kv_store/host_cache.py:HostCache`) gets the tree's hooks. Called
         once, by the engine's builder, before any node exists."""
         assert isinstance(self.tier, L1Only) and not self.root.children, "attach the tier to an empty, bare tree"
@@ -109,7 +109,7 @@ class RadixPrefixCache:
         pages = [p for node in path for p in node.pages]
         return PrefixMatch(pos, pages, path[-1] if path else self.root)
 
-    def cached_len(self, token_ids) -> int:
+    def cached_len(self, token_ids: Sequence[int]) -> int:
         """Whole-page prefix of `token_ids` the tree holds in any tier. Read-only: no split, no LRU
         touch, no hit counted."""
         node, pos, limit = self.root, 0, len(token_ids) // self.page_size * self.page_size
@@ -124,7 +124,7 @@ class RadixPrefixCache:
             node = child
         return pos
 
-    def walk(self, token_ids, max_match_tokens: int,
+    def walk(self, token_ids: Sequence[int], max_match_tokens: int,
              admit: Callable[[TreeNode], bool]) -> tuple[int, list[TreeNode]]:
         """(tokens matched, the nodes matched in order) along `token_ids[:max_match_tokens]`, following
         only nodes `admit` accepts. A match ending inside a node splits it; a node with a copy in
@@ -228,8 +228,8 @@ class RadixPrefixCache:
             node = child
         return taken
 
-    def add_child(self, parent: TreeNode, key: tuple[int, ...], residency: Residency, pages=(), host_pages=(),
-                  in_l3: bool = False) -> TreeNode:
+    def add_child(self, parent: TreeNode, key: tuple[int, ...], residency: Residency, pages: Sequence[int] = (),
+                  host_pages: Sequence[int] = (), in_l3: bool = False) -> TreeNode:
         """A new node under `parent` (no child of which starts with `key`'s first page). The caller
         hands it its pages in their pools."""
         first = key[:self.page_size]
@@ -270,7 +270,7 @@ class RadixPrefixCache:
             keep = max(0, self.num_pages(node) - (num_pages - freed))
             if keep:  # trim the node's tail; its prefix stays on device
                 self._split(node, keep)
-            parent = node.parent
+            parent = node.up()
             freed += self.tier.leave_l1(node)
             if keep:
                 break
@@ -319,7 +319,7 @@ class RadixPrefixCache:
         check_tree(self.root, self.pool, self.tier, expected_locks, expected_host_pins)
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _common_pages(self, key: tuple[int, ...], token_ids, pos: int, limit: int) -> int:
+    def _common_pages(self, key: tuple[int, ...], token_ids: Sequence[int], pos: int, limit: int) -> int:
         """Number of whole pages of `key` equal to `token_ids[pos:limit]`."""
         ps, n = self.page_size, 0
         while n * ps < len(key) and pos + (n + 1) * ps <= limit:
@@ -346,7 +346,7 @@ class RadixPrefixCache:
         upper.children[node.key[:ps]] = node
         return upper
 
-    def nodes(self):
+    def nodes(self) -> Iterator[TreeNode]:
         return subtree(self.root)
 
 
@@ -358,10 +358,10 @@ class NullPrefixCache:
         self.page_size = pool.page_size
         self.root = TreeNode(id=0, parent=None, key=(), pages=[])
 
-    def match(self, token_ids, max_match_tokens: int) -> PrefixMatch:
+    def match(self, token_ids: list[int] | tuple[int, ...], max_match_tokens: int) -> PrefixMatch:
         return PrefixMatch(0, [], self.root)
 
-    def cached_len(self, token_ids) -> int:
+    def cached_len(self, token_ids: Sequence[int]) -> int:
         return 0
 
     def lock(self, node: TreeNode) -> None:
@@ -375,7 +375,7 @@ class NullPrefixCache:
     def path_pages(self, node: TreeNode) -> list[int]:
         return []
 
-    def insert(self, token_ids, pages, owner) -> list[int]:
+    def insert(self, token_ids: list[int], pages: list[int], owner: object) -> list[int]:
         """Takes nothing: the caller frees all its pages itself."""
         return []
 
@@ -391,5 +391,6 @@ class NullPrefixCache:
     def pages_held_by_tier(self) -> int:
         return 0
 
-    def check_integrity(self, expected_locks=None, expected_host_pins=None) -> None:
+    def check_integrity(self, expected_locks: dict[int, int] | None = None,
+                        expected_host_pins: dict[int, int] | None = None) -> None:
         assert not self.root.children, "NullPrefixCache grew a tree"

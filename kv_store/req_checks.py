@@ -3,10 +3,87 @@ transfer pins and every live request's page table agree. Read-only."""
 
 from __future__ import annotations
 
-from kv_store.page_pool import PageState
+import enum
+from collections.abc import Mapping
+from typing import Protocol
+
+from kv_store.page_pool import PagePool, PageState
+from kv_store.radix_cache import NullPrefixCache, RadixPrefixCache
+from kv_store.tree_node import TreeNode
 
 
-def check_manager(kvm) -> None:
+class _Pin(Protocol):
+    """A `kv_manager.TransferPin` as the check reads it (kv_manager calls this module: no import back)."""
+
+    @property
+    def req_id(self) -> object: ...
+
+    @property
+    def own_pages(self) -> tuple[int, ...]: ...
+
+    @property
+    def tree_node(self) -> TreeNode: ...
+
+
+class _Req(Protocol):
+    """A `kv_manager.ReqKV` as the check reads it."""
+
+    @property
+    def req_id(self) -> object: ...
+
+    @property
+    def state(self) -> enum.Enum: ...
+
+    @property
+    def pages(self) -> list[int]: ...
+
+    @property
+    def kv_committed_len(self) -> int: ...
+
+    @property
+    def kv_allocated_len(self) -> int: ...
+
+    @property
+    def cache_protected_len(self) -> int: ...
+
+    @property
+    def num_protected_pages(self) -> int: ...
+
+    @property
+    def dropped(self) -> int: ...
+
+    @property
+    def locked_node(self) -> TreeNode: ...
+
+    def own_pages(self) -> list[int]: ...
+
+
+class _Manager(Protocol):
+    """A `kv_manager.KVManager` as the check reads it."""
+
+    @property
+    def pool(self) -> PagePool: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def prefix_cache(self) -> RadixPrefixCache | NullPrefixCache: ...
+
+    @property
+    def live(self) -> Mapping[object, _Req]: ...
+
+    @property
+    def transfer_pins(self) -> Mapping[object, _Pin]: ...
+
+    @property
+    def prefix_pins(self) -> Mapping[object, TreeNode]: ...
+
+    @property
+    def offloaded_pins(self) -> Mapping[object, TreeNode]: ...
+
+
+def check_manager(kvm: _Manager) -> None:
     """`kvm`'s (a `kv_manager.KVManager`) pool, tree, transfer pins and live requests agree (DESIGN §3).
     Raises AssertionError naming the cause."""
     kvm.pool.check_integrity()
@@ -35,7 +112,7 @@ def check_manager(kvm) -> None:
         "pages leaked by a request that ended without release()?")
 
 
-def _check_request(kvm, kv) -> int:
+def _check_request(kvm: _Manager, kv: _Req) -> int:
     rid, ps = kv.req_id, kvm.page_size
     assert kv.state.name == "ACTIVE", f"request {rid!r} RELEASED but still live"
     assert kv.cache_protected_len % ps == 0, (
@@ -58,7 +135,7 @@ def _check_request(kvm, kv) -> int:
     return len(kv.own_pages())
 
 
-def _check_pin(kvm, handle: object, pin) -> None:
+def _check_pin(kvm: _Manager, handle: object, pin: _Pin) -> None:
     assert kvm.prefix_cache.holds(pin.tree_node), (
         f"tree node {pin.tree_node.id} pinned by transfer {handle!r} is no longer in the tree: evicted while "
         "a transfer still reads it?")

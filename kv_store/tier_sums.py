@@ -24,7 +24,9 @@ import logging
 import torch
 
 from kernels.kv_layout import KVCacheTensors
+from kv_store.tier_copies import Load, TierCounters
 from kv_store.transfer.page_digest import PageDigest
+from kv_store.tree_node import TreeNode
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ class TierSums:
         gpu = self.device.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device.device) if gpu else None
 
-    def backup_differs(self, node, host_pages: list[int], counters) -> bool:
+    def backup_differs(self, node: TreeNode, host_pages: list[int], counters: TierCounters) -> bool:
         """A backup of tree node `node`'s device pages into `host_pages` landed: whether a host page
         differs from its source (counted in `counters.l2_corrupt`, logged); if none, their digests
         are kept."""
@@ -59,7 +61,7 @@ class TierSums:
         kept = [p for p in host_pages if p in self.kept]
         return [p for p, d in zip(kept, self.host.digests(kept)) if d != self.kept[p]]
 
-    def load_differs(self, load, counters) -> bool:
+    def load_differs(self, load: Load, counters: TierCounters) -> bool:
         """`load` (a `tier_copies.Load`: its nodes' host pages into its device pages) landed: whether
         a device page differs from its host page (counted in `counters.l2_corrupt`, logged)."""
         host_pages = [p for node in load.nodes for p in node.host_pages]

@@ -8,10 +8,10 @@ and `check_integrity`, which this calls.
 from __future__ import annotations
 
 from kv_store.page_pool import PagePool, PageState
-from kv_store.tree_node import TreeNode, subtree
+from kv_store.tree_node import TreeNode, TreeTier, subtree
 
 
-def check_tree(root: TreeNode, pool: PagePool, tier, expected_locks: dict[int, int] | None = None,
+def check_tree(root: TreeNode, pool: PagePool, tier: TreeTier, expected_locks: dict[int, int] | None = None,
                expected_host_pins: dict[int, int] | None = None) -> None:
     """Tree shape, residency, page ownership, and (given per-node counts) lock references and host pins
     of the tree under `root`, whose device pages are CACHED in `pool` and whose `tier` is attached.
@@ -39,7 +39,7 @@ def check_tree(root: TreeNode, pool: PagePool, tier, expected_locks: dict[int, i
         _check_locks(node=root, root=root, expected=dict(expected_host_pins), field="host_pins")
 
 
-def _check_node(node: TreeNode, root: TreeNode, pool: PagePool, tier, seen_pages: set[int]) -> None:
+def _check_node(node: TreeNode, root: TreeNode, pool: PagePool, tier: TreeTier, seen_pages: set[int]) -> None:
     ps = pool.page_size
     n = len(node.key) // ps
     assert n > 0 and len(node.key) == n * ps, f"tree node {node.id} holds {len(node.key)} tokens: not page-aligned"

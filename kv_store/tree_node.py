@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kv_store.residency import Residency
 
@@ -44,6 +45,33 @@ class PrefixMatch:
     num_tokens: int
     pages: list[int]
     node: TreeNode
+
+
+class TreeTier(Protocol):
+    """The tier below the device that a tree hands its hooks (`radix_cache.L1Only`: none;
+    `kv_store/host_cache.py:HostCache`: the host). Called by the tree under the scheduler's thread."""
+
+    def leave_l1(self, node: TreeNode) -> int: ...
+
+    def on_insert(self, node: TreeNode) -> None: ...
+
+    def on_hit(self, node: TreeNode) -> None: ...
+
+    def drain(self) -> bool: ...
+
+    def settle(self, node: TreeNode) -> bool: ...
+
+    def free_host(self, node: TreeNode) -> None: ...
+
+    def retag_host(self, pages: list[int], old_node_id: int, new_node_id: int) -> None: ...
+
+    def holders(self) -> list[TreeNode]: ...
+
+    def device_pages_held(self) -> int: ...
+
+    def check_node(self, node: TreeNode) -> None: ...
+
+    def check_integrity(self) -> None: ...
 
 
 def subtree(root: TreeNode) -> Iterator[TreeNode]:

@@ -22,11 +22,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.landing import Landing
 from kv_store.transfer.base import TransferError, TransferHandle, TransferStatus, Transport
 from kv_store.transfer.heads import SourceKV, head_ops, sent_heads
+
+if TYPE_CHECKING:
+    from engine.tp import ControlGroup
+    from engine.tp_launch import RankContext
+    from kv_store.transfer.page_digest import PageDigest, PartialSums
 
 log = logging.getLogger("tandem.prefill")
 _KEYS = itertools.count(1)
@@ -55,7 +62,7 @@ class _Report:
 class OtherRanks:
     """Rank 0's side of the other ranks' writes (`RankSender` on each); `held`: each rank's KV heads."""
 
-    def __init__(self, control, held: list[range]) -> None:
+    def __init__(self, control: ControlGroup, held: list[range]) -> None:
         self.control, self.held, self.size = control, held, len(held)
         self._reports: dict[int, _Report] = {}
 
@@ -72,7 +79,9 @@ class OtherRanks:
         if not any(self._open(report) for report in self._reports.values()):
             return
         self.control.send(("ship_poll",))
-        for rank, said in enumerate(self.control.gather(None)):
+        answers = self.control.gather(None)
+        assert answers is not None, "rank 0's gather came back empty: OtherRanks on a rank other than 0?"
+        for rank, said in enumerate(answers):
             for key, state in (said or {}).items():
                 if key in self._reports:
                     self._reports[key].ranks[rank] = state
@@ -134,7 +143,7 @@ class ShardWrites:
         if self.others is not None:
             self.others.refresh()
 
-    def poll(self, handle) -> TransferStatus:
+    def poll(self, handle: TransferHandle | GroupWrite) -> TransferStatus:
         if isinstance(handle, TransferHandle):
             return self.transport.poll(handle)
         states = [self.transport.poll(part) for part in handle.parts]
@@ -144,7 +153,7 @@ class ShardWrites:
             return TransferStatus.FAILED
         return TransferStatus.PENDING if TransferStatus.PENDING in states else TransferStatus.DONE
 
-    def error(self, handle) -> object:
+    def error(self, handle: TransferHandle | GroupWrite) -> object:
         if isinstance(handle, TransferHandle):
             return self.transport.error(handle)
         errors = [str(e) for e in (self.transport.error(part) for part in handle.parts) if e is not None]
@@ -152,19 +161,19 @@ class ShardWrites:
             errors.append(self._ranks().error(handle.key))
         return "; ".join(([handle.refused] if handle.refused else []) + errors) or None
 
-    def add_other_sums(self, handle, sums) -> None:
-        """Add the other ranks' digest parts of a DONE `handle` to `sums` (a `PartialSums`)."""
+    def add_other_sums(self, handle: TransferHandle | GroupWrite, sums: PartialSums) -> None:
+        """Add the other ranks' digest parts of a DONE `handle` to `sums`."""
         if isinstance(handle, GroupWrite) and handle.others:
             for start, part in self._ranks().sums(handle.key):
                 sums.add(start, part)
 
-    def settled(self, handle) -> bool:
+    def settled(self, handle: TransferHandle | GroupWrite) -> bool:
         if isinstance(handle, TransferHandle):
             return self.transport.settled(handle)
         return (all(self.transport.settled(part) for part in handle.parts)
                 and (not handle.others or self._ranks().settled(handle.key)))
 
-    def retire(self, handle) -> None:
+    def retire(self, handle: TransferHandle | GroupWrite) -> None:
         if isinstance(handle, TransferHandle):
             self.transport.retire(handle)
             return
@@ -188,8 +197,8 @@ class RankSender:
     hostname: str
     protocol: str
 
-    def start(self, ctx) -> dict:
-        """`ctx`: the rank's `engine.tp_launch.RankContext`. Returns its calls by name."""
+    def start(self, ctx: RankContext) -> dict[str, Callable[..., None]]:
+        """Returns this rank's calls by name."""
         from kv_store.transfer.mooncake import MooncakeTransport
         from kv_store.transfer.page_digest import PageDigest
 
@@ -207,14 +216,14 @@ class RankSender:
 class _RankShipper:
     """A rank's writes that rank 0 asked for, by rank 0's key, until reported settled."""
 
-    def __init__(self, writes: ShardWrites, ctx, digest) -> None:
+    def __init__(self, writes: ShardWrites, ctx: RankContext, digest: PageDigest) -> None:
         from kv_store.stream_order import order_for
 
         held = [shard.kv_heads for shard in ctx.shards]
         self.writes, self.control, self.digest = writes, ctx.control, digest
         self.source = SourceKV.of(ctx.kv, held[ctx.rank], sent_heads(held, ctx.rank))
         self.order = order_for(ctx.kv.k[0].device)
-        self.open: dict[int, object] = {}  # key -> handle, or the error that refused it
+        self.open: dict[int, TransferHandle | GroupWrite | TransferError] = {}  # key -> handle, or its refusal
         self.sums: dict[int, tuple] = {}  # key -> (start, the digest parts of what it writes)
 
     def ship(self, key: int, landing: Landing, src_pages: tuple, start: int) -> None:

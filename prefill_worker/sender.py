@@ -27,6 +27,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.faults import internal_error
 from common.protocol import Failure, KVComplete, KVProgress, Landing, TransferAborted
@@ -42,6 +43,9 @@ from kv_store.transfer.page_digest import PageDigest, PartialSums
 from kv_store.transfer.session import FailureReason, TransferDeadlines, TransferSession, TransferState
 from prefill_worker.rank_writes import OtherRanks, ShardWrites
 from prefill_worker.staging import StagingPages, reads_in_place
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledStep
 
 
 @dataclass(eq=False)
@@ -167,7 +171,7 @@ class KVSender(NullConnector):
             self._confined(rid, self._check_deadline, rid, shipment, now)
         return []
 
-    def after_commit(self, step) -> None:
+    def after_commit(self, step: ScheduledStep) -> None:
         for req in step.requests:
             shipment = self.shipments.get(req.request_id)
             if shipment is not None and shipment.abort_reason is None:
@@ -219,7 +223,7 @@ class KVSender(NullConnector):
             "writes in flight: one leaked (a write retired without giving its pages back?)")
 
     # ---- faults ------------------------------------------------------------------------------------
-    def _confined(self, request_id: str, work, *args) -> None:
+    def _confined(self, request_id: str, work: Callable[..., object], *args: object) -> None:
         try:
             work(*args)
         except Exception as exc:  # noqa: BLE001 - this transfer's fault: abort it, keep the others going

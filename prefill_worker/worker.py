@@ -10,6 +10,7 @@ through the dispatcher. Its sampled token is not a client's: it reaches the deco
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from common import protocol as p
 from common.config import SamplingParams
@@ -89,7 +90,7 @@ class PrefillWorker(EngineWorker):
         return self.engine.stats(self.role, transfers=len(self.sender.shipments))
 
     # ---- requests ----------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params, landing: p.Landing) -> None:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, landing: p.Landing) -> None:
         """Prefill `prompt_token_ids` into `landing`. Raises ValueError (holding nothing) on a bad landing."""
         landing.layout.check_compatible(self.sender.layout)
         need = ceil_div(len(prompt_token_ids), self.engine.config.page_size)
@@ -101,7 +102,7 @@ class PrefillWorker(EngineWorker):
         req = self.engine.add_request(prompt_token_ids, first, request_id)
         self.sender.open(req, landing)
 
-    def prefill_answer(self, request_id: str, token_ids, prompt_len: int) -> bool:
+    def prefill_answer(self, request_id: str, token_ids: Sequence[int], prompt_len: int) -> bool:
         """Queue the prefill of `token_ids`' whole pages past the cached prompt, at most one chunk of them,
         as a request that ships nothing: released into the cache like any finished request. False when
         there is nothing to compute (the answer adds no whole page, or it is cached already), when the

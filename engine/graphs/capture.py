@@ -14,7 +14,10 @@ import torch
 from kernels.attention.metadata import AttnMetadata, slot_of
 
 if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE as GraphPool  # noqa: N811 - torch's type of `CUDAGraph.pool()`
+
     from engine.runner import ForwardRow
+    from kernels.attention.base import AttentionBackend
 
 BUCKET_STEP = 8
 """Past 8, buckets grow by this many rows (1, 2, 4, 8, 16, 24, 32, ...)."""
@@ -90,8 +93,9 @@ class StaticBuffers:
 OutT = TypeVar("OutT")  # what a captured body returns: the tensors each replay writes
 
 
-def capture_graph(body: Callable[[AttnMetadata], OutT], make_meta: Callable[[], AttnMetadata], backend,
-                  device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, OutT]:
+def capture_graph(body: Callable[[AttnMetadata], OutT], make_meta: Callable[[], AttnMetadata],
+                  backend: AttentionBackend, device: torch.device,
+                  pool: GraphPool | None) -> tuple[torch.cuda.CUDAGraph, OutT]:
     """(graph, its output tensors) of `body` over static buffers: two warm-up runs on a side stream,
     then the capture (in memory pool `pool`, None: a new one). `make_meta` gives a new metadata object
     each time: backends memoise plans per object, and the captured plan must be built for the

@@ -26,6 +26,7 @@ import torch
 from engine.graphs.capture import StaticBuffers, bucket_for, capture_graph
 from engine.graphs.tree import TreeBuffers
 from engine.runner import ForwardRow
+from kernels.attention.metadata import AttnMetadata
 from kernels.kv_layout import KVCacheTensors
 from kernels.model.eagle import EagleDraftHead
 
@@ -74,7 +75,7 @@ class HeadGraphs:
         return x[:n].clone(), logits[last.to(logits.device)]
 
     @torch.inference_mode()
-    def _body(self, bucket: int, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def _body(self, bucket: int, meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         return self.head(self.bufs.input_ids[:bucket], self.features[:bucket], self.bufs.positions[:bucket],
                          meta, self.kv)
 
@@ -138,7 +139,7 @@ class HeadTreeGraphs:
         return x[:n].clone(), logits[:n].clone()
 
     @torch.inference_mode()
-    def _body(self, bufs, bucket: int, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def _body(self, bufs: TreeBuffers, bucket: int, meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         n = bucket * self.width
         return self.head(bufs.input_ids[:n], self.features[:n], bufs.positions[:n], meta, self.kv)
 

@@ -58,13 +58,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.config import EngineConfig
 from engine.graphs.capture import StaticBuffers, batch_buckets, bucket_for, capture_graph
 from engine.graphs.strategy import StepPlan, StepStrategy
 from engine.graphs.tree import TreeVerifyGraphs
-from engine.runner import ForwardOut, ForwardRow, ModelRunner
+from engine.runner import ForwardOut, ForwardRow, ModelRunner, StepModel
 from kernels.attention.metadata import AttnMetadata
 
 if TYPE_CHECKING:
+    from engine.graphs.capture import GraphPool
     from engine.scheduler import ScheduledStep
     from kv_store.device_pool import DevicePool
 
@@ -91,7 +93,7 @@ class Fallback(str, enum.Enum):
     DISABLED = "disabled"
 
 
-def graph_max_batch(config) -> int:
+def graph_max_batch(config: EngineConfig) -> int:
     """Rows of the largest bucket: `max_running_requests`, or with speculation the verify rows of
     `speculative_max_batch` requests (k + 1 each) when that is more."""
     if config.speculative == "none":
@@ -139,7 +141,7 @@ class GraphRunner:
         """Verify rows replay as decode rows (module docstring); off where nothing is captured."""
         self.bufs = StaticBuffers.allocate(self.buckets[-1], -(-max_model_len // self.page_size), eager.device)
         self._graphs: dict[int, _Captured] = {}
-        self._cpu_replays: dict[int, Callable] = {}  # CPU: bucket -> its replay (a C layer, a compiled forward)
+        self._cpu_replays: dict[int, StepModel] = {}  # CPU: bucket -> its replay (a C layer, a compiled forward)
         self._compiling: threading.Thread | None = None  # a background compile, once started
         self._compile_later: Callable[[Iterable[int]], None] | None = None  # a background compile, until started
         self.trees: TreeVerifyGraphs | None = None  # when the engine drafts trees
@@ -224,7 +226,7 @@ class GraphRunner:
             return _rows_of(captured.out, len(rows), clone=True)
         return _rows_of(self._body(bucket, meta, compiled), len(rows))
 
-    def _body(self, bucket: int, meta: AttnMetadata, model: Callable | None = None,
+    def _body(self, bucket: int, meta: AttnMetadata, model: StepModel | None = None,
               bufs: StaticBuffers | None = None) -> ForwardOut:
         bufs = bufs or self.bufs
         with torch.inference_mode():
@@ -320,7 +322,7 @@ class GraphRunner:
         log.info("captured decode graphs for batch sizes %s in %.1f s, %.0f MiB", list(self.buckets),
                  time.perf_counter() - start_s, used / 2**20)
 
-    def _capture(self, bucket: int, pool) -> _Captured:
+    def _capture(self, bucket: int, pool: GraphPool | None) -> _Captured:
         self.bufs.fill([], bucket, self.page_size)  # all padding: scratch page 0
         capacity = (self.bufs.max_pages * self.page_size,) * bucket
         graph, out = capture_graph(lambda meta: self._body(bucket, meta),

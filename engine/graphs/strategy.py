@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.config import EngineConfig
 from kernels.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class StepPlan:
         return f"{self.strategy.value} ({self.why})" if self.why else self.strategy.value
 
 
-def choose_step_strategy(config, model: LlamaForCausalLM, device: torch.device, backend: str) -> StepPlan:
+def choose_step_strategy(config: EngineConfig, model: LlamaForCausalLM, device: torch.device, backend: str) -> StepPlan:
     """The plan for an engine of `config` running `model` on `device` with attention `backend` (the
     resolved name), by the table in the module docstring."""
     if not config.cuda_graph:

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from common.config import EngineConfig
 from engine.graphs.capture import batch_buckets, bucket_for, capture_graph
 from engine.runner import ForwardOut, ForwardRow, ModelRunner
 from kernels.attention.metadata import AttnMetadata, TreeMask, slot_of
@@ -27,7 +28,7 @@ from kernels.speculative import verify_tree_mask
 log = logging.getLogger("tandem.engine")
 
 
-def tree_verify_rows(config) -> int:
+def tree_verify_rows(config: EngineConfig) -> int:
     """Tokens of a full tree verify row (nodes + the last token), 0 when the engine drafts no trees."""
     if config.speculative == "none" or config.speculative_topk == 1:
         return 0
@@ -38,7 +39,7 @@ class TreeBuffers:
     """`max_batch` sequences of q new tokens each under a tree window of `width` slots (q <= width)."""
 
     def __init__(self, max_batch: int, q: int, width: int, max_pages: int, device: torch.device):
-        def zeros(*shape: int, dtype=torch.int64) -> torch.Tensor:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.q, self.width = q, width

@@ -21,11 +21,13 @@ ancestors (`head_mask`); for a chain that is the causal decode row it was.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kernels.attention.metadata import TreeMask
+from kernels.kv_layout import KVCacheTensors
 from kernels.speculative import ancestor_mask
 
 
@@ -55,7 +57,7 @@ class DraftTree:
         return TreeMask(ancestor_mask(parents, list(range(self.width * (d - 1), self.width * d))),
                         (d - 1,) * self.width)
 
-    def grow(self, logprobs: torch.Tensor, to_target_ids) -> list[int]:
+    def grow(self, logprobs: torch.Tensor, to_target_ids: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
         """Level d + 1 from ``logprobs [m, draft vocab]`` of level d's frontier (m = 1 at the root):
         each row's w likeliest children become candidates, the w best of them the new frontier.
         Returns each new frontier node's parent as a row of ``logprobs``."""
@@ -91,9 +93,15 @@ class DraftTree:
         return [self.tokens[n] for n in chosen], [row.get(self.parents[n], 0) for n in chosen]
 
 
-def move_slots(kv, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy the K/V of flat slots `src` to slots `dst` in every layer of `kv` (a `KVCacheTensors`):
+SlotMove = Callable[[torch.Tensor, torch.Tensor], None]
+"""A speculator's K/V move, `move(src, dst)`: `move_slots` over its target's KV, or one sent on to every rank
+first (`engine/tp.py:lead_moves`)."""
+
+
+def move_slots(kv: KVCacheTensors | None, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V of flat slots `src` to slots `dst` in every layer of `kv`:
     a verified tree's accepted rows to the chain after the last committed token."""
+    assert kv is not None, "a tree's accepted path moved by a speculator made without the target's KV (target_kv)"
     for cache in (*kv.k, *kv.v):
         flat = cache.view(-1, *cache.shape[2:])
         flat.index_copy_(0, dst, flat.index_select(0, src))

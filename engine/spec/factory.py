@@ -19,6 +19,7 @@ from kernels.model.eagle import DraftStyle, EagleDraftHead, load_eagle_checkpoin
 from kernels.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
+    from engine.graphs.runner import GraphRunner
     from engine.tp import LeadHead
 
 
@@ -40,6 +41,9 @@ class NullSpeculator:
     def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
         raise AssertionError(f"request {req.request_id} carries drafts, but speculation is off")
 
+    def emitted_rows(self, req: Request, num_emitted: int) -> list[int]:
+        raise AssertionError(f"request {req.request_id} verified drafts, but speculation is off")
+
     def catch_up(self, committed: list[Committed], hidden: torch.Tensor, aux: torch.Tensor | None,
                  num_running: int) -> None:
         pass
@@ -49,7 +53,8 @@ class NullSpeculator:
 
 
 def make_speculator(config: EngineConfig, head: EagleDraftHead | LeadHead | None, device: torch.device,
-                    kv: KVCacheTensors | None = None, target_kv: KVCacheTensors | None = None, runner=None):
+                    kv: KVCacheTensors | None = None, target_kv: KVCacheTensors | None = None,
+                    runner: GraphRunner | None = None) -> EagleSpeculator | NullSpeculator:
     """The speculator `config.speculative` names; `head` is the draft head when it is `eagle` (see
     `EagleSpeculator` for the rest)."""
     if config.speculative == "none":

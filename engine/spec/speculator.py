@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.request import Request, RequestStatus
-from engine.spec.draft_tree import DraftTree, move_slots
+from engine.spec.draft_tree import DraftTree, SlotMove, move_slots
 from engine.spec.policy import AdaptivePolicy, FixedPolicy
 from engine.tokens import adjusted_logits
 from kernels.attention.metadata import build_attn_metadata, slot_of
@@ -61,6 +61,7 @@ from kernels.speculative import row_depths, verify_chain, verify_tree
 
 if TYPE_CHECKING:
     from engine.graphs.draft import HeadGraphs, HeadTreeGraphs
+    from engine.graphs.runner import GraphRunner
     from engine.tp import LeadHead
 
 log = logging.getLogger("tandem.engine")
@@ -117,13 +118,13 @@ class EagleSpeculator:
     def __init__(self, head: EagleDraftHead | LeadHead, page_size: int, device: torch.device, num_draft_tokens: int,
                  max_batch: int, policy: AdaptivePolicy | FixedPolicy | None = None, topk: int = 1,
                  tree_nodes: int = 0, kv: KVCacheTensors | None = None, target_kv: KVCacheTensors | None = None,
-                 runner=None):
+                 runner: GraphRunner | None = None):
         assert kv is None or kv.num_layers == 1, f"the draft head's KV is one layer, got {kv.num_layers}"
         self.head, self.page_size, self.device = head, page_size, device
         self.k, self.max_batch, self.topk = num_draft_tokens, max_batch, topk
         self.tree_nodes = tree_nodes  # nodes a tree's verify takes (0: topk x its depth)
         self.kv, self.target_kv = kv, target_kv
-        self.move_kv = functools.partial(move_slots, target_kv)  # (src, dst) slots; a TP rank 0 sends it on
+        self.move_kv: SlotMove = functools.partial(move_slots, target_kv)  # (src, dst) slots; a TP rank 0 sends it on
         self._paths: dict[str, list[int]] = {}  # request id -> rows of its verified tree path (row 0 first)
         self.policy = policy or FixedPolicy()
         self._step = (0, 0, 0)  # this step's (decode rows, decode tokens, verifies before it), for the policy
@@ -134,7 +135,7 @@ class EagleSpeculator:
         if runner is not None and runner.enabled:
             self._capture(runner)
 
-    def _capture(self, runner) -> None:
+    def _capture(self, runner: GraphRunner) -> None:
         """Replay the head's calls from graphs of the target's buckets (`graphs/draft.py`)."""
         from engine.graphs.draft import HeadGraphs, HeadTreeGraphs
 
@@ -385,7 +386,7 @@ class EagleSpeculator:
         meta, positions = build_attn_metadata(self.page_size, query_lens, seq_lens, pages, logits_rows, self.device,
                                               masks=masks if masked else None)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return self.head(input_ids, features, positions, meta, self.kv)
+        return self.head(input_ids, features, positions, meta, self._draft_kv())
 
     def _draft_kv(self) -> KVCacheTensors:
         assert self.kv is not None, "the draft head writes K/V, but this speculator was made without its layer (kv)"

@@ -9,10 +9,11 @@ copy, `start` on a request's first look, `poll` every step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kv_store.l3.config import PrefetchPolicy
 from kv_store.l3.keys import ROOT_KEY
+from kv_store.l3.redis_store import L3Stats
 from kv_store.l3.tier import L3, L3Counters, Prefetch, PrefetchPhase
 from kv_store.page_pool import PagePool
 from kv_store.radix_cache import RadixPrefixCache
@@ -34,7 +35,8 @@ class L3Bridge:
             self.l3.put(self.node_keys(node), node.host_pages)
             node.in_l3 = True
 
-    def start(self, token_ids, max_match_tokens: int, pos: int, path: list[TreeNode]) -> Prefetch | None:
+    def start(self, token_ids: Sequence[int], max_match_tokens: int, pos: int,
+              path: list[TreeNode]) -> Prefetch | None:
         """An L3 lookup of the whole pages of `token_ids[:max_match_tokens]` past the local match `pos`,
         when there are at least `prefetch_min_pages` of them."""
         ps = self.pool.page_size
@@ -89,8 +91,8 @@ class L3Bridge:
             node.l3_keys = self.l3.keys(node.key, parent_key)
         return node.l3_keys
 
-    def store_stats(self):
-        """The store's counters (`L3Stats`)."""
+    def store_stats(self) -> L3Stats:
+        """The store's counters."""
         return self.l3.stats()
 
     def flush(self, timeout_s: float) -> bool:
@@ -146,14 +148,15 @@ class L3Bridge:
 class NullBridge:
     """No L3: nothing written, nothing prefetched."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.counters = L3Counters()
         self.prefetches: dict[int, Prefetch] = {}
 
     def write(self, node: TreeNode) -> None:
         pass
 
-    def start(self, token_ids, max_match_tokens: int, pos: int, path: list[TreeNode]) -> Prefetch | None:
+    def start(self, token_ids: Sequence[int], max_match_tokens: int, pos: int,
+              path: list[TreeNode]) -> Prefetch | None:
         return None
 
     def waited_for(self, prefetch: Prefetch | None) -> Prefetch | None:
@@ -174,7 +177,7 @@ class NullBridge:
     def fetching_pages(self) -> int:
         return 0
 
-    def store_stats(self):
+    def store_stats(self) -> None:
         return None
 
     def flush(self, timeout_s: float) -> bool:

@@ -60,7 +60,7 @@ class Decoded:
     fault: ValueFault | None
 
 
-def checksum(key: str, payload) -> int:
+def checksum(key: str, payload: bytes | memoryview) -> int:
     return zlib.crc32(payload, zlib.crc32(key.encode()))
 
 
@@ -115,7 +115,7 @@ class PageBytes:
         self._check(page_id)
         return b"".join([view[page_id] for view in self._views])
 
-    def unpack(self, page_id: int, payload) -> None:
+    def unpack(self, page_id: int, payload: bytes) -> None:
         """Copy `payload` (packed under the same layout) into page `page_id`, in place."""
         self._check(page_id)
         if len(payload) != self.page_bytes:
@@ -135,6 +135,6 @@ def pack_page(kv: KVCacheTensors, page_id: int) -> bytes:
     return PageBytes(kv).pack(page_id)
 
 
-def unpack_page(kv: KVCacheTensors, page_id: int, payload) -> None:
+def unpack_page(kv: KVCacheTensors, page_id: int, payload: bytes) -> None:
     """One-shot `PageBytes(kv).unpack(page_id, payload)`."""
     PageBytes(kv).unpack(page_id, payload)

@@ -72,7 +72,7 @@ class L3Config:
     """After a failed Redis call, skip L3 for this long (every lookup a miss, every put dropped)
     instead of paying a timeout per request while Redis is down (>= 0; 0: retry at once)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         self._check_url()
         require(_is_int(self.prefetch_min_pages) and self.prefetch_min_pages >= 1,
@@ -134,9 +134,9 @@ def redact_url(url: str) -> str:
         return "<unparsable url>"
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_real(x) -> bool:
+def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

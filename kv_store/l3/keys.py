@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.protocol import KVLayout
@@ -36,7 +37,7 @@ class KeyNamespace:
     differs between machines)."""
     layout: KVLayout
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
 
@@ -56,7 +57,7 @@ class KeyNamespace:
         return hashlib.blake2b(self.encode(), digest_size=FINGERPRINT_BYTES).digest()
 
 
-def page_key(namespace_bytes: bytes, parent_key: str, page_tokens) -> str:
+def page_key(namespace_bytes: bytes, parent_key: str, page_tokens: Sequence[int]) -> str:
     """The key (64 hex digits) of one page of tokens whose prefix ends at `parent_key`."""
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
     h.update(namespace_bytes)
@@ -65,7 +66,7 @@ def page_key(namespace_bytes: bytes, parent_key: str, page_tokens) -> str:
     return h.hexdigest()
 
 
-def page_keys(namespace: KeyNamespace, token_ids, parent_key: str = ROOT_KEY) -> list[str]:
+def page_keys(namespace: KeyNamespace, token_ids: Sequence[int], parent_key: str = ROOT_KEY) -> list[str]:
     """Keys of each whole page of `token_ids`, continuing the chain after `parent_key`.
 
     `token_ids[0]` must be the first token of a page: with the default `ROOT_KEY` the sequence starts

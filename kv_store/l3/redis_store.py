@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -63,7 +64,7 @@ class L3Stats:
     """Wall time summed over `match_len` calls."""
 
 
-def _import_redis():
+def _import_redis() -> types.ModuleType:
     try:
         import redis
         import redis.backoff  # noqa: F401 - loads the submodule read below as redis.backoff
@@ -260,7 +261,7 @@ class RedisPageStore:
     def _redis_key(self, key: str) -> str:
         return self.config.key_prefix + key
 
-    def _add(self, **counts) -> None:
+    def _add(self, **counts: float) -> None:
         with self._lock:
             for name, value in counts.items():
                 setattr(self._stats, name, getattr(self._stats, name) + value)

@@ -24,12 +24,15 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kernels.kv_layout import KVCacheTensors
 from kv_store.l3.codec import PageBytes
 from kv_store.l3.config import L3Config
 from kv_store.l3.keys import ROOT_KEY, KeyNamespace, page_keys
+from kv_store.l3.redis_store import L3Stats, RedisPageStore
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +98,11 @@ class L3(Protocol):
     config: L3Config
     counters: L3Counters
 
-    def keys(self, token_ids, parent_key: str = ROOT_KEY) -> list[str]: ...
+    def keys(self, token_ids: Sequence[int], parent_key: str = ROOT_KEY) -> list[str]: ...
 
     def put(self, keys: list[str], host_pages: list[int]) -> None: ...
 
-    def start_prefetch(self, token_ids, first_page: int, keys: list[str]) -> Prefetch: ...
+    def start_prefetch(self, token_ids: Sequence[int], first_page: int, keys: list[str]) -> Prefetch: ...
 
     def fetch(self, prefetch: Prefetch, host_pages: list[int]) -> None: ...
 
@@ -109,7 +112,7 @@ class L3(Protocol):
 
     def count(self, outcome: str) -> None: ...
 
-    def stats(self): ...
+    def stats(self) -> L3Stats: ...
 
     def close(self) -> None: ...
 
@@ -117,7 +120,7 @@ class L3(Protocol):
 class L3Tier:
     """The store plus its two threads; owned by one `HostCache`."""
 
-    def __init__(self, store, namespace: KeyNamespace, host_kv, config: L3Config):
+    def __init__(self, store: RedisPageStore, namespace: KeyNamespace, host_kv: KVCacheTensors, config: L3Config):
         self.store, self.namespace, self.config = store, namespace, config
         self.page_size = namespace.page_size
         self._ns_bytes = namespace.encode()
@@ -135,7 +138,7 @@ class L3Tier:
             t.start()
         weakref.finalize(self, _stop_all, (self._reads, self._writes))
 
-    def keys(self, token_ids, parent_key: str = ROOT_KEY) -> list[str]:
+    def keys(self, token_ids: Sequence[int], parent_key: str = ROOT_KEY) -> list[str]:
         """Keys of the whole pages of `token_ids`, chained after `parent_key` (ROOT_KEY: from position 0)."""
         return page_keys(self.namespace, token_ids, parent_key)
 
@@ -144,7 +147,7 @@ class L3Tier:
         payloads = [self._bytes.pack(p) for p in host_pages]
         self._writes.put((list(keys), payloads))
 
-    def start_prefetch(self, token_ids, first_page: int, keys: list[str]) -> Prefetch:
+    def start_prefetch(self, token_ids: Sequence[int], first_page: int, keys: list[str]) -> Prefetch:
         config = self.config
         deadline = time.monotonic() + config.prefetch_timeout_s + config.prefetch_timeout_per_page_s * len(keys)
         prefetch = Prefetch(next(self._ids), tuple(token_ids), first_page, keys, deadline)
@@ -173,7 +176,7 @@ class L3Tier:
     def count(self, outcome: str) -> None:
         self.counters.prefetches[outcome] = self.counters.prefetches.get(outcome, 0) + 1
 
-    def stats(self):
+    def stats(self) -> L3Stats:
         return self.store.stats()
 
     def close(self) -> None:
@@ -190,7 +193,7 @@ class L3Tier:
         stats = self.store.stats()
         return stats.errors + stats.skipped
 
-    def _write(self, job) -> None:
+    def _write(self, job: tuple[list[str], list[bytes]]) -> None:
         keys, payloads = job
         self.store.put_pages(keys, payloads)
 
@@ -215,7 +218,7 @@ class L3Tier:
         return got
 
 
-def _stop_all(queues) -> None:
+def _stop_all(queues: Iterable[queue.Queue]) -> None:
     for q in queues:
         q.put(_STOP)
 

@@ -24,7 +24,7 @@ import ipaddress
 import socket
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 _LOCK = threading.Lock()  # one redirection at a time: the GOT is process-wide
@@ -94,7 +94,7 @@ def redirect_wildcard_binds(address: ipaddress.IPv4Address | ipaddress.IPv6Addre
                 slot.value = value
 
 
-def _rewriter(address: ipaddress.IPv4Address | ipaddress.IPv6Address):
+def _rewriter(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Callable[[bytes], bytes]:
     """sockaddr bytes -> the same bytes, or new ones with the wildcard replaced by `address`.
 
     sockaddr_in: family u16 | port u16 | addr[4] | zero[8];  sockaddr_in6: family | port | flowinfo u32 |

@@ -22,7 +22,7 @@ class TransportConfig(TransferDeadlines):
     takes its own Ray node's address (multi-node clusters). The engine has no authentication: anyone
     who reaches its ports can read and write KV memory, so use loopback or a private network."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         require(self.protocol in PROTOCOLS, f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         require(self.hostname != "", "hostname must be non-empty")

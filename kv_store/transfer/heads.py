@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.landing import Landing
 from kv_store.transfer.base import WriteOp, coalesce
+
+if TYPE_CHECKING:
+    from kernels.kv_layout import KVCacheTensors
 
 
 def sent_heads(held: Sequence[range], rank: int) -> range:
@@ -36,8 +40,8 @@ class SourceKV:
     sent: range
 
     @classmethod
-    def of(cls, kv_cache, held: range | None = None, sent: range | None = None) -> SourceKV:
-        """`kv_cache`'s (a `KVCacheTensors`); `held`/`sent` default to every head it holds."""
+    def of(cls, kv_cache: KVCacheTensors, held: range | None = None, sent: range | None = None) -> SourceKV:
+        """`kv_cache`'s; `held`/`sent` default to every head it holds."""
         heads = range(kv_cache.k[0].shape[2]) if held is None else held
         return cls(tuple(t.data_ptr() for t in kv_cache.k), tuple(t.data_ptr() for t in kv_cache.v), heads,
                    heads if sent is None else sent)

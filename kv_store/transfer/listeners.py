@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def _socket_inodes(pid: int) -> set[int]:
     return inodes
 
 
-def _listen_rows(table: Path):
+def _listen_rows(table: Path) -> Iterator[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, int]]:
     """(address, port, inode) of each LISTEN row of a /proc/net/tcp{,6} table."""
     try:
         lines = table.read_text().splitlines()[1:]

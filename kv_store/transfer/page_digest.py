@@ -124,7 +124,7 @@ class PartialSums:
         return tuple(_fold(self._sums[i][s]) for s in range(shards) for i in range(num_pages))
 
 
-def _weights(words: int, device) -> torch.Tensor:
+def _weights(words: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(WEIGHT_SEED)
     return torch.randint(1, 1 << 15, (words,), generator=gen, dtype=torch.int64).to(device)
 

@@ -56,7 +56,7 @@ class TransferDeadlines:
     transferring_s: float = 60.0
     """Seconds a transfer may go without progress while writing KV (> 0)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require_min(self, "", 0, "bootstrapping_s", "waiting_s", "transferring_s", strict=True)
 
     def for_state(self, state: TransferState) -> float:

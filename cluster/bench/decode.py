@@ -176,23 +176,22 @@ def max_new_tokens(base: EngineConfig, spec: DecodeSpec, batch: int) -> int:
 
 def run_tandem(engine: EngineCore, prompts: list[list[int]], spec: DecodeSpec, backend: str) -> DecodeRow:
     """Prefill `prompts`, warm up, time `spec.steps` decode steps; then abort them all and check the pool."""
-    counters = engine.runner.counters
-    run_fallbacks = Counter(counters.fallbacks)
+    run_fallbacks = _fallbacks(engine)
     params = SamplingParams(max_tokens=max_new_tokens(engine.config, spec, len(prompts)), ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
     try:
         _prefill(engine, reqs, max_new_tokens(engine.config, spec, len(reqs)))
         for _ in range(spec.warmup_steps):
             _decode_step(engine, reqs)
-        replays, fallbacks = counters.replays, Counter(counters.fallbacks)
+        replays, fallbacks = engine.graph_stats().replays, _fallbacks(engine)
         step_s = tuple(_decode_step(engine, reqs) for _ in range(spec.steps))
         tokens = tuple(tuple(r.output_token_ids) for r in reqs)
     finally:
         for r in reqs:
             engine.abort(r.request_id)
     engine.check_integrity()
-    mode, now = ("graph" if engine.runner.enabled else "eager"), Counter(counters.fallbacks)
-    return DecodeRow("tandem", backend, mode, len(prompts), step_s, tokens, counters.replays - replays,
+    mode, now = ("graph" if engine.graphs_enabled() else "eager"), _fallbacks(engine)
+    return DecodeRow("tandem", backend, mode, len(prompts), step_s, tokens, engine.graph_stats().replays - replays,
                      _reasons(now - fallbacks), _reasons(now - run_fallbacks))
 
 
@@ -223,10 +222,14 @@ def _decode_step(engine: EngineCore, reqs: list[Request]) -> float:
     return elapsed_s
 
 
-def _reasons(fallbacks: Counter) -> dict[str, int]:
-    """{reason name: steps}, by name (the counters key `Fallback`s)."""
-    named = {getattr(reason, "value", str(reason)): n for reason, n in fallbacks.items() if n}
-    return dict(sorted(named.items()))
+def _fallbacks(engine: EngineCore) -> Counter[str]:
+    """Steps the engine ran eagerly so far, by reason (`Fallback`'s value)."""
+    return Counter(dict(engine.graph_stats().fallbacks))
+
+
+def _reasons(fallbacks: Counter[str]) -> dict[str, int]:
+    """{reason name: steps} of the reasons that counted any."""
+    return dict(sorted((reason, n) for reason, n in fallbacks.items() if n))
 
 
 def sync_device(device: torch.device) -> None:

@@ -233,7 +233,7 @@ def retract_prompts(spec: RetractSpec, vocab_size: int) -> list[list[int]]:
 
 def run_retract(engine: EngineCore, counter: CountingRunner, spec: RetractSpec) -> RetractRun:
     prompts = retract_prompts(spec, engine.arch.vocab_size)
-    retractions, hits = engine.num_retractions, engine.host_cache.counters.l2_hit_tokens
+    retractions, hits = engine.num_retractions, engine.tier_stats().hit_tokens_l2
     start_s = time.perf_counter()
     params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
@@ -245,7 +245,7 @@ def run_retract(engine: EngineCore, counter: CountingRunner, spec: RetractSpec) 
         raise RuntimeError(f"asked for {spec.output_tokens} tokens each, got {sorted(map(len, outputs))}: aborted?")
     return RetractRun(engine.config.host_cache_pages, engine.config.num_pages, elapsed_s, sum(map(len, outputs)),
                       counter.num_tokens, sum(len(p) + spec.output_tokens - 1 for p in prompts),
-                      engine.num_retractions - retractions, engine.host_cache.counters.l2_hit_tokens - hits, outputs)
+                      engine.num_retractions - retractions, engine.tier_stats().hit_tokens_l2 - hits, outputs)
 
 
 def compare_retract(factory: EngineFactory, base: EngineConfig, spec: RetractSpec, l2: L2Sizing = workload_l2,

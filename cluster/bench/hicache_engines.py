@@ -136,12 +136,11 @@ def steps_until_finished(engine: EngineCore, counter: CountingRunner,
     while any(r.status is not RequestStatus.FINISHED for r in reqs):
         before = counter.num_tokens
         yield engine.step()
-        idle = 0 if counter.num_tokens > before or engine.host_cache.busy() else idle + 1
+        idle = 0 if counter.num_tokens > before or engine.housekeeping_due() else idle + 1
         if idle >= STALL_STEPS:
-            s = engine.scheduler
+            waiting, loading, running, pool = engine.occupancy()
             raise RuntimeError(f"engine stalled: no forward pass and no copy in flight for {idle} steps with "
-                               f"{len(s.waiting)} requests waiting, {len(s.loading)} loading, {len(s.running)} "
-                               f"running; device pool {engine.kvm.pool.usage()}")
+                               f"{waiting} requests waiting, {loading} loading, {running} running; device pool {pool}")
 
 
 def mean_or_zero(xs: list[float]) -> float:

@@ -126,17 +126,17 @@ def bench_l3_config(url: str) -> L3Config:
 def _l3_flushed(engine: EngineCore) -> TierStats:
     """The engine's tier stats once its backups and L3 writes so far are done."""
     settle(engine)
-    if not engine.host_cache.l3.flush(L3_FLUSH_TIMEOUT_S):
+    if not engine.flush_l3(L3_FLUSH_TIMEOUT_S):
         raise RuntimeError(f"L3 writes not sent after {L3_FLUSH_TIMEOUT_S} s: is Redis answering?")
     return engine.tier_stats()
 
 
 def _first_token(engine: EngineCore, counter: CountingRunner, prompt: list[int]) -> tuple[Request, float, int, int]:
     """(the request, its TTFT, tokens an L3 prefetch brought it, its forward tokens), run alone."""
-    l3_hits, forward = engine.host_cache.counters.l3_hit_tokens, counter.num_tokens
+    l3_hits, forward = engine.tier_stats().hit_tokens_l3, counter.num_tokens
     req, ttft_s = run_one(engine, counter, prompt, FIRST_TOKEN)
     settle(engine)
-    return req, ttft_s, engine.host_cache.counters.l3_hit_tokens - l3_hits, counter.num_tokens - forward
+    return req, ttft_s, engine.tier_stats().hit_tokens_l3 - l3_hits, counter.num_tokens - forward
 
 
 def _restarted_prompt(cold: tuple[EngineCore, CountingRunner], with_l3: tuple[EngineCore, CountingRunner],

@@ -85,6 +85,7 @@ def bench_offline(args: argparse.Namespace) -> int:
     from cluster.cli.args import engine_config_from_args
     from common.config import SamplingParams
     from engine import load_engine
+    from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.loader import resolve_model_dir
 
     config = engine_config_from_args(args, max_running_requests=args.max_batch_size)
@@ -94,7 +95,8 @@ def bench_offline(args: argparse.Namespace) -> int:
     log.info("workload: %d requests, %d prompt tokens, %d output tokens, max batch %d", len(work.prompts),
              sum(map(len, work.prompts)), work.num_output_tokens, args.max_batch_size)
     engine.generate([work.prompts[0][:16]], SamplingParams(max_tokens=2))  # warm up
-    hf = None if args.skip_baseline else load_hf_model(resolve_model_dir(config.model), engine.kv_cache.k[0].dtype)
+    kv_dtype = TORCH_DTYPES[engine.config.dtype]  # its KV cache's (`engine/build.py:_pools`)
+    hf = None if args.skip_baseline else load_hf_model(resolve_model_dir(config.model), kv_dtype)
     runs: dict[str, list[Throughput]] = {"tandem": [], "hf_transformers": []}
     for _ in range(args.repeats):  # alternate, so drift in machine speed hits both systems alike
         runs["tandem"].append(run_tandem(engine, work))

@@ -48,8 +48,12 @@ from engine.request import RequestStatus
 from kernels.kv_layout import TORCH_DTYPES
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from engine import EngineCore
     from engine.request import Request
+    from kernels.model.arch import LlamaArch
+    from kernels.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("tandem.bench")
 
@@ -103,10 +107,10 @@ class Models(Protocol):
     """Where the bench gets its models: ours per attention backend, HF's over the same weights. One that
     has an `arch` attribute (the LlamaArch, None until known) gets the HBM-bandwidth figures too."""
 
-    def ours(self, backend: str) -> tuple[torch.nn.Module, object]:
+    def ours(self, backend: str) -> tuple[LlamaForCausalLM, LlamaArch]:
         """(our model with `backend` attention, its LlamaArch)."""
 
-    def hf(self) -> torch.nn.Module:
+    def hf(self) -> PreTrainedModel:
         """The HF transformers model of the same weights, dtype and device, in eval mode."""
 
 
@@ -115,10 +119,10 @@ class SharedModels:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self._loaded: dict[str, tuple[torch.nn.Module, object]] = {}
-        self.arch = None  # the LlamaArch, once a model is loaded
+        self._loaded: dict[str, tuple[LlamaForCausalLM, LlamaArch]] = {}
+        self.arch: LlamaArch | None = None  # once a model is loaded
 
-    def ours(self, backend: str) -> tuple[torch.nn.Module, object]:
+    def ours(self, backend: str) -> tuple[LlamaForCausalLM, LlamaArch]:
         from kernels.model.loader import load_model
 
         if backend not in self._loaded:
@@ -129,14 +133,15 @@ class SharedModels:
             self.arch = m.arch
         return self._loaded[backend]
 
-    def hf(self) -> torch.nn.Module:
+    def hf(self) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         from kernels.model.loader import resolve_model_dir
 
         model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(self.config.model),
                                                      dtype=TORCH_DTYPES[self.config.dtype])
-        return model.to(self.config.device).eval()
+        # typeshed's functools.wraps does not bind: transformers' wrapped PreTrainedModel.to reads as unbound
+        return model.to(self.config.device).eval()  # type: ignore[arg-type]
 
 
 def default_batch_sizes(device: str) -> tuple[int, ...]:
@@ -242,7 +247,7 @@ class _TokenClock:
     """A logits processor that changes nothing and stamps the time: generate calls it once per new token."""
 
     def __init__(self, device: torch.device):
-        self.device, self.stamps_s = device, []
+        self.device, self.stamps_s = device, list[float]()
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         sync_device(self.device)
@@ -251,10 +256,11 @@ class _TokenClock:
 
 
 @torch.inference_mode()
-def run_hf(model: torch.nn.Module, prompts: list[list[int]], spec: DecodeSpec) -> DecodeRow:
+def run_hf(model: PreTrainedModel, prompts: list[list[int]], spec: DecodeSpec) -> DecodeRow:
     """HF generate, greedy, on the same prompts (one length: no padding); the gaps between tokens."""
-    from transformers import LogitsProcessorList
+    from transformers import GenerationMixin, LogitsProcessorList
 
+    assert isinstance(model, GenerationMixin), f"{type(model).__name__} cannot generate: not a causal LM?"
     device = next(model.parameters()).device
     ids = torch.tensor(prompts, device=device)  # [B, prompt_len]
     clock = _TokenClock(device)
@@ -304,8 +310,9 @@ def summarize(rows: list[DecodeRow], skipped: dict[str, str], base: EngineConfig
     tandem = {(r.backend, r.mode, r.batch): r for r in rows if r.system == "tandem"}
     first_backend = next((r.backend for r in rows if r.system == "tandem"), None)
 
-    def eager_of(r: DecodeRow) -> DecodeRow | None:
-        return tandem.get((r.backend if r.system == "tandem" else first_backend, "eager", r.batch))
+    def eager_of(r: DecodeRow) -> DecodeRow | None:  # an HF row's: the first backend's (none without tandem rows)
+        backend = r.backend if r.system == "tandem" else first_backend
+        return None if backend is None else tandem.get((backend, "eager", r.batch))
 
     def row(r: DecodeRow) -> dict:
         eager = eager_of(r)
@@ -319,8 +326,8 @@ def summarize(rows: list[DecodeRow], skipped: dict[str, str], base: EngineConfig
                  for (b, mode, batch), g in tandem.items() if mode == "graph" and (b, "eager", batch) in tandem}
     hf_same = {}
     for r in rows:
-        if r.system == "hf_transformers" and eager_of(r) is not None:
-            ours = eager_of(r).tokens[0]
+        if r.system == "hf_transformers" and (eager := eager_of(r)) is not None:
+            ours = eager.tokens[0]
             hf_same[str(r.batch)] = ours[:len(r.tokens[0])] == r.tokens[0]
     return {"config": {"model": base.model, "device": base.device, "dtype": base.dtype, "page_size": base.page_size,
                        "chunk_size": base.chunk_size},

@@ -23,6 +23,7 @@ from engine.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine import EngineCore, StepOutput
+    from kernels.model.loader import LoadedModel
     from kv_store.l3.config import L3Config
 
 WARMUP_PROMPT = list(range(1, 17))  # first-call costs; random ids start at 10, so no prefix is shared
@@ -60,7 +61,7 @@ def shared_model_factory() -> EngineFactory:
     from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.loader import load_model
 
-    loaded = []
+    loaded: list[LoadedModel] = []
 
     def make(config, l3):
         if not loaded:

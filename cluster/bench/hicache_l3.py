@@ -167,6 +167,7 @@ def compare_l3(factory: EngineFactory, base: EngineConfig, spec: L3Spec, url: st
             log.info("L3 after restart: prompt %d/%d, TTFT cold %.2f s, from L3 %.2f s", len(results), len(prompts),
                      results[-1].ttft_cold_s, results[-1].ttft_l3_s)
         read = L3Traffic.between(before, _l3_flushed(on[0]))
+    assert with_l3.num_pages is not None and with_l3.host_cache_pages is not None, "on_off_configs sets both"
     return L3Run(with_l3.num_pages, with_l3.host_cache_pages, results, written, read)
 
 

@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -111,7 +112,8 @@ def print_results(results: list[Throughput], as_json: bool) -> None:
     print(f"{'system':<18}{'elapsed_s':>12}{'output_tokens':>15}{'tok/s':>10}")
     for r in results:
         print(f"{r.system:<18}{r.elapsed_s:>12.2f}{r.output_tokens:>15}{r.output_tokens_per_s:>10.1f}")
-    summary = {"results": [{**asdict(r), "output_tokens_per_s": r.output_tokens_per_s} for r in results]}
+    summary: dict[str, Any] = {
+        "results": [{**asdict(r), "output_tokens_per_s": r.output_tokens_per_s} for r in results]}
     if len(results) == 2:
         ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
         summary["ratio_tandem_over_hf"] = ratio

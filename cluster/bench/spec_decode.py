@@ -31,12 +31,16 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from cluster.bench import collect_engines
 from cluster.bench.decode import sync_device
 from common.config import EngineConfig, SamplingParams
 from common.protocol import SpecStats
 from kernels.kv_layout import TORCH_DTYPES
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 DEFAULT_SPEC_BATCH_SIZES = (1, 16)
 
@@ -59,7 +63,8 @@ class SpecRun:
 
 def run_engine(engine, prompts: list[list[int]], params: SamplingParams, batch: int) -> tuple[float, list[tuple]]:
     """Generate for `prompts`, `batch` running at a time (a new one as each ends); (wall s, tokens)."""
-    queue, running, done = list(enumerate(prompts)), {}, {}
+    queue, done = list(enumerate(prompts)), {}
+    running: dict[int, Request] = {}
     start_s = time.perf_counter()
     while queue or running:
         while queue and len(running) < batch:
@@ -107,7 +112,7 @@ FOLLOW_UP = "\nPlease go on, with an example."
 
 def measure_load_back(make_engine, prompts: list[list[int]], follow_up: list[int], params: SamplingParams) -> dict:
     """Mean accepted length of second turns whose first turn stayed on device vs was loaded back."""
-    result = {}
+    result: dict[str, Any] = {}  # the JSON of the run
     for evict in (False, True):
         accepted, verifies, loaded_tokens = 0, 0, 0
         for prompt in prompts:

@@ -247,7 +247,8 @@ class _TokenClock:
     """A logits processor that changes nothing and stamps the time: generate calls it once per new token."""
 
     def __init__(self, device: torch.device):
-        self.device, self.stamps_s = device, list[float]()
+        self.device = device
+        self.stamps_s: list[float] = []  # perf_counter() at each new token
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         sync_device(self.device)

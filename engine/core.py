@@ -54,7 +54,7 @@ from kernels.model.llama import LlamaForCausalLM
 from kv_store.device_pool import DevicePool
 from kv_store.host_cache import HostCache, NullHostCache
 from kv_store.kv_manager import KVManager
-from kv_store.page_pool import PagePool
+from kv_store.page_pool import PagePool, PoolUsage
 
 log = logging.getLogger("tandem.engine")
 
@@ -225,6 +225,24 @@ class EngineCore:
     def map_kv_in(self) -> None:
         """Map the KV pool's memory in (the OS zeroes it lazily), a chunk at a time while no step computes."""
         populate_in_background(self.kv_cache.k + self.kv_cache.v, busy=self.has_compute)
+
+    # ---- what a benchmark asks beside `stats` (`cluster/bench`) ------------------------------------
+    def graphs_enabled(self) -> bool:
+        """Whether decode steps may replay (`GraphRunner`); False: every step runs eagerly."""
+        return self.runner.enabled
+
+    def occupancy(self) -> tuple[int, int, int, PoolUsage]:
+        """(waiting, loading, running) requests, and the device pool's pages. Read-only."""
+        s = self.scheduler
+        return len(s.waiting), len(s.loading), len(s.running), self.device_pool.pages.usage()
+
+    def flush_l3(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the L3 writes queued so far; False: some are still unsent."""
+        return self.host_cache.l3.flush(timeout_s)
+
+    def evict_device_cache(self) -> None:
+        """Evict every cached device page no request holds (those backed up to a host tier load back from it)."""
+        self.kvm.prefix_cache.evict(self.kvm.pool.num_usable)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

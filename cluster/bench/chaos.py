@@ -273,7 +273,7 @@ def bench_chaos(args) -> int:
     return 0 if ok else 1
 
 
-def fault_kinds(target: ChaosTarget, wanted: str) -> tuple[str, ...]:
+def fault_kinds(target: ChaosTarget | type[ChaosTarget], wanted: str) -> tuple[str, ...]:
     """The kinds `--faults` names (all of the target's when empty); ValueError naming the valid ones."""
     kinds = tuple(k for k in wanted.split(",") if k) or tuple(target.kinds)
     unknown = [k for k in kinds if k not in target.kinds]
@@ -342,8 +342,8 @@ class CounterWatch:
     def read(self, text: str) -> None:
         for line in text.splitlines():
             if line.startswith(self.PREFIXES):
-                series, _, value = line.rpartition(" ")
-                value = float(value)
+                series, _, text = line.rpartition(" ")
+                value = float(text)
                 if value < self.last.get(series, 0.0):
                     self.carried[series] += self.last[series]
                 self.last[series] = value

@@ -69,7 +69,7 @@ def _post_restart(url: str, body: dict) -> None:
 class LocalTarget:
     """`tandem serve` (`SpawnedServer`) and its L3 Redis (`RedisServer`), both on this machine."""
 
-    kinds = (*WORKER_FAULTS, "kill_redis")
+    kinds: tuple[str, ...] = (*WORKER_FAULTS, "kill_redis")
 
     def __init__(self, server, redis) -> None:
         self.server, self.redis, self.url = server, redis, server.url

@@ -48,8 +48,12 @@ from engine.request import RequestStatus
 from kernels.kv_layout import TORCH_DTYPES
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from engine import EngineCore
     from engine.request import Request
+    from kernels.model.arch import LlamaArch
+    from kernels.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("tandem.bench")
 
@@ -103,10 +107,10 @@ class Models(Protocol):
     """Where the bench gets its models: ours per attention backend, HF's over the same weights. One that
     has an `arch` attribute (the LlamaArch, None until known) gets the HBM-bandwidth figures too."""
 
-    def ours(self, backend: str) -> tuple[torch.nn.Module, object]:
+    def ours(self, backend: str) -> tuple[LlamaForCausalLM, LlamaArch]:
         """(our model with `backend` attention, its LlamaArch)."""
 
-    def hf(self) -> torch.nn.Module:
+    def hf(self) -> PreTrainedModel:
         """The HF transformers model of the same weights, dtype and device, in eval mode."""
 
 
@@ -115,10 +119,10 @@ class SharedModels:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self._loaded: dict[str, tuple[torch.nn.Module, object]] = {}
-        self.arch = None  # the LlamaArch, once a model is loaded
+        self._loaded: dict[str, tuple[LlamaForCausalLM, LlamaArch]] = {}
+        self.arch: LlamaArch | None = None  # once a model is loaded
 
-    def ours(self, backend: str) -> tuple[torch.nn.Module, object]:
+    def ours(self, backend: str) -> tuple[LlamaForCausalLM, LlamaArch]:
         from kernels.model.loader import load_model
 
         if backend not in self._loaded:
@@ -129,14 +133,15 @@ class SharedModels:
             self.arch = m.arch
         return self._loaded[backend]
 
-    def hf(self) -> torch.nn.Module:
+    def hf(self) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         from kernels.model.loader import resolve_model_dir
 
         model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(self.config.model),
                                                      dtype=TORCH_DTYPES[self.config.dtype])
-        return model.to(self.config.device).eval()
+        # typeshed's functools.wraps does not bind: transformers' wrapped PreTrainedModel.to reads as unbound
+        return model.to(self.config.device).eval()  # type: ignore[arg-type]
 
 
 def default_batch_sizes(device: str) -> tuple[int, ...]:
@@ -176,23 +181,22 @@ def max_new_tokens(base: EngineConfig, spec: DecodeSpec, batch: int) -> int:
 
 def run_tandem(engine: EngineCore, prompts: list[list[int]], spec: DecodeSpec, backend: str) -> DecodeRow:
     """Prefill `prompts`, warm up, time `spec.steps` decode steps; then abort them all and check the pool."""
-    counters = engine.runner.counters
-    run_fallbacks = Counter(counters.fallbacks)
+    run_fallbacks = _fallbacks(engine)
     params = SamplingParams(max_tokens=max_new_tokens(engine.config, spec, len(prompts)), ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
     try:
         _prefill(engine, reqs, max_new_tokens(engine.config, spec, len(reqs)))
         for _ in range(spec.warmup_steps):
             _decode_step(engine, reqs)
-        replays, fallbacks = counters.replays, Counter(counters.fallbacks)
+        replays, fallbacks = engine.graph_stats().replays, _fallbacks(engine)
         step_s = tuple(_decode_step(engine, reqs) for _ in range(spec.steps))
         tokens = tuple(tuple(r.output_token_ids) for r in reqs)
     finally:
         for r in reqs:
             engine.abort(r.request_id)
     engine.check_integrity()
-    mode, now = ("graph" if engine.runner.enabled else "eager"), Counter(counters.fallbacks)
-    return DecodeRow("tandem", backend, mode, len(prompts), step_s, tokens, counters.replays - replays,
+    mode, now = ("graph" if engine.graphs_enabled() else "eager"), _fallbacks(engine)
+    return DecodeRow("tandem", backend, mode, len(prompts), step_s, tokens, engine.graph_stats().replays - replays,
                      _reasons(now - fallbacks), _reasons(now - run_fallbacks))
 
 
@@ -223,10 +227,14 @@ def _decode_step(engine: EngineCore, reqs: list[Request]) -> float:
     return elapsed_s
 
 
-def _reasons(fallbacks: Counter) -> dict[str, int]:
-    """{reason name: steps}, by name (the counters key `Fallback`s)."""
-    named = {getattr(reason, "value", str(reason)): n for reason, n in fallbacks.items() if n}
-    return dict(sorted(named.items()))
+def _fallbacks(engine: EngineCore) -> Counter[str]:
+    """Steps the engine ran eagerly so far, by reason (`Fallback`'s value)."""
+    return Counter(dict(engine.graph_stats().fallbacks))
+
+
+def _reasons(fallbacks: Counter[str]) -> dict[str, int]:
+    """{reason name: steps} of the reasons that counted any."""
+    return dict(sorted((reason, n) for reason, n in fallbacks.items() if n))
 
 
 def sync_device(device: torch.device) -> None:
@@ -239,7 +247,8 @@ class _TokenClock:
     """A logits processor that changes nothing and stamps the time: generate calls it once per new token."""
 
     def __init__(self, device: torch.device):
-        self.device, self.stamps_s = device, []
+        self.device = device
+        self.stamps_s: list[float] = []  # perf_counter() at each new token
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         sync_device(self.device)
@@ -248,10 +257,11 @@ class _TokenClock:
 
 
 @torch.inference_mode()
-def run_hf(model: torch.nn.Module, prompts: list[list[int]], spec: DecodeSpec) -> DecodeRow:
+def run_hf(model: PreTrainedModel, prompts: list[list[int]], spec: DecodeSpec) -> DecodeRow:
     """HF generate, greedy, on the same prompts (one length: no padding); the gaps between tokens."""
-    from transformers import LogitsProcessorList
+    from transformers import GenerationMixin, LogitsProcessorList
 
+    assert isinstance(model, GenerationMixin), f"{type(model).__name__} cannot generate: not a causal LM?"
     device = next(model.parameters()).device
     ids = torch.tensor(prompts, device=device)  # [B, prompt_len]
     clock = _TokenClock(device)
@@ -301,8 +311,9 @@ def summarize(rows: list[DecodeRow], skipped: dict[str, str], base: EngineConfig
     tandem = {(r.backend, r.mode, r.batch): r for r in rows if r.system == "tandem"}
     first_backend = next((r.backend for r in rows if r.system == "tandem"), None)
 
-    def eager_of(r: DecodeRow) -> DecodeRow | None:
-        return tandem.get((r.backend if r.system == "tandem" else first_backend, "eager", r.batch))
+    def eager_of(r: DecodeRow) -> DecodeRow | None:  # an HF row's: the first backend's (none without tandem rows)
+        backend = r.backend if r.system == "tandem" else first_backend
+        return None if backend is None else tandem.get((backend, "eager", r.batch))
 
     def row(r: DecodeRow) -> dict:
         eager = eager_of(r)
@@ -316,8 +327,8 @@ def summarize(rows: list[DecodeRow], skipped: dict[str, str], base: EngineConfig
                  for (b, mode, batch), g in tandem.items() if mode == "graph" and (b, "eager", batch) in tandem}
     hf_same = {}
     for r in rows:
-        if r.system == "hf_transformers" and eager_of(r) is not None:
-            ours = eager_of(r).tokens[0]
+        if r.system == "hf_transformers" and (eager := eager_of(r)) is not None:
+            ours = eager.tokens[0]
             hf_same[str(r.batch)] = ours[:len(r.tokens[0])] == r.tokens[0]
     return {"config": {"model": base.model, "device": base.device, "dtype": base.dtype, "page_size": base.page_size,
                        "chunk_size": base.chunk_size},

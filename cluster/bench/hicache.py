@@ -195,8 +195,13 @@ class _Conversations:
         settle(self.engine)
 
     def result(self) -> MultiTurnRun:
-        config = self.engine.config
-        return MultiTurnRun(config.host_cache_pages, config.num_pages, self.turns, self.outputs, self.elapsed_s)
+        return MultiTurnRun(*resolved_pages(self.engine.config), self.turns, self.outputs, self.elapsed_s)
+
+
+def resolved_pages(config: EngineConfig) -> tuple[int, int]:
+    """(L2, L1) pages of an engine's config, which `EngineConfig.resolve` has set."""
+    assert config.host_cache_pages is not None and config.num_pages is not None, "the config was not resolved"
+    return config.host_cache_pages, config.num_pages
 
 
 def compare_multiturn(factory: EngineFactory, base: EngineConfig, spec: MultiTurnSpec,
@@ -233,7 +238,7 @@ def retract_prompts(spec: RetractSpec, vocab_size: int) -> list[list[int]]:
 
 def run_retract(engine: EngineCore, counter: CountingRunner, spec: RetractSpec) -> RetractRun:
     prompts = retract_prompts(spec, engine.arch.vocab_size)
-    retractions, hits = engine.num_retractions, engine.host_cache.counters.l2_hit_tokens
+    retractions, hits = engine.num_retractions, engine.tier_stats().hit_tokens_l2
     start_s = time.perf_counter()
     params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
@@ -243,9 +248,9 @@ def run_retract(engine: EngineCore, counter: CountingRunner, spec: RetractSpec) 
     outputs = [r.output_token_ids for r in reqs]
     if any(len(o) != spec.output_tokens for o in outputs):
         raise RuntimeError(f"asked for {spec.output_tokens} tokens each, got {sorted(map(len, outputs))}: aborted?")
-    return RetractRun(engine.config.host_cache_pages, engine.config.num_pages, elapsed_s, sum(map(len, outputs)),
+    return RetractRun(*resolved_pages(engine.config), elapsed_s, sum(map(len, outputs)),
                       counter.num_tokens, sum(len(p) + spec.output_tokens - 1 for p in prompts),
-                      engine.num_retractions - retractions, engine.host_cache.counters.l2_hit_tokens - hits, outputs)
+                      engine.num_retractions - retractions, engine.tier_stats().hit_tokens_l2 - hits, outputs)
 
 
 def compare_retract(factory: EngineFactory, base: EngineConfig, spec: RetractSpec, l2: L2Sizing = workload_l2,
@@ -296,8 +301,8 @@ def bench_hicache(args: argparse.Namespace, factory: EngineFactory | None = None
         print_multiturn(summary["multiturn"])
     if args.only in (None, "retract"):
         log.info("retract-heavy: %s", rt_spec)
-        on, off = compare_retract(factory, base, rt_spec, l2, args.repeats)
-        summary["retract"] = retract_summary(rt_spec, on, off)
+        rt_on, rt_off = compare_retract(factory, base, rt_spec, l2, args.repeats)
+        summary["retract"] = retract_summary(rt_spec, rt_on, rt_off)
         print_retract(summary["retract"])
     if args.only in (None, "l3"):
         log.info("L3 after restart: %s", l3_spec)

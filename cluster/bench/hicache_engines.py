@@ -23,6 +23,7 @@ from engine.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine import EngineCore, StepOutput
+    from kernels.model.loader import LoadedModel
     from kv_store.l3.config import L3Config
 
 WARMUP_PROMPT = list(range(1, 17))  # first-call costs; random ids start at 10, so no prefix is shared
@@ -60,7 +61,7 @@ def shared_model_factory() -> EngineFactory:
     from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.loader import load_model
 
-    loaded = []
+    loaded: list[LoadedModel] = []
 
     def make(config, l3):
         if not loaded:
@@ -136,12 +137,11 @@ def steps_until_finished(engine: EngineCore, counter: CountingRunner,
     while any(r.status is not RequestStatus.FINISHED for r in reqs):
         before = counter.num_tokens
         yield engine.step()
-        idle = 0 if counter.num_tokens > before or engine.host_cache.busy() else idle + 1
+        idle = 0 if counter.num_tokens > before or engine.housekeeping_due() else idle + 1
         if idle >= STALL_STEPS:
-            s = engine.scheduler
+            waiting, loading, running, pool = engine.occupancy()
             raise RuntimeError(f"engine stalled: no forward pass and no copy in flight for {idle} steps with "
-                               f"{len(s.waiting)} requests waiting, {len(s.loading)} loading, {len(s.running)} "
-                               f"running; device pool {engine.kvm.pool.usage()}")
+                               f"{waiting} requests waiting, {loading} loading, {running} running; device pool {pool}")
 
 
 def mean_or_zero(xs: list[float]) -> float:

@@ -126,17 +126,17 @@ def bench_l3_config(url: str) -> L3Config:
 def _l3_flushed(engine: EngineCore) -> TierStats:
     """The engine's tier stats once its backups and L3 writes so far are done."""
     settle(engine)
-    if not engine.host_cache.l3.flush(L3_FLUSH_TIMEOUT_S):
+    if not engine.flush_l3(L3_FLUSH_TIMEOUT_S):
         raise RuntimeError(f"L3 writes not sent after {L3_FLUSH_TIMEOUT_S} s: is Redis answering?")
     return engine.tier_stats()
 
 
 def _first_token(engine: EngineCore, counter: CountingRunner, prompt: list[int]) -> tuple[Request, float, int, int]:
     """(the request, its TTFT, tokens an L3 prefetch brought it, its forward tokens), run alone."""
-    l3_hits, forward = engine.host_cache.counters.l3_hit_tokens, counter.num_tokens
+    l3_hits, forward = engine.tier_stats().hit_tokens_l3, counter.num_tokens
     req, ttft_s = run_one(engine, counter, prompt, FIRST_TOKEN)
     settle(engine)
-    return req, ttft_s, engine.host_cache.counters.l3_hit_tokens - l3_hits, counter.num_tokens - forward
+    return req, ttft_s, engine.tier_stats().hit_tokens_l3 - l3_hits, counter.num_tokens - forward
 
 
 def _restarted_prompt(cold: tuple[EngineCore, CountingRunner], with_l3: tuple[EngineCore, CountingRunner],
@@ -167,6 +167,7 @@ def compare_l3(factory: EngineFactory, base: EngineConfig, spec: L3Spec, url: st
             log.info("L3 after restart: prompt %d/%d, TTFT cold %.2f s, from L3 %.2f s", len(results), len(prompts),
                      results[-1].ttft_cold_s, results[-1].ttft_l3_s)
         read = L3Traffic.between(before, _l3_flushed(on[0]))
+    assert with_l3.num_pages is not None and with_l3.host_cache_pages is not None, "on_off_configs sets both"
     return L3Run(with_l3.num_pages, with_l3.host_cache_pages, results, written, read)
 
 

@@ -226,7 +226,9 @@ def hf_greedy_text(model_dir: Path, prompt_ids: tuple[int, ...], max_new_tokens:
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0)
-    return AutoTokenizer.from_pretrained(str(model_dir)).decode(out[0, len(prompt_ids):], skip_special_tokens=False)
+    text = AutoTokenizer.from_pretrained(str(model_dir)).decode(out[0, len(prompt_ids):], skip_special_tokens=False)
+    assert isinstance(text, str), "one sequence decodes to one string (transformers types a batch's list too)"
+    return text
 
 
 def bench_llamacpp(args: argparse.Namespace) -> int:

@@ -108,7 +108,7 @@ def format_table(summary: dict) -> str:
             (f"concurrency {conc} ITL p99 (ms)", "concurrent_itl_p99_s", 1e3, "concurrent_itl_p99"),
             (f"concurrency {conc} TTFT p50 (ms)", "concurrent_ttft_p50_s", 1e3, "concurrent_ttft_p50"),
             ("start to ready, slowest round (s)", "ready_s", 1.0, "ready")]
-    rss_mib = {name: None if _rss(sys_[name]) is None else _rss(sys_[name]) / 2**20 for name in SYSTEMS}
+    rss_mib = {name: None if (rss := _rss(sys_[name])) is None else rss / 2**20 for name in SYSTEMS}
     lines = [f"{'threads ' + str(spec['threads']):<36}{'llama.cpp':>11}{'tandem':>10}{'ratio':>9}{'target':>10}"]
     for label, key, scale, ratio_key in rows:
         lines.append(f"{label:<36}{_fmt(sys_['llama.cpp'][key], scale):>11}{_fmt(sys_['tandem'][key], scale):>10}"

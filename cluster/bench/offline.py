@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -85,6 +86,7 @@ def bench_offline(args: argparse.Namespace) -> int:
     from cluster.cli.args import engine_config_from_args
     from common.config import SamplingParams
     from engine import load_engine
+    from kernels.kv_layout import TORCH_DTYPES
     from kernels.model.loader import resolve_model_dir
 
     config = engine_config_from_args(args, max_running_requests=args.max_batch_size)
@@ -94,7 +96,8 @@ def bench_offline(args: argparse.Namespace) -> int:
     log.info("workload: %d requests, %d prompt tokens, %d output tokens, max batch %d", len(work.prompts),
              sum(map(len, work.prompts)), work.num_output_tokens, args.max_batch_size)
     engine.generate([work.prompts[0][:16]], SamplingParams(max_tokens=2))  # warm up
-    hf = None if args.skip_baseline else load_hf_model(resolve_model_dir(config.model), engine.kv_cache.k[0].dtype)
+    kv_dtype = TORCH_DTYPES[engine.config.dtype]  # its KV cache's (`engine/build.py:_pools`)
+    hf = None if args.skip_baseline else load_hf_model(resolve_model_dir(config.model), kv_dtype)
     runs: dict[str, list[Throughput]] = {"tandem": [], "hf_transformers": []}
     for _ in range(args.repeats):  # alternate, so drift in machine speed hits both systems alike
         runs["tandem"].append(run_tandem(engine, work))
@@ -109,7 +112,8 @@ def print_results(results: list[Throughput], as_json: bool) -> None:
     print(f"{'system':<18}{'elapsed_s':>12}{'output_tokens':>15}{'tok/s':>10}")
     for r in results:
         print(f"{r.system:<18}{r.elapsed_s:>12.2f}{r.output_tokens:>15}{r.output_tokens_per_s:>10.1f}")
-    summary = {"results": [{**asdict(r), "output_tokens_per_s": r.output_tokens_per_s} for r in results]}
+    summary: dict[str, Any] = {
+        "results": [{**asdict(r), "output_tokens_per_s": r.output_tokens_per_s} for r in results]}
     if len(results) == 2:
         ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
         summary["ratio_tandem_over_hf"] = ratio

@@ -30,6 +30,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -274,7 +275,7 @@ def summarize(args: argparse.Namespace, unloaded: list[Outcome], capacity_rps: f
                or (o.refused and o.answer_s <= within_s)]
     failed = [o for o in loaded if not (o.admitted or o.refused)]
     served_tok_s = served_tokens_per_s(loaded, args.duration_s / 4, args.duration_s)
-    summary = {
+    summary: dict[str, Any] = {
         "workload": {"input_len": list(args.input_len), "output_len": list(args.output_len), "factor": args.factor,
                      "duration_s": args.duration_s, "answer_within_s": within_s, "ttft_budget_s": budget_s},
         "unloaded": {"num_requests": len(unloaded), "ttft_p50_s": _pct(unloaded_ttft, 50),

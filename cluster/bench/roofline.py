@@ -26,6 +26,7 @@ clock but not the bus width); a device neither gives (a CPU) has none, and its f
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -33,6 +34,8 @@ import torch
 from kernels.model.arch import LlamaArch
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from common.config import EngineConfig
     from kernels.model.llama import LlamaForCausalLM
 
@@ -85,9 +88,9 @@ class RandomModels:
         if shape not in RANDOM_SHAPES:
             raise ValueError(f"unknown --random-weights shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
         self.config, self.arch, self.seed = config, RANDOM_SHAPES[shape], seed
-        self._loaded: dict[str, torch.nn.Module] = {}
+        self._loaded: dict[str, LlamaForCausalLM] = {}
 
-    def ours(self, backend: str) -> tuple[torch.nn.Module, LlamaArch]:
+    def ours(self, backend: str) -> tuple[LlamaForCausalLM, LlamaArch]:
         from kernels.kv_layout import TORCH_DTYPES
 
         if backend not in self._loaded:
@@ -96,20 +99,28 @@ class RandomModels:
                                                  backend, self.seed)
         return self._loaded[backend], self.arch
 
-    def hf(self) -> torch.nn.Module:
+    def hf(self) -> PreTrainedModel:
         raise ValueError("random weights have no HF transformers twin: run with --skip-hf")
 
 
 # ---- bytes a decode step reads ------------------------------------------------------------------------
 class TimedRun(Protocol):
-    """What the figures need of one timed decode run (`cluster.bench.decode.DecodeRow`)."""
+    """What the figures need of one timed decode run (`cluster.bench.decode.DecodeRow`), read-only."""
 
-    system: str  # "tandem" | a baseline's name
-    backend: str
-    mode: str
-    batch: int
-    step_s: tuple[float, ...]  # each timed step
-    tokens: tuple[tuple[int, ...], ...]  # every request's output tokens after the last timed step
+    @property
+    def system(self) -> str: ...  # "tandem" | a baseline's name
+    @property
+    def backend(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def step_s(self) -> tuple[float, ...]: ...  # each timed step
+    @property
+    def tokens(self) -> tuple[tuple[int, ...], ...]: ...  # every request's output tokens after the last timed step
+    @property
+    def tokens_per_s(self) -> float: ...  # output tokens per second while decoding
 
 
 def weight_bytes_read(arch: LlamaArch, dtype_bytes: int) -> int:
@@ -153,7 +164,7 @@ def peak_hbm_bytes_per_s(device: torch.device | str) -> tuple[float | None, str]
     return None, f"{props.name}: not in the table, and torch reports no memory clock and bus width"
 
 
-def decode_bandwidth(rows: list[TimedRun], arch: LlamaArch, base: EngineConfig, prompt_len: int) -> dict:
+def decode_bandwidth(rows: Sequence[TimedRun], arch: LlamaArch, base: EngineConfig, prompt_len: int) -> dict:
     """Per tandem row ("backend/mode/batch"): bytes a step reads, the bandwidth that is, its fraction of
     the peak (None where the peak is unknown)."""
     from kernels.kv_layout import TORCH_DTYPES

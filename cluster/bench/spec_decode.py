@@ -31,12 +31,16 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cluster.bench import collect_engines
+from cluster.bench.decode import sync_device
 from common.config import EngineConfig, SamplingParams
+from common.protocol import SpecStats
 from kernels.kv_layout import TORCH_DTYPES
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 DEFAULT_SPEC_BATCH_SIZES = (1, 16)
 
@@ -59,7 +63,8 @@ class SpecRun:
 
 def run_engine(engine, prompts: list[list[int]], params: SamplingParams, batch: int) -> tuple[float, list[tuple]]:
     """Generate for `prompts`, `batch` running at a time (a new one as each ends); (wall s, tokens)."""
-    queue, running, done = list(enumerate(prompts)), {}, {}
+    queue, done = list(enumerate(prompts)), {}
+    running: dict[int, Request] = {}
     start_s = time.perf_counter()
     while queue or running:
         while queue and len(running) < batch:
@@ -68,8 +73,7 @@ def run_engine(engine, prompts: list[list[int]], params: SamplingParams, batch: 
         engine.step()
         for i in [i for i, r in running.items() if r.finish_reason is not None]:
             done[i] = tuple(running.pop(i).output_token_ids)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    sync_device(engine.device)
     return time.perf_counter() - start_s, [done[i] for i in range(len(prompts))]
 
 
@@ -81,13 +85,26 @@ steps of a process compile Triton kernels, which would otherwise land in whichev
 def measure(make_engine, prompts: list[list[int]], params: SamplingParams, batch: int, mode: str) -> SpecRun:
     engine = make_engine(mode, batch)
     run_engine(engine, [WARMUP_PROMPT], dataclasses.replace(params, max_tokens=16, ignore_eos=True), 1)
-    if engine.speculator.counters is not None:  # acceptance of the timed run only
-        engine.speculator.counters = type(engine.speculator.counters)()
+    warm = engine.spec_stats()  # acceptance of the timed run only
     wall_s, tokens = run_engine(engine, prompts, params, batch)
     engine.check_integrity()
-    s = engine.spec_stats()
+    s = counted_since(warm, engine.spec_stats())
     engine.close()
     return SpecRun(mode, batch, wall_s, tuple(tokens), s.verifies, s.accepted_per_verify, s.accepted_at, s.drafted_at)
+
+
+def counted_since(before: SpecStats, after: SpecStats) -> SpecStats:
+    """What `after` counted since `before` (two `spec_stats()` of one engine), as counters reset at
+    `before` would read: a position drafted since has its accepted count there, 0 too (`SpecCounters`)."""
+    def grown(old: tuple[tuple[int, int], ...], new: tuple[tuple[int, int], ...]) -> dict[int, int]:
+        was = dict(old)
+        return {key: n - was.get(key, 0) for key, n in new if n > was.get(key, 0)}
+
+    drafted, accepted = grown(before.drafted_at, after.drafted_at), dict(after.accepted_at)
+    accepted_at = tuple((pos, accepted[pos] - dict(before.accepted_at).get(pos, 0)) for pos in sorted(drafted))
+    return SpecStats(after.verifies - before.verifies, tuple(sorted(grown(before.accepted_per_verify,
+                                                                            after.accepted_per_verify).items())),
+                     tuple(sorted(drafted.items())), accepted_at, after.draft_errors - before.draft_errors)
 
 
 FOLLOW_UP = "\nPlease go on, with an example."
@@ -95,7 +112,7 @@ FOLLOW_UP = "\nPlease go on, with an example."
 
 def measure_load_back(make_engine, prompts: list[list[int]], follow_up: list[int], params: SamplingParams) -> dict:
     """Mean accepted length of second turns whose first turn stayed on device vs was loaded back."""
-    result = {}
+    result: dict[str, Any] = {}  # the JSON of the run
     for evict in (False, True):
         accepted, verifies, loaded_tokens = 0, 0, 0
         for prompt in prompts:
@@ -104,7 +121,7 @@ def measure_load_back(make_engine, prompts: list[list[int]], follow_up: list[int
             while engine.busy():  # host-tier backups of the first turn
                 engine.step()
             if evict:
-                engine.kvm.prefix_cache.evict(engine.kvm.pool.num_usable)
+                engine.evict_device_cache()
             before = engine.spec_stats()
             [second] = engine.generate([prompt + first.output_token_ids + follow_up], params)
             after = engine.spec_stats()

@@ -11,6 +11,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 log = logging.getLogger("tandem.run")
 
@@ -121,8 +125,8 @@ def _run_colocated(args, config, prompts, params) -> list[RunResult]:
         t1 = time.perf_counter()
         with _progress(len(prompts)) as bar:
             reqs = engine.generate(token_ids, params, on_finish=lambda _: bar.update(1))
-        _log_throughput(reqs and [len(r.output_token_ids) for r in reqs], time.perf_counter() - t1)
-        return [RunResult(r.prompt_token_ids, r.output_token_ids, engine.output_text(r), r.finish_reason.value,
+        _log_throughput([len(r.output_token_ids) for r in reqs], time.perf_counter() - t1)
+        return [RunResult(r.prompt_token_ids, r.output_token_ids, engine.output_text(r), _finish_reason(r),
                           r.cached_tokens) for r in reqs]
     finally:
         engine.close()  # the host tier's copier thread must not outlive the interpreter's torch
@@ -141,9 +145,9 @@ def _run_disaggregated(args, config, prompts, params) -> list[RunResult]:
     tokenizer = load_tokenizer(resolve_model_dir(config.model))
     token_ids = [tokenize_prompt(tokenizer, p, args.raw) for p in prompts]
     t0 = time.perf_counter()
-    sides = [dataclasses.replace(config, tensor_parallel_size=n or config.tensor_parallel_size)
-             for n in (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size)]
-    with ProcessViews(pair_specs(*sides, args.host_pages)) as views:
+    prefill_engine, decode_engine = (dataclasses.replace(config, tensor_parallel_size=n or config.tensor_parallel_size)
+                                     for n in (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size))
+    with ProcessViews(pair_specs(prefill_engine, decode_engine, args.host_pages)) as views:
         log.info("prefill and decode workers ready in %.2fs", time.perf_counter() - t0)
         t1 = time.perf_counter()
         with _progress(len(prompts)) as bar:
@@ -152,6 +156,11 @@ def _run_disaggregated(args, config, prompts, params) -> list[RunResult]:
         _log_throughput([len(r.token_ids) for r in reqs], time.perf_counter() - t1)
     return [RunResult(r.prompt_token_ids, r.token_ids, _text(tokenizer, r.token_ids, params.stop), r.finish_reason,
                       r.cached_tokens, r.error) for r in reqs]
+
+
+def _finish_reason(req: Request) -> str:
+    assert req.finish_reason is not None, f"{req.request_id} came back from EngineCore.generate unfinished"
+    return req.finish_reason.value
 
 
 def _text(tokenizer, token_ids: list[int], stop: tuple[str, ...]) -> str:

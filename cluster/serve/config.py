@@ -229,6 +229,13 @@ class ServeConfig:
                 require(ours == theirs, f"prefill.engine.{name} ({ours!r}) and decode.engine.{name} ({theirs!r}) "
                                          "must match: KV pages move between them as they are")
 
+    def with_groups(self, groups: Mapping[str, WorkerGroupConfig]) -> ServeConfig:
+        """This config with the worker groups named in `groups` (of `GROUP_NAMES`) replaced, the others kept."""
+        assert set(groups) <= set(GROUP_NAMES), f"not worker groups: {sorted(set(groups) - set(GROUP_NAMES))}"
+        return dataclasses.replace(self, prefill=groups.get("prefill", self.prefill),
+                                   decode=groups.get("decode", self.decode),
+                                   colocated=groups.get("colocated", self.colocated))
+
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict that `load_serve_config` reads back to an equal config.
 

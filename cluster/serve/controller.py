@@ -30,19 +30,20 @@ import logging
 import os
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.actor import ActorHandle
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.serve.actors import ACTOR_CONCURRENCY, WorkerActor
 from cluster.serve.config import ServeConfig, WorkerGroupConfig
+from cluster.serve.restart_budget import RestartBudget
 from cluster.worker_host.build import WorkerSpec
 from cluster.worker_host.cores import CoreShareSpec, core_share_path
-from cluster.worker_host.process import death_cause
+from cluster.worker_host.liveness import death_cause
 from common import protocol as p
 
 log = logging.getLogger("tandem.controller")
@@ -74,35 +75,6 @@ class SlotState(enum.Enum):
     STOPPED = "stopped"
 
 
-class RestartBudget:
-    """At most `max_restarts` restarts in any `window_s` seconds. Restarts older than the window no
-    longer count, so the budget refills: a worker that crashes now and then is always restarted, and
-    one that crash-loops is restarted `max_restarts` times per window rather than never again."""
-
-    def __init__(self, max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic):
-        assert max_restarts >= 0 and window_s > 0, f"bad restart budget {max_restarts} per {window_s}s"
-        self.max_restarts, self.window_s, self._clock = max_restarts, window_s, clock
-        self._times: deque[float] = deque()  # monotonic times of the restarts still in the window
-
-    def try_spend(self) -> bool:
-        """Take one restart if the window has one left; False (nothing taken) otherwise."""
-        if self.wait_s() > 0 or self.max_restarts == 0:
-            return False
-        self._times.append(self._clock())
-        return True
-
-    def wait_s(self) -> float:
-        """Seconds until a restart may be taken (0: now). With max_restarts 0: forever (inf)."""
-        if self.max_restarts == 0:
-            return float("inf")
-        now = self._clock()
-        while self._times and self._times[0] <= now - self.window_s:
-            self._times.popleft()
-        if len(self._times) < self.max_restarts:
-            return 0.0
-        return self._times[0] + self.window_s - now
-
-
 @dataclass(frozen=True)
 class WorkerRecord:
     """What the controller publishes about one worker (picklable; `handle` is a Ray actor handle)."""
@@ -125,10 +97,10 @@ class _Slot:
     worker_id: str
     role: p.WorkerRole
     group: WorkerGroupConfig
-    pg: object
+    pg: PlacementGroup
     bundle_index: int
     state: SlotState = SlotState.STARTING
-    handle: object | None = None
+    handle: ActorHandle | None = None  # set by `_launch` (STARTING), None once it is stopped or found dead
     incarnation: int = 0
     session: str = ""
     stats: p.WorkerStats | None = None
@@ -264,7 +236,7 @@ class Controller:
         engine = slot.group.engine
         if engine.cpu_compile is None:  # served decode steps compile on a CPU unless told not to (EngineConfig)
             engine = dataclasses.replace(engine, cpu_compile=slot.role is not p.WorkerRole.PREFILL)
-        spec = WorkerSpec(slot.role, engine, host_pages=slot.group.host_pages,
+        spec = WorkerSpec(slot.role, engine, host_pages=slot.group.host_pages or 0,  # decode's: resolved by the plan
                           transport=cfg.transport, heartbeat_interval_s=cfg.cluster.heartbeat_interval_s,
                           torch_threads=slot.group.torch_threads, l3=cfg.kv_store.l3, core_share=self._core_share(slot),
                           inject_faults=cfg.cluster.inject_faults)
@@ -273,9 +245,10 @@ class Controller:
             max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(slot.pg, slot.bundle_index))
         slot.state, slot.incarnation = SlotState.STARTING, slot.incarnation + 1
-        slot.handle = actor.remote(spec, slot.worker_id)
+        # Ray types what `.remote()` makes as `ActorHandle[T] | type[T]` (so that `@ray.method`s type-check): a handle
+        slot.handle = handle = cast(ActorHandle, actor.remote(spec, slot.worker_id))
         try:
-            slot.session, slot.max_request_tokens, slot.pid = await self._await_ready(slot)
+            slot.session, slot.max_request_tokens, slot.pid = await self._await_ready(slot, handle)
         except BaseException:
             ray.kill(slot.handle, no_restart=True)
             slot.handle, slot.state = None, SlotState.DEAD
@@ -290,12 +263,12 @@ class Controller:
             return None
         return CoreShareSpec(self._cores_path, list(self.slots).index(slot.worker_id))
 
-    async def _await_ready(self, slot: _Slot) -> tuple[str, int, int]:
+    async def _await_ready(self, slot: _Slot, handle: ActorHandle) -> tuple[str, int, int]:
         """The new incarnation's `ready()` answer (its error, if it failed to start). Raises TimeoutError
         past `worker_start_timeout_s`, and NoRoom as soon as its bundle has no node: a node that leaves
         while the model loads would otherwise hold the slot for the whole timeout."""
         timeout_s = self.config.cluster.worker_start_timeout_s
-        ready = slot.handle.ready.remote().as_future()
+        ready = handle.ready.remote().as_future()
         deadline = time.monotonic() + timeout_s
         try:
             while not ready.done():
@@ -334,6 +307,7 @@ class Controller:
                 await self._restart(slot)
 
     async def _beat(self, slot: _Slot, timeout_s: float) -> None:
+        assert slot.handle is not None, f"{slot.worker_id} beaten without an actor: only an ALIVE slot is (`_watch`)"
         try:
             beat = await asyncio.wait_for(slot.handle.heartbeat.remote(), timeout_s)
         except asyncio.TimeoutError:
@@ -358,6 +332,7 @@ class Controller:
         if self._stopping:
             return
         log.error("%s incarnation %d is dead: %s", slot.worker_id, slot.incarnation, why)
+        assert slot.handle is not None, f"{slot.worker_id} has no actor to kill: stopped while its heartbeat was out?"
         ray.kill(slot.handle, no_restart=True)
         slot.handle, slot.state = None, SlotState.DEAD
 

@@ -87,4 +87,4 @@ def share_gpus(config: ServeConfig, node_gpus: int) -> ServeConfig:
         raise GPUPlacementError(f"the CUDA workers ask for {demand:g} GPUs ({asks}) and this node has {node_gpus}: "
                                 "lower the groups' num_gpus (fractions share a GPU) or their counts")
     share = 1.0 / math.ceil(workers / node_gpus)
-    return dataclasses.replace(config, **{name: dataclasses.replace(g, num_gpus=share) for name, g in groups.items()})
+    return config.with_groups({name: dataclasses.replace(g, num_gpus=share) for name, g in groups.items()})

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import time
+from typing import cast
 
 from cluster.serve.config import ServeConfig
 
@@ -127,7 +128,7 @@ def with_debug_kv(config: ServeConfig) -> ServeConfig:
     log.info("TANDEM_DEBUG_KV is set: every worker checks its KV integrity after each step (slower)")
     groups = {name: dataclasses.replace(g, engine=dataclasses.replace(g.engine, debug_kv=True))
               for name, g in (("prefill", config.prefill), ("decode", config.decode), ("colocated", config.colocated))}
-    return dataclasses.replace(config, **groups)
+    return config.with_groups(groups)
 
 
 def fit_gpus(config: ServeConfig, node_gpus: int | None) -> ServeConfig:
@@ -175,6 +176,7 @@ def _connect_ray(config: ServeConfig, local_ray) -> None:
 
 def _start_controller(config: ServeConfig):
     import ray
+    from ray.actor import ActorHandle
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from cluster.serve.controller import CONTROLLER_NAME, Controller
@@ -184,8 +186,9 @@ def _start_controller(config: ServeConfig):
     # On this process's node (the head, in a deployment): losing a worker node must not take it along.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     try:
-        controller = ray.remote(num_cpus=0)(Controller).options(name=CONTROLLER_NAME, namespace=namespace,
-                                                                 scheduling_strategy=here).remote(config)
+        # a handle (Ray types it `ActorHandle[T] | type[T]`, so that `@ray.method`s type-check)
+        controller = cast(ActorHandle, ray.remote(num_cpus=0)(Controller).options(
+            name=CONTROLLER_NAME, namespace=namespace, scheduling_strategy=here).remote(config))
     except ValueError:  # the name is taken
         raise ServeStartError(f"another tandem serve is running in Ray namespace {namespace!r} on this cluster "
                               "(give this one its own cluster.namespace)") from None
@@ -219,7 +222,7 @@ class _SignalGuard:
     signal once `stopping` is set, after a failed start)."""
 
     def __init__(self) -> None:
-        self.server = None
+        self.server: object | None = None  # the gateway's uvicorn server, once it serves
         self.stopping = False
 
     def install(self) -> None:

@@ -13,8 +13,12 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("tandem.train")
 
@@ -57,7 +61,7 @@ def tokenize(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
     return [apply_chat_template(tokenizer, messages) for messages in prompts]
 
 
-def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int]], max_new_tokens: int,
+def generate(model: LlamaForCausalLM, arch, eos_token_ids, prompts: list[list[int]], max_new_tokens: int,
              max_running: int = 128) -> list[Sample]:
     """The target's greedy answers through the colocated engine (batched, as `tandem run` does; in
     `model`'s dtype), in prompt order. The engine's KV is freed before returning; `model` is left as it was."""
@@ -86,7 +90,7 @@ def generate(model: torch.nn.Module, arch, eos_token_ids, prompts: list[list[int
     return [Sample(tuple(r.prompt_token_ids) + tuple(r.output_token_ids), len(r.prompt_token_ids)) for r in reqs]
 
 
-def aux_states(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tuple[int, ...],
+def aux_states(model: LlamaForCausalLM, samples: list[Sample], aux_layer_ids: tuple[int, ...],
                tokens_per_pass: int = AUX_TOKENS_PER_PASS) -> list[torch.Tensor]:
     """Per sample, the hidden states entering `aux_layer_ids` at every position: ``[n, 3h]`` float32,
     from ragged prefill passes of whole sequences (`LlamaForCausalLM.forward_with_aux`)."""
@@ -94,7 +98,7 @@ def aux_states(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tup
 
 
 @torch.no_grad()
-def target_states(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tuple[int, ...],
+def target_states(model: LlamaForCausalLM, samples: list[Sample], aux_layer_ids: tuple[int, ...],
                   tokens_per_pass: int = AUX_TOKENS_PER_PASS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sample, (aux states ``[n, 3h]``, ``[n, 0]`` for no aux layers, the target's final-normed
     hidden ``[n, h]``), float32: the
@@ -107,7 +111,9 @@ def target_states(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: 
 
 def _groups(samples: list[Sample], tokens_per_pass: int) -> list[list[int]]:
     """Consecutive sample indices, about `tokens_per_pass` tokens a group (a longer sample goes alone)."""
-    groups, current, tokens = [], [], 0
+    groups: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
     for i, sample in enumerate(samples):
         if current and tokens + len(sample.token_ids) > tokens_per_pass:
             groups.append(current)
@@ -117,7 +123,7 @@ def _groups(samples: list[Sample], tokens_per_pass: int) -> list[list[int]]:
     return groups + [current] if current else groups
 
 
-def _aux_pass(model: torch.nn.Module, samples: list[Sample], aux_layer_ids: tuple[int, ...]
+def _aux_pass(model: LlamaForCausalLM, samples: list[Sample], aux_layer_ids: tuple[int, ...]
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from kernels.attention.metadata import build_attn_metadata
     from kernels.kv_layout import KVCacheTensors

@@ -76,10 +76,12 @@ def pad_batch(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def pad_hidden(examples: list[Example]) -> torch.Tensor:
     """The examples' target hidden states ``[B, L, h]`` (zeros past each end), as `pad_batch` pads."""
+    hidden = [e.target_hidden for e in examples if e.target_hidden is not None]
+    assert len(hidden) == len(examples), "an example without the target's hidden states (`target_states`)"
     length = max(e.length for e in examples)
-    out = torch.zeros(len(examples), length, examples[0].target_hidden.shape[1])
-    for b, e in enumerate(examples):
-        out[b, :e.length] = e.target_hidden
+    out = torch.zeros(len(examples), length, hidden[0].shape[1])
+    for b, (e, h) in enumerate(zip(examples, hidden)):
+        out[b, :e.length] = h
     return out
 
 
@@ -207,7 +209,10 @@ def _step(head: EagleDraftHead, optimizer: torch.optim.Optimizer, batch: list[Ex
     ids, aux, labels = (t.to(device) for t in pad_batch(batch))
     # labels in float32 whatever the precision, for the labelled rows only (prompt rows and padding
     # are a third or more of a batch of short answers)
-    soft = soft_labels(pad_hidden(batch).to(device)[labels >= 0], target_head) if settings.soft_labels else None
+    soft = None
+    if settings.soft_labels:
+        assert target_head is not None, "soft labels without the target's head (`train` checks it)"
+        soft = soft_labels(pad_hidden(batch).to(device)[labels >= 0], target_head)
     with autocast(device, bf16):
         loss, accuracies = unrolled_loss(head, ids, aux, labels, settings.unroll_steps, settings.step_decay, soft)
     optimizer.zero_grad(set_to_none=True)

@@ -46,7 +46,9 @@ def unrolled_forward(head: EagleDraftHead, input_ids: torch.Tensor, aux: torch.T
     cos, sin = head.rotary.cos_sin(positions.repeat(batch), emb.dtype)  # [B*L, hd]
     normed_emb = head.input_layernorm(emb)
     feature = head.combine(aux)  # [B, L, h]
-    keys, values, xs = [], [], []
+    keys: list[torch.Tensor] = []  # per step, as are values and xs
+    values: list[torch.Tensor] = []
+    xs: list[torch.Tensor] = []
     for step in range(num_steps):
         if step:  # x of the previous step, one position back; row 0 has none (and is never valid)
             feature = F.pad(xs[-1][:, :-1], (0, 0, 1, 0))

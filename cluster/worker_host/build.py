@@ -7,6 +7,7 @@ connector, then the worker around them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -99,7 +100,7 @@ def _build_tensor_parallel(spec: WorkerSpec, transport, start_s: float):
     from kv_store.transfer.local import LocalTransport
     from prefill_worker.rank_writes import OtherRanks, RankSender
 
-    role, kwargs, others = spec.role, {}, None
+    role, others = spec.role, None
     if role is not WorkerRole.COLOCATED:
         if transport is None:
             from kv_store.transfer.mooncake import MooncakeTransport
@@ -110,14 +111,15 @@ def _build_tensor_parallel(spec: WorkerSpec, transport, start_s: float):
                   else RankLanding(hostname, spec.transport.protocol, spec.host_pages))
     ranks = start_ranks(spec.engine, serving=True, role=others)
     loaded, held = ranks.loaded, [shard.kv_heads for shard in ranks.shards]
+    peers: OtherRanks | Callable[[], OtherLandings] | None = None  # the connector's side of the other ranks'
     if role is WorkerRole.PREFILL:
-        kwargs = dict(others=OtherRanks(ranks.control, held))
+        peers = OtherRanks(ranks.control, held)
     elif role is WorkerRole.DECODE:
-        kwargs = dict(others=lambda: OtherLandings(ranks.control, held))
+        peers = functools.partial(OtherLandings, ranks.control, held)  # made by the receiver once its own landing is
     try:
         worker = make_worker(role, ranks.config, loaded.model, loaded.arch, transport, host_pages=spec.host_pages,
                              deadlines=spec.transport, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
-                             l3=spec.l3, control=ranks.control, **kwargs)
+                             l3=spec.l3, control=ranks.control, others=peers)
     except BaseException:
         ranks.followers.join(timeout_s=1.0)
         raise

@@ -12,7 +12,7 @@ worker is reached through a `PipeLink` (the dispatcher's `WorkerLink`). The rela
                                                   |
                                                   +--> heartbeats (liveness, stats), messages set aside
 
-`death_cause` is the one rule that declares a worker dead, here and in the Ray controller.
+`death_cause` (`liveness.py`) is the one rule that declares a worker dead, here and in the Ray controller.
 """
 
 from __future__ import annotations
@@ -27,30 +27,15 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from cluster.worker_host.build import WorkerSpec, build_worker
+from cluster.worker_host.liveness import death_cause
 from cluster.worker_host.loop import run_loop
 from common import protocol as p
 
 log = logging.getLogger("tandem.process")
-
-
-def death_cause(*, crashed: str = "", exit_code: int | None = None, beat_age_s: float = 0.0,
-                beat_timeout_s: float = math.inf, step_age_s: float = 0.0, step_timeout_s: float = math.inf) -> str:
-    """Why a worker incarnation counts as dead; "" while it lives. Its loop crashed, its process
-    exited, no heartbeat for longer than `beat_timeout_s` (the beat thread answers even mid-step,
-    so silence means the process is stuck or gone), or no step finished for longer than
-    `step_timeout_s` (a hung step). A host passes what it can observe; the rest stays at its
-    never-dead default."""
-    if crashed:
-        return f"its loop crashed:\n{crashed}"
-    if exit_code is not None:
-        return f"its process exited (code {exit_code})"
-    if beat_age_s > beat_timeout_s:
-        return f"no heartbeat for {beat_age_s:.1f}s"
-    if step_age_s > step_timeout_s:
-        return f"its loop has not finished a step for {step_age_s:.0f}s (hung)"
-    return ""
 
 
 # ---- the child's side ------------------------------------------------------------------------------
@@ -127,7 +112,8 @@ class PipeLink:
     def __init__(self, conn, name: str, aside: Callable[[object], bool] | None = None) -> None:
         self._conn, self._send_lock, self._cond = conn, threading.Lock(), threading.Condition()
         self._inbox: list = []
-        self._aside, self._set_aside = aside, []
+        self._aside = aside
+        self._set_aside: list[object] = []  # what `aside` picked, for `take_aside`
         self.closed = False  # the pipe ended: the process is gone
         self._interrupts = 0  # collects cancelled so far (`collect`)
         self.crashed = ""  # the traceback of its WorkerCrashed, if it sent one
@@ -207,11 +193,16 @@ class PipeLink:
 class _Proc:
     worker_id: str
     spec: WorkerSpec
-    process: mp.Process
-    conn: object  # the parent's end of the pipe
+    process: BaseProcess
+    conn: Connection  # the parent's end of the pipe
     link: PipeLink | None = None  # set once it is ready
     session: str = ""  # its transport session, from WorkerReady
     dead: str = ""  # why it was declared dead; "" while alive
+
+    def ready_link(self) -> PipeLink:
+        """Its link: every worker has one once `ProcessViews` is made (`_wait_ready`)."""
+        assert self.link is not None, f"{self.worker_id} has no link yet: used before it sent WorkerReady?"
+        return self.link
 
 
 class ProcessViews:
@@ -250,11 +241,11 @@ class ProcessViews:
     async def workers(self) -> list:
         from router.workers import WorkerInfo
 
-        return [WorkerInfo(w.worker_id, w.spec.role, 1, not self._check(w), w.session, w.link.stats, 0,
-                           w.link, pid=w.process.pid) for w in self.procs.values()]
+        return [WorkerInfo(w.worker_id, w.spec.role, 1, not self._check(w), w.session, w.ready_link().stats, 0,
+                           w.ready_link(), pid=w.process.pid or 0) for w in self.procs.values()]
 
     def link(self, worker_id: str) -> PipeLink:
-        return self.procs[worker_id].link
+        return self.procs[worker_id].ready_link()
 
     def kill(self, worker_id: str) -> None:
         """Test hook: SIGKILL the worker's process (no goodbye)."""
@@ -267,6 +258,7 @@ class ProcessViews:
             if time.monotonic() - asked > fresh_within_s or link.closed:
                 raise TimeoutError(f"no stats heartbeat from {worker_id} within {fresh_within_s}s")
             await asyncio.sleep(0.02)
+        assert link.stats is not None, "a beat that moved last_step_s carries stats (`PipeLink._take`)"
         return link.stats
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -287,10 +279,10 @@ class ProcessViews:
     def _check(self, w: _Proc) -> str:
         """Why `w` is dead ("" while alive); a worker found dead is killed, once."""
         if not w.dead:
-            now = time.monotonic()
-            w.dead = death_cause(crashed=w.link.crashed, exit_code=w.process.exitcode,
-                                 beat_age_s=now - w.link.last_beat_s, beat_timeout_s=self.heartbeat_timeout_s,
-                                 step_age_s=now - w.link.last_step_s, step_timeout_s=self.step_timeout_s)
+            now, link = time.monotonic(), w.ready_link()
+            w.dead = death_cause(crashed=link.crashed, exit_code=w.process.exitcode,
+                                 beat_age_s=now - link.last_beat_s, beat_timeout_s=self.heartbeat_timeout_s,
+                                 step_age_s=now - link.last_step_s, step_timeout_s=self.step_timeout_s)
             if w.dead:
                 log.error("%s is dead: %s", w.worker_id, w.dead)
                 w.process.kill()

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -130,7 +131,8 @@ def _messages(prompt: Prompt, codec: TextCodec | None) -> list[dict]:
         return list(prompt)
     if codec is None:
         raise ValueError("token-id prompts on the chat endpoint need a tokenizer (--tokenizer) to become text")
-    return [{"role": "user", "content": codec.decode(list(prompt))}]
+    token_ids = cast("tuple[int, ...]", prompt)  # neither text nor messages (above): token ids (`Prompt`)
+    return [{"role": "user", "content": codec.decode(list(token_ids))}]
 
 
 @dataclass
@@ -234,9 +236,11 @@ async def run_client(target: Target, jobs: list[Job], shape: LoadShape, codec: T
 
     `start_at_wall_s`: wait until that `time.time()` before the run starts (clients on several nodes
     start together)."""
-    offsets_s = arrival_offsets_s(len(jobs), shape.request_rate, shape.burstiness, np.random.default_rng(shape.seed))
-    if jobs and all(isinstance(job, SampleRequest) and job.arrival_s is not None for job in jobs):
-        offsets_s = [job.arrival_s for job in jobs]  # a trace's own arrival times
+    offsets_s: np.ndarray | list[float] = arrival_offsets_s(len(jobs), shape.request_rate, shape.burstiness,
+                                                            np.random.default_rng(shape.seed))
+    traced_s = [job.arrival_s for job in jobs if isinstance(job, SampleRequest) and job.arrival_s is not None]
+    if jobs and len(traced_s) == len(jobs):
+        offsets_s = traced_s  # a trace's own arrival times
     cap = shape.max_concurrency
     slots = asyncio.Semaphore(cap) if cap else contextlib.nullcontext()
     progress = make_progress(num_requests(jobs), show_progress)

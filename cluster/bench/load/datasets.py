@@ -126,6 +126,7 @@ def make_jobs(spec: DatasetSpec, seed: int) -> list[Job]:
         return _conversations(spec, rng)
     if spec.name == "mooncake-trace":
         return _trace_samples(spec, seed)
+    assert spec.path is not None, "a jsonl dataset without its path: DatasetSpec checks --dataset-path"
     return _jsonl_samples(Path(spec.path), spec.num_prompts)
 
 
@@ -179,6 +180,7 @@ def _jsonl_sample(index: int, row: dict, path: Path) -> SampleRequest:
 
 
 def _trace_samples(spec: DatasetSpec, seed: int) -> list[Job]:
+    assert spec.path is not None, "a trace without its path: DatasetSpec checks --dataset-path"
     path = Path(spec.path)
     rows = [json.loads(line) for line in path.read_text().splitlines()[:spec.num_prompts] if line.strip()]
     if not rows:

@@ -16,6 +16,7 @@ value <= SLO); a request with one output token has tpot 0 for it (vLLM's rule).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -128,7 +129,7 @@ def compute_result(outputs: list[RequestOutput], duration_s: float, metric_names
     total_input = sum(o.prompt_len for o in ok)
     total_output = sum(o.output_tokens for o in ok)
     series = time_series(outputs, duration_s)
-    result = {
+    result: dict[str, Any] = {  # JSON: figures, then the raw samples
         "duration": duration_s, "completed": len(ok), "failed": len(outputs) - len(ok),
         "total_input_tokens": total_input, "total_output_tokens": total_output,
         "request_throughput": len(ok) / duration_s,

@@ -5,6 +5,8 @@ have no such route: then nothing is reported."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from cluster.bench.load.client import RequestOutput
@@ -37,7 +39,7 @@ def ttft_phases(outputs: list[RequestOutput], timelines: dict[str, dict] | None)
         return None
     phases = [phase_seconds(e) for e in joined]
     names = sorted({name for p in phases for name in p}, key=lambda n: _ORDER.get(n, 99))
-    out = {"requests": len(joined), "server_ttft": _stats([e["first_token_s"] for e in joined
+    out: dict[str, Any] = {"requests": len(joined), "server_ttft": _stats([e["first_token_s"] for e in joined
                                                             if e["first_token_s"] is not None]),
            "phases": {name: _stats([p.get(name, 0.0) for p in phases]) for name in names},
            "worker_spans": {}}

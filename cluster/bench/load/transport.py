@@ -36,6 +36,11 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import aiohttp
+    import httpx
 
 BODY_SNIPPET_BYTES = 300
 KEEPALIVE_EXPIRY_S = 3.0  # a pooled connection idle this long is closed by the client
@@ -72,8 +77,14 @@ class AiohttpTransport:
 
     def __init__(self, base_url: str, max_connections: int | None):
         self.base_url, self.max_connections = base_url.rstrip("/"), max_connections
-        self.session = self.fresh_session = None
+        self.session: aiohttp.ClientSession | None = None  # made by `async with`, as is the fresh one
+        self.fresh_session: aiohttp.ClientSession | None = None
         self.num_retries = 0
+
+    def _sessions(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
+        """(pooled, fresh), made by `__aenter__`."""
+        assert self.session is not None and self.fresh_session is not None, "a transport used outside `async with`"
+        return self.session, self.fresh_session
 
     async def __aenter__(self) -> AiohttpTransport:
         import aiohttp
@@ -90,23 +101,25 @@ class AiohttpTransport:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        await self.session.close()
-        await self.fresh_session.close()
+        session, fresh = self._sessions()
+        await session.close()
+        await fresh.close()
 
     async def _post(self, path: str, body: dict, headers: dict):
         """The response, its status line and headers read; sent again once by the module's rule."""
         import aiohttp
 
+        session, fresh = self._sessions()
         attempt = _Attempt()
         try:
-            return await self.session.post(self.base_url + path, json=body, headers=headers, trace_request_ctx=attempt)
+            return await session.post(self.base_url + path, json=body, headers=headers, trace_request_ctx=attempt)
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, _connection_reset_error(aiohttp)) as exc:
             # ServerDisconnectedError carries what the parser made of a partial response, else a string
             nothing_parsed = not isinstance(exc, aiohttp.ServerDisconnectedError) or isinstance(exc.message, str)
             if not attempt.reused or isinstance(exc, aiohttp.ClientConnectorError) or not nothing_parsed:
                 raise
         self.num_retries += 1
-        return await self.fresh_session.post(self.base_url + path, json=body, headers=headers)
+        return await fresh.post(self.base_url + path, json=body, headers=headers)
 
     async def sse_data(self, path: str, body: dict, headers: dict) -> AsyncIterator[str]:
         async with await self._post(path, body, headers) as resp:
@@ -118,7 +131,7 @@ class AiohttpTransport:
                     yield payload
 
 
-def _connection_reset_error(aiohttp) -> type:
+def _connection_reset_error(aiohttp) -> type[Exception]:
     """A write to a closing transport: aiohttp >= 3.10 raises its own type, older ones ClientOSError."""
     return getattr(aiohttp, "ClientConnectionResetError", aiohttp.ClientOSError)
 
@@ -136,8 +149,14 @@ class HttpxTransport:
 
     def __init__(self, base_url: str, max_connections: int | None):
         self.base_url, self.max_connections = base_url.rstrip("/"), max_connections
-        self.client = self.fresh_client = None
+        self.client: httpx.AsyncClient | None = None  # made by `async with`, as is the fresh one
+        self.fresh_client: httpx.AsyncClient | None = None
         self.num_retries = 0
+
+    def _clients(self) -> tuple[httpx.AsyncClient, httpx.AsyncClient]:
+        """(pooled, fresh), made by `__aenter__`."""
+        assert self.client is not None and self.fresh_client is not None, "a transport used outside `async with`"
+        return self.client, self.fresh_client
 
     async def __aenter__(self) -> HttpxTransport:
         import httpx
@@ -151,26 +170,27 @@ class HttpxTransport:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        await self.client.aclose()
-        await self.fresh_client.aclose()
+        client, fresh = self._clients()
+        await client.aclose()
+        await fresh.aclose()
 
     async def _send(self, path: str, body: dict, headers: dict):
         """The response, its status line and headers read; sent again once by the module's rule."""
         import httpx
 
+        client, fresh = self._clients()
         attempt = _Attempt()
-        request = self.client.build_request("POST", path, json=body, headers=headers,
+        request = client.build_request("POST", path, json=body, headers=headers,
                                             extensions={"trace": attempt.on_httpcore_event})
         try:
-            return await self.client.send(request, stream=True)
+            return await client.send(request, stream=True)
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
             # httpcore's words for an end of stream before any response; other protocol errors parsed bytes
             nothing_parsed = not isinstance(exc, httpx.RemoteProtocolError) or "without sending a response" in str(exc)
             if attempt.connected or not nothing_parsed:
                 raise
         self.num_retries += 1
-        return await self.fresh_client.send(self.fresh_client.build_request("POST", path, json=body, headers=headers),
-                                            stream=True)
+        return await fresh.send(fresh.build_request("POST", path, json=body, headers=headers), stream=True)
 
     async def sse_data(self, path: str, body: dict, headers: dict) -> AsyncIterator[str]:
         resp = await self._send(path, body, headers)

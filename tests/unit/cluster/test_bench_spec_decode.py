@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from cluster.bench.spec_decode import measure, mode_config, summarize
+from cluster.bench.spec_decode import counted_since, measure, mode_config, summarize
 from common.config import EngineConfig, SamplingParams
+from common.protocol import SpecStats
 from engine import build_engine
 from tests.helpers import make_prompts, tiny_draft_head, tiny_models
 
@@ -106,3 +107,11 @@ def test_a_closed_engine_and_its_kv_pool_are_freed_when_dropped():
         assert freed() is None and kv() is None, "an engine part still refers back to it (a cycle)"
     finally:
         gc.enable()
+
+
+def test_counted_since_reads_as_counters_reset_at_the_first_snapshot():
+    """Positions drafted since keep their accepted count, 0 too; one drafted only before is gone."""
+    warm = SpecStats(3, ((0, 1), (2, 2)), ((1, 3), (2, 2), (3, 1)), ((1, 2), (2, 2), (3, 0)), 1)
+    after = SpecStats(5, ((0, 2), (1, 1), (2, 2)), ((1, 5), (2, 3), (3, 1)), ((1, 3), (2, 2), (3, 0)), 1)
+    assert counted_since(warm, after) == SpecStats(2, ((0, 1), (1, 1)), ((1, 2), (2, 1)), ((1, 1), (2, 0)), 0)
+    assert counted_since(SpecStats(), SpecStats()) == SpecStats()  # speculation off

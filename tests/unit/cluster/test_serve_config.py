@@ -337,3 +337,12 @@ def test_overrides_are_not_mutated():
     cfg = load_serve_config(None, overrides)
     assert (cfg.gateway.port, cfg.gateway.host) == (1234, "0.0.0.0")
     assert overrides == {"gateway": {"port": 1234}, "gateway.host": "0.0.0.0"}
+
+
+def test_with_groups_replaces_the_named_groups_and_keeps_the_others():
+    config = ServeConfig()
+    colocated = WorkerGroupConfig(count=2)
+    changed = config.with_groups({"colocated": colocated})
+    assert changed.colocated == colocated and changed.prefill is config.prefill and changed.decode is config.decode
+    with pytest.raises(AssertionError, match=r"not worker groups: \['gateway'\]"):
+        config.with_groups({"gateway": colocated})

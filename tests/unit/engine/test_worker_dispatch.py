@@ -5,6 +5,7 @@ engine's parts (they ask the engine, never its scheduler or caches)."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,17 +107,19 @@ def test_an_arrived_first_token_goes_through_the_stop_rules_as_a_sampled_one():
 
 
 WORKER_SOURCES = ["decode_worker", "prefill_worker", "engine/worker_base.py", "cluster/worker_host"]
+BENCH_SOURCES = ["cluster/bench"]  # the in-process benchmarks drive an `EngineCore` the same way
+FROZEN_PARTS = ("config", "arch")  # frozen values fixed at build (`EngineConfig`, `LlamaArch`): read freely
 
 
 def engine_reach_ins(path: Path) -> list[str]:
     """`engine.a.b` chains (the engine a worker holds, `engine`, `self.engine` or `worker.engine`, then
-    two attributes), but its frozen config's fields."""
+    two attributes), but its frozen config's and model shape's fields."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)):
             continue
         held = node.value.value
-        if node.value.attr == "config":
+        if node.value.attr in FROZEN_PARTS:
             continue
         if (isinstance(held, ast.Name) and held.id == "engine") or (
                 isinstance(held, ast.Attribute) and held.attr == "engine" and isinstance(held.value, ast.Name)
@@ -125,10 +128,24 @@ def engine_reach_ins(path: Path) -> list[str]:
     return found
 
 
-def test_workers_ask_the_engine_and_never_reach_into_its_parts():
-    """A worker calls `EngineCore`'s own methods (`has_compute`, `cached_prefix_len`, `start_compile`...);
-    a chain like `engine.kvm.prefix_cache` ties it to how the engine is built."""
-    files = [f for source in WORKER_SOURCES
-             for f in ([ROOT / source] if source.endswith(".py") else sorted((ROOT / source).glob("*.py")))]
+def sources(names: list[str]) -> list[Path]:
+    """The modules of `names`: files as given, folders walked to the bottom."""
+    return [f for source in names
+            for f in ([ROOT / source] if source.endswith(".py") else sorted((ROOT / source).rglob("*.py")))]
+
+
+@pytest.mark.parametrize("names", [WORKER_SOURCES, BENCH_SOURCES], ids=["workers", "benches"])
+def test_workers_and_benches_ask_the_engine_and_never_reach_into_its_parts(names):
+    """A worker or a benchmark calls `EngineCore`'s own methods (`has_compute`, `cached_prefix_len`,
+    `tier_stats`, `occupancy`...); a chain like `engine.kvm.prefix_cache` ties it to how the engine is built."""
+    files = sources(names)
     assert len(files) > 5
     assert [hit for f in files for hit in engine_reach_ins(f)] == []
+
+
+def test_a_reach_in_is_named_with_its_line(tmp_path, monkeypatch):
+    """The walker names a chain through a part, and lets the frozen config and arch be read."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(engine):\n    return engine.config.dtype, engine.arch.vocab_size, engine.kvm.pool\n")
+    assert engine_reach_ins(probe) == ["probe.py:2 engine.kvm.pool"]

@@ -25,9 +25,9 @@ from tests.integration.serve_harness import eventually, metric, serving
 pytestmark = [pytest.mark.slow, pytest.mark.isa]  # bf16 matmuls: native where the CPU has bf16 dot products
 
 NEAR_TIE = 0.5  # logits: four bf16 steps at SmolLM2's top logits
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three laws of thermodynamics are", "Water boils at", "The largest planet in the solar system is")
+           "The three laws of thermodynamics are")
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def complete_all(server, prompts: tuple[str, ...]) -> list[tuple[list[int], list
 
 
 def test_concurrent_bf16_streams_decode_in_c_and_follow_the_exact_greedy_tokens(server):
-    """Six streams at once (decode batches of up to six rows) through the bf16 C layers, nothing
+    """Four streams at once (decode batches of up to four rows) through the bf16 C layers, nothing
     compiled; each stream's tokens are the float64 reference's until a near-tie of the reference's,
     if any (module docstring), and agree with it for a third of their tokens at least."""
     before = server.metrics()

@@ -1,5 +1,5 @@
 """The host tier (L2) through the product: `tandem serve` whose prefill worker has a small device pool
-(64 pages) and a host tier (4x), KV checked after every scheduler step. Two chat conversations take
+(32 pages) and a host tier (4x), KV checked after every scheduler step. Two chat conversations take
 turns until their histories outgrow the prefill worker's device pool: each later turn still finds
 its whole history cached, the previous answer included (decoded on the decode worker, prefilled on
 the prefill worker after the turn: `PrefillAnswer`), evicted to L2 and loaded back; asked again, the
@@ -17,9 +17,10 @@ from tests.integration.serve_harness import eventually, metric, serving
 pytestmark = pytest.mark.slow
 
 PAGE = 16
-PREFILL_PAGES = 64  # 1,008 usable tokens: less than the two conversations' histories together
+PREFILL_PAGES = 32  # 496 usable tokens: less than the two conversations' histories together
 MAX_NEW = 16
-TURNS = 3
+TURNS = 2
+TURN_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +34,11 @@ def server(tmp_path_factory):
 
 
 def user_turn(conversation: int, turn: int) -> str:
-    """~220 tokens of English, different for every turn of every conversation."""
+    """`TURN_TOKENS` tokens of English, different for every turn of every conversation."""
     loaded, _ = smollm2()
     text = " ".join(CHAT_PROMPTS[(conversation * TURNS + turn + k) % len(CHAT_PROMPTS)] for k in range(8))
     ids = loaded.tokenizer.encode(f"Conversation {conversation}, turn {turn}. {text}", add_special_tokens=False)
-    return loaded.tokenizer.decode(ids[:220])
+    return loaded.tokenizer.decode(ids[:TURN_TOKENS])
 
 
 def ask(server, messages: list[dict]) -> tuple[list[int], list[int], str, int]:

@@ -1,5 +1,5 @@
 """L3 through the product: `tandem serve` (defaults but for the L3 URL, KV checked after every
-scheduler step) over a real `redis-server` on loopback. A ~1k-token prompt served once is in Redis;
+scheduler step) over a real `redis-server` on loopback. A 480-token prompt served once is in Redis;
 after a restart, the same prompt's prefix comes back from L3 (usage and the tier metric say so) and
 the answer is still HF transformers' greedy one. With two prefill workers taking turns, a long
 shared prefix is prefilled once: the other worker fetches it from L3. With Redis killed, requests
@@ -17,7 +17,7 @@ from tests.integration.serve_harness import eventually, metric, start_server
 
 pytestmark = pytest.mark.slow
 
-PROMPT_TOKENS = 1000
+PROMPT_TOKENS = 480
 MAX_NEW = 12
 PAGE = 16
 # two prefill workers taking turns, every prompt crossing to one (a question alone would stay on the
@@ -115,7 +115,7 @@ def test_after_a_restart_the_prompt_is_served_from_l3_with_hf_greedy_output(star
 
 
 def test_two_prefill_workers_prefill_a_shared_prefix_once_and_share_it_through_l3(start, redis_server):
-    """6 requests with one 1k-token prefix and different questions, sent in turn to two prefill
+    """6 requests with one ~450-token prefix and different questions, sent in turn to two prefill
     workers (round robin: 3 each): the prefix is prefilled once in all, the second worker's first
     request fetches it from L3, and the answers are HF's greedy ones."""
     server = start.running(TWO_PREFILL)

@@ -44,7 +44,8 @@ def test_host_serves_compiles_beside_serving_reports_a_long_step_and_stops(tmp_p
     from tests.helpers import hf_greedy
     from tests.unit.engine.test_model_families import reference
 
-    model = reference("qwen3", vocab_size=49152, max_position_embeddings=512, num_hidden_layers=1)  # SmolLM2's tokenizer beside it
+    # one layer: the compile is what is tested; SmolLM2's tokenizer beside it
+    model = reference("qwen3", vocab_size=49152, max_position_embeddings=512, num_hidden_layers=1)
     model.save_pretrained(tmp_path)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(resolve_model_dir("smollm2") / file, tmp_path / file)

@@ -307,19 +307,24 @@ class Controller:
                 await self._restart(slot)
 
     async def _beat(self, slot: _Slot, timeout_s: float) -> None:
-        assert slot.handle is not None, f"{slot.worker_id} beaten without an actor: only an ALIVE slot is (`_watch`)"
+        """One heartbeat of the slot's incarnation. Its answer (or failure) counts only while that incarnation
+        is still the slot's: a drain-restart may stop it and launch the next while the call is out."""
+        handle, incarnation = slot.handle, slot.incarnation
+        assert handle is not None, f"{slot.worker_id} beaten without an actor: only an ALIVE slot is (`_watch`)"
         try:
-            beat = await asyncio.wait_for(slot.handle.heartbeat.remote(), timeout_s)
+            beat = await asyncio.wait_for(handle.heartbeat.remote(), timeout_s)
         except asyncio.TimeoutError:
-            self._declare_dead(slot, f"no heartbeat answer within {timeout_s}s")
+            self._declare_dead(slot, handle, f"no heartbeat answer within {timeout_s}s")
             return
         except Exception as exc:  # noqa: BLE001 - RayActorError and friends: the process is gone
-            self._declare_dead(slot, f"{type(exc).__name__}: {exc}")
+            self._declare_dead(slot, handle, f"{type(exc).__name__}: {exc}")
             return
+        if slot.handle is not handle or slot.incarnation != incarnation:
+            return  # stopped or replaced meanwhile: the answer is of an incarnation that is over
         why = death_cause(crashed=beat.crashed, step_age_s=beat.loop_silent_s,
                           step_timeout_s=self.config.cluster.step_timeout_s)
         if why:  # the heartbeat's own silence is the wait_for above
-            self._declare_dead(slot, why)
+            self._declare_dead(slot, handle, why)
             return
         slot.last_beat = time.monotonic()
         if beat.stats is not None:
@@ -328,12 +333,17 @@ class Controller:
         if beat.draining and not slot.draining and not self._stopping:  # it got SIGTERM: drain, then restart
             slot.drain_task = asyncio.create_task(self.restart_worker(slot.worker_id))
 
-    def _declare_dead(self, slot: _Slot, why: str) -> None:
+    def _declare_dead(self, slot: _Slot, handle: ActorHandle, why: str) -> None:
+        """Kill the incarnation of `handle` and leave the slot DEAD for `_watch` to restart; nothing when
+        the slot no longer holds it (a drain-restart stopped it while its heartbeat was out, and may have
+        launched the next incarnation, which must not be killed for the old one's silence)."""
         if self._stopping:
             return
+        if slot.handle is not handle:
+            log.info("%s: a heartbeat of a stopped incarnation failed (%s); ignored", slot.worker_id, why)
+            return
         log.error("%s incarnation %d is dead: %s", slot.worker_id, slot.incarnation, why)
-        assert slot.handle is not None, f"{slot.worker_id} has no actor to kill: stopped while its heartbeat was out?"
-        ray.kill(slot.handle, no_restart=True)
+        ray.kill(handle, no_restart=True)
         slot.handle, slot.state = None, SlotState.DEAD
 
     async def _restart(self, slot: _Slot) -> None:

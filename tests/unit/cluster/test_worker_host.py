@@ -119,6 +119,42 @@ def test_controller_declares_dead_exactly_the_failed_hung_and_silent(killed, han
     assert killed == ([] if alive else [handle])
 
 
+@pytest.mark.parametrize("outcome", [RuntimeError("actor died"),  # the stopped process is gone
+                                     HostBeat("decode-0", None, "Traceback ...", loop_silent_s=0.1)])  # a late answer
+@pytest.mark.parametrize("relaunched", [True, False])
+def test_a_heartbeat_out_while_a_drain_restart_replaces_the_worker_kills_nothing(killed, outcome, relaunched):
+    """A drain-restart stops the worker (and launches its next incarnation) while a heartbeat call to the
+    old one is still out; that call then fails or answers as a crashed loop. It kills nothing and leaves
+    the slot as the restart left it (it used to kill the new incarnation, or raise on the missing one)."""
+    config = load_serve_config(overrides={"cluster.heartbeat_timeout_s": 5.0})
+    new = _FakeActor(HostBeat("decode-0", None, "", loop_silent_s=0.1))
+
+    async def run() -> _Slot:
+        gate = asyncio.Event()
+
+        async def answer():
+            await gate.wait()
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        old = SimpleNamespace(heartbeat=SimpleNamespace(remote=answer))
+        slot = _Slot("decode-0", "decode", config.decode, pg=None, bundle_index=0, state=SlotState.ALIVE, handle=old,
+                     budget=RestartBudget(5, 600.0), incarnation=1)
+        beat = asyncio.create_task(Controller(config)._beat(slot, 5.0))
+        await asyncio.sleep(0.01)  # the call is out
+        slot.handle, slot.state = None, SlotState.STOPPED  # what `_stop` leaves
+        if relaunched:  # and `_launch`
+            slot.handle, slot.state, slot.incarnation = new, SlotState.ALIVE, 2
+        gate.set()
+        await beat
+        return slot
+
+    slot = asyncio.run(run())
+    assert killed == []
+    assert (slot.state, slot.handle) == ((SlotState.ALIVE, new) if relaunched else (SlotState.STOPPED, None))
+
+
 @pytest.mark.slow
 def test_actor_with_hostname_auto_advertises_its_node_address(monkeypatch):
     import ray

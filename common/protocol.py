@@ -148,6 +148,7 @@ class GraphStats:
     replays: int = 0
     fallbacks: tuple[tuple[str, int], ...] = ()  # (reason, steps): not_decode, batch_too_large, ...
     compiling: bool = False  # a CPU decode step still compiles beside serving (it replays eagerly meanwhile)
+    computed_tokens: int = 0  # tokens its forward passes computed (prompt chunks, decode and verify rows)
 
 
 @dataclass(frozen=True)

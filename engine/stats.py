@@ -57,7 +57,8 @@ def spec_stats(c: SpecCounters | None) -> SpecStats:
 
 def graph_stats(c: GraphCounters, compiling: bool = False) -> GraphStats:
     """From a graph runner's `GraphCounters` (and whether it still compiles)."""
-    return GraphStats(c.replays, tuple(sorted((reason.value, n) for reason, n in c.fallbacks.items())), compiling)
+    return GraphStats(c.replays, tuple(sorted((reason.value, n) for reason, n in c.fallbacks.items())), compiling,
+                      c.computed_tokens)
 
 
 class _L3Fields(TypedDict, total=False):

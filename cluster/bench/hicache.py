@@ -55,8 +55,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from cluster.bench.hicache_engines import (
-    CountingRunner,
     EngineFactory,
+    ForwardCounter,
     L2Sizing,
     ceil_pages,
     mean_or_zero,
@@ -173,7 +173,7 @@ def user_turns(spec: MultiTurnSpec, vocab_size: int) -> list[list[list[int]]]:
 class _Conversations:
     """One engine's side of the multi-turn workload: its histories and results so far."""
 
-    def __init__(self, engine: EngineCore, counter: CountingRunner, spec: MultiTurnSpec):
+    def __init__(self, engine: EngineCore, counter: ForwardCounter, spec: MultiTurnSpec):
         self.engine, self.counter = engine, counter
         self.params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
         self.histories: list[list[int]] = [[] for _ in range(spec.conversations)]
@@ -236,7 +236,7 @@ def retract_prompts(spec: RetractSpec, vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab_size) for _ in range(spec.prompt_tokens)] for _ in range(spec.requests)]
 
 
-def run_retract(engine: EngineCore, counter: CountingRunner, spec: RetractSpec) -> RetractRun:
+def run_retract(engine: EngineCore, counter: ForwardCounter, spec: RetractSpec) -> RetractRun:
     prompts = retract_prompts(spec, engine.arch.vocab_size)
     retractions, hits = engine.num_retractions, engine.tier_stats().hit_tokens_l2
     start_s = time.perf_counter()

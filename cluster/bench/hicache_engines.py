@@ -3,7 +3,7 @@ hicache_l3.py: L3 after a restart). The method, and how tokens are counted, are 
 
     EngineFactory, shared_model_factory   an engine for a config (with L3 when given), over one loaded model
     warm_engine                           one made and warmed up; on leaving: backups drained, KV checked, closed
-    CountingRunner                        the engine's ModelRunner, counting the tokens its forward passes compute
+    ForwardCounter                        the tokens an engine's forward passes have computed since a point
     run_one, steps_until_finished         one request alone to its end and its TTFT; steps that raise on a stall
     L2Sizing, on_off_configs              the L1 and L2 pages of a tier-on / tier-off pair of engines
 """
@@ -36,22 +36,15 @@ EngineFactory = Callable[[EngineConfig, "L3Config | None"], "EngineCore"]
 the tiny model)."""
 
 
-class CountingRunner:
-    """The engine's ModelRunner, counting the tokens its forward passes compute."""
+class ForwardCounter:
+    """The tokens an engine's forward passes have computed since this was made (its graph runner counts them)."""
 
-    def __init__(self, runner):
-        self.runner, self.num_tokens = runner, 0
+    def __init__(self, engine: EngineCore):
+        self.engine, self._base = engine, engine.graph_stats().computed_tokens
 
-    def forward(self, rows):
-        self.num_tokens += sum(len(r.token_ids) for r in rows)
-        return self.runner.forward(rows)
-
-    def run(self, step):
-        self.num_tokens += sum(len(r.token_ids) for r in step.rows)
-        return self.runner.run(step)
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
+    @property
+    def num_tokens(self) -> int:
+        return self.engine.graph_stats().computed_tokens - self._base
 
 
 # ---- engines ----------------------------------------------------------------------------------------
@@ -76,12 +69,12 @@ def shared_model_factory() -> EngineFactory:
 
 @contextlib.contextmanager
 def warm_engine(factory: EngineFactory, config: EngineConfig,
-                l3: L3Config | None = None) -> Iterator[tuple[EngineCore, CountingRunner]]:
+                l3: L3Config | None = None) -> Iterator[tuple[EngineCore, ForwardCounter]]:
     """A fresh, warmed-up engine and its forward counter; on leaving: backups drained, KV checked, closed."""
     engine = factory(config, l3)
     try:
         engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=2))
-        counter = engine.runner = CountingRunner(engine.runner)
+        counter = ForwardCounter(engine)
         yield engine, counter
         settle(engine)
         engine.check_integrity()
@@ -115,7 +108,7 @@ def ceil_pages(num_tokens: float, page_size: int) -> int:
 
 
 # ---- one request alone -----------------------------------------------------------------------------
-def run_one(engine: EngineCore, counter: CountingRunner, prompt: list[int],
+def run_one(engine: EngineCore, counter: ForwardCounter, prompt: list[int],
             params: SamplingParams) -> tuple[Request, float]:
     """Run one request alone to its end: (the finished request, its TTFT in seconds)."""
     start_s = time.perf_counter()
@@ -129,7 +122,7 @@ def run_one(engine: EngineCore, counter: CountingRunner, prompt: list[int],
     return req, ttft_s
 
 
-def steps_until_finished(engine: EngineCore, counter: CountingRunner,
+def steps_until_finished(engine: EngineCore, counter: ForwardCounter,
                          reqs: list[Request]) -> Iterator[list[StepOutput]]:
     """Each step's outputs until `reqs` have finished. Raises RuntimeError when the engine stalls:
     `STALL_STEPS` steps in a row with no forward pass and no host-tier copy in flight."""

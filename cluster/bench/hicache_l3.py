@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.bench.hicache_engines import (
-    CountingRunner,
     EngineFactory,
+    ForwardCounter,
     L2Sizing,
     ceil_pages,
     mean_or_zero,
@@ -131,7 +131,7 @@ def _l3_flushed(engine: EngineCore) -> TierStats:
     return engine.tier_stats()
 
 
-def _first_token(engine: EngineCore, counter: CountingRunner, prompt: list[int]) -> tuple[Request, float, int, int]:
+def _first_token(engine: EngineCore, counter: ForwardCounter, prompt: list[int]) -> tuple[Request, float, int, int]:
     """(the request, its TTFT, tokens an L3 prefetch brought it, its forward tokens), run alone."""
     l3_hits, forward = engine.tier_stats().hit_tokens_l3, counter.num_tokens
     req, ttft_s = run_one(engine, counter, prompt, FIRST_TOKEN)
@@ -139,7 +139,7 @@ def _first_token(engine: EngineCore, counter: CountingRunner, prompt: list[int])
     return req, ttft_s, engine.tier_stats().hit_tokens_l3 - l3_hits, counter.num_tokens - forward
 
 
-def _restarted_prompt(cold: tuple[EngineCore, CountingRunner], with_l3: tuple[EngineCore, CountingRunner],
+def _restarted_prompt(cold: tuple[EngineCore, ForwardCounter], with_l3: tuple[EngineCore, ForwardCounter],
                       prompt: list[int]) -> RestartResult:
     c_req, c_ttft_s, _, _ = _first_token(*cold, prompt)
     req, ttft_s, l3_hits, computed = _first_token(*with_l3, prompt)

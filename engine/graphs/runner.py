@@ -106,6 +106,7 @@ def graph_max_batch(config: EngineConfig) -> int:
 class GraphCounters:
     replays: int = 0
     fallbacks: Counter = field(default_factory=Counter)  # Fallback -> steps run eagerly for it
+    computed_tokens: int = 0  # tokens of the rows `run` and `forward` computed
 
 
 @dataclass
@@ -161,6 +162,7 @@ class GraphRunner:
     # ---- the step ----------------------------------------------------------------------------------
     def run(self, step: ScheduledStep) -> ForwardOut:
         """`step`'s forward (its rows refreshed when the pool relocated)."""
+        self.counters.computed_tokens += sum(len(r.token_ids) for r in step.rows)
         reason, bucket, tree = self._gate(step)
         if reason is None:
             self.counters.replays += 1
@@ -172,6 +174,7 @@ class GraphRunner:
 
     def forward(self, rows: list[ForwardRow]) -> ForwardOut:
         """An eager step, ungated (a failed batch retried row by row)."""
+        self.counters.computed_tokens += sum(len(r.token_ids) for r in rows)
         return self.eager.forward(rows)
 
     def replay(self, rows: list[ForwardRow], bucket: int) -> ForwardOut:

@@ -144,6 +144,22 @@ def test_greedy_output_is_hf_with_graphs_on_and_off_and_steady_decode_never_fall
         engine.close()
 
 
+def test_the_tokens_forwards_compute_are_counted_and_a_cached_prefix_is_not():
+    """`GraphStats.computed_tokens`, graphs on and off: a prompt's tokens and each output token but the
+    last (never fed back); the same prompt again computes only what its cached prefix leaves."""
+    prompt = make_prompts(1, seed=5)[0]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for graph in (True, False):
+        engine = make_engine(cuda_graph=graph)
+        (first,) = engine.generate([prompt], params)
+        assert first.cached_tokens == 0 and engine.graph_stats().computed_tokens == len(prompt) + 5
+        (again,) = engine.generate([prompt], params)
+        assert again.cached_tokens > 0
+        assert engine.graph_stats().computed_tokens == 2 * (len(prompt) + 5) - again.cached_tokens
+        engine.check_integrity()
+        engine.close()
+
+
 def test_cpu_native_replays_give_hf_greedy_output_and_compile_nothing():
     """By default a CPU float32 engine's decode steps of up to four requests run their layers in C:
     buckets 1, 2 and 4 replay through it (3 requests: bucket 4 with a padding row on scratch page 0),

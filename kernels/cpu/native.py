@@ -14,9 +14,10 @@ Built on first use with the C compiler torch.compile uses too (`$CC`, else cc / 
 AVX2 baseline CI also tests on a wider CPU; the kernel's results do not depend on it: its sums run
 in a fixed order, contraction off), into ``<cache root>/kernels/`` under a name keyed by the source, the
 flags, the compiler and this CPU, so a cache shared between different machines never loads another
-CPU's build; a worker process that finds it there only loads it. Its OpenMP team is torch's:
-torch ships the libgomp the process has loaded, and `torch.set_num_threads` sets the caller's team
-size. Where no compiler works, `kernel()` is None, one warning says why, and the torch path serves.
+CPU's build; a worker process that finds it there only loads it, and workers that start at once build it
+once (a file lock beside it). Its OpenMP team is torch's: torch ships the libgomp the process has loaded,
+and `torch.set_num_threads` sets the caller's team size. Where no compiler works, `kernel()` is None,
+one warning says why, and the torch path serves.
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ def _library_path(compiler: str) -> Path:
 
 
 def _build_and_load() -> ctypes.CDLL | None:
+    from kernels.model.convert import file_lock
+
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler (cc, gcc, clang or $CC): CPU decode attention takes the slower torch path")
@@ -163,10 +166,15 @@ def _build_and_load() -> ctypes.CDLL | None:
     path = _library_path(compiler)
     try:
         if not path.exists():
-            start_s = time.perf_counter()
-            build(compiler, path)
-            log.info("built the CPU decode-attention kernel (%s) in %.1f s: %s", flags()[0],
-                     time.perf_counter() - start_s, path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Workers that start at once on a fresh machine build it once: the others wait here (a build
+            # ends within BUILD_TIMEOUT_S; a holder that dies drops the lock) and then find it built.
+            with file_lock(path.parent / f".{LIBRARY}.lock"):
+                if not path.exists():
+                    start_s = time.perf_counter()
+                    build(compiler, path)
+                    log.info("built the CPU decode-attention kernel (%s) in %.1f s: %s", flags()[0],
+                             time.perf_counter() - start_s, path)
         return load(path)
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("building the CPU decode-attention kernel failed (%s): it takes the slower torch path", e)

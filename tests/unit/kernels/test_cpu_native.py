@@ -8,6 +8,8 @@ page, swamps its output.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -139,7 +141,27 @@ def test_a_build_goes_to_the_cache_root_loads_and_replaces_older_builds(monkeypa
     lib = cpu_native.kernel()
     assert lib is not None and lib.tandem_max_heads() > 0
     built = cpu_native._library_path(cpu_native._compiler()).name
-    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [built]
+    assert [p.name for p in (tmp_path / "kernels").glob("*.so")] == [built]
+
+
+def test_workers_that_start_at_once_build_it_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    builds, real_build = [], cpu_native.build
+
+    def slow_build(compiler, path):
+        builds.append(path)
+        time.sleep(0.3)  # long enough for the other worker to find no library and reach the lock
+        real_build(compiler, path)
+
+    monkeypatch.setattr(cpu_native, "build", slow_build)
+    libs: list = []
+    workers = [threading.Thread(target=lambda: libs.append(cpu_native._build_and_load())) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=cpu_native.BUILD_TIMEOUT_S)
+    assert len(libs) == 2 and all(lib is not None and lib.tandem_max_heads() > 0 for lib in libs)
+    assert len(builds) == 1  # the second waited on the lock and found the first one's library
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

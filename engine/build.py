@@ -27,10 +27,11 @@ import torch
 
 from common.config import ConfigError, EngineConfig
 from engine.connector import ConnectorPorts, KVConnector
-from engine.core import EngineCore, EngineParts
+from engine.core import EngineCore
 from engine.graphs.runner import GraphRunner, graph_max_batch
 from engine.graphs.strategy import choose_step_strategy
 from engine.graphs.tree import tree_verify_rows
+from engine.parts import EngineParts
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sessions import NullSessions, SessionManager

@@ -20,8 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -34,26 +32,19 @@ from engine.batch import run_batch
 from engine.connector import ConnectorPorts, KVConnector, NullConnector
 from engine.endings import Endings
 from engine.forward import run_forward
-from engine.graphs.runner import GraphRunner
 from engine.logprobs import record_output, record_prompt
 from engine.output import StepOutput, step_output
+from engine.parts import EngineParts
 from engine.request import FinishReason, Request, RequestStatus, check_tokens
 from engine.runner import ForwardOut, ForwardRow
-from engine.scheduler import ScheduledStep, Scheduler
-from engine.sessions import NullSessions, SessionError, SessionManager
-from engine.spec.factory import NullSpeculator
-from engine.spec.speculator import Committed, EagleSpeculator
+from engine.scheduler import ScheduledStep
+from engine.sessions import SessionError
+from engine.spec.speculator import Committed
 from engine.stats import IntegrityBeat, graph_stats, pool_stats, spec_stats, tier_stats
 from engine.stop import StopRules
 from engine.structured import StructuredOutputs
 from engine.tokens import apply_stop_rules, row_tokens
-from engine.tp import LeadModel
-from kernels.kv_layout import KVCacheTensors, populate_in_background
-from kernels.model.arch import LlamaArch
-from kernels.model.llama import LlamaForCausalLM
-from kv_store.device_pool import DevicePool
-from kv_store.host_cache import HostCache, NullHostCache
-from kv_store.kv_manager import KVManager
+from kernels.kv_layout import populate_in_background
 from kv_store.page_pool import PagePool, PoolUsage
 
 log = logging.getLogger("tandem.engine")
@@ -66,28 +57,9 @@ def debug_kv_enabled(config: EngineConfig) -> bool:
     return config.debug_kv or debug_kv_from_env()
 
 
-@dataclass(frozen=True)
-class EngineParts:
-    """An engine's parts, made and wired by `engine/build.py:build_engine` (the config resolved)."""
-
-    config: EngineConfig
-    model: LlamaForCausalLM | LeadModel  # rank 0 of a tensor-parallel engine: its calls go to every rank
-    arch: LlamaArch
-    tokenizer: Any  # `ServingTokenizer` or a transformers tokenizer; None: token ids only
-    eos_token_ids: frozenset[int]
-    kv_cache: KVCacheTensors
-    device_pool: DevicePool
-    kvm: KVManager
-    host_cache: HostCache | NullHostCache
-    sessions: SessionManager | NullSessions
-    scheduler: Scheduler
-    runner: GraphRunner
-    speculator: EagleSpeculator | NullSpeculator
-
-
 class EngineCore:
     """Continuous-batching engine over one paged KV pool. Not thread-safe: one caller drives `step`.
-    Made by `build_engine` (`engine/build.py`), which builds its parts."""
+    Made by `build_engine` (`engine/build.py`), which builds its parts (`engine/parts.py`)."""
 
     def __init__(self, parts: EngineParts, connector: Callable[[ConnectorPorts], KVConnector] | None = None):
         """`connector`: makes the worker's connector from the ports the engine lends it (None: colocated)."""
@@ -108,6 +80,7 @@ class EngineCore:
         self.connector = connector(ports) if connector is not None else NullConnector()
         self.endings = Endings(self.requests, self.scheduler, self.connector, self.sessions)
         self.structured = StructuredOutputs(self.tokenizer, self.arch.vocab_size, tuple(sorted(self.eos_token_ids)))
+        self._close_hooks: list[Callable[[], None]] = []
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -323,10 +296,19 @@ class EngineCore:
         return tier_stats(self.host_cache, self.scheduler.hit_tokens_l1, self.sessions, self.config.page_size,
                           self.connector.checksum_failures, self.connector.verified_pages)
 
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Run `hook` when the engine closes, after its parts (a tensor-parallel rank 0 stops its ranks)."""
+        self._close_hooks.append(hook)
+
     def close(self) -> None:
-        self.connector.close()
-        self.host_cache.close()
-        self.structured.close()
+        """Close the parts, then run the `on_close` hooks in the order given, even if a part's close raised."""
+        try:
+            self.connector.close()
+            self.host_cache.close()
+            self.structured.close()
+        finally:
+            for hook in self._close_hooks:
+                hook()
 
     # ---- helpers -----------------------------------------------------------------------------------
 

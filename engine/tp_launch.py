@@ -173,16 +173,13 @@ class Ranks:
 
     def stop_with(self, engine: EngineCore) -> None:
         """`engine.close()` (rank 0's engine, built with `control`) also stops the other ranks."""
-        closing = engine.close
+        engine.on_close(self.stop)
 
-        def close() -> None:
-            try:
-                closing()
-            finally:
-                self.control.send(("stop",))
-                self.followers.join()
-                torch.distributed.destroy_process_group()
-        engine.close = close  # type: ignore[method-assign]  # rank 0's close wrapped on purpose: it stops the ranks too
+    def stop(self) -> None:
+        """Tell the other ranks to stop, wait for them, and leave the process group."""
+        self.control.send(("stop",))
+        self.followers.join()
+        torch.distributed.destroy_process_group()
 
 
 def start_ranks(config: EngineConfig, serving: bool = False, role: RankRole | None = None) -> Ranks:

@@ -193,3 +193,21 @@ def test_a_step_with_nothing_to_run_waits_for_a_tier_copy_instead_of_spinning(mo
     while engine.busy():
         engine.step()
     assert_pool_at_rest(engine)
+
+
+def test_close_hooks_run_in_order_after_the_parts_close_even_when_one_raises(monkeypatch):
+    engine = make_engine()
+    closed = []
+    monkeypatch.setattr(engine.host_cache, "close", lambda: closed.append("host cache"))
+
+    def broken_close():
+        closed.append("structured")
+        raise RuntimeError("a part's close raised")
+
+    monkeypatch.setattr(engine.structured, "close", broken_close)
+    engine.on_close(lambda: closed.append("first hook"))
+    engine.on_close(lambda: closed.append("second hook"))
+    with pytest.raises(RuntimeError, match="a part's close raised"):
+        engine.close()
+    assert closed == ["host cache", "structured", "first hook", "second hook"]
+    assert_pool_at_rest(engine)

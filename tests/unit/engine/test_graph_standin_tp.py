@@ -7,6 +7,7 @@ other tokens than transformers' (or leaves the ranks' collectives out of step)."
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import shutil
 
 import pytest
@@ -78,6 +79,7 @@ def test_tp2_decode_replays_of_captured_graphs_give_transformers_tokens(monkeypa
     config = EngineConfig(model=str(tmp_path), tensor_parallel_size=2, page_size=4, num_pages=64, chunk_size=32,
                           debug_kv=True, attention_backend="triton", cuda_graph=True, graph_batch_sizes=(1, 2, 4),
                           max_running_requests=4, max_model_len=64)
+    others = set(mp.active_children())  # any that another test left running
     engine = tp_launch.load_tp_engine(config)
     try:
         runner = engine.runner
@@ -85,5 +87,7 @@ def test_tp2_decode_replays_of_captured_graphs_give_transformers_tokens(monkeypa
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in NEW_TOKENS]
         assert replayed_tokens(engine, prompts, params) == expected
         engine.check_integrity()
+        assert set(mp.active_children()) - others, "rank 1 runs beside rank 0"
     finally:
         engine.close()
+    assert not set(mp.active_children()) - others  # rank 0's close stopped rank 1 and reaped it

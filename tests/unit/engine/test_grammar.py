@@ -336,10 +336,8 @@ def big_schema(num_fields: int) -> dict:
 def test_submit_does_not_block_on_a_slow_compile():
     compiler = make_compiler(max_threads=1)
     spec = GrammarSpec.json_schema(big_schema(200))  # ~0.4 s to compile on one core
-    start = time.perf_counter()
     future = compiler.submit(spec)
-    assert time.perf_counter() - start < 0.1
-    assert not compiler.ready(spec) and compiler.num_compiles == 1
+    assert not compiler.ready(spec) and compiler.num_compiles == 1  # submit returned before the compile ended
     deadline = time.monotonic() + 60
     while not compiler.ready(spec):
         assert time.monotonic() < deadline, "the compile never finished"
